@@ -1,0 +1,33 @@
+"""One exception hierarchy for tokenserve.
+
+Servers map these to HTTP and gRPC status codes in one table; the CLI prints
+their message on one line and exits non-zero.
+"""
+
+
+class TokenserveError(Exception):
+    """Base class of every error tokenserve raises on purpose."""
+
+
+class ConfigError(TokenserveError, ValueError):
+    """A configuration value is invalid."""
+
+
+class UnknownPresetError(ConfigError):
+    """A model preset name is not known."""
+
+
+class ModelNotFoundError(TokenserveError, FileNotFoundError):
+    """A model directory or version does not exist."""
+
+
+class ModelLoadError(TokenserveError):
+    """A model exists but cannot be loaded (corrupt or incompatible)."""
+
+
+class InvalidRequestError(TokenserveError, ValueError):
+    """A request is malformed: bad shape, dtype or parameter."""
+
+
+class PromptTooLongError(InvalidRequestError):
+    """The prompt plus the requested tokens do not fit the model's context."""

@@ -1,0 +1,192 @@
+"""Transformer building blocks, in the order a paper would present them.
+
+Weights are stored in the layout Hugging Face checkpoints use after
+transposing to [in, out], with q/k/v fused into one kernel and SwiGLU's gate
+and up projections fused into one, so a batch-1 decode step reads each
+weight matrix with one matmul.
+"""
+
+from __future__ import annotations
+
+import math
+
+import keras
+import tensorflow as tf
+
+from tokenserve.config import TransformerConfig
+
+_INIT_STD = 0.02  # GPT-2 / Llama initializer range
+
+
+def _normal(std: float = _INIT_STD):
+    return keras.initializers.RandomNormal(stddev=std)
+
+
+class Norm(keras.layers.Layer):
+    """LayerNorm (GPT-2) or RMSNorm (Llama), computed in float32."""
+
+    def __init__(self, kind: str, eps: float, **kwargs):
+        super().__init__(**kwargs)
+        self.kind, self.eps = kind, eps
+
+    def build(self, input_shape):
+        dim = input_shape[-1]
+        self.scale = self.add_weight(name="scale", shape=(dim,), initializer="ones")
+        if self.kind == "layernorm":
+            self.bias = self.add_weight(name="bias", shape=(dim,), initializer="zeros")
+
+    def call(self, x):
+        x32 = tf.cast(x, tf.float32)
+        if self.kind == "layernorm":
+            mean, var = tf.nn.moments(x32, axes=[-1], keepdims=True)
+            y = (x32 - mean) * tf.math.rsqrt(var + self.eps) * self.scale + self.bias
+        else:
+            y = x32 * tf.math.rsqrt(tf.reduce_mean(tf.square(x32), -1, keepdims=True) + self.eps)
+            y = y * self.scale
+        return tf.cast(y, x.dtype)
+
+
+def rope(x, positions, theta: float):
+    """Rotary position embedding, Hugging Face's rotate-half convention.
+
+    x: [B, T, H, Dh]; positions: int32 [B, T].
+    """
+    head_dim = x.shape[-1]
+    inv_freq = 1.0 / (theta ** (tf.range(0, head_dim, 2, dtype=tf.float32) / head_dim))
+    angles = tf.cast(positions, tf.float32)[..., None] * inv_freq  # [B, T, Dh/2]
+    angles = tf.concat([angles, angles], axis=-1)[:, :, None, :]  # [B, T, 1, Dh]
+    cos, sin = tf.cast(tf.cos(angles), x.dtype), tf.cast(tf.sin(angles), x.dtype)
+    x1, x2 = tf.split(x, 2, axis=-1)
+    return x * cos + tf.concat([-x2, x1], axis=-1) * sin
+
+
+def attend(q, k, v, mask):
+    """Grouped-query scaled dot-product attention.
+
+    q: [B, T, H, Dh]; k, v: [B, S, Hkv, Dh]; mask: bool [B, T, S].
+    Returns [B, T, H * Dh].
+    """
+    batch, num_q = tf.shape(q)[0], tf.shape(q)[1]
+    num_heads, head_dim, num_kv = q.shape[2], q.shape[3], k.shape[2]
+    q = tf.reshape(q, [batch, num_q, num_kv, num_heads // num_kv, head_dim])
+    scores = tf.einsum("btkgd,bskd->bkgts", q, k) * (1.0 / math.sqrt(head_dim))
+    scores = tf.cast(scores, tf.float32)
+    scores = tf.where(mask[:, None, None, :, :], scores, tf.float32.min)
+    probs = tf.cast(tf.nn.softmax(scores, axis=-1), v.dtype)
+    out = tf.einsum("bkgts,bskd->btkgd", probs, v)
+    return tf.reshape(out, [batch, num_q, num_heads * head_dim])
+
+
+class Dense(keras.layers.Layer):
+    """x @ kernel (+ bias); kernel is [in, out]."""
+
+    def __init__(self, units: int, use_bias: bool, std: float = _INIT_STD, **kwargs):
+        super().__init__(**kwargs)
+        self.units, self.use_bias, self.std = units, use_bias, std
+
+    def build(self, input_shape):
+        self.kernel = self.add_weight(name="kernel", shape=(input_shape[-1], self.units),
+                                      initializer=_normal(self.std))
+        if self.use_bias:
+            self.bias = self.add_weight(name="bias", shape=(self.units,), initializer="zeros")
+
+    def call(self, x):
+        y = tf.matmul(x, tf.cast(self.kernel, x.dtype))
+        return y + tf.cast(self.bias, x.dtype) if self.use_bias else y
+
+
+class Attention(keras.layers.Layer):
+    """Multi-head / grouped-query self-attention with an optional KV cache."""
+
+    def __init__(self, config: TransformerConfig, **kwargs):
+        super().__init__(**kwargs)
+        self.config = config
+        c = config
+        self.qkv = Dense((c.num_heads + 2 * c.num_kv_heads) * c.head_dim, c.qkv_bias, name="qkv")
+        out_std = _INIT_STD / math.sqrt(2 * c.num_layers)  # GPT-2's scaled residual init
+        self.out = Dense(c.hidden_size, c.out_bias, std=out_std, name="out")
+
+    def _project(self, x, positions):
+        c = self.config
+        batch, length = tf.shape(x)[0], tf.shape(x)[1]
+        qkv = self.qkv(x)
+        q, k, v = tf.split(qkv, [c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim,
+                                 c.num_kv_heads * c.head_dim], axis=-1)
+        q = tf.reshape(q, [batch, length, c.num_heads, c.head_dim])
+        k = tf.reshape(k, [batch, length, c.num_kv_heads, c.head_dim])
+        v = tf.reshape(v, [batch, length, c.num_kv_heads, c.head_dim])
+        if c.position == "rope":
+            q, k = rope(q, positions, c.rope_theta), rope(k, positions, c.rope_theta)
+        return q, k, v
+
+    def call(self, x, positions, mask):
+        """Full forward: x [B, T, D] attends to itself under `mask` [B, T, T]."""
+        q, k, v = self._project(x, positions)
+        return self.out(attend(q, k, v, mask))
+
+    def call_cached(self, x, positions, mask, cache):
+        """Writes this chunk's K/V into `cache` and attends over the whole cache.
+
+        cache: [2, B, L, Hkv, Dh] (this layer's); positions: [B, T]; mask: [B, T, L].
+        The write is a scatter of B*T rows, so its cost grows with new tokens;
+        the rows must be in range (positions < L), which callers guarantee.
+        """
+        q, k, v = self._project(x, positions)
+        batch, length = tf.shape(x)[0], tf.shape(x)[1]
+        rows = tf.broadcast_to(tf.range(batch)[:, None], [batch, length])
+        index = tf.stack([tf.zeros_like(rows), rows, positions], axis=-1)  # [B, T, 3]
+        index = tf.concat([index, index + tf.constant([1, 0, 0])], axis=0)  # k rows, then v rows
+        cache = tf.tensor_scatter_nd_update(cache, index,
+                                            tf.cast(tf.concat([k, v], axis=0), cache.dtype))
+        keys, values = tf.cast(cache[0], q.dtype), tf.cast(cache[1], q.dtype)  # [B, L, Hkv, Dh]
+        return self.out(attend(q, keys, values, mask)), cache
+
+
+class MLP(keras.layers.Layer):
+    """GPT-2's GELU MLP or Llama's SwiGLU."""
+
+    def __init__(self, config: TransformerConfig, **kwargs):
+        super().__init__(**kwargs)
+        c = config
+        self.kind = c.mlp
+        width = 2 * c.intermediate_size if c.mlp == "swiglu" else c.intermediate_size
+        self.up = Dense(width, c.mlp_bias, name="up")
+        self.down = Dense(c.hidden_size, c.mlp_bias, std=_INIT_STD / math.sqrt(2 * c.num_layers),
+                          name="down")
+
+    def call(self, x):
+        h = self.up(x)
+        if self.kind == "swiglu":
+            gate, up = tf.split(h, 2, axis=-1)
+            h = tf.nn.silu(gate) * up
+        else:
+            h = tf.nn.gelu(h, approximate=True)
+        return self.down(h)
+
+
+class Block(keras.layers.Layer):
+    """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, config: TransformerConfig, **kwargs):
+        super().__init__(**kwargs)
+        self.attn_norm = Norm(config.norm, config.norm_eps, name="attn_norm")
+        self.attn = Attention(config, name="attn")
+        self.mlp_norm = Norm(config.norm, config.norm_eps, name="mlp_norm")
+        self.mlp = MLP(config, name="mlp")
+
+    def build(self, input_shape):
+        self.attn_norm.build(input_shape)
+        self.attn.qkv.build(input_shape)
+        self.attn.out.build(input_shape)
+        self.mlp_norm.build(input_shape)
+        self.mlp.up.build(input_shape)
+        self.mlp.down.build((None, None, self.mlp.up.units // (2 if self.mlp.kind == "swiglu" else 1)))
+
+    def call(self, x, positions, mask):
+        x = x + self.attn(self.attn_norm(x), positions, mask)
+        return x + self.mlp(self.mlp_norm(x))
+
+    def call_cached(self, x, positions, mask, cache):
+        h, cache = self.attn.call_cached(self.attn_norm(x), positions, mask, cache)
+        x = x + h
+        return x + self.mlp(self.mlp_norm(x)), cache

@@ -1,0 +1,106 @@
+"""Stacked-LSTM language model; its decoder state is (h, c) per layer."""
+
+from __future__ import annotations
+
+import keras
+import tensorflow as tf
+
+from tokenserve.config import LSTMConfig
+from tokenserve.model.base import DecoderLM
+from tokenserve.model.layers import _normal
+
+
+class LSTMLM(DecoderLM):
+    """Embedding, `num_layers` LSTM layers, LM head tied to the embedding.
+
+    State: float [num_layers, 2, B, hidden] (2 = h, c). It has no length axis,
+    so `max_len` only bounds positions; the state costs the same at any length.
+    """
+
+    def __init__(self, config: LSTMConfig, **kwargs):
+        kwargs.setdefault("name", "lstm")
+        super().__init__(**kwargs)
+        self.config = config
+
+    def build(self, input_shape=None):
+        c = self.config
+        self.token_embedding = self.add_weight(name="token_embedding",
+                                               shape=(c.vocab_size, c.hidden_size),
+                                               initializer=_normal())
+        self.kernels, self.biases = [], []
+        for i in range(c.num_layers):
+            # gates i, f, g, o from concat(x, h): [2 * hidden, 4 * hidden]
+            self.kernels.append(self.add_weight(
+                name=f"lstm_{i}_kernel", shape=(2 * c.hidden_size, 4 * c.hidden_size),
+                initializer=keras.initializers.GlorotUniform()))
+            bias = [0.0] * c.hidden_size + [1.0] * c.hidden_size + [0.0] * (2 * c.hidden_size)
+            self.biases.append(self.add_weight(  # forget-gate bias 1 (Jozefowicz et al.)
+                name=f"lstm_{i}_bias", shape=(4 * c.hidden_size,),
+                initializer=keras.initializers.Constant(bias)))
+        if not c.tie_embeddings:
+            self.head_kernel = self.add_weight(name="head_kernel",
+                                               shape=(c.hidden_size, c.vocab_size),
+                                               initializer=_normal())
+        self.built = True
+
+    def state_shape(self, batch_size, max_len) -> list:
+        return [self.config.num_layers, 2, batch_size, self.config.hidden_size]
+
+    def _cell(self, x, h, c, layer: int):
+        gates = tf.matmul(tf.concat([x, h], -1), tf.cast(self.kernels[layer], x.dtype))
+        gates += tf.cast(self.biases[layer], x.dtype)
+        i, f, g, o = tf.split(gates, 4, axis=-1)
+        c = tf.sigmoid(f) * c + tf.sigmoid(i) * tf.tanh(g)
+        return tf.sigmoid(o) * tf.tanh(c), c
+
+    def _run(self, token_ids, state, num_tokens):
+        """Runs the stack over T steps; rows stop updating after num_tokens."""
+        x = tf.gather(tf.cast(self.token_embedding, self.compute_dtype), token_ids)
+        length = tf.shape(token_ids)[1]
+        live = tf.range(length)[:, None] < num_tokens[None, :]  # [T, B]
+
+        def one_step(carry, inputs):
+            layer_state, _ = carry  # layer_state: [num_layers, 2, B, H]
+            x_t, live_t = inputs
+            new_layers = []
+            for layer in range(self.config.num_layers):
+                h, c = self._cell(x_t, layer_state[layer, 0], layer_state[layer, 1], layer)
+                new_layers.append(tf.stack([h, c]))
+                x_t = h
+            new_state = tf.where(live_t[None, None, :, None], tf.stack(new_layers), layer_state)
+            return new_state, x_t
+
+        initial = (state, tf.zeros_like(state[0, 0]))
+        states, outputs = tf.scan(one_step, (tf.transpose(x, [1, 0, 2]), live), initial)
+        return states[-1], tf.transpose(outputs, [1, 0, 2])  # [B, T, H]
+
+    def _logits(self, hidden):
+        if self.config.tie_embeddings:
+            kernel = tf.transpose(tf.cast(self.token_embedding, hidden.dtype))
+        else:
+            kernel = tf.cast(self.head_kernel, hidden.dtype)
+        return tf.cast(tf.matmul(hidden, kernel), tf.float32)
+
+    def call(self, token_ids):
+        """Full forward pass: int32 [B, T] -> float32 logits [B, T, vocab]."""
+        token_ids = tf.cast(token_ids, tf.int32)
+        batch, length = tf.shape(token_ids)[0], tf.shape(token_ids)[1]
+        state = self.init_state(batch, 0)
+        _, hidden = self._run(token_ids, state, tf.fill([batch], length))
+        return self._logits(hidden)
+
+    def step(self, token_ids, state, positions, num_tokens=None):
+        token_ids = tf.cast(token_ids, tf.int32)
+        num_tokens = self._num_tokens(token_ids, num_tokens)
+        state, hidden = self._run(token_ids, tf.cast(state, self.compute_dtype), num_tokens)
+        return self._logits(self._gather_last(hidden, num_tokens)), state
+
+    def split_state(self, state) -> list:
+        return [state]
+
+    def join_state(self, layer_states) -> tf.Tensor:
+        return layer_states[0]
+
+    def step_layers(self, token_ids, layer_states, positions, num_tokens=None):
+        logits, state = self.step(token_ids, layer_states[0], positions, num_tokens)
+        return logits, [state]

@@ -1,0 +1,101 @@
+"""Decoder-only Transformer: GPT-2 and the Llama family from one config."""
+
+from __future__ import annotations
+
+import keras
+import tensorflow as tf
+
+from tokenserve.config import TransformerConfig
+from tokenserve.model.base import DecoderLM
+from tokenserve.model.layers import Block, Dense, Norm, _normal
+
+
+class TransformerLM(DecoderLM):
+    """Token embedding, `num_layers` pre-norm blocks, final norm, LM head.
+
+    State: the KV cache, float [num_layers, 2, B, L, Hkv, Dh] (2 = keys, values).
+    """
+
+    def __init__(self, config: TransformerConfig, **kwargs):
+        kwargs.setdefault("name", "transformer")
+        super().__init__(**kwargs)
+        self.config = config
+        self.blocks = [Block(config, name=f"block_{i}") for i in range(config.num_layers)]
+        self.final_norm = Norm(config.norm, config.norm_eps, name="final_norm")
+        self.head = None if config.tie_embeddings else Dense(config.vocab_size, False, name="head")
+
+    def build(self, input_shape=None):
+        c = self.config
+        self.token_embedding = self.add_weight(name="token_embedding",
+                                               shape=(c.vocab_size, c.hidden_size),
+                                               initializer=_normal())
+        if c.position == "learned":
+            self.position_embedding = self.add_weight(name="position_embedding",
+                                                      shape=(c.max_seq_len, c.hidden_size),
+                                                      initializer=_normal(0.01))
+        hidden_shape = (None, None, c.hidden_size)
+        for block in self.blocks:
+            block.build(hidden_shape)
+        self.final_norm.build(hidden_shape)
+        if self.head is not None:
+            self.head.build(hidden_shape)
+        self.built = True
+
+    def _embed(self, token_ids, positions):
+        x = tf.gather(tf.cast(self.token_embedding, self.compute_dtype), token_ids)
+        if self.config.position == "learned":
+            x += tf.gather(tf.cast(self.position_embedding, self.compute_dtype), positions)
+        return x
+
+    def _logits(self, hidden):
+        hidden = self.final_norm(hidden)
+        if self.head is None:
+            logits = tf.matmul(hidden, tf.cast(self.token_embedding, hidden.dtype),
+                               transpose_b=True)
+        else:
+            logits = self.head(hidden)
+        return tf.cast(logits, tf.float32)
+
+    def call(self, token_ids):
+        """Full forward pass: int32 [B, T] -> float32 logits [B, T, vocab]."""
+        token_ids = tf.cast(token_ids, tf.int32)
+        batch, length = tf.shape(token_ids)[0], tf.shape(token_ids)[1]
+        positions = tf.broadcast_to(tf.range(length)[None, :], [batch, length])
+        causal = tf.range(length)[None, :] <= tf.range(length)[:, None]  # [T, T]
+        mask = tf.broadcast_to(causal[None], [batch, length, length])
+        x = self._embed(token_ids, positions)
+        for block in self.blocks:
+            x = block(x, positions, mask)
+        return self._logits(x)
+
+    def state_shape(self, batch_size, max_len) -> list:
+        c = self.config
+        return [c.num_layers, 2, batch_size, max_len, c.num_kv_heads, c.head_dim]
+
+    def split_state(self, state) -> list:
+        """[num_layers, ...] -> a list of per-layer [2, B, L, Hkv, Dh] caches."""
+        return tf.unstack(state, num=self.config.num_layers, axis=0)
+
+    def join_state(self, layer_states) -> tf.Tensor:
+        return tf.stack(layer_states, axis=0)
+
+    def step(self, token_ids, state, positions, num_tokens=None):
+        logits, layer_states = self.step_layers(token_ids, self.split_state(state), positions,
+                                                num_tokens)
+        return logits, self.join_state(layer_states)
+
+    def step_layers(self, token_ids, layer_states, positions, num_tokens=None):
+        """`step` on per-layer caches, so a loop can carry them without restacking."""
+        token_ids = tf.cast(token_ids, tf.int32)
+        num_tokens = self._num_tokens(token_ids, num_tokens)
+        length = tf.shape(token_ids)[1]
+        cache_len = tf.shape(layer_states[0])[2]
+        token_positions = tf.cast(positions, tf.int32)[:, None] + tf.range(length)[None, :]
+        # key j is visible to the query at position p when j <= p: [B, T, L]
+        mask = tf.range(cache_len)[None, None, :] <= token_positions[:, :, None]
+        x = self._embed(token_ids, token_positions)
+        new_states = []
+        for block, cache in zip(self.blocks, layer_states):
+            x, cache = block.call_cached(x, token_positions, mask, cache)
+            new_states.append(cache)
+        return self._logits(self._gather_last(x, num_tokens)), new_states

@@ -1,0 +1,1 @@
+"""Training the built-in models (`tokenserve train`)."""
