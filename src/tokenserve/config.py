@@ -173,7 +173,8 @@ class GenerationConfig:
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> "GenerationConfig":
-        values = {k: v for k, v in values.items() if k not in ("family", "max_seq_len")}
+        derived = ("family", "max_seq_len", "jit_compile", "cache_buckets")  # written by export
+        values = {k: v for k, v in values.items() if k not in derived}
         values["model"] = model_config_from_dict(values["model"])
         return cls(**values)
 

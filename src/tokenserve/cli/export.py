@@ -1,2 +1,37 @@
-def add_parser(commands):
-    pass
+"""`tokenserve export [SOURCE] --output BASE_PATH`."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_parser(commands) -> None:
+    p = commands.add_parser(
+        "export", help="export a model as a versioned SavedModel",
+        description="Writes BASE_PATH/<next version>/ (SavedModel + assets + warmup requests). "
+                    "SOURCE is builtin (default), builtin-lstm, a preset name (random weights) "
+                    "or a checkpoint .json written by `tokenserve train`.")
+    p.add_argument("source", nargs="?", default=None, help="what to export (default: builtin)")
+    p.add_argument("--output", required=True, help="model base path; versions go beneath it")
+    p.add_argument("--version", type=int, default=None, help="version number (default: next)")
+    p.add_argument("--no-xla", dest="xla", action="store_false",
+                   help="compile step and generate functions without XLA")
+    p.add_argument("--seed", type=int, default=0, help="weight seed for presets")
+    p.add_argument("--model-name", default=None, help="model name in warmup requests")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import time
+
+    from tokenserve.export.exporter import export_model
+    from tokenserve.model.checkpoint import load_source
+
+    started = time.perf_counter()
+    model, tokenizer, config = load_source(args.source, seed=args.seed)
+    path = export_model(model, tokenizer, config, args.output, jit_compile=args.xla,
+                        version=args.version, model_name=args.model_name)
+    print(f"exported {config.name} ({config.model.family}, "
+          f"{sum(w.numpy().size for w in model.weights):,} parameters, "
+          f"xla={'on' if args.xla else 'off'}) to {path} in {time.perf_counter() - started:.1f}s")
+    return 0

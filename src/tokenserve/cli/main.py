@@ -10,9 +10,26 @@ from tokenserve.errors import TokenserveError
 
 
 def _quiet_tensorflow() -> None:
-    # TF logs its C++ start-up chatter unless told otherwise before it is imported.
+    """Imports TensorFlow with its C++ start-up chatter muted.
+
+    TF 2.21 logs through absl before any log level applies (oneDNN and CUDA
+    notices on every start), so stderr's file descriptor is pointed at
+    /dev/null while TF loads and finds its devices; Python errors still show.
+    """
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
+    sys.stderr.flush()
+    saved = os.dup(2)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 2)
+        import tensorflow as tf
+
+        tf.config.list_physical_devices()
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -44,6 +44,18 @@ class DecoderLM(keras.Model, abc.ABC):
             (logits [B, vocab] at each row's last real token, new state).
         """
 
+    def split_state(self, state) -> list:
+        """The state as a list of per-layer pieces, which a loop can carry cheaply."""
+        return [state]
+
+    def join_state(self, layer_states) -> tf.Tensor:
+        return layer_states[0]
+
+    def step_layers(self, token_ids, layer_states, positions, num_tokens=None):
+        """`step` on `split_state` pieces; returns (logits, new pieces)."""
+        logits, state = self.step(token_ids, self.join_state(layer_states), positions, num_tokens)
+        return logits, self.split_state(state)
+
     @staticmethod
     def _num_tokens(token_ids, num_tokens):
         if num_tokens is None:

@@ -94,13 +94,3 @@ class LSTMLM(DecoderLM):
         num_tokens = self._num_tokens(token_ids, num_tokens)
         state, hidden = self._run(token_ids, tf.cast(state, self.compute_dtype), num_tokens)
         return self._logits(self._gather_last(hidden, num_tokens)), state
-
-    def split_state(self, state) -> list:
-        return [state]
-
-    def join_state(self, layer_states) -> tf.Tensor:
-        return layer_states[0]
-
-    def step_layers(self, token_ids, layer_states, positions, num_tokens=None):
-        logits, state = self.step(token_ids, layer_states[0], positions, num_tokens)
-        return logits, [state]

@@ -1,0 +1,5 @@
+import sys
+
+from tokenserve.cli.main import main
+
+sys.exit(main())

@@ -1,0 +1,46 @@
+"""Shared fixtures: tiny models built by our own code, with their own tiny tokenizer."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+import pytest  # noqa: E402
+
+from tokenserve.config import GenerationConfig, preset  # noqa: E402
+
+TINY_TEXT = [
+    "def add(a, b):\n    return a + b\n",
+    "class Point:\n    def __init__(self, x, y):\n        self.x = x\n        self.y = y\n",
+    "for item in items:\n    if item is None:\n        continue\n    print(item)\n",
+    "import os\nimport sys\n\nPATH = os.path.join('a', 'b')  # ünïcödé ✓\n",
+] * 20
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    from tokenserve.model.tokenizer import Tokenizer
+
+    return Tokenizer.train(TINY_TEXT, vocab_size=400)
+
+
+def tiny(name: str, tokenizer, seed: int = 0):
+    """(model, generation config) for a tiny preset, with random weights."""
+    from tokenserve.model import build_model
+
+    architecture = preset(name)
+    config = GenerationConfig(model=architecture, bos_token_id=tokenizer.bos_token_id,
+                              eos_token_id=tokenizer.eos_token_id,
+                              pad_token_id=tokenizer.pad_token_id, name=name)
+    return build_model(architecture, seed=seed), config
+
+
+@pytest.fixture(scope="session", params=["tiny-gpt2", "tiny-llama", "tiny-lstm"])
+def exported(request, tokenizer, tmp_path_factory):
+    """(in-memory model, config, version dir) for each family, exported with XLA."""
+    from tokenserve.export.exporter import export_model
+
+    model, config = tiny(request.param, tokenizer)
+    base = tmp_path_factory.mktemp(request.param)
+    return model, config, export_model(model, tokenizer, config, base)

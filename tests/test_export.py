@@ -1,0 +1,188 @@
+"""Export round trip: the SavedModel generates what the in-memory model generates."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tokenserve.export.exporter import export_model
+from tokenserve.export.loader import ExportedModel
+from tokenserve.export.module import GenerationModule
+from tokenserve.export.warmup import read_warmup
+from tokenserve.sampling import SamplingParams
+from tests.conftest import tiny
+
+PROMPT = [11, 12, 13, 14, 15, 16, 17, 18]
+SIGNATURES = ["serving_default", "generate", "init_state", "prefill", "decode"]
+
+
+def greedy_reference(model, prompt, steps, eos):
+    """The research-script loop: full forward pass each step, no cache."""
+    ids, out = list(prompt), []
+    for _ in range(steps):
+        token = int(np.argmax(model(np.array([ids], np.int32)).numpy()[0, -1]))
+        out.append(token)
+        ids.append(token)
+        if token == eos:
+            break
+    return out
+
+
+def call_generate(signature, ids, max_new, temperature=0.0, top_k=0, top_p=1.0, seed=0):
+    result = signature(input_ids=tf.constant(ids, tf.int32),
+                       max_new_tokens=tf.constant(max_new), temperature=tf.constant(temperature),
+                       top_k=tf.constant(top_k), top_p=tf.constant(top_p), seed=tf.constant(seed))
+    return result["output_ids"].numpy(), result["num_generated"].numpy()
+
+
+def test_greedy_64_steps_match_in_memory_model(exported):
+    model, config, path = exported
+    expected = greedy_reference(model, PROMPT, 64, config.eos_token_id)
+    assert len(expected) == 64, "pick a prompt that does not hit eos for this seed"
+    generate = tf.saved_model.load(str(path)).signatures["generate"]
+    output, num = call_generate(generate, [PROMPT], 64)
+    assert num.tolist() == [64]
+    assert output[0].tolist() == expected
+    streamed = list(ExportedModel(path).stream(PROMPT, SamplingParams(max_tokens=64)))
+    assert streamed == expected
+
+
+def test_batched_generate_with_ragged_prompts_matches_single_rows(exported):
+    _, config, path = exported
+    generate = tf.saved_model.load(str(path)).signatures["generate"]
+    short = PROMPT[:3]
+    batch = [PROMPT, short + [config.pad_token_id] * (len(PROMPT) - 3)]
+    output, _ = call_generate(generate, batch, 20)
+    assert output[0].tolist() == call_generate(generate, [PROMPT], 20)[0][0].tolist()
+    assert output[1].tolist() == call_generate(generate, [short], 20)[0][0].tolist()
+
+
+def test_serving_default_predicts_the_greedy_next_token(exported):
+    model, config, path = exported
+    predict = tf.saved_model.load(str(path)).signatures["serving_default"]
+    got = predict(input_ids=tf.constant([PROMPT], tf.int32))["predicted_id"].numpy()
+    assert got.dtype == np.int32 and got.shape == (1,)
+    assert got[0] == greedy_reference(model, PROMPT, 1, config.eos_token_id)[0]
+
+
+def test_sampling_is_reproducible_from_seed(exported):
+    _, _, path = exported
+    generate = tf.saved_model.load(str(path)).signatures["generate"]
+    first = call_generate(generate, [PROMPT], 24, temperature=1.0, top_k=50, top_p=0.95, seed=7)
+    again = call_generate(generate, [PROMPT], 24, temperature=1.0, top_k=50, top_p=0.95, seed=7)
+    other = call_generate(generate, [PROMPT], 24, temperature=1.0, top_k=50, top_p=0.95, seed=8)
+    assert first[0].tolist() == again[0].tolist()
+    assert first[0].tolist() != other[0].tolist()
+    top1 = call_generate(generate, [PROMPT], 24, temperature=1.0, top_k=1, seed=3)
+    assert top1[0].tolist() == call_generate(generate, [PROMPT], 24)[0].tolist()
+
+
+def test_loads_and_runs_with_plain_tensorflow(exported):
+    _, _, path = exported
+    script = f"""
+import json, sys
+import tensorflow as tf
+m = tf.saved_model.load({str(path)!r})
+out = m.signatures["generate"](input_ids=tf.constant([{PROMPT}], tf.int32),
+    max_new_tokens=tf.constant(16), temperature=tf.constant(0.0), top_k=tf.constant(0),
+    top_p=tf.constant(1.0), seed=tf.constant(0))
+assert not any(name.startswith("tokenserve") for name in sys.modules), "imported tokenserve"
+print(json.dumps(out["output_ids"].numpy().tolist()))
+"""
+    env = dict(os.environ, PYTHONPATH="", TF_CPP_MIN_LOG_LEVEL="3")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                            env=env, cwd="/", timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    generate = tf.saved_model.load(str(path)).signatures["generate"]
+    assert json.loads(result.stdout.strip().splitlines()[-1]) == \
+        call_generate(generate, [PROMPT], 16)[0].tolist()
+
+
+def test_saved_model_cli_lists_every_signature(exported):
+    _, _, path = exported
+    cli = Path(sys.executable).parent / "saved_model_cli"
+    result = subprocess.run([str(cli), "show", "--dir", str(path), "--all"], capture_output=True,
+                            text=True, timeout=300, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"))
+    assert result.returncode == 0, result.stderr[-2000:]
+    for name in SIGNATURES:
+        assert f"signature_def['{name}']" in result.stdout
+    assert "inputs['input_ids'] tensor_info:\n        dtype: DT_INT32\n        shape: (-1, -1)" \
+        in result.stdout
+    assert "outputs['predicted_id'] tensor_info:\n        dtype: DT_INT32\n        shape: (-1)" \
+        in result.stdout
+
+
+def test_wrong_dtype_shape_and_length_fail_clearly(exported):
+    _, config, path = exported
+    signatures = tf.saved_model.load(str(path)).signatures
+    predict = signatures["serving_default"]
+    with pytest.raises((TypeError, ValueError, tf.errors.InvalidArgumentError), match="int32"):
+        predict(input_ids=tf.constant([[1.5, 2.5]], tf.float32))
+    with pytest.raises(tf.errors.InvalidArgumentError,
+                       match=r"input_ids \[3\] is not compatible with expected shape \[\?,\?\]"):
+        predict(input_ids=tf.constant([1, 2, 3], tf.int32))
+    with pytest.raises(tf.errors.InvalidArgumentError, match="token_ids .* not compatible"):
+        signatures["decode"](token_ids=tf.constant([[1, 2]], tf.int32),
+                             positions=tf.constant([0], tf.int32),
+                             state=signatures["init_state"](batch_size=tf.constant(1),
+                                                            max_len=tf.constant(16))["state"])
+    too_long = tf.ones([1, config.max_seq_len + 1], tf.int32)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="context length"):
+        predict(input_ids=too_long)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="context length"):
+        call_generate(signatures["generate"], [PROMPT], config.max_seq_len)
+
+
+def test_assets_and_versions(exported, tokenizer, tmp_path):
+    model, config, path = exported
+    assets = path / "assets"
+    generation = json.loads((assets / "generation_config.json").read_text())
+    assert generation["family"] == config.model.family
+    assert generation["eos_token_id"] == tokenizer.eos_token_id
+    assert generation["max_seq_len"] == config.max_seq_len
+    assert generation["model"]["vocab_size"] == config.model.vocab_size
+    assert "chat_template" in generation
+    assert (assets / "tokenizer.json").exists()
+    assert [export_model(model, tokenizer, config, tmp_path, jit_compile=False).name
+            for _ in range(2)] == ["1", "2"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["1", "2"]  # no staging left behind
+
+
+def test_warmup_file_holds_prediction_logs_that_replay(exported):
+    _, config, path = exported
+    records = read_warmup(path / "assets.extra" / "tf_serving_warmup_requests")
+    assert 1 <= len(records) <= 1000
+    signatures = tf.saved_model.load(str(path)).signatures
+    for record in records:
+        request = record.predict_log.request
+        assert request.model_spec.name == config.name
+        inputs = {k: tf.make_ndarray(v) for k, v in request.inputs.items()}
+        outputs = signatures[request.model_spec.signature_name](**inputs)
+        assert outputs
+    assert {r.predict_log.request.model_spec.signature_name for r in records} == \
+        {"serving_default", "generate"}
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-lstm"])
+def test_repeated_calls_do_not_retrace(name, tokenizer):
+    model, config = tiny(name, tokenizer)
+    module = GenerationModule(model, config, jit_compile=True)
+    for length, batch in [(3, 1), (9, 2), (17, 1)]:
+        ids = tf.fill([batch, length], 5)
+        module.serving_default(ids)
+        module.generate(ids, tf.constant(4), tf.constant(0.0), tf.constant(0), tf.constant(1.0),
+                        tf.constant(length))
+        state = module.init_state(tf.constant(batch), tf.constant(32))["state"]
+        out = module.prefill(ids, tf.zeros([batch], tf.int32), tf.fill([batch], length), state)
+        for position in (length, length + 1):
+            out = module.decode(tf.fill([batch, 1], 6), tf.fill([batch], position), out["state"])
+    for function in (module.serving_default, module.generate, module.init_state, module.prefill,
+                     module.decode, module._step, *module._loops):
+        assert function.experimental_get_tracing_count() <= 1
+    assert module.generate.experimental_get_tracing_count() == 1
+    assert module.decode.experimental_get_tracing_count() == 1
