@@ -11,6 +11,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import sys
 from pathlib import Path
 
 from tokenserve.config import PRESETS, GenerationConfig, preset
@@ -90,6 +91,8 @@ def builtin_export(source: str = DEFAULT_SOURCE) -> Path:
     cache_root = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
     base = cache_root / "tokenserve" / f"builtin-{family}-{digest[:12]}"
     if not version_dirs(base):
+        print(f"exporting the built-in {family} model to {base} (first run only)",
+              file=sys.stderr)
         model, tokenizer, config = load_source(source)
         export_model(model, tokenizer, config, base)
     return base

@@ -105,9 +105,15 @@ class Trainer:
             variable.assign(saved[f"arr_{i}"])
         return state["step"], state["seconds"]
 
-    def fit(self, stream: np.ndarray, holdout: np.ndarray, label: str = "train") -> TrainResult:
-        """Trains to `config.num_steps`, resuming from the checkpoint if there is one."""
+    def fit(self, stream: np.ndarray, holdout: np.ndarray, label: str = "train",
+            stop_at: int | None = None) -> TrainResult | None:
+        """Trains to `config.num_steps`, resuming from the checkpoint if there is one.
+
+        `stop_at` ends this run early at that step (after a checkpoint), as an
+        interruption would; it returns None then, and the next `fit` resumes.
+        """
         c = self.config
+        stop_at = min(stop_at or c.num_steps, c.num_steps)
         start, seconds = self._restore()
         if start:
             print(f"resuming {label} from step {start}")
@@ -115,13 +121,15 @@ class Trainer:
         began = time.perf_counter() - seconds
         with tqdm(total=c.num_steps, initial=start, desc=label, unit="step",
                   dynamic_ncols=True) as progress:
-            for step in range(start, c.num_steps):
+            for step in range(start, stop_at):
                 inputs, targets = batch_at(stream, step, c.seed, c.batch_size, c.seq_len)
                 loss = float(self._train_step(inputs, targets))
                 progress.update(1)
                 progress.set_postfix(loss=f"{loss:.3f}")
-                if (step + 1) % c.checkpoint_every == 0 or step + 1 == c.num_steps:
+                if (step + 1) % c.checkpoint_every == 0 or step + 1 in (stop_at, c.num_steps):
                     self._save(step + 1, time.perf_counter() - began)
         seconds = time.perf_counter() - began
+        if stop_at < c.num_steps:
+            return None
         windows = holdout_windows(holdout, c.seq_len, c.eval_batches * c.batch_size)
         return TrainResult(c.num_steps, seconds, perplexity(self.model, windows), loss)

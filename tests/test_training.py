@@ -1,0 +1,60 @@
+"""Training is reproducible from its seed and resumes exactly where it stopped."""
+
+import numpy as np
+
+from tokenserve.config import TrainConfig, preset
+from tokenserve.model import build_model
+from tokenserve.train.corpus import is_holdout, stdlib_files, token_stream
+from tokenserve.train.trainer import Trainer, batch_at
+from tests.conftest import TINY_TEXT
+
+CONFIG = TrainConfig(seed=3, seq_len=16, batch_size=2, num_steps=6, warmup_steps=2,
+                     checkpoint_every=100, precision="fp32", eval_batches=2)
+
+
+def train(tokenizer, checkpoints, stops=()):
+    stream = token_stream(TINY_TEXT, tokenizer)
+    result = None
+    for stop in [*stops, None]:
+        model = build_model(preset("tiny-llama"), seed=CONFIG.seed)
+        result = Trainer(model, CONFIG, checkpoints).fit(stream, stream[:200], stop_at=stop)
+    return model, result
+
+
+def test_interrupted_and_resumed_run_equals_uninterrupted_run(tokenizer, tmp_path):
+    straight, result = train(tokenizer, tmp_path / "a")
+    resumed, _ = train(tokenizer, tmp_path / "b", stops=[2, 4])
+    for a, b in zip(straight.weights, resumed.weights):
+        np.testing.assert_array_equal(a.numpy(), b.numpy(), err_msg=a.path)
+    assert result.steps == 6 and np.isfinite(result.holdout_perplexity)
+
+
+def test_same_seed_same_weights_other_seed_other_weights(tokenizer, tmp_path):
+    first, _ = train(tokenizer, tmp_path / "a")
+    second, _ = train(tokenizer, tmp_path / "b")
+    np.testing.assert_array_equal(first.weights[0].numpy(), second.weights[0].numpy())
+    assert not np.array_equal(batch_at(np.arange(1000), 0, 1, 2, 16)[0],
+                              batch_at(np.arange(1000), 0, 2, 2, 16)[0])
+
+
+def test_loss_goes_down(tokenizer, tmp_path):
+    stream = token_stream(TINY_TEXT, tokenizer)
+    model = build_model(preset("tiny-llama"), seed=0)
+    config = TrainConfig(seed=0, seq_len=32, batch_size=4, num_steps=40, warmup_steps=4,
+                         learning_rate=3e-3, precision="fp32", checkpoint_every=100,
+                         eval_batches=1)
+    before = Trainer(model, config, tmp_path / "x")
+    from tokenserve.train.trainer import holdout_windows, perplexity
+    windows = holdout_windows(stream, 32, 4)
+    start = perplexity(model, windows)
+    before.fit(stream, stream)
+    assert perplexity(model, windows) < start / 4
+
+
+def test_corpus_is_the_stdlib_with_a_stable_holdout():
+    files = stdlib_files()
+    assert any(f.name == "json" or f.parent.name == "json" for f in files)
+    assert not any("site-packages" in f.parts or "test" in f.parts for f in files)
+    assert files == sorted(files)
+    held = [f for f in files if is_holdout(f.name, 0.05)]
+    assert 0 < len(held) < len(files) / 5
