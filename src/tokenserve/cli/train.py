@@ -19,6 +19,7 @@ def add_parser(commands) -> None:
                    help="checkpoint folder; an existing one is resumed")
     p.add_argument("--steps", type=int, default=defaults.num_steps, help="Transformer steps")
     p.add_argument("--lstm-steps", type=int, default=1000, help="LSTM steps")
+    p.add_argument("--lstm-learning-rate", type=float, default=3e-3)
     p.add_argument("--batch-size", type=int, default=defaults.batch_size)
     p.add_argument("--seq-len", type=int, default=defaults.seq_len)
     p.add_argument("--learning-rate", type=float, default=defaults.learning_rate)
@@ -37,5 +38,6 @@ def run(args: argparse.Namespace) -> int:
                          batch_size=args.batch_size, num_steps=args.steps,
                          learning_rate=args.learning_rate, precision=args.precision)
     families = ("transformer", "lstm") if args.family == "both" else (args.family,)
-    train_builtin(args.output, args.checkpoints, config, args.lstm_steps, families)
+    train_builtin(args.output, args.checkpoints, config, args.lstm_steps,
+                  args.lstm_learning_rate, families)
     return 0

@@ -11,7 +11,7 @@ from tokenserve.model.layers import _normal
 
 
 class LSTMLM(DecoderLM):
-    """Embedding, `num_layers` LSTM layers, LM head tied to the embedding.
+    """Embedding, `num_layers` LSTM layers, LM head (tied to the embedding or not) plus bias.
 
     State: float [num_layers, 2, B, hidden] (2 = h, c). It has no length axis,
     so `max_len` only bounds positions; the state costs the same at any length.
@@ -24,9 +24,11 @@ class LSTMLM(DecoderLM):
 
     def build(self, input_shape=None):
         c = self.config
+        # Unit-scale embeddings (PyTorch's default): with GPT-2's 0.02 the LSTM's gates
+        # barely saw their input, and it never got past unigram statistics.
         self.token_embedding = self.add_weight(name="token_embedding",
                                                shape=(c.vocab_size, c.hidden_size),
-                                               initializer=_normal())
+                                               initializer=_normal(1.0))
         self.kernels, self.biases = [], []
         for i in range(c.num_layers):
             # gates i, f, g, o from concat(x, h): [2 * hidden, 4 * hidden]
@@ -41,15 +43,23 @@ class LSTMLM(DecoderLM):
             self.head_kernel = self.add_weight(name="head_kernel",
                                                shape=(c.hidden_size, c.vocab_size),
                                                initializer=_normal())
+        # h is bounded in (-1, 1), so the unigram prior needs a bias of its own.
+        self.head_bias = self.add_weight(name="head_bias", shape=(c.vocab_size,),
+                                         initializer="zeros")
         self.built = True
 
     def state_shape(self, batch_size, max_len) -> list:
         return [self.config.num_layers, 2, batch_size, self.config.hidden_size]
 
+    def init_state(self, batch_size, max_len):
+        # (h, c) stay float32 even under a bf16 policy: the recurrence accumulates error.
+        return tf.zeros(self.state_shape(batch_size, max_len), tf.float32)
+
     def _cell(self, x, h, c, layer: int):
-        gates = tf.matmul(tf.concat([x, h], -1), tf.cast(self.kernels[layer], x.dtype))
-        gates += tf.cast(self.biases[layer], x.dtype)
-        i, f, g, o = tf.split(gates, 4, axis=-1)
+        """One LSTM step; the matmul runs in the compute dtype, the gates in float32."""
+        inputs = tf.concat([x, tf.cast(h, x.dtype)], -1)
+        gates = tf.cast(tf.matmul(inputs, tf.cast(self.kernels[layer], x.dtype)), tf.float32)
+        i, f, g, o = tf.split(gates + tf.cast(self.biases[layer], tf.float32), 4, axis=-1)
         c = tf.sigmoid(f) * c + tf.sigmoid(i) * tf.tanh(g)
         return tf.sigmoid(o) * tf.tanh(c), c
 
@@ -66,11 +76,11 @@ class LSTMLM(DecoderLM):
             for layer in range(self.config.num_layers):
                 h, c = self._cell(x_t, layer_state[layer, 0], layer_state[layer, 1], layer)
                 new_layers.append(tf.stack([h, c]))
-                x_t = h
+                x_t = tf.cast(h, x.dtype)
             new_state = tf.where(live_t[None, None, :, None], tf.stack(new_layers), layer_state)
             return new_state, x_t
 
-        initial = (state, tf.zeros_like(state[0, 0]))
+        initial = (state, tf.zeros_like(state[0, 0], dtype=x.dtype))
         states, outputs = tf.scan(one_step, (tf.transpose(x, [1, 0, 2]), live), initial)
         return states[-1], tf.transpose(outputs, [1, 0, 2])  # [B, T, H]
 
@@ -79,7 +89,7 @@ class LSTMLM(DecoderLM):
             kernel = tf.transpose(tf.cast(self.token_embedding, hidden.dtype))
         else:
             kernel = tf.cast(self.head_kernel, hidden.dtype)
-        return tf.cast(tf.matmul(hidden, kernel), tf.float32)
+        return tf.cast(tf.matmul(hidden, kernel), tf.float32) + tf.cast(self.head_bias, tf.float32)
 
     def call(self, token_ids):
         """Full forward pass: int32 [B, T] -> float32 logits [B, T, vocab]."""
@@ -92,5 +102,5 @@ class LSTMLM(DecoderLM):
     def step(self, token_ids, state, positions, num_tokens=None):
         token_ids = tf.cast(token_ids, tf.int32)
         num_tokens = self._num_tokens(token_ids, num_tokens)
-        state, hidden = self._run(token_ids, tf.cast(state, self.compute_dtype), num_tokens)
+        state, hidden = self._run(token_ids, tf.cast(state, tf.float32), num_tokens)
         return self._logits(self._gather_last(hidden, num_tokens)), state
