@@ -186,3 +186,25 @@ def test_repeated_calls_do_not_retrace(name, tokenizer):
         assert function.experimental_get_tracing_count() <= 1
     assert module.generate.experimental_get_tracing_count() == 1
     assert module.decode.experimental_get_tracing_count() == 1
+
+
+def test_decode_at_a_new_position_does_not_recompile(exported, tmp_path):
+    """XLA writes one program per compilation to its persistent cache; count them."""
+    _, _, path = exported
+    script = f"""
+import tensorflow as tf
+s = tf.saved_model.load({str(path)!r}).signatures
+state = s["init_state"](batch_size=tf.constant(1), max_len=tf.constant(32))["state"]
+out = s["prefill"](token_ids=tf.constant([[5, 6, 7, 0]]), positions=tf.constant([0]),
+                   num_tokens=tf.constant([3]), state=state)
+for position in (3, 4, 5, 6):
+    out = s["decode"](token_ids=tf.constant([[8]]), positions=tf.constant([position]),
+                      state=out["state"])
+"""
+    cache = tmp_path / "xla"
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3",
+               TF_XLA_FLAGS=f"--tf_xla_persistent_cache_directory={cache}")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                            env=env, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert len(list(cache.iterdir())) == 2  # one prefill program, one decode program

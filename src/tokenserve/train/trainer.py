@@ -86,24 +86,24 @@ class Trainer:
         self.optimizer.apply_gradients(zip(tape.gradient(loss, variables), variables))
         return loss
 
-    def _save(self, step: int, seconds: float) -> None:
+    def _save(self, step: int, seconds: float, loss: float) -> None:
         self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
         save_weights(self.model, self.checkpoint_dir / "model.safetensors")
         np.savez(self.checkpoint_dir / "optimizer.npz",
                  *[v.numpy() for v in self.optimizer.variables])
-        state = {"step": step, "seconds": seconds}
+        state = {"step": step, "seconds": seconds, "loss": loss}
         (self.checkpoint_dir / "state.json").write_text(json.dumps(state))
 
-    def _restore(self) -> tuple[int, float]:
+    def _restore(self) -> tuple[int, float, float]:
         state_path = self.checkpoint_dir / "state.json"
         if not state_path.exists():
-            return 0, 0.0
+            return 0, 0.0, float("nan")
         state = json.loads(state_path.read_text())
         load_weights(self.model, self.checkpoint_dir / "model.safetensors")
         saved = np.load(self.checkpoint_dir / "optimizer.npz")
         for i, variable in enumerate(self.optimizer.variables):
             variable.assign(saved[f"arr_{i}"])
-        return state["step"], state["seconds"]
+        return state["step"], state["seconds"], state.get("loss", float("nan"))
 
     def fit(self, stream: np.ndarray, holdout: np.ndarray, label: str = "train",
             stop_at: int | None = None) -> TrainResult | None:
@@ -114,10 +114,9 @@ class Trainer:
         """
         c = self.config
         stop_at = min(stop_at or c.num_steps, c.num_steps)
-        start, seconds = self._restore()
+        start, seconds, loss = self._restore()
         if start:
             print(f"resuming {label} from step {start}")
-        loss = float("nan")
         began = time.perf_counter() - seconds
         with tqdm(total=c.num_steps, initial=start, desc=label, unit="step",
                   dynamic_ncols=True) as progress:
@@ -127,7 +126,7 @@ class Trainer:
                 progress.update(1)
                 progress.set_postfix(loss=f"{loss:.3f}")
                 if (step + 1) % c.checkpoint_every == 0 or step + 1 in (stop_at, c.num_steps):
-                    self._save(step + 1, time.perf_counter() - began)
+                    self._save(step + 1, time.perf_counter() - began, loss)
         seconds = time.perf_counter() - began
         if stop_at < c.num_steps:
             return None
