@@ -131,6 +131,11 @@ def test_wrong_dtype_shape_and_length_fail_clearly(exported):
                              positions=tf.constant([0], tf.int32),
                              state=signatures["init_state"](batch_size=tf.constant(1),
                                                             max_len=tf.constant(16))["state"])
+    state = signatures["init_state"](batch_size=tf.constant(1), max_len=tf.constant(16))["state"]
+    if config.model.family == "transformer":
+        with pytest.raises(tf.errors.InvalidArgumentError, match="exceed the length of the state"):
+            signatures["decode"](token_ids=tf.constant([[1]], tf.int32),
+                                 positions=tf.constant([16], tf.int32), state=state)
     too_long = tf.ones([1, config.max_seq_len + 1], tf.int32)
     with pytest.raises(tf.errors.InvalidArgumentError, match="context length"):
         predict(input_ids=too_long)

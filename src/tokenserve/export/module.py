@@ -112,15 +112,25 @@ class GenerationModule(tf.Module):
         with tf.control_dependencies(checks):
             return {"state": self.model.init_state(batch_size, max_len)}
 
+    def _check_room(self, token_ids, positions, state):
+        """Every row's new tokens must land inside the state (a cache write past it is lost)."""
+        if not isinstance(self.config.model, TransformerConfig):
+            return tf.no_op()
+        end = tf.reduce_max(positions) + tf.shape(token_ids)[1]
+        return tf.debugging.assert_less_equal(
+            end, tf.shape(state)[3], message="positions plus new tokens exceed the length of the state")
+
     def _prefill(self, token_ids, positions, num_tokens, state):
         token_ids, positions, num_tokens, state = self._checked(token_ids, positions, num_tokens,
                                                                 state)
-        logits, state = self._step(token_ids, state, positions, num_tokens)
+        with tf.control_dependencies([self._check_room(token_ids, positions, state)]):
+            logits, state = self._step(token_ids, state, positions, num_tokens)
         return {"logits": logits, "state": state}
 
     def _decode(self, token_ids, positions, state):
         token_ids, positions, state = self._checked(token_ids, positions, state)
-        logits, state = self._step(token_ids, state, positions, tf.ones_like(positions))
+        with tf.control_dependencies([self._check_room(token_ids, positions, state)]):
+            logits, state = self._step(token_ids, state, positions, tf.ones_like(positions))
         return {"logits": logits, "state": state}
 
     def _generate(self, input_ids, max_new_tokens, temperature, top_k, top_p, seed):
