@@ -12,6 +12,9 @@ def add_parser(commands) -> None:
                     "SOURCE is builtin (default), builtin-lstm, a preset name (random weights) "
                     "or a checkpoint .json written by `tokenserve train`.")
     p.add_argument("source", nargs="?", default=None, help="what to export (default: builtin)")
+    p.add_argument("--from-hf", metavar="DIR", default=None,
+                   help="import a Hugging Face checkpoint (GPT2LMHeadModel, LlamaForCausalLM, "
+                        "Qwen2ForCausalLM): config.json, *.safetensors, tokenizer.json")
     p.add_argument("--output", required=True, help="model base path; versions go beneath it")
     p.add_argument("--version", type=int, default=None, help="version number (default: next)")
     p.add_argument("--no-xla", dest="xla", action="store_false",
@@ -28,7 +31,16 @@ def run(args: argparse.Namespace) -> int:
     from tokenserve.model.checkpoint import load_source
 
     started = time.perf_counter()
-    model, tokenizer, config = load_source(args.source, seed=args.seed)
+    if args.from_hf and args.source:
+        from tokenserve.errors import ConfigError
+
+        raise ConfigError("give either SOURCE or --from-hf, not both")
+    if args.from_hf:
+        from tokenserve.model.hf import load_hf
+
+        model, tokenizer, config = load_hf(args.from_hf)
+    else:
+        model, tokenizer, config = load_source(args.source, seed=args.seed)
     path = export_model(model, tokenizer, config, args.output, jit_compile=args.xla,
                         version=args.version, model_name=args.model_name)
     print(f"exported {config.name} ({config.model.family}, "

@@ -21,6 +21,14 @@ class Tokenizer:
         self.eos_token_id = self._require(eos)
         self.pad_token_id = self._require(pad)
 
+    @classmethod
+    def from_ids(cls, hf: HFTokenizer, bos: int, eos: int, pad: int) -> "Tokenizer":
+        """Wraps any HF tokenizer whose special tokens are known by id (imported checkpoints)."""
+        tokenizer = cls.__new__(cls)
+        tokenizer.hf = hf
+        tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id = bos, eos, pad
+        return tokenizer
+
     def _require(self, token: str) -> int:
         token_id = self.hf.token_to_id(token)
         if token_id is None:

@@ -1,0 +1,196 @@
+"""Importing Hugging Face GPT-2 and Llama checkpoints matches `transformers` exactly."""
+
+import json
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tokenserve.errors import ModelLoadError
+from tokenserve.export.exporter import export_model
+from tokenserve.export.loader import ExportedModel
+from tokenserve.model.hf import UnsupportedArchitectureError, load_hf
+from tokenserve.sampling import SamplingParams
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+SAMPLE = "def f(x):\n\treturn x  # ünïcödé ✓ 日本語 🐍\n\n    spaces   and\ttabs\r\n"
+
+
+def save_checkpoint(directory, hf_model, tokenizer, dtype=None, max_shard_size="5GB"):
+    if dtype is not None:
+        hf_model = hf_model.to(dtype)
+    hf_model.save_pretrained(directory, safe_serialization=True, max_shard_size=max_shard_size)
+    tokenizer.save(directory / "tokenizer.json")
+    (directory / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": "<|bos|>", "eos_token": "<|eos|>", "pad_token": "<|pad|>",
+         "chat_template": "{% for m in messages %}{{ m['content'] }}{% endfor %}"}))
+
+
+def gpt2(tokenizer):
+    config = transformers.GPT2Config(vocab_size=400, n_positions=128, n_embd=64, n_layer=2,
+                                     n_head=4, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    return transformers.GPT2LMHeadModel(config).eval()
+
+
+def llama(tokenizer, tie=False):
+    config = transformers.LlamaConfig(
+        vocab_size=400, max_position_embeddings=128, hidden_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, intermediate_size=96,
+        tie_word_embeddings=tie, rope_theta=5000.0, rms_norm_eps=1e-6, bos_token_id=1,
+        eos_token_id=2)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).eval()
+    with torch.no_grad():  # HF initialises norms to 1; perturb them so a missed norm shows
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.add_(torch.randn_like(param) * 0.1)
+    return model
+
+
+def qwen2(tokenizer):
+    config = transformers.Qwen2Config(
+        vocab_size=400, max_position_embeddings=128, hidden_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, intermediate_size=96,
+        tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    model = transformers.Qwen2ForCausalLM(config).eval()
+    with torch.no_grad():  # zero-initialised biases would hide a dropped q/k/v bias
+        for name, param in model.named_parameters():
+            if name.endswith("bias"):
+                param.add_(torch.randn_like(param) * 0.1)
+    return model
+
+
+@pytest.fixture(scope="module",
+                params=["gpt2", "llama-gqa-untied", "llama-tied-bf16", "qwen2-biases"])
+def imported(request, tokenizer, tmp_path_factory):
+    directory = tmp_path_factory.mktemp(request.param)
+    if request.param == "gpt2":
+        hf_model = gpt2(tokenizer)
+        save_checkpoint(directory, hf_model, tokenizer)
+    elif request.param == "llama-gqa-untied":
+        hf_model = llama(tokenizer)
+        save_checkpoint(directory, hf_model, tokenizer, max_shard_size="60KB")
+        assert (directory / "model.safetensors.index.json").exists()  # sharded
+    elif request.param == "qwen2-biases":
+        hf_model = qwen2(tokenizer)
+        save_checkpoint(directory, hf_model, tokenizer)
+    else:
+        hf_model = llama(tokenizer, tie=True)
+        save_checkpoint(directory, hf_model, tokenizer, dtype=torch.bfloat16)
+        hf_model = transformers.LlamaForCausalLM.from_pretrained(directory).float().eval()
+    return hf_model, directory, load_hf(directory)
+
+
+PROMPTS = [[5, 17, 33, 90, 140, 7, 8, 9, 250, 3], [12, 44, 1, 77], [300, 301, 302, 303, 304, 8]]
+
+
+def test_logits_match_transformers_on_ragged_batch(imported):
+    hf_model, _, (model, _, _) = imported
+    for prompt in PROMPTS:
+        with torch.no_grad():
+            expected = hf_model(torch.tensor([prompt])).logits.numpy()
+        got = model(np.array([prompt], np.int32)).numpy()
+        np.testing.assert_allclose(got, expected, atol=1e-4, rtol=0)
+    # and as one right-padded batch through the cached step (last-token logits)
+    width = max(map(len, PROMPTS))
+    batch = np.zeros([len(PROMPTS), width], np.int32)
+    for i, prompt in enumerate(PROMPTS):
+        batch[i, :len(prompt)] = prompt
+    state = model.init_state(len(PROMPTS), width)
+    logits, _ = model.step(batch, state, np.zeros(len(PROMPTS), np.int32),
+                           np.array([len(p) for p in PROMPTS], np.int32))
+    for i, prompt in enumerate(PROMPTS):
+        with torch.no_grad():
+            expected = hf_model(torch.tensor([prompt])).logits.numpy()[0, -1]
+        np.testing.assert_allclose(logits.numpy()[i], expected, atol=1e-4, rtol=0)
+
+
+def test_greedy_32_tokens_match_transformers_generate(imported, tmp_path):
+    hf_model, _, (model, tokenizer, config) = imported
+    prompt = PROMPTS[0]
+    with torch.no_grad():
+        hf_out = hf_model.generate(torch.tensor([prompt]), max_new_tokens=32, do_sample=False,
+                                   eos_token_id=None, pad_token_id=0, min_new_tokens=32)
+    expected = hf_out[0, len(prompt):].tolist()
+    path = export_model(model, tokenizer, config, tmp_path)
+    generate = tf.saved_model.load(str(path)).signatures["generate"]
+    out = generate(input_ids=tf.constant([prompt], tf.int32), max_new_tokens=tf.constant(32),
+                   temperature=tf.constant(0.0), top_k=tf.constant(0), top_p=tf.constant(1.0),
+                   seed=tf.constant(0))
+    got = out["output_ids"].numpy()[0].tolist()
+    # generate stops at eos; transformers was told not to, so compare up to it
+    n = int(out["num_generated"].numpy()[0])
+    assert got[:n] == expected[:n] and (n == 32 or got[n - 1] == config.eos_token_id)
+    streamed = list(ExportedModel(path).stream(prompt, SamplingParams(max_tokens=32,
+                                                                      ignore_eos=True)))
+    assert streamed == expected
+    predicted = tf.saved_model.load(str(path)).signatures["serving_default"](
+        input_ids=tf.constant([prompt], tf.int32))["predicted_id"].numpy()
+    assert predicted.tolist() == expected[:1]
+
+
+def test_tokenizer_matches_transformers(imported):
+    _, directory, (_, tokenizer, config) = imported
+    hf_tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_file=str(directory /
+                                                                           "tokenizer.json"))
+    ids = tokenizer.encode(SAMPLE)
+    assert ids == hf_tokenizer.encode(SAMPLE, add_special_tokens=False)
+    assert tokenizer.decode(ids) == hf_tokenizer.decode(ids) == SAMPLE
+    assert config.chat_template.startswith("{% for m in messages %}")
+
+
+def test_errors_name_the_tensor_and_shapes(tokenizer, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    save_checkpoint(tmp_path, llama(tokenizer), tokenizer)
+    weights = tmp_path / "model.safetensors"
+    original = load_file(str(weights))
+
+    def rewrite(tensors):
+        save_file(tensors, str(weights), metadata={"format": "pt"})
+
+    broken = dict(original)
+    del broken["model.layers.1.mlp.down_proj.weight"]
+    rewrite(broken)
+    with pytest.raises(ModelLoadError, match="missing tensor model.layers.1.mlp.down_proj.weight"):
+        load_hf(tmp_path)
+    rewrite(dict(original, **{"model.layers.0.extra.weight": torch.zeros(3)}))
+    with pytest.raises(ModelLoadError, match=r"unexpected tensor model.layers.0.extra.weight "
+                                             r"with shape \(3,\)"):
+        load_hf(tmp_path)
+    rewrite(dict(original, **{"model.norm.weight": torch.zeros(65)}))
+    with pytest.raises(ModelLoadError, match=r"model.norm.weight \(65,\).*expected \(64,\)"):
+        load_hf(tmp_path)
+
+
+def test_unsupported_architecture_is_named(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["MambaForCausalLM"]}))
+    with pytest.raises(UnsupportedArchitectureError,
+                       match="'MambaForCausalLM' is not supported; supported: GPT2LMHeadModel"):
+        load_hf(tmp_path)
+
+
+def test_cli_imports_a_checkpoint(tokenizer, tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    save_checkpoint(tmp_path / "hf", gpt2(tokenizer), tokenizer)
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
+    result = subprocess.run([sys.executable, "-m", "tokenserve", "export", "--from-hf",
+                             str(tmp_path / "hf"), "--output", str(tmp_path / "out")],
+                            capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "exported hf (transformer" in result.stdout
+    assert (tmp_path / "out" / "1" / "saved_model.pb").exists()
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "config.json").write_text('{"architectures": ["BertModel"]}')
+    result = subprocess.run([sys.executable, "-m", "tokenserve", "export", "--from-hf",
+                             str(tmp_path / "bad"), "--output", str(tmp_path / "out")],
+                            capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "'BertModel' is not supported" in result.stderr
