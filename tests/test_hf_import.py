@@ -194,3 +194,22 @@ def test_cli_imports_a_checkpoint(tokenizer, tmp_path):
                             capture_output=True, text=True, env=env, timeout=300)
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert "'BertModel' is not supported" in result.stderr
+
+
+def test_bfloat16_compute_stays_close_to_float32(tokenizer, tmp_path):
+    save_checkpoint(tmp_path / "hf", llama(tokenizer), tokenizer)
+    model32, tokenizer32, config32 = load_hf(tmp_path / "hf")
+    model16, _, config16 = load_hf(tmp_path / "hf", compute_dtype="bfloat16")
+    assert model16.weights[0].dtype == "bfloat16"
+    ids = np.array([PROMPTS[0]], np.int32)
+    full32, full16 = model32(ids).numpy(), model16(ids).numpy()
+    assert full16.dtype == np.float32
+    assert np.abs(full16 - full32).max() < 0.05 * np.abs(full32).max()
+    path = export_model(model16, tokenizer32, config16, tmp_path / "out")
+    signatures = tf.saved_model.load(str(path)).signatures
+    state = signatures["init_state"](batch_size=tf.constant(1), max_len=tf.constant(32))["state"]
+    assert state.dtype == tf.bfloat16
+    out = signatures["generate"](input_ids=tf.constant(ids), max_new_tokens=tf.constant(8),
+                                 temperature=tf.constant(0.0), top_k=tf.constant(0),
+                                 top_p=tf.constant(1.0), seed=tf.constant(0))
+    assert out["output_ids"].shape == (1, 8)

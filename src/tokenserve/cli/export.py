@@ -15,6 +15,9 @@ def add_parser(commands) -> None:
     p.add_argument("--from-hf", metavar="DIR", default=None,
                    help="import a Hugging Face checkpoint (GPT2LMHeadModel, LlamaForCausalLM, "
                         "Qwen2ForCausalLM): config.json, *.safetensors, tokenizer.json")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                   help="compute dtype of an imported checkpoint (bf16 and fp16 files are "
+                        "accepted either way)")
     p.add_argument("--output", required=True, help="model base path; versions go beneath it")
     p.add_argument("--version", type=int, default=None, help="version number (default: next)")
     p.add_argument("--no-xla", dest="xla", action="store_false",
@@ -38,7 +41,7 @@ def run(args: argparse.Namespace) -> int:
     if args.from_hf:
         from tokenserve.model.hf import load_hf
 
-        model, tokenizer, config = load_hf(args.from_hf)
+        model, tokenizer, config = load_hf(args.from_hf, compute_dtype=args.dtype)
     else:
         model, tokenizer, config = load_source(args.source, seed=args.seed)
     path = export_model(model, tokenizer, config, args.output, jit_compile=args.xla,

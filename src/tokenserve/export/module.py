@@ -47,7 +47,8 @@ class GenerationModule(tf.Module):
         # An LSTM's state has no length axis: one cache size serves every request.
         is_transformer = isinstance(config.model, TransformerConfig)
         self.cache_buckets = buckets(self.max_len) if is_transformer else [self.max_len]
-        self.state_spec = tf.TensorSpec(model.state_shape(None, None), tf.float32, name="state")
+        state_dtype = model.init_state(1, 1).dtype  # the compute dtype; an LSTM's is float32
+        self.state_spec = tf.TensorSpec(model.state_shape(None, None), state_dtype, name="state")
         # One XLA loop per cache bucket, each with a static cache length.
         self._loops = [self._make_loop(size) for size in self.cache_buckets]
 

@@ -195,8 +195,12 @@ def _token_text(value) -> str | None:
     return value
 
 
-def load_hf(directory: str | Path):
-    """(model, tokenizer, generation config) from a Hugging Face checkpoint directory."""
+def load_hf(directory: str | Path, compute_dtype: str = "float32"):
+    """(model, tokenizer, generation config) from a Hugging Face checkpoint directory.
+
+    compute_dtype: "float32", or "bfloat16" (weights, activations and KV cache in bf16;
+    norms, softmax and logits stay float32).
+    """
     from tokenizers import Tokenizer as HFTokenizer
 
     from tokenserve.model import build_model
@@ -228,7 +232,7 @@ def load_hf(directory: str | Path):
     pad = special("pad")
     tokenizer = Tokenizer.from_ids(hf_tokenizer, bos=eos if bos is None else bos, eos=eos,
                                    pad=eos if pad is None else pad)
-    model = build_model(config)
+    model = build_model(config, dtype=compute_dtype)
     assign_weights(model, config, hf["architectures"][0], read_safetensors(directory))
     generation_config = GenerationConfig(
         model=config, bos_token_id=tokenizer.bos_token_id, eos_token_id=eos,
