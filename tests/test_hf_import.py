@@ -213,3 +213,30 @@ def test_bfloat16_compute_stays_close_to_float32(tokenizer, tmp_path):
                                  temperature=tf.constant(0.0), top_k=tf.constant(0),
                                  top_p=tf.constant(1.0), seed=tf.constant(0))
     assert out["output_ids"].shape == (1, 8)
+
+
+def test_imported_export_runs_with_plain_tensorflow(imported, tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    _, _, (model, tokenizer, config) = imported
+    path = export_model(model, tokenizer, config, tmp_path)
+    script = f"""
+import json, sys
+import tensorflow as tf
+s = tf.saved_model.load({str(path)!r}).signatures
+ids = tf.constant([{PROMPTS[0]}], tf.int32)
+out = s["generate"](input_ids=ids, max_new_tokens=tf.constant(8), temperature=tf.constant(0.0),
+                    top_k=tf.constant(0), top_p=tf.constant(1.0), seed=tf.constant(0))
+nxt = s["serving_default"](input_ids=ids)["predicted_id"]
+assert not any(name.startswith("tokenserve") for name in sys.modules)
+print(json.dumps([out["output_ids"].numpy()[0].tolist(), nxt.numpy().tolist()]))
+"""
+    env = dict(os.environ, PYTHONPATH="", TF_CPP_MIN_LOG_LEVEL="3")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                            env=env, cwd="/", timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    generated, predicted = json.loads(result.stdout.strip().splitlines()[-1])
+    expected = int(np.argmax(model(np.array([PROMPTS[0]], np.int32)).numpy()[0, -1]))
+    assert predicted == [expected] and generated[0] == expected
