@@ -8,6 +8,7 @@ safetensors only: nothing is unpickled.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -51,8 +52,6 @@ def architecture_config(hf: dict) -> TransformerConfig:
                              hidden_size=hf["n_embd"], num_layers=hf["n_layer"],
                              num_heads=hf["n_head"])
         inner = hf.get("n_inner") or 4 * hf["n_embd"]
-        import dataclasses
-
         return dataclasses.replace(config, intermediate_size=inner,
                                    norm_eps=hf.get("layer_norm_epsilon", 1e-5),
                                    tie_embeddings=hf.get("tie_word_embeddings", True))
@@ -64,7 +63,6 @@ def architecture_config(hf: dict) -> TransformerConfig:
                 f"head_dim {head_dim} x {heads} heads != hidden_size {hf['hidden_size']}")
         if hf.get("hidden_act", "silu") != "silu":
             raise UnsupportedArchitectureError(f"activation {hf['hidden_act']!r} is not supported")
-        import dataclasses
 
         config = llama_config(
             vocab_size=hf["vocab_size"], max_seq_len=hf["max_position_embeddings"],
@@ -128,9 +126,8 @@ def _gpt2_names(config: TransformerConfig, hf_name: Callable[[str], str]) -> dic
 
 
 def _llama_names(config: TransformerConfig) -> dict:
-    def kernel(*parts):  # torch Linear is [out, in]; ours is [in, out], fused along out
-        return lambda *ws: np.concatenate([w.T for w in ws], axis=1)
-
+    # torch Linear weights are [out, in]; ours are [in, out], q/k/v and gate/up fused along out
+    fuse = lambda *ws: np.concatenate([w.T for w in ws], axis=1)  # noqa: E731
     cat = lambda *bs: np.concatenate(bs)  # noqa: E731
     keep = lambda x: x  # noqa: E731
     names = {"token_embedding": (["model.embed_tokens.weight"], keep),
@@ -142,10 +139,10 @@ def _llama_names(config: TransformerConfig) -> dict:
         attn = [h + f"self_attn.{x}_proj" for x in "qkv"]
         names.update({
             p + "attn_norm/scale": ([h + "input_layernorm.weight"], keep),
-            p + "qkv/kernel": ([a + ".weight" for a in attn], kernel()),
+            p + "qkv/kernel": ([a + ".weight" for a in attn], fuse),
             p + "out/kernel": ([h + "self_attn.o_proj.weight"], lambda w: w.T),
             p + "mlp_norm/scale": ([h + "post_attention_layernorm.weight"], keep),
-            p + "up/kernel": ([h + "mlp.gate_proj.weight", h + "mlp.up_proj.weight"], kernel()),
+            p + "up/kernel": ([h + "mlp.gate_proj.weight", h + "mlp.up_proj.weight"], fuse),
             p + "down/kernel": ([h + "mlp.down_proj.weight"], lambda w: w.T)})
         if config.qkv_bias:
             names[p + "qkv/bias"] = ([a + ".bias" for a in attn], cat)
