@@ -75,3 +75,13 @@ def test_prompt_longer_than_the_context(model_dir):
 def test_absurd_sampling_parameter(model_dir):
     assert_one_line_error(tokenserve("generate", "x", "--model", str(model_dir),
                                      "--top-p", "7"), "top_p must be in (0, 1]")
+
+
+def test_a_closed_pipe_ends_generate_quietly(model_dir):
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
+    result = subprocess.run(
+        f"{sys.executable} -m tokenserve generate 'def add(a, b):' --model {model_dir} "
+        "--max-tokens 64 | head -c 1", shell=True, capture_output=True, text=True, env=env,
+        timeout=300)
+    assert result.stdout == "d"
+    assert "Traceback" not in result.stderr and "BrokenPipe" not in result.stderr
