@@ -6,6 +6,7 @@ import argparse
 import os
 import sys
 
+from tokenserve.cache import cache_dir
 from tokenserve.errors import TokenserveError
 
 
@@ -41,9 +42,8 @@ def _persistent_xla_cache() -> None:
     flags = os.environ.get("TF_XLA_FLAGS", "")
     if "tf_xla_persistent_cache_directory" in flags:
         return
-    cache_root = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
-    directory = os.path.join(cache_root, "tokenserve", "xla")
-    os.makedirs(directory, exist_ok=True)
+    directory = cache_dir("xla")
+    directory.mkdir(parents=True, exist_ok=True)
     os.environ["TF_XLA_FLAGS"] = f"{flags} --tf_xla_persistent_cache_directory={directory}".strip()
 
 

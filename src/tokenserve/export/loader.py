@@ -45,10 +45,10 @@ class ExportedModel:
         try:
             self.config = GenerationConfig.from_dict(
                 json.loads((assets / GENERATION_CONFIG_FILE).read_text()))
-            self.tokenizer = Tokenizer.from_ids(
+            self.tokenizer = Tokenizer(
                 HFTokenizer.from_file(str(assets / TOKENIZER_FILE)),
-                bos=self.config.bos_token_id, eos=self.config.eos_token_id,
-                pad=self.config.pad_token_id)
+                bos_token_id=self.config.bos_token_id, eos_token_id=self.config.eos_token_id,
+                pad_token_id=self.config.pad_token_id)
             self.saved_model = tf.saved_model.load(str(self.path))
             self.signatures = self.saved_model.signatures
             for name in ("init_state", "prefill", "decode", "generate", "serving_default"):

@@ -10,10 +10,10 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import os
 import sys
 from pathlib import Path
 
+from tokenserve.cache import cache_dir
 from tokenserve.config import PRESETS, GenerationConfig, preset
 from tokenserve.errors import ModelNotFoundError, UnknownPresetError
 
@@ -88,8 +88,7 @@ def builtin_export(source: str = DEFAULT_SOURCE) -> Path:
 
     family = BUILTIN_NAMES[source]
     digest = hashlib.sha256((BUILTIN_DIR / f"{family}.safetensors").read_bytes()).hexdigest()
-    cache_root = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
-    base = cache_root / "tokenserve" / f"builtin-{family}-{digest[:12]}"
+    base = cache_dir(f"builtin-{family}-{digest[:12]}")
     if not version_dirs(base):
         print(f"exporting the built-in {family} model to {base} (first run only)",
               file=sys.stderr)

@@ -227,8 +227,8 @@ def load_hf(directory: str | Path, compute_dtype: str = "float32"):
         raise ModelLoadError(f"{directory} names no eos token")
     bos = special("bos")
     pad = special("pad")
-    tokenizer = Tokenizer.from_ids(hf_tokenizer, bos=eos if bos is None else bos, eos=eos,
-                                   pad=eos if pad is None else pad)
+    tokenizer = Tokenizer(hf_tokenizer, bos_token_id=eos if bos is None else bos,
+                          eos_token_id=eos, pad_token_id=eos if pad is None else pad)
     model = build_model(config, dtype=compute_dtype)
     assign_weights(model, config, hf["architectures"][0], read_safetensors(directory))
     generation_config = GenerationConfig(

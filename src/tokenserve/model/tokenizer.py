@@ -15,25 +15,22 @@ SPECIAL_TOKENS = [PAD, BOS, EOS]  # ids 0, 1, 2 in a tokenizer we train
 class Tokenizer:
     """Text <-> token ids, with the special tokens a generation config needs."""
 
-    def __init__(self, hf: HFTokenizer, bos: str = BOS, eos: str = EOS, pad: str = PAD):
+    def __init__(self, hf: HFTokenizer, bos_token_id: int, eos_token_id: int, pad_token_id: int):
         self.hf = hf
-        self.bos_token_id = self._require(bos)
-        self.eos_token_id = self._require(eos)
-        self.pad_token_id = self._require(pad)
+        self.bos_token_id, self.eos_token_id, self.pad_token_id = (
+            bos_token_id, eos_token_id, pad_token_id)
 
     @classmethod
-    def from_ids(cls, hf: HFTokenizer, bos: int, eos: int, pad: int) -> "Tokenizer":
-        """Wraps any HF tokenizer whose special tokens are known by id (imported checkpoints)."""
-        tokenizer = cls.__new__(cls)
-        tokenizer.hf = hf
-        tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id = bos, eos, pad
-        return tokenizer
+    def with_special_tokens(cls, hf: HFTokenizer, bos: str = BOS, eos: str = EOS,
+                            pad: str = PAD) -> "Tokenizer":
+        """Wraps `hf`, finding the special tokens' ids by their text."""
+        def require(token: str) -> int:
+            token_id = hf.token_to_id(token)
+            if token_id is None:
+                raise ValueError(f"tokenizer has no special token {token!r}")
+            return token_id
 
-    def _require(self, token: str) -> int:
-        token_id = self.hf.token_to_id(token)
-        if token_id is None:
-            raise ValueError(f"tokenizer has no special token {token!r}")
-        return token_id
+        return cls(hf, require(bos), require(eos), require(pad))
 
     @classmethod
     def train(cls, texts: Iterable[str], vocab_size: int) -> "Tokenizer":
@@ -45,11 +42,12 @@ class Tokenizer:
                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
                                       show_progress=True)
         hf.train_from_iterator(texts, trainer=trainer)
-        return cls(hf)
+        return cls.with_special_tokens(hf)
 
     @classmethod
     def load(cls, path: str | Path, **special) -> "Tokenizer":
-        return cls(HFTokenizer.from_file(str(path)), **special)
+        """Loads tokenizer.json; `special` overrides the special tokens' text (bos, eos, pad)."""
+        return cls.with_special_tokens(HFTokenizer.from_file(str(path)), **special)
 
     def save(self, path: str | Path) -> None:
         self.hf.save(str(path))
