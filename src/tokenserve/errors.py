@@ -31,3 +31,19 @@ class InvalidRequestError(TokenserveError, ValueError):
 
 class PromptTooLongError(InvalidRequestError):
     """The prompt plus the requested tokens do not fit the model's context."""
+
+
+class QueueFullError(TokenserveError):
+    """The engine's waiting queue is at its request or token limit (HTTP 429, RESOURCE_EXHAUSTED)."""
+
+
+class RequestAbortedError(TokenserveError):
+    """A request was cancelled or aborted before it finished."""
+
+
+class DeadlineExceededError(TokenserveError):
+    """A request ran past its deadline (HTTP 504, DEADLINE_EXCEEDED)."""
+
+
+class EngineDeadError(TokenserveError):
+    """The engine loop has stopped; no request can be served (HTTP 503, UNAVAILABLE)."""

@@ -13,9 +13,18 @@ import numpy as np
 from tokenserve.errors import InvalidRequestError
 
 
+MAX_N = 16
+"""Most completions one request may ask for; more is an abusive request, not a workload."""
+MAX_LOGPROBS = 20
+"""Most top alternatives per token, as in the OpenAI API."""
+
+
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to pick tokens; the defaults are greedy decoding of up to 128 tokens."""
+    """How to pick tokens for one request; the defaults are greedy decoding of up to 128 tokens.
+
+    Field meanings follow vLLM's SamplingParams, so OpenAI-style requests map one to one.
+    """
 
     max_tokens: int = 128
     temperature: float = 0.0
@@ -24,11 +33,30 @@ class SamplingParams:
     """Keep only the k most likely tokens; 0 keeps all."""
     top_p: float = 1.0
     """Keep the smallest set of tokens whose probability reaches top_p; 1 keeps all."""
+    min_p: float = 0.0
+    """Drop tokens less likely than min_p times the most likely token; 0 keeps all."""
+    repetition_penalty: float = 1.0
+    """>1 discourages any token already in the prompt or output (CTRL-style divide/multiply)."""
+    presence_penalty: float = 0.0
+    """Subtracted once from the logit of every token already generated."""
+    frequency_penalty: float = 0.0
+    """Subtracted from a token's logit once per time it has been generated."""
     seed: int | None = None
-    """Fixes the random stream, so the same request gives the same tokens."""
+    """Fixes the random stream, so the same request gives the same tokens in any batch."""
+    stop: tuple[str, ...] = ()
+    """Strings that end generation; the matched string is left out of the text."""
+    stop_token_ids: tuple[int, ...] = ()
+    """Token ids that end generation, in addition to the model's eos."""
     ignore_eos: bool = False
+    n: int = 1
+    """Completions to generate for the prompt, each with its own random stream."""
+    logprobs: int | None = None
+    """Return the chosen token's logprob and this many top alternatives; None returns none."""
 
     def __post_init__(self) -> None:
+        # Accept lists from JSON callers; the dataclass stays hashable and immutable.
+        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         if not 1 <= self.max_tokens <= 1_000_000:
             raise InvalidRequestError(f"max_tokens must be between 1 and 1000000, "
                                       f"got {self.max_tokens}")
@@ -38,6 +66,30 @@ class SamplingParams:
             raise InvalidRequestError(f"top_k must be >= 0, got {self.top_k}")
         if not 0.0 < self.top_p <= 1.0:
             raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise InvalidRequestError(f"min_p must be in [0, 1], got {self.min_p}")
+        if not 0.0 < self.repetition_penalty <= 10.0:
+            raise InvalidRequestError(f"repetition_penalty must be in (0, 10], "
+                                      f"got {self.repetition_penalty}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise InvalidRequestError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not 1 <= self.n <= MAX_N:
+            raise InvalidRequestError(f"n must be between 1 and {MAX_N}, got {self.n}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise InvalidRequestError(f"logprobs must be between 0 and {MAX_LOGPROBS}, "
+                                      f"got {self.logprobs}")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise InvalidRequestError("stop strings must be non-empty strings")
+        if len(self.stop) > 16:
+            raise InvalidRequestError(f"at most 16 stop strings, got {len(self.stop)}")
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            raise InvalidRequestError("stop_token_ids must be non-negative integers")
+
+    @property
+    def needs_penalties(self) -> bool:
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
+                or self.frequency_penalty != 0.0)
 
 
 class Sampler:

@@ -1,0 +1,2 @@
+"""Continuous-batching engine: requests, scheduler, KV-cache accounting (plain Python),
+and the runner (the one module here that imports TensorFlow)."""

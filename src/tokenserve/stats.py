@@ -1,0 +1,76 @@
+"""Stats the engine and servers emit as plain data. Observability (Prometheus, OpenTelemetry,
+TensorBoard) consumes these and imports neither engine nor server."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class RequestStats:
+    """One finished request, with wall-clock times from `time.time()` in seconds."""
+
+    request_id: str
+    model: str
+    version: str
+    arrival_time: float
+    scheduled_time: float | None
+    """When it was first given cache space (end of queueing); None if it never was."""
+    first_token_time: float | None
+    finish_time: float
+    token_times: tuple[float, ...] = ()
+    """Time each generated token (of the first sequence) was emitted; gives ITL."""
+    num_prompt_tokens: int = 0
+    num_generation_tokens: int = 0
+    prefill_time_s: float = 0.0
+    """Time spent in engine steps while this request's prompt was being computed."""
+    decode_time_s: float = 0.0
+    finish_reason: str = "stop"
+    """stop, length or abort."""
+    n: int = 1
+    num_preemptions: int = 0
+    trace_context: dict = field(default_factory=dict)
+    """W3C trace headers (traceparent, tracestate) the request arrived with, if any."""
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """One engine step."""
+
+    model: str
+    version: str
+    time: float
+    duration_s: float
+    num_running: int
+    num_waiting: int
+    num_batched_tokens: int
+    """Tokens computed this step (decode tokens plus prefill chunk tokens)."""
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    cache_usage: float
+    """Fraction of KV-cache blocks (or LSTM state slots) in use, 0..1."""
+    num_preemptions: int = 0
+    """Sequences preempted (by recompute) during this step's scheduling."""
+
+
+@dataclass(frozen=True)
+class RejectionStats:
+    """A request refused before it reached the engine queue."""
+
+    model: str
+    version: str
+    reason: str
+    """queue_full, invalid, too_long, unauthenticated, timeout ..."""
+
+
+class StatsSink:
+    """Receives stats; observability backends subclass it. The default drops everything."""
+
+    def on_request(self, stats: RequestStats) -> None:
+        pass
+
+    def on_step(self, stats: StepStats) -> None:
+        pass
+
+    def on_rejection(self, stats: RejectionStats) -> None:
+        pass
