@@ -47,3 +47,15 @@ class DeadlineExceededError(TokenserveError):
 
 class EngineDeadError(TokenserveError):
     """The engine loop has stopped; no request can be served (HTTP 503, UNAVAILABLE)."""
+
+
+class UnauthenticatedError(TokenserveError):
+    """A missing or wrong API key (HTTP 401, UNAUTHENTICATED)."""
+
+
+class PayloadTooLargeError(InvalidRequestError):
+    """A request body over the server's limit (HTTP 413, INVALID_ARGUMENT)."""
+
+
+class ServableUnavailableError(TokenserveError):
+    """The model exists but no version of it is AVAILABLE yet (HTTP 503, UNAVAILABLE)."""

@@ -1,0 +1,1 @@
+"""Frontends: OpenAI-compatible HTTP, TF Serving REST and gRPC, our streaming gRPC service."""
