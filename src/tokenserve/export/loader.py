@@ -97,3 +97,33 @@ class ExportedModel:
             out = self.signatures["decode"](token_ids=tf.constant([[token]], tf.int32),
                                             positions=tf.constant([length + step], tf.int32),
                                             state=out["state"])
+
+
+def restore_weights(model, version_dir: str | Path) -> None:
+    """Copies an exported SavedModel's weights into a freshly built Keras `model`.
+
+    The SavedModel's object graph records each variable's Keras path as its `full_name`
+    ("transformer/block_0/attn/qkv/kernel"), so weights match by name, whatever the
+    dtype the new model computes in (values are cast to each variable's dtype).
+    """
+    from tensorflow.core.protobuf import trackable_object_graph_pb2
+
+    prefix = str(Path(version_dir) / "variables" / "variables")
+    try:
+        reader = tf.train.load_checkpoint(prefix)
+        graph = trackable_object_graph_pb2.TrackableObjectGraph()
+        graph.ParseFromString(reader.get_tensor("_CHECKPOINTABLE_OBJECT_GRAPH"))
+    except Exception as error:
+        raise ModelLoadError(f"cannot read weights of {version_dir}: {error}") from error
+    keys = {attribute.full_name: attribute.checkpoint_key
+            for node in graph.nodes for attribute in node.attributes}
+    missing = [w.path for w in model.weights if w.path not in keys]
+    if missing:
+        raise ModelLoadError(f"{version_dir} lacks weights {missing[:3]} "
+                             f"({len(missing)} missing); was it exported by tokenserve?")
+    for weight in model.weights:
+        value = reader.get_tensor(keys[weight.path])
+        if tuple(value.shape) != tuple(weight.shape):
+            raise ModelLoadError(f"weight {weight.path} has shape {value.shape} in "
+                                 f"{version_dir}, the config expects {tuple(weight.shape)}")
+        weight.assign(tf.cast(value, weight.dtype))

@@ -1,0 +1,133 @@
+"""Engine configuration: one typed, validated dataclass, and the TF Serving batching mapping."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from tokenserve.errors import ConfigError
+
+PRECISIONS = ("auto", "float32", "bfloat16")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How the continuous-batching engine schedules, caches and computes.
+
+    Example:
+        >>> EngineConfig(max_num_seqs=32, precision="bfloat16")
+    """
+
+    max_num_seqs: int = 32
+    """Most sequences in the running batch (TF Serving's max_batch_size maps here)."""
+    max_num_batched_tokens: int = 512
+    """Token budget of one step: decode tokens first, the rest goes to prefill chunks."""
+    block_size: int = 16
+    """Positions per KV-cache block; sequences own whole blocks."""
+    max_cache_tokens: int | None = None
+    """KV-cache capacity in positions over all sequences; None: max_num_seqs * the context."""
+    max_queue_requests: int = 1024
+    """Waiting requests beyond this are refused at once with QueueFullError (HTTP 429)."""
+    max_queue_tokens: int = 1_000_000
+    """Waiting prompt tokens beyond this are refused at once with QueueFullError."""
+    preempt_for_priority: bool = False
+    """Let a waiting request preempt (by recompute) running ones of lower priority."""
+    batch_wait_s: float = 0.0
+    """When idle, wait this long after the first arrival for others to join the first step
+    (TF Serving's batch_timeout_micros)."""
+    batch_sizes: tuple[int, ...] = ()
+    """Decode batch sizes the runner pads to (TF Serving's allowed_batch_sizes); () pads none."""
+    precision: str = "auto"
+    """Compute dtype: float32, bfloat16 (oneDNN/AMX), or auto (bfloat16 when the CPU has AMX
+    or AVX512-BF16, as measured in benchmarks/throughput.py; else float32)."""
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size",
+                     "max_queue_requests", "max_queue_tokens"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_cache_tokens is not None and self.max_cache_tokens < self.block_size:
+            raise ConfigError(f"max_cache_tokens must hold at least one block "
+                              f"({self.block_size}), got {self.max_cache_tokens}")
+        if self.precision not in PRECISIONS:
+            raise ConfigError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
+        if self.batch_wait_s < 0:
+            raise ConfigError(f"batch_wait_s must be >= 0, got {self.batch_wait_s}")
+        object.__setattr__(self, "batch_sizes", tuple(sorted(self.batch_sizes)))
+        if self.batch_sizes and self.batch_sizes[-1] < self.max_num_seqs:
+            raise ConfigError(f"the largest allowed batch size {self.batch_sizes[-1]} is below "
+                              f"max_num_seqs {self.max_num_seqs}")
+
+    def replace(self, **changes) -> "EngineConfig":
+        return dataclasses.replace(self, **changes)
+
+
+def from_batching_parameters(text: str, base: EngineConfig = EngineConfig()) -> EngineConfig:
+    """Applies a TF Serving `--batching_parameters_file` (text BatchingParameters) to `base`.
+
+    Mapping (continuous batching has no batches to enqueue, so the limits become queue and
+    batch limits):
+      max_batch_size       -> max_num_seqs
+      batch_timeout_micros -> batch_wait_s
+      max_enqueued_batches -> max_queue_requests = max_enqueued_batches * max_batch_size
+      allowed_batch_sizes  -> batch_sizes (decode batches are padded up to one of them)
+      num_batch_threads    -> ignored: one engine loop; TensorFlow's intra-op threads do the
+                              parallel work
+    """
+    from google.protobuf import text_format
+
+    params = _batching_parameters_class()()
+    try:
+        text_format.Parse(text, params)
+    except text_format.ParseError as error:
+        raise ConfigError(f"cannot parse batching parameters: {error}") from error
+    changes: dict = {}
+    if params.HasField("max_batch_size"):
+        changes["max_num_seqs"] = params.max_batch_size.value
+    if params.HasField("batch_timeout_micros"):
+        changes["batch_wait_s"] = params.batch_timeout_micros.value / 1e6
+    if params.HasField("max_enqueued_batches"):
+        batch = changes.get("max_num_seqs", base.max_num_seqs)
+        changes["max_queue_requests"] = params.max_enqueued_batches.value * batch
+    if params.allowed_batch_sizes:
+        changes["batch_sizes"] = tuple(params.allowed_batch_sizes)
+    return base.replace(**changes)
+
+
+def _batching_parameters_class():
+    """TF Serving's BatchingParameters message, built from its schema at run time.
+
+    tensorflow-serving-api does not ship session_bundle_config.proto, so the message is
+    declared here field for field (same names, numbers and wrapper types), which lets
+    protobuf's own text_format parse the files TF Serving users already have.
+    """
+    from google.protobuf import descriptor_pb2, descriptor_pool, message_factory, wrappers_pb2
+
+    pool = descriptor_pool.DescriptorPool()
+    pool.AddSerializedFile(wrappers_pb2.DESCRIPTOR.serialized_pb)
+    file = descriptor_pb2.FileDescriptorProto(
+        name="tokenserve/batching_parameters.proto", package="tensorflow.serving",
+        dependency=["google/protobuf/wrappers.proto"], syntax="proto3")
+    message = file.message_type.add(name="BatchingParameters")
+    Field = descriptor_pb2.FieldDescriptorProto
+    fields = [("max_batch_size", 1, ".google.protobuf.Int64Value"),
+              ("batch_timeout_micros", 2, ".google.protobuf.Int64Value"),
+              ("max_enqueued_batches", 3, ".google.protobuf.Int64Value"),
+              ("num_batch_threads", 4, ".google.protobuf.Int64Value"),
+              ("thread_pool_name", 5, ".google.protobuf.StringValue"),
+              ("pad_variable_length_inputs", 7, None),
+              ("enable_large_batch_splitting", 8, ".google.protobuf.BoolValue"),
+              ("max_execution_batch_size", 9, ".google.protobuf.Int64Value"),
+              ("batch_padding_policy", 10, ".google.protobuf.StringValue")]
+    for name, number, type_name in fields:
+        if type_name is None:
+            message.field.add(name=name, number=number, type=Field.TYPE_BOOL,
+                              label=Field.LABEL_OPTIONAL)
+        else:
+            message.field.add(name=name, number=number, type=Field.TYPE_MESSAGE,
+                              type_name=type_name, label=Field.LABEL_OPTIONAL)
+    message.field.add(name="allowed_batch_sizes", number=6, type=Field.TYPE_INT64,
+                      label=Field.LABEL_REPEATED)
+    pool.Add(file)
+    return message_factory.GetMessageClass(
+        pool.FindMessageTypeByName("tensorflow.serving.BatchingParameters"))

@@ -1,0 +1,108 @@
+"""A request and its sequences: the state the scheduler and engine move around (no TF)."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from dataclasses import dataclass, field
+
+from tokenserve.engine.outputs import FinishReason
+from tokenserve.sampling import SamplingParams
+
+_seq_ids = itertools.count()
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One of a request's `n` token streams.
+
+    Prefill, chunked prefill, decode and recompute after preemption are one rule:
+    `num_computed_tokens` catches up with `len(token_ids)`; when it does, a token is sampled.
+    """
+
+    request: "Request"
+    index: int
+    token_ids: list[int]
+    """Prompt followed by the tokens generated so far."""
+    num_prompt_tokens: int
+    seq_id: int = field(default_factory=lambda: next(_seq_ids))
+    num_computed_tokens: int = 0
+    """Positions whose keys/values (or recurrent state) are in the cache."""
+    block_ids: list[int] = field(default_factory=list)
+    """KV-cache blocks in position order (an LSTM sequence holds one state slot)."""
+    status: SequenceStatus = SequenceStatus.WAITING
+    finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None
+    num_preemptions: int = 0
+    state: object = None
+    """Per-sequence sampling and detokenizing state, owned by the engine."""
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_pending_tokens(self) -> int:
+        """Tokens still to compute before the next sample."""
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def sort_key(self) -> tuple:
+        """Scheduling order: higher priority first, then earlier arrival."""
+        return (-self.request.priority, self.request.arrival_time, self.seq_id)
+
+
+@dataclass(eq=False)
+class Request:
+    """A prompt with its sampling parameters, priority, deadline and `n` sequences."""
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    priority: int = 0
+    deadline: float | None = None
+    """time.monotonic() after which the request is aborted; None: no deadline."""
+    arrival_time: float = field(default_factory=time.monotonic)
+    wall_arrival_time: float = field(default_factory=time.time)
+    trace_context: dict = field(default_factory=dict)
+    seqs: list[Sequence] = field(default_factory=list)
+    scheduled_time: float | None = None
+    first_token_time: float | None = None
+    token_times: list[float] = field(default_factory=list)
+    prefill_time_s: float = 0.0
+    decode_time_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not self.seqs:
+            self.seqs = [Sequence(self, i, list(self.prompt_ids), len(self.prompt_ids))
+                         for i in range(self.params.n)]
+
+    @property
+    def is_finished(self) -> bool:
+        return all(seq.is_finished for seq in self.seqs)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def num_generated_tokens(self) -> int:
+        return sum(seq.num_output_tokens for seq in self.seqs)

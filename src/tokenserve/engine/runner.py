@@ -1,0 +1,156 @@
+"""The model runner: owns the model, its cache tensors and the compiled step.
+
+It turns a SchedulerOutput (plain Python) into the step's index arrays, runs the step and
+returns logits. This and tf_step.py are the engine's only TensorFlow code.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from tokenserve.config import GenerationConfig, TransformerConfig
+from tokenserve.engine.cache_accounting import BlockAllocator, SlotAllocator
+from tokenserve.engine.config import EngineConfig
+from tokenserve.engine.scheduler import SchedulerOutput
+from tokenserve.errors import ModelLoadError
+
+_CONTEXT_PAD = 64  # context lengths are padded to a multiple of this (fewer distinct shapes)
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+def cpu_has_bf16() -> bool:
+    """True when the CPU has AMX or AVX512-BF16, where oneDNN's bf16 matmuls pay."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "amx_bf16" in flags or "avx512_bf16" in flags
+
+
+def resolve_precision(precision: str) -> str:
+    if precision == "auto":
+        return "bfloat16" if cpu_has_bf16() else "float32"
+    return precision
+
+
+class ModelRunner:
+    """Runs scheduled tokens through a DecoderLM over a paged KV cache or LSTM state slots."""
+
+    def __init__(self, model, config: GenerationConfig, engine_config: EngineConfig):
+        from tokenserve.engine.tf_step import LSTMStep, TransformerStep
+
+        self.model, self.config, self.engine_config = model, config, engine_config
+        self.is_transformer = isinstance(config.model, TransformerConfig)
+        self.vocab_size = config.model.vocab_size
+        if self.is_transformer:
+            block_size = engine_config.block_size
+            capacity = engine_config.max_cache_tokens or (
+                engine_config.max_num_seqs * config.max_seq_len)
+            num_blocks = -(-capacity // block_size) + 1  # + the reserved padding block
+            self.cache = BlockAllocator(num_blocks, block_size)
+            self.step = TransformerStep(model, num_blocks * block_size)
+        else:
+            self.cache = SlotAllocator(engine_config.max_num_seqs)
+            self.step = LSTMStep(model, engine_config.max_num_seqs + 1)
+
+    @classmethod
+    def from_model_dir(cls, version_dir: str | Path, engine_config: EngineConfig):
+        """(runner, tokenizer) for an exported tokenserve model version."""
+        from tokenizers import Tokenizer as HFTokenizer
+
+        from tokenserve.export.exporter import GENERATION_CONFIG_FILE, TOKENIZER_FILE
+        from tokenserve.export.loader import resolve_version_dir, restore_weights
+        from tokenserve.model import build_model
+        from tokenserve.model.tokenizer import Tokenizer
+
+        version_dir = resolve_version_dir(version_dir)
+        assets = version_dir / "assets"
+        try:
+            config = GenerationConfig.from_dict(
+                json.loads((assets / GENERATION_CONFIG_FILE).read_text()))
+            hf = HFTokenizer.from_file(str(assets / TOKENIZER_FILE))
+        except Exception as error:
+            raise ModelLoadError(f"{version_dir} is not a tokenserve language model "
+                                 f"(no readable assets/{GENERATION_CONFIG_FILE}): {error}"
+                                 ) from error
+        tokenizer = Tokenizer(hf, bos_token_id=config.bos_token_id,
+                              eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id)
+        model = build_model(config.model, dtype=resolve_precision(engine_config.precision))
+        restore_weights(model, version_dir)
+        return cls(model, config, engine_config), tokenizer
+
+    @property
+    def precision(self) -> str:
+        return self.model.compute_dtype
+
+    def execute(self, out: SchedulerOutput) -> np.ndarray:
+        """Computes the scheduled tokens; float32 logits [len(out.scheduled), vocab]."""
+        if self.is_transformer:
+            return self._execute_transformer(out)
+        return self._execute_lstm(out)
+
+    def _execute_transformer(self, out: SchedulerOutput) -> np.ndarray:
+        block_size = self.cache.block_size
+        offsets = np.arange(block_size)
+        token_ids, positions, write_rows, last = [], [], [], []
+        decode, prefill = [], []  # (packed start, context rows, start position, count)
+        offset = 0
+        for scheduled in out.scheduled:
+            seq, count = scheduled.seq, scheduled.num_new_tokens
+            start = seq.num_computed_tokens
+            rows = (np.asarray(seq.block_ids)[:, None] * block_size + offsets).ravel()
+            token_ids.extend(seq.token_ids[start:start + count])
+            positions.extend(range(start, start + count))
+            write_rows.append(rows[start:start + count])
+            (decode if count == 1 else prefill).append((offset, rows[:start + count], start, count))
+            offset += count
+            last.append(offset - 1)
+        num_tokens = offset
+
+        def context(group, num_rows):
+            length = _round_up(max((len(g[1]) for g in group), default=1), _CONTEXT_PAD)
+            rows = np.zeros([num_rows, length], np.int32)
+            for i, (_, ctx, _, _) in enumerate(group):
+                rows[i, :len(ctx)] = ctx
+            return rows
+
+        num_decode = self._padded_batch(len(decode))
+        decode_tokens = np.full([num_decode], num_tokens, np.int32)
+        decode_pos = np.full([num_decode], -1, np.int32)
+        for i, (start_index, _, start, _) in enumerate(decode):
+            decode_tokens[i], decode_pos[i] = start_index, start
+        chunk = max((g[3] for g in prefill), default=0)
+        prefill_tokens = np.full([len(prefill), chunk], num_tokens, np.int32)
+        prefill_pos = np.full([len(prefill), chunk], -1, np.int32)
+        for i, (start_index, _, start, count) in enumerate(prefill):
+            prefill_tokens[i, :count] = np.arange(start_index, start_index + count)
+            prefill_pos[i, :count] = np.arange(start, start + count)
+        logits = self.step.step(
+            np.asarray(token_ids, np.int32), np.asarray(positions, np.int32),
+            np.concatenate(write_rows).astype(np.int32), decode_tokens,
+            context(decode, num_decode), decode_pos, prefill_tokens,
+            context(prefill, len(prefill)), prefill_pos, np.asarray(last, np.int32))
+        return logits.numpy()
+
+    def _padded_batch(self, size: int) -> int:
+        sizes = self.engine_config.batch_sizes
+        return next((s for s in sizes if s >= size), size) if size else 0
+
+    def _execute_lstm(self, out: SchedulerOutput) -> np.ndarray:
+        count = max(s.num_new_tokens for s in out.scheduled)
+        token_ids = np.full([len(out.scheduled), count], self.config.pad_token_id, np.int32)
+        num_tokens = np.zeros([len(out.scheduled)], np.int32)
+        slots = np.zeros([len(out.scheduled)], np.int32)
+        fresh = np.zeros([len(out.scheduled)], bool)
+        for i, scheduled in enumerate(out.scheduled):
+            seq, start = scheduled.seq, scheduled.seq.num_computed_tokens
+            token_ids[i, :scheduled.num_new_tokens] = seq.token_ids[
+                start:start + scheduled.num_new_tokens]
+            num_tokens[i], slots[i], fresh[i] = scheduled.num_new_tokens, seq.block_ids[0], start == 0
+        return self.step.step(token_ids, num_tokens, slots, fresh).numpy()

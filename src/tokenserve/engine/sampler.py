@@ -1,0 +1,117 @@
+"""Per-sequence sampling in NumPy: penalties, temperature, top-k, top-p, min-p, logprobs.
+
+Each sequence owns its random stream (seeded from the request's seed and its index) and
+draws exactly one uniform number per sampled token, so a seeded request gives the same
+tokens whatever else shares its batch. Greedy rows are decided together in one argmax.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from tokenserve.engine.outputs import TokenLogprob
+from tokenserve.sampling import SamplingParams
+
+_CANDIDATES = 256  # top-p first tries this many tokens; it falls back to a full sort
+
+
+class SequenceSampler:
+    """Sampling state of one sequence: its random stream and its token counts."""
+
+    def __init__(self, params: SamplingParams, index: int, vocab_size: int,
+                 prompt_ids: list[int]):
+        self.params = params
+        self.rng = np.random.default_rng(None if params.seed is None else params.seed + index)
+        self.counts = None
+        if params.needs_penalties:
+            self.counts = np.zeros(vocab_size, np.int32)   # generated-token counts
+            self.seen = np.zeros(vocab_size, bool)          # in the prompt or generated
+            self.seen[np.asarray(prompt_ids, np.int64)] = True
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.params.temperature == 0.0 and self.counts is None
+
+    def observe(self, token_id: int) -> None:
+        if self.counts is not None:
+            self.counts[token_id] += 1
+            self.seen[token_id] = True
+
+    def sample(self, logits: np.ndarray) -> int:
+        """logits: float [vocab] -> the chosen token id."""
+        p = self.params
+        scores = logits.astype(np.float64)
+        if self.counts is not None:
+            scores = self._penalize(scores)
+        if p.temperature == 0.0:
+            return int(np.argmax(scores))
+        scores /= p.temperature
+        if p.top_k > 0 and p.top_k < scores.size:
+            candidates = np.argpartition(-scores, p.top_k - 1)[:p.top_k]
+        else:
+            candidates = None
+        if candidates is not None:
+            probs = np.exp(scores[candidates] - scores[candidates].max())
+        else:
+            probs = np.exp(scores - scores.max())
+            candidates = np.arange(scores.size)
+        probs /= probs.sum()
+        order = self._sorted_nucleus(probs)
+        candidates, probs = candidates[order], probs[order]
+        if p.min_p > 0.0:
+            keep = probs >= p.min_p * probs[0]
+            candidates, probs = candidates[keep], probs[keep]
+        cumulative = np.cumsum(probs)
+        pick = int(np.searchsorted(cumulative, self.rng.random() * cumulative[-1], side="right"))
+        return int(candidates[min(pick, len(candidates) - 1)])
+
+    def _sorted_nucleus(self, probs: np.ndarray) -> np.ndarray:
+        """Indices of the top-p nucleus of `probs`, most likely first (ties: lower id first)."""
+        top_p = self.params.top_p
+        if top_p < 1.0 and probs.size > _CANDIDATES:
+            head = np.argpartition(-probs, _CANDIDATES - 1)[:_CANDIDATES]
+            if probs[head].sum() >= top_p:  # the nucleus lies inside the head: sort only it
+                order = head[np.lexsort((head, -probs[head]))]
+                return self._cut(order, probs)
+        order = np.lexsort((np.arange(probs.size), -probs))
+        return self._cut(order, probs) if top_p < 1.0 else order
+
+    def _cut(self, order: np.ndarray, probs: np.ndarray) -> np.ndarray:
+        mass_before = np.cumsum(probs[order]) - probs[order]
+        return order[mass_before < self.params.top_p]
+
+    def _penalize(self, scores: np.ndarray) -> np.ndarray:
+        p = self.params
+        if p.repetition_penalty != 1.0:
+            hit = self.seen
+            scores[hit] = np.where(scores[hit] > 0, scores[hit] / p.repetition_penalty,
+                                   scores[hit] * p.repetition_penalty)
+        if p.presence_penalty or p.frequency_penalty:
+            scores -= p.presence_penalty * (self.counts > 0) + p.frequency_penalty * self.counts
+        return scores
+
+
+def sample_batch(logits: np.ndarray, samplers: list[SequenceSampler]) -> list[int]:
+    """logits: float32 [S, vocab] -> one token id per row (greedy rows in one argmax)."""
+    tokens = [0] * len(samplers)
+    greedy = [i for i, s in enumerate(samplers) if s.is_greedy]
+    if greedy:
+        for i, token in zip(greedy, np.argmax(logits[greedy], axis=-1)):
+            tokens[i] = int(token)
+    for i, sampler in enumerate(samplers):
+        if not sampler.is_greedy:
+            tokens[i] = sampler.sample(logits[i])
+    return tokens
+
+
+def token_logprob(logits: np.ndarray, token_id: int, num_top: int) -> TokenLogprob:
+    """The model's (unprocessed) log-probability of `token_id`, with `num_top` alternatives."""
+    scores = logits.astype(np.float64)
+    shifted = scores - scores.max()
+    logprobs = shifted - np.log(np.exp(shifted).sum())
+    top: tuple = ()
+    if num_top > 0:
+        head = np.argpartition(-logprobs, num_top - 1)[:num_top]
+        head = head[np.lexsort((head, -logprobs[head]))]
+        top = tuple((int(t), float(logprobs[t])) for t in head)
+    return TokenLogprob(int(token_id), float(logprobs[token_id]), top)
