@@ -24,6 +24,9 @@ _LAZY = {
     "build_model": "tokenserve.model",
     "export_model": "tokenserve.export.exporter",
     "ExportedModel": "tokenserve.export.loader",
+    "LLM": "tokenserve.engine.llm",
+    "AsyncEngine": "tokenserve.engine.async_engine",
+    "EngineConfig": "tokenserve.engine.config",
     "Tokenizer": "tokenserve.model.tokenizer",
 }
 

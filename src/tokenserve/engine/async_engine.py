@@ -1,0 +1,207 @@
+"""AsyncEngine: the engine loop on its own thread, streaming to asyncio callers.
+
+TensorFlow releases the GIL while a step computes, so the HTTP and gRPC servers' event
+loops stay responsive. Callers touch the scheduler only under `_lock`, which the loop
+holds while scheduling and updating but not while the step computes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+from tokenserve.engine.config import EngineConfig
+from tokenserve.engine.core import LLMEngine
+from tokenserve.engine.outputs import RequestOutput
+from tokenserve.errors import EngineDeadError
+from tokenserve.sampling import SamplingParams
+from tokenserve.stats import StatsSink
+
+log = logging.getLogger(__name__)
+
+
+class AsyncEngine:
+    """Implements `tokenserve.engine.protocol.EngineClient` over an LLMEngine.
+
+    Example:
+        >>> engine = AsyncEngine.from_model_dir("models/builtin", EngineConfig())
+        >>> async for out in engine.generate(ids, SamplingParams(max_tokens=16), "req-1"):
+        ...     print(out.outputs[0].text, end="")
+    """
+
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self.config = engine.config
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._stopped = False
+        self._ready = False
+        self._last_step_ok = True
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._loop, name="tokenserve-engine", daemon=True)
+
+    @classmethod
+    def from_model_dir(cls, path: str | Path, engine_config: EngineConfig = EngineConfig(),
+                       stats: StatsSink | None = None, model_name: str | None = None,
+                       version: str = "", start: bool = True) -> "AsyncEngine":
+        from tokenserve.engine.runner import ModelRunner
+
+        runner, tokenizer = ModelRunner.from_model_dir(path, engine_config)
+        engine = cls(LLMEngine(runner, tokenizer, engine_config, stats, model_name, version))
+        if start:
+            engine.start()
+        return engine
+
+    # -- EngineClient ---------------------------------------------------------------------
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    def is_ready(self) -> bool:
+        return self._ready and self._last_step_ok and self._thread.is_alive()
+
+    @property
+    def num_running(self) -> int:
+        return len(self.engine.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.engine.scheduler.waiting)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.engine.scheduler.requests)
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams,
+                       request_id: str | None = None, priority: int = 0,
+                       timeout_s: float | None = None, trace_context: dict | None = None
+                       ) -> AsyncIterator[RequestOutput]:
+        """Streams RequestOutput deltas; see EngineClient.generate."""
+        if self._error is not None or self._stopped:
+            raise EngineDeadError(f"the engine has stopped: {self._error or 'shut down'}")
+        request = self.engine.make_request(prompt_ids, params, request_id or uuid.uuid4().hex,
+                                           priority, timeout_s, trace_context)
+        queue: asyncio.Queue = asyncio.Queue()
+        with self._lock:
+            self.engine.add_request(request)   # QueueFullError propagates before any output
+            self._streams[request.request_id] = (asyncio.get_running_loop(), queue)
+            self._wake.notify()
+        finished = False
+        try:
+            while not finished:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            if not finished:  # the caller left early: a disconnect or a cancelled call
+                self.abort(request.request_id)
+
+    def abort(self, request_id: str) -> None:
+        with self._lock:
+            output = self.engine.abort(request_id)
+            if output is not None:
+                self._deliver([output])
+
+    # -- lifecycle ------------------------------------------------------------------------
+    def start(self) -> None:
+        self._warm_up()
+        self._thread.start()
+
+    def _warm_up(self) -> None:
+        """Traces the step and runs it once (prefill and decode) before taking requests."""
+        started = time.perf_counter()
+        request = self.engine.make_request([self.config.bos_token_id] * 3,
+                                           SamplingParams(max_tokens=2, ignore_eos=True),
+                                           "warmup")
+        self.engine.add_request(request)
+        while self.engine.has_work:
+            self.engine.step()
+        self._ready = True
+        log.info("engine warmed up in %.2fs", time.perf_counter() - started)
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stops the loop; unfinished requests end with finish_reason ABORT."""
+        with self._lock:
+            self._stopped = True
+            for request_id in list(self.engine.scheduler.requests):
+                output = self.engine.abort(request_id)
+                if output is not None:
+                    self._deliver([output])
+            self._wake.notify()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    close = shutdown
+
+    def _loop(self) -> None:
+        wait_s = self.engine.engine_config.batch_wait_s
+        while True:
+            with self._lock:
+                while not self._stopped and not self.engine.has_work:
+                    self._wake.wait()
+                    if wait_s and self.engine.has_work:  # let more arrivals join the first step
+                        self._wake.wait(wait_s)
+                if self._stopped:
+                    return
+            try:
+                outputs = self._step()
+                self._last_step_ok = True
+            except Exception as error:  # a failed step fails its requests, not the server
+                log.exception("engine step failed")
+                self._last_step_ok = False
+                outputs = self._fail_running(error)
+            with self._lock:
+                self._deliver(outputs)
+
+    def _step(self) -> list[RequestOutput]:
+        engine = self.engine
+        with self._lock:
+            expired = [engine.abort(r.request_id) for r in engine.scheduler.expired()]
+            scheduled = engine.scheduler.schedule()
+        if scheduled.is_empty:
+            return [o for o in expired if o is not None]
+        started = time.perf_counter()
+        logits = engine.runner.execute(scheduled)   # no lock: TF computes, callers may enqueue
+        duration = time.perf_counter() - started
+        with self._lock:
+            # A request aborted while the step computed is already finished: skip its rows.
+            live = [i for i, s in enumerate(scheduled.scheduled) if not s.seq.is_finished]
+            if len(live) < len(scheduled.scheduled):
+                scheduled.scheduled = [scheduled.scheduled[i] for i in live]
+                logits = logits[live]
+            outputs = engine._update(scheduled, logits, duration)
+            engine._emit_step_stats(scheduled, duration)
+        return [o for o in expired if o is not None] + outputs
+
+    def _fail_running(self, error: Exception) -> list[RequestOutput]:
+        with self._lock:
+            running = {s.request.request_id for s in self.engine.scheduler.running}
+            outputs = [self.engine.abort(r) for r in running]
+        return [o for o in outputs if o is not None]
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        """Hands outputs to their callers' event loops (caller holds _lock)."""
+        for output in outputs:
+            target = self._streams.get(output.request_id)
+            if target is None:
+                continue
+            if output.finished:
+                del self._streams[output.request_id]
+            loop, queue = target
+            try:
+                loop.call_soon_threadsafe(queue.put_nowait, output)
+            except RuntimeError:  # the caller's event loop is closed
+                pass
+

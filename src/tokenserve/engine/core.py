@@ -1,0 +1,208 @@
+"""The synchronous engine: schedule, execute, update — one step at a time.
+
+Used directly by the offline `LLM` and driven by `AsyncEngine`'s loop thread. It never
+sees JSON or protobuf, and imports TensorFlow only through its runner.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass
+
+from tokenserve.config import GenerationConfig
+from tokenserve.engine.config import EngineConfig
+from tokenserve.engine.detokenizer import IncrementalDetokenizer
+from tokenserve.engine.outputs import CompletionOutput, FinishReason, RequestOutput
+from tokenserve.engine.request import Request, Sequence
+from tokenserve.engine.sampler import SequenceSampler, sample_batch, token_logprob
+from tokenserve.engine.scheduler import Scheduler, SchedulerOutput
+from tokenserve.errors import InvalidRequestError, PromptTooLongError
+from tokenserve.sampling import SamplingParams
+from tokenserve.stats import RequestStats, StatsSink, StepStats
+
+
+@dataclass
+class _SeqState:
+    sampler: SequenceSampler
+    detokenizer: IncrementalDetokenizer
+    finish_reported: bool = False
+
+
+class LLMEngine:
+    """Continuous batching over one model: requests join and leave at every step."""
+
+    def __init__(self, runner, tokenizer, engine_config: EngineConfig = EngineConfig(),
+                 stats: StatsSink | None = None, model_name: str | None = None,
+                 version: str = ""):
+        self.runner, self.tokenizer = runner, tokenizer
+        self.config: GenerationConfig = runner.config
+        self.engine_config = engine_config
+        self.scheduler = Scheduler(engine_config, runner.cache)
+        self.stats = stats or StatsSink()
+        self.model_name, self.version = model_name or self.config.name, version
+        self.num_steps = 0
+
+    @property
+    def max_model_len(self) -> int:
+        return min(self.config.max_seq_len, self.runner.cache.capacity_tokens)
+
+    # -- requests -------------------------------------------------------------------------
+    def make_request(self, prompt_ids: list[int], params: SamplingParams,
+                     request_id: str | None = None, priority: int = 0,
+                     timeout_s: float | None = None, trace_context: dict | None = None
+                     ) -> Request:
+        """Validates a request (raising InvalidRequestError / PromptTooLongError)."""
+        if not prompt_ids:
+            raise InvalidRequestError("the prompt is empty")
+        vocab = self.config.model.vocab_size
+        bad = [t for t in prompt_ids if not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequestError(f"token id {bad[0]} is outside the vocabulary "
+                                      f"(size {vocab})")
+        if any(not 0 <= t < vocab for t in params.stop_token_ids):
+            raise InvalidRequestError(f"a stop token id is outside the vocabulary (size {vocab})")
+        if len(prompt_ids) + params.max_tokens > self.max_model_len:
+            raise PromptTooLongError(
+                f"this model's maximum context length is {self.max_model_len} tokens; the "
+                f"prompt has {len(prompt_ids)} and max_tokens asks for {params.max_tokens} more")
+        if timeout_s is not None and timeout_s <= 0:
+            raise InvalidRequestError(f"timeout must be positive, got {timeout_s}")
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        request = Request(request_id or uuid.uuid4().hex, list(prompt_ids), params,
+                          priority=priority, deadline=deadline, trace_context=trace_context or {})
+        for seq in request.seqs:
+            seq.state = _SeqState(SequenceSampler(params, seq.index, vocab, prompt_ids),
+                                  IncrementalDetokenizer(self.tokenizer, params.stop))
+        return request
+
+    def add_request(self, request: Request) -> None:
+        """Queues a request made by make_request (QueueFullError when the queue is full)."""
+        if request.request_id in self.scheduler.requests:
+            raise InvalidRequestError(f"request id {request.request_id!r} is already in use")
+        self.scheduler.add(request)
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Stops a request at once and frees its cache; returns its final output."""
+        request = self.scheduler.abort(request_id)
+        return None if request is None else self._final(request, [])
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    # -- one step -------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Runs one step; returns an output for every request that progressed or ended."""
+        expired = [self.abort(r.request_id) for r in self.scheduler.expired()]
+        scheduled = self.scheduler.schedule()
+        if scheduled.is_empty:
+            return [o for o in expired if o is not None]
+        started = time.perf_counter()
+        logits = self.runner.execute(scheduled)
+        duration = time.perf_counter() - started
+        outputs = self._update(scheduled, logits, duration)
+        self._emit_step_stats(scheduled, duration)
+        return [o for o in expired if o is not None] + outputs
+
+    def _update(self, scheduled: SchedulerOutput, logits, duration: float) -> list[RequestOutput]:
+        now = time.time()
+        sampling, rows = [], []
+        for row, item in enumerate(scheduled.scheduled):
+            seq = item.seq
+            seq.num_computed_tokens += item.num_new_tokens
+            in_prefill = seq.num_computed_tokens <= seq.num_prompt_tokens and seq.num_output_tokens == 0
+            if in_prefill:
+                seq.request.prefill_time_s += duration
+            else:
+                seq.request.decode_time_s += duration
+            if seq.num_pending_tokens == 0:
+                sampling.append(seq)
+                rows.append(row)
+        if not sampling:
+            return []
+        tokens = sample_batch(logits[rows], [seq.state.sampler for seq in sampling])
+        deltas: dict[str, list[CompletionOutput]] = {}
+        for seq, row, token in zip(sampling, rows, tokens):
+            deltas.setdefault(seq.request.request_id, []).append(
+                self._append(seq, token, logits[row], now))
+        outputs = []
+        for request_id, completions in deltas.items():
+            request = self._request_of(request_id, sampling)
+            if request.is_finished:
+                outputs.append(self._final(request, completions))
+            else:
+                outputs.append(RequestOutput(request_id, request.prompt_ids, completions, False,
+                                             request.num_generated_tokens))
+        return outputs
+
+    @staticmethod
+    def _request_of(request_id: str, seqs: list[Sequence]) -> Request:
+        return next(s.request for s in seqs if s.request.request_id == request_id)
+
+    def _append(self, seq: Sequence, token: int, logits, now: float) -> CompletionOutput:
+        params, state = seq.request.params, seq.state
+        logprobs = None
+        if params.logprobs is not None:
+            logprobs = [token_logprob(logits, token, params.logprobs)]
+        seq.token_ids.append(token)
+        state.sampler.observe(token)
+        request = seq.request
+        if seq.index == 0:
+            request.first_token_time = request.first_token_time or now
+            request.token_times.append(now)
+        finish, stop_reason, text = None, None, ""
+        if token == self.config.eos_token_id and not params.ignore_eos:
+            finish = FinishReason.STOP
+        elif token in params.stop_token_ids:
+            finish, stop_reason = FinishReason.STOP, token
+        else:
+            text, matched = state.detokenizer.append(token)
+            if matched is not None:
+                finish, stop_reason = FinishReason.STOP, matched
+        if finish is None and (seq.num_output_tokens >= params.max_tokens
+                               or seq.num_tokens >= self.max_model_len):
+            finish = FinishReason.LENGTH
+        if finish is not None:
+            state.finish_reported = True
+            if stop_reason is None or isinstance(stop_reason, int):
+                text += state.detokenizer.flush()
+            self.scheduler.finish(seq, finish, stop_reason)
+        return CompletionOutput(seq.index, text, [token], logprobs, finish, stop_reason)
+
+    def _final(self, request: Request, completions: list[CompletionOutput]) -> RequestOutput:
+        """The last output of a request: remaining deltas plus an entry for each ended seq."""
+        for seq in request.seqs:
+            if not seq.state.finish_reported:
+                seq.state.finish_reported = True
+                completions.append(CompletionOutput(seq.index, "", [], None, seq.finish_reason,
+                                                    seq.stop_reason))
+        finish_time = time.time()
+        stats = RequestStats(
+            request_id=request.request_id, model=self.model_name, version=self.version,
+            arrival_time=request.wall_arrival_time, scheduled_time=request.scheduled_time,
+            first_token_time=request.first_token_time, finish_time=finish_time,
+            token_times=tuple(request.token_times), num_prompt_tokens=request.num_prompt_tokens,
+            num_generation_tokens=request.num_generated_tokens,
+            prefill_time_s=request.prefill_time_s, decode_time_s=request.decode_time_s,
+            finish_reason=request.seqs[0].finish_reason.value, n=len(request.seqs),
+            num_preemptions=sum(s.num_preemptions for s in request.seqs),
+            trace_context=request.trace_context)
+        self.stats.on_request(stats)
+        metrics = {"arrival_time": stats.arrival_time, "scheduled_time": stats.scheduled_time,
+                   "first_token_time": stats.first_token_time, "finish_time": finish_time,
+                   "num_preemptions": stats.num_preemptions}
+        return RequestOutput(request.request_id, request.prompt_ids, completions, True,
+                             request.num_generated_tokens, metrics)
+
+    def _emit_step_stats(self, scheduled: SchedulerOutput, duration: float) -> None:
+        self.num_steps += 1
+        num_decode = sum(1 for s in scheduled.scheduled if s.seq.num_output_tokens > 0
+                         and s.num_new_tokens == 1)
+        self.stats.on_step(StepStats(
+            model=self.model_name, version=self.version, time=time.time(), duration_s=duration,
+            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+            num_batched_tokens=scheduled.num_batched_tokens,
+            num_prefill_tokens=scheduled.num_batched_tokens - num_decode,
+            num_decode_tokens=num_decode, cache_usage=self.scheduler.cache.usage,
+            num_preemptions=len(scheduled.preempted)))
