@@ -1,0 +1,134 @@
+"""POST /v1/chat/completions: messages through the chat template, then the engine."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+from tokenserve.engine.protocol import EngineClient
+
+from .chat_template import render_chat
+from .config import OpenAIServerConfig
+from .formatting import SSE_DONE, chat_logprobs, sse
+from .params import (bad_request, check_text, check_unsupported, max_new_tokens,
+                     request_timeout, sampling_params)
+from .schemas import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
+                      ChatCompletionRequest, ChatCompletionResponse, ChatLogprobs, ChatMessage,
+                      DeltaMessage, Usage)
+from .streams import MergedOutputs
+
+
+def chat_prompt_ids(messages: list[ChatMessage], engine: EngineClient,
+                    add_generation_prompt: bool = True) -> list[int]:
+    """Renders `messages` with the model's chat template (or the default) and tokenizes it.
+
+    Raises:
+        InvalidRequestError: bad text in a message, or the template refuses the messages.
+    """
+    plain = []
+    for i, message in enumerate(messages):
+        text = message.text()
+        check_text(text, f"messages.{i}.content")
+        plain.append({"role": message.role, "content": text}
+                     | ({"name": message.name} if message.name else {}))
+    tokenizer = engine.tokenizer
+    prompt = render_chat(engine.config.chat_template, plain,
+                         add_generation_prompt=add_generation_prompt,
+                         bos_token=tokenizer.decode([engine.config.bos_token_id],
+                                                    skip_special_tokens=False),
+                         eos_token=tokenizer.decode([engine.config.eos_token_id],
+                                                    skip_special_tokens=False))
+    ids = tokenizer.encode(prompt)
+    if not ids:
+        raise bad_request("messages render to an empty prompt.", "messages", "empty_prompt")
+    return ids
+
+
+class ChatRun:
+    """One /v1/chat/completions request from validation to its last chunk."""
+
+    def __init__(self, request: ChatCompletionRequest, engine: EngineClient, model_id: str,
+                 request_id: str, config: OpenAIServerConfig):
+        """Checks the request and builds the engine inputs.
+
+        Raises:
+            InvalidRequestError / PromptTooLongError: the request cannot be served.
+        """
+        check_unsupported(request)
+        self.request, self.model_id, self.request_id = request, model_id, request_id
+        self.tokenizer = engine.tokenizer
+        prompt_ids = chat_prompt_ids(request.messages, engine, request.add_generation_prompt)
+        if request.max_completion_tokens is not None:
+            requested, param = request.max_completion_tokens, "max_completion_tokens"
+        else:
+            requested, param = request.max_tokens, "max_tokens"
+        max_tokens = max_new_tokens(requested, param, len(prompt_ids), engine.max_model_len,
+                                    default=None)
+        logprobs = (request.top_logprobs or 0) if request.logprobs else None
+        self.params = sampling_params(request, max_tokens, logprobs)
+        self.num_prompt_tokens = len(prompt_ids)
+        self.outputs = MergedOutputs(engine, [prompt_ids], self.params, request_id,
+                                     request.priority,
+                                     request_timeout(request.timeout_s, config.request_timeout_s))
+        self.num_generated = 0
+
+    def _usage(self) -> Usage:
+        return Usage(prompt_tokens=self.num_prompt_tokens, completion_tokens=self.num_generated,
+                     total_tokens=self.num_prompt_tokens + self.num_generated)
+
+    def _sequences(self) -> AsyncIterator:
+        async def sequences():
+            async for _, output in self.outputs:
+                self.num_generated = max(output.num_generated_tokens, self.num_generated
+                                         + sum(len(o.token_ids) for o in output.outputs))
+                for seq in output.outputs:
+                    yield seq
+        return sequences()
+
+    async def response(self) -> ChatCompletionResponse:
+        """Collects every sequence into one response.
+
+        Raises:
+            DeadlineExceededError: the engine aborted a sequence at the request's deadline.
+        """
+        texts = [""] * self.params.n
+        logprobs: list[ChatLogprobs | None] = [None] * self.params.n
+        reasons: list[tuple[str | None, str | int | None]] = [(None, None)] * self.params.n
+        async for seq in self._sequences():
+            texts[seq.index] += seq.text
+            if self.params.logprobs is not None:
+                logprobs[seq.index] = logprobs[seq.index] or ChatLogprobs(content=[])
+                logprobs[seq.index].content += chat_logprobs(self.tokenizer, seq.logprobs or [])
+            if seq.finish_reason is not None:
+                if self.outputs.deadline_passed(seq.finish_reason):
+                    raise self.outputs.deadline_error()
+                reasons[seq.index] = (seq.finish_reason.value, seq.stop_reason)
+        choices = [ChatChoice(index=i, message=AssistantMessage(content=texts[i]),
+                              logprobs=logprobs[i], finish_reason=reasons[i][0],
+                              stop_reason=reasons[i][1]) for i in range(self.params.n)]
+        return ChatCompletionResponse(id=self.request_id, model=self.model_id, choices=choices,
+                                      usage=self._usage())
+
+    def _chunk(self, choice: ChatChunkChoice | None, usage: Usage | None = None) -> str:
+        return sse(ChatCompletionChunk(id=self.request_id, model=self.model_id,
+                                       choices=[choice] if choice else [], usage=usage))
+
+    async def events(self) -> AsyncIterator[str]:
+        """SSE events: a role chunk per choice, content deltas, the usage chunk if asked,
+        [DONE]. A deadline ends the affected choices with finish_reason "abort"."""
+        options = self.request.stream_options
+        per_chunk = options is not None and options.continuous_usage_stats
+        for index in range(self.params.n):
+            yield self._chunk(ChatChunkChoice(index=index, delta=DeltaMessage(role="assistant",
+                                                                              content="")))
+        async for seq in self._sequences():
+            logprobs = None
+            if self.params.logprobs is not None:
+                logprobs = ChatLogprobs(content=chat_logprobs(self.tokenizer, seq.logprobs or []))
+            reason = seq.finish_reason.value if seq.finish_reason is not None else None
+            choice = ChatChunkChoice(index=seq.index, delta=DeltaMessage(content=seq.text),
+                                     logprobs=logprobs, finish_reason=reason,
+                                     stop_reason=seq.stop_reason)
+            yield self._chunk(choice, self._usage() if per_chunk else None)
+        if options is not None and options.include_usage:
+            yield self._chunk(None, self._usage())
+        yield SSE_DONE

@@ -1,0 +1,122 @@
+"""POST /v1/completions: validate, run through the engine, answer as one JSON body or as SSE.
+
+Choice indexes follow vLLM for batched prompts: choice = prompt_index * n + sequence index.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+from tokenserve.engine.protocol import EngineClient
+
+from .config import OpenAIServerConfig
+from .formatting import SSE_DONE, CompletionLogprobsBuilder, sse
+from .params import (check_unsupported, max_new_tokens, prompt_token_ids, request_timeout,
+                     sampling_params)
+from .schemas import (CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse,
+                      Usage)
+from .streams import MergedOutputs
+
+
+class CompletionRun:
+    """One /v1/completions request from validation to its last chunk."""
+
+    def __init__(self, request: CompletionRequest, engine: EngineClient, model_id: str,
+                 request_id: str, config: OpenAIServerConfig):
+        """Checks the request and builds the engine inputs.
+
+        Raises:
+            InvalidRequestError / PromptTooLongError: the request cannot be served.
+        """
+        check_unsupported(request)
+        self.request, self.model_id, self.request_id = request, model_id, request_id
+        self.tokenizer = engine.tokenizer
+        prompts = prompt_token_ids(request.prompt, self.tokenizer,
+                                   engine.config.model.vocab_size, config.max_prompts)
+        max_tokens = min(max_new_tokens(request.max_tokens, "max_tokens", len(ids),
+                                        engine.max_model_len,
+                                        config.default_completion_max_tokens)
+                         for ids in prompts)
+        self.params = sampling_params(request, max_tokens, request.logprobs)
+        self.num_prompt_tokens = sum(len(ids) for ids in prompts)
+        self.prompt_texts = [self.tokenizer.decode(ids) if request.echo else "" for ids in prompts]
+        self.outputs = MergedOutputs(engine, prompts, self.params, request_id, request.priority,
+                                     request_timeout(request.timeout_s,
+                                                     config.request_timeout_s))
+        self._num_generated: dict[int, int] = {}
+
+    def _usage(self) -> Usage:
+        completion = sum(self._num_generated.values())
+        return Usage(prompt_tokens=self.num_prompt_tokens, completion_tokens=completion,
+                     total_tokens=self.num_prompt_tokens + completion)
+
+    def _choices(self) -> AsyncIterator:
+        """(choice index, CompletionOutput) for every sequence delta, tracking usage."""
+        async def choices():
+            async for prompt_index, output in self.outputs:
+                self._num_generated[prompt_index] = max(
+                    output.num_generated_tokens,
+                    self._num_generated.get(prompt_index, 0)
+                    + sum(len(o.token_ids) for o in output.outputs))
+                for seq in output.outputs:
+                    yield prompt_index, prompt_index * self.params.n + seq.index, seq
+        return choices()
+
+    def _new_logprobs(self, prompt_index: int) -> CompletionLogprobsBuilder:
+        return CompletionLogprobsBuilder(self.tokenizer, len(self.prompt_texts[prompt_index]))
+
+    async def response(self) -> CompletionResponse:
+        """Collects every sequence into one response.
+
+        Raises:
+            DeadlineExceededError: the engine aborted a sequence at the request's deadline.
+        """
+        num_choices = len(self.prompt_texts) * self.params.n
+        choices = [CompletionChoice(index=i, text=self.prompt_texts[i // self.params.n])
+                   for i in range(num_choices)]
+        builders: dict[int, CompletionLogprobsBuilder] = {}
+        async for prompt_index, index, seq in self._choices():
+            choice = choices[index]
+            choice.text += seq.text
+            if self.params.logprobs is not None:
+                builder = builders.setdefault(index, self._new_logprobs(prompt_index))
+                choice.logprobs = choice.logprobs or CompletionLogprobs()
+                builder.extend(choice.logprobs, builder.delta(seq.logprobs or []))
+            if seq.finish_reason is not None:
+                if self.outputs.deadline_passed(seq.finish_reason):
+                    raise self.outputs.deadline_error()
+                choice.finish_reason = seq.finish_reason.value
+                choice.stop_reason = seq.stop_reason
+        return CompletionResponse(id=self.request_id, model=self.model_id, choices=choices,
+                                  usage=self._usage())
+
+    async def events(self) -> AsyncIterator[str]:
+        """SSE events: one chunk per sequence delta, the usage chunk if asked, [DONE].
+
+        A deadline ends the affected choices with finish_reason "abort".
+        """
+        options = self.request.stream_options
+        per_chunk_usage = options is not None and options.continuous_usage_stats
+        echoed: set[int] = set()
+        builders: dict[int, CompletionLogprobsBuilder] = {}
+        async for prompt_index, index, seq in self._choices():
+            text = seq.text
+            if self.request.echo and index not in echoed:
+                echoed.add(index)
+                text = self.prompt_texts[prompt_index] + text
+            logprobs = None
+            if self.params.logprobs is not None:
+                builder = builders.setdefault(index, self._new_logprobs(prompt_index))
+                logprobs = builder.delta(seq.logprobs or [])
+            reason = seq.finish_reason.value if seq.finish_reason is not None else None
+            chunk = CompletionResponse(
+                id=self.request_id, model=self.model_id,
+                choices=[CompletionChoice(index=index, text=text, logprobs=logprobs,
+                                          finish_reason=reason, stop_reason=seq.stop_reason)],
+                usage=self._usage() if per_chunk_usage else None)
+            yield sse(chunk)
+        if options is not None and options.include_usage:
+            yield sse(CompletionResponse(id=self.request_id, model=self.model_id, choices=[],
+                                         usage=self._usage()))
+        yield SSE_DONE
+

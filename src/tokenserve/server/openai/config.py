@@ -1,0 +1,40 @@
+"""OpenAIServerConfig: the knobs of the OpenAI-compatible HTTP frontend."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from tokenserve.errors import ConfigError
+from tokenserve.server.auth import APIKeys
+
+
+@dataclass(frozen=True)
+class OpenAIServerConfig:
+    """Limits and options of `build_openai_app`; checked when built."""
+
+    api_keys: APIKeys = field(default_factory=APIKeys)
+    """Accepted bearer keys; empty (the default) leaves the API open."""
+    max_body_bytes: int = 8 * 1024 * 1024
+    """Larger request bodies get 413 before they are parsed (a 128k-token prompt is ~0.5 MB)."""
+    request_timeout_s: float | None = 600.0
+    """Deadline of every generation request, passed to the engine as `timeout_s`. A request
+    may shorten it with the `timeout_s` body field. None: no deadline."""
+    max_prompts: int = 32
+    """Most prompts in one batched /v1/completions request (LangChain batches 20)."""
+    default_completion_max_tokens: int = 16
+    """max_tokens of /v1/completions when the request gives none (OpenAI's default).
+    Chat defaults to the rest of the model's context, as vLLM does."""
+    metrics_registry: Any = None
+    """A prometheus_client CollectorRegistry served at GET /metrics; None answers 404."""
+    owned_by: str = "tokenserve"
+
+    def __post_init__(self) -> None:
+        if self.max_body_bytes < 1024:
+            raise ConfigError(f"max_body_bytes must be at least 1024, got {self.max_body_bytes}")
+        if self.request_timeout_s is not None and self.request_timeout_s <= 0:
+            raise ConfigError(f"request_timeout_s must be positive, got {self.request_timeout_s}")
+        if self.max_prompts < 1:
+            raise ConfigError(f"max_prompts must be at least 1, got {self.max_prompts}")
+        if self.default_completion_max_tokens < 1:
+            raise ConfigError("default_completion_max_tokens must be at least 1")

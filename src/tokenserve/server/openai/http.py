@@ -1,0 +1,170 @@
+"""HTTP plumbing of the OpenAI frontend: error bodies, bounded JSON bodies, SSE responses that
+abort the engine when the client leaves, and disconnect-aware waiting."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TypeVar
+
+import anyio
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ValidationError
+
+from tokenserve.errors import InvalidRequestError, PayloadTooLargeError, RequestAbortedError
+from tokenserve.server.status import http_status
+
+from .schemas import ErrorInfo, ErrorResponse
+
+Model = TypeVar("Model", bound=BaseModel)
+
+_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
+                404: "invalid_request_error", 413: "invalid_request_error",
+                429: "rate_limit_error", 499: "request_cancelled", 503: "service_unavailable",
+                504: "timeout_error"}
+_ERROR_CODES = {401: "invalid_api_key", 404: "model_not_found", 413: "payload_too_large",
+                429: "queue_full", 499: "cancelled", 503: "model_unavailable", 504: "timeout"}
+
+
+def error_body(status: int, message: str, param: str | None = None,
+               code: str | None = None) -> dict:
+    """The OpenAI error JSON for an HTTP status."""
+    info = ErrorInfo(message=message, type=_ERROR_TYPES.get(status, "server_error"),
+                     param=param, code=code or _ERROR_CODES.get(status))
+    return ErrorResponse(error=info).model_dump()
+
+
+def error_response(error: BaseException) -> JSONResponse:
+    """Maps any exception through server/status.py to an OpenAI error response."""
+    status = http_status(error)
+    message = str(error) if status < 500 or status in (503, 504) else (
+        f"Internal server error ({type(error).__name__}).")
+    body = error_body(status, message, getattr(error, "param", None),
+                      getattr(error, "code", None))
+    return JSONResponse(body, status_code=status)
+
+
+def _validation_message(error: ValidationError) -> tuple[str, str | None]:
+    first = error.errors()[0]
+    param = ".".join(str(part) for part in first["loc"]) or None
+    extra = f" ({error.error_count() - 1} more errors)" if error.error_count() > 1 else ""
+    return f"{param or 'body'}: {first['msg']}{extra}", param
+
+
+async def read_json(request: Request, model: type[Model], max_bytes: int) -> Model:
+    """Reads, size-checks, decodes and validates the request body as `model`.
+
+    Raises:
+        PayloadTooLargeError: the body is (or announces itself as) over `max_bytes`.
+        InvalidRequestError: not UTF-8, not JSON, not an object, or wrong field types.
+    """
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+        raise PayloadTooLargeError(f"Request body of {declared} bytes is over the limit of "
+                                   f"{max_bytes} bytes.")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_bytes:
+            raise PayloadTooLargeError(f"Request body is over the limit of {max_bytes} bytes.")
+        chunks.append(chunk)
+    raw = b"".join(chunks)
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise _invalid(f"Request body is not valid UTF-8 (byte {error.start}).",
+                       "invalid_utf8") from None
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise _invalid(f"Request body is not valid JSON: {error.msg} at line {error.lineno} "
+                       f"column {error.colno}.", "invalid_json") from None
+    if not isinstance(value, dict):
+        raise _invalid("Request body must be a JSON object.", "invalid_json")
+    try:
+        return model.model_validate(value, strict=True)
+    except ValidationError as error:
+        message, param = _validation_message(error)
+        raise _invalid(message, "invalid_type", param) from None
+
+
+def _invalid(message: str, code: str, param: str | None = None) -> InvalidRequestError:
+    error = InvalidRequestError(message)
+    error.param, error.code = param, code
+    return error
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+T = TypeVar("T")
+
+
+async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Awaits `work`, cancelling it if the client disconnects first (the engine iterators are
+    closed by the caller's cleanup, which aborts the requests).
+
+    Raises:
+        RequestAbortedError: the client went away.
+    """
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            raise RequestAbortedError("Client disconnected.")
+    return task.result()
+
+
+class EventStream(StreamingResponse):
+    """An SSE response that stops its generator as soon as the client disconnects.
+
+    Starlette alone notices a disconnect only on the next write on some ASGI servers; this
+    listens for it, cancels the stream, and always closes the generator, whose cleanup aborts
+    the engine request.
+    """
+
+    media_type = "text/event-stream"
+
+    def __init__(self, events: AsyncIterator[str],
+                 on_close: Callable[[], Awaitable[None]] | None = None):
+        super().__init__(events, headers={"Cache-Control": "no-cache",
+                                          "X-Accel-Buffering": "no"})
+        self._events, self._on_close = events, on_close
+
+    async def _send_all(self, send) -> None:
+        try:
+            await self.stream_response(send)
+        except OSError:  # the client is gone; the finally below cleans up
+            pass
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            async with anyio.create_task_group() as group:
+                async def stream() -> None:
+                    await self._send_all(send)
+                    group.cancel_scope.cancel()
+
+                async def listen() -> None:
+                    await self.listen_for_disconnect(receive)
+                    group.cancel_scope.cancel()
+
+                group.start_soon(stream)
+                group.start_soon(listen)
+        finally:
+            with anyio.CancelScope(shield=True):
+                aclose = getattr(self._events, "aclose", None)
+                if aclose is not None:
+                    await aclose()
+                if self._on_close is not None:
+                    await self._on_close()

@@ -1,0 +1,165 @@
+"""OpenAI request fields to engine inputs: prompt token ids and SamplingParams.
+
+All request-level checks that are not plain types live here, so the HTTP and gRPC frontends
+refuse the same inputs with the same messages. Every refusal is an InvalidRequestError (or
+PromptTooLongError) carrying `param` and `code` attributes for the OpenAI error body.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from tokenserve.errors import InvalidRequestError, PromptTooLongError
+from tokenserve.sampling import SamplingParams
+
+from .schemas import REJECTED_FIELDS, ChatCompletionRequest, CompletionRequest
+
+_SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None,
+                kind: type[InvalidRequestError] = InvalidRequestError) -> InvalidRequestError:
+    """An InvalidRequestError that names the offending request field."""
+    error = kind(message)
+    error.param, error.code = param, code
+    return error
+
+
+def check_unsupported(request: CompletionRequest | ChatCompletionRequest) -> None:
+    """Refuses fields that matter but that tokenserve does not implement.
+
+    Raises:
+        InvalidRequestError: naming the first such field.
+    """
+    for name, value in (request.model_extra or {}).items():
+        allowed = REJECTED_FIELDS.get(name)
+        if allowed is not None and value not in allowed:
+            raise bad_request(f"'{name}' is not supported by this server.", name,
+                              "unsupported_parameter")
+    if request.stream_options is not None and not request.stream:
+        raise bad_request("stream_options is only allowed when stream is true.",
+                          "stream_options")
+    if isinstance(request, CompletionRequest):
+        if request.suffix:
+            raise bad_request("'suffix' is not supported by this server.", "suffix",
+                              "unsupported_parameter")
+        if request.best_of is not None and request.best_of != request.n:
+            raise bad_request(f"best_of must equal n ({request.n}) on this server; "
+                              f"got best_of={request.best_of}.", "best_of",
+                              "unsupported_parameter")
+        if request.echo and request.logprobs is not None:
+            raise bad_request("echo together with logprobs is not supported (prompt logprobs "
+                              "are not computed).", "echo", "unsupported_parameter")
+    elif request.top_logprobs is not None and not request.logprobs:
+        raise bad_request("top_logprobs requires logprobs to be true.", "top_logprobs")
+
+
+def check_text(text: str, param: str) -> None:
+    """Refuses strings that are not valid Unicode (lone surrogates from '\\ud800' escapes)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise bad_request(f"'{param}' is not valid UTF-8 text (it contains a lone surrogate).",
+                          param, "invalid_utf8") from None
+
+
+def prompt_token_ids(prompt: Any, tokenizer, vocab_size: int, max_prompts: int
+                     ) -> list[list[int]]:
+    """The prompt (str, [str], [int] or [[int]]) as one token-id list per prompt.
+
+    Raises:
+        InvalidRequestError: empty prompt, too many prompts, bad text or token ids.
+    """
+    if isinstance(prompt, str):
+        prompts: list = [prompt]
+    elif prompt and all(isinstance(p, int) for p in prompt):
+        prompts = [prompt]
+    else:
+        prompts = list(prompt)
+    if not prompts:
+        raise bad_request("prompt must not be empty.", "prompt", "empty_prompt")
+    if len(prompts) > max_prompts:
+        raise bad_request(f"At most {max_prompts} prompts per request, got {len(prompts)}.",
+                          "prompt")
+    token_lists = []
+    for item in prompts:
+        if isinstance(item, str):
+            check_text(item, "prompt")
+            ids = tokenizer.encode(item)
+        else:
+            ids = list(item)
+            bad = [t for t in ids if not 0 <= t < vocab_size]
+            if bad:
+                raise bad_request(f"prompt token id {bad[0]} is outside the vocabulary "
+                                  f"(size {vocab_size}).", "prompt")
+        if not ids:
+            raise bad_request("prompt must not be empty.", "prompt", "empty_prompt")
+        token_lists.append(ids)
+    return token_lists
+
+
+def max_new_tokens(requested: int | None, param: str, prompt_len: int, max_model_len: int,
+                   default: int | None) -> int:
+    """max_tokens for one prompt: the request's value, checked against the context, or the
+    default clamped to what the context leaves (default None: all of it).
+
+    Raises:
+        InvalidRequestError: max_tokens < 1.
+        PromptTooLongError: the prompt (plus max_tokens) does not fit the context.
+    """
+    if requested is not None and requested < 1:
+        raise bad_request(f"{param} must be at least 1, got {requested}.", param)
+    room = max_model_len - prompt_len
+    if room < 1 or (requested is not None and requested > room):
+        wanted = prompt_len + (requested or 1)
+        raise bad_request(
+            f"This model's maximum context length is {max_model_len} tokens. However, you "
+            f"requested {wanted} tokens ({prompt_len} in the prompt, {requested or 1} in the "
+            f"completion). Please reduce the length of the prompt or completion.",
+            "prompt" if room < 1 else param, "context_length_exceeded", PromptTooLongError)
+    if requested is not None:
+        return requested
+    return room if default is None else min(default, room)
+
+
+def sampling_params(request: CompletionRequest | ChatCompletionRequest, max_tokens: int,
+                    logprobs: int | None) -> SamplingParams:
+    """The engine's SamplingParams for a validated request.
+
+    Raises:
+        InvalidRequestError: a value out of range, naming the request field.
+    """
+    values: dict[str, Any] = {"max_tokens": max_tokens, "logprobs": logprobs, "n": request.n,
+                              "ignore_eos": request.ignore_eos}
+    for name in ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty",
+                 "frequency_penalty", "repetition_penalty", "stop_token_ids"):
+        value = getattr(request, name)
+        if value is not None:
+            values[name] = value
+    if request.stop is not None:
+        values["stop"] = [request.stop] if isinstance(request.stop, str) else request.stop
+    try:
+        return SamplingParams(**values)
+    except InvalidRequestError as error:
+        field: str | None = str(error).split(" ", 1)[0]  # SamplingParams names the field first
+        if str(error).startswith("at most") and "stop" in str(error):
+            field = "stop"
+        if field not in _SAMPLING_FIELDS:
+            field = None
+        elif field == "logprobs" and isinstance(request, ChatCompletionRequest):
+            field = "top_logprobs"
+        raise bad_request(str(error), field) from None
+
+
+def request_timeout(requested: float | None, server_limit: float | None) -> float | None:
+    """The request's deadline in seconds: its own `timeout_s` can only shorten the server's.
+
+    Raises:
+        InvalidRequestError: a timeout_s that is not positive.
+    """
+    if requested is None:
+        return server_limit
+    if not requested > 0:
+        raise bad_request(f"timeout_s must be positive, got {requested}.", "timeout_s")
+    return requested if server_limit is None else min(requested, server_limit)
