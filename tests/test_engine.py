@@ -1,0 +1,177 @@
+"""The continuous-batching engine on tiny real models (TensorFlow runner, real SavedModels)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from tokenserve.engine.config import EngineConfig
+from tokenserve.engine.llm import LLM
+from tokenserve.engine.outputs import FinishReason
+from tokenserve.sampling import SamplingParams
+
+PROMPTS = ["def add(a, b):", "import os", "class Point:\n    def", "for item in items:\n",
+           "x", "PATH = os.path.join('a', 'b')  # ünïcödé"]
+
+
+def engine_config(**options) -> EngineConfig:
+    defaults = dict(max_num_seqs=8, max_num_batched_tokens=24, block_size=4, precision="float32")
+    return EngineConfig(**{**defaults, **options})
+
+
+@pytest.fixture(scope="module")
+def llms(exported):
+    """(in-memory model, LLM with room to spare, LLM with a tiny cache) for each family."""
+    model, config, version_dir = exported
+    roomy = LLM(version_dir, engine_config())
+    tight = LLM(version_dir, engine_config(max_cache_tokens=96))  # forces preemption
+    return model, roomy, tight
+
+
+def reference_greedy(model, prompt_ids: list[int], max_tokens: int, eos: int) -> list[int]:
+    """Greedy decoding with full forward passes and no cache at all."""
+    ids = list(prompt_ids)
+    for _ in range(max_tokens):
+        token = int(np.argmax(model(np.asarray([ids], np.int32)).numpy()[0, -1]))
+        ids.append(token)
+        if token == eos:
+            break
+    return ids[len(prompt_ids):]
+
+
+def test_greedy_engine_output_equals_full_forward_passes(llms):
+    model, llm, _ = llms
+    params = SamplingParams(max_tokens=12)
+    outputs = llm.generate(PROMPTS, params, use_tqdm=False)
+    for prompt, out in zip(PROMPTS, outputs):
+        ids = llm.tokenizer.encode(prompt)
+        assert out.outputs[0].token_ids == reference_greedy(model, ids, 12,
+                                                            llm.engine.config.eos_token_id)
+
+
+def test_greedy_output_is_the_same_alone_and_in_a_busy_mixed_batch(llms):
+    _, llm, _ = llms
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    alone = llm.generate([PROMPTS[2]], params, use_tqdm=False)[0].outputs[0].token_ids
+    mixed_params = [SamplingParams(max_tokens=m, temperature=t, seed=1, ignore_eos=True)
+                    for m, t in [(5, 0.9), (30, 1.2), (16, 0.0), (3, 0.0), (9, 0.7), (20, 0.0)]]
+    busy = llm.generate(PROMPTS, mixed_params, use_tqdm=False)
+    assert busy[2].outputs[0].token_ids == alone
+
+
+def test_preemption_by_recompute_keeps_outputs_identical(llms):
+    _, roomy, tight = llms
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    expected = [o.outputs[0].token_ids for o in roomy.generate(PROMPTS, params, use_tqdm=False)]
+    got = [o.outputs[0].token_ids for o in tight.generate(PROMPTS, params, use_tqdm=False)]
+    if tight.engine.runner.is_transformer:
+        assert tight.engine.scheduler.num_preemptions > 0
+    assert got == expected
+    assert tight.engine.scheduler.cache.usage == 0.0
+
+
+def test_a_fixed_seed_reproduces_a_sampled_output_whatever_the_batch(llms):
+    _, llm, _ = llms
+    params = SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, top_k=50, seed=7,
+                            ignore_eos=True)
+    first = llm.generate([PROMPTS[0]], params, use_tqdm=False)[0].outputs[0].token_ids
+    crowd = [params] + [SamplingParams(max_tokens=8, temperature=1.0)] * 4
+    second = llm.generate(PROMPTS[:5], crowd, use_tqdm=False)[0].outputs[0].token_ids
+    other_seed = llm.generate([PROMPTS[0]], SamplingParams(
+        max_tokens=16, temperature=1.0, top_p=0.9, top_k=50, seed=8, ignore_eos=True),
+        use_tqdm=False)[0].outputs[0].token_ids
+    assert first == second
+    assert other_seed != first
+
+
+def spanning_stop(pieces: list[str]) -> tuple[str, int] | None:
+    """A string whose first occurrence in the text straddles a token boundary, and where
+    it starts; pieces[i] is the text of the first i generated tokens."""
+    for i in range(1, len(pieces) - 1):
+        before, after = pieces[i], pieces[i + 1]
+        if len(after) <= len(before) or len(before) <= len(pieces[i - 1]):
+            continue
+        for take in (2, 1):
+            stop = before[max(len(pieces[i - 1]), len(before) - take):] + after[len(before)]
+            cut = after.find(stop)
+            if stop not in before and cut + len(stop) > len(before) > cut:
+                return stop, cut
+    return None
+
+
+def test_a_stop_string_spanning_a_token_boundary_is_honoured(llms):
+    _, llm, _ = llms
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    for prompt in PROMPTS:
+        full = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+        pieces = [llm.tokenizer.decode(full.token_ids[:i])
+                  for i in range(len(full.token_ids) + 1)]
+        if found := spanning_stop(pieces):
+            break
+    stop, cut = found
+    out = llm.generate([prompt], SamplingParams(max_tokens=24, ignore_eos=True, stop=[stop]),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason is FinishReason.STOP and out.stop_reason == stop
+    assert out.text == full.text[:cut]
+
+
+def test_n_logprobs_and_length_finish(llms):
+    _, llm, _ = llms
+    params = SamplingParams(max_tokens=6, n=2, temperature=1.0, seed=3, logprobs=3,
+                            ignore_eos=True)
+    out = llm.generate([PROMPTS[0]], params, use_tqdm=False)[0]
+    assert [c.index for c in out.outputs] == [0, 1]
+    for completion in out.outputs:
+        assert completion.finish_reason is FinishReason.LENGTH
+        assert len(completion.logprobs) == 6 == len(completion.token_ids)
+        for lp, token in zip(completion.logprobs, completion.token_ids):
+            assert lp.token_id == token and lp.logprob <= 0 and len(lp.top) == 3
+            assert lp.top[0][1] >= lp.top[1][1] >= lp.top[2][1] >= lp.logprob - 1e-9 or \
+                token not in [t for t, _ in lp.top]
+    assert out.num_generated_tokens == 12
+
+
+def test_the_step_does_not_retrace_for_new_shapes(llms):
+    _, llm, _ = llms
+    step = llm.engine.runner.step.step
+    llm.generate(PROMPTS[:2], SamplingParams(max_tokens=4), use_tqdm=False)
+    traces = step.experimental_get_tracing_count()
+    llm.generate(PROMPTS, SamplingParams(max_tokens=7), use_tqdm=False)
+    llm.generate(["def " * 20], SamplingParams(max_tokens=3), use_tqdm=False)
+    assert step.experimental_get_tracing_count() == traces == 1
+
+
+def test_async_engine_streams_deltas_and_a_cancelled_stream_frees_its_capacity(exported):
+    from tokenserve.engine.async_engine import AsyncEngine
+
+    _, _, version_dir = exported
+    engine = AsyncEngine.from_model_dir(version_dir, engine_config())
+    ids = engine.tokenizer.encode(PROMPTS[0])
+    try:
+        async def stream_all():
+            text, tokens = "", []
+            async for out in engine.generate(ids, SamplingParams(max_tokens=10), "full"):
+                text += out.outputs[0].text if out.outputs else ""
+                tokens += out.outputs[0].token_ids if out.outputs else []
+            return text, tokens
+
+        async def cancel_early():
+            stream = engine.generate(ids, SamplingParams(max_tokens=100, ignore_eos=True), "gone")
+            async for _ in stream:
+                break
+            await stream.aclose()  # what a dropped client's server does
+            for _ in range(100):
+                if engine.num_unfinished == 0:
+                    return True
+                await asyncio.sleep(0.01)
+            return False
+
+        text, tokens = asyncio.run(stream_all())
+        assert tokens and text == engine.tokenizer.decode(tokens)
+        assert asyncio.run(cancel_early())
+        assert engine.engine.scheduler.cache.usage == 0.0
+        assert engine.is_ready()
+    finally:
+        engine.shutdown()
