@@ -1,0 +1,156 @@
+"""tokenserve.v1.GenerationService: server-streaming generation over gRPC (grpc.aio).
+
+The servicer turns a GenerateRequest into prompt ids and SamplingParams, runs it through the
+engine the ModelResolver picks, and streams one GenerateResponse per engine output. Errors are
+mapped through server/status.py. When the client cancels (or its deadline passes), grpc.aio
+cancels the handler; its `finally` closes the engine iterator, which aborts the request.
+
+Example (the integrator's wiring on the gRPC port, beside TF Serving's services):
+    server = grpc.aio.server()
+    add_generation_service(server, models, api_keys=APIKeys.from_sources(args.api_key))
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator
+
+import grpc
+
+from tokenserve.errors import TokenserveError
+from tokenserve.sampling import SamplingParams
+from tokenserve.server.auth import APIKeys
+from tokenserve.server.openai.formatting import MIN_LOGPROB, token_text
+from tokenserve.server.openai.models import ModelResolver
+from tokenserve.server.openai.params import (bad_request, check_text, max_new_tokens,
+                                             request_timeout)
+from tokenserve.server.openai.streams import MergedOutputs
+from tokenserve.server.proto.tokenserve import generation_pb2 as pb
+from tokenserve.server.proto.tokenserve import generation_pb2_grpc as pb_grpc
+from tokenserve.server.status import grpc_code
+
+DEFAULT_MAX_TOKENS = 16
+"""As in the OpenAI completions API, when SamplingOptions.max_tokens is unset."""
+
+_OPTIONAL = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+             "frequency_penalty", "seed", "n", "logprobs")
+
+
+def sampling_params(options: pb.SamplingOptions, max_tokens: int) -> SamplingParams:
+    """SamplingOptions (unset fields: SamplingParams defaults) to SamplingParams.
+
+    Raises:
+        InvalidRequestError: a value out of range.
+    """
+    values = {name: getattr(options, name) for name in _OPTIONAL if options.HasField(name)}
+    return SamplingParams(max_tokens=max_tokens, stop=list(options.stop),
+                          stop_token_ids=list(options.stop_token_ids),
+                          ignore_eos=options.ignore_eos, **values)
+
+
+class GenerationServicer(pb_grpc.GenerationServiceServicer):
+    """GenerationService over the engines of a ModelResolver."""
+
+    def __init__(self, models: ModelResolver, api_keys: APIKeys | None = None,
+                 request_timeout_s: float | None = 600.0):
+        self.models = models
+        self.api_keys = api_keys or APIKeys()
+        self.request_timeout_s = request_timeout_s
+
+    def _prepare(self, request: pb.GenerateRequest, context):
+        """(model id, tokenizer, MergedOutputs) for a request; raises TokenserveError."""
+        self.api_keys.check_grpc_metadata(context.invocation_metadata())
+        model_id = request.model or self.models.default_model()
+        engine = self.models.resolve(model_id)
+        kind = request.WhichOneof("prompt")
+        if kind == "text":
+            check_text(request.text, "text")
+            prompt_ids = engine.tokenizer.encode(request.text)
+        elif kind == "token_ids":
+            prompt_ids = list(request.token_ids.ids)
+            vocab_size = engine.config.model.vocab_size
+            bad = [t for t in prompt_ids if not 0 <= t < vocab_size]
+            if bad:
+                raise bad_request(f"prompt token id {bad[0]} is outside the vocabulary "
+                                  f"(size {vocab_size}).", "token_ids")
+        else:
+            raise bad_request("GenerateRequest needs a prompt: set text or token_ids.", "prompt")
+        if not prompt_ids:
+            raise bad_request("prompt must not be empty.", "prompt", "empty_prompt")
+        options = request.sampling
+        requested = options.max_tokens if options.HasField("max_tokens") else None
+        max_tokens = max_new_tokens(requested, "max_tokens", len(prompt_ids),
+                                    engine.max_model_len, DEFAULT_MAX_TOKENS)
+        params = sampling_params(options, max_tokens)
+        timeout_s = request_timeout(request.timeout_s if request.HasField("timeout_s") else None,
+                                    self.request_timeout_s)
+        remaining = context.time_remaining()
+        if remaining is not None and (timeout_s is None or remaining < timeout_s):
+            timeout_s = max(remaining, 1e-3)
+        request_id = request.request_id or f"gen-{uuid.uuid4().hex}"
+        return model_id, engine.tokenizer, MergedOutputs(engine, [prompt_ids], params, request_id,
+                                       request.priority, timeout_s)
+
+    async def Generate(self, request: pb.GenerateRequest,
+                       context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
+        """Streams the request's outputs; aborts the engine request if the call goes away."""
+        outputs = None
+        try:
+            try:
+                model_id, tokenizer, outputs = self._prepare(request, context)
+                await outputs.start()
+            except TokenserveError as error:
+                await context.abort(grpc_code(error), str(error))
+            num_generated, first = 0, True
+            async for _, output in outputs:
+                num_generated = max(output.num_generated_tokens, num_generated
+                                    + sum(len(o.token_ids) for o in output.outputs))
+                response = pb.GenerateResponse(
+                    request_id=output.request_id, model=model_id, finished=output.finished,
+                    outputs=[_delta(tokenizer, seq) for seq in output.outputs],
+                    prompt_token_ids=output.prompt_token_ids if first else [])
+                first = False
+                if output.finished:
+                    prompt_tokens = len(output.prompt_token_ids)
+                    response.usage.CopyFrom(pb.Usage(
+                        prompt_tokens=prompt_tokens, completion_tokens=num_generated,
+                        total_tokens=prompt_tokens + num_generated))
+                yield response
+        except TokenserveError as error:  # engine failure mid-stream
+            await context.abort(grpc_code(error), str(error))
+        finally:
+            if outputs is not None:
+                await outputs.aclose()  # no-op when finished; aborts when cancelled
+
+
+def _delta(tokenizer, seq) -> pb.SequenceDelta:
+    delta = pb.SequenceDelta(index=seq.index, text=seq.text, token_ids=seq.token_ids,
+                             finish_reason=seq.finish_reason.value if seq.finish_reason else "")
+    if isinstance(seq.stop_reason, str):
+        delta.stop_string = seq.stop_reason
+    elif isinstance(seq.stop_reason, int):
+        delta.stop_token_id = seq.stop_reason
+    for entry in seq.logprobs or ():
+        delta.logprobs.append(pb.TokenLogprob(
+            token_id=entry.token_id, token=token_text(tokenizer, entry.token_id),
+            logprob=max(entry.logprob, MIN_LOGPROB),
+            top=[pb.TopLogprob(token_id=t, token=token_text(tokenizer, t),
+                               logprob=max(lp, MIN_LOGPROB)) for t, lp in entry.top]))
+    return delta
+
+
+def add_generation_service(grpc_server: grpc.aio.Server, models: ModelResolver,
+                           api_keys: APIKeys | None = None,
+                           request_timeout_s: float | None = 600.0) -> GenerationServicer:
+    """Registers tokenserve.v1.GenerationService on a grpc.aio server.
+
+    Args:
+        grpc_server: a `grpc.aio.server()` running on the engines' event loop.
+        models: model id -> engine.
+        api_keys: when enabled, calls need metadata `authorization: Bearer <key>`.
+        request_timeout_s: the server's deadline for a request (a call's own gRPC deadline
+            and `timeout_s` can shorten it).
+    """
+    servicer = GenerationServicer(models, api_keys, request_timeout_s)
+    pb_grpc.add_GenerationServiceServicer_to_server(servicer, grpc_server)
+    return servicer

@@ -1,0 +1,138 @@
+"""A real tokenserve frontend in a subprocess for the integration tests: a tiny exported model,
+the real AsyncEngine, the OpenAI app under uvicorn and the gRPC generation service, on free
+loopback ports. No tests here; `RealServer` is imported by the test_openai_* and
+test_grpc_generate* modules. Run as a script, it is the server process.
+
+The engine's unfinished-request count is published as a Prometheus gauge through the app's
+/metrics hook, so tests can watch capacity return without reaching into the process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+
+API_KEY = "sk-test-key"
+MODEL = "tiny"
+"""Served as tiny, tiny:1 and tiny@stable."""
+BUSY_MODEL = "busy"
+"""A second engine whose queue admits at most 3 waiting prompt tokens (its warmup request's
+size), so any longer prompt is refused at once with QueueFullError: the 429 rows."""
+MAX_BODY_BYTES = 64 * 1024
+
+
+def export_tiny_model(base: Path) -> Path:
+    """Exports tiny-llama with the shared tiny tokenizer once per base directory."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from conftest import TINY_TEXT, tiny
+
+    from tokenserve.export.exporter import export_model
+    from tokenserve.model.tokenizer import Tokenizer
+
+    existing = sorted(p for p in base.glob("[0-9]*") if p.is_dir())
+    if existing:
+        return existing[-1]
+    tokenizer = Tokenizer.train(TINY_TEXT, vocab_size=400)
+    model, config = tiny("tiny-llama", tokenizer)
+    return export_model(model, tokenizer, config, base, jit_compile=False)
+
+
+_EXPORTED: dict[str, Path] = {}
+
+
+def tiny_model_dir(tmp_path_factory) -> Path:
+    """One export per test session (module fixtures of several files share it)."""
+    if "dir" not in _EXPORTED:
+        _EXPORTED["dir"] = export_tiny_model(tmp_path_factory.getbasetemp() / "openai-tiny")
+    return _EXPORTED["dir"]
+
+
+class RealServer:
+    """The server subprocess: `url` (OpenAI HTTP), `grpc_target`, `num_unfinished()`."""
+
+    def __init__(self, model_dir: Path, request_timeout_s: float = 60.0):
+        env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", TOKENSERVE_API_KEYS=API_KEY)
+        self.process = subprocess.Popen(
+            [sys.executable, __file__, str(model_dir), str(request_timeout_s)],
+            stdout=subprocess.PIPE, env=env, text=True)
+        line = self.process.stdout.readline()
+        if not line.startswith("READY"):
+            self.process.kill()
+            raise RuntimeError(f"server did not start: {line!r}")
+        ports = json.loads(line.split(" ", 1)[1])
+        self.url = f"http://127.0.0.1:{ports['http']}"
+        self.grpc_target = f"127.0.0.1:{ports['grpc']}"
+        self.headers = {"Authorization": f"Bearer {API_KEY}"}
+
+    def num_unfinished(self, model: str = MODEL) -> int:
+        """The engine's requests not yet finished (queued or running), from /metrics."""
+        text = httpx.get(self.url + "/metrics").text
+        for line in text.splitlines():
+            if line.startswith(f'test_engine_unfinished_requests{{model="{model}"}}'):
+                return int(float(line.rsplit(" ", 1)[1]))
+        raise AssertionError(f"gauge missing from /metrics:\n{text}")
+
+    def close(self) -> None:
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+
+
+async def _serve(model_dir: str, request_timeout_s: float) -> None:
+    import socket
+
+    import grpc
+    import uvicorn
+    from prometheus_client import CollectorRegistry, Gauge
+
+    from tokenserve.engine.async_engine import AsyncEngine
+    from tokenserve.engine.config import EngineConfig
+    from tokenserve.server.auth import APIKeys, AsyncAPIKeyInterceptor
+    from tokenserve.server.grpc_generate import add_generation_service
+    from tokenserve.server.openai import OpenAIServerConfig, StaticModels, build_openai_app
+
+    small = dict(block_size=4, precision="float32", max_num_batched_tokens=64)
+    engine = AsyncEngine.from_model_dir(model_dir, EngineConfig(max_num_seqs=8, **small))
+    busy = AsyncEngine.from_model_dir(model_dir, EngineConfig(max_num_seqs=1,
+                                                              max_queue_tokens=3, **small))
+    registry = CollectorRegistry()
+    gauge = Gauge("test_engine_unfinished_requests", "unfinished requests", ["model"],
+                  registry=registry)
+    gauge.labels(MODEL).set_function(lambda: engine.num_unfinished)
+    gauge.labels(BUSY_MODEL).set_function(lambda: busy.num_unfinished)
+
+    keys = APIKeys.from_sources()
+    models = StaticModels({MODEL: engine, BUSY_MODEL: busy}, labels={"stable": 1})
+    app = build_openai_app(models, OpenAIServerConfig(
+        api_keys=keys, max_body_bytes=MAX_BODY_BYTES, request_timeout_s=request_timeout_s,
+        metrics_registry=registry))
+
+    grpc_server = grpc.aio.server(interceptors=[AsyncAPIKeyInterceptor(keys)])
+    add_generation_service(grpc_server, models, api_keys=keys,
+                           request_timeout_s=request_timeout_s)
+    grpc_port = grpc_server.add_insecure_port("127.0.0.1:0")
+    await grpc_server.start()
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    http = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+    task = asyncio.create_task(http.serve(sockets=[sock]))
+    while not http.started:
+        await asyncio.sleep(0.01)
+    print("READY " + json.dumps({"http": sock.getsockname()[1], "grpc": grpc_port}), flush=True)
+    await task
+    await grpc_server.stop(1)
+    engine.shutdown()
+    busy.shutdown()
+
+
+if __name__ == "__main__":
+    asyncio.run(_serve(sys.argv[1], float(sys.argv[2])))
