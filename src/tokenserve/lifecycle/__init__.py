@@ -1,0 +1,15 @@
+"""Model lifecycle: TF Serving's repository layout, version policies, loading, warmup, unloading.
+
+`ModelManager` is the entry point: it owns every model's versions, moves them through
+START -> LOADING -> AVAILABLE -> UNLOADING -> END, and hands out in-flight references with
+`acquire()`. Policy and config code here is plain Python; only the servable loaders import
+TensorFlow.
+"""
+
+from tokenserve.lifecycle.manager import LoadedVersion, ModelManager
+from tokenserve.lifecycle.model_config import ModelSpecConfig, parse_model_server_config
+from tokenserve.lifecycle.policy import VersionPolicy
+from tokenserve.lifecycle.states import VersionState, VersionStatus
+
+__all__ = ["LoadedVersion", "ModelManager", "ModelSpecConfig", "VersionPolicy", "VersionState",
+           "VersionStatus", "parse_model_server_config"]

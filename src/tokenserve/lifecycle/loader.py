@@ -1,0 +1,27 @@
+"""Picks the servable class for a version directory."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tokenserve.errors import ModelLoadError
+from tokenserve.lifecycle.model_config import ModelSpecConfig
+from tokenserve.lifecycle.repository import SAVED_MODEL_FILES, TFLITE_FILE
+
+
+def load_servable(spec: ModelSpecConfig, version_dir: Path, prefer_tflite: bool = False):
+    """A SavedModelServable, or a TFLiteServable when the platform is `tflite` or
+    --prefer_tflite_model is set and the directory holds model.tflite."""
+    has_tflite = (version_dir / TFLITE_FILE).exists()
+    if has_tflite and (prefer_tflite or spec.platform == "tflite"):
+        from tokenserve.lifecycle.tflite import TFLiteServable
+        return TFLiteServable(version_dir)
+    if spec.platform == "tflite":
+        raise ModelLoadError(f"{version_dir} holds no {TFLITE_FILE}")
+    if not any((version_dir / name).exists() for name in SAVED_MODEL_FILES):
+        failure = ModelLoadError(f"Could not find SavedModel .pb or .pbtxt at supplied export "
+                                 f"directory path: {version_dir}")
+        failure.error_code = "NOT_FOUND"
+        raise failure
+    from tokenserve.lifecycle.savedmodel import SavedModelServable
+    return SavedModelServable(version_dir)

@@ -1,0 +1,362 @@
+"""Owns every model's versions: aspires, loads, warms, routes, drains and unloads them.
+
+Availability-preserving, as TF Serving's default policy: a new version loads, warms up and
+runs its extensions before any version it replaces starts UNLOADING, and a version leaves
+UNLOADING only when its in-flight count (held through `acquire()`) reaches zero. A version
+that fails to load is retried, then reported as END with its error; the versions it would
+have replaced keep serving.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from tokenserve.errors import ConfigError, InvalidRequestError, ModelNotFoundError
+from tokenserve.lifecycle.model_config import ModelSpecConfig
+from tokenserve.lifecycle.repository import discover_versions, fingerprint
+from tokenserve.lifecycle.states import VersionState, VersionStatus
+
+log = logging.getLogger("tokenserve.lifecycle")
+
+Loader = Callable[[ModelSpecConfig, Path], object]
+"""(spec, version_dir) -> servable; raises to fail the load."""
+Extension = Callable[["LoadedVersion"], object]
+"""(loaded version) -> object stored in `version.extensions[name]`, or None for nothing."""
+
+
+class LoadedVersion:
+    """One version of one model, from START to END.
+
+    `servable` runs signatures; `extensions` holds what registered extension factories built
+    for it (e.g. `extensions["engine"]`). Read-only for callers: the manager changes state.
+    """
+
+    def __init__(self, model_name: str, version: int, path: Path):
+        self.model_name = model_name
+        self.version = version
+        self.path = path
+        self.state = VersionState.START
+        self.error_code = "OK"
+        self.error_message = ""
+        self.servable = None
+        self.extensions: dict[str, object] = {}
+        self.num_inflight = 0
+        self.fingerprint: tuple | None = None
+
+    @property
+    def failed(self) -> bool:
+        return self.error_code != "OK"
+
+    @property
+    def status(self) -> VersionStatus:
+        return VersionStatus(self.version, self.state, self.error_code, self.error_message)
+
+    def __repr__(self) -> str:
+        return f"LoadedVersion({self.model_name!r}, {self.version}, {self.state.name})"
+
+
+class ModelManager:
+    """Versions of every configured model, with TF Serving's lifecycle.
+
+    Args:
+        loader: builds a servable from a version directory (see lifecycle.loader).
+        warmup: replays warmup records against a loaded version, or None to skip warmup.
+        max_num_load_retries: retries after a failed load (TF Serving's default 5).
+        load_retry_interval_s: wait between retries (TF Serving's default 60 s).
+        allow_labels_for_unavailable: let a config label a version that is not AVAILABLE.
+        metrics: optional object with `load(model_path, seconds, ok)` and
+            `warmup(model_path, seconds)`.
+
+    Example:
+        >>> manager = ModelManager(loader)
+        >>> manager.register_extension("engine", lambda version: Engine(version.path))
+        >>> manager.apply_config([ModelSpecConfig("m", "/models/m")])
+        >>> with manager.acquire("m", label="stable") as version:
+        ...     version.servable.run("serving_default", {"x": x})
+    """
+
+    def __init__(self, loader: Loader, *, warmup: Callable[[LoadedVersion], None] | None = None,
+                 max_num_load_retries: int = 5, load_retry_interval_s: float = 60.0,
+                 allow_labels_for_unavailable: bool = False, metrics=None):
+        self._loader = loader
+        self._warmup = warmup
+        self._max_num_load_retries = max_num_load_retries
+        self._load_retry_interval_s = load_retry_interval_s
+        self._allow_labels_for_unavailable = allow_labels_for_unavailable
+        self._metrics = metrics
+        self._cond = threading.Condition(threading.RLock())
+        self._stopping = threading.Event()
+        self._specs: dict[str, ModelSpecConfig] = {}
+        self._labels: dict[str, dict[str, int]] = {}
+        self._versions: dict[str, dict[int, LoadedVersion]] = {}
+        self._discovered: dict[str, dict[int, Path]] = {}
+        self._extensions: list[tuple[str, Extension]] = []
+        self._threads: list[threading.Thread] = []
+
+    # ---- configuration -------------------------------------------------------------------
+
+    def register_extension(self, name: str, factory: Extension) -> None:
+        """Runs `factory(version)` for every version after warmup, before it is AVAILABLE.
+
+        A non-None result is kept as `version.extensions[name]` and its `close()` (if any) is
+        called when the version unloads, after its in-flight requests drained. A factory that
+        raises fails the load like a corrupt model would. Register before `apply_config`.
+        """
+        with self._cond:
+            self._extensions.append((name, factory))
+
+    def apply_config(self, specs: list[ModelSpecConfig], wait: bool = True,
+                     timeout_s: float | None = None) -> None:
+        """Full replacement: serve exactly `specs` (models left out are unloaded).
+
+        With `wait`, returns when every new version has loaded or failed, then sets labels:
+        a label must name an AVAILABLE version unless allow_labels_for_unavailable.
+        """
+        names = [spec.name for spec in specs]
+        if len(set(names)) != len(names):
+            raise ConfigError("duplicate model names in config")
+        with self._cond:
+            self._specs = {spec.name: spec for spec in specs}
+            for name in list(self._labels):
+                if name not in self._specs:
+                    del self._labels[name]
+        self.poll()
+        if wait:
+            self.wait_until_settled(timeout_s=timeout_s)
+        self._set_labels(specs)
+
+    def _set_labels(self, specs: list[ModelSpecConfig]) -> None:
+        with self._cond:
+            for spec in specs:
+                if not self._allow_labels_for_unavailable:
+                    for label, version in spec.labels.items():
+                        found = self._versions.get(spec.name, {}).get(version)
+                        if found is None or found.state != VersionState.AVAILABLE:
+                            raise ConfigError(
+                                f"Request to assign label to version {version} of model "
+                                f"{spec.name}, which is not currently available for inference")
+            for spec in specs:
+                self._labels[spec.name] = dict(spec.labels)
+
+    # ---- polling and reconciling ---------------------------------------------------------
+
+    def poll(self) -> None:
+        """Looks for version directories of every model and starts loads and unloads."""
+        with self._cond:
+            specs = dict(self._specs)
+            removed = [name for name in self._versions if name not in specs]
+        for name, spec in specs.items():
+            self._reconcile(name, discover_versions(spec.base_path))
+        for name in removed:
+            self._reconcile(name, {})
+
+    def _reconcile(self, name: str, discovered: dict[int, Path] | None = None) -> None:
+        with self._cond:
+            if discovered is None:
+                discovered = self._discovered.get(name, {})
+            self._discovered[name] = discovered
+            spec = self._specs.get(name)
+            versions = self._versions.setdefault(name, {})
+            aspired = spec.policy.select(list(discovered)) if spec else set()
+            for number in sorted(aspired):
+                current = versions.get(number)
+                if current is None or self._should_reload(current, discovered[number]):
+                    version = LoadedVersion(name, number, discovered[number])
+                    versions[number] = version
+                    self._start(self._load, version, spec)
+            pending = any(versions[n].state in (VersionState.START, VersionState.LOADING)
+                          for n in aspired)
+            available = any(versions[n].state == VersionState.AVAILABLE for n in aspired)
+            if spec is None or not aspired or (available and not pending):
+                for number, version in versions.items():
+                    if number not in aspired and version.state == VersionState.AVAILABLE:
+                        version.state = VersionState.UNLOADING  # no new acquire() from now
+                        self._start(self._unload, version)
+
+    @staticmethod
+    def _should_reload(version: LoadedVersion, path: Path) -> bool:
+        if version.state != VersionState.END:
+            return False
+        # A cleanly unloaded version that is aspired again reloads; a failed one only when
+        # its files changed (a half-copied directory that finished copying).
+        return not version.failed or fingerprint(path) != version.fingerprint
+
+    def _start(self, target, *args) -> None:
+        thread = threading.Thread(target=target, args=args, daemon=True,
+                                  name=f"lifecycle-{target.__name__}")
+        self._threads = [t for t in self._threads if t.is_alive()] + [thread]
+        thread.start()
+
+    # ---- load and unload (each in its own thread) ----------------------------------------
+
+    def _load(self, version: LoadedVersion, spec: ModelSpecConfig) -> None:
+        for attempt in range(self._max_num_load_retries + 1):
+            with self._cond:
+                version.state = VersionState.LOADING
+                version.fingerprint = fingerprint(version.path)
+                self._cond.notify_all()
+            started = time.monotonic()
+            try:
+                self._bring_up(version, spec)
+            except Exception as error:  # noqa: BLE001 - any failure is reported in status
+                self._tear_down(version)
+                if self._metrics:
+                    self._metrics.load(str(version.path), time.monotonic() - started, False)
+                log.warning("loading %s version %d failed (attempt %d): %s", version.model_name,
+                            version.version, attempt + 1, error)
+                last_error = error
+                if attempt < self._max_num_load_retries and not self._stopping.wait(
+                        self._load_retry_interval_s):
+                    continue
+                with self._cond:
+                    version.state = VersionState.END
+                    version.error_code = getattr(last_error, "error_code", "UNKNOWN")
+                    version.error_message = str(last_error)
+                    self._cond.notify_all()
+                self._reconcile(version.model_name)
+                return
+            if self._metrics:
+                self._metrics.load(str(version.path), time.monotonic() - started, True)
+            break
+        with self._cond:
+            version.state = VersionState.AVAILABLE
+            version.error_code, version.error_message = "OK", ""
+            self._cond.notify_all()
+        log.info("%s version %d is AVAILABLE", version.model_name, version.version)
+        self._reconcile(version.model_name)
+
+    def _bring_up(self, version: LoadedVersion, spec: ModelSpecConfig) -> None:
+        version.servable = self._loader(spec, version.path)
+        if self._warmup is not None:
+            started = time.monotonic()
+            self._warmup(version)
+            if self._metrics:
+                self._metrics.warmup(str(version.path), time.monotonic() - started)
+        with self._cond:
+            extensions = list(self._extensions)
+        for name, factory in extensions:
+            built = factory(version)
+            if built is not None:
+                version.extensions[name] = built
+
+    def _tear_down(self, version: LoadedVersion) -> None:
+        for name, built in reversed(list(version.extensions.items())):
+            close = getattr(built, "close", None)
+            if close is not None:
+                try:
+                    close()
+                except Exception:  # noqa: BLE001 - unloading goes on
+                    log.exception("closing extension %s of %r failed", name, version)
+        version.extensions = {}
+        if version.servable is not None:
+            try:
+                version.servable.close()
+            except Exception:  # noqa: BLE001
+                log.exception("closing %r failed", version)
+        version.servable = None
+
+    def _unload(self, version: LoadedVersion) -> None:
+        with self._cond:
+            self._cond.wait_for(lambda: version.num_inflight == 0)
+        self._tear_down(version)
+        with self._cond:
+            version.state = VersionState.END
+            self._cond.notify_all()
+        log.info("%s version %d reached END", version.model_name, version.version)
+
+    # ---- routing -------------------------------------------------------------------------
+
+    @contextmanager
+    def acquire(self, model_name: str, version: int | None = None,
+                label: str | None = None) -> Iterator[LoadedVersion]:
+        """Holds an AVAILABLE version for the duration of the `with` block.
+
+        The version cannot finish unloading while held, so a request (or a generation
+        stream) that started on it completes on it. Raises ModelNotFoundError with TF
+        Serving's message when nothing matches, InvalidRequestError for an unknown label.
+        """
+        with self._cond:
+            found = self._resolve(model_name, version, label)
+            found.num_inflight += 1
+        try:
+            yield found
+        finally:
+            with self._cond:
+                found.num_inflight -= 1
+                if found.num_inflight == 0:
+                    self._cond.notify_all()
+
+    def _resolve(self, name: str, version: int | None, label: str | None) -> LoadedVersion:
+        if label:
+            if name not in self._specs:
+                raise ModelNotFoundError(f"Servable not found for request: Latest({name})")
+            if label not in self._labels.get(name, {}):
+                raise InvalidRequestError(f"Unrecognized servable version label: {label}")
+            version = self._labels[name][label]
+        versions = self._versions.get(name, {}) if name in self._specs else {}
+        if version is not None:
+            found = versions.get(int(version))
+            if found is None or found.state != VersionState.AVAILABLE:
+                raise ModelNotFoundError(
+                    f"Servable not found for request: Specific({name}, {version})")
+            return found
+        available = [v for v in versions.values() if v.state == VersionState.AVAILABLE]
+        if not available:
+            raise ModelNotFoundError(f"Servable not found for request: Latest({name})")
+        return max(available, key=lambda v: v.version)
+
+    # ---- inspection ----------------------------------------------------------------------
+
+    def model_names(self) -> list[str]:
+        """Names of the configured models."""
+        with self._cond:
+            return sorted(self._specs)
+
+    def available_versions(self, model_name: str) -> list[LoadedVersion]:
+        """AVAILABLE versions of a model, highest first (empty for an unknown model)."""
+        with self._cond:
+            if model_name not in self._specs:
+                return []
+            return sorted((v for v in self._versions.get(model_name, {}).values()
+                           if v.state == VersionState.AVAILABLE),
+                          key=lambda v: -v.version)
+
+    def labels(self, model_name: str) -> dict[str, int]:
+        """Label -> version for a model (labels may name versions that are not AVAILABLE)."""
+        with self._cond:
+            return dict(self._labels.get(model_name, {}))
+
+    def model_status(self, model_name: str, version: int | None = None) -> list[VersionStatus]:
+        """GetModelStatus: every known version of a model, or one version, highest first."""
+        with self._cond:
+            versions = self._versions.get(model_name, {})
+            if not versions:
+                raise ModelNotFoundError(f"Could not find any versions of model {model_name}")
+            if version is not None:
+                if version not in versions:
+                    raise ModelNotFoundError(
+                        f"Could not find version {version} of model {model_name}")
+                return [versions[version].status]
+            return [versions[n].status for n in sorted(versions, reverse=True)]
+
+    def wait_until_settled(self, timeout_s: float | None = None) -> bool:
+        """Blocks until no version is START or LOADING; False on timeout."""
+        def settled():
+            return all(v.state not in (VersionState.START, VersionState.LOADING)
+                       for versions in self._versions.values() for v in versions.values())
+        with self._cond:
+            return self._cond.wait_for(settled, timeout=timeout_s)
+
+    def close(self, timeout_s: float | None = None) -> None:
+        """Unloads everything (after in-flight requests drain) and stops retries."""
+        self._stopping.set()
+        with self._cond:
+            self._specs = {}
+        self.poll()
+        for thread in list(self._threads):
+            thread.join(timeout_s)

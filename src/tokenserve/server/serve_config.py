@@ -1,0 +1,97 @@
+"""`ServeConfig`: everything `tokenserve serve` was told, under tensorflow_model_server's flag
+names and defaults, plus tokenserve's own (`openai_port`, `api_keys`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tokenserve.errors import ConfigError
+from tokenserve.lifecycle.model_config import ModelSpecConfig, read_model_config_file
+from tokenserve.lifecycle.policy import VersionPolicy
+from tokenserve.lifecycle.server_protos import (BatchingParameters, MonitoringConfig,
+                                                read_batching_parameters,
+                                                read_monitoring_config)
+
+BUILTIN_MODEL_NAME = "builtin"  # the model served when no model flag is given
+
+
+@dataclass
+class ServeConfig:
+    """One server's configuration; validated on construction.
+
+    Build it from flags with `tokenserve.cli.serve.config_from_args`. Files named by
+    `*_file` fields are read here, so a bad file fails before any port opens.
+    """
+
+    port: int = 8500
+    """gRPC port (TF Serving's PredictionService, ModelService, health); 0 disables TCP."""
+    grpc_socket_path: str = ""
+    """Also serve gRPC on this Unix socket."""
+    grpc_channel_arguments: str = ""
+    """`key=value,...` gRPC server arguments."""
+    grpc_max_threads: int = 16
+    rest_api_port: int = 8501
+    """TF Serving REST; 0 disables it. (tensorflow_model_server's own default is 0.)"""
+    rest_api_timeout_in_ms: int = 30000
+    host: str = "0.0.0.0"
+    model_name: str = "default"
+    model_base_path: str = ""
+    model_config_file: str = ""
+    model_config_file_poll_wait_seconds: int = 0
+    """Reread --model_config_file this often; 0 reads it once."""
+    file_system_poll_wait_seconds: int = 1
+    """Look for new version directories this often; 0 looks once, at start."""
+    enable_batching: bool = False
+    batching_parameters_file: str = ""
+    enable_model_warmup: bool = True
+    num_request_iterations_for_warmup: int = 1
+    monitoring_config_file: str = ""
+    allow_version_labels_for_unavailable_models: bool = False
+    max_num_load_retries: int = 5
+    load_retry_interval_micros: int = 60_000_000
+    prefer_tflite_model: bool = False
+    openai_port: int = 8000
+    """OpenAI-compatible API port (served by the OpenAI frontend); 0 disables it."""
+    api_keys: tuple[str, ...] = ()
+    """Accepted API keys for the OpenAI frontend (repeat --api_key); empty means no auth."""
+    batching_parameters: BatchingParameters | None = None
+    """Parsed --batching_parameters_file (defaults when batching is on without a file)."""
+    monitoring: MonitoringConfig = field(default_factory=MonitoringConfig)
+    """Parsed --monitoring_config_file."""
+
+    def __post_init__(self):
+        for name in ("port", "rest_api_port", "openai_port"):
+            value = getattr(self, name)
+            if not 0 <= value <= 65535:
+                raise ConfigError(f"--{name} must be in 0..65535, got {value}")
+        if self.model_config_file and self.model_base_path:
+            raise ConfigError("--model_config_file and --model_base_path are mutually "
+                              "exclusive; put the model in the config file")
+        if self.max_num_load_retries < 0 or self.load_retry_interval_micros < 0:
+            raise ConfigError("--max_num_load_retries and --load_retry_interval_micros must "
+                              "not be negative")
+        if self.num_request_iterations_for_warmup < 1:
+            raise ConfigError("--num_request_iterations_for_warmup must be >= 1")
+        if self.batching_parameters_file:
+            self.batching_parameters = read_batching_parameters(self.batching_parameters_file)
+        elif self.enable_batching and self.batching_parameters is None:
+            self.batching_parameters = BatchingParameters()
+        if self.monitoring_config_file:
+            self.monitoring = read_monitoring_config(self.monitoring_config_file)
+        self.api_keys = tuple(self.api_keys)
+
+    @property
+    def serves_builtin(self) -> bool:
+        return not self.model_config_file and not self.model_base_path
+
+    def model_specs(self) -> list[ModelSpecConfig]:
+        """The models to serve: the config file's, the one --model_base_path names, or the
+        built-in model (exported into the user cache on first use)."""
+        if self.model_config_file:
+            return read_model_config_file(self.model_config_file)
+        if self.model_base_path:
+            return [ModelSpecConfig(self.model_name, self.model_base_path,
+                                    policy=VersionPolicy.latest(1))]
+        from tokenserve.model.checkpoint import builtin_export
+
+        return [ModelSpecConfig(BUILTIN_MODEL_NAME, str(builtin_export()))]

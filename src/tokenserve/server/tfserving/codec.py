@@ -1,0 +1,302 @@
+"""Tensors at the TF Serving edge: JSON (row/columnar, b64) and TensorProto <-> NumPy.
+
+JSON rules and error messages follow TF Serving's json_tensor: a JSON value must match the
+signature's dtype exactly (an int32 input takes JSON integers only, a float input refuses a
+value it cannot hold without loss), every instance must have the same shape, and string
+tensors take `{"b64": ...}` objects; outputs named `*_bytes` come back base64-encoded.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+
+import numpy as np
+import tensorflow as tf
+
+from tokenserve.errors import InvalidRequestError
+from tokenserve.server.tfserving.json_writer import PrettyWriter, format_decimal
+
+_INT_RANGES = {tf.int8: (-2**7, 2**7 - 1), tf.int16: (-2**15, 2**15 - 1),
+               tf.int32: (-2**31, 2**31 - 1), tf.uint8: (0, 2**8 - 1),
+               tf.int64: (-2**63, 2**63 - 1), tf.uint32: (0, 2**32 - 1),
+               tf.uint64: (0, 2**64 - 1)}
+BYTES_SUFFIX = "_bytes"
+
+
+def invalid(message: str) -> InvalidRequestError:
+    return InvalidRequestError(message)
+
+
+def compact(value) -> str:
+    """rapidjson's one-line rendering of a JSON value, for error messages."""
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+
+
+def json_type(value) -> str:
+    if value is None:
+        return "Null"
+    if value is True:
+        return "True"
+    if value is False:
+        return "False"
+    if isinstance(value, dict):
+        return "Object"
+    if isinstance(value, list):
+        return "Array"
+    if isinstance(value, str):
+        return "String"
+    return "Number"
+
+
+def status_text(message: str) -> str:
+    """absl::Status::ToString() of an INVALID_ARGUMENT, as nested in TF Serving's messages."""
+    return f"INVALID_ARGUMENT: {message}"
+
+
+def is_b64(value) -> bool:
+    return isinstance(value, dict) and len(value) == 1 and isinstance(value.get("b64"), str)
+
+
+def decode_b64(value) -> bytes:
+    if not is_b64(value):
+        raise invalid(f"JSON Value: {compact(value)} not formatted correctly for base64 data")
+    try:
+        return base64.b64decode(value["b64"], validate=True)
+    except (binascii.Error, ValueError):
+        raise invalid("Unable to base64 decode") from None
+
+
+def _type_error(value, dtype: tf.DType) -> InvalidRequestError:
+    return invalid(f"JSON Value: {compact(value)} Type: {json_type(value)} is not of "
+                   f"expected type: {dtype.name}")
+
+
+def _scalar(value, dtype: tf.DType):
+    if isinstance(value, dict):
+        return decode_b64(value) if dtype == tf.string else _raise(_type_error(value, dtype))
+    if dtype == tf.string:
+        return value.encode() if isinstance(value, str) else _raise(_type_error(value, dtype))
+    if dtype == tf.bool:
+        return value if isinstance(value, bool) else _raise(_type_error(value, dtype))
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise _type_error(value, dtype)
+    if dtype.is_floating:
+        digits = 53 if dtype == tf.float64 else 24
+        if isinstance(value, int) and abs(value) > 2**digits - 1:
+            target = "double" if dtype == tf.float64 else "float"
+            raise invalid(f"Cannot convert JSON value: {compact(value)} to {target} without "
+                          f"loss of precision.")
+        return float(value)
+    low, high = _INT_RANGES.get(dtype, (None, None))
+    if low is None:
+        raise invalid(f"Conversion of JSON Value: {compact(value)} to type: {dtype.name}")
+    if not isinstance(value, int) or not low <= value <= high:
+        raise _type_error(value, dtype)
+    return value
+
+
+def _raise(error: Exception):
+    raise error
+
+
+def _dense_shape(value) -> list[int]:
+    shape = []
+    while isinstance(value, list):
+        shape.append(len(value))
+        if not value:
+            break
+        value = value[0]
+    return shape
+
+
+def _fill(value, level: int, shape: list[int], dtype: tf.DType, out: list) -> None:
+    if not isinstance(value, list):
+        if level != len(shape):
+            raise invalid(f"JSON Value: {compact(value)} found at incorrect level: {level + 1} "
+                          f"in the JSON DOM. Expected at level: {len(shape)}")
+        out.append(_scalar(value, dtype))
+        return
+    if level >= len(shape):
+        raise invalid(f"Encountered list at unexpected level: {level} expected < {len(shape)}")
+    if len(value) != shape[level]:
+        raise invalid(f"Encountered list at unexpected size: {len(value)} at level: {level} "
+                      f"expected size: {shape[level]}")
+    for item in value:
+        _fill(item, level + 1, shape, dtype, out)
+
+
+def json_to_array(value, dtype: tf.DType) -> np.ndarray:
+    """One JSON value (scalar or nested lists) as an array of the signature's dtype."""
+    shape = _dense_shape(value)
+    flat: list = []
+    _fill(value, 0, shape, dtype, flat)
+    if dtype == tf.string:
+        array = np.empty(len(flat), dtype=object)
+        array[:] = flat
+    else:
+        array = np.array(flat, dtype=dtype.as_numpy_dtype)
+    return array.reshape(shape)
+
+
+def instances_to_arrays(instances: list, input_dtypes: dict[str, tf.DType]) -> dict:
+    """Row format: `instances` batched into one array per input (TF Serving's rules)."""
+    if not isinstance(instances[0], dict) and len(input_dtypes) > 1:
+        raise invalid("instances is a plain list, but expecting list of objects as multiple "
+                      "input tensors required as per tensorinfo_map")
+    objects = isinstance(instances[0], dict) and not is_b64(instances[0])
+    names = sorted(input_dtypes)
+    columns: dict[str, list[np.ndarray]] = {}
+    for index, element in enumerate(instances):
+        if objects:
+            if not isinstance(element, dict) or is_b64(element):
+                raise invalid(f"Expecting object but got list at item {index} of input list")
+            for name, item in element.items():
+                try:
+                    _add_instance(item, name, input_dtypes, columns)
+                except InvalidRequestError as error:
+                    raise invalid(f"Failed to process element: {index} key: {name} of "
+                                  f"'instances' list. Error: {status_text(str(error))}") from None
+            if set(element) != set(names):
+                raise invalid(f"Failed to process element: {index} of 'instances' list. JSON "
+                              f"object: {compact(element)} must only have keys: "
+                              f"{','.join(names)}")
+        else:
+            if isinstance(element, dict) and not is_b64(element):
+                raise invalid(f"Expecting value/list but got object at item {index} of "
+                              f"input list")
+            try:
+                _add_instance(element, names[0], input_dtypes, columns)
+            except InvalidRequestError as error:
+                raise invalid(f"Failed to process element: {index} of 'instances' list. "
+                              f"Error: {status_text(str(error))}") from None
+    return {name: np.stack(arrays) for name, arrays in columns.items()}
+
+
+def _add_instance(item, name: str, input_dtypes: dict, columns: dict) -> None:
+    if name not in input_dtypes:
+        raise invalid(f"JSON object: does not have named input: {name}")
+    array = json_to_array(item, input_dtypes[name])
+    previous = columns.setdefault(name, [])
+    if previous:
+        first = previous[0]
+        if first.size != array.size:
+            raise invalid(f"Expecting tensor size: {first.size} but got: {array.size}")
+        if first.shape != array.shape:
+            raise invalid(f"Expecting shape [{','.join(map(str, first.shape))}] but got: "
+                          f"[{','.join(map(str, array.shape))}]")
+    previous.append(array)
+
+
+def inputs_to_arrays(inputs, input_dtypes: dict[str, tf.DType]) -> dict:
+    """Columnar format: `inputs` as one value (single input) or an object of named values."""
+    if not isinstance(inputs, dict) or is_b64(inputs):
+        if len(input_dtypes) > 1:
+            raise invalid("inputs is a plain value/list, but expecting an object as multiple "
+                          "input tensors required as per tensorinfo_map")
+        name = next(iter(input_dtypes))
+        return {name: json_to_array(inputs, input_dtypes[name])}
+    arrays = {}
+    for name in sorted(input_dtypes):
+        if name not in inputs:
+            raise invalid(f"Missing named input: {name} in 'inputs' object.")
+        arrays[name] = json_to_array(inputs[name], input_dtypes[name])
+    return arrays
+
+
+# ---- outputs to JSON ----------------------------------------------------------------------
+
+def _write_scalar(writer: PrettyWriter, value, as_bytes: bool) -> None:
+    if isinstance(value, (bytes, np.bytes_)):
+        if as_bytes:
+            writer.start_object()
+            writer.key("b64")
+            writer.raw(json.dumps(base64.b64encode(bytes(value)).decode()))
+            writer.end_object()
+        else:
+            writer.raw(json.dumps(bytes(value).decode("utf-8", "replace"), ensure_ascii=False))
+    elif isinstance(value, (bool, np.bool_)):
+        writer.raw("true" if value else "false")
+    elif isinstance(value, (np.floating, float)):
+        writer.raw(format_decimal(value, np.asarray(value).dtype != np.float64))
+    else:
+        writer.raw(str(int(value)))
+
+
+def _write_values(writer: PrettyWriter, value, as_bytes: bool) -> None:
+    if isinstance(value, np.ndarray) and value.ndim > 0:
+        writer.start_array()
+        for item in value:
+            _write_values(writer, item, as_bytes)
+        writer.end_array()
+    else:
+        _write_scalar(writer, value[()] if isinstance(value, np.ndarray) else value, as_bytes)
+
+
+def _is_bytes_output(name: str, array: np.ndarray) -> bool:
+    return array.dtype == object and name.endswith(BYTES_SUFFIX)
+
+
+def row_json(outputs: dict[str, np.ndarray]) -> str:
+    """`{"predictions": [...]}`: one entry per batch row, an object when several outputs."""
+    batch = 0
+    for name, array in sorted(outputs.items()):
+        if array.ndim == 0:
+            raise invalid(f"Tensor name: {name} has no shape information ")
+        if array.shape[0] < 1:
+            raise invalid(f"Tensor name: {name} has invalid batch size: {array.shape[0]}")
+        if batch and array.shape[0] != batch:
+            raise invalid(f"Tensor name: {name} has inconsistent batch size: "
+                          f"{array.shape[0]} expecting: {batch}")
+        batch = array.shape[0]
+    writer = PrettyWriter()
+    writer.start_object()
+    writer.key("predictions")
+    writer.start_array()
+    several = len(outputs) > 1
+    for row in range(batch):
+        if several:
+            writer.start_object()
+        writer.single_line_arrays = True
+        for name, array in sorted(outputs.items()):
+            if several:
+                writer.key(name)
+            _write_values(writer, array[row], _is_bytes_output(name, array))
+        writer.single_line_arrays = False
+        if several:
+            writer.end_object()
+    writer.end_array()
+    writer.end_object()
+    return writer.text()
+
+
+def columnar_json(outputs: dict[str, np.ndarray]) -> str:
+    """`{"outputs": ...}`: the tensor itself, or an object of named tensors."""
+    writer = PrettyWriter()
+    writer.start_object()
+    writer.key("outputs")
+    several = len(outputs) > 1
+    if several:
+        writer.start_object()
+    for name, array in sorted(outputs.items()):
+        if several:
+            writer.key(name)
+        _write_values(writer, np.asarray(array), _is_bytes_output(name, array))
+    if several:
+        writer.end_object()
+    writer.end_object()
+    return writer.text()
+
+
+# ---- TensorProto ------------------------------------------------------------------------
+
+def tensor_proto_to_array(name: str, proto) -> np.ndarray:
+    try:
+        return tf.make_ndarray(proto)
+    except (TypeError, ValueError) as error:
+        raise invalid(f"tensor parsing error: {name}: {error}") from None
+
+
+def array_to_tensor_proto(array: np.ndarray):
+    return tf.make_tensor_proto(array)

@@ -1,0 +1,260 @@
+"""TF Serving's REST API on FastAPI: `/v1/models/{name}[/versions/{v}|/labels/{l}]` for status,
+`.../metadata`, and `...:predict|:classify|:regress`, with TF Serving's JSON bodies, its
+`{ "error": "..." }` error body and HTTP status mapping (through server/status.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import re
+import time
+
+import tensorflow as tf
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+from starlette.concurrency import run_in_threadpool
+from tensorflow.core.example import example_pb2, feature_pb2
+from tensorflow_serving.apis import get_model_metadata_pb2, input_pb2, model_pb2
+
+from tokenserve.errors import DeadlineExceededError, InvalidRequestError, ModelNotFoundError
+from tokenserve.lifecycle.manager import ModelManager
+from tokenserve.lifecycle.servable import DEFAULT_SIGNATURE, signature_def
+from tokenserve.server.status import grpc_code, http_status
+from tokenserve.server.tfserving import codec, inference, model_info
+from tokenserve.server.tfserving.json_writer import PrettyWriter, error_body, format_decimal
+
+log = logging.getLogger("tokenserve.tfserving")
+ENTRYPOINT = "REST"
+_SPEC = r"/v1/models/([^/:]+)(?:/versions/(\d+)|/labels/([^/:]+))?"
+_GET = re.compile(_SPEC + r"(?:/(metadata))?/?$")
+_POST = re.compile(_SPEC + r":(classify|regress|predict)$")
+
+
+def _json_response(body: str, status: int = 200) -> Response:
+    return Response(content=body, status_code=status, media_type="application/json")
+
+
+def _model_spec(name: str, version: str | None, label: str | None) -> model_pb2.ModelSpec:
+    spec = model_pb2.ModelSpec(name=name)
+    if version is not None:
+        spec.version.value = int(version)
+    elif label is not None:
+        spec.version_label = label
+    return spec
+
+
+def _parse_body(body: bytes) -> dict:
+    if not body:
+        raise InvalidRequestError("JSON Parse error: The document is empty")
+    try:
+        doc = json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        reason = getattr(error, "msg", str(error))
+        raise InvalidRequestError(f"JSON Parse error: {reason} at offset: "
+                                  f"{getattr(error, 'pos', 0)}") from None
+    if not isinstance(doc, dict):
+        raise InvalidRequestError(f"JSON Value: {codec.compact(doc)} Is not object")
+    signature = doc.get("signature_name", DEFAULT_SIGNATURE)
+    if not isinstance(signature, str):
+        raise InvalidRequestError(f"JSON Value: {codec.compact(doc)} not formatted correctly. "
+                                  f"'signature_name' key must be a string value.")
+    return doc
+
+
+def _predict(manager: ModelManager, spec: model_pb2.ModelSpec, doc: dict) -> str:
+    signature = doc.get("signature_name") or DEFAULT_SIGNATURE
+    with manager.acquire(**inference.spec_args(spec)) as version:
+        sig = signature_def(version.servable, signature)
+        dtypes = {name: tf.dtypes.as_dtype(info.dtype) for name, info in sig.inputs.items()}
+        if not dtypes:
+            raise InvalidRequestError(f"Failed to get input map for signature: {signature}")
+        if "instances" in doc:
+            if "inputs" in doc:
+                raise InvalidRequestError(
+                    f"JSON Value: {codec.compact(doc)} Not formatted correctly expecting only "
+                    f"one of 'inputs' or 'instances' keys to exist ")
+            instances = doc["instances"]
+            if not isinstance(instances, list):
+                raise InvalidRequestError(f"JSON Value: {codec.compact(doc)} Excepting "
+                                          f"'instances' to be an list/array")
+            if not instances:
+                raise InvalidRequestError(f"JSON Value: {codec.compact(doc)} No values in "
+                                          f"'instances' array")
+            outputs = version.servable.run(signature, codec.instances_to_arrays(instances, dtypes))
+            return codec.row_json(outputs)
+        if "inputs" in doc:
+            arrays = codec.inputs_to_arrays(doc["inputs"], dtypes)
+            return codec.columnar_json(version.servable.run(signature, arrays))
+        raise InvalidRequestError("Missing 'inputs' or 'instances' key")
+
+
+def _feature(name: str, values) -> feature_pb2.Feature:
+    """One tf.Example feature from JSON (TF Serving's rules: float/int64/bytes, b64)."""
+    feature = feature_pb2.Feature()
+    kinds = {"float": "float_list", "int64": "int64_list", "bytes": "bytes_list"}
+    for value in values if isinstance(values, list) else [values]:
+        if isinstance(value, bool):
+            kind, item = "int64", int(value)
+        elif isinstance(value, int):
+            kind, item = "int64", value
+        elif isinstance(value, float):
+            kind, item = "float", value
+        elif isinstance(value, str):
+            kind, item = "bytes", value.encode()
+        elif codec.is_b64(value):
+            kind, item = "bytes", codec.decode_b64(value)
+        else:
+            raise InvalidRequestError(f"Feature: {name} has element with unexpected JSON type: "
+                                      f"{codec.json_type(value)}")
+        current = feature.WhichOneof("kind")
+        if current is not None and current != kinds[kind]:
+            raise InvalidRequestError(f"Unexpected element type in feature: {name} expecting "
+                                      f"type: {current.removesuffix('_list')}")
+        getattr(feature, kinds[kind]).value.append(item)
+    return feature
+
+
+def _example(value) -> example_pb2.Example:
+    if not isinstance(value, dict):
+        raise InvalidRequestError(f"Example must be JSON object but got JSON "
+                                  f"{codec.json_type(value)}")
+    example = example_pb2.Example()
+    for name, content in value.items():
+        example.features.feature[name].CopyFrom(_feature(name, content))
+    return example
+
+
+def _examples_input(doc: dict, method: str) -> input_pb2.Input:
+    request_input = input_pb2.Input()
+    examples = doc.get("examples")
+    if examples is None:
+        raise InvalidRequestError(f"JSON Value: {codec.compact(doc)} When method is {method}, "
+                                  f"key 'examples' is expected and was not found")
+    if not isinstance(examples, list):
+        raise InvalidRequestError(f"JSON Value: {codec.compact(doc)} Expecting 'examples' value "
+                                  f"to be an list/array")
+    if not examples:
+        raise InvalidRequestError(f"JSON Value: {codec.compact(doc)} 'examples' value is an "
+                                  f"empty array")
+    if "context" in doc:
+        target = request_input.example_list_with_context
+        target.context.CopyFrom(_example(doc["context"]))
+    else:
+        target = request_input.example_list
+    for example in examples:
+        target.examples.append(_example(example))
+    return request_input
+
+
+def _classify(manager: ModelManager, spec: model_pb2.ModelSpec, doc: dict) -> str:
+    request_input = _examples_input(doc, "classify")
+    with manager.acquire(**inference.spec_args(spec)) as version:
+        result = inference.classify_on(version.servable, doc.get("signature_name", ""),
+                                       request_input)
+    writer = PrettyWriter()
+    writer.start_object()
+    writer.key("results")
+    writer.start_array()
+    for classifications in result.classifications:
+        writer.single_line_arrays = True
+        writer.start_array()
+        for entry in classifications.classes:
+            writer.start_array()
+            writer.key(entry.label)
+            writer.raw(format_decimal(entry.score, True))
+            writer.end_array()
+        writer.end_array()
+        writer.single_line_arrays = False
+    writer.end_array()
+    writer.end_object()
+    return writer.text()
+
+
+def _regress(manager: ModelManager, spec: model_pb2.ModelSpec, doc: dict) -> str:
+    request_input = _examples_input(doc, "regress")
+    with manager.acquire(**inference.spec_args(spec)) as version:
+        result = inference.regress_on(version.servable, doc.get("signature_name", ""),
+                                      request_input)
+    writer = PrettyWriter()
+    writer.start_object()
+    writer.key("results")
+    writer.start_array()
+    writer.single_line_arrays = True
+    for regression in result.regressions:
+        writer.raw(format_decimal(regression.value, True))
+    writer.single_line_arrays = False
+    writer.end_array()
+    writer.end_object()
+    return writer.text()
+
+
+_POST_HANDLERS = {"predict": _predict, "classify": _classify, "regress": _regress}
+
+
+def build_rest_app(manager: ModelManager, metrics=None, timeout_s: float = 30.0,
+                   prometheus_path: str | None = None, registry=None) -> FastAPI:
+    """The TF Serving REST app; Prometheus at `prometheus_path` when monitoring is enabled."""
+    app = FastAPI(title="tokenserve TF Serving REST API", docs_url=None, redoc_url=None,
+                  openapi_url=None)
+
+    async def run(api: str, model_name: str, work) -> Response:
+        started = time.monotonic()
+        try:
+            body = await asyncio.wait_for(run_in_threadpool(work), timeout_s)
+            status, code = 200, "OK"
+            response = _json_response(body)
+        except Exception as error:  # noqa: BLE001 - every error becomes TF Serving's body
+            if isinstance(error, asyncio.TimeoutError):
+                error = DeadlineExceededError(f"Request timed out after {timeout_s * 1000:.0f} "
+                                              f"ms")
+            status = http_status(error)
+            if status == 500:
+                log.exception("%s failed", api)
+            code = grpc_code(error).name
+            response = _json_response(error_body(str(error)), status)
+        if metrics and model_name:
+            metrics.request(model_name, api, ENTRYPOINT, code, time.monotonic() - started)
+        return response
+
+    if prometheus_path and registry is not None:
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        @app.get(prometheus_path)
+        def prometheus() -> Response:
+            return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models/{path:path}")
+    async def get(request: Request) -> Response:
+        match = _GET.match(request.url.path)
+        if not match:
+            return _malformed(request)
+        name, version, label, metadata = match.groups()
+        spec = _model_spec(name, version, label)
+        if metadata:
+            def work():
+                request_proto = get_model_metadata_pb2.GetModelMetadataRequest(
+                    model_spec=spec, metadata_field=[model_info.SIGNATURE_DEF_FIELD])
+                return model_info.metadata_json(model_info.model_metadata(manager,
+                                                                          request_proto))
+            return await run("get_model_metadata", name, work)
+        return await run("get_model_status", "",
+                         lambda: model_info.status_json(model_info.model_status(manager, spec)))
+
+    @app.post("/v1/models/{path:path}")
+    async def post(request: Request) -> Response:
+        match = _POST.match(request.url.path)
+        if not match:
+            return _malformed(request)
+        name, version, label, method = match.groups()
+        body = await request.body()
+        spec = _model_spec(name, version, label)
+        return await run(method, name, lambda: _POST_HANDLERS[method](manager, spec,
+                                                                     _parse_body(body)))
+
+    return app
+
+
+def _malformed(request: Request) -> Response:
+    error = ModelNotFoundError(f"Malformed request: {request.method} {request.url.path}")
+    return _json_response(error_body(str(error)), http_status(error))

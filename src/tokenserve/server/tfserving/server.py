@@ -1,0 +1,127 @@
+"""Wires one server process: manager, poller, TF Serving gRPC and REST, metrics registry.
+
+Other frontends (the OpenAI API, the streaming generation service) plug in through
+`frontends`: callables that get the `ServeContext` once every model has loaded and return an
+object with `stop()`.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import partial
+
+import uvicorn
+from prometheus_client import CollectorRegistry
+
+from tokenserve.lifecycle.loader import load_servable
+from tokenserve.lifecycle.manager import ModelManager
+from tokenserve.lifecycle.model_config import read_model_config_file
+from tokenserve.lifecycle.poller import Poller
+from tokenserve.lifecycle.warmup import make_warmup
+from tokenserve.observability.tfserving_metrics import TFServingMetrics
+from tokenserve.server.serve_config import ServeConfig
+from tokenserve.server.tfserving.grpc_service import start_grpc_server
+from tokenserve.server.tfserving.inference import replay_warmup_record
+from tokenserve.server.tfserving.rest import build_rest_app
+
+log = logging.getLogger("tokenserve.serve")
+
+
+@dataclass
+class ServeContext:
+    """What a frontend needs: the config, the manager (acquire(), available_versions(),
+    labels(), register_extension()) and the Prometheus registry to add metrics to."""
+
+    config: ServeConfig
+    manager: ModelManager
+    registry: CollectorRegistry
+    metrics: TFServingMetrics
+    stoppables: list = field(default_factory=list)
+
+
+Frontend = Callable[[ServeContext], object]
+
+
+def build_context(config: ServeConfig) -> ServeContext:
+    """A manager configured from `config` (nothing loaded yet) and a fresh registry."""
+    registry = CollectorRegistry()
+    metrics = TFServingMetrics(registry)
+    warmup = (make_warmup(replay_warmup_record, config.num_request_iterations_for_warmup)
+              if config.enable_model_warmup else None)
+    manager = ModelManager(
+        lambda spec, path: load_servable(spec, path, prefer_tflite=config.prefer_tflite_model),
+        warmup=warmup, max_num_load_retries=config.max_num_load_retries,
+        load_retry_interval_s=config.load_retry_interval_micros / 1e6,
+        allow_labels_for_unavailable=config.allow_version_labels_for_unavailable_models,
+        metrics=metrics)
+    return ServeContext(config, manager, registry, metrics)
+
+
+def _uvicorn(app, host: str, port: int) -> uvicorn.Server:
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning",
+                                           access_log=False, lifespan="off"))
+    thread = threading.Thread(target=server.run, name=f"http-{port}", daemon=True)
+    thread.start()
+    while not server.started and thread.is_alive():
+        thread.join(0.05)
+    if not server.started:
+        raise OSError(f"could not start the HTTP server on {host}:{port}")
+    return server
+
+
+def serve(config: ServeConfig, frontends: list[Frontend] = (),
+          extensions: dict[str, Callable] | None = None,
+          stop_event: threading.Event | None = None) -> None:
+    """Loads every model, starts gRPC and REST (and `frontends`), serves until SIGTERM/SIGINT
+    or `stop_event`, then stops accepting, drains in-flight requests and unloads."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: "
+                                                   "%(message)s", stream=sys.stderr)
+    context = build_context(config)
+    manager = context.manager
+    for name, factory in (extensions or {}).items():
+        manager.register_extension(name, factory)
+    manager.apply_config(config.model_specs(), wait=True)
+    read_config = (partial(read_model_config_file, config.model_config_file)
+                   if config.model_config_file else None)
+    poller = Poller(manager, config.file_system_poll_wait_seconds, read_config,
+                    config.model_config_file_poll_wait_seconds)
+    poller.start()
+    grpc_server = start_grpc_server(manager, config.port, config.grpc_socket_path,
+                                    config.grpc_channel_arguments, context.metrics,
+                                    max_workers=config.grpc_max_threads,
+                                    on_reload=poller.config_applied)
+    if grpc_server is not None:
+        print(f"Running gRPC ModelServer at {config.host}:{config.port} ...", file=sys.stderr)
+    http_servers = []
+    if config.rest_api_port:
+        monitoring = config.monitoring
+        app = build_rest_app(manager, context.metrics, config.rest_api_timeout_in_ms / 1000,
+                             monitoring.prometheus_path if monitoring.prometheus_enabled
+                             else None, context.registry)
+        http_servers.append(_uvicorn(app, config.host, config.rest_api_port))
+        print(f"Exporting HTTP/REST API at:{config.host}:{config.rest_api_port} ...",
+              file=sys.stderr)
+    for frontend in frontends:
+        context.stoppables.append(frontend(context))
+    sys.stderr.flush()
+
+    stop = stop_event or threading.Event()
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+    log.info("shutting down")
+    for server in http_servers:
+        server.should_exit = True
+    for stoppable in context.stoppables:
+        if hasattr(stoppable, "stop"):
+            stoppable.stop()
+    if grpc_server is not None:
+        grpc_server.stop(grace=5).wait()
+    poller.stop()
+    manager.close(timeout_s=30)

@@ -1,0 +1,164 @@
+"""Small SavedModels for the TF Serving tests, each in TF Serving's `<base>/<version>/` layout.
+
+- `write_tf2_model`: a tf.Module with several signatures (float, int, string in/out), plus a
+  `wait` signature that blocks until a file exists (to hold a request in flight).
+- `write_keras_model`: a Keras 3 model through `model.export`.
+- `write_tf1_model`: TF1-style classify/regress/predict signatures over serialized
+  tf.Examples, built with tf.compat.v1 and SavedModelBuilder (like TF Serving's half_plus_two).
+- `write_tflite_model`: model.tflite converted from a TF2 SavedModel.
+- `write_warmup`: a warmup file of PredictionLog records.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+import tensorflow as tf
+from tensorflow.python.data.experimental.ops.testing import sleep  # the SleepDataset op
+from tensorflow_serving.apis import model_pb2, predict_pb2, prediction_log_pb2
+
+
+class _Module(tf.Module):
+    def __init__(self, scale: float, offset: float):
+        super().__init__()
+        self.scale = tf.Variable(scale, dtype=tf.float32)
+        self.offset = tf.Variable(offset, dtype=tf.float32)
+
+    @tf.function(input_signature=[tf.TensorSpec([None], tf.float32, name="x")])
+    def affine(self, x):
+        # x: [B] -> y: [B]
+        return {"y": x * self.scale + self.offset}
+
+    @tf.function(input_signature=[tf.TensorSpec([None, None], tf.int32, name="a"),
+                                  tf.TensorSpec([None, None], tf.int32, name="b")])
+    def arith(self, a, b):
+        return {"sum": a + b, "product": a * b}
+
+    @tf.function(input_signature=[tf.TensorSpec([None], tf.string, name="text")])
+    def strings(self, text):
+        return {"length": tf.strings.length(text), "upper_bytes": tf.strings.upper(text)}
+
+    @tf.function(input_signature=[tf.TensorSpec([], tf.string, name="gate"),
+                                  tf.TensorSpec([None], tf.float32, name="x")])
+    def wait(self, gate, x):
+        """Blocks until a file matching `gate` exists, then returns affine(x)."""
+        def missing(_):
+            return tf.equal(tf.size(tf.io.matching_files(gate)), 0)
+
+        def nap(i):
+            # 20 ms sleep inside the graph, so the wait does not spin a core.
+            slept = tf.data.Dataset.range(1).apply(sleep(20_000))
+            return i + slept.reduce(tf.constant(1, tf.int64), lambda total, item: total + item)
+
+        tf.while_loop(missing, nap, [tf.constant(0, tf.int64)])
+        return {"y": x * self.scale + self.offset}
+
+
+def write_tf2_model(base: Path, version: int, scale: float = 0.5, offset: float = 2.0,
+                    atomic: bool = True) -> Path:
+    """`serving_default` is y = scale * x + offset (the version is visible in the output)."""
+    module = _Module(scale, offset)
+    signatures = {"serving_default": module.affine, "arith": module.arith,
+                  "strings": module.strings, "wait": module.wait}
+    return _save(base, version, lambda path: tf.saved_model.save(module, str(path),
+                                                                 signatures=signatures), atomic)
+
+
+def _save(base: Path, version: int, save, atomic: bool) -> Path:
+    base.mkdir(parents=True, exist_ok=True)
+    final = base / str(version)
+    staging = base / f".staging-{version}" if atomic else final
+    save(staging)
+    if atomic:
+        os.rename(staging, final)
+    return final
+
+
+def write_keras_model(base: Path, version: int) -> Path:
+    import keras
+
+    inputs = keras.Input(shape=(3,), name="features")
+    outputs = keras.layers.Dense(2, kernel_initializer="ones", bias_initializer="zeros",
+                                 name="dense")(inputs)
+    model = keras.Model(inputs, outputs)
+    return _save(base, version, lambda path: model.export(str(path), verbose=False), True)
+
+
+def write_tf1_model(base: Path, version: int) -> Path:
+    """Signatures over serialized tf.Examples with one float feature `x` (y = 0.5x + 2):
+    `classify_x_to_y` (classes/scores), `regress_x_to_y` (outputs), `serving_default`
+    (predict: x -> y)."""
+    v1 = tf.compat.v1
+
+    def build(path: Path):
+        graph = tf.Graph()
+        with graph.as_default(), v1.Session(graph=graph) as session:
+            serialized = v1.placeholder(tf.string, [None], name="tf_example")
+            features = v1.parse_example(serialized, {"x": v1.FixedLenFeature([1], tf.float32)})
+            x = tf.identity(features["x"], name="x")  # [N, 1]
+            a = v1.Variable(0.5, name="a")
+            b = v1.Variable(2.0, name="b")
+            y = tf.add(a * x, b, name="y")  # [N, 1]
+            scores = tf.concat([y, -y], axis=1, name="scores")  # [N, 2]
+            classes = tf.tile(tf.constant([["pos", "neg"]]), [tf.shape(y)[0], 1],
+                              name="classes")
+            raw_x = v1.placeholder(tf.float32, [None], name="raw_x")
+            raw_y = tf.add(a * raw_x, b, name="raw_y")
+            session.run(v1.global_variables_initializer())
+            info = v1.saved_model.utils.build_tensor_info
+            builder = v1.saved_model.builder.SavedModelBuilder(str(path))
+            builder.add_meta_graph_and_variables(session, [v1.saved_model.tag_constants.SERVING],
+                                                 signature_def_map={
+                "classify_x_to_y": v1.saved_model.classification_signature_def(
+                    serialized, classes, scores),
+                "regress_x_to_y": v1.saved_model.regression_signature_def(serialized, y),
+                "regress_x_to_y2": v1.saved_model.regression_signature_def(
+                    serialized, tf.identity(y * 2.0, name="y2")),
+                "serving_default": v1.saved_model.signature_def_utils.build_signature_def(
+                    inputs={"x": info(raw_x)}, outputs={"y": info(raw_y)},
+                    method_name=v1.saved_model.signature_constants.PREDICT_METHOD_NAME),
+            })
+            builder.save()
+    return _save(base, version, build, True)
+
+
+def write_tflite_model(base: Path, version: int, scratch: Path) -> Path:
+    """model.tflite (y = 0.5x + 2 on float32 [1]) with a serving_default signature."""
+    saved = write_tf2_model(scratch, 1)
+    converter = tf.lite.TFLiteConverter.from_saved_model(str(saved),
+                                                         signature_keys=["serving_default"])
+    flatbuffer = converter.convert()
+
+    def write(path: Path):
+        path.mkdir(parents=True)
+        (path / "model.tflite").write_bytes(flatbuffer)
+    return _save(base, version, write, True)
+
+
+def write_warmup(version_dir: Path, model_name: str, signature: str, inputs: dict,
+                 count: int = 1) -> Path:
+    request = predict_pb2.PredictRequest(
+        model_spec=model_pb2.ModelSpec(name=model_name, signature_name=signature))
+    for key, value in inputs.items():
+        request.inputs[key].CopyFrom(tf.make_tensor_proto(value))
+    record = prediction_log_pb2.PredictionLog(
+        predict_log=prediction_log_pb2.PredictLog(request=request))
+    path = version_dir / "assets.extra" / "tf_serving_warmup_requests"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tf.io.TFRecordWriter(str(path)) as writer:
+        for _ in range(count):
+            writer.write(record.SerializeToString())
+    return path
+
+
+def copy_half(source: Path, target: Path) -> None:
+    """A half-copied version directory: saved_model.pb without its variables."""
+    target.mkdir(parents=True)
+    shutil.copy(source / "saved_model.pb", target / "saved_model.pb")
+
+
+def float_input(values) -> np.ndarray:
+    return np.asarray(values, dtype=np.float32)
