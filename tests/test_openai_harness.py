@@ -70,13 +70,20 @@ class RealServer:
         self.grpc_target = f"127.0.0.1:{ports['grpc']}"
         self.headers = {"Authorization": f"Bearer {API_KEY}"}
 
-    def num_unfinished(self, model: str = MODEL) -> int:
-        """The engine's requests not yet finished (queued or running), from /metrics."""
+    def _metric(self, prefix: str) -> float:
         text = httpx.get(self.url + "/metrics").text
         for line in text.splitlines():
-            if line.startswith(f'test_engine_unfinished_requests{{model="{model}"}}'):
-                return int(float(line.rsplit(" ", 1)[1]))
-        raise AssertionError(f"gauge missing from /metrics:\n{text}")
+            if line.startswith(prefix + " "):
+                return float(line.rsplit(" ", 1)[1])
+        return 0.0
+
+    def num_unfinished(self, model: str = MODEL) -> int:
+        """The engine's requests not yet finished (queued or running), from /metrics."""
+        return int(self._metric(f'test_engine_unfinished_requests{{model="{model}"}}'))
+
+    def num_finished(self, reason: str) -> int:
+        """Requests of the main engine that finished with `reason` (stop, length, abort)."""
+        return int(self._metric(f'test_engine_finished_requests_total{{reason="{reason}"}}'))
 
     def close(self) -> None:
         self.process.terminate()
@@ -91,19 +98,28 @@ async def _serve(model_dir: str, request_timeout_s: float) -> None:
 
     import grpc
     import uvicorn
-    from prometheus_client import CollectorRegistry, Gauge
+    from prometheus_client import CollectorRegistry, Counter, Gauge
 
     from tokenserve.engine.async_engine import AsyncEngine
     from tokenserve.engine.config import EngineConfig
     from tokenserve.server.auth import APIKeys, AsyncAPIKeyInterceptor
     from tokenserve.server.grpc_generate import add_generation_service
     from tokenserve.server.openai import OpenAIServerConfig, StaticModels, build_openai_app
+    from tokenserve.stats import StatsSink
+
+    registry = CollectorRegistry()
+    finished = Counter("test_engine_finished_requests", "finished requests by reason",
+                       ["reason"], registry=registry)
+
+    class FinishCounter(StatsSink):
+        def on_request(self, stats) -> None:
+            finished.labels(stats.finish_reason).inc()
 
     small = dict(block_size=4, precision="float32", max_num_batched_tokens=64)
-    engine = AsyncEngine.from_model_dir(model_dir, EngineConfig(max_num_seqs=8, **small))
+    engine = AsyncEngine.from_model_dir(model_dir, EngineConfig(max_num_seqs=8, **small),
+                                        stats=FinishCounter())
     busy = AsyncEngine.from_model_dir(model_dir, EngineConfig(max_num_seqs=1,
                                                               max_queue_tokens=3, **small))
-    registry = CollectorRegistry()
     gauge = Gauge("test_engine_unfinished_requests", "unfinished requests", ["model"],
                   registry=registry)
     gauge.labels(MODEL).set_function(lambda: engine.num_unfinished)
