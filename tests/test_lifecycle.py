@@ -1,0 +1,250 @@
+"""Lifecycle policy, config parsing and the manager's state machine, with a fake loader
+(no TensorFlow): availability-preserving swaps, draining, extensions, retries, labels."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+
+from tokenserve.errors import ConfigError, InvalidRequestError, ModelLoadError, ModelNotFoundError
+from tokenserve.lifecycle import ModelManager, ModelSpecConfig, VersionPolicy, VersionState
+from tokenserve.lifecycle.model_config import parse_model_server_config
+from tokenserve.lifecycle.server_protos import (parse_batching_parameters,
+                                                parse_monitoring_config)
+
+
+class FakeServable:
+    def __init__(self, path: Path):
+        self.path = path
+        self.closed = False
+        self.signature_defs = {}
+
+    def close(self):
+        self.closed = True
+
+
+class FakeLoader:
+    """Loads any directory without a FAIL file; `gate` (if set) holds loads until set."""
+
+    def __init__(self):
+        self.gate: threading.Event | None = None
+        self.calls: list[Path] = []
+
+    def __call__(self, spec, path: Path):
+        self.calls.append(path)
+        if self.gate is not None:
+            assert self.gate.wait(10)
+        if (path / "FAIL").exists():
+            failure = ModelLoadError(f"cannot load {path}")
+            failure.error_code = "NOT_FOUND"
+            raise failure
+        return FakeServable(path)
+
+
+def make_version(base: Path, version: int, fail: bool = False) -> Path:
+    path = base / str(version)
+    path.mkdir(parents=True)
+    if fail:
+        (path / "FAIL").write_text("x")
+    return path
+
+
+def states(manager, name):
+    return {s.version: s.state for s in manager.model_status(name)}
+
+
+@pytest.fixture
+def loader():
+    return FakeLoader()
+
+
+@pytest.fixture
+def manager(loader):
+    manager = ModelManager(loader, max_num_load_retries=1, load_retry_interval_s=0.01)
+    yield manager
+    manager.close(timeout_s=5)
+
+
+def test_policies_select_versions():
+    assert VersionPolicy.latest(2).select([3, 1, 2]) == {2, 3}
+    assert VersionPolicy.all().select([1, 5]) == {1, 5}
+    assert VersionPolicy.specific([1, 4]).select([1, 2, 3]) == {1}
+    with pytest.raises(ConfigError):
+        VersionPolicy.latest(0)
+
+
+def test_model_server_config_text_format():
+    specs = parse_model_server_config("""
+        model_config_list {
+          config { name: "a" base_path: "/m/a" model_platform: "tensorflow"
+                   model_version_policy { specific { versions: 1 versions: 2 } }
+                   version_labels { key: "stable" value: 1 } }
+          config { name: "b" base_path: "/m/b" model_version_policy { all {} } }
+          config { name: "c" base_path: "/m/c" }
+        }""")
+    assert [s.name for s in specs] == ["a", "b", "c"]
+    assert specs[0].policy == VersionPolicy.specific([1, 2])
+    assert specs[0].labels == {"stable": 1}
+    assert specs[1].policy == VersionPolicy.all()
+    assert specs[2].policy == VersionPolicy.latest(1)
+    with pytest.raises(ConfigError, match="duplicate"):
+        parse_model_server_config('model_config_list { config { name: "a" base_path: "/x" } '
+                                  'config { name: "a" base_path: "/y" } }')
+    with pytest.raises(ConfigError, match="invalid model config"):
+        parse_model_server_config("model_config_list { nonsense: 1 }")
+
+
+def test_monitoring_and_batching_text_protos():
+    monitoring = parse_monitoring_config('prometheus_config { enable: true, path: "/m" }')
+    assert monitoring.prometheus_enabled and monitoring.prometheus_path == "/m"
+    assert not parse_monitoring_config("").prometheus_enabled
+    batching = parse_batching_parameters("max_batch_size { value: 8 }\n"
+                                         "batch_timeout_micros { value: 500 }\n"
+                                         "allowed_batch_sizes: 4 allowed_batch_sizes: 8")
+    assert (batching.max_batch_size, batching.batch_timeout_micros) == (8, 500)
+    assert batching.allowed_batch_sizes == (4, 8)
+    with pytest.raises(ConfigError):
+        parse_batching_parameters("max_batch_size { value: 8 }\nallowed_batch_sizes: 4")
+
+
+def test_swap_loads_new_before_unloading_old_and_drains_in_flight(tmp_path, loader, manager):
+    make_version(tmp_path, 1)
+    manager.apply_config([ModelSpecConfig("m", str(tmp_path))])
+    assert states(manager, "m") == {1: VersionState.AVAILABLE}
+    held = manager.acquire("m")
+    old = held.__enter__()
+    assert old.version == 1
+
+    loader.gate = threading.Event()
+    make_version(tmp_path, 2)
+    manager.poll()
+    # While version 2 is loading, version 1 keeps serving.
+    assert states(manager, "m")[1] == VersionState.AVAILABLE
+    with manager.acquire("m") as version:
+        assert version.version == 1
+    loader.gate.set()
+    assert manager.wait_until_settled(5)
+    # Version 2 is AVAILABLE; version 1 is UNLOADING until the held request finishes.
+    assert states(manager, "m") == {2: VersionState.AVAILABLE, 1: VersionState.UNLOADING}
+    with manager.acquire("m") as version:
+        assert version.version == 2
+    with pytest.raises(ModelNotFoundError, match=r"Specific\(m, 1\)"):
+        with manager.acquire("m", version=1):
+            pass
+    assert not old.servable.closed
+    held.__exit__(None, None, None)
+    with manager._cond:
+        assert manager._cond.wait_for(lambda: old.state == VersionState.END, 5)
+    assert old.servable is None
+
+
+def test_extensions_run_before_available_and_close_after_drain(tmp_path, loader, manager):
+    events = []
+
+    class Engine:
+        def __init__(self, version):
+            events.append(("built", version.version, version.state))
+
+        def close(self):
+            events.append(("closed",))
+
+    manager.register_extension("engine", Engine)
+    manager.register_extension("nothing", lambda version: None)
+    make_version(tmp_path, 1)
+    manager.apply_config([ModelSpecConfig("m", str(tmp_path))])
+    assert events == [("built", 1, VersionState.LOADING)]
+    with manager.acquire("m") as version:
+        assert isinstance(version.extensions["engine"], Engine)
+        assert "nothing" not in version.extensions
+        manager.apply_config([])  # model removed: unload starts, waits for us
+        assert version.state == VersionState.UNLOADING
+        assert events == [("built", 1, VersionState.LOADING)]
+    with manager._cond:
+        assert manager._cond.wait_for(lambda: version.state == VersionState.END, 5)
+    assert events[-1] == ("closed",)
+
+
+def test_failed_load_is_retried_reported_and_keeps_old_version(tmp_path, loader, manager):
+    make_version(tmp_path, 1)
+    manager.apply_config([ModelSpecConfig("m", str(tmp_path))])
+    make_version(tmp_path, 2, fail=True)
+    manager.poll()
+    assert manager.wait_until_settled(5)
+    status = {s.version: s for s in manager.model_status("m")}
+    assert status[2].state == VersionState.END
+    assert status[2].error_code == "NOT_FOUND" and "cannot load" in status[2].error_message
+    assert status[1].state == VersionState.AVAILABLE
+    assert loader.calls.count(tmp_path / "2") == 2  # one try plus max_num_load_retries=1
+    with manager.acquire("m") as version:
+        assert version.version == 1
+    manager.poll()  # unchanged files: not retried
+    assert manager.wait_until_settled(5)
+    assert loader.calls.count(tmp_path / "2") == 2
+    (tmp_path / "2" / "FAIL").unlink()  # the copy completed
+    (tmp_path / "2" / "variables").mkdir()
+    manager.poll()
+    assert manager.wait_until_settled(5)
+    with manager.acquire("m") as version:
+        assert version.version == 2
+
+
+def test_failing_extension_fails_the_load(tmp_path, loader, manager):
+    def broken(version):
+        raise RuntimeError("engine would not start")
+
+    manager.register_extension("engine", broken)
+    make_version(tmp_path, 1)
+    manager.apply_config([ModelSpecConfig("m", str(tmp_path))])
+    [status] = manager.model_status("m")
+    assert status.state == VersionState.END and "engine would not start" in status.error_message
+    with pytest.raises(ModelNotFoundError, match=r"Latest\(m\)"):
+        with manager.acquire("m"):
+            pass
+
+
+def test_labels_resolve_and_must_name_available_versions(tmp_path, loader, manager):
+    make_version(tmp_path, 1)
+    make_version(tmp_path, 2)
+    spec = ModelSpecConfig("m", str(tmp_path), policy=VersionPolicy.all(),
+                           labels={"stable": 1, "canary": 2})
+    manager.apply_config([spec])
+    with manager.acquire("m", label="stable") as version:
+        assert version.version == 1
+    with manager.acquire("m", label="canary") as version:
+        assert version.version == 2
+    assert [v.version for v in manager.available_versions("m")] == [2, 1]
+    assert manager.labels("m") == {"stable": 1, "canary": 2}
+    with pytest.raises(InvalidRequestError, match="Unrecognized servable version label: beta"):
+        with manager.acquire("m", label="beta"):
+            pass
+    bad = ModelSpecConfig("m", str(tmp_path), policy=VersionPolicy.all(), labels={"x": 7})
+    with pytest.raises(ConfigError, match="not currently available"):
+        manager.apply_config([bad])
+
+
+def test_unknown_model_and_status_messages(tmp_path, manager):
+    manager.apply_config([])
+    with pytest.raises(ModelNotFoundError, match=r"Servable not found for request: Latest\(x\)"):
+        with manager.acquire("x"):
+            pass
+    with pytest.raises(ModelNotFoundError, match="Could not find any versions of model x"):
+        manager.model_status("x")
+
+
+def test_policy_change_and_model_removal_unload(tmp_path, loader, manager):
+    for version in (1, 2, 3):
+        make_version(tmp_path, version)
+    manager.apply_config([ModelSpecConfig("m", str(tmp_path), policy=VersionPolicy.latest(2))])
+    assert states(manager, "m") == {3: VersionState.AVAILABLE, 2: VersionState.AVAILABLE}
+    manager.apply_config([ModelSpecConfig("m", str(tmp_path),
+                                          policy=VersionPolicy.specific([1]))])
+    with manager._cond:
+        assert manager._cond.wait_for(
+            lambda: states(manager, "m") == {1: VersionState.AVAILABLE, 2: VersionState.END,
+                                             3: VersionState.END}, 5)
+    manager.apply_config([])
+    assert manager.model_names() == []
+    with manager._cond:
+        assert manager._cond.wait_for(lambda: states(manager, "m")[1] == VersionState.END, 5)
