@@ -3,7 +3,9 @@
 The servicer turns a GenerateRequest into prompt ids and SamplingParams, runs it through the
 engine the ModelResolver picks, and streams one GenerateResponse per engine output. Errors are
 mapped through server/status.py. When the client cancels (or its deadline passes), grpc.aio
-cancels the handler; its `finally` closes the engine iterator, which aborts the request.
+cancels the handler; its `finally` closes the engine iterator, which aborts the request. The
+engine also gets the call's remaining time as its timeout; a request it aborts at that
+deadline ends, after the outputs streamed so far, with status DEADLINE_EXCEEDED.
 
 Example (the integrator's wiring on the gRPC port, beside TF Serving's services):
     server = grpc.aio.server()
@@ -101,7 +103,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
                 await outputs.start()
             except TokenserveError as error:
                 await context.abort(grpc_code(error), str(error))
-            num_generated, first = 0, True
+            num_generated, first, deadline_passed = 0, True, False
             async for _, output in outputs:
                 num_generated = max(output.num_generated_tokens, num_generated
                                     + sum(len(o.token_ids) for o in output.outputs))
@@ -116,6 +118,11 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
                         prompt_tokens=prompt_tokens, completion_tokens=num_generated,
                         total_tokens=prompt_tokens + num_generated))
                 yield response
+                deadline_passed |= any(outputs.deadline_passed(seq.finish_reason)
+                                       for seq in output.outputs)
+            if deadline_passed:  # outputs so far were streamed; the status says why it ended
+                error = outputs.deadline_error()
+                await context.abort(grpc_code(error), str(error))
         except TokenserveError as error:  # engine failure mid-stream
             await context.abort(grpc_code(error), str(error))
         finally:
