@@ -1,0 +1,233 @@
+"""The bad-input matrix of docs/api.md, one test per row, against a real server process.
+
+Every row runs while a well-formed stream is in flight on the same server, and checks that
+the stream still completes (all its tokens, finish_reason, [DONE]) besides the row's own
+status and message.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import grpc
+import httpx
+import pytest
+
+from test_openai_harness import API_KEY, BUSY_MODEL, MAX_BODY_BYTES, MODEL, RealServer, \
+    tiny_model_dir
+from tokenserve.server.proto.tokenserve import generation_pb2 as pb
+from tokenserve.server.proto.tokenserve import generation_pb2_grpc as pb_grpc
+
+C, CHAT = "/v1/completions", "/v1/chat/completions"
+OK = {"model": MODEL, "prompt": "x", "max_tokens": 2}
+HI = [{"role": "user", "content": "hi"}]
+LONG_TEXT = "def add(a, b):\n    return a + b\n" * 40  # well over 128 tokens
+
+
+def body(**changes):
+    return {**OK, **changes}
+
+
+# (row id, path, request: json dict | raw bytes, headers override, status, message part)
+HTTP_ROWS = [
+    ("malformed-json", C, b'{"model": "tiny", "prompt": ', None, 400, "not valid JSON"),
+    ("body-not-an-object", C, [1, 2], None, 400, "must be a JSON object"),
+    ("wrong-type-temperature", C, body(temperature="hot"), None, 400,
+     "temperature: Input should be a valid number"),
+    ("wrong-type-max-tokens", C, body(max_tokens="10"), None, 400,
+     "max_tokens: Input should be a valid integer"),
+    ("wrong-type-messages", CHAT, {"model": MODEL, "messages": "hi"}, None, 400,
+     "messages: Input should be a valid list"),
+    ("missing-prompt", C, {"model": MODEL}, None, 400, "prompt: Field required"),
+    ("unknown-harmless-field-ignored", C, body(my_field=1, user="u", store=False), None, 200,
+     ""),
+    ("unsupported-tools", CHAT, {"model": MODEL, "messages": HI,
+                                 "tools": [{"type": "function"}]}, None, 400,
+     "'tools' is not supported"),
+    ("unsupported-response-format", CHAT, {"model": MODEL, "messages": HI,
+                                           "response_format": {"type": "json_object"}},
+     None, 400, "'response_format' is not supported"),
+    ("unsupported-logit-bias", C, body(logit_bias={"1": 5}), None, 400,
+     "'logit_bias' is not supported"),
+    ("unsupported-suffix", C, body(suffix="end"), None, 400, "'suffix' is not supported"),
+    ("best-of-above-n", C, body(best_of=3), None, 400, "best_of must equal n"),
+    ("echo-with-logprobs", C, body(echo=True, logprobs=1), None, 400,
+     "echo together with logprobs"),
+    ("image-content-part", CHAT, {"model": MODEL, "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "http://x"}}]}]}, None, 400,
+     "messages.0.content"),
+    ("tool-role-message", CHAT, {"model": MODEL, "messages": [
+        {"role": "tool", "content": "x"}]}, None, 400, "messages.0.role"),
+    ("unknown-model", C, body(model="nope"), None, 404, "The model 'nope' does not exist."),
+    ("unknown-version", C, body(model="tiny:7"), None, 404, "has version 1 only"),
+    ("unknown-label", C, body(model="tiny@canary"), None, 404, "has no label 'canary'"),
+    ("unknown-model-streamed", C, body(model="nope", stream=True), None, 404,
+     "does not exist"),
+    ("empty-prompt", C, body(prompt=""), None, 400, "prompt must not be empty"),
+    ("empty-prompt-list", C, body(prompt=[]), None, 400, "prompt must not be empty"),
+    ("empty-messages", CHAT, {"model": MODEL, "messages": []}, None, 400,
+     "messages: List should have at least 1 item"),
+    ("prompt-too-long", C, body(prompt=LONG_TEXT), None, 400,
+     "maximum context length is 128 tokens"),
+    ("chat-prompt-too-long", CHAT, {"model": MODEL, "messages": [
+        {"role": "user", "content": LONG_TEXT}]}, None, 400, "maximum context length"),
+    ("token-id-outside-vocabulary", C, body(prompt=[5, 99999]), None, 400,
+     "token id 99999 is outside the vocabulary"),
+    ("invalid-utf8-body", C, b'{"model": "tiny", "prompt": "\xff\xfe"}', None, 400,
+     "not valid UTF-8"),
+    ("lone-surrogate-prompt", C, b'{"model": "tiny", "prompt": "a\\ud800b"}', None, 400,
+     "'prompt' is not valid UTF-8"),
+    ("max-tokens-zero", C, body(max_tokens=0), None, 400, "max_tokens must be at least 1"),
+    ("max-tokens-negative", C, body(max_tokens=-5), None, 400,
+     "max_tokens must be at least 1"),
+    ("max-tokens-beyond-context", C, body(max_tokens=1000), None, 400,
+     "maximum context length is 128 tokens"),
+    ("max-completion-tokens-beyond-context", CHAT, {"model": MODEL, "messages": HI,
+                                                    "max_completion_tokens": 1000}, None, 400,
+     "maximum context length"),
+    ("temperature-negative", C, body(temperature=-1.0), None, 400,
+     "temperature must be in [0, 100]"),
+    ("top-p-zero", C, body(top_p=0.0), None, 400, "top_p must be in (0, 1]"),
+    ("top-p-above-one", C, body(top_p=1.5), None, 400, "top_p must be in (0, 1]"),
+    ("huge-n", C, body(n=1000), None, 400, "n must be between 1 and 16"),
+    ("huge-logprobs", C, body(logprobs=50), None, 400, "logprobs must be between 0 and 20"),
+    ("top-logprobs-without-logprobs", CHAT, {"model": MODEL, "messages": HI,
+                                             "top_logprobs": 2}, None, 400,
+     "top_logprobs requires logprobs"),
+    ("stream-options-without-stream", C, body(stream_options={"include_usage": True}), None,
+     400, "stream_options is only allowed when stream is true"),
+    ("timeout-not-positive", C, body(timeout_s=-1.0), None, 400, "timeout_s must be positive"),
+    ("huge-body", C, body(prompt="x" * (MAX_BODY_BYTES + 1)), None, 413,
+     f"over the limit of {MAX_BODY_BYTES} bytes"),
+    ("huge-body-chunked", C, "chunked", None, 413, f"over the limit of {MAX_BODY_BYTES} bytes"),
+    ("missing-api-key", C, OK, {}, 401, "Missing API key"),
+    ("wrong-api-key", C, OK, {"Authorization": "Bearer sk-wrong"}, 401,
+     "Incorrect API key provided."),
+    ("missing-api-key-models", "/v1/models", None, {}, 401, "Missing API key"),
+    ("full-queue", C, body(model=BUSY_MODEL, prompt="def add(a, b):"), None, 429,
+     "the queue is full"),
+    ("full-queue-streamed", C, body(model=BUSY_MODEL, prompt="def add(a, b):", stream=True),
+     None, 429, "the queue is full"),
+    ("unknown-route", "/v1/embeddings", OK, None, 404, "Not Found"),
+]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    server = RealServer(tiny_model_dir(tmp_path_factory))
+    yield server
+    server.close()
+
+
+class GoodStream(threading.Thread):
+    """A well-formed streamed completion of 40 tokens, read to its end in a thread."""
+
+    def __init__(self, server):
+        super().__init__(daemon=True)
+        self.server, self.started, self.lines, self.error = server, threading.Event(), [], None
+
+    def run(self) -> None:
+        request = {"model": MODEL, "prompt": "import os", "max_tokens": 40, "stream": True,
+                   "ignore_eos": True, "stream_options": {"include_usage": True}}
+        try:
+            with httpx.stream("POST", self.server.url + C, json=request, timeout=60,
+                              headers=self.server.headers) as response:
+                for line in response.iter_lines():
+                    if line:
+                        self.lines.append(line)
+                        self.started.set()
+        except Exception as error:  # reported by check()
+            self.error = error
+        finally:
+            self.started.set()
+
+    def check(self) -> None:
+        self.join(timeout=60)
+        assert self.error is None and self.lines[-1] == "data: [DONE]"
+        chunks = [json.loads(line.removeprefix("data: ")) for line in self.lines[:-1]]
+        assert chunks[-1]["usage"]["completion_tokens"] == 40
+        assert chunks[-2]["choices"][0]["finish_reason"] == "length"
+
+
+def send(server, path, request, headers):
+    all_headers = dict(server.headers if headers is None else headers)
+    if request is None:
+        return httpx.get(server.url + path, headers=all_headers, timeout=60)
+    if request == "chunked":  # no Content-Length: the limit must hold while reading
+        def chunks():
+            yield b'{"model": "tiny", "prompt": "'
+            for _ in range(MAX_BODY_BYTES // 1024 + 1):
+                yield b"x" * 1024
+            yield b'"}'
+        return httpx.post(server.url + path, content=chunks(), headers=all_headers, timeout=60)
+    if isinstance(request, bytes):
+        all_headers["Content-Type"] = "application/json"
+        return httpx.post(server.url + path, content=request, headers=all_headers, timeout=60)
+    return httpx.post(server.url + path, json=request, headers=all_headers, timeout=60)
+
+
+@pytest.mark.parametrize("row", HTTP_ROWS, ids=[row[0] for row in HTTP_ROWS])
+def test_http_bad_input(server, row):
+    _, path, request, headers, status, message = row
+    good = GoodStream(server)
+    good.start()
+    good.started.wait(60)
+    response = send(server, path, request, headers)
+    assert response.status_code == status, response.text
+    if status != 200:
+        error = response.json()["error"]
+        assert message in error["message"]
+        assert set(error) == {"message", "type", "param", "code"}
+    good.check()
+
+
+GRPC_OK = {"model": MODEL, "text": "x", "sampling": {"max_tokens": 2}}
+# (row id, request fields, metadata override, status code, message part)
+GRPC_ROWS = [
+    ("unknown-model", {**GRPC_OK, "model": "nope"}, None, grpc.StatusCode.NOT_FOUND,
+     "does not exist"),
+    ("no-prompt", {"model": MODEL}, None, grpc.StatusCode.INVALID_ARGUMENT, "needs a prompt"),
+    ("empty-prompt", {**GRPC_OK, "text": ""}, None, grpc.StatusCode.INVALID_ARGUMENT,
+     "prompt must not be empty"),
+    ("prompt-too-long", {**GRPC_OK, "text": LONG_TEXT}, None,
+     grpc.StatusCode.INVALID_ARGUMENT, "maximum context length is 128 tokens"),
+    ("token-id-outside-vocabulary", {"model": MODEL, "token_ids": {"ids": [5, 99999]}}, None,
+     grpc.StatusCode.INVALID_ARGUMENT, "outside the vocabulary"),
+    ("max-tokens-zero", {**GRPC_OK, "sampling": {"max_tokens": 0}}, None,
+     grpc.StatusCode.INVALID_ARGUMENT, "max_tokens must be at least 1"),
+    ("max-tokens-beyond-context", {**GRPC_OK, "sampling": {"max_tokens": 1000}}, None,
+     grpc.StatusCode.INVALID_ARGUMENT, "maximum context length"),
+    ("temperature-negative", {**GRPC_OK, "sampling": {"temperature": -1.0}}, None,
+     grpc.StatusCode.INVALID_ARGUMENT, "temperature must be in [0, 100]"),
+    ("top-p-zero", {**GRPC_OK, "sampling": {"top_p": 0.0}}, None,
+     grpc.StatusCode.INVALID_ARGUMENT, "top_p must be in (0, 1]"),
+    ("huge-n", {**GRPC_OK, "sampling": {"n": 1000}}, None, grpc.StatusCode.INVALID_ARGUMENT,
+     "n must be between 1 and 16"),
+    ("missing-api-key", GRPC_OK, (), grpc.StatusCode.UNAUTHENTICATED, "Missing API key"),
+    ("wrong-api-key", GRPC_OK, (("authorization", "Bearer sk-wrong"),),
+     grpc.StatusCode.UNAUTHENTICATED, "Incorrect API key"),
+    ("full-queue", {**GRPC_OK, "model": BUSY_MODEL, "text": "def add(a, b):"}, None,
+     grpc.StatusCode.RESOURCE_EXHAUSTED, "the queue is full"),
+]
+
+
+@pytest.mark.parametrize("row", GRPC_ROWS, ids=[row[0] for row in GRPC_ROWS])
+def test_grpc_bad_input(server, row):
+    _, fields, metadata, code, message = row
+    good = GoodStream(server)
+    good.start()
+    good.started.wait(60)
+    fields = dict(fields)
+    sampling = pb.SamplingOptions(**fields.pop("sampling", {}))
+    if "token_ids" in fields:
+        fields["token_ids"] = pb.TokenIds(**fields["token_ids"])
+    request = pb.GenerateRequest(sampling=sampling, **fields)
+    with grpc.insecure_channel(server.grpc_target) as channel:
+        stub = pb_grpc.GenerationServiceStub(channel)
+        auth = (("authorization", f"Bearer {API_KEY}"),) if metadata is None else metadata
+        with pytest.raises(grpc.RpcError) as caught:
+            list(stub.Generate(request, metadata=auth, timeout=60))
+    assert caught.value.code() == code
+    assert message in caught.value.details()
+    good.check()
