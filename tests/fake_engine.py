@@ -16,7 +16,8 @@ import numpy as np
 
 from tokenserve.config import GenerationConfig
 from tokenserve.engine.outputs import CompletionOutput, FinishReason, RequestOutput, TokenLogprob
-from tokenserve.errors import InvalidRequestError, PromptTooLongError, QueueFullError
+from tokenserve.errors import (EngineDeadError, InvalidRequestError, PromptTooLongError,
+                               QueueFullError)
 from tokenserve.sampling import SamplingParams
 
 
@@ -34,6 +35,8 @@ class FakeEngine:
         self.aborted: list[str] = []
         self.requests: list[tuple[list[int], SamplingParams, str, float | None]] = []
         self._abort_flags: dict[str, bool] = {}
+        self.fail_after: int | None = None
+        """When set, generate raises EngineDeadError after this many outputs."""
 
     @property
     def tokenizer(self):
@@ -94,6 +97,8 @@ class FakeEngine:
                     outputs.append(self._step(rngs[i], prompt_ids, step, i, params, ids[i],
                                               texts, done))
                 step += 1
+                if self.fail_after is not None and step > self.fail_after:
+                    raise EngineDeadError("the engine loop has stopped")
                 yield RequestOutput(request_id, list(prompt_ids), outputs, all(done),
                                     num_generated_tokens=sum(len(x) for x in ids))
         finally:

@@ -25,7 +25,8 @@ from tokenserve.stats import RejectionStats, StatsSink
 from .chat import ChatRun, chat_prompt_ids
 from .completions import CompletionRun
 from .config import OpenAIServerConfig
-from .http import EventStream, error_body, error_response, read_json, unless_disconnected
+from .http import (EventStream, error_body, error_response, read_json, unless_disconnected,
+                   with_error_event)
 from .models import ModelResolver
 from .schemas import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                       DetokenizeResponse, ModelList, ModelObject, TokenizeRequest,
@@ -135,7 +136,7 @@ def build_openai_app(models: ModelResolver, config: OpenAIServerConfig | None = 
             await job.outputs.aclose()
             raise
         if stream:
-            response = EventStream(job.events(), on_close=job.outputs.aclose)
+            response = EventStream(with_error_event(job.events()), on_close=job.outputs.aclose)
             response.headers.update(request_headers)
             return response
         try:

@@ -39,11 +39,16 @@ def error_body(status: int, message: str, param: str | None = None,
 def error_response(error: BaseException) -> JSONResponse:
     """Maps any exception through server/status.py to an OpenAI error response."""
     status = http_status(error)
-    message = str(error) if status < 500 or status in (503, 504) else (
-        f"Internal server error ({type(error).__name__}).")
-    body = error_body(status, message, getattr(error, "param", None),
+    body = error_body(status, _public_message(error, status), getattr(error, "param", None),
                       getattr(error, "code", None))
     return JSONResponse(body, status_code=status)
+
+
+def _public_message(error: BaseException, status: int) -> str:
+    """The error's own message for client errors; no internals for unexpected ones."""
+    if status < 500 or status in (503, 504):
+        return str(error)
+    return f"Internal server error ({type(error).__name__})."
 
 
 def _validation_message(error: ValidationError) -> tuple[str, str | None]:
@@ -124,6 +129,18 @@ async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
             await asyncio.gather(task, return_exceptions=True)
             raise RequestAbortedError("Client disconnected.")
     return task.result()
+
+
+async def with_error_event(events: AsyncIterator[str]) -> AsyncIterator[str]:
+    """Passes SSE events through; an error after the stream has started (the status line is
+    already sent) becomes one `data: {"error": ...}` event followed by [DONE], as in vLLM."""
+    try:
+        async for event in events:
+            yield event
+    except Exception as error:
+        status = http_status(error)
+        yield f"data: {json.dumps(error_body(status, _public_message(error, status)))}\n\n"
+        yield "data: [DONE]\n\n"
 
 
 class EventStream(StreamingResponse):
