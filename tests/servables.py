@@ -162,3 +162,63 @@ def copy_half(source: Path, target: Path) -> None:
 
 def float_input(values) -> np.ndarray:
     return np.asarray(values, dtype=np.float32)
+
+
+# ---- running `tokenserve serve` as a subprocess -------------------------------------------
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class ServerProcess:
+    """`python -m tokenserve serve ARGS` on free ports; stderr goes to a file for asserts."""
+
+    def __init__(self, tmp: Path, *args: str):
+        import subprocess
+        import sys
+
+        self.grpc_port = free_port()
+        self.rest_port = free_port()
+        self.log_path = tmp / f"server-{self.rest_port}.log"
+        self._log = open(self.log_path, "w")
+        env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "tokenserve", "serve", f"--port={self.grpc_port}",
+             f"--rest_api_port={self.rest_port}", "--openai_port=0", *args],
+            stdout=self._log, stderr=subprocess.STDOUT, env=env)
+        self.rest = f"http://127.0.0.1:{self.rest_port}"
+        self.target = f"127.0.0.1:{self.grpc_port}"
+
+    def wait_ready(self, model: str, timeout_s: float = 240.0) -> None:
+        import time
+
+        import httpx
+
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"server exited {self.process.returncode}:\n{self.log()}")
+            try:
+                if httpx.get(f"{self.rest}/v1/models/{model}", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        raise TimeoutError(f"server not ready after {timeout_s} s:\n{self.log()}")
+
+    def log(self) -> str:
+        self._log.flush()
+        return self.log_path.read_text()
+
+    def stop(self) -> None:
+        self.process.terminate()
+        try:
+            self.process.wait(30)
+        except Exception:  # noqa: BLE001
+            self.process.kill()
+            self.process.wait(10)
+        self._log.close()

@@ -7,13 +7,20 @@ from pathlib import Path
 
 import numpy as np
 import tensorflow as tf
+from tensorflow.core.framework import types_pb2
 from tensorflow.core.protobuf import saved_model_pb2
 
 from tokenserve.errors import InvalidRequestError, ModelLoadError
-from tokenserve.lifecycle.servable import check_input_keys, check_output_keys, signature_def
+from tokenserve.lifecycle.servable import (check_input_keys, check_input_shapes,
+                                           check_output_keys, signature_def)
 
 SERVE_TAG = "serve"
 _INTERNAL_SIGNATURES = ("__saved_model_init_op", "__saved_model_train_op")
+
+
+def dtype_string(dtype: tf.DType) -> str:
+    """TF's DataTypeString (`float`, `int64`, `string`), the name TF Serving's messages use."""
+    return types_pb2.DataType.Name(tf.dtypes.as_dtype(dtype).as_datatype_enum)[3:].lower()
 
 
 def _first_line(error: BaseException) -> str:
@@ -76,6 +83,7 @@ class SavedModelServable:
             output_keys: list[str] | None = None) -> dict[str, np.ndarray]:
         sig = signature_def(self, signature_name)
         check_input_keys(sig, inputs)
+        check_input_shapes(sig, inputs)
         outputs = check_output_keys(sig, output_keys)
         function = self._functions[signature_name or "serving_default"]
         tensors = {}
@@ -84,8 +92,8 @@ class SavedModelServable:
             value = inputs[key]
             got = tf.dtypes.as_dtype(value.dtype) if value.dtype != object else tf.string
             if got != expected:
-                raise InvalidRequestError(f"Expects arg[{index}] to be {expected.name} but "
-                                          f"{got.name} is provided")
+                raise InvalidRequestError(f"Expects arg[{index}] to be {dtype_string(expected)} "
+                                          f"but {dtype_string(got)} is provided")
             tensors[key] = tf.constant(value, dtype=expected)
         try:
             result = function(**tensors)

@@ -57,6 +57,21 @@ def check_input_keys(signature_def_proto, inputs: dict) -> None:
             f"Missing but required: {fmt(expected - sent)}.")
 
 
+def check_input_shapes(signature_def_proto, inputs: dict) -> None:
+    """Rank and known dimensions of each input against its TensorInfo shape."""
+    for key, value in inputs.items():
+        shape = signature_def_proto.inputs[key].tensor_shape
+        if shape.unknown_rank:
+            continue
+        expected = [dim.size for dim in shape.dim]
+        got = list(np.shape(value))
+        if len(expected) != len(got) or any(e >= 0 and e != g for e, g in zip(expected, got)):
+            def fmt(dims):
+                return "[" + ",".join("?" if d < 0 else str(d) for d in dims) + "]"
+            raise InvalidRequestError(f"Shape of tensor {key} {fmt(got)} is not compatible "
+                                      f"with expected shape {fmt(expected)}")
+
+
 def check_output_keys(signature_def_proto, output_keys: list[str] | None) -> list[str]:
     """The outputs to return: all of them, or the requested ones (each must exist)."""
     if not output_keys:

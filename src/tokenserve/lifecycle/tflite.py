@@ -13,9 +13,9 @@ from tensorflow.core.protobuf import meta_graph_pb2
 
 from tokenserve.errors import InvalidRequestError, ModelLoadError
 from tokenserve.lifecycle.repository import TFLITE_FILE
-from tokenserve.lifecycle.savedmodel import _first_line, load_error
+from tokenserve.lifecycle.savedmodel import _first_line, dtype_string, load_error
 from tokenserve.lifecycle.servable import (DEFAULT_SIGNATURE, PREDICT_METHOD, check_input_keys,
-                                           check_output_keys, signature_def)
+                                           check_input_shapes, check_output_keys, signature_def)
 
 
 def _tensor_info(detail: dict) -> meta_graph_pb2.TensorInfo:
@@ -62,13 +62,15 @@ class TFLiteServable:
         name = signature_name or DEFAULT_SIGNATURE
         sig = signature_def(self, name)
         check_input_keys(sig, inputs)
+        check_input_shapes(sig, inputs)
         outputs = check_output_keys(sig, output_keys)
         for index, key in enumerate(sorted(inputs)):
             expected = tf.dtypes.as_dtype(sig.inputs[key].dtype)
             if inputs[key].dtype != expected.as_numpy_dtype:
-                raise InvalidRequestError(f"Expects arg[{index}] to be {expected.name} but "
-                                          f"{tf.dtypes.as_dtype(inputs[key].dtype).name} "
-                                          f"is provided")
+                got = tf.dtypes.as_dtype(inputs[key].dtype) if inputs[key].dtype != object \
+                    else tf.string
+                raise InvalidRequestError(f"Expects arg[{index}] to be {dtype_string(expected)} "
+                                          f"but {dtype_string(got)} is provided")
         with self._lock:
             try:
                 if name in self._runners:

@@ -16,6 +16,7 @@ import numpy as np
 import tensorflow as tf
 
 from tokenserve.errors import InvalidRequestError
+from tokenserve.lifecycle.savedmodel import dtype_string
 from tokenserve.server.tfserving.json_writer import PrettyWriter, format_decimal
 
 _INT_RANGES = {tf.int8: (-2**7, 2**7 - 1), tf.int16: (-2**15, 2**15 - 1),
@@ -70,7 +71,7 @@ def decode_b64(value) -> bytes:
 
 def _type_error(value, dtype: tf.DType) -> InvalidRequestError:
     return invalid(f"JSON Value: {compact(value)} Type: {json_type(value)} is not of "
-                   f"expected type: {dtype.name}")
+                   f"expected type: {dtype_string(dtype)}")
 
 
 def _scalar(value, dtype: tf.DType):
@@ -91,7 +92,7 @@ def _scalar(value, dtype: tf.DType):
         return float(value)
     low, high = _INT_RANGES.get(dtype, (None, None))
     if low is None:
-        raise invalid(f"Conversion of JSON Value: {compact(value)} to type: {dtype.name}")
+        raise invalid(f"Conversion of JSON Value: {compact(value)} to type: {dtype_string(dtype)}")
     if not isinstance(value, int) or not low <= value <= high:
         raise _type_error(value, dtype)
     return value

@@ -1,0 +1,87 @@
+"""TF Serving JSON rules and output bytes, without a server."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tokenserve.errors import InvalidRequestError
+from tokenserve.server.tfserving import codec
+from tokenserve.server.tfserving.json_writer import error_body, format_decimal
+
+
+def test_half_plus_two_bytes_match_tf_serving():
+    # The response TF Serving's REST docs show for half_plus_two.
+    body = codec.row_json({"y": np.array([2.5, 3.0, 4.5], np.float32)})
+    assert body == '{\n    "predictions": [2.5, 3.0, 4.5\n    ]\n}'
+
+
+def test_row_format_with_several_outputs_and_bytes():
+    body = codec.row_json({"n": np.array([[1, 2], [3, 4]], np.int32),
+                           "text_bytes": np.array([b"a", b"\xff"], dtype=object)})
+    assert body.startswith('{\n    "predictions": [\n        {\n            "n": [1, 2],')
+    import json
+    assert json.loads(body) == {"predictions": [{"n": [1, 2], "text_bytes": {"b64": "YQ=="}},
+                                                {"n": [3, 4], "text_bytes": {"b64": "/w=="}}]}
+
+
+def test_columnar_format():
+    import json
+    body = codec.columnar_json({"y": np.array([[1.0, 2.0]], np.float32)})
+    assert json.loads(body) == {"outputs": [[1.0, 2.0]]}
+    assert json.loads(codec.columnar_json({"a": np.array(1, np.int64),
+                                           "b": np.array([True])})) == {"outputs": {"a": 1,
+                                                                                    "b": [True]}}
+
+
+@pytest.mark.parametrize("value, single, text", [
+    (2.0, True, "2.0"), (0.1, True, "0.1"), (1 / 3, True, "0.333333343"), (1e7, True, "1e+07"),
+    (float("nan"), True, "NaN"), (float("-inf"), False, "-Infinity"),
+    (0.1, False, "0.1"), (1 / 3, False, "0.33333333333333331")])
+def test_decimal_format(value, single, text):
+    assert format_decimal(np.float32(value) if single else value, single) == text
+
+
+def test_error_body():
+    assert error_body('bad "x"') == '{ "error": "bad \\"x\\"" }'
+
+
+def test_instances_batch_and_b64():
+    arrays = codec.instances_to_arrays([{"a": [1, 2], "s": {"b64": "aGk="}},
+                                        {"a": [3, 4], "s": "yo"}],
+                                       {"a": tf.int64, "s": tf.string})
+    assert arrays["a"].tolist() == [[1, 2], [3, 4]] and arrays["a"].dtype == np.int64
+    assert arrays["s"].tolist() == [b"hi", b"yo"]
+
+
+@pytest.mark.parametrize("instances, dtypes, message", [
+    ([[1, 2], [3]], {"x": tf.int32},
+     "Failed to process element: 1 of 'instances' list. Error: INVALID_ARGUMENT: Expecting "
+     "tensor size: 2 but got: 1"),
+    ([[1, 2], [[3], [4]]], {"x": tf.int32},
+     "Failed to process element: 1 of 'instances' list. Error: INVALID_ARGUMENT: Expecting "
+     "shape [2] but got: [2,1]"),
+    ([1.5], {"x": tf.int32},
+     "Failed to process element: 0 of 'instances' list. Error: INVALID_ARGUMENT: JSON Value: "
+     "1.5 Type: Number is not of expected type: int32"),
+    (["a"], {"x": tf.float32},
+     'Error: INVALID_ARGUMENT: JSON Value: "a" Type: String is not of expected type: float'),
+    ([16777217], {"x": tf.float32}, "Cannot convert JSON value: 16777217 to float without loss"),
+    ([1, 2], {"a": tf.int32, "b": tf.int32},
+     "instances is a plain list, but expecting list of objects"),
+    ([{"a": 1}], {"a": tf.int32, "b": tf.int32}, "must only have keys: a,b"),
+])
+def test_instances_errors(instances, dtypes, message):
+    with pytest.raises(InvalidRequestError) as raised:
+        codec.instances_to_arrays(instances, dtypes)
+    assert message in str(raised.value)
+    assert "float32" not in str(raised.value)  # TF's DataTypeString names, as TF Serving
+
+
+def test_columnar_inputs_errors():
+    with pytest.raises(InvalidRequestError, match="Missing named input: b in 'inputs' object."):
+        codec.inputs_to_arrays({"a": [1]}, {"a": tf.int32, "b": tf.int32})
+    with pytest.raises(InvalidRequestError, match="Encountered list at unexpected size: 1 at "
+                                                  "level: 1 expected size: 2"):
+        codec.inputs_to_arrays([[1, 2], [3]], {"a": tf.int32})

@@ -1,0 +1,354 @@
+"""`tokenserve serve` as a subprocess, driven by the official tensorflow-serving-api stubs and
+plain HTTP: several models from one --model_config_file (TF2 multi-signature, Keras export,
+TF1 classify/regress over tf.Example, our tiny LM, TFLite, a corrupt one, one whose warmup
+fails), the bad-input matrix, metadata, status, health, Unix socket, Prometheus."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import grpc
+import httpx
+import numpy as np
+import pytest
+import tensorflow as tf
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from tensorflow.core.example import example_pb2, feature_pb2
+from tensorflow_serving.apis import (classification_pb2, get_model_metadata_pb2,
+                                     get_model_status_pb2, inference_pb2, input_pb2,
+                                     model_pb2, model_service_pb2_grpc, predict_pb2,
+                                     prediction_service_pb2_grpc, regression_pb2)
+
+import servables as S
+from conftest import tiny
+
+MODELS = ("tf2", "keras", "tf1", "lm", "lite", "broken", "badwarmup")
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, tokenizer):
+    from tokenserve.export.exporter import export_model
+
+    root = tmp_path_factory.mktemp("tfserving")
+    tf2 = S.write_tf2_model(root / "tf2", 1)
+    S.write_warmup(tf2, "tf2", "serving_default", {"x": S.float_input([1.0, 2.0])}, count=3)
+    S.write_keras_model(root / "keras", 1)
+    S.write_tf1_model(root / "tf1", 1)
+    model, config = tiny("tiny-gpt2", tokenizer)
+    lm_dir = export_model(model, tokenizer, config, root / "lm", jit_compile=False)
+    S.write_tflite_model(root / "lite", 1, root / "scratch")
+    (root / "broken" / "1").mkdir(parents=True)
+    (root / "broken" / "1" / "saved_model.pb").write_bytes(b"not a protobuf")
+    bad = S.write_tf2_model(root / "badwarmup", 1)
+    S.write_warmup(bad, "badwarmup", "serving_default", {"nope": S.float_input([1.0])})
+    config_file = root / "models.config"
+    config_file.write_text("model_config_list {\n" + "".join(
+        f'  config {{ name: "{name}" base_path: "{root / name}" model_platform: "tensorflow"'
+        + (' version_labels { key: "stable" value: 1 }' if name == "tf2" else "") + " }\n"
+        for name in MODELS) + "}\n")
+    (root / "monitoring.config").write_text(
+        'prometheus_config { enable: true, path: "/monitoring/prometheus/metrics" }\n')
+    (root / "batching.config").write_text("max_batch_size { value: 8 }\n")
+    socket_path = root / "grpc.sock"
+    process = S.ServerProcess(
+        root, f"--model_config_file={root / 'models.config'}",
+        f"--monitoring_config_file={root / 'monitoring.config'}",
+        "--enable_batching=true", f"--batching_parameters_file={root / 'batching.config'}",
+        f"--grpc_socket_path={socket_path}", "--prefer_tflite_model=true",
+        "--max_num_load_retries=0", "--tensorflow_session_parallelism=2",
+        "--allow_version_labels_for_unavailable_models=true")
+    try:
+        process.wait_ready("tf2")
+        process.socket_path = socket_path
+        process.lm_dir = lm_dir
+        process.channel = grpc.insecure_channel(process.target)
+        yield process
+    finally:
+        process.stop()
+
+
+@pytest.fixture(scope="module")
+def predictions(server):
+    return prediction_service_pb2_grpc.PredictionServiceStub(server.channel)
+
+
+@pytest.fixture(scope="module")
+def models(server):
+    return model_service_pb2_grpc.ModelServiceStub(server.channel)
+
+
+def rest_post(server, path: str, body) -> httpx.Response:
+    content = body if isinstance(body, (str, bytes)) else json.dumps(body)
+    return httpx.post(f"{server.rest}{path}", content=content, timeout=60)
+
+
+def predict_request(name: str, signature: str = "", version: int | None = None,
+                    label: str = "", **inputs) -> predict_pb2.PredictRequest:
+    request = predict_pb2.PredictRequest()
+    request.model_spec.name = name
+    request.model_spec.signature_name = signature
+    if version is not None:
+        request.model_spec.version.value = version
+    if label:
+        request.model_spec.version_label = label
+    for key, value in inputs.items():
+        request.inputs[key].CopyFrom(tf.make_tensor_proto(value))
+    return request
+
+
+# ---- status, metadata, health ---------------------------------------------------------------
+
+def test_status_rest_matches_tf_serving_json(server):
+    response = httpx.get(f"{server.rest}/v1/models/tf2")
+    assert response.status_code == 200
+    assert response.text == ('{\n "model_version_status": [\n  {\n   "version": "1",\n'
+                             '   "state": "AVAILABLE",\n   "status": {\n    "error_code": "OK",\n'
+                             '    "error_message": ""\n   }\n  }\n ]\n}\n')
+    assert httpx.get(f"{server.rest}/v1/models/tf2/versions/1").json() == response.json()
+    assert httpx.get(f"{server.rest}/v1/models/tf2/labels/stable").json() == response.json()
+
+
+def test_status_grpc_and_broken_models_do_not_disturb_others(server, models, predictions):
+    status = models.GetModelStatus(get_model_status_pb2.GetModelStatusRequest(
+        model_spec=model_pb2.ModelSpec(name="tf1")))
+    assert [(s.version, s.state) for s in status.model_version_status] == [
+        (1, get_model_status_pb2.ModelVersionStatus.AVAILABLE)]
+    for name, text in (("broken", "Failed to load SavedModel"),
+                       ("badwarmup", "warmup record 0")):
+        [broken] = models.GetModelStatus(get_model_status_pb2.GetModelStatusRequest(
+            model_spec=model_pb2.ModelSpec(name=name))).model_version_status
+        assert broken.state == get_model_status_pb2.ModelVersionStatus.END
+        assert broken.status.error_code != 0 and text in broken.status.error_message
+        response = rest_post(server, f"/v1/models/{name}:predict", {"instances": [1.0]})
+        assert response.status_code == 404
+        assert response.text == ('{ "error": "Servable not found for request: '
+                                 f'Latest({name})" }}')
+    assert "y" in predictions.Predict(predict_request("tf2", x=S.float_input([1.0]))).outputs
+
+
+def test_metadata_grpc_and_rest(server, predictions):
+    request = get_model_metadata_pb2.GetModelMetadataRequest(
+        model_spec=model_pb2.ModelSpec(name="tf1"), metadata_field=["signature_def"])
+    response = predictions.GetModelMetadata(request)
+    assert response.model_spec.version.value == 1
+    signatures = get_model_metadata_pb2.SignatureDefMap()
+    response.metadata["signature_def"].Unpack(signatures)
+    assert signatures.signature_def["classify_x_to_y"].method_name == "tensorflow/serving/classify"
+    assert set(signatures.signature_def) == {"classify_x_to_y", "regress_x_to_y",
+                                             "regress_x_to_y2", "serving_default"}
+    body = httpx.get(f"{server.rest}/v1/models/tf2/metadata")
+    assert body.status_code == 200 and body.text.startswith('{\n"model_spec":{\n "name": "tf2",')
+    parsed = body.json()
+    assert parsed["model_spec"] == {"name": "tf2", "signature_name": "", "version": "1"}
+    sig = parsed["metadata"]["signature_def"]["signature_def"]["serving_default"]
+    assert sig["inputs"]["x"]["dtype"] == "DT_FLOAT"
+    assert sig["method_name"] == "tensorflow/serving/predict"
+
+
+def test_health_and_unix_socket(server):
+    health = health_pb2_grpc.HealthStub(server.channel)
+    assert health.Check(health_pb2.HealthCheckRequest()).status == \
+        health_pb2.HealthCheckResponse.SERVING
+    with grpc.insecure_channel(f"unix:{server.socket_path}") as channel:
+        stub = prediction_service_pb2_grpc.PredictionServiceStub(channel)
+        response = stub.Predict(predict_request("tf2", x=S.float_input([4.0])))
+    assert tf.make_ndarray(response.outputs["y"]).tolist() == [4.0]
+
+
+# ---- Predict ------------------------------------------------------------------------------
+
+def test_predict_rest_row_and_columnar(server):
+    row = rest_post(server, "/v1/models/tf2:predict", {"instances": [1.0, 2.0, 5.0]})
+    assert row.status_code == 200
+    assert row.text == '{\n    "predictions": [2.5, 3.0, 4.5\n    ]\n}'
+    columnar = rest_post(server, "/v1/models/tf2/versions/1:predict",
+                         {"inputs": {"x": [1.0, 2.0]}})
+    assert columnar.json() == {"outputs": [2.5, 3.0]}
+    objects = rest_post(server, "/v1/models/tf2/labels/stable:predict", {
+        "signature_name": "arith", "instances": [{"a": [1, 2], "b": [3, 4]},
+                                                 {"a": [5, 6], "b": [7, 8]}]})
+    assert objects.json() == {"predictions": [{"product": [3, 8], "sum": [4, 6]},
+                                              {"product": [35, 48], "sum": [12, 14]}]}
+    strings = rest_post(server, "/v1/models/tf2:predict", {
+        "signature_name": "strings", "inputs": {"text": [{"b64": "aGk="}, "yo"]}})
+    assert strings.json() == {"outputs": {"length": [2, 2],
+                                          "upper_bytes": [{"b64": "SEk="}, {"b64": "WU8="}]}}
+
+
+def test_predict_grpc_with_output_filter(predictions):
+    request = predict_request("tf2", "arith", version=1, a=np.array([[2]], np.int32),
+                              b=np.array([[5]], np.int32))
+    request.output_filter.append("product")
+    response = predictions.Predict(request)
+    assert list(response.outputs) == ["product"]
+    assert tf.make_ndarray(response.outputs["product"]).tolist() == [[10]]
+    assert (response.model_spec.name, response.model_spec.version.value,
+            response.model_spec.signature_name) == ("tf2", 1, "arith")
+
+
+def test_keras_export(server):
+    response = rest_post(server, "/v1/models/keras:predict",
+                         {"instances": [[1.0, 2.0, 3.0], [0.0, 0.0, 1.0]]})
+    assert response.status_code == 200, response.text
+    assert response.json() == {"predictions": [[6.0, 6.0], [1.0, 1.0]]}
+
+
+def test_tflite_with_prefer_tflite_model(server, predictions):
+    response = rest_post(server, "/v1/models/lite:predict", {"instances": [2.0, 4.0]})
+    assert response.json() == {"predictions": [3.0, 4.0]}
+    metadata = httpx.get(f"{server.rest}/v1/models/lite/metadata").json()
+    assert "serving_default" in metadata["metadata"]["signature_def"]["signature_def"]
+
+
+# ---- Classify, Regress, MultiInference on a TF1-style model -----------------------------------
+
+def _examples(*values: float) -> input_pb2.Input:
+    request_input = input_pb2.Input()
+    for value in values:
+        request_input.example_list.examples.append(example_pb2.Example(
+            features=feature_pb2.Features(feature={"x": feature_pb2.Feature(
+                float_list=feature_pb2.FloatList(value=[value]))})))
+    return request_input
+
+
+def test_classify_and_regress_grpc(predictions):
+    classified = predictions.Classify(classification_pb2.ClassificationRequest(
+        model_spec=model_pb2.ModelSpec(name="tf1", signature_name="classify_x_to_y"),
+        input=_examples(1.0, 3.0)))
+    assert [[(c.label, round(c.score, 4)) for c in row.classes]
+            for row in classified.result.classifications] == [
+        [("pos", 2.5), ("neg", -2.5)], [("pos", 3.5), ("neg", -3.5)]]
+    regressed = predictions.Regress(regression_pb2.RegressionRequest(
+        model_spec=model_pb2.ModelSpec(name="tf1", signature_name="regress_x_to_y"),
+        input=_examples(1.0, 3.0)))
+    assert [r.value for r in regressed.result.regressions] == [2.5, 3.5]
+    assert regressed.model_spec.version.value == 1
+
+
+def test_multi_inference_grpc(predictions):
+    request = inference_pb2.MultiInferenceRequest(input=_examples(2.0))
+    for signature, method in (("classify_x_to_y", "tensorflow/serving/classify"),
+                              ("regress_x_to_y2", "tensorflow/serving/regress")):
+        request.tasks.add(model_spec=model_pb2.ModelSpec(name="tf1", signature_name=signature),
+                          method_name=method)
+    response = predictions.MultiInference(request)
+    classes, regression = response.results
+    assert classes.classification_result.classifications[0].classes[0].score == 3.0
+    assert regression.regression_result.regressions[0].value == 6.0
+    assert regression.model_spec.signature_name == "regress_x_to_y2"
+
+
+def test_classify_and_regress_rest(server):
+    classified = rest_post(server, "/v1/models/tf1:classify", {
+        "signature_name": "classify_x_to_y", "examples": [{"x": 1.0}, {"x": 3.0}]})
+    assert classified.status_code == 200, classified.text
+    assert classified.json() == {"results": [[["pos", 2.5], ["neg", -2.5]],
+                                             [["pos", 3.5], ["neg", -3.5]]]}
+    regressed = rest_post(server, "/v1/models/tf1/versions/1:regress", {
+        "signature_name": "regress_x_to_y", "context": {"x": 1.0}, "examples": [{}, {}]})
+    assert regressed.json() == {"results": [2.5, 2.5]}
+
+
+# ---- our language model ---------------------------------------------------------------------
+
+def test_language_model_serving_default_and_generate(server, predictions):
+    exported = tf.saved_model.load(str(server.lm_dir))
+    prompt = np.array([[5, 17, 42, 7]], np.int32)
+    expected = exported.signatures["serving_default"](input_ids=tf.constant(prompt))
+    response = rest_post(server, "/v1/models/lm:predict", {"instances": prompt.tolist()})
+    assert response.status_code == 200, response.text
+    assert response.json() == {"predictions": expected["predicted_id"].numpy().tolist()}
+
+    inputs = {"input_ids": prompt, "max_new_tokens": np.int32(6),
+              "temperature": np.float32(0.0), "top_k": np.int32(0), "top_p": np.float32(1.0),
+              "seed": np.int32(0)}
+    direct = exported.signatures["generate"](**{k: tf.constant(v) for k, v in inputs.items()})
+    generated = predictions.Predict(predict_request("lm", "generate", **inputs))
+    assert (tf.make_ndarray(generated.outputs["output_ids"]).tolist()
+            == direct["output_ids"].numpy().tolist())
+
+
+# ---- bad input: TF Serving's codes and messages; the server keeps serving -------------------
+
+REST_ERRORS = [
+    ("/v1/models/nope:predict", {"instances": [1.0]}, 404,
+     "Servable not found for request: Latest(nope)"),
+    ("/v1/models/tf2/versions/99:predict", {"instances": [1.0]}, 404,
+     "Servable not found for request: Specific(tf2, 99)"),
+    ("/v1/models/tf2/labels/beta:predict", {"instances": [1.0]}, 400,
+     "Unrecognized servable version label: beta"),
+    ("/v1/models/tf2:predict", {"signature_name": "arith", "instances": [
+        {"a": [1, 2], "b": [1, 2]}, {"a": [1], "b": [1, 2]}]}, 400,
+     "Failed to process element: 1 key: a of 'instances' list. Error: INVALID_ARGUMENT: "
+     "Expecting tensor size: 2 but got: 1"),
+    ("/v1/models/tf2:predict", {"instances": ["one"]}, 400,
+     "Failed to process element: 0 of 'instances' list. Error: INVALID_ARGUMENT: JSON Value: "
+     "\"one\" Type: String is not of expected type: float"),
+    ("/v1/models/tf2:predict", {"instances": [1.0], "inputs": [1.0]}, 400,
+     "JSON Value: {\"instances\":[1.0],\"inputs\":[1.0]} Not formatted correctly expecting "
+     "only one of 'inputs' or 'instances' keys to exist "),
+    ("/v1/models/tf2:predict", {"signature_name": "nope", "instances": [1.0]}, 400,
+     "Serving signature key \"nope\" not found."),
+    ("/v1/models/tf2:predict", {"x": 1}, 400, "Missing 'inputs' or 'instances' key"),
+    ("/v1/models/tf2:predict", "{not json", 400, "JSON Parse error: "),
+    ("/v1/models/tf2:explain", {"instances": [1.0]}, 404,
+     "Malformed request: POST /v1/models/tf2:explain"),
+    ("/v1/models/tf1:classify", {"examples": [{"x": 1.0}]}, 400,
+     "Expected classification signature method_name to be tensorflow/serving/classify. "
+     "Was: tensorflow/serving/predict"),
+]
+
+
+@pytest.mark.parametrize("path, body, status, message", REST_ERRORS,
+                         ids=[f"{i}" for i in range(len(REST_ERRORS))])
+def test_rest_errors(server, path, body, status, message):
+    response = rest_post(server, path, body)
+    assert response.status_code == status, response.text
+    assert response.headers["content-type"] == "application/json"
+    assert response.text.startswith('{ "error": ') and response.text.endswith('" }')
+    assert message in response.json()["error"]
+
+
+GRPC_ERRORS = [
+    (predict_request("nope", x=S.float_input([1.0])), grpc.StatusCode.NOT_FOUND,
+     "Servable not found for request: Latest(nope)"),
+    (predict_request("tf2", version=7, x=S.float_input([1.0])), grpc.StatusCode.NOT_FOUND,
+     "Servable not found for request: Specific(tf2, 7)"),
+    (predict_request("tf2", label="beta", x=S.float_input([1.0])),
+     grpc.StatusCode.INVALID_ARGUMENT, "Unrecognized servable version label: beta"),
+    (predict_request("tf2", x=np.array([1, 2], np.int64)), grpc.StatusCode.INVALID_ARGUMENT,
+     "Expects arg[0] to be float but int64 is provided"),
+    (predict_request("tf2", y=S.float_input([1.0])), grpc.StatusCode.INVALID_ARGUMENT,
+     "input size does not match signature"),
+    (predict_request("tf2", x=S.float_input([[1.0]])), grpc.StatusCode.INVALID_ARGUMENT,
+     "Shape of tensor x [1,1] is not compatible with expected shape [?]"),
+]
+
+
+@pytest.mark.parametrize("request_proto, code, message", GRPC_ERRORS,
+                         ids=[f"{i}" for i in range(len(GRPC_ERRORS))])
+def test_grpc_errors(predictions, request_proto, code, message):
+    with pytest.raises(grpc.RpcError) as raised:
+        predictions.Predict(request_proto)
+    assert raised.value.code() == code
+    assert message in raised.value.details()
+
+
+def test_still_serving_after_errors_and_metrics(server, predictions):
+    assert predictions.Predict(predict_request("tf2", x=S.float_input([0.0]))).outputs["y"]
+    metrics = httpx.get(f"{server.rest}/monitoring/prometheus/metrics")
+    assert metrics.status_code == 200
+    text = metrics.text
+    assert '\n:tensorflow:serving:request_count{model_name="tf2",status="OK"} ' in text
+    assert ':tensorflow:serving:request_count{model_name="nope",status="NOT_FOUND"}' in text
+    assert '_total' not in text.split(":tensorflow:serving:request_count", 1)[1].split("\n")[0]
+    assert ':tensorflow:serving:request_latency_bucket{API="predict",entrypoint="GRPC"' in text
+    assert ':tensorflow:cc:saved_model:load_latency{model_path=' in text
+    assert (':tensorflow:serving:model_warmup_latency_count{model_path="'
+            + str(server.lm_dir.parent.parent / "tf2" / "1") + '"} 1.0') in text
+
+
+def test_unknown_tf_serving_flags_warn(server):
+    assert ("warning: --tensorflow_session_parallelism is a tensorflow_model_server flag"
+            in server.log())
