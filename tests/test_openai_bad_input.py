@@ -56,9 +56,9 @@ HTTP_ROWS = [
      "echo together with logprobs"),
     ("image-content-part", CHAT, {"model": MODEL, "messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "http://x"}}]}]}, None, 400,
-     "messages.0.content"),
+     "messages.0.content.0: content of type 'image_url' is not supported"),
     ("tool-role-message", CHAT, {"model": MODEL, "messages": [
-        {"role": "tool", "content": "x"}]}, None, 400, "messages.0.role"),
+        {"role": "tool", "content": "x"}]}, None, 400, "role 'tool' is not supported"),
     ("unknown-model", C, body(model="nope"), None, 404, "The model 'nope' does not exist."),
     ("unknown-version", C, body(model="tiny:7"), None, 404, "has version 1 only"),
     ("unknown-label", C, body(model="tiny@canary"), None, 404, "has no label 'canary'"),
@@ -110,6 +110,7 @@ HTTP_ROWS = [
     ("full-queue-streamed", C, body(model=BUSY_MODEL, prompt="def add(a, b):", stream=True),
      None, 429, "the queue is full"),
     ("unknown-route", "/v1/embeddings", OK, None, 404, "Not Found"),
+    ("wrong-method", C, None, None, 405, "Method Not Allowed"),
 ]
 
 

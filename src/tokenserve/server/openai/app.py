@@ -67,7 +67,8 @@ def build_openai_app(models: ModelResolver, config: OpenAIServerConfig | None = 
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
-        return JSONResponse(error_body(error.status_code, str(error.detail)),
+        code = {404: "not_found", 405: "method_not_allowed"}.get(error.status_code)
+        return JSONResponse(error_body(error.status_code, str(error.detail), code=code),
                             status_code=error.status_code)
 
     @app.exception_handler(RequestValidationError)

@@ -11,10 +11,35 @@ from .config import OpenAIServerConfig
 from .formatting import SSE_DONE, chat_logprobs, sse
 from .params import (bad_request, check_text, check_unsupported, max_new_tokens,
                      request_timeout, sampling_params)
-from .schemas import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
+from .schemas import (CHAT_ROLES, AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
                       ChatCompletionRequest, ChatCompletionResponse, ChatLogprobs, ChatMessage,
                       DeltaMessage, Usage)
 from .streams import MergedOutputs
+
+
+def message_text(message: ChatMessage, param: str) -> str:
+    """The text of one message, refusing roles and content parts that are not served.
+
+    Raises:
+        InvalidRequestError: naming the message field.
+    """
+    if message.role not in CHAT_ROLES:
+        raise bad_request(f"{param}.role: role '{message.role}' is not supported (tool calling "
+                          f"is not served); use one of {', '.join(CHAT_ROLES)}.",
+                          f"{param}.role", "unsupported_parameter")
+    if message.content is None:
+        return ""
+    if isinstance(message.content, str):
+        text = message.content
+    else:
+        for j, part in enumerate(message.content):
+            if part.type != "text" or part.text is None:
+                raise bad_request(f"{param}.content.{j}: content of type '{part.type}' is not "
+                                  f"supported; this server takes text only.",
+                                  f"{param}.content.{j}", "unsupported_parameter")
+        text = "".join(part.text for part in message.content)
+    check_text(text, f"{param}.content")
+    return text
 
 
 def chat_prompt_ids(messages: list[ChatMessage], engine: EngineClient,
@@ -26,8 +51,7 @@ def chat_prompt_ids(messages: list[ChatMessage], engine: EngineClient,
     """
     plain = []
     for i, message in enumerate(messages):
-        text = message.text()
-        check_text(text, f"messages.{i}.content")
+        text = message_text(message, f"messages.{i}")
         plain.append({"role": message.role, "content": text}
                      | ({"name": message.name} if message.name else {}))
     tokenizer = engine.tokenizer

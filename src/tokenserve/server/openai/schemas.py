@@ -62,22 +62,21 @@ class CompletionRequest(_Sampling):
     suffix: str | None = None
 
 
-class TextPart(_Request):
-    type: Literal["text"]
-    text: str
+CHAT_ROLES = ("system", "developer", "user", "assistant")
+
+
+class ContentPart(_Request):
+    """One part of a message's content; only `{"type": "text", "text": ...}` is served."""
+
+    type: str
+    text: str | None = None
 
 
 class ChatMessage(_Request):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart] | None = None
+    role: str
+    """One of CHAT_ROLES; `tool` and `function` need tool calling, which is not served."""
+    content: str | list[ContentPart] | None = None
     name: str | None = None
-
-    def text(self) -> str:
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        return "".join(part.text for part in self.content)
 
 
 class ChatCompletionRequest(_Sampling):
