@@ -44,7 +44,9 @@ class _Module(tf.Module):
     @tf.function(input_signature=[tf.TensorSpec([], tf.string, name="gate"),
                                   tf.TensorSpec([None], tf.float32, name="x")])
     def wait(self, gate, x):
-        """Blocks until a file matching `gate` exists, then returns affine(x)."""
+        """Writes `gate`.started, blocks until a file matching `gate` exists, then returns
+        affine(x)."""
+        tf.io.write_file(tf.strings.join([gate, ".started"]), "")
         def missing(_):
             return tf.equal(tf.size(tf.io.matching_files(gate)), 0)
 

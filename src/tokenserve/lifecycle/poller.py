@@ -32,7 +32,9 @@ class Poller:
         self._fs_wait = file_system_poll_wait_s
         self._read_config = read_config
         self._config_wait = config_poll_wait_s
-        self._last_specs = read_config() if read_config else None
+        # What the file said when last read: it is reapplied only when its content changes,
+        # so a HandleReloadConfigRequest stays in force until the file is edited.
+        self._last_file_specs = read_config() if read_config else None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="lifecycle-poller", daemon=True)
 
@@ -42,10 +44,6 @@ class Poller:
     def stop(self) -> None:
         self._stop.set()
         self._thread.join(5)
-
-    def config_applied(self, specs: list[ModelSpecConfig]) -> None:
-        """Records specs applied elsewhere (HandleReloadConfigRequest)."""
-        self._last_specs = specs
 
     def _run(self) -> None:
         next_fs = time.monotonic() + self._fs_wait
@@ -61,10 +59,10 @@ class Poller:
 
     def _reload_config(self) -> None:
         specs = self._read_config()
-        if specs != self._last_specs:
+        if specs != self._last_file_specs:
+            self._last_file_specs = specs
             log.info("model config file changed; applying %d models", len(specs))
             self._manager.apply_config(specs, wait=True)
-            self._last_specs = specs
 
     @staticmethod
     def _guard(step: Callable[[], None]) -> None:

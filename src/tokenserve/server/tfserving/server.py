@@ -93,8 +93,7 @@ def serve(config: ServeConfig, frontends: list[Frontend] = (),
     poller.start()
     grpc_server = start_grpc_server(manager, config.port, config.grpc_socket_path,
                                     config.grpc_channel_arguments, context.metrics,
-                                    max_workers=config.grpc_max_threads,
-                                    on_reload=poller.config_applied)
+                                    max_workers=config.grpc_max_threads)
     if grpc_server is not None:
         print(f"Running gRPC ModelServer at {config.host}:{config.port} ...", file=sys.stderr)
     http_servers = []
