@@ -17,7 +17,6 @@ import pytest
 from test_openai_harness import API_KEY, BUSY_MODEL, MAX_BODY_BYTES, MODEL, RealServer, \
     tiny_model_dir
 from tokenserve.server.proto.tokenserve import generation_pb2 as pb
-from tokenserve.server.proto.tokenserve import generation_pb2_grpc as pb_grpc
 
 C, CHAT = "/v1/completions", "/v1/chat/completions"
 OK = {"model": MODEL, "prompt": "x", "max_tokens": 2}
@@ -205,6 +204,8 @@ GRPC_ROWS = [
      grpc.StatusCode.INVALID_ARGUMENT, "top_p must be in (0, 1]"),
     ("huge-n", {**GRPC_OK, "sampling": {"n": 1000}}, None, grpc.StatusCode.INVALID_ARGUMENT,
      "n must be between 1 and 16"),
+    ("invalid-utf8-text", b"\n\x04tiny\x12\x02\xff\xfe", None,
+     grpc.StatusCode.INVALID_ARGUMENT, "String field had bad UTF-8"),
     ("missing-api-key", GRPC_OK, (), grpc.StatusCode.UNAUTHENTICATED, "Missing API key"),
     ("wrong-api-key", GRPC_OK, (("authorization", "Bearer sk-wrong"),),
      grpc.StatusCode.UNAUTHENTICATED, "Incorrect API key"),
@@ -219,16 +220,20 @@ def test_grpc_bad_input(server, row):
     good = GoodStream(server)
     good.start()
     good.started.wait(60)
-    fields = dict(fields)
-    sampling = pb.SamplingOptions(**fields.pop("sampling", {}))
-    if "token_ids" in fields:
-        fields["token_ids"] = pb.TokenIds(**fields["token_ids"])
-    request = pb.GenerateRequest(sampling=sampling, **fields)
+    if isinstance(fields, bytes):  # bytes the generated client would refuse to send
+        request = fields
+    else:
+        fields = dict(fields)
+        sampling = pb.SamplingOptions(**fields.pop("sampling", {}))
+        if "token_ids" in fields:
+            fields["token_ids"] = pb.TokenIds(**fields["token_ids"])
+        request = pb.GenerateRequest(sampling=sampling, **fields).SerializeToString()
     with grpc.insecure_channel(server.grpc_target) as channel:
-        stub = pb_grpc.GenerationServiceStub(channel)
+        generate = channel.unary_stream("/tokenserve.v1.GenerationService/Generate",
+                                        response_deserializer=pb.GenerateResponse.FromString)
         auth = (("authorization", f"Bearer {API_KEY}"),) if metadata is None else metadata
         with pytest.raises(grpc.RpcError) as caught:
-            list(stub.Generate(request, metadata=auth, timeout=60))
+            list(generate(request, metadata=auth, timeout=60))
     assert caught.value.code() == code
     assert message in caught.value.details()
     good.check()

@@ -18,6 +18,7 @@ import uuid
 from collections.abc import AsyncIterator
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from tokenserve.errors import TokenserveError
 from tokenserve.sampling import SamplingParams
@@ -99,6 +100,9 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         outputs = None
         try:
             try:
+                if isinstance(request, _Undecodable):
+                    raise bad_request(f"The request is not a valid GenerateRequest: "
+                                      f"{request.error}")
                 model_id, tokenizer, outputs = self._prepare(request, context)
                 await outputs.start()
             except TokenserveError as error:
@@ -159,5 +163,30 @@ def add_generation_service(grpc_server: grpc.aio.Server, models: ModelResolver,
             and `timeout_s` can shorten it).
     """
     servicer = GenerationServicer(models, api_keys, request_timeout_s)
-    pb_grpc.add_GenerationServiceServicer_to_server(servicer, grpc_server)
+    # As the generated add_GenerationServiceServicer_to_server, but with a request parser
+    # that hands undecodable bytes to the servicer (INVALID_ARGUMENT) instead of letting
+    # grpc answer UNKNOWN.
+    handlers = {"Generate": grpc.unary_stream_rpc_method_handler(
+        servicer.Generate, request_deserializer=_parse_request,
+        response_serializer=pb.GenerateResponse.SerializeToString)}
+    grpc_server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+    grpc_server.add_registered_method_handlers(SERVICE_NAME, handlers)
     return servicer
+
+
+SERVICE_NAME = "tokenserve.v1.GenerationService"
+
+
+class _Undecodable:
+    """Request bytes that are not a GenerateRequest (e.g. a string field with bad UTF-8)."""
+
+    def __init__(self, error: Exception):
+        self.error = error
+
+
+def _parse_request(data: bytes) -> pb.GenerateRequest | _Undecodable:
+    try:
+        return pb.GenerateRequest.FromString(data)
+    except DecodeError as error:
+        return _Undecodable(error)
