@@ -36,6 +36,7 @@ class FakeEngine:
         self.requests: list[tuple[list[int], SamplingParams, str, float | None]] = []
         self._abort_flags: dict[str, bool] = {}
         self.fail_after: int | None = None
+        self.trace_contexts: list[dict | None] = []
         """When set, generate raises EngineDeadError after this many outputs."""
 
     @property
@@ -65,7 +66,8 @@ class FakeEngine:
             token = (token + 1) % vocab
         return token
 
-    async def generate(self, prompt_ids, params, request_id, priority=0, timeout_s=None):
+    async def generate(self, prompt_ids, params, request_id, priority=0, timeout_s=None,
+                       trace_context=None):
         if not prompt_ids:
             raise InvalidRequestError("prompt must not be empty")
         if len(prompt_ids) + params.max_tokens > self.max_model_len:
@@ -74,6 +76,7 @@ class FakeEngine:
         if len(self.running) >= self.max_requests:
             raise QueueFullError(f"engine queue is full ({self.max_requests} requests)")
         self.requests.append((list(prompt_ids), params, request_id, timeout_s))
+        self.trace_contexts.append(trace_context)
         self.running.add(request_id)
         self._abort_flags[request_id] = False
         started = time.monotonic()

@@ -205,3 +205,17 @@ def test_metrics_serve_the_configured_registry_and_responses_carry_request_ids(s
     response = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 1})
     assert response.headers["x-request-id"] == response.json()["id"]
     assert client.get("/v1/models/tiny:1").json()["root"] == "tiny"
+
+
+def test_w3c_trace_headers_reach_the_engine_and_text_parts_are_joined(setup):
+    client, engines, _ = setup
+    parent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+    response = client.post("/v1/chat/completions", headers={"traceparent": parent}, json={
+        "max_tokens": 1, "messages": [{"role": "user", "content": [
+            {"type": "text", "text": "add "}, {"type": "text", "text": "two"}]}]})
+    assert response.status_code == 200
+    assert engines["tiny"].trace_contexts[-1] == {"traceparent": parent}
+    prompt = engines["tiny"].requests[-1][0]
+    assert engines["tiny"].tokenizer.decode(prompt).startswith("# user: add two\n")
+    client.post("/v1/completions", json={"prompt": "x", "max_tokens": 1})
+    assert engines["tiny"].trace_contexts[-1] is None

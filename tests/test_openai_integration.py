@@ -191,3 +191,11 @@ def test_health_and_readiness_are_open(server):
     assert httpx.get(server.url + "/health").status_code == 200
     ready = httpx.get(server.url + "/ready")
     assert ready.status_code == 200 and ready.json()["model"] == MODEL
+
+
+def test_a_traced_request_is_served(server):
+    parent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+    response = httpx.post(server.url + "/v1/completions", timeout=60,
+                          headers={**server.headers, "traceparent": parent},
+                          json={"model": MODEL, "prompt": PROMPT, "max_tokens": 2})
+    assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] >= 1

@@ -27,7 +27,7 @@ from tokenserve.server.openai.formatting import MIN_LOGPROB, token_text
 from tokenserve.server.openai.models import ModelResolver
 from tokenserve.server.openai.params import (bad_request, check_text, max_new_tokens,
                                              request_timeout)
-from tokenserve.server.openai.streams import MergedOutputs
+from tokenserve.server.openai.streams import MergedOutputs, trace_context
 from tokenserve.server.proto.tokenserve import generation_pb2 as pb
 from tokenserve.server.proto.tokenserve import generation_pb2_grpc as pb_grpc
 from tokenserve.server.status import grpc_code
@@ -91,8 +91,9 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         if remaining is not None and (timeout_s is None or remaining < timeout_s):
             timeout_s = max(remaining, 1e-3)
         request_id = request.request_id or f"gen-{uuid.uuid4().hex}"
-        return model_id, engine.tokenizer, MergedOutputs(engine, [prompt_ids], params, request_id,
-                                       request.priority, timeout_s)
+        return model_id, engine.tokenizer, MergedOutputs(
+            engine, [prompt_ids], params, request_id, request.priority, timeout_s,
+            trace_context(context.invocation_metadata()))
 
     async def Generate(self, request: pb.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:

@@ -28,6 +28,7 @@ from .config import OpenAIServerConfig
 from .http import (EventStream, error_body, error_response, read_json, unless_disconnected,
                    with_error_event)
 from .models import ModelResolver
+from .streams import trace_context
 from .schemas import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                       DetokenizeResponse, ModelList, ModelObject, TokenizeRequest,
                       TokenizeResponse)
@@ -150,14 +151,16 @@ def build_openai_app(models: ModelResolver, config: OpenAIServerConfig | None = 
     async def completions(request: Request) -> Response:
         body = await read_json(request, CompletionRequest, config.max_body_bytes)
         model_id, engine = resolve(request, body.model)
-        job = CompletionRun(body, engine, model_id, f"cmpl-{uuid.uuid4().hex}", config)
+        job = CompletionRun(body, engine, model_id, f"cmpl-{uuid.uuid4().hex}", config,
+                            trace_context(request.headers))
         return await run(request, job, body.stream)
 
     @app.post("/v1/chat/completions", dependencies=guarded)
     async def chat_completions(request: Request) -> Response:
         body = await read_json(request, ChatCompletionRequest, config.max_body_bytes)
         model_id, engine = resolve(request, body.model)
-        job = ChatRun(body, engine, model_id, f"chatcmpl-{uuid.uuid4().hex}", config)
+        job = ChatRun(body, engine, model_id, f"chatcmpl-{uuid.uuid4().hex}", config,
+                      trace_context(request.headers))
         return await run(request, job, body.stream)
 
     @app.post("/tokenize", dependencies=guarded)

@@ -71,7 +71,8 @@ class ChatRun:
     """One /v1/chat/completions request from validation to its last chunk."""
 
     def __init__(self, request: ChatCompletionRequest, engine: EngineClient, model_id: str,
-                 request_id: str, config: OpenAIServerConfig):
+                 request_id: str, config: OpenAIServerConfig,
+                 trace: dict[str, str] | None = None):
         """Checks the request and builds the engine inputs.
 
         Raises:
@@ -90,9 +91,9 @@ class ChatRun:
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
         self.params = sampling_params(request, max_tokens, logprobs)
         self.num_prompt_tokens = len(prompt_ids)
+        timeout_s = request_timeout(request.timeout_s, config.request_timeout_s)
         self.outputs = MergedOutputs(engine, [prompt_ids], self.params, request_id,
-                                     request.priority,
-                                     request_timeout(request.timeout_s, config.request_timeout_s))
+                                     request.priority, timeout_s, trace_context=trace)
         self.num_generated = 0
 
     def _usage(self) -> Usage:

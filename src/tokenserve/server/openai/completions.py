@@ -22,7 +22,8 @@ class CompletionRun:
     """One /v1/completions request from validation to its last chunk."""
 
     def __init__(self, request: CompletionRequest, engine: EngineClient, model_id: str,
-                 request_id: str, config: OpenAIServerConfig):
+                 request_id: str, config: OpenAIServerConfig,
+                 trace: dict[str, str] | None = None):
         """Checks the request and builds the engine inputs.
 
         Raises:
@@ -40,9 +41,9 @@ class CompletionRun:
         self.params = sampling_params(request, max_tokens, request.logprobs)
         self.num_prompt_tokens = sum(len(ids) for ids in prompts)
         self.prompt_texts = [self.tokenizer.decode(ids) if request.echo else "" for ids in prompts]
+        timeout_s = request_timeout(request.timeout_s, config.request_timeout_s)
         self.outputs = MergedOutputs(engine, prompts, self.params, request_id, request.priority,
-                                     request_timeout(request.timeout_s,
-                                                     config.request_timeout_s))
+                                     timeout_s, trace_context=trace)
         self._num_generated: dict[int, int] = {}
 
     def _usage(self) -> Usage:

@@ -33,11 +33,15 @@ class MergedOutputs:
     """
 
     def __init__(self, engine: EngineClient, prompts: list[list[int]], params: SamplingParams,
-                 request_id: str, priority: int = 0, timeout_s: float | None = None):
+                 request_id: str, priority: int = 0, timeout_s: float | None = None,
+                 trace_context: dict[str, str] | None = None):
         self.engine, self.prompts, self.params = engine, prompts, params
         self.request_ids = ([request_id] if len(prompts) == 1 else
                             [f"{request_id}-{i}" for i in range(len(prompts))])
         self.priority, self.timeout_s = priority, timeout_s
+        # W3C trace headers; passed only when present, as an engine extension beyond the
+        # EngineClient protocol (AsyncEngine.generate accepts `trace_context`).
+        self._extra = {"trace_context": trace_context} if trace_context else {}
         self.started_at = time.monotonic()
         self._queue: asyncio.Queue = asyncio.Queue()
         self._tasks: list[asyncio.Task] = []
@@ -48,7 +52,8 @@ class MergedOutputs:
         stream = None
         try:
             stream = self.engine.generate(self.prompts[index], self.params,
-                                          self.request_ids[index], self.priority, self.timeout_s)
+                                          self.request_ids[index], self.priority, self.timeout_s,
+                                          **self._extra)
             async for output in stream:
                 await self._queue.put((index, output))
                 if output.finished:
@@ -107,3 +112,16 @@ class MergedOutputs:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+TRACE_HEADERS = ("traceparent", "tracestate")
+
+
+def trace_context(pairs) -> dict[str, str]:
+    """W3C trace headers from HTTP headers (a mapping) or gRPC metadata (key/value pairs)."""
+    items = pairs.items() if hasattr(pairs, "items") else pairs or ()
+    found = {}
+    for key, value in items:
+        if key.lower() in TRACE_HEADERS:
+            found[key.lower()] = value.decode() if isinstance(value, bytes) else str(value)
+    return found
