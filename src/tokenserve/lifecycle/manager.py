@@ -47,6 +47,8 @@ class LoadedVersion:
         self.extensions: dict[str, object] = {}
         self.num_inflight = 0
         self.fingerprint: tuple | None = None
+        self.loaded_at: float | None = None
+        """Unix time the version became AVAILABLE (OpenAI's `created`)."""
 
     @property
     def failed(self) -> bool:
@@ -225,6 +227,7 @@ class ModelManager:
             break
         with self._cond:
             version.state = VersionState.AVAILABLE
+            version.loaded_at = time.time()
             version.error_code, version.error_message = "OK", ""
             self._cond.notify_all()
         log.info("%s version %d is AVAILABLE", version.model_name, version.version)

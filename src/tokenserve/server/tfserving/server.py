@@ -75,10 +75,20 @@ def _uvicorn(app, host: str, port: int) -> uvicorn.Server:
 
 
 def serve(config: ServeConfig, frontends: list[Frontend] = (),
-          extensions: dict[str, Callable] | None = None,
-          stop_event: threading.Event | None = None) -> None:
+          extensions: dict[str, Callable] | None = None, grpc_services: list[Callable] = (),
+          grpc_interceptors: list = (), stop_event: threading.Event | None = None) -> None:
     """Loads every model, starts gRPC and REST (and `frontends`), serves until SIGTERM/SIGINT
-    or `stop_event`, then stops accepting, drains in-flight requests and unloads."""
+    or `stop_event`, then stops accepting, drains in-flight requests and unloads.
+
+    Args:
+        config: the server's configuration.
+        frontends: `(ServeContext) -> object with stop()`, started after models load.
+        extensions: name -> factory, registered on the manager before anything loads
+            (`version.extensions[name]`, e.g. an engine per version).
+        grpc_services: `async (grpc.aio.Server) -> None`, to add services on port 8500.
+        grpc_interceptors: grpc.aio server interceptors (e.g. API-key auth).
+        stop_event: stops the server when set (tests, embedding).
+    """
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: "
                                                    "%(message)s", stream=sys.stderr)
     context = build_context(config)
@@ -93,7 +103,9 @@ def serve(config: ServeConfig, frontends: list[Frontend] = (),
     poller.start()
     grpc_server = start_grpc_server(manager, config.port, config.grpc_socket_path,
                                     config.grpc_channel_arguments, context.metrics,
-                                    max_workers=config.grpc_max_threads)
+                                    max_workers=config.grpc_max_threads,
+                                    extra_services=grpc_services,
+                                    interceptors=grpc_interceptors)
     if grpc_server is not None:
         print(f"Running gRPC ModelServer at {config.host}:{config.port} ...", file=sys.stderr)
     http_servers = []
@@ -121,6 +133,6 @@ def serve(config: ServeConfig, frontends: list[Frontend] = (),
         if hasattr(stoppable, "stop"):
             stoppable.stop()
     if grpc_server is not None:
-        grpc_server.stop(grace=5).wait()
+        grpc_server.stop(grace_s=5)
     poller.stop()
     manager.close(timeout_s=30)
