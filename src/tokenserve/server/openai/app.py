@@ -28,11 +28,11 @@ from .config import OpenAIServerConfig
 from .http import (EventStream, error_body, error_response, read_json, unless_disconnected,
                    with_error_event)
 from .models import ModelResolver
-from .streams import trace_context
+from .params import bad_request, check_text
 from .schemas import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                       DetokenizeResponse, ModelList, ModelObject, TokenizeRequest,
                       TokenizeResponse)
-from .params import bad_request, check_text
+from .streams import trace_context
 
 _REJECTION_REASONS = [(QueueFullError, "queue_full"), (PromptTooLongError, "too_long"),
                       (PayloadTooLargeError, "too_large"), (InvalidRequestError, "invalid"),

@@ -11,9 +11,9 @@ from .config import OpenAIServerConfig
 from .formatting import SSE_DONE, chat_logprobs, sse
 from .params import (bad_request, check_text, check_unsupported, max_new_tokens,
                      request_timeout, sampling_params)
-from .schemas import (CHAT_ROLES, AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
-                      ChatCompletionRequest, ChatCompletionResponse, ChatLogprobs, ChatMessage,
-                      DeltaMessage, Usage)
+from .schemas import (CHAT_ROLES, AssistantMessage, ChatChoice, ChatChunkChoice,
+                      ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
+                      ChatLogprobs, ChatMessage, DeltaMessage, Usage)
 from .streams import MergedOutputs
 
 

@@ -13,9 +13,10 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
-from tokenserve.errors import InvalidRequestError, PayloadTooLargeError, RequestAbortedError
+from tokenserve.errors import PayloadTooLargeError, RequestAbortedError
 from tokenserve.server.status import http_status
 
+from .params import bad_request
 from .schemas import ErrorInfo, ErrorResponse
 
 Model = TypeVar("Model", bound=BaseModel)
@@ -79,26 +80,20 @@ async def read_json(request: Request, model: type[Model], max_bytes: int) -> Mod
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as error:
-        raise _invalid(f"Request body is not valid UTF-8 (byte {error.start}).",
-                       "invalid_utf8") from None
+        raise bad_request(f"Request body is not valid UTF-8 (byte {error.start}).",
+                          code="invalid_utf8") from None
     try:
         value = json.loads(text)
     except json.JSONDecodeError as error:
-        raise _invalid(f"Request body is not valid JSON: {error.msg} at line {error.lineno} "
-                       f"column {error.colno}.", "invalid_json") from None
+        raise bad_request(f"Request body is not valid JSON: {error.msg} at line "
+                          f"{error.lineno} column {error.colno}.", code="invalid_json") from None
     if not isinstance(value, dict):
-        raise _invalid("Request body must be a JSON object.", "invalid_json")
+        raise bad_request("Request body must be a JSON object.", code="invalid_json")
     try:
         return model.model_validate(value, strict=True)
     except ValidationError as error:
         message, param = _validation_message(error)
-        raise _invalid(message, "invalid_type", param) from None
-
-
-def _invalid(message: str, code: str, param: str | None = None) -> InvalidRequestError:
-    error = InvalidRequestError(message)
-    error.param, error.code = param, code
-    return error
+        raise bad_request(message, param, "invalid_type") from None
 
 
 async def _wait_for_disconnect(request: Request) -> None:
