@@ -89,8 +89,9 @@ def serve(config: ServeConfig, frontends: list[Frontend] = (),
         grpc_interceptors: grpc.aio server interceptors (e.g. API-key auth).
         stop_event: stops the server when set (tests, embedding).
     """
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: "
-                                                   "%(message)s", stream=sys.stderr)
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("tokenserve").setLevel(logging.INFO)  # lifecycle events, not TF's INFO
     context = build_context(config)
     manager = context.manager
     for name, factory in (extensions or {}).items():

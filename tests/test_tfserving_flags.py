@@ -1,0 +1,88 @@
+"""`tokenserve serve` flags: tensorflow_model_server's names, defaults and value forms."""
+
+from __future__ import annotations
+
+import pytest
+
+from tokenserve.cli.main import build_parser, main
+from tokenserve.cli.serve import config_from_args, ignored_flags
+from tokenserve.errors import ConfigError
+from tokenserve.server.serve_config import BUILTIN_MODEL_NAME, ServeConfig
+
+
+def parse(*argv: str):
+    return build_parser().parse_args(["serve", *argv])
+
+
+def test_defaults_are_tensorflow_model_servers():
+    config = config_from_args(parse())
+    assert (config.port, config.rest_api_port, config.openai_port) == (8500, 8501, 8000)
+    assert config.rest_api_timeout_in_ms == 30000
+    assert config.model_name == "default" and config.model_base_path == ""
+    assert config.file_system_poll_wait_seconds == 1
+    assert config.model_config_file_poll_wait_seconds == 0
+    assert config.max_num_load_retries == 5
+    assert config.load_retry_interval_micros == 60_000_000
+    assert config.enable_model_warmup is True and config.enable_batching is False
+    assert config.prefer_tflite_model is False
+    assert config.allow_version_labels_for_unavailable_models is False
+    assert config.batching_parameters is None and not config.monitoring.prometheus_enabled
+    assert config.serves_builtin and config.api_keys == ()
+    assert BUILTIN_MODEL_NAME == "builtin"
+
+
+def test_value_forms_and_repeatable_api_key(tmp_path):
+    batching = tmp_path / "batching.config"
+    batching.write_text("max_batch_size { value: 16 }\nnum_batch_threads { value: 2 }\n")
+    config = config_from_args(parse(
+        "--port", "9000", "--rest_api_port=0", "--model_name", "m",
+        "--model_base_path=/models/m", "--enable_batching", "--enable_model_warmup=false",
+        "--prefer_tflite_model", "true", f"--batching_parameters_file={batching}",
+        "--api_key", "k1", "--api_key=k2", "--openai_port=0"))
+    assert (config.port, config.rest_api_port, config.openai_port) == (9000, 0, 0)
+    assert config.enable_batching is True and config.enable_model_warmup is False
+    assert config.prefer_tflite_model is True
+    assert config.batching_parameters.max_batch_size == 16
+    assert config.batching_parameters.num_batch_threads == 2
+    assert config.api_keys == ("k1", "k2")
+    [spec] = config.model_specs()
+    assert (spec.name, spec.base_path) == ("m", "/models/m")
+
+
+def test_real_but_unused_tf_serving_flags_are_accepted():
+    args = parse("--tensorflow_session_parallelism", "2", "--ssl_config_file=/etc/ssl.cfg",
+                 "--enable_signature_method_name_check", "--xla_cpu_compilation_enabled=true",
+                 "--platform_config_file=/p.cfg", "--port=1")
+    assert ignored_flags(args) == ["tensorflow_session_parallelism", "ssl_config_file",
+                                   "platform_config_file", "enable_signature_method_name_check",
+                                   "xla_cpu_compilation_enabled"]
+    assert config_from_args(args).port == 1
+
+
+def test_bad_flags_exit_2(capsys):
+    with pytest.raises(SystemExit) as raised:
+        parse("--enable_batching=maybe")
+    assert raised.value.code == 2
+    with pytest.raises(SystemExit):
+        parse("--not_a_tf_serving_flag=1")
+
+
+def test_config_errors(tmp_path):
+    with pytest.raises(ConfigError, match="mutually exclusive"):
+        ServeConfig(model_config_file="/a", model_base_path="/b")
+    with pytest.raises(ConfigError, match="port"):
+        ServeConfig(port=70000)
+    monitoring = tmp_path / "monitoring.config"
+    monitoring.write_text("prometheus_config { enabled: true }")  # misspelt field
+    with pytest.raises(ConfigError, match="invalid monitoring config"):
+        ServeConfig(monitoring_config_file=str(monitoring))
+
+
+def test_cli_reports_a_bad_model_config_file_on_one_line(tmp_path, capsys):
+    config = tmp_path / "models.config"
+    config.write_text('model_config_list { config { name: "m" } }')  # no base_path
+    code = main(["serve", f"--model_config_file={config}", "--port=0", "--rest_api_port=0",
+                 "--file_system_poll_wait_seconds=0"])
+    assert code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == "tokenserve serve: error: model 'm' needs a base_path"
