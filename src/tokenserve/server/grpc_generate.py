@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import AsyncIterator
+from contextlib import ExitStack
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -60,11 +61,12 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         self.api_keys = api_keys or APIKeys()
         self.request_timeout_s = request_timeout_s
 
-    def _prepare(self, request: pb.GenerateRequest, context):
-        """(model id, tokenizer, MergedOutputs) for a request; raises TokenserveError."""
+    def _prepare(self, request: pb.GenerateRequest, context, held: ExitStack):
+        """(model id, tokenizer, MergedOutputs) for a request, holding its model version in
+        `held`; raises TokenserveError."""
         self.api_keys.check_grpc_metadata(context.invocation_metadata())
         model_id = request.model or self.models.default_model()
-        engine = self.models.resolve(model_id)
+        engine = held.enter_context(self.models.acquire(model_id))
         kind = request.WhichOneof("prompt")
         if kind == "text":
             check_text(request.text, "text")
@@ -99,40 +101,41 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
                        context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
         """Streams the request's outputs; aborts the engine request if the call goes away."""
         outputs = None
-        try:
+        with ExitStack() as held:  # holds the model version until the stream ends
             try:
-                if isinstance(request, _Undecodable):
-                    raise bad_request(f"The request is not a valid GenerateRequest: "
-                                      f"{request.error}")
-                model_id, tokenizer, outputs = self._prepare(request, context)
-                await outputs.start()
-            except TokenserveError as error:
+                try:
+                    if isinstance(request, _Undecodable):
+                        raise bad_request(f"The request is not a valid GenerateRequest: "
+                                          f"{request.error}")
+                    model_id, tokenizer, outputs = self._prepare(request, context, held)
+                    await outputs.start()
+                except TokenserveError as error:
+                    await context.abort(grpc_code(error), str(error))
+                num_generated, first, deadline_passed = 0, True, False
+                async for _, output in outputs:
+                    num_generated = max(output.num_generated_tokens, num_generated
+                                        + sum(len(o.token_ids) for o in output.outputs))
+                    response = pb.GenerateResponse(
+                        request_id=output.request_id, model=model_id, finished=output.finished,
+                        outputs=[_delta(tokenizer, seq) for seq in output.outputs],
+                        prompt_token_ids=output.prompt_token_ids if first else [])
+                    first = False
+                    if output.finished:
+                        prompt_tokens = len(output.prompt_token_ids)
+                        response.usage.CopyFrom(pb.Usage(
+                            prompt_tokens=prompt_tokens, completion_tokens=num_generated,
+                            total_tokens=prompt_tokens + num_generated))
+                    yield response
+                    deadline_passed |= any(outputs.deadline_passed(seq.finish_reason)
+                                           for seq in output.outputs)
+                if deadline_passed:  # outputs so far were streamed; the status says why it ended
+                    error = outputs.deadline_error()
+                    await context.abort(grpc_code(error), str(error))
+            except TokenserveError as error:  # engine failure mid-stream
                 await context.abort(grpc_code(error), str(error))
-            num_generated, first, deadline_passed = 0, True, False
-            async for _, output in outputs:
-                num_generated = max(output.num_generated_tokens, num_generated
-                                    + sum(len(o.token_ids) for o in output.outputs))
-                response = pb.GenerateResponse(
-                    request_id=output.request_id, model=model_id, finished=output.finished,
-                    outputs=[_delta(tokenizer, seq) for seq in output.outputs],
-                    prompt_token_ids=output.prompt_token_ids if first else [])
-                first = False
-                if output.finished:
-                    prompt_tokens = len(output.prompt_token_ids)
-                    response.usage.CopyFrom(pb.Usage(
-                        prompt_tokens=prompt_tokens, completion_tokens=num_generated,
-                        total_tokens=prompt_tokens + num_generated))
-                yield response
-                deadline_passed |= any(outputs.deadline_passed(seq.finish_reason)
-                                       for seq in output.outputs)
-            if deadline_passed:  # outputs so far were streamed; the status says why it ended
-                error = outputs.deadline_error()
-                await context.abort(grpc_code(error), str(error))
-        except TokenserveError as error:  # engine failure mid-stream
-            await context.abort(grpc_code(error), str(error))
-        finally:
-            if outputs is not None:
-                await outputs.aclose()  # no-op when finished; aborts when cancelled
+            finally:
+                if outputs is not None:
+                    await outputs.aclose()  # no-op when finished; aborts when cancelled
 
 
 def _delta(tokenizer, seq) -> pb.SequenceDelta:

@@ -10,7 +10,8 @@ from server/status.py.
 
 from __future__ import annotations
 
-import uuid
+from collections.abc import Callable
+from contextlib import ExitStack
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -130,38 +131,47 @@ def build_openai_app(models: ModelResolver, config: OpenAIServerConfig | None = 
                 return JSONResponse(ModelObject(**card.__dict__).model_dump())
         raise ModelNotFoundError(f"The model '{model_id}' does not exist.")
 
-    async def run(request: Request, job: CompletionRun | ChatRun, stream: bool) -> Response:
-        request_headers = {"X-Request-Id": job.request_id}
-        try:
-            await unless_disconnected(request, job.outputs.start())
-        except BaseException:
-            await job.outputs.aclose()
-            raise
-        if stream:
-            response = EventStream(with_error_event(job.events()), on_close=job.outputs.aclose)
-            response.headers.update(request_headers)
-            return response
-        try:
-            body = await unless_disconnected(request, job.response())
-        finally:
-            await job.outputs.aclose()
-        return JSONResponse(body.model_dump(), headers=request_headers)
+    async def generate(request: Request, body: CompletionRequest | ChatCompletionRequest,
+                       make_job: Callable[..., CompletionRun | ChatRun]) -> Response:
+        """Runs a generation while holding its model version (a reload waits for it)."""
+        model_id = body.model or models.default_model()
+        request.state.model = model_id
+        with ExitStack() as held:
+            engine = held.enter_context(models.acquire(model_id))
+            job = make_job(body, engine, model_id, config, trace_context(request.headers))
+            request_headers = {"X-Request-Id": job.request_id}
+            try:
+                await unless_disconnected(request, job.outputs.start())
+            except BaseException:
+                await job.outputs.aclose()
+                raise
+            if body.stream:
+                release = held.pop_all()  # the stream outlives this handler
+
+                async def close() -> None:
+                    try:
+                        await job.outputs.aclose()
+                    finally:
+                        release.close()
+
+                response = EventStream(with_error_event(job.events()), on_close=close)
+                response.headers.update(request_headers)
+                return response
+            try:
+                result = await unless_disconnected(request, job.response())
+            finally:
+                await job.outputs.aclose()
+            return JSONResponse(result.model_dump(), headers=request_headers)
 
     @app.post("/v1/completions", dependencies=guarded)
     async def completions(request: Request) -> Response:
         body = await read_json(request, CompletionRequest, config.max_body_bytes)
-        model_id, engine = resolve(request, body.model)
-        job = CompletionRun(body, engine, model_id, f"cmpl-{uuid.uuid4().hex}", config,
-                            trace_context(request.headers))
-        return await run(request, job, body.stream)
+        return await generate(request, body, CompletionRun)
 
     @app.post("/v1/chat/completions", dependencies=guarded)
     async def chat_completions(request: Request) -> Response:
         body = await read_json(request, ChatCompletionRequest, config.max_body_bytes)
-        model_id, engine = resolve(request, body.model)
-        job = ChatRun(body, engine, model_id, f"chatcmpl-{uuid.uuid4().hex}", config,
-                      trace_context(request.headers))
-        return await run(request, job, body.stream)
+        return await generate(request, body, ChatRun)
 
     @app.post("/tokenize", dependencies=guarded)
     async def tokenize(request: Request) -> JSONResponse:

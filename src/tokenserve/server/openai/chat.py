@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import AsyncIterator
 
 from tokenserve.engine.protocol import EngineClient
@@ -71,14 +72,14 @@ class ChatRun:
     """One /v1/chat/completions request from validation to its last chunk."""
 
     def __init__(self, request: ChatCompletionRequest, engine: EngineClient, model_id: str,
-                 request_id: str, config: OpenAIServerConfig,
-                 trace: dict[str, str] | None = None):
+                 config: OpenAIServerConfig, trace: dict[str, str] | None = None):
         """Checks the request and builds the engine inputs.
 
         Raises:
             InvalidRequestError / PromptTooLongError: the request cannot be served.
         """
         check_unsupported(request)
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
         self.request, self.model_id, self.request_id = request, model_id, request_id
         self.tokenizer = engine.tokenizer
         prompt_ids = chat_prompt_ids(request.messages, engine, request.add_generation_prompt)

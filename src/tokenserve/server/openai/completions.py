@@ -5,6 +5,7 @@ Choice indexes follow vLLM for batched prompts: choice = prompt_index * n + sequ
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import AsyncIterator
 
 from tokenserve.engine.protocol import EngineClient
@@ -22,14 +23,14 @@ class CompletionRun:
     """One /v1/completions request from validation to its last chunk."""
 
     def __init__(self, request: CompletionRequest, engine: EngineClient, model_id: str,
-                 request_id: str, config: OpenAIServerConfig,
-                 trace: dict[str, str] | None = None):
+                 config: OpenAIServerConfig, trace: dict[str, str] | None = None):
         """Checks the request and builds the engine inputs.
 
         Raises:
             InvalidRequestError / PromptTooLongError: the request cannot be served.
         """
         check_unsupported(request)
+        request_id = f"cmpl-{uuid.uuid4().hex}"
         self.request, self.model_id, self.request_id = request, model_id, request_id
         self.tokenizer = engine.tokenizer
         prompts = prompt_token_ids(request.prompt, self.tokenizer,

@@ -12,7 +12,8 @@ and the gRPC generation service) only ever see this protocol.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -73,6 +74,14 @@ class ModelResolver(Protocol):
             ServableUnavailableError: the model exists but no version is AVAILABLE.
         """
 
+    def acquire(self, model_id: str) -> AbstractContextManager[EngineClient]:
+        """`resolve`, holding the version until the block exits: frontends hold it for a
+        whole generation (stream included), so a hot reload drains it instead of cutting it.
+
+        Raises:
+            As `resolve`, on entering.
+        """
+
     def list_models(self) -> list[ModelCard]:
         """Every id a client may use, names first, then versions and labels."""
 
@@ -110,6 +119,10 @@ class StaticModels:
             raise ModelNotFoundError(f"The model '{model_id}' does not exist: "
                                      f"{parsed.name} has no label '{parsed.label}'.")
         return engine
+
+    @contextmanager
+    def acquire(self, model_id: str) -> Iterator[EngineClient]:
+        yield self.resolve(model_id)
 
     def list_models(self) -> list[ModelCard]:
         cards = []
