@@ -7,7 +7,7 @@ import openai
 import pytest
 
 from fake_engine import wait_until
-from test_openai_harness import API_KEY, MODEL, RealServer, tiny_model_dir
+from test_openai_harness import API_KEY, MODEL, shared_server
 from tokenserve.server.proto.tokenserve import generation_pb2 as pb
 from tokenserve.server.proto.tokenserve import generation_pb2_grpc as pb_grpc
 
@@ -16,10 +16,8 @@ AUTH = (("authorization", f"Bearer {API_KEY}"),)
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    server = RealServer(tiny_model_dir(tmp_path_factory))
-    yield server
-    server.close()
+def server(pytestconfig, tmp_path_factory):
+    return shared_server(pytestconfig, tmp_path_factory)
 
 
 @pytest.fixture(scope="module")

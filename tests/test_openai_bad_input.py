@@ -14,8 +14,7 @@ import grpc
 import httpx
 import pytest
 
-from test_openai_harness import API_KEY, BUSY_MODEL, MAX_BODY_BYTES, MODEL, RealServer, \
-    tiny_model_dir
+from test_openai_harness import API_KEY, BUSY_MODEL, MAX_BODY_BYTES, MODEL, shared_server
 from tokenserve.server.proto.tokenserve import generation_pb2 as pb
 
 C, CHAT = "/v1/completions", "/v1/chat/completions"
@@ -114,10 +113,8 @@ HTTP_ROWS = [
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    server = RealServer(tiny_model_dir(tmp_path_factory))
-    yield server
-    server.close()
+def server(pytestconfig, tmp_path_factory):
+    return shared_server(pytestconfig, tmp_path_factory)
 
 
 class GoodStream(threading.Thread):

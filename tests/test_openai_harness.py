@@ -43,7 +43,8 @@ def export_tiny_model(base: Path) -> Path:
     return export_model(model, tokenizer, config, base, jit_compile=False)
 
 
-_EXPORTED: dict[str, Path] = {}
+_EXPORTED: dict = {}
+"""Per test session: the exported model dir and the shared server."""
 
 
 def tiny_model_dir(tmp_path_factory) -> Path:
@@ -51,6 +52,15 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     if "dir" not in _EXPORTED:
         _EXPORTED["dir"] = export_tiny_model(tmp_path_factory.getbasetemp() / "openai-tiny")
     return _EXPORTED["dir"]
+
+
+def shared_server(pytestconfig, tmp_path_factory) -> "RealServer":
+    """One server process for every module that uses it, stopped when the session ends."""
+    if "server" not in _EXPORTED:
+        server = RealServer(tiny_model_dir(tmp_path_factory))
+        _EXPORTED["server"] = server
+        pytestconfig.add_cleanup(server.close)
+    return _EXPORTED["server"]
 
 
 class RealServer:

@@ -10,17 +10,15 @@ import openai
 import pytest
 
 from fake_engine import wait_until
-from test_openai_harness import API_KEY, MODEL, RealServer, tiny_model_dir
+from test_openai_harness import API_KEY, MODEL, shared_server
 
 PROMPT = "def add(a, b):"
 LONG = {"ignore_eos": True}  # random weights: no early eos, so lengths are exact
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    server = RealServer(tiny_model_dir(tmp_path_factory))
-    yield server
-    server.close()
+def server(pytestconfig, tmp_path_factory):
+    return shared_server(pytestconfig, tmp_path_factory)
 
 
 @pytest.fixture(scope="module")

@@ -8,17 +8,18 @@ import tensorflow as tf
 
 from tokenserve.errors import InvalidRequestError
 from tokenserve.server.tfserving import codec
-from tokenserve.server.tfserving.json_writer import error_body, format_decimal
+from tokenserve.server.tfserving.json_writer import (columnar_json, error_body, format_decimal,
+                                                     row_json)
 
 
 def test_half_plus_two_bytes_match_tf_serving():
     # The response TF Serving's REST docs show for half_plus_two.
-    body = codec.row_json({"y": np.array([2.5, 3.0, 4.5], np.float32)})
+    body = row_json({"y": np.array([2.5, 3.0, 4.5], np.float32)})
     assert body == '{\n    "predictions": [2.5, 3.0, 4.5\n    ]\n}'
 
 
 def test_row_format_with_several_outputs_and_bytes():
-    body = codec.row_json({"n": np.array([[1, 2], [3, 4]], np.int32),
+    body = row_json({"n": np.array([[1, 2], [3, 4]], np.int32),
                            "text_bytes": np.array([b"a", b"\xff"], dtype=object)})
     assert body.startswith('{\n    "predictions": [\n        {\n            "n": [1, 2],')
     import json
@@ -28,9 +29,9 @@ def test_row_format_with_several_outputs_and_bytes():
 
 def test_columnar_format():
     import json
-    body = codec.columnar_json({"y": np.array([[1.0, 2.0]], np.float32)})
+    body = columnar_json({"y": np.array([[1.0, 2.0]], np.float32)})
     assert json.loads(body) == {"outputs": [[1.0, 2.0]]}
-    assert json.loads(codec.columnar_json({"a": np.array(1, np.int64),
+    assert json.loads(columnar_json({"a": np.array(1, np.int64),
                                            "b": np.array([True])})) == {"outputs": {"a": 1,
                                                                                     "b": [True]}}
 

@@ -19,7 +19,6 @@ import tensorflow as tf
 from tensorflow_serving.apis import (get_model_status_pb2, model_management_pb2, model_pb2,
                                      model_service_pb2_grpc, predict_pb2,
                                      prediction_service_pb2_grpc)
-from tensorflow_serving.config import model_server_config_pb2
 
 import servables as S
 

@@ -6,7 +6,6 @@ fails), the bad-input matrix, metadata, status, health, Unix socket, Prometheus.
 from __future__ import annotations
 
 import json
-import shutil
 
 import grpc
 import httpx
