@@ -6,10 +6,11 @@ START -> LOADING -> AVAILABLE -> UNLOADING -> END, and hands out in-flight refer
 TensorFlow.
 """
 
-from tokenserve.lifecycle.manager import LoadedVersion, ModelManager
+from tokenserve.lifecycle.manager import ModelManager
 from tokenserve.lifecycle.model_config import ModelSpecConfig, parse_model_server_config
 from tokenserve.lifecycle.policy import VersionPolicy
 from tokenserve.lifecycle.states import VersionState, VersionStatus
+from tokenserve.lifecycle.version import LoadedVersion
 
 __all__ = ["LoadedVersion", "ModelManager", "ModelSpecConfig", "VersionPolicy", "VersionState",
            "VersionStatus", "parse_model_server_config"]

@@ -8,11 +8,15 @@ diff responses, or parse them with strict number typing, see the same bytes from
 
 from __future__ import annotations
 
+import base64
 import json
 
 import numpy as np
 
+from tokenserve.errors import InvalidRequestError
+
 _INDENT = "    "
+BYTES_SUFFIX = "_bytes"  # string outputs named *_bytes are written as {"b64": ...}
 
 
 def format_decimal(value: float, single_precision: bool) -> str:
@@ -99,3 +103,87 @@ class PrettyWriter:
 def error_body(message: str) -> str:
     """TF Serving's REST error body: `{ "error": "<message>" }`."""
     return '{ "error": ' + json.dumps(message, ensure_ascii=False) + " }"
+
+
+# ---- Predict outputs ------------------------------------------------------------------------
+
+def _write_scalar(writer: PrettyWriter, value, as_bytes: bool) -> None:
+    if isinstance(value, (bytes, np.bytes_)):
+        if as_bytes:
+            writer.start_object()
+            writer.key("b64")
+            writer.raw(json.dumps(base64.b64encode(bytes(value)).decode()))
+            writer.end_object()
+        else:
+            writer.raw(json.dumps(bytes(value).decode("utf-8", "replace"), ensure_ascii=False))
+    elif isinstance(value, (bool, np.bool_)):
+        writer.raw("true" if value else "false")
+    elif isinstance(value, (np.floating, float)):
+        writer.raw(format_decimal(value, np.asarray(value).dtype != np.float64))
+    else:
+        writer.raw(str(int(value)))
+
+
+def _write_values(writer: PrettyWriter, value, as_bytes: bool) -> None:
+    if isinstance(value, np.ndarray) and value.ndim > 0:
+        writer.start_array()
+        for item in value:
+            _write_values(writer, item, as_bytes)
+        writer.end_array()
+    else:
+        _write_scalar(writer, value[()] if isinstance(value, np.ndarray) else value, as_bytes)
+
+
+def _is_bytes_output(name: str, array: np.ndarray) -> bool:
+    return array.dtype == object and name.endswith(BYTES_SUFFIX)
+
+
+def row_json(outputs: dict[str, np.ndarray]) -> str:
+    """`{"predictions": [...]}`: one entry per batch row, an object when several outputs."""
+    batch = 0
+    for name, array in sorted(outputs.items()):
+        if array.ndim == 0:
+            raise InvalidRequestError(f"Tensor name: {name} has no shape information ")
+        if array.shape[0] < 1:
+            raise InvalidRequestError(f"Tensor name: {name} has invalid batch size: {array.shape[0]}")
+        if batch and array.shape[0] != batch:
+            raise InvalidRequestError(f"Tensor name: {name} has inconsistent batch size: "
+                          f"{array.shape[0]} expecting: {batch}")
+        batch = array.shape[0]
+    writer = PrettyWriter()
+    writer.start_object()
+    writer.key("predictions")
+    writer.start_array()
+    several = len(outputs) > 1
+    for row in range(batch):
+        if several:
+            writer.start_object()
+        writer.single_line_arrays = True
+        for name, array in sorted(outputs.items()):
+            if several:
+                writer.key(name)
+            _write_values(writer, array[row], _is_bytes_output(name, array))
+        writer.single_line_arrays = False
+        if several:
+            writer.end_object()
+    writer.end_array()
+    writer.end_object()
+    return writer.text()
+
+
+def columnar_json(outputs: dict[str, np.ndarray]) -> str:
+    """`{"outputs": ...}`: the tensor itself, or an object of named tensors."""
+    writer = PrettyWriter()
+    writer.start_object()
+    writer.key("outputs")
+    several = len(outputs) > 1
+    if several:
+        writer.start_object()
+    for name, array in sorted(outputs.items()):
+        if several:
+            writer.key(name)
+        _write_values(writer, np.asarray(array), _is_bytes_output(name, array))
+    if several:
+        writer.end_object()
+    writer.end_object()
+    return writer.text()

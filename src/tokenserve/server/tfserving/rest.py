@@ -21,7 +21,7 @@ from tokenserve.errors import DeadlineExceededError, InvalidRequestError, ModelN
 from tokenserve.lifecycle.manager import ModelManager
 from tokenserve.lifecycle.servable import DEFAULT_SIGNATURE, signature_def
 from tokenserve.server.status import grpc_code, http_status
-from tokenserve.server.tfserving import codec, inference, model_info
+from tokenserve.server.tfserving import codec, inference, json_writer, model_info
 from tokenserve.server.tfserving.json_writer import PrettyWriter, error_body, format_decimal
 
 log = logging.getLogger("tokenserve.tfserving")
@@ -82,10 +82,10 @@ def _predict(manager: ModelManager, spec: model_pb2.ModelSpec, doc: dict) -> str
                 raise InvalidRequestError(f"JSON Value: {codec.compact(doc)} No values in "
                                           f"'instances' array")
             outputs = version.servable.run(signature, codec.instances_to_arrays(instances, dtypes))
-            return codec.row_json(outputs)
+            return json_writer.row_json(outputs)
         if "inputs" in doc:
             arrays = codec.inputs_to_arrays(doc["inputs"], dtypes)
-            return codec.columnar_json(version.servable.run(signature, arrays))
+            return json_writer.columnar_json(version.servable.run(signature, arrays))
         raise InvalidRequestError("Missing 'inputs' or 'instances' key")
 
 
