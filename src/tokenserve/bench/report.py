@@ -158,30 +158,36 @@ def plot_latency_cdfs(path: Path, runs: Sequence[RunResult]) -> Path:
 
 
 def plot_throughput_vs_rate(path: Path, runs: Sequence[RunResult]) -> Path:
-    """Achieved request and output-token throughput against the offered request rate."""
+    """Achieved request throughput (and goodput) and output-token throughput against the
+    offered request rate, lowest rate first and inf last."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    positions = np.arange(len(runs))
-    figure, requests_axis = plt.subplots(figsize=(8, 5))
-    requests_axis.plot(positions, [run.metrics.request_throughput for run in runs], "o-",
-                       color="tab:blue", label="requests/s")
-    if any(run.metrics.request_goodput is not None for run in runs):
-        requests_axis.plot(positions, [run.metrics.request_goodput or 0 for run in runs], "s--",
-                           color="tab:green", label="goodput requests/s")
-    requests_axis.set_xlabel("offered request rate (requests/s)")
-    requests_axis.set_ylabel("achieved requests/s")
-    requests_axis.set_xticks(positions, [run.rate_label for run in runs])
-    tokens_axis = requests_axis.twinx()
-    tokens_axis.plot(positions, [run.metrics.output_throughput for run in runs], "^-",
+    ordered = sorted(runs, key=lambda run: run.request_rate)
+    positions = np.arange(len(ordered))
+    labels = [run.rate_label for run in ordered]
+    figure, (requests_axis, tokens_axis) = plt.subplots(1, 2, figsize=(11, 4.5))
+    requests_axis.plot(positions, [run.metrics.request_throughput for run in ordered], "o-",
+                       label="requests/s")
+    if any(run.metrics.request_goodput is not None for run in ordered):
+        requests_axis.plot(positions, [run.metrics.request_goodput or 0 for run in ordered],
+                           "s--", label="goodput (requests/s within SLOs)")
+    requests_axis.set_title("Request throughput")
+    requests_axis.set_ylabel("requests/s")
+    tokens_axis.plot(positions, [run.metrics.output_throughput for run in ordered], "^-",
                      color="tab:orange", label="output tokens/s")
-    tokens_axis.set_ylabel("output tokens/s")
-    handles = requests_axis.get_legend_handles_labels()
-    more = tokens_axis.get_legend_handles_labels()
-    requests_axis.legend(handles[0] + more[0], handles[1] + more[1], loc="upper left")
-    requests_axis.grid(alpha=0.3)
+    tokens_axis.plot(positions, [run.metrics.total_token_throughput for run in ordered], "v--",
+                     color="tab:red", label="prompt + output tokens/s")
+    tokens_axis.set_title("Token throughput")
+    tokens_axis.set_ylabel("tokens/s")
+    for axis in (requests_axis, tokens_axis):
+        axis.set_xticks(positions, labels)
+        axis.set_xlabel("offered request rate (requests/s)")
+        axis.set_ylim(bottom=0)
+        axis.grid(alpha=0.3)
+        axis.legend(fontsize="small", loc="lower right")
     figure.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path, dpi=110)
