@@ -26,7 +26,7 @@ from tokenserve.sampling import SamplingParams
 from tokenserve.server.auth import APIKeys
 from tokenserve.server.openai.formatting import MIN_LOGPROB, token_text
 from tokenserve.server.openai.models import ModelResolver
-from tokenserve.server.openai.params import (bad_request, check_text, max_new_tokens,
+from tokenserve.server.openai.params import (bad_request, max_new_tokens, prompt_token_ids,
                                              request_timeout)
 from tokenserve.server.openai.streams import MergedOutputs, trace_context
 from tokenserve.server.proto.tokenserve import generation_pb2 as pb
@@ -68,20 +68,11 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         model_id = request.model or self.models.default_model()
         engine = held.enter_context(self.models.acquire(model_id))
         kind = request.WhichOneof("prompt")
-        if kind == "text":
-            check_text(request.text, "text")
-            prompt_ids = engine.tokenizer.encode(request.text)
-        elif kind == "token_ids":
-            prompt_ids = list(request.token_ids.ids)
-            vocab_size = engine.config.model.vocab_size
-            bad = [t for t in prompt_ids if not 0 <= t < vocab_size]
-            if bad:
-                raise bad_request(f"prompt token id {bad[0]} is outside the vocabulary "
-                                  f"(size {vocab_size}).", "token_ids")
-        else:
+        if kind is None:
             raise bad_request("GenerateRequest needs a prompt: set text or token_ids.", "prompt")
-        if not prompt_ids:
-            raise bad_request("prompt must not be empty.", "prompt", "empty_prompt")
+        prompt = request.text if kind == "text" else list(request.token_ids.ids)
+        prompt_ids = prompt_token_ids(prompt, engine.tokenizer, engine.config.model.vocab_size,
+                                      max_prompts=1)[0]
         options = request.sampling
         requested = options.max_tokens if options.HasField("max_tokens") else None
         max_tokens = max_new_tokens(requested, "max_tokens", len(prompt_ids),
