@@ -219,3 +219,16 @@ def test_w3c_trace_headers_reach_the_engine_and_text_parts_are_joined(setup):
     assert engines["tiny"].tokenizer.decode(prompt).startswith("# user: add two\n")
     client.post("/v1/completions", json={"prompt": "x", "max_tokens": 1})
     assert engines["tiny"].trace_contexts[-1] is None
+
+
+def test_a_batched_prompt_refused_by_the_engine_aborts_its_siblings(tokenizer):
+    from conftest import tiny
+
+    engine = FakeEngine(tokenizer, tiny("tiny-gpt2", tokenizer)[1], step_s=0.01,
+                        max_requests=2)
+    with TestClient(build_openai_app(StaticModels({"m": engine}))) as client:
+        response = client.post("/v1/completions", json={"prompt": ["a", "b", "c"],
+                                                        "max_tokens": 50})
+        assert response.status_code == 429
+        assert response.json()["error"]["code"] == "queue_full"
+    assert not engine.running and len(engine.aborted) == 2

@@ -197,3 +197,18 @@ def test_a_traced_request_is_served(server):
                           headers={**server.headers, "traceparent": parent},
                           json={"model": MODEL, "prompt": PROMPT, "max_tokens": 2})
     assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] >= 1
+
+
+def test_a_request_past_its_deadline_is_504_or_ends_with_abort_when_streamed(server):
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 110, "ignore_eos": True,
+            "timeout_s": 0.05}
+    response = httpx.post(server.url + "/v1/completions", json=body, headers=server.headers,
+                          timeout=60)
+    assert response.status_code == 504 and response.json()["error"]["code"] == "timeout"
+    streamed = httpx.post(server.url + "/v1/completions", json={**body, "stream": True},
+                          headers=server.headers, timeout=60)
+    lines = [line for line in streamed.text.splitlines() if line]
+    assert lines[-1] == "data: [DONE]"
+    last = json.loads(lines[-2].removeprefix("data: "))
+    assert last["choices"][0]["finish_reason"] == "abort"
+    assert wait_until(lambda: server.num_unfinished() == 0)
