@@ -170,13 +170,10 @@ class ModelManager:
                 version.state = VersionState.LOADING
                 version.fingerprint = fingerprint(version.path)
                 self._cond.notify_all()
-            started = time.monotonic()
             try:
                 self._bring_up(version, spec)
             except Exception as error:  # noqa: BLE001 - any failure is reported in status
                 self._tear_down(version)
-                if self._metrics:
-                    self._metrics.load(str(version.path), time.monotonic() - started, False)
                 log.warning("loading %s version %d failed (attempt %d): %s", version.model_name,
                             version.version, attempt + 1, error)
                 last_error = error
@@ -190,8 +187,6 @@ class ModelManager:
                     self._cond.notify_all()
                 self._reconcile(version.model_name)
                 return
-            if self._metrics:
-                self._metrics.load(str(version.path), time.monotonic() - started, True)
             break
         with self._cond:
             version.state = VersionState.AVAILABLE
@@ -202,7 +197,13 @@ class ModelManager:
         self._reconcile(version.model_name)
 
     def _bring_up(self, version: LoadedVersion, spec: ModelSpecConfig) -> None:
-        version.servable = self._loader(spec, version.path)
+        started = time.monotonic()
+        try:
+            version.servable = self._loader(spec, version.path)
+        finally:
+            if self._metrics:  # the load alone, as TF Serving's load_latency
+                self._metrics.load(str(version.path), time.monotonic() - started,
+                                   version.servable is not None)
         if self._warmup is not None:
             started = time.monotonic()
             self._warmup(version)

@@ -70,8 +70,8 @@ class TFServingMetrics:
         self._counters = _UntypedCounters()
         self._counters.family(self.REQUEST_COUNT, "The total number of requests.",
                               ("model_name", "status"))
-        self._counters.family(self.LOAD_ATTEMPTS, "The number of times a SavedModel was "
-                              "successfully loaded.", ("model_path", "status"))
+        self._counters.family(self.LOAD_ATTEMPTS, "The number of attempts to load a "
+                              "SavedModel, by status.", ("model_path", "status"))
         self._counters.family(self.LOAD_LATENCY, "Latency in microseconds for SavedModels "
                               "that were successfully loaded.", ("model_path",))
         registry.register(self._counters)
