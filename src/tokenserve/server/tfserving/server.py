@@ -18,6 +18,7 @@ from functools import partial
 import uvicorn
 from prometheus_client import CollectorRegistry
 
+from tokenserve.lifecycle.batching import BatchingServable
 from tokenserve.lifecycle.loader import load_servable
 from tokenserve.lifecycle.manager import ModelManager
 from tokenserve.lifecycle.model_config import read_model_config_file
@@ -53,9 +54,14 @@ def build_context(config: ServeConfig) -> ServeContext:
     metrics = TFServingMetrics(registry)
     warmup = (make_warmup(replay_warmup_record, config.num_request_iterations_for_warmup)
               if config.enable_model_warmup else None)
+    def load(spec, path):
+        servable = load_servable(spec, path, prefer_tflite=config.prefer_tflite_model)
+        if config.enable_batching:
+            servable = BatchingServable(servable, config.batching_parameters)
+        return servable
+
     manager = ModelManager(
-        lambda spec, path: load_servable(spec, path, prefer_tflite=config.prefer_tflite_model),
-        warmup=warmup, max_num_load_retries=config.max_num_load_retries,
+        load, warmup=warmup, max_num_load_retries=config.max_num_load_retries,
         load_retry_interval_s=config.load_retry_interval_micros / 1e6,
         allow_labels_for_unavailable=config.allow_version_labels_for_unavailable_models,
         metrics=metrics)
