@@ -248,3 +248,19 @@ def test_policy_change_and_model_removal_unload(tmp_path, loader, manager):
     assert manager.model_names() == []
     with manager._cond:
         assert manager._cond.wait_for(lambda: states(manager, "m")[1] == VersionState.END, 5)
+
+
+def test_catalog_lists_names_versions_and_labels_of_available_versions(tmp_path, manager):
+    from tokenserve.lifecycle.catalog import servable_entries
+
+    make_version(tmp_path / "a", 1)
+    make_version(tmp_path / "a", 2)
+    make_version(tmp_path / "b", 1, fail=True)
+    manager.apply_config([
+        ModelSpecConfig("a", str(tmp_path / "a"), policy=VersionPolicy.all(),
+                        labels={"stable": 1, "canary": 2}),
+        ModelSpecConfig("b", str(tmp_path / "b"))])
+    entries = servable_entries(manager)
+    assert [e.id for e in entries] == ["a", "a:2", "a:1", "a@canary", "a@stable"]
+    assert entries[0].version == 2 and entries[-1].version == 1
+    assert all(e.loaded_at is not None for e in entries)
