@@ -95,6 +95,7 @@ HTTP_ROWS = [
      "top_logprobs requires logprobs"),
     ("stream-options-without-stream", C, body(stream_options={"include_usage": True}), None,
      400, "stream_options is only allowed when stream is true"),
+    ("seed-beyond-int64", C, body(seed=2**70), None, 400, "seed must be a 64-bit integer"),
     ("timeout-not-positive", C, body(timeout_s=-1.0), None, 400, "timeout_s must be positive"),
     ("huge-body", C, body(prompt="x" * (MAX_BODY_BYTES + 1)), None, 413,
      f"over the limit of {MAX_BODY_BYTES} bytes"),
@@ -234,3 +235,17 @@ def test_grpc_bad_input(server, row):
     assert caught.value.code() == code
     assert message in caught.value.details()
     good.check()
+
+
+def test_the_documented_matrix_is_the_tested_one():
+    """docs/api.md's tables list exactly these rows, in order, with these statuses."""
+    import re
+    from pathlib import Path
+
+    doc = (Path(__file__).parent.parent / "docs" / "api.md").read_text()
+    http = re.findall(r"^\| H(\d+) \| `([\w-]+)` \|[^|]*\| (\d+) \|", doc, re.M)
+    assert [(int(n), rid, int(status)) for n, rid, status in http] == [
+        (i + 1, row[0], row[4]) for i, row in enumerate(HTTP_ROWS)]
+    grpc_rows = re.findall(r"^\| G(\d+) \| `([\w-]+)` \|[^|]*\| ([A-Z_]+) \|", doc, re.M)
+    assert [(int(n), rid, code) for n, rid, code in grpc_rows] == [
+        (i + 1, row[0], row[3].name) for i, row in enumerate(GRPC_ROWS)]

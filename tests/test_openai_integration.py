@@ -149,6 +149,7 @@ def test_a_fixed_seed_reproduces_the_output(client):
 
     assert sample(1234) == sample(1234)
     assert sample(1234) != sample(4321)
+    assert sample(-5) == sample(-5) != sample(1234)  # int64 seeds, negatives included
 
 
 def test_client_dropping_a_stream_aborts_it_and_frees_capacity(server):

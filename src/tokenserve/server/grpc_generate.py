@@ -26,8 +26,8 @@ from tokenserve.sampling import SamplingParams
 from tokenserve.server.auth import APIKeys
 from tokenserve.server.openai.formatting import MIN_LOGPROB, token_text
 from tokenserve.server.openai.models import ModelResolver
-from tokenserve.server.openai.params import (bad_request, max_new_tokens, prompt_token_ids,
-                                             request_timeout)
+from tokenserve.server.openai.params import (bad_request, engine_seed, max_new_tokens,
+                                             prompt_token_ids, request_timeout)
 from tokenserve.server.openai.streams import MergedOutputs, trace_context
 from tokenserve.server.proto.tokenserve import generation_pb2 as pb
 from tokenserve.server.proto.tokenserve import generation_pb2_grpc as pb_grpc
@@ -47,6 +47,8 @@ def sampling_params(options: pb.SamplingOptions, max_tokens: int) -> SamplingPar
         InvalidRequestError: a value out of range.
     """
     values = {name: getattr(options, name) for name in _OPTIONAL if options.HasField(name)}
+    if "seed" in values:
+        values["seed"] = engine_seed(values["seed"])
     return SamplingParams(max_tokens=max_tokens, stop=list(options.stop),
                           stop_token_ids=list(options.stop_token_ids),
                           ignore_eos=options.ignore_eos, **values)

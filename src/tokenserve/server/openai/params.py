@@ -123,6 +123,20 @@ def max_new_tokens(requested: int | None, param: str, prompt_len: int, max_model
     return room if default is None else min(default, room)
 
 
+def engine_seed(seed: int | None) -> int | None:
+    """A request's seed as the engine's non-negative one: the int64 range that OpenAI and
+    vLLM clients send, negatives taken modulo 2**64 (so -1 is a seed like any other).
+
+    Raises:
+        InvalidRequestError: a seed outside int64.
+    """
+    if seed is None:
+        return None
+    if not -2**63 <= seed < 2**63:
+        raise bad_request(f"seed must be a 64-bit integer, got {seed}.", "seed")
+    return seed % 2**64
+
+
 def sampling_params(request: CompletionRequest | ChatCompletionRequest, max_tokens: int,
                     logprobs: int | None) -> SamplingParams:
     """The engine's SamplingParams for a validated request.
@@ -132,11 +146,12 @@ def sampling_params(request: CompletionRequest | ChatCompletionRequest, max_toke
     """
     values: dict[str, Any] = {"max_tokens": max_tokens, "logprobs": logprobs, "n": request.n,
                               "ignore_eos": request.ignore_eos}
-    for name in ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty",
+    for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
                  "frequency_penalty", "repetition_penalty", "stop_token_ids"):
         value = getattr(request, name)
         if value is not None:
             values[name] = value
+    values["seed"] = engine_seed(request.seed)
     if request.stop is not None:
         values["stop"] = [request.stop] if isinstance(request.stop, str) else request.stop
     try:
