@@ -156,6 +156,43 @@ def write_warmup(version_dir: Path, model_name: str, signature: str, inputs: dic
     return path
 
 
+def write_warmup_logs(version_dir: Path, records: list) -> Path:
+    path = version_dir / "assets.extra" / "tf_serving_warmup_requests"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tf.io.TFRecordWriter(str(path)) as writer:
+        for record in records:
+            writer.write(record.SerializeToString())
+    return path
+
+
+def example_logs(model_name: str, classify_signature: str = "classify_x_to_y") -> list:
+    """Classify, regress and multi-inference PredictionLogs over one tf.Example (x = 1)."""
+    from tensorflow.core.example import example_pb2, feature_pb2
+    from tensorflow_serving.apis import (classification_pb2, inference_pb2, input_pb2,
+                                         regression_pb2)
+
+    request_input = input_pb2.Input()
+    request_input.example_list.examples.append(example_pb2.Example(
+        features=feature_pb2.Features(feature={"x": feature_pb2.Feature(
+            float_list=feature_pb2.FloatList(value=[1.0]))})))
+    classify = classification_pb2.ClassificationRequest(
+        model_spec=model_pb2.ModelSpec(name=model_name, signature_name=classify_signature),
+        input=request_input)
+    regress = regression_pb2.RegressionRequest(
+        model_spec=model_pb2.ModelSpec(name=model_name, signature_name="regress_x_to_y"),
+        input=request_input)
+    multi = inference_pb2.MultiInferenceRequest(input=request_input)
+    multi.tasks.add(model_spec=model_pb2.ModelSpec(name=model_name,
+                                                   signature_name="regress_x_to_y2"),
+                    method_name="tensorflow/serving/regress")
+    return [prediction_log_pb2.PredictionLog(
+                classify_log=prediction_log_pb2.ClassifyLog(request=classify)),
+            prediction_log_pb2.PredictionLog(
+                regress_log=prediction_log_pb2.RegressLog(request=regress)),
+            prediction_log_pb2.PredictionLog(
+                multi_inference_log=prediction_log_pb2.MultiInferenceLog(request=multi))]
+
+
 def copy_half(source: Path, target: Path) -> None:
     """A half-copied version directory: saved_model.pb without its variables."""
     target.mkdir(parents=True)

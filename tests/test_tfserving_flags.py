@@ -86,3 +86,12 @@ def test_cli_reports_a_bad_model_config_file_on_one_line(tmp_path, capsys):
     assert code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1] == "tokenserve serve: error: model 'm' needs a base_path"
+
+
+def test_grpc_channel_arguments():
+    from tokenserve.server.tfserving.grpc_service import channel_options
+
+    options = channel_options("grpc.max_concurrent_streams=10, grpc.primary_user_agent=x")
+    assert ("grpc.max_concurrent_streams", 10) in options
+    assert ("grpc.primary_user_agent", "x") in options
+    assert ("grpc.max_receive_message_length", -1) in options  # TF Serving: no limit

@@ -49,7 +49,8 @@ def server(tmp_path_factory):
     process = S.ServerProcess(root, f"--model_config_file={config}",
                               "--model_config_file_poll_wait_seconds=1",
                               "--file_system_poll_wait_seconds=1",
-                              "--max_num_load_retries=1", "--load_retry_interval_micros=200000")
+                              "--max_num_load_retries=1", "--load_retry_interval_micros=200000",
+                              "--rest_api_timeout_in_ms=5000")
     try:
         process.wait_ready("m")
         process.root = root
@@ -226,3 +227,16 @@ def test_config_file_change_and_reload_request_under_load(server):
         assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert not load.failures, load.failures[:5]
     assert {version for _, version in load.results} == {3}
+
+
+def test_rest_timeout_is_504_and_the_server_keeps_serving(server):
+    gate = server.root / "never"
+    reply = httpx.post(f"{server.rest}/v1/models/m:predict", timeout=60, json={
+        "signature_name": "wait", "inputs": {"gate": str(gate), "x": [1.0]}})
+    try:
+        assert reply.status_code == 504
+        assert reply.json() == {"error": "Request timed out after 5000 ms"}
+        fine = httpx.post(f"{server.rest}/v1/models/m:predict", json={"instances": [1.0]})
+        assert fine.status_code == 200
+    finally:
+        gate.write_text("open")  # lets the abandoned call finish

@@ -22,7 +22,7 @@ from tensorflow_serving.apis import (classification_pb2, get_model_metadata_pb2,
 import servables as S
 from conftest import tiny
 
-MODELS = ("tf2", "keras", "tf1", "lm", "lite", "broken", "badwarmup")
+MODELS = ("tf2", "keras", "tf1", "lm", "lite", "broken", "badwarmup", "badclassify")
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +33,9 @@ def server(tmp_path_factory, tokenizer):
     tf2 = S.write_tf2_model(root / "tf2", 1)
     S.write_warmup(tf2, "tf2", "serving_default", {"x": S.float_input([1.0, 2.0])}, count=3)
     S.write_keras_model(root / "keras", 1)
-    S.write_tf1_model(root / "tf1", 1)
+    S.write_warmup_logs(S.write_tf1_model(root / "tf1", 1), S.example_logs("tf1"))
+    S.write_warmup_logs(S.write_tf1_model(root / "badclassify", 1),
+                        S.example_logs("badclassify", classify_signature="nope"))
     model, config = tiny("tiny-gpt2", tokenizer)
     lm_dir = export_model(model, tokenizer, config, root / "lm", jit_compile=False)
     S.write_tflite_model(root / "lite", 1, root / "scratch")
@@ -114,7 +116,8 @@ def test_status_grpc_and_broken_models_do_not_disturb_others(server, models, pre
     assert [(s.version, s.state) for s in status.model_version_status] == [
         (1, get_model_status_pb2.ModelVersionStatus.AVAILABLE)]
     for name, text in (("broken", "Failed to load SavedModel"),
-                       ("badwarmup", "warmup record 0")):
+                       ("badwarmup", "warmup record 0"),
+                       ("badclassify", 'signature key "nope" not found')):
         [broken] = models.GetModelStatus(get_model_status_pb2.GetModelStatusRequest(
             model_spec=model_pb2.ModelSpec(name=name))).model_version_status
         assert broken.state == get_model_status_pb2.ModelVersionStatus.END
@@ -344,8 +347,9 @@ def test_still_serving_after_errors_and_metrics(server, predictions):
     assert '_total' not in text.split(":tensorflow:serving:request_count", 1)[1].split("\n")[0]
     assert ':tensorflow:serving:request_latency_bucket{API="predict",entrypoint="GRPC"' in text
     assert ':tensorflow:cc:saved_model:load_latency{model_path=' in text
-    assert (':tensorflow:serving:model_warmup_latency_count{model_path="'
-            + str(server.lm_dir.parent.parent / "tf2" / "1") + '"} 1.0') in text
+    for name in ("tf2", "tf1"):  # predict logs; classify, regress and multi-inference logs
+        assert (':tensorflow:serving:model_warmup_latency_count{model_path="'
+                + str(server.lm_dir.parent.parent / name / "1") + '"} 1.0') in text
 
 
 def test_unknown_tf_serving_flags_warn(server):
