@@ -38,6 +38,9 @@ HTTP_ROWS = [
     ("wrong-type-messages", CHAT, {"model": MODEL, "messages": "hi"}, None, 400,
      "messages: Input should be a valid list"),
     ("missing-prompt", C, {"model": MODEL}, None, 400, "prompt: Field required"),
+    ("wrong-type-prompt", C, body(prompt=[["a"], 5]), None, 400,
+     "prompt must be a string, a list of strings, a list of token ids or a list of token-id "
+     "lists."),
     ("unknown-harmless-field-ignored", C, body(my_field=1, user="u", store=False), None, 200,
      ""),
     ("unsupported-tools", CHAT, {"model": MODEL, "messages": HI,
@@ -64,6 +67,7 @@ HTTP_ROWS = [
      "does not exist"),
     ("empty-prompt", C, body(prompt=""), None, 400, "prompt must not be empty"),
     ("empty-prompt-list", C, body(prompt=[]), None, 400, "prompt must not be empty"),
+    ("empty-token-id-prompt", C, body(prompt=[[]]), None, 400, "prompt must not be empty"),
     ("empty-messages", CHAT, {"model": MODEL, "messages": []}, None, 400,
      "messages: List should have at least 1 item"),
     ("prompt-too-long", C, body(prompt=LONG_TEXT), None, 400,

@@ -71,12 +71,14 @@ def prompt_token_ids(prompt: Any, tokenizer, vocab_size: int, max_prompts: int
     Raises:
         InvalidRequestError: empty prompt, too many prompts, bad text or token ids.
     """
-    if isinstance(prompt, str):
+    if isinstance(prompt, str) or _is_token_ids(prompt):
         prompts: list = [prompt]
-    elif prompt and all(isinstance(p, int) for p in prompt):
-        prompts = [prompt]
+    elif isinstance(prompt, list) and all(isinstance(p, str) or _is_token_ids(p, True)
+                                          for p in prompt):
+        prompts = prompt
     else:
-        prompts = list(prompt)
+        raise bad_request("prompt must be a string, a list of strings, a list of token ids or "
+                          "a list of token-id lists.", "prompt", "invalid_type")
     if not prompts:
         raise bad_request("prompt must not be empty.", "prompt", "empty_prompt")
     if len(prompts) > max_prompts:
@@ -97,6 +99,11 @@ def prompt_token_ids(prompt: Any, tokenizer, vocab_size: int, max_prompts: int
             raise bad_request("prompt must not be empty.", "prompt", "empty_prompt")
         token_lists.append(ids)
     return token_lists
+
+
+def _is_token_ids(value: Any, allow_empty: bool = False) -> bool:
+    return (isinstance(value, list) and (allow_empty or bool(value))
+            and all(isinstance(t, int) and not isinstance(t, bool) for t in value))
 
 
 def max_new_tokens(requested: int | None, param: str, prompt_len: int, max_model_len: int,

@@ -53,7 +53,9 @@ class _Sampling(_Request):
 class CompletionRequest(_Sampling):
     """POST /v1/completions."""
 
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: Any
+    """A string, a list of strings, a list of token ids or a list of token-id lists; checked
+    in params.prompt_token_ids, which can say which of these it expected."""
     max_tokens: int | None = None
     """OpenAI's default is 16 for completions; so is ours."""
     logprobs: int | None = None
