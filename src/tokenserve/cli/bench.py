@@ -113,7 +113,8 @@ def run(args: argparse.Namespace) -> int:
     report.print_table(runs)
     result_dir = Path(args.result_dir)
     settings = {key: value for key, value in vars(args).items() if key not in ("run", "api_key")}
-    settings.update(model=client.model, request_rate=[run.rate_label for run in runs])
+    settings.update(model=client.model,
+                    request_rate=["inf" if math.isinf(r) else r for r in args.request_rate])
     paths = [report.write_json(result_dir / "results.json", settings, runs),
              report.plot_latency_cdfs(result_dir / "latency_cdf.png", runs),
              report.plot_throughput_vs_rate(result_dir / "throughput_vs_rate.png", runs)]
