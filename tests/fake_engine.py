@@ -134,43 +134,6 @@ class FakeEngine:
         return CompletionOutput(i, delta, [token], logprobs, reason, stop_reason)
 
 
-class ServerThread:
-    """Runs an ASGI app with uvicorn on a free loopback port in a daemon thread.
-
-    Example:
-        with ServerThread(app) as server:
-            httpx.get(server.url + "/health")
-    """
-
-    def __init__(self, app):
-        import socket
-        import threading
-
-        import uvicorn
-
-        self.socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.socket.bind(("127.0.0.1", 0))
-        self.port = self.socket.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
-        self.thread = threading.Thread(target=self.server.run,
-                                       kwargs={"sockets": [self.socket]}, daemon=True)
-
-    def __enter__(self) -> "ServerThread":
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            if time.monotonic() > deadline or not self.thread.is_alive():
-                raise RuntimeError("uvicorn did not start")
-            time.sleep(0.01)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=10)
-
-
 def wait_until(condition, timeout_s: float = 10.0) -> bool:
     """Polls `condition()` until true or `timeout_s` passes; returns its last value."""
     deadline = time.monotonic() + timeout_s
