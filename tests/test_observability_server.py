@@ -137,7 +137,8 @@ def test_spans_join_the_callers_trace(server):
         usage = stream_usage(client, "def add(a, b):", 4, headers=headers)
     assert usage["completion_tokens"] == 4
     server.tracer.provider.force_flush()
-    spans = [s for s in server.spans.get_finished_spans() if s.context.trace_id == int(TRACE_ID, 16)]
+    spans = [span for span in server.spans.get_finished_spans()
+             if span.context.trace_id == int(TRACE_ID, 16)]
     names = {span.name: span for span in spans}
     assert set(names) == {"llm_request", "queue", "prefill", "decode"}
     request = names["llm_request"]

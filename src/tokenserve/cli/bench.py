@@ -49,7 +49,8 @@ def add_parser(commands) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--goodput", nargs="+", default=[], metavar="METRIC:MS",
                    help="SLOs for goodput, e.g. ttft:500 tpot:50 (metrics: ttft, tpot, e2el)")
-    p.add_argument("--percentiles", default="50,95,99", help="comma-separated (default: %(default)s)")
+    p.add_argument("--percentiles", default="50,95,99",
+                   help="comma-separated (default: %(default)s)")
     p.add_argument("--ignore-eos", action="store_true",
                    help="ask the server to generate exactly max_tokens (vLLM extension)")
     p.add_argument("--result-dir", default="bench-results")

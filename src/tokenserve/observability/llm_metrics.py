@@ -81,7 +81,7 @@ class LLMMetrics(StatsSink):
     Example:
         >>> registry = CollectorRegistry()
         >>> metrics = LLMMetrics(registry)
-        >>> engine.add_stats_sink(metrics)            # doctest: +SKIP
+        >>> engine = AsyncEngine.from_model_dir(path, stats=metrics)  # doctest: +SKIP
     """
 
     def __init__(self, registry: CollectorRegistry,

@@ -3,14 +3,15 @@
 `TensorBoardWriter` is a StatsSink: it buffers what it receives and, every `interval_s`, a
 background thread writes one point per series with `tf.summary`:
 
-    scalars     latency/{ttft,itl,e2e}_{p50,p95,p99}_ms, throughput/{generation,prompt}_tokens_per_s,
-                throughput/requests_per_s, scheduler/{num_running,num_waiting,cache_usage}
+    scalars     latency/{ttft,itl,e2e}_{p50,p95,p99}_ms,
+                throughput/{generation,prompt}_tokens_per_s, throughput/requests_per_s,
+                scheduler/{num_running,num_waiting,cache_usage}
     histograms  latency/{ttft,itl,e2e}_ms, scheduler/batch_size
 
 Example:
     >>> writer = TensorBoardWriter(TensorBoardConfig(logdir="/var/log/tokenserve/tb"))
-    >>> writer.start(); engine.add_stats_sink(writer)           # doctest: +SKIP
-    >>> ...; writer.close()                                      # writes what is left
+    >>> writer.start()  # then pass it (or a FanOutSink holding it) as the engine's stats
+    >>> writer.close()  # at shutdown: writes what is left
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ puts the result in `RequestStats.trace_context`. When the request finishes, `Req
 
 Example:
     >>> provider = make_tracer_provider(TracingConfig(otlp_endpoint="http://otel:4318"))
-    >>> engine.add_stats_sink(RequestTracer(provider))          # doctest: +SKIP
+    >>> tracer = RequestTracer(provider)  # the engine's stats sink (or in a FanOutSink)
 """
 
 from __future__ import annotations
