@@ -113,3 +113,14 @@ def test_rejections_lifecycle_and_version_state():
 def test_one_two_five_buckets():
     assert one_two_five_buckets(100) == (1, 2, 5, 10, 20, 50, 100)
     assert one_two_five_buckets(1) == (1,)
+
+
+def test_shares_one_registry_with_tf_serving_metrics():
+    """Both metric sets are served from the same /metrics, so their names must not clash."""
+    tfserving = pytest.importorskip("tokenserve.observability.tfserving_metrics")
+    registry = CollectorRegistry()
+    LLMMetrics(registry)
+    tfserving.TFServingMetrics(registry)  # raises on a duplicated series name
+    names = {family.name for family in registry.collect()}
+    assert "vllm:time_to_first_token_seconds" in names
+    assert any(name.startswith(":tensorflow:serving:") for name in names)
