@@ -85,3 +85,41 @@ def test_asyncio_server_and_raw_profile_request(tmp_path, busy_tensorflow):
     assert not response.empty_trace
     written = tmp_path / "run1" / "replica-0.xplane.pb"
     assert written.read_bytes() == response.xspace
+
+
+class FakeContext:
+    """The two ServicerContext calls the servicer makes, without a gRPC server."""
+
+    def is_active(self) -> bool:
+        return True
+
+    def abort(self, code, details):
+        raise RuntimeError(f"{code.name}: {details}")
+
+
+def test_client_names_cannot_leave_the_run_directory(tmp_path):
+    from tokenserve.observability.profiler import ProfilerServicer
+
+    servicer = ProfilerServicer()
+    request = servicer.messages["ProfileRequest"](
+        duration_ms=50, repository_root=str(tmp_path / "root"), session_id="../../s",
+        host_name="../../evil:1")
+    servicer.Profile(request, FakeContext())
+    (written,) = [path for path in tmp_path.rglob("*") if path.is_file()]
+    assert written.relative_to(tmp_path / "root").parts == ("_.._s", "_.._evil_1.xplane.pb")
+
+
+def test_allowed_roots_refuse_other_directories(tmp_path):
+    from tokenserve.observability.profiler import ProfilerServiceConfig, ProfilerServicer
+
+    servicer = ProfilerServicer(ProfilerServiceConfig(allowed_roots=(str(tmp_path / "tb"),)))
+    request = servicer.messages["ProfileRequest"](duration_ms=50,
+                                                  repository_root=str(tmp_path / "elsewhere"))
+    with pytest.raises(RuntimeError, match="PERMISSION_DENIED"):
+        servicer.Profile(request, FakeContext())
+    assert not (tmp_path / "elsewhere").exists()
+    inside = servicer.messages["ProfileRequest"](
+        duration_ms=50, repository_root=str(tmp_path / "tb" / "plugins" / "profile"),
+        session_id="s", host_name="h")
+    servicer.Profile(inside, FakeContext())
+    assert (tmp_path / "tb" / "plugins" / "profile" / "s" / "h.xplane.pb").is_file()

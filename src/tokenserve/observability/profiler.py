@@ -21,9 +21,11 @@ from __future__ import annotations
 import asyncio
 import glob
 import os
+import re
 import socket
 import tempfile
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,6 +44,9 @@ class ProfilerServiceConfig:
     """Longest capture one request may ask for; longer requests are cut to this."""
     default_duration_ms: int = 1_000
     """Capture length when the request gives none."""
+    allowed_roots: tuple[str, ...] = ()
+    """If not empty, traces are written only under these directories (the client names
+    the directory; tensorflow_model_server writes wherever it is told, the default here)."""
 
     def __post_init__(self) -> None:
         if not 0 < self.default_duration_ms <= self.max_duration_ms:
@@ -132,6 +137,9 @@ class ProfilerServicer:
         return min(duration_ms, self.config.max_duration_ms) / 1000
 
     def Profile(self, request, context: grpc.ServicerContext):
+        if request.repository_root and not self._may_write(request.repository_root):
+            context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                          f"{request.repository_root} is outside the allowed profile roots")
         if not self._busy.acquire(blocking=False):
             context.abort(grpc.StatusCode.UNAVAILABLE, "another profiling session is active")
         try:
@@ -170,13 +178,19 @@ class ProfilerServicer:
             with open(written[0], "rb") as file:
                 return file.read()
 
+    def _may_write(self, repository_root: str) -> bool:
+        if not self.config.allowed_roots:
+            return True
+        root = os.path.realpath(repository_root)
+        return any(os.path.commonpath([root, os.path.realpath(allowed)])
+                   == os.path.realpath(allowed) for allowed in self.config.allowed_roots)
+
     def _wait(self, seconds: float, context: grpc.ServicerContext) -> None:
         """Sleeps for the capture, waking early on Terminate or a cancelled call."""
-        remaining = seconds
-        while remaining > 0 and context.is_active():
+        deadline = time.monotonic() + seconds
+        while (remaining := deadline - time.monotonic()) > 0 and context.is_active():
             if self._stop.wait(min(remaining, 0.1)):
                 return
-            remaining -= 0.1
 
     def Terminate(self, request, context: grpc.ServicerContext):
         self._stop.set()
@@ -191,14 +205,20 @@ def _is_empty(xspace: bytes) -> bool:
     return not any(line.events for plane in planes for line in plane.lines)
 
 
+def _file_name(text: str) -> str:
+    """`text` as one safe path component: host:port becomes host_port (colons are not allowed
+    in file names everywhere), and separators or `..` cannot climb out of the run dir."""
+    return re.sub(r"[^A-Za-z0-9._-]", "_", text).lstrip(".") or "_"
+
+
 def _write_xspace(xspace: bytes, repository_root: str, session_id: str, host_name: str) -> str:
     """Writes `<root>/<session>/<host>.xplane.pb` (tf.io.gfile, so gs:// logdirs work too)."""
     import tensorflow as tf
 
-    run_dir = os.path.join(repository_root, session_id) if session_id else repository_root
+    run_dir = os.path.join(repository_root, _file_name(session_id)) if session_id \
+        else repository_root
     tf.io.gfile.makedirs(run_dir)
-    # Colons (host:port) are not allowed in file names on every filesystem.
-    path = os.path.join(run_dir, host_name.replace(":", "_") + ".xplane.pb")
+    path = os.path.join(run_dir, _file_name(host_name) + ".xplane.pb")
     with tf.io.gfile.GFile(path, "wb") as file:
         file.write(xspace)
     return path
