@@ -59,3 +59,8 @@ class PayloadTooLargeError(InvalidRequestError):
 
 class ServableUnavailableError(TokenserveError):
     """The model exists but no version of it is AVAILABLE yet (HTTP 503, UNAVAILABLE)."""
+
+
+class FailedPreconditionError(TokenserveError):
+    """The request cannot run against this servable as it is, e.g. it names a signature the
+    model does not have (HTTP 400, FAILED_PRECONDITION, as TF Serving's Predict)."""

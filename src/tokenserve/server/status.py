@@ -23,6 +23,7 @@ _TABLE: list[tuple[type[Exception], int, grpc.StatusCode]] = [
     (errors.ModelLoadError, 503, grpc.StatusCode.UNAVAILABLE),
     (errors.DeadlineExceededError, 504, grpc.StatusCode.DEADLINE_EXCEEDED),
     (errors.ConfigError, 400, grpc.StatusCode.INVALID_ARGUMENT),
+    (errors.FailedPreconditionError, 400, grpc.StatusCode.FAILED_PRECONDITION),
 ]
 
 
