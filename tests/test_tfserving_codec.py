@@ -45,7 +45,7 @@ def test_decimal_format(value, single, text):
 
 
 def test_error_body():
-    assert error_body('bad "x"') == '{ "error": "bad \\"x\\"" }'
+    assert error_body('bad "x"') == '{\n    "error": "bad \\"x\\""\n}'
 
 
 def test_instances_batch_and_b64():

@@ -12,7 +12,7 @@ from typing import Protocol
 
 import numpy as np
 
-from tokenserve.errors import InvalidRequestError
+from tokenserve.errors import FailedPreconditionError, InvalidRequestError
 
 PREDICT_METHOD = "tensorflow/serving/predict"
 CLASSIFY_METHOD = "tensorflow/serving/classify"
@@ -41,7 +41,7 @@ def signature_def(servable: Servable, signature_name: str):
     try:
         return servable.signature_defs[name]
     except KeyError:
-        raise InvalidRequestError(f"Serving signature key \"{name}\" not found.") from None
+        raise FailedPreconditionError(f"Serving signature key \"{name}\" not found.") from None
 
 
 def check_input_keys(signature_def_proto, inputs: dict) -> None:
@@ -76,9 +76,11 @@ def check_output_keys(signature_def_proto, output_keys: list[str] | None) -> lis
     """The outputs to return: all of them, or the requested ones (each must exist)."""
     if not output_keys:
         return sorted(signature_def_proto.outputs)
-    for key in output_keys:
+    for index, key in enumerate(output_keys):
+        if key in output_keys[:index]:
+            raise InvalidRequestError(f"duplicate output tensor alias: {key}")
         if key not in signature_def_proto.outputs:
             raise InvalidRequestError(f"output tensor alias not found in signature: {key} "
                                       f"Outputs expected to be in the set "
                                       f"{{{','.join(sorted(signature_def_proto.outputs))}}}.")
-    return list(dict.fromkeys(output_keys))
+    return list(output_keys)

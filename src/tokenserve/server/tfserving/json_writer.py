@@ -101,8 +101,13 @@ class PrettyWriter:
 
 
 def error_body(message: str) -> str:
-    """TF Serving's REST error body: `{ "error": "<message>" }`."""
-    return '{ "error": ' + json.dumps(message, ensure_ascii=False) + " }"
+    """TF Serving's REST error body, `{"error": message}` through the same pretty writer."""
+    writer = PrettyWriter()
+    writer.start_object()
+    writer.key("error")
+    writer.key(message)
+    writer.end_object()
+    return writer.text()
 
 
 # ---- Predict outputs ------------------------------------------------------------------------

@@ -17,9 +17,9 @@ from starlette.concurrency import run_in_threadpool
 from tensorflow.core.example import example_pb2, feature_pb2
 from tensorflow_serving.apis import get_model_metadata_pb2, input_pb2, model_pb2
 
-from tokenserve.errors import DeadlineExceededError, InvalidRequestError, ModelNotFoundError
+from tokenserve.errors import DeadlineExceededError, InvalidRequestError
 from tokenserve.lifecycle.manager import ModelManager
-from tokenserve.lifecycle.servable import DEFAULT_SIGNATURE, signature_def
+from tokenserve.lifecycle.servable import DEFAULT_SIGNATURE
 from tokenserve.server.status import grpc_code, http_status
 from tokenserve.server.tfserving import codec, inference, json_writer, model_info
 from tokenserve.server.tfserving.json_writer import PrettyWriter, error_body, format_decimal
@@ -65,7 +65,10 @@ def _parse_body(body: bytes) -> dict:
 def _predict(manager: ModelManager, spec: model_pb2.ModelSpec, doc: dict) -> str:
     signature = doc.get("signature_name") or DEFAULT_SIGNATURE
     with manager.acquire(**inference.spec_args(spec)) as version:
-        sig = signature_def(version.servable, signature)
+        if signature not in version.servable.signature_defs:
+            raise InvalidRequestError(f"Serving signature name: \"{signature}\" not found in "
+                                      f"signature def")
+        sig = version.servable.signature_defs[signature]
         dtypes = {name: tf.dtypes.as_dtype(info.dtype) for name, info in sig.inputs.items()}
         if not dtypes:
             raise InvalidRequestError(f"Failed to get input map for signature: {signature}")
@@ -179,11 +182,10 @@ def _regress(manager: ModelManager, spec: model_pb2.ModelSpec, doc: dict) -> str
     writer = PrettyWriter()
     writer.start_object()
     writer.key("results")
+    writer.single_line_arrays = True  # and left on, as TF Serving does: `[2.5, 3.5]`
     writer.start_array()
-    writer.single_line_arrays = True
     for regression in result.regressions:
         writer.raw(format_decimal(regression.value, True))
-    writer.single_line_arrays = False
     writer.end_array()
     writer.end_object()
     return writer.text()
@@ -256,5 +258,5 @@ def build_rest_app(manager: ModelManager, metrics=None, timeout_s: float = 30.0,
 
 
 def _malformed(request: Request) -> Response:
-    error = ModelNotFoundError(f"Malformed request: {request.method} {request.url.path}")
+    error = InvalidRequestError(f"Malformed request: {request.method} {request.url.path}")
     return _json_response(error_body(str(error)), http_status(error))
