@@ -89,6 +89,11 @@ def test_step_gauges_batch_size_and_preemptions():
     assert value(registry, "tokenserve:batch_size_sum") == 8
     assert value(registry, "tokenserve:batch_size_bucket", le="4.0") == 1
     assert value(registry, "vllm:iteration_tokens_total_sum") == 80
+    metrics.forget_version("m", "1")
+    recorded = {name for name, _ in samples(registry)}
+    assert "vllm:num_requests_running" not in recorded
+    assert value(registry, "vllm:num_preemptions_total") == 2  # counters stay
+    metrics.forget_version("m", "2")  # a version that never ran a step
 
 
 def test_rejections_lifecycle_and_version_state():

@@ -26,7 +26,8 @@ def add_parser(commands) -> None:
     p.add_argument("--endpoint", default="/v1/completions",
                    help="/v1/completions or /v1/chat/completions (default: %(default)s)")
     p.add_argument("--model", default=None, help="model name (default: first in /v1/models)")
-    p.add_argument("--api-key", default=None, help="sent as Authorization: Bearer KEY")
+    p.add_argument("--api-key", default=None,
+                   help="sent as Authorization: Bearer KEY (default: $OPENAI_API_KEY if set)")
     p.add_argument("--dataset-name", choices=("random", "file", "sharegpt"), default="random")
     p.add_argument("--dataset-path", default=None,
                    help="prompt file (one per line, or JSON lines with 'prompt') or ShareGPT JSON")
@@ -77,6 +78,7 @@ def _dataset(args: argparse.Namespace, tokenizer):
 def run(args: argparse.Namespace) -> int:
     import asyncio
     import dataclasses
+    import os
     from pathlib import Path
 
     import httpx
@@ -101,7 +103,8 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as error:
         raise ConfigError(str(error)) from None
     client = ClientConfig(base_url=args.base_url, model=args.model, endpoint=args.endpoint,
-                          api_key=args.api_key, ignore_eos=args.ignore_eos)
+                          api_key=args.api_key or os.environ.get("OPENAI_API_KEY"),
+                          ignore_eos=args.ignore_eos)
     try:
         client = dataclasses.replace(client, model=asyncio.run(resolve_model(client)))
     except (httpx.HTTPError, ValueError) as error:

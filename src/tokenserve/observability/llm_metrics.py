@@ -231,6 +231,16 @@ class LLMMetrics(StatsSink):
                 self.version_state.labels(model, version, candidate.value).set(
                     1 if candidate is current else 0)
 
+    def forget_version(self, model: str, version: str) -> None:
+        """Drops an unloaded version's scheduler gauges, so dashboards stop showing its last
+        running/waiting/cache values. Counters and histograms stay (Prometheus rates need
+        them to stay monotonic); its version state keeps reading END if recorded."""
+        for gauge in (self.num_requests_running, self.num_requests_waiting, self.kv_cache_usage):
+            try:
+                gauge.remove(model, version)
+            except KeyError:  # that version never ran a step
+                pass
+
     def record_model_load(self, model: str, version: str, seconds: float) -> None:
         """Observes how long loading one model version took."""
         self.model_load_latency.labels(model, version).observe(seconds)
