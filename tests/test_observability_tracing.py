@@ -74,3 +74,44 @@ def test_config_adds_the_standard_traces_path():
     assert make_tracer_provider(TracingConfig()) is None
     with pytest.raises(ValueError):
         TracingConfig("otel:4317")
+
+
+def test_spans_reach_an_otlp_http_collector():
+    """The real OTLP/HTTP exporter, against a collector double that decodes what it receives."""
+    import http.server
+    import threading
+
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+        ExportTraceServiceRequest)
+
+    received = []
+
+    class Collector(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):
+            body = self.rfile.read(int(self.headers["Content-Length"]))
+            received.append((self.path, ExportTraceServiceRequest.FromString(body)))
+            self.send_response(200)
+            self.send_header("Content-Type", "application/x-protobuf")
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    collector = http.server.HTTPServer(("127.0.0.1", 0), Collector)
+    threading.Thread(target=collector.serve_forever, daemon=True).start()
+    try:
+        config = TracingConfig(f"http://127.0.0.1:{collector.server_port}",
+                               service_name="tokenserve-test")
+        tracer = RequestTracer(make_tracer_provider(config))
+        tracer.on_request(finished({"traceparent": TRACEPARENT}))
+        tracer.shutdown()
+    finally:
+        collector.shutdown()
+    (path, export), = received
+    assert path == "/v1/traces"
+    (resource_spans,) = export.resource_spans
+    service = {a.key: a.value.string_value for a in resource_spans.resource.attributes}
+    assert service["service.name"] == "tokenserve-test"
+    spans = [span for scope in resource_spans.scope_spans for span in scope.spans]
+    assert sorted(span.name for span in spans) == ["decode", "llm_request", "prefill", "queue"]
+    assert {span.trace_id.hex() for span in spans} == {TRACE_ID}
