@@ -349,6 +349,7 @@ def test_still_serving_after_errors_and_metrics(server, predictions):
     assert '_total' not in text.split(":tensorflow:serving:request_count", 1)[1].split("\n")[0]
     assert ':tensorflow:serving:request_latency_bucket{API="predict",entrypoint="GRPC"' in text
     assert ':tensorflow:cc:saved_model:load_latency{model_path=' in text
+    assert ':tensorflow:serving:runtime_latency_count{API="predict",model_name="tf2"' in text
     for name in ("tf2", "tf1"):  # predict logs; classify, regress and multi-inference logs
         assert (':tensorflow:serving:model_warmup_latency_count{model_path="'
                 + str(server.lm_dir.parent.parent / name / "1") + '"} 1.0') in text

@@ -11,6 +11,7 @@ import logging
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
@@ -48,6 +49,27 @@ class ServeContext:
 Frontend = Callable[[ServeContext], object]
 
 
+class _TimedServable:
+    """Records `:tensorflow:serving:runtime_latency` around every signature run."""
+
+    def __init__(self, servable, model_name: str, metrics: TFServingMetrics):
+        self._servable = servable
+        self._model_name = model_name
+        self._metrics = metrics
+        self.path = servable.path
+        self.signature_defs = servable.signature_defs
+
+    def run(self, signature_name, inputs, output_keys=None):
+        started = time.monotonic()
+        try:
+            return self._servable.run(signature_name, inputs, output_keys)
+        finally:
+            self._metrics.runtime(self._model_name, "predict", time.monotonic() - started)
+
+    def close(self) -> None:
+        self._servable.close()
+
+
 def build_context(config: ServeConfig) -> ServeContext:
     """A manager configured from `config` (nothing loaded yet) and a fresh registry."""
     registry = CollectorRegistry()
@@ -56,6 +78,7 @@ def build_context(config: ServeConfig) -> ServeContext:
               if config.enable_model_warmup else None)
     def load(spec, path):
         servable = load_servable(spec, path, prefer_tflite=config.prefer_tflite_model)
+        servable = _TimedServable(servable, spec.name, metrics)
         if config.enable_batching:
             servable = BatchingServable(servable, config.batching_parameters)
         return servable
