@@ -216,12 +216,12 @@ def free_port() -> int:
 class ServerProcess:
     """`python -m tokenserve serve ARGS` on free ports; stderr goes to a file for asserts."""
 
-    def __init__(self, tmp: Path, *args: str):
+    def __init__(self, tmp: Path, *args: str, rest: bool = True):
         import subprocess
         import sys
 
         self.grpc_port = free_port()
-        self.rest_port = free_port()
+        self.rest_port = free_port() if rest else 0
         self.log_path = tmp / f"server-{self.rest_port}.log"
         self._log = open(self.log_path, "w")
         env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
@@ -235,19 +235,34 @@ class ServerProcess:
     def wait_ready(self, model: str, timeout_s: float = 240.0) -> None:
         import time
 
-        import httpx
-
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 raise RuntimeError(f"server exited {self.process.returncode}:\n{self.log()}")
-            try:
-                if httpx.get(f"{self.rest}/v1/models/{model}", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
+            if self._ready(model):
+                return
             time.sleep(0.3)
         raise TimeoutError(f"server not ready after {timeout_s} s:\n{self.log()}")
+
+    def _ready(self, model: str) -> bool:
+        import grpc
+        import httpx
+        from tensorflow_serving.apis import (get_model_status_pb2, model_pb2,
+                                             model_service_pb2_grpc)
+
+        if self.rest_port:
+            try:
+                return httpx.get(f"{self.rest}/v1/models/{model}", timeout=2).status_code == 200
+            except httpx.HTTPError:
+                return False
+        with grpc.insecure_channel(self.target) as channel:
+            stub = model_service_pb2_grpc.ModelServiceStub(channel)
+            try:
+                stub.GetModelStatus(get_model_status_pb2.GetModelStatusRequest(
+                    model_spec=model_pb2.ModelSpec(name=model)), timeout=2)
+                return True
+            except grpc.RpcError:
+                return False
 
     def log(self) -> str:
         self._log.flush()

@@ -264,3 +264,21 @@ def test_catalog_lists_names_versions_and_labels_of_available_versions(tmp_path,
     assert [e.id for e in entries] == ["a", "a:2", "a:1", "a@canary", "a@stable"]
     assert entries[0].version == 2 and entries[-1].version == 1
     assert all(e.loaded_at is not None for e in entries)
+
+
+def test_labels_for_unavailable_versions_when_allowed(tmp_path, loader):
+    manager = ModelManager(loader, allow_labels_for_unavailable=True)
+    try:
+        make_version(tmp_path, 1)
+        manager.apply_config([ModelSpecConfig("m", str(tmp_path), labels={"next": 2})])
+        assert manager.labels("m") == {"next": 2}
+        with pytest.raises(ModelNotFoundError, match=r"Specific\(m, 2\)"):
+            with manager.acquire("m", label="next"):
+                pass
+        make_version(tmp_path, 2)
+        manager.poll()
+        assert manager.wait_until_settled(5)
+        with manager.acquire("m", label="next") as version:
+            assert version.version == 2
+    finally:
+        manager.close(timeout_s=5)
