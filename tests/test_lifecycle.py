@@ -282,3 +282,16 @@ def test_labels_for_unavailable_versions_when_allowed(tmp_path, loader):
             assert version.version == 2
     finally:
         manager.close(timeout_s=5)
+
+
+def test_new_base_path_replaces_the_models_versions(tmp_path, loader, manager):
+    make_version(tmp_path / "old", 1)
+    make_version(tmp_path / "new", 1)
+    manager.apply_config([ModelSpecConfig("m", str(tmp_path / "old"))])
+    with manager.acquire("m") as version:
+        old = version
+    manager.apply_config([ModelSpecConfig("m", str(tmp_path / "new"))])
+    with manager.acquire("m") as version:
+        assert version.path == tmp_path / "new" / "1"
+    with manager._cond:
+        assert manager._cond.wait_for(lambda: old.state == VersionState.END, 5)

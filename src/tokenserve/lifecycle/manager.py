@@ -91,6 +91,10 @@ class ModelManager:
         if len(set(names)) != len(names):
             raise ConfigError("duplicate model names in config")
         with self._cond:
+            for spec in specs:
+                old = self._specs.get(spec.name)
+                if old is not None and old.base_path != spec.base_path:
+                    self._retire(spec.name)
             self._specs = {spec.name: spec for spec in specs}
             for name in list(self._labels):
                 if name not in self._specs:
@@ -99,6 +103,15 @@ class ModelManager:
         if wait:
             self.wait_until_settled(timeout_s=timeout_s)
         self._set_labels(specs)
+
+    def _retire(self, name: str) -> None:
+        """A model moved to another base path: its versions are other servables now, so the
+        old ones unload (after draining) and leave the status, and the new path loads."""
+        for version in self._versions.pop(name, {}).values():
+            if version.state == VersionState.AVAILABLE:
+                version.state = VersionState.UNLOADING
+                self._start(self._unload, version)
+        self._discovered.pop(name, None)
 
     def _set_labels(self, specs: list[ModelSpecConfig]) -> None:
         with self._cond:
@@ -188,6 +201,14 @@ class ModelManager:
                 self._reconcile(version.model_name)
                 return
             break
+        with self._cond:
+            retired = self._versions.get(version.model_name, {}).get(version.version) is not version
+        if retired:  # its model moved to another base path while it loaded
+            self._tear_down(version)
+            with self._cond:
+                version.state = VersionState.END
+                self._cond.notify_all()
+            return
         with self._cond:
             version.state = VersionState.AVAILABLE
             version.loaded_at = time.time()
