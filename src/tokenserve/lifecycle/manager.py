@@ -202,18 +202,19 @@ class ModelManager:
                 return
             break
         with self._cond:
+            # Retired: its model moved to another base path while this version loaded.
             retired = self._versions.get(version.model_name, {}).get(version.version) is not version
-        if retired:  # its model moved to another base path while it loaded
+            if not retired:
+                version.state = VersionState.AVAILABLE
+                version.loaded_at = time.time()
+                version.error_code, version.error_message = "OK", ""
+                self._cond.notify_all()
+        if retired:
             self._tear_down(version)
             with self._cond:
                 version.state = VersionState.END
                 self._cond.notify_all()
             return
-        with self._cond:
-            version.state = VersionState.AVAILABLE
-            version.loaded_at = time.time()
-            version.error_code, version.error_message = "OK", ""
-            self._cond.notify_all()
         log.info("%s version %d is AVAILABLE", version.model_name, version.version)
         self._reconcile(version.model_name)
 
