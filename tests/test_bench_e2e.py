@@ -99,6 +99,7 @@ def test_rate_sweep_reports_every_request(fake_server, tmp_path, capsys):
     assert code == 0
     results = json.loads((result_dir / "results.json").read_text())
     assert results["config"]["model"] == "fake-model"  # taken from /v1/models
+    assert {run["label"] for run in results["runs"]} == {"fake-model"}
     assert [run["request_rate"] for run in results["runs"]] == ["inf", 100.0]
     for run in results["runs"]:
         assert (run["completed"], run["failed"]) == (6, 0)
@@ -138,3 +139,22 @@ def test_rejected_requests_count_as_failed(fake_server, tmp_path, capsys):
     assert (run["completed"], run["failed"]) == (0, 2)
     assert run["errors"][0].startswith("HTTP 401")
     assert "first error: HTTP 401" in capsys.readouterr().out
+
+
+def test_compare_earlier_results_side_by_side(fake_server, tmp_path, capsys):
+    for label in ("server-a", "server-b"):
+        assert run_bench(["--base-url", fake_server, "--api-key", API_KEY, "--label", label,
+                          "--num-prompts", "2", "--random-input-len", "4",
+                          "--random-output-len", "2", "--request-rate", "inf", "50",
+                          "--result-dir", str(tmp_path / label), "--disable-tqdm"]) == 0
+    capsys.readouterr()
+    code = run_bench(["--compare", str(tmp_path / "server-a" / "results.json"),
+                      str(tmp_path / "server-b" / "results.json"),
+                      "--result-dir", str(tmp_path / "compared")])
+    assert code == 0
+    printed = capsys.readouterr().out
+    for column in ("server-a rate inf", "server-a rate 50", "server-b rate inf"):
+        assert column in printed
+    for name in ("latency_cdf.png", "throughput_vs_rate.png"):
+        assert (tmp_path / "compared" / name).read_bytes()[:4] == b"\x89PNG"
+    assert not (tmp_path / "compared" / "results.json").exists()

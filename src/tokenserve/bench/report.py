@@ -1,35 +1,27 @@
-"""Benchmark output: a printed table, JSON in `vllm bench serve`'s key names, PNG plots."""
+"""Benchmark results as JSON in `vllm bench serve`'s key names, and the printed table.
+
+The JSON run record is the one format everything downstream reads: the table and the plots
+(`plots.py`) take run records, whether fresh or loaded from earlier results files, so runs
+of different servers or configurations compare side by side (`--compare`).
+"""
 
 from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
-
-from tokenserve.bench.client import RequestOutput
-from tokenserve.bench.metrics import LATENCY_METRICS, BenchmarkMetrics
-
-METRIC_TITLES = {"ttft": "Time to first token", "tpot": "Time per output token",
-                 "itl": "Inter-token latency", "e2el": "End-to-end latency"}
+from tokenserve.bench.metrics import LATENCY_METRICS
+from tokenserve.bench.run import RunResult
 
 
-@dataclass(frozen=True)
-class RunResult:
-    """One run at one request rate: its settings, metrics and per-request outputs."""
-
-    request_rate: float
-    burstiness: float
-    max_concurrency: int | None
-    metrics: BenchmarkMetrics
-    outputs: list[RequestOutput]
-
-    @property
-    def rate_label(self) -> str:
-        return "inf" if math.isinf(self.request_rate) else f"{self.request_rate:g}"
+def rate_label(rate: float | str) -> str:
+    """'inf' or the rate without trailing zeros."""
+    if isinstance(rate, str) or math.isinf(rate):
+        return "inf"
+    return f"{rate:g}"
 
 
 def _percentile_key(percentile: float, metric: str) -> str:
@@ -37,11 +29,13 @@ def _percentile_key(percentile: float, metric: str) -> str:
     return f"p{word}_{metric}_ms"
 
 
-def run_to_json(run: RunResult) -> dict:
-    """The run as vLLM names its result fields (plus per-request e2els and tpots)."""
+def run_to_json(run: RunResult, label: str) -> dict:
+    """One run as vLLM names its result fields, plus `label`, per-request `e2els` and
+    `errors` ("" for a success)."""
     metrics = run.metrics
     result = {
-        "request_rate": run.rate_label if math.isinf(run.request_rate) else run.request_rate,
+        "label": label,
+        "request_rate": "inf" if math.isinf(run.request_rate) else run.request_rate,
         "burstiness": run.burstiness, "max_concurrency": run.max_concurrency,
         "duration": metrics.duration_s, "completed": metrics.completed,
         "failed": metrics.failed, "total_input_tokens": metrics.total_input,
@@ -67,129 +61,81 @@ def run_to_json(run: RunResult) -> dict:
         "ttfts": [output.ttft for output in outputs],
         "itls": [output.itl for output in outputs],
         "e2els": [output.latency for output in outputs],
-        "errors": [output.error for output in outputs],
+        "errors": [output.error if not output.success else "" for output in outputs],
     })
     return result
 
 
-def write_json(path: Path, config: dict, runs: Sequence[RunResult]) -> Path:
+def write_json(path: Path, config: dict, runs: Sequence[dict]) -> Path:
     """Writes {"config": ..., "runs": [...]} (strict JSON: an infinite rate is "inf")."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"config": config, "runs": [run_to_json(r) for r in runs]},
-                               indent=2, allow_nan=False))
+    path.write_text(json.dumps({"config": config, "runs": list(runs)}, indent=2,
+                               allow_nan=False))
     return path
 
 
-def print_table(runs: Sequence[RunResult], console=None) -> None:
-    """One column per request rate, so a sweep (or several servers) reads side by side."""
+def load_runs(paths: Sequence[str | Path]) -> list[dict]:
+    """The run records of earlier results files, in file order.
+
+    A record without a label gets its file's config model (or the file name).
+    """
+    runs = []
+    for path in paths:
+        results = json.loads(Path(path).read_text())
+        fallback = results.get("config", {}).get("label") or \
+            results.get("config", {}).get("model") or Path(path).stem
+        for run in results["runs"]:
+            runs.append({"label": fallback, **run} if not run.get("label") else run)
+    return runs
+
+
+def reported_percentiles(run: dict, metric: str = "ttft") -> list[float]:
+    """The percentiles a run record holds for `metric`, ascending."""
+    pattern = re.compile(rf"^p(\d+(?:\.\d+)?)_{metric}_ms$")
+    return sorted(float(match.group(1)) for key in run if (match := pattern.match(key)))
+
+
+def column_titles(runs: Sequence[dict]) -> list[str]:
+    """'rate R', prefixed with the label when the runs carry more than one label."""
+    several = len({run.get("label") for run in runs}) > 1
+    return [(f"{run['label']} " if several else "") + f"rate {rate_label(run['request_rate'])}"
+            for run in runs]
+
+
+def print_table(runs: Sequence[dict], console=None) -> None:
+    """One column per run, so a sweep (or several servers) reads side by side."""
     from rich.console import Console
     from rich.table import Table
 
-    console = console or Console()
-    table = Table(title="tokenserve bench", show_lines=False)
+    titles = column_titles(runs)
+    if console is None:
+        console = Console()
+        if not console.is_terminal:  # piped or captured: don't wrap at 80 columns
+            console = Console(width=max(80, 36 + sum(max(len(t), 9) + 3 for t in titles)))
+    table = Table(title="tokenserve bench")
     table.add_column("metric")
-    for run in runs:
-        table.add_column(f"rate {run.rate_label}", justify="right")
+    for title in titles:
+        table.add_column(title, justify="right")
 
-    def row(name: str, values: list[str]) -> None:
-        table.add_row(name, *values)
-
-    row("successful requests", [str(run.metrics.completed) for run in runs])
-    row("failed requests", [str(run.metrics.failed) for run in runs])
-    row("duration (s)", [f"{run.metrics.duration_s:.2f}" for run in runs])
-    row("input tokens", [str(run.metrics.total_input) for run in runs])
-    row("output tokens", [str(run.metrics.total_output) for run in runs])
-    row("request throughput (req/s)", [f"{run.metrics.request_throughput:.2f}" for run in runs])
-    if any(run.metrics.request_goodput is not None for run in runs):
-        row("request goodput (req/s)", [f"{run.metrics.request_goodput or 0:.2f}" for run in runs])
-    row("output token throughput (tok/s)",
-        [f"{run.metrics.output_throughput:.2f}" for run in runs])
-    row("total token throughput (tok/s)",
-        [f"{run.metrics.total_token_throughput:.2f}" for run in runs])
-    for metric in LATENCY_METRICS:
-        row(f"mean {metric.upper()} (ms)",
-            [f"{run.metrics.latencies[metric].mean_ms:.2f}" for run in runs])
-        for percentile in runs[0].metrics.latencies[metric].percentiles_ms:
-            row(f"P{percentile:g} {metric.upper()} (ms)",
-                [f"{run.metrics.latencies[metric].percentiles_ms[percentile]:.2f}"
-                 for run in runs])
-    console.print(table)
-
-
-def _per_request_series(run: RunResult) -> dict[str, list[float]]:
-    """Seconds per metric for the successful requests of a run (ITL pooled)."""
-    good = [(output, length) for output, length in zip(run.outputs, run.metrics.output_lens)
-            if output.success]
-    return {
-        "ttft": [output.ttft for output, _ in good],
-        "tpot": [(output.latency - output.ttft) / (length - 1) for output, length in good
-                 if length > 1],
-        "itl": [gap for output, _ in good for gap in output.itl],
-        "e2el": [output.latency for output, _ in good],
-    }
-
-
-def plot_latency_cdfs(path: Path, runs: Sequence[RunResult]) -> Path:
-    """Empirical CDFs of TTFT, TPOT, ITL and E2E latency, one line per request rate."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    figure, axes = plt.subplots(2, 2, figsize=(11, 8))
-    for axis, metric in zip(axes.flat, LATENCY_METRICS):
+    def row(name: str, key: str, digits: int = 2) -> None:
+        cells = []
         for run in runs:
-            values = np.sort(np.asarray(_per_request_series(run)[metric])) * 1000
-            if values.size:
-                axis.step(values, np.arange(1, values.size + 1) / values.size, where="post",
-                          label=f"rate {run.rate_label}")
-        axis.set_title(METRIC_TITLES[metric])
-        axis.set_xlabel("ms")
-        axis.set_ylabel("fraction of requests" if metric != "itl" else "fraction of gaps")
-        axis.set_ylim(0, 1.02)
-        axis.grid(alpha=0.3)
-        if axis.get_legend_handles_labels()[0]:
-            axis.legend(fontsize="small")
-    figure.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
-    return path
+            cell = run.get(key)
+            cells.append("-" if cell is None else f"{cell:.{digits}f}")
+        table.add_row(name, *cells)
 
-
-def plot_throughput_vs_rate(path: Path, runs: Sequence[RunResult]) -> Path:
-    """Achieved request throughput (and goodput) and output-token throughput against the
-    offered request rate, lowest rate first and inf last."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    ordered = sorted(runs, key=lambda run: run.request_rate)
-    positions = np.arange(len(ordered))
-    labels = [run.rate_label for run in ordered]
-    figure, (requests_axis, tokens_axis) = plt.subplots(1, 2, figsize=(11, 4.5))
-    requests_axis.plot(positions, [run.metrics.request_throughput for run in ordered], "o-",
-                       label="requests/s")
-    if any(run.metrics.request_goodput is not None for run in ordered):
-        requests_axis.plot(positions, [run.metrics.request_goodput or 0 for run in ordered],
-                           "s--", label="goodput (requests/s within SLOs)")
-    requests_axis.set_title("Request throughput")
-    requests_axis.set_ylabel("requests/s")
-    tokens_axis.plot(positions, [run.metrics.output_throughput for run in ordered], "^-",
-                     color="tab:orange", label="output tokens/s")
-    tokens_axis.plot(positions, [run.metrics.total_token_throughput for run in ordered], "v--",
-                     color="tab:red", label="prompt + output tokens/s")
-    tokens_axis.set_title("Token throughput")
-    tokens_axis.set_ylabel("tokens/s")
-    for axis in (requests_axis, tokens_axis):
-        axis.set_xticks(positions, labels)
-        axis.set_xlabel("offered request rate (requests/s)")
-        axis.set_ylim(bottom=0)
-        axis.grid(alpha=0.3)
-        axis.legend(fontsize="small", loc="lower right")
-    figure.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
-    return path
+    row("successful requests", "completed", 0)
+    row("failed requests", "failed", 0)
+    row("duration (s)", "duration")
+    row("input tokens", "total_input_tokens", 0)
+    row("output tokens", "total_output_tokens", 0)
+    row("request throughput (req/s)", "request_throughput")
+    if any(run.get("request_goodput") is not None for run in runs):
+        row("request goodput (req/s)", "request_goodput")
+    row("output token throughput (tok/s)", "output_throughput")
+    row("total token throughput (tok/s)", "total_token_throughput")
+    for metric in LATENCY_METRICS:
+        row(f"mean {metric.upper()} (ms)", f"mean_{metric}_ms")
+        for percentile in reported_percentiles(runs[0], metric):
+            row(f"P{percentile:g} {metric.upper()} (ms)", _percentile_key(percentile, metric))
+    console.print(table)

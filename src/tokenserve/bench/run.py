@@ -8,11 +8,21 @@ from dataclasses import dataclass, field
 
 from tqdm.auto import tqdm
 
-from tokenserve.bench.client import ClientConfig, StreamingClient
+from tokenserve.bench.client import ClientConfig, RequestOutput, StreamingClient
 from tokenserve.bench.dataset import BenchRequest
 from tokenserve.bench.load import LoadConfig, run_load
-from tokenserve.bench.metrics import DEFAULT_PERCENTILES, calculate_metrics
-from tokenserve.bench.report import RunResult
+from tokenserve.bench.metrics import DEFAULT_PERCENTILES, BenchmarkMetrics, calculate_metrics
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """One run at one request rate: its settings, metrics and per-request outputs."""
+
+    request_rate: float
+    burstiness: float
+    max_concurrency: int | None
+    metrics: BenchmarkMetrics
+    outputs: list[RequestOutput]
 
 
 @dataclass(frozen=True)

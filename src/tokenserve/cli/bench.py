@@ -54,6 +54,12 @@ def add_parser(commands) -> None:
                    help="comma-separated (default: %(default)s)")
     p.add_argument("--ignore-eos", action="store_true",
                    help="ask the server to generate exactly max_tokens (vLLM extension)")
+    p.add_argument("--label", default=None,
+                   help="name of this server/configuration in results and comparisons "
+                        "(default: the model name)")
+    p.add_argument("--compare", nargs="+", default=None, metavar="RESULTS_JSON",
+                   help="run nothing: show earlier results.json files side by side and "
+                        "plot them together into --result-dir")
     p.add_argument("--result-dir", default="bench-results")
     p.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
     p.set_defaults(run=run)
@@ -76,6 +82,35 @@ def _dataset(args: argparse.Namespace, tokenizer):
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.compare:
+        return _compare(args)
+    return _benchmark(args)
+
+
+def _write_plots(result_dir, runs: list[dict]) -> list:
+    from tokenserve.bench import plots
+
+    return [plots.plot_latency_cdfs(result_dir / "latency_cdf.png", runs),
+            plots.plot_throughput_vs_rate(result_dir / "throughput_vs_rate.png", runs)]
+
+
+def _compare(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from tokenserve.bench import report
+    from tokenserve.errors import ConfigError
+
+    try:
+        runs = report.load_runs(args.compare)
+    except (OSError, ValueError, KeyError) as error:
+        raise ConfigError(f"cannot read results: {error}") from None
+    report.print_table(runs)
+    paths = _write_plots(Path(args.result_dir), runs)
+    print("wrote " + ", ".join(str(path) for path in paths))
+    return 0
+
+
+def _benchmark(args: argparse.Namespace) -> int:
     import asyncio
     import dataclasses
     import os
@@ -113,19 +148,21 @@ def run(args: argparse.Namespace) -> int:
     def count_tokens(text: str) -> int:
         return len(tokenizer.encode(text, add_special_tokens=False).ids)
 
-    runs = asyncio.run(run_sweep(client, requests, sweep, count_tokens))
+    results = asyncio.run(run_sweep(client, requests, sweep, count_tokens))
+    label = args.label or client.model
+    runs = [report.run_to_json(result, label) for result in results]
     report.print_table(runs)
     result_dir = Path(args.result_dir)
-    settings = {key: value for key, value in vars(args).items() if key not in ("run", "api_key")}
-    settings.update(model=client.model,
+    settings = {key: value for key, value in vars(args).items()
+                if key not in ("run", "api_key", "compare")}
+    settings.update(model=client.model, label=label,
                     request_rate=["inf" if math.isinf(r) else r for r in args.request_rate])
     paths = [report.write_json(result_dir / "results.json", settings, runs),
-             report.plot_latency_cdfs(result_dir / "latency_cdf.png", runs),
-             report.plot_throughput_vs_rate(result_dir / "throughput_vs_rate.png", runs)]
+             *_write_plots(result_dir, runs)]
     print("wrote " + ", ".join(str(path) for path in paths))
-    failed = sum(run.metrics.failed for run in runs)
+    failed = sum(run["failed"] for run in runs)
     if failed:
-        first_error = next(o.error for run in runs for o in run.outputs if not o.success)
+        first_error = next(error for run in runs for error in run["errors"] if error)
         print(f"{failed} request(s) failed; first error: {first_error}")
     # Exit 1 when nothing succeeded, so scripts notice a wrong URL, model or key.
-    return 1 if all(run.metrics.completed == 0 for run in runs) else 0
+    return 1 if all(run["completed"] == 0 for run in runs) else 0
