@@ -268,11 +268,15 @@ class ServerProcess:
         self._log.flush()
         return self.log_path.read_text()
 
-    def stop(self) -> None:
+    def stop(self) -> int:
+        """SIGTERM, as Kubernetes sends; returns the exit code."""
+        if self.process.poll() is not None:
+            return self.process.returncode
         self.process.terminate()
         try:
             self.process.wait(30)
         except Exception:  # noqa: BLE001
             self.process.kill()
             self.process.wait(10)
-        self._log.close()
+        self._log.flush()
+        return self.process.returncode

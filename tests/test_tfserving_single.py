@@ -46,3 +46,8 @@ def test_no_rest_port_when_disabled(server):
     assert server.rest_port == 0
     assert "Exporting HTTP/REST API" not in server.log()
     assert f"Running gRPC ModelServer at 0.0.0.0:{server.grpc_port}" in server.log()
+
+
+def test_sigterm_drains_unloads_and_exits_cleanly(server):
+    assert server.stop() == 0
+    assert "half version 2 reached END" in server.log()
