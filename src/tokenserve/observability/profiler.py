@@ -105,15 +105,15 @@ def _build_messages() -> dict[str, Any]:
     for name, message_fields in fields.items():
         service_file.message_type.add(name=name, field=message_fields)
     pool.Add(service_file)
-    return {name: message_factory.GetMessageClass(pool.FindMessageTypeByName(f"tensorflow.{name}"))
-            for name in fields}
+    find = pool.FindMessageTypeByName
+    return {name: message_factory.GetMessageClass(find(f"tensorflow.{name}")) for name in fields}
 
 
 class ProfilerServicer:
     """Serves Profile by running TF's in-process profiler; Terminate ends a capture early.
 
     One capture runs at a time per process (TF's profiler is process-wide); a second
-    concurrent request fails with UNAVAILABLE, as tensorflow_model_server's does.
+    concurrent request fails with UNAVAILABLE.
     """
 
     def __init__(self, config: ProfilerServiceConfig | None = None) -> None:
