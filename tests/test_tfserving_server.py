@@ -164,7 +164,7 @@ def test_predict_rest_row_and_columnar(server):
     row = rest_post(server, "/v1/models/tf2:predict", {"instances": [1.0, 2.0, 5.0]})
     assert row.status_code == 200
     assert row.text == '{\n    "predictions": [2.5, 3.0, 4.5\n    ]\n}'
-    columnar = rest_post(server, "/v1/models/tf2/versions/1:predict",
+    columnar = rest_post(server, "/V1/Models/tf2/Versions/1:Predict",
                          {"inputs": {"x": [1.0, 2.0]}})
     assert columnar.json() == {"outputs": [2.5, 3.0]}
     objects = rest_post(server, "/v1/models/tf2/labels/stable:predict", {
@@ -296,6 +296,8 @@ REST_ERRORS = [
     ("/v1/models/tf2:predict", "{not json", 400, "JSON Parse error: "),
     ("/v1/models/tf2:explain", {"instances": [1.0]}, 400,
      "Malformed request: POST /v1/models/tf2:explain"),
+    ("/v2/models/tf2/infer", {"instances": [1.0]}, 400,
+     "Malformed request: POST /v2/models/tf2/infer"),
     ("/v1/models/tf1:classify", {"examples": [{"x": 1.0}]}, 400,
      "Expected classification signature method_name to be tensorflow/serving/classify. "
      "Was: tensorflow/serving/predict"),

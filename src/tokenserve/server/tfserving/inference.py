@@ -89,7 +89,7 @@ def _checked_signature(servable, signature_name: str, method: str, kind: str):
         raise InvalidRequestError(f"Expected {kind} signature method_name to be {method}. "
                                   f"Was: {sig.method_name}")
     if len(sig.inputs) != 1:
-        raise InvalidRequestError(f"Expected one input Tensor.")
+        raise InvalidRequestError("Expected one input Tensor.")
     return name, sig
 
 

@@ -27,8 +27,9 @@ from tokenserve.server.tfserving.json_writer import PrettyWriter, error_body, fo
 log = logging.getLogger("tokenserve.tfserving")
 ENTRYPOINT = "REST"
 _SPEC = r"/v1/models/([^/:]+)(?:/versions/(\d+)|/labels/([^/:]+))?"
-_GET = re.compile(_SPEC + r"(?:/(metadata))?/?$")
-_POST = re.compile(_SPEC + r":(classify|regress|predict)$")
+# Case-insensitive like TF Serving's; any other path is a "Malformed request" (400).
+_GET = re.compile(_SPEC + r"(?:/(metadata))?/?$", re.IGNORECASE)
+_POST = re.compile(_SPEC + r":(classify|regress|predict)$", re.IGNORECASE)
 
 
 def _json_response(body: str, status: int = 200) -> Response:
@@ -226,12 +227,13 @@ def build_rest_app(manager: ModelManager, metrics=None, timeout_s: float = 30.0,
         def prometheus() -> Response:
             return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models/{path:path}")
+    @app.get("/{path:path}")
     async def get(request: Request) -> Response:
         match = _GET.match(request.url.path)
         if not match:
             return _malformed(request)
         name, version, label, metadata = match.groups()
+        metadata = metadata and metadata.lower()
         spec = _model_spec(name, version, label)
         if metadata:
             def work():
@@ -243,12 +245,13 @@ def build_rest_app(manager: ModelManager, metrics=None, timeout_s: float = 30.0,
         return await run("get_model_status", "",
                          lambda: model_info.status_json(model_info.model_status(manager, spec)))
 
-    @app.post("/v1/models/{path:path}")
+    @app.post("/{path:path}")
     async def post(request: Request) -> Response:
         match = _POST.match(request.url.path)
         if not match:
             return _malformed(request)
         name, version, label, method = match.groups()
+        method = method.lower()
         body = await request.body()
         spec = _model_spec(name, version, label)
         return await run(method, name, lambda: _POST_HANDLERS[method](manager, spec,
