@@ -108,6 +108,12 @@ def test_status_rest_matches_tf_serving_json(server):
                              '    "error_message": ""\n   }\n  }\n ]\n}\n')
     assert httpx.get(f"{server.rest}/v1/models/tf2/versions/1").json() == response.json()
     assert httpx.get(f"{server.rest}/v1/models/tf2/labels/stable").json() == response.json()
+    missing = httpx.get(f"{server.rest}/v1/models")
+    assert (missing.status_code, missing.json()) == (400, {"error": "Missing model name in "
+                                                                    "request."})
+    unknown = httpx.get(f"{server.rest}/v1/models/tf2/versions/9")
+    assert (unknown.status_code, unknown.json()) == (404, {"error": "Could not find version 9 "
+                                                                    "of model tf2"})
 
 
 def test_status_grpc_and_broken_models_do_not_disturb_others(server, models, predictions):

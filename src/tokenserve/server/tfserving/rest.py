@@ -30,6 +30,7 @@ _SPEC = r"/v1/models/([^/:]+)(?:/versions/(\d+)|/labels/([^/:]+))?"
 # Case-insensitive like TF Serving's; any other path is a "Malformed request" (400).
 _GET = re.compile(_SPEC + r"(?:/(metadata))?/?$", re.IGNORECASE)
 _POST = re.compile(_SPEC + r":(classify|regress|predict)$", re.IGNORECASE)
+_ALL_MODELS = re.compile(r"/v1/models/?$", re.IGNORECASE)
 
 
 def _json_response(body: str, status: int = 200) -> Response:
@@ -230,6 +231,9 @@ def build_rest_app(manager: ModelManager, metrics=None, timeout_s: float = 30.0,
     @app.get("/{path:path}")
     async def get(request: Request) -> Response:
         match = _GET.match(request.url.path)
+        if _ALL_MODELS.match(request.url.path):  # TF Serving has no "list all models"
+            error = InvalidRequestError("Missing model name in request.")
+            return _json_response(error_body(str(error)), http_status(error))
         if not match:
             return _malformed(request)
         name, version, label, metadata = match.groups()
