@@ -158,3 +158,11 @@ def test_compare_earlier_results_side_by_side(fake_server, tmp_path, capsys):
     for name in ("latency_cdf.png", "throughput_vs_rate.png"):
         assert (tmp_path / "compared" / name).read_bytes()[:4] == b"\x89PNG"
     assert not (tmp_path / "compared" / "results.json").exists()
+
+
+def test_registered_in_the_tokenserve_command(capsys):
+    from tokenserve.cli.main import main
+
+    assert main(["bench", "--dataset-name", "file", "--num-prompts", "1"]) == 2
+    assert "tokenserve bench: error: --dataset-name file needs --dataset-path" in \
+        capsys.readouterr().err
