@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from tokenserve.errors import ConfigError, InvalidRequestError, ModelLoadError, ModelNotFoundError
+from tokenserve.errors import (ConfigError, FailedPreconditionError, InvalidRequestError,
+                               ModelLoadError, ModelNotFoundError)
 from tokenserve.lifecycle import ModelManager, ModelSpecConfig, VersionPolicy, VersionState
 from tokenserve.lifecycle.model_config import parse_model_server_config
 from tokenserve.lifecycle.server_protos import (parse_batching_parameters,
@@ -219,9 +220,13 @@ def test_labels_resolve_and_must_name_available_versions(tmp_path, loader, manag
     with pytest.raises(InvalidRequestError, match="Unrecognized servable version label: beta"):
         with manager.acquire("m", label="beta"):
             pass
-    bad = ModelSpecConfig("m", str(tmp_path), policy=VersionPolicy.all(), labels={"x": 7})
-    with pytest.raises(ConfigError, match="not currently available"):
-        manager.apply_config([bad])
+    make_version(tmp_path, 3)
+    bad = ModelSpecConfig("m", str(tmp_path), policy=VersionPolicy.all(), labels={"new": 3})
+    with pytest.raises(FailedPreconditionError, match="version 3 of model m, which is not "
+                                                      "currently available"):
+        manager.apply_config([bad])  # refused whole, as TF Serving: v3 is not loaded
+    assert manager.labels("m") == {"stable": 1, "canary": 2}
+    assert 3 not in {s.version for s in manager.model_status("m")}
 
 
 def test_unknown_model_and_status_messages(tmp_path, manager):

@@ -16,7 +16,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from tokenserve.errors import ConfigError, InvalidRequestError, ModelNotFoundError
+from tokenserve.errors import (ConfigError, FailedPreconditionError, InvalidRequestError,
+                               ModelNotFoundError)
 from tokenserve.lifecycle.model_config import ModelSpecConfig
 from tokenserve.lifecycle.repository import discover_versions, fingerprint
 from tokenserve.lifecycle.states import VersionState, VersionStatus
@@ -84,13 +85,19 @@ class ModelManager:
                      timeout_s: float | None = None) -> None:
         """Full replacement: serve exactly `specs` (models left out are unloaded).
 
-        With `wait`, returns when every new version has loaded or failed, then sets labels:
-        a label must name an AVAILABLE version unless allow_labels_for_unavailable.
+        Labels must name AVAILABLE versions unless allow_labels_for_unavailable. On a reload
+        they are checked first, as TF Serving does, and a config that fails the check is
+        refused whole (FailedPreconditionError; nothing changes). The first config is
+        checked after its versions load, so a server can start with labels. With `wait`,
+        returns when every new version has loaded or failed.
         """
         names = [spec.name for spec in specs]
         if len(set(names)) != len(names):
             raise ConfigError("duplicate model names in config")
         with self._cond:
+            initial = not self._specs and not self._versions
+            if not initial:
+                self._check_labels(specs)
             for spec in specs:
                 old = self._specs.get(spec.name)
                 if old is not None and old.base_path != spec.base_path:
@@ -102,7 +109,11 @@ class ModelManager:
         self.poll()
         if wait:
             self.wait_until_settled(timeout_s=timeout_s)
-        self._set_labels(specs)
+        with self._cond:
+            if initial:
+                self._check_labels(specs)
+            for spec in specs:
+                self._labels[spec.name] = dict(spec.labels)
 
     def _retire(self, name: str) -> None:
         """A model moved to another base path: its versions are other servables now, so the
@@ -113,18 +124,16 @@ class ModelManager:
                 self._start(self._unload, version)
         self._discovered.pop(name, None)
 
-    def _set_labels(self, specs: list[ModelSpecConfig]) -> None:
-        with self._cond:
-            for spec in specs:
-                if not self._allow_labels_for_unavailable:
-                    for label, version in spec.labels.items():
-                        found = self._versions.get(spec.name, {}).get(version)
-                        if found is None or found.state != VersionState.AVAILABLE:
-                            raise ConfigError(
-                                f"Request to assign label to version {version} of model "
-                                f"{spec.name}, which is not currently available for inference")
-            for spec in specs:
-                self._labels[spec.name] = dict(spec.labels)
+    def _check_labels(self, specs: list[ModelSpecConfig]) -> None:
+        if self._allow_labels_for_unavailable:
+            return
+        for spec in specs:
+            for label, number in spec.labels.items():
+                found = self._versions.get(spec.name, {}).get(number)
+                if found is None or found.state != VersionState.AVAILABLE:
+                    raise FailedPreconditionError(
+                        f"Request to assign label to version {number} of model {spec.name}, "
+                        f"which is not currently available for inference")
 
     # ---- polling and reconciling ---------------------------------------------------------
 
