@@ -13,6 +13,7 @@ import socket
 import threading
 import time
 
+import httpx
 import pytest
 import uvicorn
 from fastapi import FastAPI, Request
@@ -166,3 +167,23 @@ def test_registered_in_the_tokenserve_command(capsys):
     assert main(["bench", "--dataset-name", "file", "--num-prompts", "1"]) == 2
     assert "tokenserve bench: error: --dataset-name file needs --dataset-path" in \
         capsys.readouterr().err
+
+
+def test_an_error_event_mid_stream_fails_the_request(tmp_path):
+    """A stream that sends tokens and then an error event is a failure, not a completion."""
+    from tokenserve.bench.client import ClientConfig, StreamingClient
+    from tokenserve.bench.dataset import BenchRequest
+
+    def broken_stream(request: httpx.Request) -> httpx.Response:
+        body = (b'data: {"choices": [{"index": 0, "text": " a"}]}\n\n'
+                b'data: {"error": {"message": "engine died", "code": 500}}\n\n')
+        return httpx.Response(200, content=body, headers={"content-type": "text/event-stream"})
+
+    async def send():
+        async with StreamingClient(ClientConfig("http://test", "m"),
+                                   transport=httpx.MockTransport(broken_stream)) as client:
+            return await client.send(BenchRequest("p", 1, 4))
+
+    output = asyncio.run(send())
+    assert not output.success
+    assert "engine died" in output.error

@@ -76,12 +76,14 @@ class StreamingClient:
     Use as an async context manager; `send` never raises (errors land in the output).
     """
 
-    def __init__(self, config: ClientConfig, max_connections: int | None = None) -> None:
+    def __init__(self, config: ClientConfig, max_connections: int | None = None,
+                 transport: httpx.AsyncBaseTransport | None = None) -> None:
         self.config = config
         headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
         limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=None)
         self._http = httpx.AsyncClient(base_url=config.base_url.rstrip("/"), headers=headers,
-                                       timeout=httpx.Timeout(config.timeout_s), limits=limits)
+                                       timeout=httpx.Timeout(config.timeout_s), limits=limits,
+                                       transport=transport)
 
     async def __aenter__(self) -> "StreamingClient":
         return self
@@ -111,6 +113,9 @@ class StreamingClient:
                         continue
                     now = time.perf_counter()
                     message = json.loads(chunk)
+                    if "error" in message:  # the server gave up mid-stream: a failure
+                        output.error = f"error event: {json.dumps(message['error'])[:500]}"
+                        break
                     if choices := message.get("choices"):
                         if not output.success:
                             output.success = True
@@ -124,11 +129,11 @@ class StreamingClient:
                     last_chunk_at = now
             output.latency = last_chunk_at - started
             output.generated_text = "".join(pieces)
-            if not output.success:
+            if not output.success and not output.error:
                 output.error = "no chunk with choices received; cannot time the first token"
         except (httpx.HTTPError, json.JSONDecodeError, KeyError) as error:
-            output.success = False
             output.error = f"{type(error).__name__}: {error}"
+        output.success = output.success and not output.error
         return output
 
     def _text(self, choice: dict) -> str | None:
