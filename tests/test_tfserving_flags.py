@@ -95,3 +95,12 @@ def test_grpc_channel_arguments():
     assert ("grpc.max_concurrent_streams", 10) in options
     assert ("grpc.primary_user_agent", "x") in options
     assert ("grpc.max_receive_message_length", -1) in options  # TF Serving: no limit
+
+
+def test_version_flag(capsys):
+    with pytest.raises(SystemExit) as raised:
+        parse("--version")
+    assert raised.value.code == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("TensorFlow ModelServer: tokenserve ")
+    assert out[1].startswith("TensorFlow Library: 2.")

@@ -71,12 +71,33 @@ def add_parser(commands) -> None:
     for name in bools:
         p.add_argument(f"--{name}", type=parse_bool, nargs="?", const=True,
                        default=defaults[name], metavar="true|false")
+    p.add_argument("--version", action=_PrintVersion, nargs=0,
+                   help="print the versions and exit, as tensorflow_model_server --version")
     p.add_argument("--api_key", action="append", default=[],
                    help="accepted API key for the OpenAI API (repeatable)")
     for name in IGNORED_TFSERVING_FLAGS:
         p.add_argument(f"--{name}", nargs="?", const="true", default=None,
                        help=argparse.SUPPRESS)
     p.set_defaults(run=run)
+
+
+class _PrintVersion(argparse.Action):
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(_version_text())
+        parser.exit(0)
+
+
+def _version_text() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    def installed(name: str) -> str:
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return "unknown"
+    return (f"TensorFlow ModelServer: tokenserve {installed('tokenserve')} (TF Serving API "
+            f"{installed('tensorflow-serving-api')})\nTensorFlow Library: "
+            f"{installed('tensorflow')}")
 
 
 def _config_class():
