@@ -191,6 +191,15 @@ def test_predict_grpc_with_output_filter(predictions):
     response = predictions.Predict(request)
     assert list(response.outputs) == ["product"]
     assert tf.make_ndarray(response.outputs["product"]).tolist() == [[10]]
+    # Values in the typed field, as TF Serving answers (clients read .int_val directly).
+    assert list(response.outputs["product"].int_val) == [10]
+    assert not response.outputs["product"].tensor_content
+    floats = predictions.Predict(predict_request("tf2", x=S.float_input([1.0, 2.0])))
+    assert list(floats.outputs["y"].float_val) == [2.5, 3.0]
+    texts = predictions.Predict(predict_request(
+        "tf2", "strings", text=np.array([b"ab", b"c"], dtype=object)))
+    assert list(texts.outputs["upper_bytes"].string_val) == [b"AB", b"C"]
+    assert [d.size for d in texts.outputs["upper_bytes"].tensor_shape.dim] == [2]
     assert (response.model_spec.name, response.model_spec.version.value,
             response.model_spec.signature_name) == ("tf2", 1, "arith")
 

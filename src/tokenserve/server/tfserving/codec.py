@@ -14,6 +14,7 @@ import json
 
 import numpy as np
 import tensorflow as tf
+from tensorflow.core.framework import tensor_pb2
 
 from tokenserve.errors import InvalidRequestError
 from tokenserve.lifecycle.savedmodel import dtype_string
@@ -213,5 +214,30 @@ def tensor_proto_to_array(name: str, proto) -> np.ndarray:
         raise invalid(f"tensor parsing error: {name}: {error}") from None
 
 
+# Which repeated field of TensorProto holds each dtype's values (TF's Tensor::AsProtoField).
+_VALUE_FIELDS = {tf.float32: "float_val", tf.float64: "double_val", tf.int32: "int_val",
+                 tf.int16: "int_val", tf.int8: "int_val", tf.uint8: "int_val",
+                 tf.uint16: "int_val", tf.int64: "int64_val", tf.uint32: "uint32_val",
+                 tf.uint64: "uint64_val", tf.bool: "bool_val", tf.string: "string_val"}
+
+
 def array_to_tensor_proto(array: np.ndarray):
-    return tf.make_tensor_proto(array)
+    """A TensorProto with values in the typed field (`float_val`, `int64_val`, ...).
+
+    TF Serving answers this way by default (not `tensor_content`), and clients that read
+    `outputs["y"].float_val` directly depend on it.
+    """
+    array = np.asarray(array)
+    dtype = tf.string if array.dtype == object else tf.dtypes.as_dtype(array.dtype)
+    field = _VALUE_FIELDS.get(dtype)
+    if field is None:  # half, bfloat16, complex ...: TF's own encoding
+        return tf.make_tensor_proto(array)
+    proto = tensor_pb2.TensorProto(dtype=dtype.as_datatype_enum,
+                                   tensor_shape=tf.TensorShape(array.shape).as_proto())
+    values = array.reshape(-1)
+    if dtype == tf.string:
+        getattr(proto, field).extend(bytes(v) if not isinstance(v, str) else v.encode()
+                                     for v in values)
+    else:
+        getattr(proto, field).extend(values.tolist())
+    return proto
