@@ -192,3 +192,38 @@ def columnar_json(outputs: dict[str, np.ndarray]) -> str:
         writer.end_object()
     writer.end_object()
     return writer.text()
+
+
+def classification_json(result) -> str:
+    """`{"results": [[[label, score], ...], ...]}`, one single-line list per example."""
+    writer = PrettyWriter()
+    writer.start_object()
+    writer.key("results")
+    writer.start_array()
+    for classifications in result.classifications:
+        writer.single_line_arrays = True
+        writer.start_array()
+        for entry in classifications.classes:
+            writer.start_array()
+            writer.key(entry.label)
+            writer.raw(format_decimal(entry.score, True))
+            writer.end_array()
+        writer.end_array()
+        writer.single_line_arrays = False
+    writer.end_array()
+    writer.end_object()
+    return writer.text()
+
+
+def regression_json(result) -> str:
+    """`{"results": [v, ...]}` on one line, as TF Serving writes it."""
+    writer = PrettyWriter()
+    writer.start_object()
+    writer.key("results")
+    writer.single_line_arrays = True  # and left on to the end, as in TF Serving
+    writer.start_array()
+    for regression in result.regressions:
+        writer.raw(format_decimal(regression.value, True))
+    writer.end_array()
+    writer.end_object()
+    return writer.text()

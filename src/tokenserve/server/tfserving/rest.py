@@ -22,7 +22,7 @@ from tokenserve.lifecycle.manager import ModelManager
 from tokenserve.lifecycle.servable import DEFAULT_SIGNATURE
 from tokenserve.server.status import grpc_code, http_status
 from tokenserve.server.tfserving import codec, inference, json_writer, model_info
-from tokenserve.server.tfserving.json_writer import PrettyWriter, error_body, format_decimal
+from tokenserve.server.tfserving.json_writer import error_body
 
 log = logging.getLogger("tokenserve.tfserving")
 ENTRYPOINT = "REST"
@@ -157,23 +157,7 @@ def _classify(manager: ModelManager, spec: model_pb2.ModelSpec, doc: dict) -> st
     with manager.acquire(**inference.spec_args(spec)) as version:
         result = inference.classify_on(version.servable, doc.get("signature_name", ""),
                                        request_input)
-    writer = PrettyWriter()
-    writer.start_object()
-    writer.key("results")
-    writer.start_array()
-    for classifications in result.classifications:
-        writer.single_line_arrays = True
-        writer.start_array()
-        for entry in classifications.classes:
-            writer.start_array()
-            writer.key(entry.label)
-            writer.raw(format_decimal(entry.score, True))
-            writer.end_array()
-        writer.end_array()
-        writer.single_line_arrays = False
-    writer.end_array()
-    writer.end_object()
-    return writer.text()
+    return json_writer.classification_json(result)
 
 
 def _regress(manager: ModelManager, spec: model_pb2.ModelSpec, doc: dict) -> str:
@@ -181,16 +165,7 @@ def _regress(manager: ModelManager, spec: model_pb2.ModelSpec, doc: dict) -> str
     with manager.acquire(**inference.spec_args(spec)) as version:
         result = inference.regress_on(version.servable, doc.get("signature_name", ""),
                                       request_input)
-    writer = PrettyWriter()
-    writer.start_object()
-    writer.key("results")
-    writer.single_line_arrays = True  # and left on, as TF Serving does: `[2.5, 3.5]`
-    writer.start_array()
-    for regression in result.regressions:
-        writer.raw(format_decimal(regression.value, True))
-    writer.end_array()
-    writer.end_object()
-    return writer.text()
+    return json_writer.regression_json(result)
 
 
 _POST_HANDLERS = {"predict": _predict, "classify": _classify, "regress": _regress}
