@@ -50,13 +50,24 @@ def test_value_forms_and_repeatable_api_key(tmp_path):
 
 
 def test_real_but_unused_tf_serving_flags_are_accepted():
-    args = parse("--tensorflow_session_parallelism", "2", "--ssl_config_file=/etc/ssl.cfg",
+    args = parse("--rest_api_num_threads", "2", "--ssl_config_file=/etc/ssl.cfg",
                  "--enable_signature_method_name_check", "--xla_cpu_compilation_enabled=true",
                  "--platform_config_file=/p.cfg", "--port=1")
-    assert ignored_flags(args) == ["tensorflow_session_parallelism", "ssl_config_file",
+    assert ignored_flags(args) == ["rest_api_num_threads", "ssl_config_file",
                                    "platform_config_file", "enable_signature_method_name_check",
                                    "xla_cpu_compilation_enabled"]
     assert config_from_args(args).port == 1
+
+
+def test_tensorflow_threads_tags_and_cors_flags():
+    config = config_from_args(parse("--tensorflow_session_parallelism=2",
+                                    "--tensorflow_inter_op_parallelism", "1",
+                                    "--saved_model_tags=serve,gpu",
+                                    "--rest_api_enable_cors_support=true"))
+    assert (config.intra_op_threads, config.inter_op_threads) == (2, 1)
+    assert config.tags == ("serve", "gpu")
+    assert config.rest_api_enable_cors_support is True
+    assert config_from_args(parse()).tags == ("serve",)
 
 
 def test_bad_flags_exit_2(capsys):
@@ -68,8 +79,10 @@ def test_bad_flags_exit_2(capsys):
 
 
 def test_config_errors(tmp_path):
-    with pytest.raises(ConfigError, match="mutually exclusive"):
-        ServeConfig(model_config_file="/a", model_base_path="/b")
+    models = tmp_path / "models.config"
+    models.write_text('model_config_list { config { name: "a" base_path: "/a" } }')
+    both = ServeConfig(model_config_file=str(models), model_name="m", model_base_path="/b")
+    assert [(s.name, s.base_path) for s in both.model_specs()] == [("a", "/a")]  # file wins
     with pytest.raises(ConfigError, match="port"):
         ServeConfig(port=70000)
     monitoring = tmp_path / "monitoring.config"
@@ -82,9 +95,11 @@ def test_cli_reports_a_bad_model_config_file_on_one_line(tmp_path, capsys):
     config = tmp_path / "models.config"
     config.write_text('model_config_list { config { name: "m" } }')  # no base_path
     code = main(["serve", f"--model_config_file={config}", "--port=0", "--rest_api_port=0",
-                 "--file_system_poll_wait_seconds=0"])
+                 "--file_system_poll_wait_seconds=0", "--model_base_path=/models/default"])
     assert code == 2
     err = capsys.readouterr().err.strip().splitlines()
+    assert ("tokenserve serve: warning: --model_name and --model_base_path are ignored because "
+            "--model_config_file is set") in err
     assert err[-1] == "tokenserve serve: error: model 'm' needs a base_path"
 
 

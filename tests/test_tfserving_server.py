@@ -57,7 +57,8 @@ def server(tmp_path_factory, tokenizer):
         f"--monitoring_config_file={root / 'monitoring.config'}",
         "--enable_batching=true", f"--batching_parameters_file={root / 'batching.config'}",
         f"--grpc_socket_path={socket_path}", "--prefer_tflite_model=true",
-        "--max_num_load_retries=0", "--tensorflow_session_parallelism=2",
+        "--max_num_load_retries=0", "--platform_config_file=/nonexistent.cfg",
+        "--tensorflow_session_parallelism=2", "--rest_api_enable_cors_support=true",
         "--allow_version_labels_for_unavailable_models=true")
     try:
         process.wait_ready("tf2")
@@ -373,5 +374,14 @@ def test_still_serving_after_errors_and_metrics(server, predictions):
 
 
 def test_unknown_tf_serving_flags_warn(server):
-    assert ("warning: --tensorflow_session_parallelism is a tensorflow_model_server flag"
+    assert ("warning: --platform_config_file is a tensorflow_model_server flag"
             in server.log())
+
+
+def test_cors_headers(server):
+    reply = httpx.get(f"{server.rest}/v1/models/tf2")
+    assert reply.headers["access-control-allow-origin"] == "*"
+    assert reply.headers["access-control-allow-methods"] == "POST, GET"
+    preflight = httpx.options(f"{server.rest}/v1/models/tf2:predict")
+    assert preflight.status_code == 200
+    assert preflight.headers["access-control-allow-headers"] == "Content-Type"

@@ -17,20 +17,14 @@ from tokenserve.errors import ConfigError
 # tensorflow_model_server flags that tokenserve accepts and ignores (with a one-line warning),
 # so existing launch scripts run unchanged.
 IGNORED_TFSERVING_FLAGS = (
-    "rest_api_num_threads", "rest_api_enable_cors_support", "enable_per_model_batching_parameters",
-    "allow_version_labels", "flush_filesystem_caches", "tensorflow_session_parallelism",
-    "tensorflow_session_config_file", "tensorflow_intra_op_parallelism",
-    "tensorflow_inter_op_parallelism", "use_alts_credentials", "ssl_config_file",
-    "platform_config_file", "per_process_gpu_memory_fraction", "saved_model_tags",
+    "rest_api_num_threads", "enable_per_model_batching_parameters", "allow_version_labels",
+    "flush_filesystem_caches", "tensorflow_session_config_file", "use_alts_credentials",
+    "ssl_config_file", "platform_config_file", "per_process_gpu_memory_fraction",
     "remove_unused_fields_from_bundle_metagraph", "num_tflite_pools",
-    "num_tflite_interpreters_per_pool", "num_tflite_interpreters",
+    "num_tflite_interpreters_per_pool", "num_tflite_interpreters", "use_tflite_model",
     "enable_signature_method_name_check", "xla_cpu_compilation_enabled", "enable_profiler",
     "thread_pool_factory_config_file", "mixed_precision", "skip_initialize_tpu",
     "enable_grpc_healthcheck_service", "enable_serialization_as_tensor_content",
-    "use_tflite_model", "tfrt_enable_graph_compilation", "use_tfrt", "grpc_max_threads_per_cq",
-    "num_load_threads", "num_unload_threads", "model_config_file_poll_wait_seconds_legacy",
-    "log_collector", "enable_model_warmup_latency_logging", "experimental_device_mesh",
-    "gpu_memory_fraction", "saved_model_tags_legacy",
 )
 
 _TRUE = {"true", "1", "yes", "t", "y"}
@@ -58,11 +52,12 @@ def add_parser(commands) -> None:
     ints = ("port", "rest_api_port", "rest_api_timeout_in_ms", "grpc_max_threads",
             "model_config_file_poll_wait_seconds", "file_system_poll_wait_seconds",
             "num_request_iterations_for_warmup", "max_num_load_retries",
-            "load_retry_interval_micros", "openai_port")
+            "load_retry_interval_micros", "openai_port", "tensorflow_session_parallelism",
+            "tensorflow_intra_op_parallelism", "tensorflow_inter_op_parallelism")
     strings = ("grpc_socket_path", "grpc_channel_arguments", "model_name", "model_base_path",
                "model_config_file", "batching_parameters_file", "monitoring_config_file",
-               "host")
-    bools = ("enable_batching", "enable_model_warmup",
+               "host", "saved_model_tags")
+    bools = ("enable_batching", "enable_model_warmup", "rest_api_enable_cors_support",
              "allow_version_labels_for_unavailable_models", "prefer_tflite_model")
     for name in ints:
         p.add_argument(f"--{name}", type=int, default=defaults[name])
@@ -123,6 +118,11 @@ def run(args: argparse.Namespace) -> int:
     for name in ignored_flags(args):
         print(f"tokenserve serve: warning: --{name} is a tensorflow_model_server flag that "
               f"tokenserve does not use; ignored", file=sys.stderr)
+    if args.model_config_file and args.model_base_path:
+        # TF Serving's Docker entrypoint always passes --model_base_path, so a config file
+        # next to it is normal: the config file wins, as in tensorflow_model_server.
+        print("tokenserve serve: warning: --model_name and --model_base_path are ignored "
+              "because --model_config_file is set", file=sys.stderr)
     config = config_from_args(args)
     from tokenserve.server.tfserving.server import serve
 

@@ -9,7 +9,8 @@ from tokenserve.lifecycle.model_config import ModelSpecConfig
 from tokenserve.lifecycle.repository import SAVED_MODEL_FILES, TFLITE_FILE
 
 
-def load_servable(spec: ModelSpecConfig, version_dir: Path, prefer_tflite: bool = False):
+def load_servable(spec: ModelSpecConfig, version_dir: Path, prefer_tflite: bool = False,
+                  tags: tuple[str, ...] = ("serve",)):
     """A SavedModelServable, or a TFLiteServable when the platform is `tflite` or
     --prefer_tflite_model is set and the directory holds model.tflite."""
     has_tflite = (version_dir / TFLITE_FILE).exists()
@@ -24,4 +25,4 @@ def load_servable(spec: ModelSpecConfig, version_dir: Path, prefer_tflite: bool 
         failure.error_code = "NOT_FOUND"
         raise failure
     from tokenserve.lifecycle.savedmodel import SavedModelServable
-    return SavedModelServable(version_dir)
+    return SavedModelServable(version_dir, tags)

@@ -33,9 +33,12 @@ class ServeConfig:
     rest_api_port: int = 8501
     """TF Serving REST; 0 disables it. (tensorflow_model_server's own default is 0.)"""
     rest_api_timeout_in_ms: int = 30000
+    rest_api_enable_cors_support: bool = False
+    """Add CORS headers (any origin, POST and GET) to REST responses."""
     host: str = "0.0.0.0"
     model_name: str = "default"
     model_base_path: str = ""
+    """Serve one model from here (ignored when model_config_file is set, as in TF Serving)."""
     model_config_file: str = ""
     model_config_file_poll_wait_seconds: int = 0
     """Reread --model_config_file this often; 0 reads it once."""
@@ -50,6 +53,14 @@ class ServeConfig:
     max_num_load_retries: int = 5
     load_retry_interval_micros: int = 60_000_000
     prefer_tflite_model: bool = False
+    saved_model_tags: str = "serve"
+    """Comma-separated MetaGraph tags to load from each SavedModel."""
+    tensorflow_session_parallelism: int = 0
+    """Threads for TF's intra- and inter-op pools (0: TensorFlow decides)."""
+    tensorflow_intra_op_parallelism: int = 0
+    """Overrides tensorflow_session_parallelism for the intra-op pool."""
+    tensorflow_inter_op_parallelism: int = 0
+    """Overrides tensorflow_session_parallelism for the inter-op pool."""
     openai_port: int = 8000
     """OpenAI-compatible API port (served by the OpenAI frontend); 0 disables it."""
     api_keys: tuple[str, ...] = ()
@@ -64,12 +75,14 @@ class ServeConfig:
             value = getattr(self, name)
             if not 0 <= value <= 65535:
                 raise ConfigError(f"--{name} must be in 0..65535, got {value}")
-        if self.model_config_file and self.model_base_path:
-            raise ConfigError("--model_config_file and --model_base_path are mutually "
-                              "exclusive; put the model in the config file")
         if self.max_num_load_retries < 0 or self.load_retry_interval_micros < 0:
             raise ConfigError("--max_num_load_retries and --load_retry_interval_micros must "
                               "not be negative")
+        if min(self.tensorflow_session_parallelism, self.tensorflow_intra_op_parallelism,
+               self.tensorflow_inter_op_parallelism) < 0:
+            raise ConfigError("TensorFlow parallelism flags must not be negative")
+        if not self.tags:
+            raise ConfigError("--saved_model_tags names no tag")
         if self.num_request_iterations_for_warmup < 1:
             raise ConfigError("--num_request_iterations_for_warmup must be >= 1")
         if self.batching_parameters_file:
@@ -79,6 +92,18 @@ class ServeConfig:
         if self.monitoring_config_file:
             self.monitoring = read_monitoring_config(self.monitoring_config_file)
         self.api_keys = tuple(self.api_keys)
+
+    @property
+    def tags(self) -> tuple[str, ...]:
+        return tuple(tag.strip() for tag in self.saved_model_tags.split(",") if tag.strip())
+
+    @property
+    def intra_op_threads(self) -> int:
+        return self.tensorflow_intra_op_parallelism or self.tensorflow_session_parallelism
+
+    @property
+    def inter_op_threads(self) -> int:
+        return self.tensorflow_inter_op_parallelism or self.tensorflow_session_parallelism
 
     @property
     def serves_builtin(self) -> bool:

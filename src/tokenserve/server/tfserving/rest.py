@@ -30,6 +30,9 @@ _SPEC = r"/v1/models/([^/:]+)(?:/versions/(\d+)|/labels/([^/:]+))?"
 # Case-insensitive like TF Serving's; any other path is a "Malformed request" (400).
 _GET = re.compile(_SPEC + r"(?:/(metadata))?/?$", re.IGNORECASE)
 _POST = re.compile(_SPEC + r":(classify|regress|predict)$", re.IGNORECASE)
+_CORS_HEADERS = {"Access-Control-Allow-Origin": "*",
+                 "Access-Control-Allow-Methods": "POST, GET",
+                 "Access-Control-Allow-Headers": "Content-Type"}
 _ALL_MODELS = re.compile(r"/v1/models/?$", re.IGNORECASE)
 
 
@@ -172,10 +175,21 @@ _POST_HANDLERS = {"predict": _predict, "classify": _classify, "regress": _regres
 
 
 def build_rest_app(manager: ModelManager, metrics=None, timeout_s: float = 30.0,
-                   prometheus_path: str | None = None, registry=None) -> FastAPI:
-    """The TF Serving REST app; Prometheus at `prometheus_path` when monitoring is enabled."""
+                   prometheus_path: str | None = None, registry=None,
+                   cors: bool = False) -> FastAPI:
+    """The TF Serving REST app; Prometheus at `prometheus_path` when monitoring is enabled,
+    TF Serving's CORS headers with `cors` (--rest_api_enable_cors_support)."""
     app = FastAPI(title="tokenserve TF Serving REST API", docs_url=None, redoc_url=None,
                   openapi_url=None)
+    if cors:
+        @app.middleware("http")
+        async def cors_headers(request: Request, call_next):
+            if request.method == "OPTIONS":
+                response = Response(status_code=200)
+            else:
+                response = await call_next(request)
+            response.headers.update(_CORS_HEADERS)
+            return response
 
     async def run(api: str, model_name: str, work) -> Response:
         started = time.monotonic()

@@ -77,7 +77,8 @@ def build_context(config: ServeConfig) -> ServeContext:
     warmup = (make_warmup(replay_warmup_record, config.num_request_iterations_for_warmup)
               if config.enable_model_warmup else None)
     def load(spec, path):
-        servable = load_servable(spec, path, prefer_tflite=config.prefer_tflite_model)
+        servable = load_servable(spec, path, prefer_tflite=config.prefer_tflite_model,
+                                 tags=config.tags)
         servable = _TimedServable(servable, spec.name, metrics)
         if config.enable_batching:
             servable = BatchingServable(servable, config.batching_parameters)
@@ -89,6 +90,18 @@ def build_context(config: ServeConfig) -> ServeContext:
         allow_labels_for_unavailable=config.allow_version_labels_for_unavailable_models,
         metrics=metrics)
     return ServeContext(config, manager, registry, metrics)
+
+
+def _tensorflow_threads(config: ServeConfig) -> None:
+    """--tensorflow_*_parallelism, set before any model loads (TF fixes them on first use)."""
+    if not (config.intra_op_threads or config.inter_op_threads):
+        return
+    import tensorflow as tf
+
+    if config.intra_op_threads:
+        tf.config.threading.set_intra_op_parallelism_threads(config.intra_op_threads)
+    if config.inter_op_threads:
+        tf.config.threading.set_inter_op_parallelism_threads(config.inter_op_threads)
 
 
 def _uvicorn(app, host: str, port: int) -> uvicorn.Server:
@@ -121,6 +134,7 @@ def serve(config: ServeConfig, frontends: list[Frontend] = (),
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("tokenserve").setLevel(logging.INFO)  # lifecycle events, not TF's INFO
+    _tensorflow_threads(config)
     context = build_context(config)
     manager = context.manager
     for name, factory in (extensions or {}).items():
@@ -143,7 +157,8 @@ def serve(config: ServeConfig, frontends: list[Frontend] = (),
         monitoring = config.monitoring
         app = build_rest_app(manager, context.metrics, config.rest_api_timeout_in_ms / 1000,
                              monitoring.prometheus_path if monitoring.prometheus_enabled
-                             else None, context.registry)
+                             else None, context.registry,
+                             cors=config.rest_api_enable_cors_support)
         http_servers.append(_uvicorn(app, config.host, config.rest_api_port))
         print(f"Exporting HTTP/REST API at:{config.host}:{config.rest_api_port} ...",
               file=sys.stderr)
