@@ -197,6 +197,9 @@ def test_half_copied_version_does_not_disturb_then_loads_when_complete(server):
 def test_config_file_change_and_reload_request_under_load(server):
     models = {"m": str(server.root / "m"), "n": str(server.root / "n")}
     with Load(server) as load:
+        server.config.write_text("model_config_list { config { name: ")  # a bad edit
+        wait_for(lambda: "invalid model config" in server.log(), what="bad config logged")
+        assert statuses(server, "m")[3] == State.AVAILABLE
         server.config.write_text(config_text(models, {"m": {"stable": 3}}))
         wait_for(lambda: statuses(server, "n").get(1) == State.AVAILABLE, what="n loaded")
         labelled = httpx.post(f"{server.rest}/v1/models/m/labels/stable:predict",
