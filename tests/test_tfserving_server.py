@@ -365,12 +365,15 @@ def test_still_serving_after_errors_and_metrics(server, predictions):
     assert '\n:tensorflow:serving:request_count{model_name="tf2",status="OK"} ' in text
     assert ':tensorflow:serving:request_count{model_name="nope",status="NOT_FOUND"}' in text
     assert '_total' not in text.split(":tensorflow:serving:request_count", 1)[1].split("\n")[0]
-    assert ':tensorflow:serving:request_latency_bucket{API="predict",entrypoint="GRPC"' in text
+    assert ':tensorflow:serving:request_latency_bucket{API="Predict",entrypoint="GRPC"' in text
+    assert ':tensorflow:serving:request_latency_bucket{API="predict",entrypoint="REST"' in text
+    assert ':tensorflow:cc:saved_model:load_attempt_count{model_path="' in text
+    assert 'broken/1",status="fail"} 1.0' in text
     assert ':tensorflow:cc:saved_model:load_latency{model_path=' in text
     assert ':tensorflow:serving:runtime_latency_count{API="predict",model_name="tf2"' in text
     for name in ("tf2", "tf1"):  # predict logs; classify, regress and multi-inference logs
         assert (':tensorflow:serving:model_warmup_latency_count{model_path="'
-                + str(server.lm_dir.parent.parent / name / "1") + '"} 1.0') in text
+                + str(server.lm_dir.parent.parent / name / "1") + '",status="OK"} 1.0') in text
 
 
 def test_unknown_tf_serving_flags_warn(server):

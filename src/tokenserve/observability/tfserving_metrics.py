@@ -6,7 +6,7 @@ Names and labels are TF Serving's, so existing dashboards and alerts keep workin
 `:tensorflow:serving:runtime_latency{model_name,API,runtime}`,
 `:tensorflow:cc:saved_model:load_attempt_count{model_path,status}`,
 `:tensorflow:cc:saved_model:load_latency{model_path}` (microseconds, cumulative) and
-`:tensorflow:serving:model_warmup_latency{model_path}` (microseconds).
+`:tensorflow:serving:model_warmup_latency{model_path,status}` (microseconds).
 
 Why counters are emitted as `untyped`: prometheus_client appends `_total` to every counter
 sample, but TF Serving exports `:tensorflow:serving:request_count` with no suffix, and that
@@ -70,8 +70,8 @@ class TFServingMetrics:
         self._counters = _UntypedCounters()
         self._counters.family(self.REQUEST_COUNT, "The total number of requests.",
                               ("model_name", "status"))
-        self._counters.family(self.LOAD_ATTEMPTS, "The number of attempts to load a "
-                              "SavedModel, by status.", ("model_path", "status"))
+        self._counters.family(self.LOAD_ATTEMPTS, "The number of times a SavedModel was "
+                              "successfully loaded.", ("model_path", "status"))
         self._counters.family(self.LOAD_LATENCY, "Latency in microseconds for SavedModels "
                               "that were successfully loaded.", ("model_path",))
         registry.register(self._counters)
@@ -86,22 +86,24 @@ class TFServingMetrics:
         self._warmup_latency = Histogram(
             ":tensorflow:serving:model_warmup_latency",
             "Distribution of wall time (in microseconds) for warming up the model.",
-            ("model_path",), buckets=LATENCY_BUCKETS_US, registry=registry)
+            ("model_path", "status"), buckets=LATENCY_BUCKETS_US, registry=registry)
 
     def request(self, model_name: str, api: str, entrypoint: str, status: str,
                 seconds: float) -> None:
-        """One finished request; `status` is "OK" or a status code name."""
+        """One finished request; `status` is "OK" or a status code name. Latency is recorded
+        for successful requests only, as TF Serving does."""
         self._counters.inc(self.REQUEST_COUNT, 1, model_name=model_name, status=status)
-        self._request_latency.labels(model_name, api, entrypoint).observe(seconds * 1e6)
+        if status == "OK":
+            self._request_latency.labels(model_name, api, entrypoint).observe(seconds * 1e6)
 
     def runtime(self, model_name: str, api: str, seconds: float) -> None:
         self._runtime_latency.labels(model_name, api, "TF1").observe(seconds * 1e6)
 
     def load(self, model_path: str, seconds: float, ok: bool) -> None:
         self._counters.inc(self.LOAD_ATTEMPTS, 1, model_path=model_path,
-                           status="success" if ok else "failure")
+                           status="success" if ok else "fail")
         if ok:
             self._counters.inc(self.LOAD_LATENCY, seconds * 1e6, model_path=model_path)
 
-    def warmup(self, model_path: str, seconds: float) -> None:
-        self._warmup_latency.labels(model_path).observe(seconds * 1e6)
+    def warmup(self, model_path: str, seconds: float, status: str = "OK") -> None:
+        self._warmup_latency.labels(model_path, status).observe(seconds * 1e6)

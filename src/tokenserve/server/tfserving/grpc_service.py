@@ -58,24 +58,24 @@ class PredictionServicer(prediction_service_pb2_grpc.PredictionServiceServicer):
         return await _call(self._executor, self._metrics, api, name, context, work)
 
     async def Predict(self, request, context):
-        return await self._run("predict", request.model_spec.name, context,
+        return await self._run("Predict", request.model_spec.name, context,
                                lambda: inference.predict(self._manager, request))
 
     async def Classify(self, request, context):
-        return await self._run("classify", request.model_spec.name, context,
+        return await self._run("Classify", request.model_spec.name, context,
                                lambda: inference.classify(self._manager, request))
 
     async def Regress(self, request, context):
-        return await self._run("regress", request.model_spec.name, context,
+        return await self._run("Regress", request.model_spec.name, context,
                                lambda: inference.regress(self._manager, request))
 
     async def MultiInference(self, request, context):
         name = request.tasks[0].model_spec.name if request.tasks else ""
-        return await self._run("multi_inference", name, context,
+        return await self._run("MultiInference", name, context,
                                lambda: inference.multi_inference(self._manager, request))
 
     async def GetModelMetadata(self, request, context):
-        return await self._run("get_model_metadata", request.model_spec.name, context,
+        return await self._run("GetModelMetadata", request.model_spec.name, context,
                                lambda: model_info.model_metadata(self._manager, request))
 
 
@@ -87,7 +87,7 @@ class ModelServicer(model_service_pb2_grpc.ModelServiceServicer):
         self._executor = executor
 
     async def GetModelStatus(self, request, context):
-        return await _call(self._executor, None, "get_model_status", request.model_spec.name,
+        return await _call(self._executor, None, "GetModelStatus", request.model_spec.name,
                            context,
                            lambda: model_info.model_status(self._manager, request.model_spec))
 
@@ -96,7 +96,7 @@ class ModelServicer(model_service_pb2_grpc.ModelServiceServicer):
             self._manager.apply_config(from_proto(request.config), wait=True)
             return model_management_pb2.ReloadConfigResponse(
                 status=status_pb2.StatusProto(error_code=0))
-        return await _call(self._executor, None, "reload_config", "", context, reload)
+        return await _call(self._executor, None, "HandleReloadConfigRequest", "", context, reload)
 
 
 def channel_options(arguments: str) -> list[tuple[str, object]]:

@@ -74,9 +74,9 @@ def serialized_examples(input_proto) -> np.ndarray:
             merged.MergeFrom(example)
             examples.append(merged)
     else:
-        raise InvalidRequestError("Input is empty")
+        raise InvalidRequestError("Input is empty.")
     if not examples:
-        raise InvalidRequestError("Input is empty")
+        raise InvalidRequestError("Input is empty.")
     array = np.empty(len(examples), dtype=object)
     array[:] = [example.SerializeToString() for example in examples]
     return array
