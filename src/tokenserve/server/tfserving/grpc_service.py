@@ -152,7 +152,7 @@ class GrpcServerThread:
             for add in extra_services:
                 await add(server)
             if port:
-                server.add_insecure_port(f"[::]:{port}")
+                server.add_insecure_port(f"0.0.0.0:{port}")  # as tensorflow_model_server
             if socket_path:
                 server.add_insecure_port(f"unix:{socket_path}")
             await server.start()
