@@ -151,7 +151,12 @@ def test_extensions_run_before_available_and_close_after_drain(tmp_path, loader,
         def close(self):
             events.append(("closed",))
 
+    class Stopper:
+        def shutdown(self):
+            events.append(("shutdown",))
+
     manager.register_extension("engine", Engine)
+    manager.register_extension("stopper", lambda version: Stopper())
     manager.register_extension("nothing", lambda version: None)
     make_version(tmp_path, 1)
     manager.apply_config([ModelSpecConfig("m", str(tmp_path))])
@@ -164,7 +169,7 @@ def test_extensions_run_before_available_and_close_after_drain(tmp_path, loader,
         assert events == [("built", 1, VersionState.LOADING)]
     with manager._cond:
         assert manager._cond.wait_for(lambda: version.state == VersionState.END, 5)
-    assert events[-1] == ("closed",)
+    assert events[-2:] == [("shutdown",), ("closed",)]  # reverse order of registration
 
 
 def test_failed_load_is_retried_reported_and_keeps_old_version(tmp_path, loader, manager):

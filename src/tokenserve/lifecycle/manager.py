@@ -74,8 +74,9 @@ class ModelManager:
     def register_extension(self, name: str, factory: Extension) -> None:
         """Runs `factory(version)` for every version after warmup, before it is AVAILABLE.
 
-        A non-None result is kept as `version.extensions[name]` and its `close()` (if any) is
-        called when the version unloads, after its in-flight requests drained. A factory that
+        A non-None result is kept as `version.extensions[name]` and its `close()` (or
+        `shutdown()`), if any, is called when the version unloads, after its in-flight
+        requests drained. A factory that
         raises fails the load like a corrupt model would. Register before `apply_config`.
         """
         with self._cond:
@@ -249,7 +250,8 @@ class ModelManager:
 
     def _tear_down(self, version: LoadedVersion) -> None:
         for name, built in reversed(list(version.extensions.items())):
-            close = getattr(built, "close", None)
+            # close(), or shutdown() for objects that name it so (AsyncEngine).
+            close = getattr(built, "close", None) or getattr(built, "shutdown", None)
             if close is not None:
                 try:
                     close()
