@@ -121,6 +121,8 @@ class Scheduler:
             if seq.status is not SequenceStatus.RUNNING or budget == 0:
                 continue
             num_new = min(seq.num_pending_tokens, budget)
+            if num_new == 0:
+                continue
             while not self.cache.reserve(seq, num_new):
                 victim = self._victim(exclude=scheduled | {seq.seq_id})
                 if victim is None:

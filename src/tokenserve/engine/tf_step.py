@@ -1,7 +1,7 @@
 """The engine's compiled steps: one tf.function per model family, traced once.
 
-Transformer: the KV cache is one resource variable per layer, [rows, 2, Hkv * Dh] with
-rows = num_blocks * block_size. A step scatters only the new tokens' keys/values into it
+Transformer: the KV cache is two resource variables per layer (keys, values), each
+[rows, Hkv * Dh] with rows = num_blocks * block_size. A step scatters only the new tokens' keys/values into it
 and gathers only the rows of the live context (ResourceScatterUpdate / ResourceGather).
 Nothing ever reads the variable densely: after a sparse update TF keeps a variable in
 copy-on-read mode, and one dense read would copy the whole cache (DESIGN.md measured
@@ -13,9 +13,16 @@ without retracing; the runner still pads to a few sizes so oneDNN reuses its pri
 
 Tokens of all sequences are packed into one [N] axis for the dense layers (no padding);
 attention runs in two groups: decode rows (one query each) and prefill rows (a chunk each).
+Decode attention is memory-bound (it reads every live key and value once per step), so it
+is written to read the gathered rows in their stored layout with no transposes: the query
+becomes a block-diagonal [Hkv*Dh, H] matrix, and two batched matmuls give scores [S, L, H]
+and outputs. This halved the per-layer attention time against einsum-based attention at
+32 sequences x 448 positions (19.2 -> 10.9 ms in bf16).
 """
 
 from __future__ import annotations
+
+import math
 
 import tensorflow as tf
 
@@ -38,9 +45,14 @@ class TransformerStep(tf.Module):
         self.model = model
         c = model.config
         self.kv_width = c.num_kv_heads * c.head_dim
-        self.caches = [tf.Variable(tf.zeros([num_rows, 2, self.kv_width], model.compute_dtype),
-                                   trainable=False, name=f"kv_cache_{i}")
+        self.caches = [tuple(tf.Variable(tf.zeros([num_rows, self.kv_width], model.compute_dtype),
+                                         trainable=False, name=f"{kind}_cache_{i}")
+                             for kind in ("key", "value"))
                        for i in range(c.num_layers)]
+        group = c.num_heads // c.num_kv_heads
+        # head h reads kv head h // group: [H, Hkv]
+        self.head_to_kv = tf.one_hot(tf.range(c.num_heads) // group, c.num_kv_heads,
+                                     dtype=model.compute_dtype)
         self.step = tf.function(self._step, input_signature=[
             _spec([None]),          # token_ids      [N]
             _spec([None]),          # positions      [N]
@@ -54,17 +66,36 @@ class TransformerStep(tf.Module):
             _spec([None]),          # last_tokens    [S]   packed index whose logits we need
         ])
 
-    def _attend_group(self, q_padded, tokens, rows, query_pos, cache):
+    def _gather_kv(self, rows, cache):
+        keys, values = cache
+        return tf.gather(keys, rows), tf.gather(values, rows)             # [S, L, Hkv*Dh] x2
+
+    def _decode_attention(self, q, rows, query_pos, cache):
+        """q: [S, H, Dh]; rows: [S, L]; query_pos: [S] -> [S, H*Dh]."""
+        c = self.model.config
+        keys, values = self._gather_kv(rows, cache)
+        num_seqs = tf.shape(q)[0]
+        # block-diagonal queries: column h holds q[h] in the rows of its kv head
+        q_blocks = tf.einsum("shd,hg->sgdh", q * (1.0 / math.sqrt(c.head_dim)), self.head_to_kv)
+        q_blocks = tf.reshape(q_blocks, [num_seqs, self.kv_width, c.num_heads])
+        scores = tf.cast(tf.matmul(keys, q_blocks), tf.float32)           # [S, L, H]
+        mask = tf.range(tf.shape(rows)[1])[None, :] <= query_pos[:, None]  # [S, L]
+        scores = tf.where(mask[:, :, None], scores, tf.float32.min)
+        probs = tf.cast(tf.nn.softmax(scores, axis=1), values.dtype)
+        out = tf.matmul(probs, values, transpose_a=True)                   # [S, H, Hkv*Dh]
+        out = tf.reshape(out, [num_seqs, c.num_heads, c.num_kv_heads, c.head_dim])
+        out = tf.reduce_sum(out * self.head_to_kv[None, :, :, None], axis=2)  # own kv head
+        return tf.reshape(out, [num_seqs, c.num_heads * c.head_dim])
+
+    def _prefill_attention(self, q_padded, tokens, rows, query_pos, cache):
         """q_padded: [N + 1, H, Dh]; tokens, query_pos: [S, T]; rows: [S, L] -> [S, T, H*Dh]."""
         c = self.model.config
         q = tf.gather(q_padded, tokens)                                    # [S, T, H, Dh]
-        kv = tf.gather(cache, rows)                                        # [S, L, 2, KD]
+        keys, values = self._gather_kv(rows, cache)
         shape = tf.concat([tf.shape(rows), [c.num_kv_heads, c.head_dim]], 0)
-        k = tf.reshape(kv[:, :, 0], shape)                                 # [S, L, Hkv, Dh]
-        v = tf.reshape(kv[:, :, 1], shape)
         key_pos = tf.range(tf.shape(rows)[1])
         mask = key_pos[None, None, :] <= query_pos[:, :, None]             # [S, T, L]
-        return attend(q, k, v, mask)
+        return attend(q, tf.reshape(keys, shape), tf.reshape(values, shape), mask)
 
     def _step(self, token_ids, positions, write_rows, decode_tokens, decode_rows, decode_pos,
               prefill_tokens, prefill_rows, prefill_pos, last_tokens):
@@ -80,13 +111,14 @@ class TransformerStep(tf.Module):
                 q = rope(q[None], positions[None], c.rope_theta)[0]
                 k = tf.reshape(rope(tf.reshape(k, [1, num_tokens, c.num_kv_heads, c.head_dim]),
                                     positions[None], c.rope_theta), [num_tokens, self.kv_width])
-            cache.scatter_update(tf.IndexedSlices(tf.cast(tf.stack([k, v], 1), cache.dtype),
-                                                  write_rows))
+            for variable, new_rows in zip(cache, (k, v)):
+                variable.scatter_update(tf.IndexedSlices(tf.cast(new_rows, variable.dtype),
+                                                         write_rows))
             q_padded = tf.concat([q, tf.zeros_like(q[:1])], 0)             # row N: padding
-            decoded = self._attend_group(q_padded, decode_tokens[:, None], decode_rows,
-                                         decode_pos[:, None], cache)       # [Sd, 1, HD]
-            prefilled = self._attend_group(q_padded, prefill_tokens, prefill_rows,
-                                           prefill_pos, cache)             # [Sp, Tp, HD]
+            decoded = self._decode_attention(tf.gather(q_padded, decode_tokens), decode_rows,
+                                             decode_pos, cache)            # [Sd, HD]
+            prefilled = self._prefill_attention(q_padded, prefill_tokens, prefill_rows,
+                                                prefill_pos, cache)        # [Sp, Tp, HD]
             width = c.num_heads * c.head_dim
             updates = tf.concat([tf.reshape(decoded, [-1, width]),
                                  tf.reshape(prefilled, [-1, width])], 0)

@@ -1,0 +1,433 @@
+#!/usr/bin/env python
+"""Serving throughput and latency: continuous batching vs static batching vs keras-hub.
+
+Model: GPT-2-small-shaped Transformer (12 layers, width 768, 12 heads, vocab 50257,
+context 1024), random weights, greedy decoding with eos ignored, so every request produces
+exactly its requested number of tokens.
+
+Workload: `--num-requests` (default 64) requests with prompt lengths uniform in 16..512 and
+output lengths uniform in 16..256 (fixed by `--seed`), arriving
+  * as a Poisson process at each rate in `--rates` (requests/s), and
+  * closed-loop at a fixed concurrency (`--concurrency`, default 32): each of 32 clients
+    sends its next request as soon as its previous one finished.
+
+Systems, all in this one run on the same machine:
+  engine      tokenserve's AsyncEngine (continuous batching, paged KV cache, chunked
+              prefill), streamed token by token, at `--precision` (default: the engine's
+              auto choice, bfloat16 on AMX/AVX512-BF16 CPUs).
+  static      the TF Serving way on the SAME model, runner and precision: up to 8 queued
+              requests form a batch, prompts are padded to the batch's longest, every row
+              decodes until the batch's longest output is done, and results return when
+              the batch ends (no streaming: TTFT = end-to-end latency).
+  keras-hub   keras_hub.models.GPT2CausalLM.generate on batches of 8 (own random weights,
+              inputs padded to the batch's longest prompt + longest output, lengths
+              bucketed to multiples of 128 so it does not retrace per batch), compiled
+              and warmed up per bucket before timing. Only run at the points in
+              `--keras-hub-points` because it is slow (default: concurrency only).
+
+Reported per system and load point: output tok/s (all output tokens / time from first
+arrival to last completion), TTFT and TPOT at P50/P95/P99 (definitions of `vllm bench
+serve`: TPOT = (e2e - TTFT) / (output tokens - 1)), and the engine's speedup over static.
+Output: a table, benchmarks/results/throughput.json and throughput.png (output tok/s
+against P99 TTFT).
+
+Run:  python benchmarks/throughput.py                 # full run (tens of minutes)
+      python benchmarks/throughput.py --quick         # tiny model, seconds: checks the script
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import os
+import platform
+import queue
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+from rich.console import Console
+from rich.table import Table
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+from tokenserve.config import GenerationConfig, preset  # noqa: E402
+from tokenserve.sampling import SamplingParams  # noqa: E402
+
+console = Console(width=150)
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+# -- workload ---------------------------------------------------------------------------------
+@dataclasses.dataclass
+class Job:
+    index: int
+    prompt_ids: list[int]
+    max_tokens: int
+    sent: float = 0.0
+    first: float | None = None
+    done: float | None = None
+    num_output: int = 0
+
+
+def make_jobs(args, vocab: int) -> list[Job]:
+    rng = np.random.default_rng(args.seed)
+    lo_in, hi_in = args.input_range
+    lo_out, hi_out = args.output_range
+    return [Job(i, rng.integers(3, min(vocab, 8000), size=int(rng.integers(lo_in, hi_in + 1))).tolist(),
+                int(rng.integers(lo_out, hi_out + 1))) for i in range(args.num_requests)]
+
+
+def arrival_offsets(num: int, rate: float, seed: int) -> list[float]:
+    gaps = np.random.default_rng(seed + 1).exponential(1.0 / rate, size=num)
+    return np.concatenate([[0.0], np.cumsum(gaps[1:])]).tolist()
+
+
+class ModTokenizer:
+    """Decodes ids through the built-in tokenizer (id mod its vocabulary): random-weight
+    outputs have no meaning, but the engine still pays the real detokenizing cost."""
+
+    def __init__(self):
+        from tokenserve.model.tokenizer import Tokenizer
+        from tokenserve.model.checkpoint import BUILTIN_DIR
+
+        self.inner = Tokenizer.load(BUILTIN_DIR / "tokenizer.json")
+        self.size = self.inner.vocab_size
+
+    def decode(self, ids, skip_special_tokens=True):
+        return self.inner.decode([i % self.size for i in ids])
+
+
+# -- systems ----------------------------------------------------------------------------------
+class EngineSystem:
+    name = "engine"
+
+    def __init__(self, model, config, precision: str, max_num_seqs: int):
+        from tokenserve.engine.async_engine import AsyncEngine
+        from tokenserve.engine.config import EngineConfig
+        from tokenserve.engine.core import LLMEngine
+        from tokenserve.engine.runner import ModelRunner
+
+        engine_config = EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=512,
+                                     precision=precision)
+        runner = ModelRunner(model, config, engine_config)
+        self.engine = AsyncEngine(LLMEngine(runner, ModTokenizer(), engine_config))
+        self.engine.start()
+        self.info = {"precision": runner.precision, "max_num_seqs": max_num_seqs,
+                     "max_num_batched_tokens": 512,
+                     "cache_tokens": runner.cache.capacity_tokens}
+
+    async def run(self, job: Job) -> None:
+        params = SamplingParams(max_tokens=job.max_tokens, ignore_eos=True)
+        async for out in self.engine.generate(job.prompt_ids, params, f"job-{job.index}"):
+            new = sum(len(c.token_ids) for c in out.outputs)
+            if new and job.first is None:
+                job.first = time.perf_counter()
+            job.num_output += new
+        job.done = time.perf_counter()
+
+    def close(self):
+        self.engine.shutdown()
+
+
+class BatchWorker:
+    """A thread that serves queued jobs in static batches of up to `batch_size`."""
+
+    def __init__(self, batch_size: int, run_batch):
+        self.batch_size, self.run_batch = batch_size, run_batch
+        self.queue: queue.Queue = queue.Queue()
+        self.thread = threading.Thread(target=self._loop, daemon=True)
+        self.thread.start()
+
+    def _loop(self):
+        while True:
+            first = self.queue.get()
+            if first is None:
+                return
+            batch = [first]
+            while len(batch) < self.batch_size:
+                try:
+                    batch.append(self.queue.get_nowait())
+                except queue.Empty:
+                    break
+            jobs = [job for job, _ in batch]
+            self.run_batch(jobs)
+            now = time.perf_counter()
+            for job, (loop, future) in batch:
+                job.first = job.done = now  # non-streaming: everything arrives at the end
+                loop.call_soon_threadsafe(future.set_result, None)
+
+    async def run(self, job: Job) -> None:
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self.queue.put((job, (loop, future)))
+        await future
+
+    def close(self):
+        self.queue.put(None)
+
+
+class StaticSystem:
+    """Static batching on our own runner: pad prompts to the longest, decode to the longest."""
+
+    name = "static"
+
+    def __init__(self, model, config, precision: str, batch_size: int = 8):
+        from tokenserve.engine.config import EngineConfig
+        from tokenserve.engine.core import LLMEngine
+        from tokenserve.engine.runner import ModelRunner
+
+        self.config = config
+        engine_config = EngineConfig(max_num_seqs=batch_size, max_num_batched_tokens=8192,
+                                     precision=precision,
+                                     max_cache_tokens=batch_size * config.max_seq_len)
+        self.engine = LLMEngine(ModelRunner(model, config, engine_config), ModTokenizer(),
+                                engine_config)
+        self.worker = BatchWorker(batch_size, self._run_batch)
+        self.info = {"batch_size": batch_size, "precision": model.compute_dtype}
+
+    def _run_batch(self, jobs: list[Job]) -> None:
+        longest_prompt = max(len(j.prompt_ids) for j in jobs)
+        longest_output = max(j.max_tokens for j in jobs)
+        params = SamplingParams(max_tokens=longest_output, ignore_eos=True)
+        for job in jobs:
+            padded = [self.config.pad_token_id] * (longest_prompt - len(job.prompt_ids))
+            self.engine.add_request(self.engine.make_request(padded + job.prompt_ids, params,
+                                                             f"static-{job.index}"))
+        while self.engine.has_work:
+            self.engine.step()
+        for job in jobs:
+            job.num_output = job.max_tokens
+
+    async def run(self, job: Job) -> None:
+        await self.worker.run(job)
+
+    def close(self):
+        self.worker.close()
+
+
+class KerasHubSystem:
+    name = "keras-hub"
+
+    def __init__(self, arch, batch_size: int, jobs: list[Job], seed: int):
+        import keras
+        import keras_hub
+
+        keras.utils.set_random_seed(seed)
+        backbone = keras_hub.models.GPT2Backbone(
+            vocabulary_size=arch.vocab_size, num_layers=arch.num_layers,
+            num_heads=arch.num_heads, hidden_dim=arch.hidden_size,
+            intermediate_dim=arch.intermediate_size, max_sequence_length=arch.max_seq_len)
+        self.lm = keras_hub.models.GPT2CausalLM(backbone=backbone, preprocessor=None)
+        self.lm.compile(sampler="greedy")
+        self.batch_size, self.max_len = batch_size, arch.max_seq_len
+        self.worker = BatchWorker(batch_size, self._run_batch)
+        self.info = {"keras_hub": keras_hub.__version__, "batch_size": batch_size,
+                     "jit_compile": bool(self.lm.jit_compile), "length_bucket": 128}
+        buckets = sorted({self._bucket(len(j.prompt_ids) + j.max_tokens) for j in jobs})
+        for total in buckets:  # compile every bucket before timing
+            mask = np.zeros([batch_size, total], bool)
+            mask[:, :total // 2] = True
+            self._generate(np.ones([batch_size, total], np.int32), mask, total)
+        self.info["warmed_buckets"] = buckets
+
+    def _bucket(self, length: int) -> int:
+        return min(-(-length // 128) * 128, self.max_len)
+
+    def _generate(self, token_ids, mask, total):
+        return self.lm.generate({"token_ids": token_ids, "padding_mask": mask},
+                                max_length=total, stop_token_ids=None)
+
+    def _run_batch(self, jobs: list[Job]) -> None:
+        longest_prompt = max(len(j.prompt_ids) for j in jobs)
+        total = self._bucket(longest_prompt + max(j.max_tokens for j in jobs))
+        token_ids = np.zeros([self.batch_size, total], np.int32)
+        mask = np.zeros([self.batch_size, total], bool)
+        mask[:, 0] = True  # rows without a job still need one prompt token
+        for row, job in enumerate(jobs):
+            token_ids[row, :len(job.prompt_ids)] = job.prompt_ids
+            mask[row, :len(job.prompt_ids)] = True
+        self._generate(token_ids, mask, total)
+        for job in jobs:
+            job.num_output = job.max_tokens
+
+    async def run(self, job: Job) -> None:
+        await self.worker.run(job)
+
+    def close(self):
+        self.worker.close()
+
+
+# -- driving a load ---------------------------------------------------------------------------
+async def drive(system, jobs: list[Job], rate: float | None, concurrency: int | None,
+                seed: int, progress) -> float:
+    """Runs every job through `system`; returns the wall time from first send to last done."""
+    start = time.perf_counter()
+
+    async def one(job: Job, at: float) -> None:
+        await asyncio.sleep(max(0.0, start + at - time.perf_counter()))
+        job.sent = time.perf_counter()
+        await system.run(job)
+        progress()
+
+    if rate is not None:
+        offsets = arrival_offsets(len(jobs), rate, seed)
+        await asyncio.gather(*(one(job, at) for job, at in zip(jobs, offsets)))
+    else:
+        pending = list(jobs)
+
+        async def client():
+            while pending:
+                await one(pending.pop(0), 0.0)
+
+        await asyncio.gather(*(client() for _ in range(concurrency)))
+    return max(j.done for j in jobs) - start
+
+
+def summarize(jobs: list[Job], wall: float) -> dict:
+    ttft = np.array([j.first - j.sent for j in jobs])
+    e2e = np.array([j.done - j.sent for j in jobs])
+    tpot = np.array([(j.done - j.first) / (j.num_output - 1) for j in jobs if j.num_output > 1])
+    pct = lambda a: {f"p{q}": float(np.percentile(a, q)) for q in (50, 95, 99)}  # noqa: E731
+    total = sum(j.num_output for j in jobs)
+    return {"num_requests": len(jobs), "output_tokens": int(total), "wall_s": wall,
+            "output_tok_s": total / wall, "request_s": len(jobs) / wall,
+            "ttft_s": pct(ttft), "tpot_s": pct(tpot), "e2e_s": pct(e2e)}
+
+
+def run_point(system, base_jobs, label, rate, concurrency, seed) -> dict:
+    from tqdm import tqdm
+
+    jobs = [Job(j.index, j.prompt_ids, j.max_tokens) for j in base_jobs]
+    with tqdm(total=len(jobs), desc=f"{system.name:9s} {label}", unit="req", leave=False) as bar:
+        wall = asyncio.run(drive(system, jobs, rate, concurrency, seed, lambda: bar.update(1)))
+    result = summarize(jobs, wall)
+    console.print(f"  {system.name:9s} {label:14s} {result['output_tok_s']:7.1f} tok/s  "
+                  f"TTFT p99 {result['ttft_s']['p99']:6.2f}s  "
+                  f"TPOT p50 {result['tpot_s']['p50'] * 1000:6.1f}ms")
+    return result
+
+
+# -- report -----------------------------------------------------------------------------------
+def print_table(report: dict) -> None:
+    table = Table(title=f"Serving throughput, {report['workload']['model']} "
+                        f"({report['workload']['num_requests']} requests, prompts "
+                        f"{report['workload']['input_range']}, outputs "
+                        f"{report['workload']['output_range']})")
+    for header in ("system", "load", "out tok/s", "× static", "TTFT p50", "TTFT p95",
+                   "TTFT p99", "TPOT p50", "TPOT p95", "TPOT p99"):
+        table.add_column(header, justify="left" if header in ("system", "load") else "right")
+    for label, systems in report["points"].items():
+        static = systems.get("static", {}).get("output_tok_s")
+        for name, r in systems.items():
+            ratio = f"{r['output_tok_s'] / static:.2f}" if static else "—"
+            table.add_row(name, label, f"{r['output_tok_s']:.1f}", ratio,
+                          *(f"{r['ttft_s'][q]:.2f}s" for q in ("p50", "p95", "p99")),
+                          *(f"{r['tpot_s'][q] * 1000:.1f}ms" for q in ("p50", "p95", "p99")))
+    table.caption = ("TTFT of static and keras-hub = end-to-end latency (no streaming); their "
+                     "TPOT is 0 by the vllm-bench definition. × static divides output tok/s.")
+    console.print(table)
+
+
+def plot(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    by_system: dict[str, list] = {}
+    for label, systems in report["points"].items():
+        for name, r in systems.items():
+            by_system.setdefault(name, []).append((r["ttft_s"]["p99"], r["output_tok_s"], label))
+    for name, points in by_system.items():
+        points.sort()
+        ax.plot([p[0] for p in points], [p[1] for p in points], "o-", label=name)
+        for x, y, label in points:
+            ax.annotate(label, (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
+    ax.set_xlabel("P99 TTFT (s)")
+    ax.set_ylabel("output tokens / s")
+    ax.set_xscale("log")
+    ax.set_title(f"Throughput vs P99 TTFT — {report['workload']['model']}")
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="tiny model, few requests")
+    parser.add_argument("--num-requests", type=int, default=64)
+    parser.add_argument("--rates", type=float, nargs="*", default=[1.0, 2.0, 4.0])
+    parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--precision", default="auto", choices=["auto", "float32", "bfloat16"])
+    parser.add_argument("--systems", nargs="+", default=["engine", "static", "keras-hub"])
+    parser.add_argument("--keras-hub-points", nargs="*", default=["concurrency"],
+                        help="load labels keras-hub runs at, e.g. concurrency rate=4")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--output", type=Path, default=None)
+    args = parser.parse_args(argv)
+    args.input_range, args.output_range = (16, 512), (16, 256)
+    if args.quick:
+        args.num_requests, args.rates, args.concurrency = 12, [4.0], 8
+        args.input_range, args.output_range = (4, 40), (4, 24)
+    output = args.output or RESULTS / ("throughput-quick.json" if args.quick else "throughput.json")
+
+    from tokenserve.engine.runner import resolve_precision
+    from tokenserve.model import build_model
+
+    arch = preset("tiny-gpt2" if args.quick else "gpt2-small")
+    config = GenerationConfig(model=arch, bos_token_id=0, eos_token_id=1, pad_token_id=2,
+                              name="gpt2-small" if not args.quick else "tiny-gpt2")
+    precision = resolve_precision(args.precision)
+    model = build_model(arch, seed=args.seed, dtype=precision)
+    jobs = make_jobs(args, arch.vocab_size)
+    loads = [(f"rate={r:g}", r, None) for r in args.rates]
+    loads.append(("concurrency", None, args.concurrency))
+    report = {"workload": {"model": config.name, "num_requests": args.num_requests,
+                           "input_range": list(args.input_range),
+                           "output_range": list(args.output_range),
+                           "rates": args.rates, "concurrency": args.concurrency,
+                           "sampling": "greedy, ignore_eos", "seed": args.seed},
+              "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform(),
+                          "loadavg_start": list(os.getloadavg())},
+              "systems": {}, "points": {}}
+    for name in args.systems:
+        console.print(f"[bold]{name}[/bold]: building and warming up")
+        if name == "engine":
+            system = EngineSystem(model, config, precision, max_num_seqs=max(32, args.concurrency))
+        elif name == "static":
+            system = StaticSystem(model, config, precision)
+        elif name == "keras-hub":
+            try:
+                wanted = [j for j in jobs]
+                system = KerasHubSystem(arch, 8, wanted, args.seed)
+            except ImportError as error:
+                report["systems"][name] = {"skipped": f"keras-hub not installed: {error}"}
+                continue
+        else:
+            parser.error(f"unknown system {name}")
+        report["systems"][name] = system.info
+        for label, rate, concurrency in loads:
+            if name == "keras-hub" and not any(label.startswith(p) for p in args.keras_hub_points):
+                continue
+            report["points"].setdefault(label, {})[name] = run_point(
+                system, jobs, label, rate, concurrency, args.seed)
+        system.close()
+    report["machine"]["loadavg_end"] = list(os.getloadavg())
+    print_table(report)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text(json.dumps(report, indent=2) + "\n")
+    plot(report, output.with_suffix(".png"))
+    console.print(f"wrote {output} and {output.with_suffix('.png')}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
