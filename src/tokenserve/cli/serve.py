@@ -69,11 +69,68 @@ def add_parser(commands) -> None:
     p.add_argument("--version", action=_PrintVersion, nargs=0,
                    help="print the versions and exit, as tensorflow_model_server --version")
     p.add_argument("--api_key", action="append", default=[],
-                   help="accepted API key for the OpenAI API (repeatable)")
+                   help="accepted API key (repeatable; also TOKENSERVE_API_KEYS=k1,k2): "
+                        "every generation and management endpoint then needs "
+                        "'Authorization: Bearer <key>'; health stays open")
+    _add_llm_flags(p)
     for name in IGNORED_TFSERVING_FLAGS:
         p.add_argument(f"--{name}", nargs="?", const="true", default=None,
                        help=argparse.SUPPRESS)
     p.set_defaults(run=run)
+
+
+def _add_llm_flags(p) -> None:
+    """tokenserve's own flags: the engine, the OpenAI frontend and observability."""
+    from tokenserve.engine.config import EngineConfig
+
+    engine = EngineConfig()
+    g = p.add_argument_group("engine (continuous batching)")
+    g.add_argument("--max_num_seqs", type=int, default=engine.max_num_seqs,
+                   help="most sequences in the running batch")
+    g.add_argument("--max_num_batched_tokens", type=int, default=engine.max_num_batched_tokens,
+                   help="token budget of one engine step (decode first, then prefill chunks)")
+    g.add_argument("--kv_cache_tokens", type=int, default=None,
+                   help="KV-cache capacity in positions (default: max_num_seqs x context)")
+    g.add_argument("--precision", default=engine.precision,
+                   choices=["auto", "float32", "bfloat16"],
+                   help="engine compute dtype; auto = bfloat16 on AMX/AVX512-BF16 CPUs")
+    g.add_argument("--max_queue_requests", type=int, default=engine.max_queue_requests,
+                   help="waiting requests beyond this get HTTP 429 / RESOURCE_EXHAUSTED")
+    g.add_argument("--max_queue_tokens", type=int, default=engine.max_queue_tokens,
+                   help="waiting prompt tokens beyond this get HTTP 429")
+    g.add_argument("--preempt_for_priority", type=parse_bool, nargs="?", const=True,
+                   default=False, metavar="true|false",
+                   help="let higher-priority requests preempt running lower-priority ones")
+    g = p.add_argument_group("OpenAI API and observability")
+    g.add_argument("--request_timeout_s", type=float, default=600.0,
+                   help="deadline of each generation request")
+    g.add_argument("--max_request_body_bytes", type=int, default=8 * 1024 * 1024,
+                   help="larger OpenAI request bodies get HTTP 413")
+    g.add_argument("--otlp_traces_endpoint", default=None,
+                   help="export OpenTelemetry traces (OTLP/HTTP), e.g. http://collector:4318")
+    g.add_argument("--tensorboard_logdir", default=None,
+                   help="write periodic tf.summary latency/throughput summaries here")
+    g.add_argument("--log_format", default="plain", choices=["plain", "json"],
+                   help="json: one object per line, with the request id")
+
+
+def llm_config_from_args(args: argparse.Namespace):
+    from tokenserve.engine.config import EngineConfig
+    from tokenserve.observability.stack import ObservabilityConfig
+    from tokenserve.server.launch import LLMServeConfig
+
+    engine = EngineConfig(max_num_seqs=args.max_num_seqs,
+                          max_num_batched_tokens=args.max_num_batched_tokens,
+                          max_cache_tokens=args.kv_cache_tokens, precision=args.precision,
+                          max_queue_requests=args.max_queue_requests,
+                          max_queue_tokens=args.max_queue_tokens,
+                          preempt_for_priority=args.preempt_for_priority)
+    observability = ObservabilityConfig(otlp_traces_endpoint=args.otlp_traces_endpoint,
+                                        tensorboard_logdir=args.tensorboard_logdir,
+                                        log_format=args.log_format)
+    return LLMServeConfig(engine=engine, observability=observability,
+                          request_timeout_s=args.request_timeout_s,
+                          max_body_bytes=args.max_request_body_bytes)
 
 
 class _PrintVersion(argparse.Action):
@@ -124,10 +181,11 @@ def run(args: argparse.Namespace) -> int:
         print("tokenserve serve: warning: --model_name and --model_base_path are ignored "
               "because --model_config_file is set", file=sys.stderr)
     config = config_from_args(args)
-    from tokenserve.server.tfserving.server import serve
+    llm = llm_config_from_args(args)
+    from tokenserve.server.launch import run as launch
 
     try:
-        serve(config)
+        launch(config, llm)
     except OSError as error:  # port in use, socket path not writable ...
         raise ConfigError(f"cannot start serving: {error}") from error
     return 0

@@ -70,9 +70,11 @@ class _TimedServable:
         self._servable.close()
 
 
-def build_context(config: ServeConfig) -> ServeContext:
-    """A manager configured from `config` (nothing loaded yet) and a fresh registry."""
-    registry = CollectorRegistry()
+def build_context(config: ServeConfig, registry: CollectorRegistry | None = None
+                  ) -> ServeContext:
+    """A manager configured from `config` (nothing loaded yet) and a registry (a fresh one
+    unless given)."""
+    registry = registry if registry is not None else CollectorRegistry()
     metrics = TFServingMetrics(registry)
     warmup = (make_warmup(replay_warmup_record, config.num_request_iterations_for_warmup)
               if config.enable_model_warmup else None)
@@ -118,7 +120,8 @@ def _uvicorn(app, host: str, port: int) -> uvicorn.Server:
 
 def serve(config: ServeConfig, frontends: list[Frontend] = (),
           extensions: dict[str, Callable] | None = None, grpc_services: list[Callable] = (),
-          grpc_interceptors: list = (), stop_event: threading.Event | None = None) -> None:
+          grpc_interceptors: list = (), stop_event: threading.Event | None = None,
+          context: ServeContext | None = None, rest_middleware: Callable | None = None) -> None:
     """Loads every model, starts gRPC and REST (and `frontends`), serves until SIGTERM/SIGINT
     or `stop_event`, then stops accepting, drains in-flight requests and unloads.
 
@@ -130,12 +133,14 @@ def serve(config: ServeConfig, frontends: list[Frontend] = (),
         grpc_services: `async (grpc.aio.Server) -> None`, to add services on port 8500.
         grpc_interceptors: grpc.aio server interceptors (e.g. API-key auth).
         stop_event: stops the server when set (tests, embedding).
+        context: a context made by `build_context` (to share its manager beforehand).
+        rest_middleware: `(FastAPI app) -> None`, applied to the REST app (e.g. API keys).
     """
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("tokenserve").setLevel(logging.INFO)  # lifecycle events, not TF's INFO
     _tensorflow_threads(config)
-    context = build_context(config)
+    context = context or build_context(config)
     manager = context.manager
     for name, factory in (extensions or {}).items():
         manager.register_extension(name, factory)
@@ -159,6 +164,8 @@ def serve(config: ServeConfig, frontends: list[Frontend] = (),
                              monitoring.prometheus_path if monitoring.prometheus_enabled
                              else None, context.registry,
                              cors=config.rest_api_enable_cors_support)
+        if rest_middleware is not None:
+            rest_middleware(app)
         http_servers.append(_uvicorn(app, config.host, config.rest_api_port))
         print(f"Exporting HTTP/REST API at:{config.host}:{config.rest_api_port} ...",
               file=sys.stderr)
