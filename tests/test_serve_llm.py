@@ -1,0 +1,158 @@
+"""`tokenserve serve` as users run it: one process with the engine behind the OpenAI API, the
+streaming gRPC service and TF Serving's REST API, API keys on all of them, and a hot swap
+that lets a running generation stream finish on the old version."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import grpc
+import httpx
+import pytest
+
+from servables import free_port
+
+KEY = "sk-serve-test"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+@pytest.fixture(scope="module")
+def server(tokenizer, tmp_path_factory):
+    import dataclasses
+
+    from tokenserve.config import GenerationConfig, preset
+    from tokenserve.export.exporter import export_model
+    from tokenserve.model import build_model
+
+    base = tmp_path_factory.mktemp("served") / "tiny"
+    # a long context, so one request can stream long enough to outlive a version swap
+    architecture = dataclasses.replace(preset("tiny-gpt2"), max_seq_len=1024)
+    model = build_model(architecture, seed=0)
+    config = GenerationConfig(model=architecture, bos_token_id=tokenizer.bos_token_id,
+                              eos_token_id=tokenizer.eos_token_id,
+                              pad_token_id=tokenizer.pad_token_id, name="tiny")
+    export_model(model, tokenizer, config, base, jit_compile=False)
+    ports = {name: free_port() for name in ("grpc", "rest", "openai")}
+    log = open(base.parent / "server.log", "w")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "tokenserve", "serve", f"--port={ports['grpc']}",
+         f"--rest_api_port={ports['rest']}", f"--openai_port={ports['openai']}",
+         "--model_name=tiny", f"--model_base_path={base}", "--file_system_poll_wait_seconds=1",
+         f"--api_key={KEY}", "--precision=float32", "--max_num_seqs=8"],
+        stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"))
+    openai_url = f"http://127.0.0.1:{ports['openai']}"
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        assert process.poll() is None, (base.parent / "server.log").read_text()
+        try:
+            if httpx.get(openai_url + "/health").status_code == 200:
+                break
+        except httpx.HTTPError:
+            time.sleep(0.5)
+    yield {"base": base, "openai": openai_url, "rest": f"http://127.0.0.1:{ports['rest']}",
+           "grpc": f"127.0.0.1:{ports['grpc']}", "process": process}
+    process.terminate()
+    process.wait(timeout=30)
+
+
+def openai_client(server):
+    import openai
+
+    return openai.OpenAI(base_url=server["openai"] + "/v1", api_key=KEY, max_retries=0)
+
+
+def test_openai_completion_and_usage_through_serve(server):
+    completion = openai_client(server).completions.create(
+        model="tiny", prompt="def add(a, b):", max_tokens=8, extra_body={"ignore_eos": True})
+    assert completion.usage.completion_tokens == 8
+    assert completion.choices[0].finish_reason == "length"
+    metrics = httpx.get(server["openai"] + "/metrics").text
+    assert 'vllm:generation_tokens_total{model_name="tiny"' in metrics
+
+
+def test_every_frontend_requires_the_key_and_health_stays_open(server):
+    import openai
+
+    no_key = openai.OpenAI(base_url=server["openai"] + "/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        no_key.completions.create(model="tiny", prompt="x", max_tokens=2)
+    body = {"instances": [[5, 6, 7]]}
+    url = server["rest"] + "/v1/models/tiny:predict"
+    refused = httpx.post(url, json=body)
+    assert refused.status_code == 401 and "error" in refused.json()
+    assert httpx.post(url, json=body, headers=AUTH).status_code == 200
+    assert httpx.get(server["openai"] + "/health").status_code == 200
+
+    from tensorflow_serving.apis import get_model_status_pb2, model_service_pb2_grpc
+
+    with grpc.insecure_channel(server["grpc"]) as channel:
+        stub = model_service_pb2_grpc.ModelServiceStub(channel)
+        request = get_model_status_pb2.GetModelStatusRequest()
+        request.model_spec.name = "tiny"
+        with pytest.raises(grpc.RpcError) as error:
+            stub.GetModelStatus(request)
+        assert error.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        status = stub.GetModelStatus(request, metadata=[("authorization", f"Bearer {KEY}")])
+        assert status.model_version_status[0].state == \
+            get_model_status_pb2.ModelVersionStatus.State.Value("AVAILABLE")
+
+
+def test_streaming_grpc_generation_through_serve(server):
+    from tokenserve.server.proto.tokenserve import generation_pb2, generation_pb2_grpc
+
+    with grpc.insecure_channel(server["grpc"]) as channel:
+        stub = generation_pb2_grpc.GenerationServiceStub(channel)
+        request = generation_pb2.GenerateRequest(
+            model="tiny", text="import os",
+            sampling=generation_pb2.SamplingOptions(max_tokens=6, ignore_eos=True))
+        responses = list(stub.Generate(request, metadata=[("authorization", f"Bearer {KEY}")]))
+    tokens = [t for r in responses for o in r.outputs for t in o.token_ids]
+    assert len(tokens) == 6 and responses[-1].finished
+    assert responses[-1].usage.completion_tokens == 6
+
+
+def test_hot_swap_lets_a_running_stream_finish_on_the_old_version(server):
+    """A stream on version 1 keeps its version while version 2 loads and takes new requests;
+    version 1 ends only after the stream has finished."""
+    from tensorflow_serving.apis import get_model_status_pb2, model_service_pb2_grpc
+
+    State = get_model_status_pb2.ModelVersionStatus.State
+    AVAILABLE, END = State.Value("AVAILABLE"), State.Value("END")
+
+    def states():
+        with grpc.insecure_channel(server["grpc"]) as channel:
+            stub = model_service_pb2_grpc.ModelServiceStub(channel)
+            request = get_model_status_pb2.GetModelStatusRequest()
+            request.model_spec.name = "tiny"
+            reply = stub.GetModelStatus(request, metadata=[("authorization", f"Bearer {KEY}")])
+        return {s.version: s.state for s in reply.model_version_status}
+
+    client = openai_client(server)
+    # 16 x 1000 tokens with 20 logprobs each is ~25 MB of SSE: more than the socket buffers
+    # hold, so while this client does not read, the server's stream is still running
+    stream = client.completions.create(model="tiny", prompt="for item in items:",
+                                       max_tokens=1000, n=16, logprobs=20, stream=True,
+                                       extra_body={"ignore_eos": True})
+    chunks = [next(stream)]  # the request is running on version 1
+    staging = server["base"] / "staging"
+    shutil.copytree(server["base"] / "1", staging)
+    staging.rename(server["base"] / "2")  # appears whole, as a new version should
+    deadline = time.monotonic() + 60
+    while states().get(2) != AVAILABLE and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert states()[2] == AVAILABLE, "version 2 did not become AVAILABLE"
+    assert states()[1] != END, "version 1 ended while its stream was still running"
+    fresh = client.completions.create(model="tiny", prompt="x", max_tokens=2)
+    assert fresh.model == "tiny"
+    chunks += list(stream)
+    finished = [c.choices[0] for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert len(finished) == 16 and {c.finish_reason for c in finished} == {"length"}
+    deadline = time.monotonic() + 30
+    while states().get(1, END) != END and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert states().get(1, END) == END  # END (or already forgotten)
+    assert {m.id for m in client.models.list().data} >= {"tiny", "tiny:2"}
