@@ -17,7 +17,7 @@ from tokenserve.engine.config import EngineConfig
 from tokenserve.engine.scheduler import SchedulerOutput
 from tokenserve.errors import ModelLoadError
 
-_CONTEXT_PAD = 64  # context lengths are padded to a multiple of this (fewer distinct shapes)
+_CONTEXT_PAD = 32  # context lengths are padded to a multiple of this (fewer distinct shapes)
 
 
 def _round_up(value: int, multiple: int) -> int:
@@ -37,6 +37,20 @@ def resolve_precision(precision: str) -> str:
     if precision == "auto":
         return "bfloat16" if cpu_has_bf16() else "float32"
     return precision
+
+
+def split_by_context(decode: list) -> tuple[list, list]:
+    """Splits decode rows into (short, long) groups by context length, where padding each
+    group to its longest context reads the fewest rows: with prompts of 16..512 tokens one
+    group would pad every sequence to the longest one in the batch."""
+    if len(decode) < 2:
+        return decode, []
+    ordered = sorted(decode, key=lambda g: len(g[1]))
+    lengths = [_round_up(len(g[1]), _CONTEXT_PAD) for g in ordered]
+    total = len(ordered)
+    _, split = min((k * lengths[k - 1] + (total - k) * lengths[-1], k)
+                      for k in range(1, total + 1))
+    return ordered[:split], ordered[split:]
 
 
 class ModelRunner:
@@ -120,11 +134,16 @@ class ModelRunner:
                 rows[i, :len(ctx)] = ctx
             return rows
 
-        num_decode = self._padded_batch(len(decode))
-        decode_tokens = np.full([num_decode], num_tokens, np.int32)
-        decode_pos = np.full([num_decode], -1, np.int32)
-        for i, (start_index, _, start, _) in enumerate(decode):
-            decode_tokens[i], decode_pos[i] = start_index, start
+        short, long = split_by_context(decode)
+        num_short = self._padded_batch(len(decode)) - len(long)
+
+        def decode_group(group, num_rows):
+            tokens = np.full([num_rows], num_tokens, np.int32)   # padding rows: token N
+            query_pos = np.full([num_rows], -1, np.int32)
+            for i, (start_index, _, start, _) in enumerate(group):
+                tokens[i], query_pos[i] = start_index, start
+            return tokens, context(group, num_rows), query_pos
+
         chunk = max((g[3] for g in prefill), default=0)
         prefill_tokens = np.full([len(prefill), chunk], num_tokens, np.int32)
         prefill_pos = np.full([len(prefill), chunk], -1, np.int32)
@@ -133,9 +152,9 @@ class ModelRunner:
             prefill_pos[i, :count] = np.arange(start, start + count)
         logits = self.step.step(
             np.asarray(token_ids, np.int32), np.asarray(positions, np.int32),
-            np.concatenate(write_rows).astype(np.int32), decode_tokens,
-            context(decode, num_decode), decode_pos, prefill_tokens,
-            context(prefill, len(prefill)), prefill_pos, np.asarray(last, np.int32))
+            np.concatenate(write_rows).astype(np.int32), *decode_group(short, num_short),
+            *decode_group(long, len(long)), prefill_tokens, context(prefill, len(prefill)),
+            prefill_pos, np.asarray(last, np.int32))
         return logits.numpy()
 
     def _padded_batch(self, size: int) -> int:

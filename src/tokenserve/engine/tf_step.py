@@ -60,6 +60,9 @@ class TransformerStep(tf.Module):
             _spec([None]),          # decode_tokens  [Sd]  packed index of each decode query
             _spec([None, None]),    # decode_rows    [Sd, Ld] context rows (padding: row 0)
             _spec([None]),          # decode_pos     [Sd]  query position
+            _spec([None]),          # long_tokens    [Sl]  a second decode group, for the
+            _spec([None, None]),    # long_rows      [Sl, Ll] sequences with long contexts,
+            _spec([None]),          # long_pos       [Sl]  so short ones are not padded
             _spec([None, None]),    # prefill_tokens [Sp, Tp] packed index (padding: N)
             _spec([None, None]),    # prefill_rows   [Sp, Lp]
             _spec([None, None]),    # prefill_pos    [Sp, Tp] query positions (padding: -1)
@@ -98,11 +101,13 @@ class TransformerStep(tf.Module):
         return attend(q, tf.reshape(keys, shape), tf.reshape(values, shape), mask)
 
     def _step(self, token_ids, positions, write_rows, decode_tokens, decode_rows, decode_pos,
-              prefill_tokens, prefill_rows, prefill_pos, last_tokens):
+              long_tokens, long_rows, long_pos, prefill_tokens, prefill_rows, prefill_pos,
+              last_tokens):
         m, c = self.model, self.model.config
         num_tokens = tf.shape(token_ids)[0]
         x = m._embed(token_ids, positions)                                 # [N, D]
-        scatter_index = tf.concat([decode_tokens, tf.reshape(prefill_tokens, [-1])], 0)
+        scatter_index = tf.concat([decode_tokens, long_tokens, tf.reshape(prefill_tokens, [-1])],
+                                  0)
         for block, cache in zip(m.blocks, self.caches):
             qkv = block.attn.qkv(block.attn_norm(x))                       # [N, (H+2Hkv)Dh]
             q, k, v = tf.split(qkv, [c.num_heads * c.head_dim, self.kv_width, self.kv_width], -1)
@@ -117,11 +122,12 @@ class TransformerStep(tf.Module):
             q_padded = tf.concat([q, tf.zeros_like(q[:1])], 0)             # row N: padding
             decoded = self._decode_attention(tf.gather(q_padded, decode_tokens), decode_rows,
                                              decode_pos, cache)            # [Sd, HD]
+            decoded_long = self._decode_attention(tf.gather(q_padded, long_tokens), long_rows,
+                                                  long_pos, cache)         # [Sl, HD]
             prefilled = self._prefill_attention(q_padded, prefill_tokens, prefill_rows,
                                                 prefill_pos, cache)        # [Sp, Tp, HD]
             width = c.num_heads * c.head_dim
-            updates = tf.concat([tf.reshape(decoded, [-1, width]),
-                                 tf.reshape(prefilled, [-1, width])], 0)
+            updates = tf.concat([decoded, decoded_long, tf.reshape(prefilled, [-1, width])], 0)
             attn = tf.scatter_nd(scatter_index[:, None], updates, [num_tokens + 1, width])
             x = x + block.attn.out(attn[:num_tokens])
             x = x + block.mlp(block.mlp_norm(x))
