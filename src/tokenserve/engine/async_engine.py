@@ -168,22 +168,12 @@ class AsyncEngine:
     def _step(self) -> list[RequestOutput]:
         engine = self.engine
         with self._lock:
-            expired = [engine.abort(r.request_id) for r in engine.scheduler.expired()]
-            scheduled = engine.scheduler.schedule()
+            outputs, scheduled = engine.schedule()
         if scheduled.is_empty:
-            return [o for o in expired if o is not None]
-        started = time.perf_counter()
-        logits = engine.runner.execute(scheduled)   # no lock: TF computes, callers may enqueue
-        duration = time.perf_counter() - started
+            return outputs
+        logits, duration = engine.execute(scheduled)  # no lock: callers may enqueue or abort
         with self._lock:
-            # A request aborted while the step computed is already finished: skip its rows.
-            live = [i for i, s in enumerate(scheduled.scheduled) if not s.seq.is_finished]
-            if len(live) < len(scheduled.scheduled):
-                scheduled.scheduled = [scheduled.scheduled[i] for i in live]
-                logits = logits[live]
-            outputs = engine._update(scheduled, logits, duration)
-            engine._emit_step_stats(scheduled, duration)
-        return [o for o in expired if o is not None] + outputs
+            return outputs + engine.update(scheduled, logits, duration)
 
     def _fail_running(self, error: Exception) -> list[RequestOutput]:
         with self._lock:

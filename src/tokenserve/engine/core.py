@@ -94,16 +94,36 @@ class LLMEngine:
     # -- one step -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Runs one step; returns an output for every request that progressed or ended."""
+        outputs, scheduled = self.schedule()
+        if not scheduled.is_empty:
+            outputs += self.update(scheduled, *self.execute(scheduled))
+        return outputs
+
+    def schedule(self) -> tuple[list[RequestOutput], SchedulerOutput]:
+        """Aborts requests past their deadline, then picks this step's tokens.
+
+        Returns the aborted requests' final outputs and the scheduler's decision."""
         expired = [self.abort(r.request_id) for r in self.scheduler.expired()]
-        scheduled = self.scheduler.schedule()
-        if scheduled.is_empty:
-            return [o for o in expired if o is not None]
+        return [o for o in expired if o is not None], self.scheduler.schedule()
+
+    def execute(self, scheduled: SchedulerOutput):
+        """(logits [S, vocab], seconds): the runner's compiled step. Touches no Python state,
+        so the async engine runs it without holding its lock."""
         started = time.perf_counter()
         logits = self.runner.execute(scheduled)
-        duration = time.perf_counter() - started
+        return logits, time.perf_counter() - started
+
+    def update(self, scheduled: SchedulerOutput, logits, duration: float) -> list[RequestOutput]:
+        """Samples, detokenizes, checks stops and emits stats for the computed tokens.
+
+        Sequences that finished while the step computed (aborted) are skipped."""
+        live = [i for i, s in enumerate(scheduled.scheduled) if not s.seq.is_finished]
+        if len(live) < len(scheduled.scheduled):
+            scheduled.scheduled = [scheduled.scheduled[i] for i in live]
+            logits = logits[live]
         outputs = self._update(scheduled, logits, duration)
         self._emit_step_stats(scheduled, duration)
-        return [o for o in expired if o is not None] + outputs
+        return outputs
 
     def _update(self, scheduled: SchedulerOutput, logits, duration: float) -> list[RequestOutput]:
         now = time.time()
