@@ -9,6 +9,7 @@ Serving's services) resolve model ids through the manager, so hot swaps reach th
 from __future__ import annotations
 
 import logging
+import sys
 from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry
@@ -75,7 +76,7 @@ def run(config: ServeConfig, llm: LLMServeConfig = LLMServeConfig(), stop_event=
             request_timeout_s=llm.request_timeout_s), stats=observability.sink)
         server = _uvicorn(app, config.host, config.openai_port)
         print(f"Serving the OpenAI API at http://{config.host}:{config.openai_port}/v1 ...",
-              flush=True, file=__import__("sys").stderr)
+              flush=True, file=sys.stderr)
         return _Stoppable(server)
 
     async def generation_services(grpc_server):
