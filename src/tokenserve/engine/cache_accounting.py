@@ -53,42 +53,9 @@ class BlockAllocator:
         seq.block_ids = []
 
 
-class SlotAllocator:
-    """One recurrent-state slot per sequence (the LSTM family); length needs no room."""
-
-    block_size = 1 << 30  # a slot holds any length
+class SlotAllocator(BlockAllocator):
+    """One recurrent-state slot per sequence (the LSTM family): a block so large that one
+    holds any length, so a sequence takes a slot when it starts and never needs another."""
 
     def __init__(self, num_slots: int):
-        self.num_blocks = num_slots + 1  # slot 0 is reserved, as block 0 is
-        self._free = list(range(num_slots, 0, -1))
-
-    @property
-    def num_usable_blocks(self) -> int:
-        return self.num_blocks - 1
-
-    @property
-    def num_free_blocks(self) -> int:
-        return len(self._free)
-
-    @property
-    def usage(self) -> float:
-        return 1.0 - self.num_free_blocks / self.num_usable_blocks
-
-    @property
-    def capacity_tokens(self) -> int:
-        return self.block_size
-
-    def blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
-        return 0 if seq.block_ids else 1
-
-    def reserve(self, seq: Sequence, num_new_tokens: int) -> bool:
-        if seq.block_ids:
-            return True
-        if not self._free:
-            return False
-        seq.block_ids.append(self._free.pop())
-        return True
-
-    def free(self, seq: Sequence) -> None:
-        self._free.extend(seq.block_ids)
-        seq.block_ids = []
+        super().__init__(num_slots + 1, block_size=1 << 30)  # slot 0 is reserved, as block 0
