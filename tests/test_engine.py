@@ -7,6 +7,7 @@ import asyncio
 import numpy as np
 import pytest
 
+from tokenserve.engine import runner as runner_module
 from tokenserve.engine.config import EngineConfig
 from tokenserve.engine.llm import LLM
 from tokenserve.engine.outputs import FinishReason
@@ -59,6 +60,37 @@ def test_greedy_output_is_the_same_alone_and_in_a_busy_mixed_batch(llms):
                     for m, t in [(5, 0.9), (30, 1.2), (16, 0.0), (3, 0.0), (9, 0.7), (20, 0.0)]]
     busy = llm.generate(PROMPTS, mixed_params, use_tqdm=False)
     assert busy[2].outputs[0].token_ids == alone
+
+
+def test_decode_groups_split_by_context_length_cover_every_row_once():
+    rng = np.random.default_rng(0)
+    decode = [(i, range(int(n)), 0, 1) for i, n in enumerate(rng.integers(1, 700, 40))]
+    padded = lambda group: len(group) * -(-max(len(g[1]) for g in group) // 32) * 32  # noqa: E731
+    for max_groups, cost in [(1, 0), (2, 0), (4, 0), (6, 128), (6, 10**6)]:
+        groups = runner_module.split_by_context(decode, max_groups, cost)
+        assert 1 <= len(groups) <= max_groups
+        assert sorted(i for g in groups for i, *_ in g) == list(range(40))
+        for shorter, longer in zip(groups, groups[1:]):  # ranges of the sorted contexts
+            assert max(len(g[1]) for g in shorter) <= min(len(g[1]) for g in longer)
+        rows_read = sum(padded(g) for g in groups)
+        assert rows_read + cost * len(groups) <= padded(decode) + cost
+    assert len(runner_module.split_by_context(decode, 6, 10**6)) == 1
+    assert len(runner_module.split_by_context(decode, 6, 0)) == 6
+    # six sequences, three padded lengths, free groups: one group per length
+    three = [(i, range(n), 0, 1) for i, n in enumerate([5, 70, 9, 100, 66, 30])]
+    assert [[i for i, *_ in g] for g in runner_module.split_by_context(three, 6, 0)] == [
+        [0, 2, 5], [4, 1], [3]]
+
+
+def test_greedy_output_is_exact_when_decode_runs_in_several_context_groups(llms, monkeypatch):
+    model, llm, _ = llms
+    monkeypatch.setattr(runner_module, "_GROUP_COST_ROWS", 0)  # split at every length change
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(3, 500, n).tolist() for n in (3, 40, 70, 100, 35, 8)]
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    for prompt, out in zip(prompts, outputs):
+        assert out.outputs[0].token_ids == reference_greedy(model, prompt, 10, eos=-1)
 
 
 def test_preemption_by_recompute_keeps_outputs_identical(llms):

@@ -18,6 +18,8 @@ from tokenserve.engine.scheduler import SchedulerOutput
 from tokenserve.errors import ModelLoadError
 
 _CONTEXT_PAD = 32  # context lengths are padded to a multiple of this (fewer distinct shapes)
+_DECODE_GROUPS = 6  # decode rows are attended in at most this many context-length groups
+_GROUP_COST_ROWS = 128  # a group's fixed cost (a gather, two matmuls per layer), in rows read
 
 
 def _round_up(value: int, multiple: int) -> int:
@@ -39,18 +41,33 @@ def resolve_precision(precision: str) -> str:
     return precision
 
 
-def split_by_context(decode: list) -> tuple[list, list]:
-    """Splits decode rows into (short, long) groups by context length, where padding each
-    group to its longest context reads the fewest rows: with prompts of 16..512 tokens one
-    group would pad every sequence to the longest one in the batch."""
-    if len(decode) < 2:
-        return decode, []
+def split_by_context(decode: list, max_groups: int, group_cost: int) -> list[list]:
+    """Splits decode rows into at most `max_groups` groups of similar context length.
+
+    Each group is padded to its longest context, so one group would pad every sequence to the
+    longest in the batch (prompts of 16..512 tokens read about 2x the rows they need). The
+    split minimizes the rows read plus `group_cost` rows per group (each group adds a gather
+    and two matmuls per layer), by dynamic programming over the sorted, padded lengths."""
+    if len(decode) < 2 or max_groups < 2:
+        return [decode]
     ordered = sorted(decode, key=lambda g: len(g[1]))
     lengths = [_round_up(len(g[1]), _CONTEXT_PAD) for g in ordered]
-    total = len(ordered)
-    _, split = min((k * lengths[k - 1] + (total - k) * lengths[-1], k)
-                      for k in range(1, total + 1))
-    return ordered[:split], ordered[split:]
+    # a group only ever ends where the padded length changes
+    ends = [i + 1 for i in range(len(lengths))
+            if i + 1 == len(lengths) or lengths[i + 1] != lengths[i]]
+    # cost[e], cuts[e]: the cheapest split of the first ends[e] rows found so far
+    cost = [end * lengths[end - 1] + group_cost for end in ends]
+    cuts = [[end] for end in ends]
+    for _ in range(1, max_groups):
+        new_cost, new_cuts = list(cost), list(cuts)
+        for e, end in enumerate(ends):
+            for p in range(e):
+                candidate = cost[p] + (end - ends[p]) * lengths[end - 1] + group_cost
+                if candidate < new_cost[e]:
+                    new_cost[e], new_cuts[e] = candidate, cuts[p] + [end]
+        cost, cuts = new_cost, new_cuts
+    bounds = [0] + cuts[-1]
+    return [ordered[start:end] for start, end in zip(bounds, bounds[1:])]
 
 
 class ModelRunner:
@@ -68,7 +85,7 @@ class ModelRunner:
                 engine_config.max_num_seqs * config.max_seq_len)
             num_blocks = -(-capacity // block_size) + 1  # + the reserved padding block
             self.cache = BlockAllocator(num_blocks, block_size)
-            self.step = TransformerStep(model, num_blocks * block_size)
+            self.step = TransformerStep(model, num_blocks * block_size, _DECODE_GROUPS)
         else:
             self.cache = SlotAllocator(engine_config.max_num_seqs)
             self.step = LSTMStep(model, engine_config.max_num_seqs + 1)
@@ -134,8 +151,9 @@ class ModelRunner:
                 rows[i, :len(ctx)] = ctx
             return rows
 
-        short, long = split_by_context(decode)
-        num_short = self._padded_batch(len(decode)) - len(long)
+        groups = split_by_context(decode, _DECODE_GROUPS, _GROUP_COST_ROWS)
+        groups += [[]] * (_DECODE_GROUPS - len(groups))
+        num_padding = self._padded_batch(len(decode)) - len(decode)
 
         def decode_group(group, num_rows):
             tokens = np.full([num_rows], num_tokens, np.int32)   # padding rows: token N
@@ -144,6 +162,8 @@ class ModelRunner:
                 tokens[i], query_pos[i] = start_index, start
             return tokens, context(group, num_rows), query_pos
 
+        decode_groups = [decode_group(g, len(g) + (num_padding if i == 0 else 0))
+                         for i, g in enumerate(groups)]
         chunk = max((g[3] for g in prefill), default=0)
         prefill_tokens = np.full([len(prefill), chunk], num_tokens, np.int32)
         prefill_pos = np.full([len(prefill), chunk], -1, np.int32)
@@ -152,8 +172,8 @@ class ModelRunner:
             prefill_pos[i, :count] = np.arange(start, start + count)
         logits = self.step.step(
             np.asarray(token_ids, np.int32), np.asarray(positions, np.int32),
-            np.concatenate(write_rows).astype(np.int32), *decode_group(short, num_short),
-            *decode_group(long, len(long)), prefill_tokens, context(prefill, len(prefill)),
+            np.concatenate(write_rows).astype(np.int32), decode_groups,
+            prefill_tokens, context(prefill, len(prefill)),
             prefill_pos, np.asarray(last, np.int32))
         return logits.numpy()
 

@@ -12,7 +12,9 @@ memory traffic is the weights plus the live context, independent of cache capaci
 without retracing; the runner still pads to a few sizes so oneDNN reuses its primitives.
 
 Tokens of all sequences are packed into one [N] axis for the dense layers (no padding);
-attention runs in two groups: decode rows (one query each) and prefill rows (a chunk each).
+attention runs for decode rows (one query each), in up to `num_decode_groups` groups of
+similar context length so short contexts are not padded to the longest, and for prefill rows
+(a chunk each).
 Decode attention is memory-bound (it reads every live key and value once per step), so it
 is written to read the gathered rows in their stored layout with no transposes: the query
 becomes a block-diagonal [Hkv*Dh, H] matrix, and two batched matmuls give scores [S, L, H]
@@ -40,7 +42,7 @@ def _spec(shape, dtype=I32):
 class TransformerStep(tf.Module):
     """Paged-attention step for a TransformerLM over a block-pooled KV cache."""
 
-    def __init__(self, model: TransformerLM, num_rows: int):
+    def __init__(self, model: TransformerLM, num_rows: int, num_decode_groups: int = 4):
         super().__init__(name="transformer_step")
         self.model = model
         c = model.config
@@ -57,12 +59,11 @@ class TransformerStep(tf.Module):
             _spec([None]),          # token_ids      [N]
             _spec([None]),          # positions      [N]
             _spec([None]),          # write_rows     [N]   cache row of each new token
-            _spec([None]),          # decode_tokens  [Sd]  packed index of each decode query
-            _spec([None, None]),    # decode_rows    [Sd, Ld] context rows (padding: row 0)
-            _spec([None]),          # decode_pos     [Sd]  query position
-            _spec([None]),          # long_tokens    [Sl]  a second decode group, for the
-            _spec([None, None]),    # long_rows      [Sl, Ll] sequences with long contexts,
-            _spec([None]),          # long_pos       [Sl]  so short ones are not padded
+            # decode groups, by context length, so short contexts are not padded to long ones
+            [(_spec([None]),        # tokens [Sg]  packed index of each decode query
+              _spec([None, None]),  # rows   [Sg, Lg] context rows (padding: row 0)
+              _spec([None]))        # pos    [Sg]  query position
+             ] * num_decode_groups,
             _spec([None, None]),    # prefill_tokens [Sp, Tp] packed index (padding: N)
             _spec([None, None]),    # prefill_rows   [Sp, Lp]
             _spec([None, None]),    # prefill_pos    [Sp, Tp] query positions (padding: -1)
@@ -100,14 +101,13 @@ class TransformerStep(tf.Module):
         mask = key_pos[None, None, :] <= query_pos[:, :, None]             # [S, T, L]
         return attend(q, tf.reshape(keys, shape), tf.reshape(values, shape), mask)
 
-    def _step(self, token_ids, positions, write_rows, decode_tokens, decode_rows, decode_pos,
-              long_tokens, long_rows, long_pos, prefill_tokens, prefill_rows, prefill_pos,
-              last_tokens):
+    def _step(self, token_ids, positions, write_rows, decode_groups, prefill_tokens, prefill_rows,
+              prefill_pos, last_tokens):
         m, c = self.model, self.model.config
         num_tokens = tf.shape(token_ids)[0]
         x = m._embed(token_ids, positions)                                 # [N, D]
-        scatter_index = tf.concat([decode_tokens, long_tokens, tf.reshape(prefill_tokens, [-1])],
-                                  0)
+        scatter_index = tf.concat([tokens for tokens, _, _ in decode_groups]
+                                  + [tf.reshape(prefill_tokens, [-1])], 0)
         for block, cache in zip(m.blocks, self.caches):
             qkv = block.attn.qkv(block.attn_norm(x))                       # [N, (H+2Hkv)Dh]
             q, k, v = tf.split(qkv, [c.num_heads * c.head_dim, self.kv_width, self.kv_width], -1)
@@ -120,14 +120,12 @@ class TransformerStep(tf.Module):
                 variable.scatter_update(tf.IndexedSlices(tf.cast(new_rows, variable.dtype),
                                                          write_rows))
             q_padded = tf.concat([q, tf.zeros_like(q[:1])], 0)             # row N: padding
-            decoded = self._decode_attention(tf.gather(q_padded, decode_tokens), decode_rows,
-                                             decode_pos, cache)            # [Sd, HD]
-            decoded_long = self._decode_attention(tf.gather(q_padded, long_tokens), long_rows,
-                                                  long_pos, cache)         # [Sl, HD]
+            decoded = [self._decode_attention(tf.gather(q_padded, tokens), rows, pos, cache)
+                       for tokens, rows, pos in decode_groups]             # [Sg, HD] each
             prefilled = self._prefill_attention(q_padded, prefill_tokens, prefill_rows,
                                                 prefill_pos, cache)        # [Sp, Tp, HD]
             width = c.num_heads * c.head_dim
-            updates = tf.concat([decoded, decoded_long, tf.reshape(prefilled, [-1, width])], 0)
+            updates = tf.concat(decoded + [tf.reshape(prefilled, [-1, width])], 0)
             attn = tf.scatter_nd(scatter_index[:, None], updates, [num_tokens + 1, width])
             x = x + block.attn.out(attn[:num_tokens])
             x = x + block.mlp(block.mlp_norm(x))
