@@ -5,7 +5,7 @@ Model: GPT-2-small-shaped Transformer (12 layers, width 768, 12 heads, vocab 502
 context 1024), random weights, greedy decoding with eos ignored, so every request produces
 exactly its requested number of tokens.
 
-Workload: `--num-requests` (default 64) requests with prompt lengths uniform in 16..512 and
+Workload: `--num-requests` (default 128) requests with prompt lengths uniform in 16..512 and
 output lengths uniform in 16..256 (fixed by `--seed`), arriving
   * as a Poisson process at each rate in `--rates` (requests/s), and
   * closed-loop at a fixed concurrency (`--concurrency`, default 32): each of 32 clients
@@ -24,6 +24,10 @@ Systems, all in this one run on the same machine:
               bucketed to multiples of 128 so it does not retrace per batch), compiled
               and warmed up per bucket before timing. Only run at the points in
               `--keras-hub-points` because it is slow (default: concurrency only).
+
+The engine's own decode steps are also reported: the median pure-decode step while all 32
+streams decoded, and a floor measured in the same run (32 one-token prompts, so the step is
+the cost of the weights alone), which bounds the decode rate at 32 streams on this machine.
 
 Reported per system and load point: output tok/s (all output tokens / time from first
 arrival to last completion), TTFT and TPOT at P50/P95/P99 (definitions of `vllm bench
@@ -104,6 +108,30 @@ class ModTokenizer:
 
 
 # -- systems ----------------------------------------------------------------------------------
+class StepRecorder:
+    """The engine's StatsSink: keeps (duration, decode tokens, prefill tokens) of each step."""
+
+    def __init__(self):
+        self.steps: list[tuple[float, int, int]] = []
+
+    def on_step(self, stats) -> None:
+        self.steps.append((stats.duration_s, stats.num_decode_tokens, stats.num_prefill_tokens))
+
+    def on_request(self, stats) -> None:
+        pass
+
+    def on_rejection(self, stats) -> None:
+        pass
+
+    def decode_steps(self, num_seqs: int) -> dict:
+        """Median duration of the pure-decode steps that decoded `num_seqs` sequences."""
+        times = [d for d, decode, prefill in self.steps if decode == num_seqs and not prefill]
+        if not times:
+            return {"num_steps": 0}
+        median = float(np.median(times))
+        return {"num_steps": len(times), "median_step_s": median, "tok_s": num_seqs / median}
+
+
 class EngineSystem:
     name = "engine"
 
@@ -116,7 +144,9 @@ class EngineSystem:
         engine_config = EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=512,
                                      precision=precision)
         runner = ModelRunner(model, config, engine_config)
-        self.engine = AsyncEngine(LLMEngine(runner, ModTokenizer(), engine_config))
+        self.steps = StepRecorder()
+        self.engine = AsyncEngine(LLMEngine(runner, ModTokenizer(), engine_config,
+                                            stats=self.steps))
         self.engine.start()
         self.info = {"precision": runner.precision, "max_num_seqs": max_num_seqs,
                      "max_num_batched_tokens": 512,
@@ -295,8 +325,10 @@ def summarize(jobs: list[Job], wall: float) -> dict:
     tpot = np.array([(j.done - j.first) / (j.num_output - 1) for j in jobs if j.num_output > 1])
     pct = lambda a: {f"p{q}": float(np.percentile(a, q)) for q in (50, 95, 99)}  # noqa: E731
     total = sum(j.num_output for j in jobs)
+    in_flight = sum(j.done - j.sent for j in jobs) / wall  # time-averaged requests in flight
     return {"num_requests": len(jobs), "output_tokens": int(total), "wall_s": wall,
             "output_tok_s": total / wall, "request_s": len(jobs) / wall,
+            "mean_requests_in_flight": in_flight,
             "ttft_s": pct(ttft), "tpot_s": pct(tpot), "e2e_s": pct(e2e)}
 
 
@@ -304,16 +336,49 @@ def run_point(system, base_jobs, label, rate, concurrency, seed) -> dict:
     from tqdm import tqdm
 
     jobs = [Job(j.index, j.prompt_ids, j.max_tokens) for j in base_jobs]
+    recorder = getattr(system, "steps", None)
+    if recorder is not None:
+        recorder.steps.clear()
     with tqdm(total=len(jobs), desc=f"{system.name:9s} {label}", unit="req", leave=False) as bar:
         wall = asyncio.run(drive(system, jobs, rate, concurrency, seed, lambda: bar.update(1)))
     result = summarize(jobs, wall)
+    if recorder is not None and concurrency:
+        result["full_batch_decode_steps"] = recorder.decode_steps(concurrency)
     console.print(f"  {system.name:9s} {label:14s} {result['output_tok_s']:7.1f} tok/s  "
                   f"TTFT p99 {result['ttft_s']['p99']:6.2f}s  "
                   f"TPOT p50 {result['tpot_s']['p50'] * 1000:6.1f}ms")
     return result
 
 
+def measure_decode_floor(system: EngineSystem, num_seqs: int, max_tokens: int = 48) -> dict:
+    """Pure-decode steps of `num_seqs` sequences with one-token prompts (contexts <= 49): the
+    cost of reading and multiplying the weights (dense layers, vocabulary head) with next to
+    no attention. A step of `num_seqs` sequences with real contexts costs this plus attention,
+    so `num_seqs / median` bounds the engine's decode rate at that many streams."""
+    jobs = [Job(-1 - i, [5], max_tokens) for i in range(num_seqs)]
+    system.steps.steps.clear()
+    asyncio.run(drive(system, jobs, None, num_seqs, 0, lambda: None))
+    return system.steps.decode_steps(num_seqs)
+
+
 # -- report -----------------------------------------------------------------------------------
+def print_decode_table(report: dict) -> None:
+    rows = report.get("decode_steps")
+    if not rows:
+        return
+    num_seqs = report["workload"]["concurrency"]
+    table = Table(title=f"Engine decode steps of {num_seqs} sequences (no prefill in the step)")
+    for header in ("steps", "count", "median step", "tok/s"):
+        table.add_column(header, justify="left" if header == "steps" else "right")
+    for label, r in rows.items():
+        if r.get("num_steps"):
+            table.add_row(label, str(r["num_steps"]), f"{r['median_step_s'] * 1000:.1f}ms",
+                          f"{r['tok_s']:.1f}")
+    table.caption = ("workload: the concurrency point's steps while all streams decoded; "
+                     "floor: one-token prompts, so the step is the weights' cost alone.")
+    console.print(table)
+
+
 def print_table(report: dict) -> None:
     table = Table(title=f"Serving throughput, {report['workload']['model']} "
                         f"({report['workload']['num_requests']} requests, prompts "
@@ -365,7 +430,9 @@ def plot(report: dict, path: Path) -> None:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="tiny model, few requests")
-    parser.add_argument("--num-requests", type=int, default=64)
+    parser.add_argument("--num-requests", type=int, default=128,
+                        help="requests per load point (with 64 at concurrency 32, half the "
+                             "run is the tail where fewer than 32 streams remain)")
     parser.add_argument("--rates", type=float, nargs="*", default=[1.0, 4.0])
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--precision", default="auto", choices=["auto", "float32", "bfloat16"])
@@ -426,9 +493,15 @@ def main(argv=None) -> int:
                 continue
             report["points"].setdefault(label, {})[name] = run_point(
                 system, own_jobs, label, rate, concurrency, args.seed)
+        if name == "engine":
+            report["decode_steps"] = {
+                "workload": report["points"]["concurrency"]["engine"].get(
+                    "full_batch_decode_steps", {}),
+                "floor (contexts <= 49)": measure_decode_floor(system, args.concurrency)}
         system.close()
     report["machine"]["loadavg_end"] = list(os.getloadavg())
     print_table(report)
+    print_decode_table(report)
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(json.dumps(report, indent=2) + "\n")
     plot(report, output.with_suffix(".png"))
