@@ -207,3 +207,37 @@ def test_async_engine_streams_deltas_and_a_cancelled_stream_frees_its_capacity(e
         assert engine.is_ready()
     finally:
         engine.shutdown()
+
+
+def test_the_start_up_warmup_request_reaches_no_stats(exported):
+    from tokenserve.engine.async_engine import AsyncEngine
+    from tokenserve.stats import StatsSink
+
+    class Recorder(StatsSink):
+        def __init__(self):
+            self.requests, self.steps = [], []
+
+        def on_request(self, stats):
+            self.requests.append(stats)
+
+        def on_step(self, stats):
+            self.steps.append(stats)
+
+    _, _, version_dir = exported
+    recorder = Recorder()
+    engine = AsyncEngine.from_model_dir(version_dir, engine_config(), stats=recorder)
+    try:
+        assert engine.is_ready() and engine.engine.num_steps > 0  # the warmup did run
+        assert recorder.requests == [] and recorder.steps == []
+
+        async def one():
+            async for _ in engine.generate([5, 6, 7], SamplingParams(max_tokens=3,
+                                                                     ignore_eos=True), "user"):
+                pass
+
+        asyncio.run(one())
+        assert [(r.request_id, r.num_generation_tokens) for r in recorder.requests] == [
+            ("user", 3)]
+        assert recorder.steps
+    finally:
+        engine.shutdown()

@@ -120,14 +120,21 @@ class AsyncEngine:
         self._thread.start()
 
     def _warm_up(self) -> None:
-        """Traces the step and runs it once (prefill and decode) before taking requests."""
+        """Traces the step and runs it once (prefill and decode) before taking requests.
+
+        Its stats go nowhere, so metrics count only users' requests (as in TF Serving, where
+        warmup records never reach the request counters)."""
         started = time.perf_counter()
         request = self.engine.make_request([self.config.bos_token_id] * 3,
                                            SamplingParams(max_tokens=2, ignore_eos=True),
                                            "warmup")
-        self.engine.add_request(request)
-        while self.engine.has_work:
-            self.engine.step()
+        stats, self.engine.stats = self.engine.stats, StatsSink()
+        try:
+            self.engine.add_request(request)
+            while self.engine.has_work:
+                self.engine.step()
+        finally:
+            self.engine.stats = stats
         self._ready = True
         log.info("engine warmed up in %.2fs", time.perf_counter() - started)
 
