@@ -42,7 +42,7 @@ def _spec(shape, dtype=I32):
 class TransformerStep(tf.Module):
     """Paged-attention step for a TransformerLM over a block-pooled KV cache."""
 
-    def __init__(self, model: TransformerLM, num_rows: int, num_decode_groups: int = 4):
+    def __init__(self, model: TransformerLM, num_rows: int, num_decode_groups: int = 6):
         super().__init__(name="transformer_step")
         self.model = model
         c = model.config
