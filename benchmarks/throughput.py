@@ -62,6 +62,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 from tokenserve.config import GenerationConfig, preset  # noqa: E402
 from tokenserve.sampling import SamplingParams  # noqa: E402
+from tokenserve.stats import StatsSink  # noqa: E402
 
 console = Console(width=150)
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -108,20 +109,14 @@ class ModTokenizer:
 
 
 # -- systems ----------------------------------------------------------------------------------
-class StepRecorder:
-    """The engine's StatsSink: keeps (duration, decode tokens, prefill tokens) of each step."""
+class StepRecorder(StatsSink):
+    """Keeps (duration, decode tokens, prefill tokens) of each engine step."""
 
     def __init__(self):
         self.steps: list[tuple[float, int, int]] = []
 
     def on_step(self, stats) -> None:
         self.steps.append((stats.duration_s, stats.num_decode_tokens, stats.num_prefill_tokens))
-
-    def on_request(self, stats) -> None:
-        pass
-
-    def on_rejection(self, stats) -> None:
-        pass
 
     def decode_steps(self, num_seqs: int) -> dict:
         """Median duration of the pure-decode steps that decoded `num_seqs` sequences."""
@@ -190,6 +185,7 @@ class BatchWorker:
             now = time.perf_counter()
             for job, (loop, future) in batch:
                 job.first = job.done = now  # non-streaming: everything arrives at the end
+                job.num_output = job.max_tokens  # eos is ignored: every job gets all its tokens
                 loop.call_soon_threadsafe(future.set_result, None)
 
     async def run(self, job: Job) -> None:
@@ -202,7 +198,19 @@ class BatchWorker:
         self.queue.put(None)
 
 
-class StaticSystem:
+class BatchedSystem:
+    """A system whose jobs run in static batches on its `worker` thread."""
+
+    worker: BatchWorker
+
+    async def run(self, job: Job) -> None:
+        await self.worker.run(job)
+
+    def close(self):
+        self.worker.close()
+
+
+class StaticSystem(BatchedSystem):
     """Static batching on our own runner: pad prompts to the longest, decode to the longest."""
 
     name = "static"
@@ -231,17 +239,9 @@ class StaticSystem:
                                                              f"static-{job.index}"))
         while self.engine.has_work:
             self.engine.step()
-        for job in jobs:
-            job.num_output = job.max_tokens
-
-    async def run(self, job: Job) -> None:
-        await self.worker.run(job)
-
-    def close(self):
-        self.worker.close()
 
 
-class KerasHubSystem:
+class KerasHubSystem(BatchedSystem):
     name = "keras-hub"
 
     def __init__(self, arch, batch_size: int, jobs: list[Job], seed: int):
@@ -283,14 +283,6 @@ class KerasHubSystem:
             token_ids[row, :len(job.prompt_ids)] = job.prompt_ids
             mask[row, :len(job.prompt_ids)] = True
         self._generate(token_ids, mask, total)
-        for job in jobs:
-            job.num_output = job.max_tokens
-
-    async def run(self, job: Job) -> None:
-        await self.worker.run(job)
-
-    def close(self):
-        self.worker.close()
 
 
 # -- driving a load ---------------------------------------------------------------------------
