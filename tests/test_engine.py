@@ -167,12 +167,34 @@ def test_n_logprobs_and_length_finish(llms):
 
 def test_the_step_does_not_retrace_for_new_shapes(llms):
     _, llm, _ = llms
-    step = llm.engine.runner.step.step
+    step = llm.engine.runner.step
+    if not llm.engine.runner.is_transformer:
+        steps = {"lstm": step.step}
+    else:
+        steps = step._steps  # one traced graph per (decode groups, prefill?)
     llm.generate(PROMPTS[:2], SamplingParams(max_tokens=4), use_tqdm=False)
-    traces = step.experimental_get_tracing_count()
+    traced = {key: fn.experimental_get_tracing_count() for key, fn in steps.items()}
+    if llm.engine.runner.is_transformer:  # decode-only and prefill-only steps both ran
+        assert (1, False) in traced and (0, True) in traced
     llm.generate(PROMPTS, SamplingParams(max_tokens=7), use_tqdm=False)
     llm.generate(["def " * 20], SamplingParams(max_tokens=3), use_tqdm=False)
-    assert step.experimental_get_tracing_count() == traces == 1
+    assert all(fn.experimental_get_tracing_count() == 1 for fn in steps.values())
+    assert set(traced) <= set(steps)
+
+
+def test_xla_dense_layers_compile_once_per_token_bucket(llms):
+    _, llm, _ = llms
+    if not llm.engine.runner.is_transformer:
+        pytest.skip("the LSTM step has no dense XLA blocks")
+    step = llm.engine.runner.step
+    assert step.jit_dense  # float32 runs its dense layers through XLA
+    llm.generate(PROMPTS[:3], SamplingParams(max_tokens=5), use_tqdm=False)
+    # every layer shares one XLA function: one trace, whatever the layer or bucket
+    traces = [fn.experimental_get_tracing_count() for fn in (step._enter, step._between,
+                                                              step._exit)]
+    llm.generate(PROMPTS, SamplingParams(max_tokens=9), use_tqdm=False)
+    assert [fn.experimental_get_tracing_count() for fn in (step._enter, step._between,
+                                                            step._exit)] == traces == [1, 1, 1]
 
 
 def test_async_engine_streams_deltas_and_a_cancelled_stream_frees_its_capacity(exported):

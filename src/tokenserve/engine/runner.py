@@ -26,6 +26,18 @@ def _round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
 
+def _token_buckets():
+    """1, 2, 4, ... 64, then steps of 64: padding stays under 2x for small steps and under
+    64 tokens for large ones, with a few dozen shapes in all."""
+    size = 1
+    while size < 64:
+        yield size
+        size *= 2
+    while True:
+        yield size
+        size += 64
+
+
 def cpu_has_bf16() -> bool:
     """True when the CPU has AMX or AVX512-BF16, where oneDNN's bf16 matmuls pay."""
     try:
@@ -85,7 +97,8 @@ class ModelRunner:
                 engine_config.max_num_seqs * config.max_seq_len)
             num_blocks = -(-capacity // block_size) + 1  # + the reserved padding block
             self.cache = BlockAllocator(num_blocks, block_size)
-            self.step = TransformerStep(model, num_blocks * block_size, _DECODE_GROUPS)
+            self.step = TransformerStep(model, num_blocks * block_size,
+                                        jit_dense=model.compute_dtype == "float32")
         else:
             self.cache = SlotAllocator(engine_config.max_num_seqs)
             self.step = LSTMStep(model, engine_config.max_num_seqs + 1)
@@ -129,57 +142,68 @@ class ModelRunner:
     def _execute_transformer(self, out: SchedulerOutput) -> np.ndarray:
         block_size = self.cache.block_size
         offsets = np.arange(block_size)
-        token_ids, positions, write_rows, last = [], [], [], []
-        decode, prefill = [], []  # (packed start, context rows, start position, count)
-        offset = 0
-        for scheduled in out.scheduled:
+        decode, prefill = [], []  # (scheduled index, context rows, start position, count)
+        for index, scheduled in enumerate(out.scheduled):
             seq, count = scheduled.seq, scheduled.num_new_tokens
             start = seq.num_computed_tokens
             rows = (np.asarray(seq.block_ids)[:, None] * block_size + offsets).ravel()
+            (decode if count == 1 else prefill).append((index, rows[:start + count], start, count))
+        groups = split_by_context(decode, _DECODE_GROUPS, _GROUP_COST_ROWS) if decode else []
+
+        # packed order: decode tokens group by group, then prefill tokens, then bucket padding
+        token_ids, positions, write_rows = [], [], []
+        last = np.zeros([len(out.scheduled)], np.int32)
+        for item in [g for group in groups for g in group] + prefill:
+            index, rows, start, count = item
+            seq = out.scheduled[index].seq
             token_ids.extend(seq.token_ids[start:start + count])
             positions.extend(range(start, start + count))
-            write_rows.append(rows[start:start + count])
-            (decode if count == 1 else prefill).append((offset, rows[:start + count], start, count))
-            offset += count
-            last.append(offset - 1)
-        num_tokens = offset
+            write_rows.extend(rows[start:start + count])
+            last[index] = len(token_ids) - 1
+        num_tokens = len(token_ids)
+        num_padded = self._bucket(num_tokens, only_decode=not prefill)
+        padding = [0] * (num_padded - num_tokens)  # token 0 at position 0, written to row 0
 
-        def context(group, num_rows):
+        def context(group):
             length = _round_up(max((len(g[1]) for g in group), default=1), _CONTEXT_PAD)
-            rows = np.zeros([num_rows, length], np.int32)
+            rows = np.zeros([len(group), length], np.int32)
             for i, (_, ctx, _, _) in enumerate(group):
                 rows[i, :len(ctx)] = ctx
             return rows
 
-        groups = split_by_context(decode, _DECODE_GROUPS, _GROUP_COST_ROWS)
-        groups += [[]] * (_DECODE_GROUPS - len(groups))
-        num_padding = self._padded_batch(len(decode)) - len(decode)
-
-        def decode_group(group, num_rows):
-            tokens = np.full([num_rows], num_tokens, np.int32)   # padding rows: token N
-            query_pos = np.full([num_rows], -1, np.int32)
-            for i, (start_index, _, start, _) in enumerate(group):
-                tokens[i], query_pos[i] = start_index, start
-            return tokens, context(group, num_rows), query_pos
-
-        decode_groups = [decode_group(g, len(g) + (num_padding if i == 0 else 0))
-                         for i, g in enumerate(groups)]
-        chunk = max((g[3] for g in prefill), default=0)
-        prefill_tokens = np.full([len(prefill), chunk], num_tokens, np.int32)
-        prefill_pos = np.full([len(prefill), chunk], -1, np.int32)
-        for i, (start_index, _, start, count) in enumerate(prefill):
-            prefill_tokens[i, :count] = np.arange(start_index, start_index + count)
-            prefill_pos[i, :count] = np.arange(start, start + count)
-        logits = self.step.step(
-            np.asarray(token_ids, np.int32), np.asarray(positions, np.int32),
-            np.concatenate(write_rows).astype(np.int32), decode_groups,
-            prefill_tokens, context(prefill, len(prefill)),
-            prefill_pos, np.asarray(last, np.int32))
+        decode_groups = [(context(g), np.asarray([s for _, _, s, _ in g], np.int32))
+                         for g in groups]
+        prefill_inputs = ()
+        if prefill:
+            chunk = max(g[3] for g in prefill)
+            num_prefill = sum(g[3] for g in prefill)
+            index = np.full([len(prefill), chunk], num_prefill, np.int32)
+            pos = np.full([len(prefill), chunk], -1, np.int32)
+            unpack, first = [], 0
+            for i, (_, _, start, count) in enumerate(prefill):
+                index[i, :count] = np.arange(first, first + count)
+                pos[i, :count] = np.arange(start, start + count)
+                unpack.extend(range(i * chunk, i * chunk + count))
+                first += count
+            prefill_inputs = (index, context(prefill), pos, np.asarray(unpack, np.int32))
+        step = self.step.step_function(len(decode_groups), bool(prefill))
+        logits = step(np.asarray(token_ids + padding, np.int32),
+                      np.asarray(positions + padding, np.int32),
+                      np.asarray(write_rows + padding, np.int32), decode_groups,
+                      prefill_inputs, last)
         return logits.numpy()
 
-    def _padded_batch(self, size: int) -> int:
+    def _bucket(self, num_tokens: int, only_decode: bool) -> int:
+        """How many tokens the step computes for `num_tokens` real ones.
+
+        TF Serving's allowed_batch_sizes pad decode batches; XLA compiles one program per
+        shape, so with XLA dense layers every step is padded to a few bucket sizes."""
         sizes = self.engine_config.batch_sizes
-        return next((s for s in sizes if s >= size), size) if size else 0
+        if only_decode and sizes:
+            return next((s for s in sizes if s >= num_tokens), num_tokens)
+        if self.step.jit_dense:
+            return next(b for b in _token_buckets() if b >= num_tokens)
+        return num_tokens
 
     def _execute_lstm(self, out: SchedulerOutput) -> np.ndarray:
         count = max(s.num_new_tokens for s in out.scheduled)

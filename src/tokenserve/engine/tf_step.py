@@ -28,7 +28,7 @@ import math
 
 import tensorflow as tf
 
-from tokenserve.model.layers import attend, rope
+from tokenserve.model.layers import attend, linear, mlp, norm, rope
 from tokenserve.model.lstm import LSTMLM
 from tokenserve.model.transformer import TransformerLM
 
@@ -40,9 +40,15 @@ def _spec(shape, dtype=I32):
 
 
 class TransformerStep(tf.Module):
-    """Paged-attention step for a TransformerLM over a block-pooled KV cache."""
+    """Paged-attention step for a TransformerLM over a block-pooled KV cache.
 
-    def __init__(self, model: TransformerLM, num_rows: int, num_decode_groups: int = 6):
+    Packed token order (the runner's job): decode tokens group by group, then prefill
+    tokens, then padding up to the step's bucket size. One graph is traced per (number of
+    decode groups, with or without prefill), so a decode-only step at batch 1 runs only what
+    it needs: one group's attention and no prefill ops.
+    """
+
+    def __init__(self, model: TransformerLM, num_rows: int, jit_dense: bool = False):
         super().__init__(name="transformer_step")
         self.model = model
         c = model.config
@@ -52,84 +58,151 @@ class TransformerStep(tf.Module):
                              for kind in ("key", "value"))
                        for i in range(c.num_layers)]
         group = c.num_heads // c.num_kv_heads
-        # head h reads kv head h // group: [H, Hkv]
+        # head h reads kv head h // group: [H, Hkv], with the 1/sqrt(Dh) score scale folded in
         self.head_to_kv = tf.one_hot(tf.range(c.num_heads) // group, c.num_kv_heads,
                                      dtype=model.compute_dtype)
-        self.step = tf.function(self._step, input_signature=[
-            _spec([None]),          # token_ids      [N]
-            _spec([None]),          # positions      [N]
-            _spec([None]),          # write_rows     [N]   cache row of each new token
-            # decode groups, by context length, so short contexts are not padded to long ones
-            [(_spec([None]),        # tokens [Sg]  packed index of each decode query
-              _spec([None, None]),  # rows   [Sg, Lg] context rows (padding: row 0)
-              _spec([None]))        # pos    [Sg]  query position
-             ] * num_decode_groups,
-            _spec([None, None]),    # prefill_tokens [Sp, Tp] packed index (padding: N)
-            _spec([None, None]),    # prefill_rows   [Sp, Lp]
-            _spec([None, None]),    # prefill_pos    [Sp, Tp] query positions (padding: -1)
-            _spec([None]),          # last_tokens    [S]   packed index whose logits we need
-        ])
+        self.scaled_head_to_kv = self.head_to_kv * (1.0 / math.sqrt(c.head_dim))
+        self.layer_weights = [block_weights(block) for block in model.blocks]
+        self.jit_dense = jit_dense
+        # The dense half of each block (norms, projections, MLP) as functions of explicit
+        # weights, so one XLA program per token bucket serves every layer. The KV cache never
+        # enters them: XLA would copy the cache variables in and out on every call.
+        dense = (lambda fn: tf.function(fn, jit_compile=True)) if jit_dense else (lambda fn: fn)
+        self._enter, self._between, self._exit = (dense(self._enter_fn),
+                                                  dense(self._between_fn), dense(self._exit_fn))
+        self._steps: dict[tuple[int, bool], tf.types.experimental.PolymorphicFunction] = {}
 
+    # -- the dense half, XLA-compiled when jit_dense ------------------------------------------
+    def _qkv(self, x, positions, w):
+        """x: [N, D] -> q [N, H, Dh], k, v [N, Hkv*Dh] (RoPE applied)."""
+        c = self.model.config
+        num_tokens = tf.shape(x)[0]
+        qkv = linear(norm(x, w["attn_norm"], c.norm, c.norm_eps), w["qkv"])
+        q, k, v = tf.split(qkv, [c.num_heads * c.head_dim, self.kv_width, self.kv_width], -1)
+        q = tf.reshape(q, [num_tokens, c.num_heads, c.head_dim])
+        if c.position == "rope":
+            q = rope(q[None], positions[None], c.rope_theta)[0]
+            k = tf.reshape(rope(tf.reshape(k, [1, num_tokens, c.num_kv_heads, c.head_dim]),
+                                positions[None], c.rope_theta), [num_tokens, self.kv_width])
+        return q, k, v
+
+    def _finish_block(self, x, attn, w):
+        c = self.model.config
+        x = x + linear(attn, w["out"])
+        return x + mlp(norm(x, w["mlp_norm"], c.norm, c.norm_eps), w["up"], w["down"], c.mlp)
+
+    def _enter_fn(self, x, positions, w):
+        return self._qkv(x, positions, w)
+
+    def _between_fn(self, x, attn, positions, w, w_next):
+        x = self._finish_block(x, attn, w)
+        return (x, *self._qkv(x, positions, w_next))
+
+    def _exit_fn(self, x, attn, last_tokens, w):
+        x = self._finish_block(x, attn, w)
+        return self.model._logits(tf.gather(x, last_tokens))              # [S, vocab] f32
+
+    # -- attention over the paged cache (graph mode, never XLA) ------------------------------
     def _gather_kv(self, rows, cache):
         keys, values = cache
         return tf.gather(keys, rows), tf.gather(values, rows)             # [S, L, Hkv*Dh] x2
 
-    def _decode_attention(self, q, rows, query_pos, cache):
-        """q: [S, H, Dh]; rows: [S, L]; query_pos: [S] -> [S, H*Dh]."""
+    def _decode_attention(self, q, rows, bias, cache):
+        """q: [S, H, Dh]; rows: [S, L]; bias: [S, L, 1] (0 or -max) -> [S, H*Dh]."""
         c = self.model.config
         keys, values = self._gather_kv(rows, cache)
         num_seqs = tf.shape(q)[0]
         # block-diagonal queries: column h holds q[h] in the rows of its kv head
-        q_blocks = tf.einsum("shd,hg->sgdh", q * (1.0 / math.sqrt(c.head_dim)), self.head_to_kv)
-        q_blocks = tf.reshape(q_blocks, [num_seqs, self.kv_width, c.num_heads])
-        scores = tf.cast(tf.matmul(keys, q_blocks), tf.float32)           # [S, L, H]
-        mask = tf.range(tf.shape(rows)[1])[None, :] <= query_pos[:, None]  # [S, L]
-        scores = tf.where(mask[:, :, None], scores, tf.float32.min)
+        q_blocks = tf.reshape(tf.einsum("shd,hg->sgdh", q, self.scaled_head_to_kv),
+                              [num_seqs, self.kv_width, c.num_heads])
+        scores = tf.cast(tf.matmul(keys, q_blocks), tf.float32) + bias    # [S, L, H]
         probs = tf.cast(tf.nn.softmax(scores, axis=1), values.dtype)
         out = tf.matmul(probs, values, transpose_a=True)                   # [S, H, Hkv*Dh]
-        out = tf.reshape(out, [num_seqs, c.num_heads, c.num_kv_heads, c.head_dim])
-        out = tf.reduce_sum(out * self.head_to_kv[None, :, :, None], axis=2)  # own kv head
+        if c.num_kv_heads > 1:  # keep each head's own kv head
+            out = tf.reshape(out, [num_seqs, c.num_heads, c.num_kv_heads, c.head_dim])
+            out = tf.reduce_sum(out * self.head_to_kv[None, :, :, None], axis=2)
         return tf.reshape(out, [num_seqs, c.num_heads * c.head_dim])
 
-    def _prefill_attention(self, q_padded, tokens, rows, query_pos, cache):
-        """q_padded: [N + 1, H, Dh]; tokens, query_pos: [S, T]; rows: [S, L] -> [S, T, H*Dh]."""
+    def _prefill_attention(self, q, index, rows, mask, cache):
+        """q: [Np + 1, H, Dh] (row Np: padding); index: [S, T]; rows: [S, L];
+        mask: [S, T, L] -> [S, T, H*Dh]."""
         c = self.model.config
-        q = tf.gather(q_padded, tokens)                                    # [S, T, H, Dh]
         keys, values = self._gather_kv(rows, cache)
         shape = tf.concat([tf.shape(rows), [c.num_kv_heads, c.head_dim]], 0)
-        key_pos = tf.range(tf.shape(rows)[1])
-        mask = key_pos[None, None, :] <= query_pos[:, :, None]             # [S, T, L]
-        return attend(q, tf.reshape(keys, shape), tf.reshape(values, shape), mask)
+        return attend(tf.gather(q, index), tf.reshape(keys, shape), tf.reshape(values, shape),
+                      mask)
 
-    def _step(self, token_ids, positions, write_rows, decode_groups, prefill_tokens, prefill_rows,
-              prefill_pos, last_tokens):
-        m, c = self.model, self.model.config
+    def _layer_attention(self, q, decode_groups, biases, prefill, cache, num_tokens):
+        """q: [N, H, Dh] in packed order -> attention output [N, H*Dh]."""
+        c = self.model.config
+        width = c.num_heads * c.head_dim
+        sizes = [tf.shape(rows)[0] for rows, _ in decode_groups]
+        num_decode = tf.add_n(sizes) if sizes else tf.constant(0)
+        pieces = tf.split(q, sizes + [num_tokens - num_decode])
+        outputs = [self._decode_attention(piece, rows, bias, cache)
+                   for piece, (rows, _), bias in zip(pieces, decode_groups, biases)]
+        if prefill is not None:
+            index, rows, mask, unpack = prefill
+            num_prefill = tf.shape(unpack)[0]
+            q_prefill = tf.concat([pieces[-1][:num_prefill], tf.zeros_like(q[:1])], 0)
+            prefilled = self._prefill_attention(q_prefill, index, rows, mask, cache)
+            outputs.append(tf.gather(tf.reshape(prefilled, [-1, width]), unpack))
+            num_decode += num_prefill
+        outputs.append(tf.zeros([num_tokens - num_decode, width], q.dtype))  # bucket padding
+        return tf.concat(outputs, 0)
+
+    # -- the step -------------------------------------------------------------------------
+    def step_function(self, num_groups: int, with_prefill: bool):
+        """The traced step for `num_groups` decode groups, with or without prefill rows."""
+        key = (num_groups, with_prefill)
+        if key not in self._steps:
+            signature = [
+                _spec([None]),          # token_ids  [N]  packed, padded to a bucket
+                _spec([None]),          # positions  [N]
+                _spec([None]),          # write_rows [N]  cache row of each token (padding: 0)
+                [(_spec([None, None]),  # rows [Sg, Lg] context rows (padding: row 0)
+                  _spec([None]))        # pos  [Sg]     query position
+                 ] * num_groups,
+                (_spec([None, None]),   # prefill index [Sp, Tp] into the prefill rows
+                                        #   (padding: Np, a zero row)
+                 _spec([None, None]),   # prefill rows  [Sp, Lp]
+                 _spec([None, None]),   # prefill pos   [Sp, Tp] (padding: -1)
+                 _spec([None])) if with_prefill else (),  # unpack [Np] into [Sp * Tp]
+                _spec([None]),          # last_tokens [S] packed index whose logits we need
+            ]
+            self._steps[key] = tf.function(self._step, input_signature=signature)
+        return self._steps[key]
+
+    def _step(self, token_ids, positions, write_rows, decode_groups, prefill, last_tokens):
+        m = self.model
         num_tokens = tf.shape(token_ids)[0]
+        # masks are shared by all layers: build them once
+        biases = [tf.where(tf.range(tf.shape(rows)[1])[None, :, None] <= pos[:, None, None],
+                           0.0, tf.float32.min) for rows, pos in decode_groups]  # [Sg, Lg, 1]
+        if prefill:
+            index, rows, pos, unpack = prefill
+            mask = tf.range(tf.shape(rows)[1])[None, None, :] <= pos[:, :, None]  # [S, T, L]
+            prefill = (index, rows, mask, unpack)
+        else:
+            prefill = None
         x = m._embed(token_ids, positions)                                 # [N, D]
-        scatter_index = tf.concat([tokens for tokens, _, _ in decode_groups]
-                                  + [tf.reshape(prefill_tokens, [-1])], 0)
-        for block, cache in zip(m.blocks, self.caches):
-            qkv = block.attn.qkv(block.attn_norm(x))                       # [N, (H+2Hkv)Dh]
-            q, k, v = tf.split(qkv, [c.num_heads * c.head_dim, self.kv_width, self.kv_width], -1)
-            q = tf.reshape(q, [num_tokens, c.num_heads, c.head_dim])
-            if c.position == "rope":
-                q = rope(q[None], positions[None], c.rope_theta)[0]
-                k = tf.reshape(rope(tf.reshape(k, [1, num_tokens, c.num_kv_heads, c.head_dim]),
-                                    positions[None], c.rope_theta), [num_tokens, self.kv_width])
+        weights = self.layer_weights
+        q, k, v = self._enter(x, positions, weights[0])
+        for i, cache in enumerate(self.caches):
             for variable, new_rows in zip(cache, (k, v)):
                 variable.scatter_update(tf.IndexedSlices(tf.cast(new_rows, variable.dtype),
                                                          write_rows))
-            q_padded = tf.concat([q, tf.zeros_like(q[:1])], 0)             # row N: padding
-            decoded = [self._decode_attention(tf.gather(q_padded, tokens), rows, pos, cache)
-                       for tokens, rows, pos in decode_groups]             # [Sg, HD] each
-            prefilled = self._prefill_attention(q_padded, prefill_tokens, prefill_rows,
-                                                prefill_pos, cache)        # [Sp, Tp, HD]
-            width = c.num_heads * c.head_dim
-            updates = tf.concat(decoded + [tf.reshape(prefilled, [-1, width])], 0)
-            attn = tf.scatter_nd(scatter_index[:, None], updates, [num_tokens + 1, width])
-            x = x + block.attn.out(attn[:num_tokens])
-            x = x + block.mlp(block.mlp_norm(x))
-        return m._logits(tf.gather(x, last_tokens))                        # [S, vocab] f32
+            attn = self._layer_attention(q, decode_groups, biases, prefill, cache, num_tokens)
+            if i + 1 < len(self.caches):
+                x, q, k, v = self._between(x, attn, positions, weights[i], weights[i + 1])
+        return self._exit(x, attn, last_tokens, weights[-1])              # [S, vocab] f32
+
+
+def block_weights(block) -> dict:
+    """A Block's variables by role: what the dense functions take as explicit weights."""
+    return {"attn_norm": block.attn_norm.weights_dict(), "qkv": block.attn.qkv.weights_dict(),
+            "out": block.attn.out.weights_dict(), "mlp_norm": block.mlp_norm.weights_dict(),
+            "up": block.mlp.up.weights_dict(), "down": block.mlp.down.weights_dict()}
 
 
 class LSTMStep(tf.Module):

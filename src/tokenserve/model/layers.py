@@ -36,14 +36,44 @@ class Norm(keras.layers.Layer):
             self.bias = self.add_weight(name="bias", shape=(dim,), initializer="zeros")
 
     def call(self, x):
-        x32 = tf.cast(x, tf.float32)
+        return norm(x, self.weights_dict(), self.kind, self.eps)
+
+    def weights_dict(self) -> dict:
+        """This layer's variables by role, for `norm` (the engine passes them explicitly)."""
+        found = {"scale": self.scale.value}
         if self.kind == "layernorm":
-            mean, var = tf.nn.moments(x32, axes=[-1], keepdims=True)
-            y = (x32 - mean) * tf.math.rsqrt(var + self.eps) * self.scale + self.bias
-        else:
-            y = x32 * tf.math.rsqrt(tf.reduce_mean(tf.square(x32), -1, keepdims=True) + self.eps)
-            y = y * self.scale
-        return tf.cast(y, x.dtype)
+            found["bias"] = self.bias.value
+        return found
+
+
+def norm(x, weights: dict, kind: str, eps: float):
+    """LayerNorm (weights scale, bias) or RMSNorm (scale), computed in float32."""
+    x32 = tf.cast(x, tf.float32)
+    scale = tf.cast(weights["scale"], tf.float32)
+    if kind == "layernorm":
+        mean, var = tf.nn.moments(x32, axes=[-1], keepdims=True)
+        y = (x32 - mean) * tf.math.rsqrt(var + eps) * scale + tf.cast(weights["bias"], tf.float32)
+    else:
+        y = x32 * tf.math.rsqrt(tf.reduce_mean(tf.square(x32), -1, keepdims=True) + eps)
+        y = y * scale
+    return tf.cast(y, x.dtype)
+
+
+def linear(x, weights: dict):
+    """x @ kernel (+ bias); kernel is [in, out]."""
+    y = tf.matmul(x, tf.cast(weights["kernel"], x.dtype))
+    return y + tf.cast(weights["bias"], x.dtype) if "bias" in weights else y
+
+
+def mlp(x, up: dict, down: dict, kind: str):
+    """GPT-2's GELU MLP or Llama's SwiGLU (gate and up fused in one kernel)."""
+    h = linear(x, up)
+    if kind == "swiglu":
+        gate, h = tf.split(h, 2, axis=-1)
+        h = tf.nn.silu(gate) * h
+    else:
+        h = tf.nn.gelu(h, approximate=True)
+    return linear(h, down)
 
 
 def rope(x, positions, theta: float):
@@ -91,8 +121,14 @@ class Dense(keras.layers.Layer):
             self.bias = self.add_weight(name="bias", shape=(self.units,), initializer="zeros")
 
     def call(self, x):
-        y = tf.matmul(x, tf.cast(self.kernel, x.dtype))
-        return y + tf.cast(self.bias, x.dtype) if self.use_bias else y
+        return linear(x, self.weights_dict())
+
+    def weights_dict(self) -> dict:
+        """This layer's variables by role, for `linear` (the engine passes them explicitly)."""
+        found = {"kernel": self.kernel.value}
+        if self.use_bias:
+            found["bias"] = self.bias.value
+        return found
 
 
 class Attention(keras.layers.Layer):
@@ -155,13 +191,7 @@ class MLP(keras.layers.Layer):
                           name="down")
 
     def call(self, x):
-        h = self.up(x)
-        if self.kind == "swiglu":
-            gate, up = tf.split(h, 2, axis=-1)
-            h = tf.nn.silu(gate) * up
-        else:
-            h = tf.nn.gelu(h, approximate=True)
-        return self.down(h)
+        return mlp(x, self.up.weights_dict(), self.down.weights_dict(), self.kind)
 
 
 class Block(keras.layers.Layer):
