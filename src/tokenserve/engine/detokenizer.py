@@ -2,6 +2,12 @@
 
 Text is held back while it could still be the start of a stop string, and while its last
 UTF-8 character is incomplete, so a streamed client never receives text it must retract.
+
+Each token decodes only a short window, as vLLM and TGI do: the tokens not yet turned into
+text plus the few before them (for context: some decoders drop a leading space at the start
+of a decode). New text is the window's text minus the text of its already-read part, so the
+cost per token stays flat however long the output grows (decoding every output id again on
+every token would be O(n^2) per sequence).
 """
 
 from __future__ import annotations
@@ -17,14 +23,20 @@ class IncrementalDetokenizer:
         self.output_ids: list[int] = []
         self.text = ""
         self.num_emitted = 0  # characters of self.text already handed out
+        self.prefix_offset = 0  # output_ids[prefix_offset:read_offset]: context, already text
+        self.read_offset = 0  # output_ids[read_offset:]: not yet text
 
     def append(self, token_id: int) -> tuple[str, str | None]:
         """Adds a token; returns (new text to emit, the stop string matched or None)."""
-        self.output_ids.append(token_id)
-        text = self.tokenizer.decode(self.output_ids)
-        if text.endswith("\ufffd"):  # an incomplete multi-byte character: wait for more
+        ids = self.output_ids
+        ids.append(token_id)
+        window = self.tokenizer.decode(ids[self.prefix_offset:])
+        if window.endswith("\ufffd"):  # an incomplete multi-byte character: wait for more
             return "", None
-        self.text = text
+        read = self.tokenizer.decode(ids[self.prefix_offset:self.read_offset])
+        self.text += window[len(read):]
+        self.prefix_offset, self.read_offset = self.read_offset, len(ids)
+        text = self.text
         if self.stop:
             start = max(0, self.num_emitted - self.max_stop_len)
             hits = [(i, s) for s in self.stop if (i := text.find(s, start)) >= 0]
