@@ -24,6 +24,14 @@ context 1024) with random weights. The same run compares:
                         jit_compile="auto" means NO XLA on a CPU-only machine;
                         `--keras-hub-jit on` forces XLA. Skipped with a note when
                         keras-hub (the optional `bench` extra) is not installed.
+  hf-tf-xla             Hugging Face transformers' TF GPT-2 (`TFGPT2LMHeadModel`, own random
+                        weights), `tf.function(model.generate, jit_compile=True)`, greedy,
+                        run by benchmarks/peers/hf_tf_xla.py in its own virtualenv
+                        (transformers 5 dropped TensorFlow): `--hf-venv`, default
+                        benchmarks/.venv-hf-tf. Skipped with a note when that venv is
+                        missing; create it with `bash benchmarks/peers/setup_hf_tf.sh`.
+                        HF's TF XLA generate cannot make 1 token, so its TTFT is a 2-token
+                        call minus one decode step of the full call (also an estimate).
 
 Each system is warmed up once (XLA compiles on its first call), then timed
 `--repeats` times; the table shows medians:
@@ -36,20 +44,23 @@ Each system is warmed up once (XLA compiles on its first call), then timed
   e2e tok/s   new tokens / end-to-end wall time; the speedup columns divide these.
 
 Weights of our model are shared by the eager loop and both exports, so their
-greedy tokens should agree (the JSON records how far they do); keras-hub has
-its own random weights. The prompt is chosen so that greedy decoding never hits
-the eos token (retrying other random prompts), so every system really produces
-the requested number of tokens; counts are reported.
+greedy tokens should agree (the JSON records how far they do); keras-hub and
+hf-tf-xla have their own random weights. The prompt is chosen so that greedy
+decoding never hits the eos token (retrying other random prompts), so every system
+really produces the requested number of tokens (hf-tf-xla bans eos until the last
+token); counts are reported.
 
-Results: a rich table on stdout and JSON (workload, machine, per-system medians
-and raw samples) in benchmarks/results/decode.json (decode-quick.json for
---quick unless --output is given).
+Results: a rich table on stdout (under a one-line CPU summary) and JSON (workload,
+machine with its CPU flags and ISA-capping environment, per-system medians and raw
+samples) in benchmarks/results/decode.json (decode-quick.json for --quick unless --output
+is given).
 
 Run (from the repository root, with the project's virtual environment):
 
     python benchmarks/decode.py            # full GPT-2-small benchmark (many minutes)
     python benchmarks/decode.py --quick    # tiny 2-layer width-128 model, 16 tokens
     python benchmarks/decode.py --systems exported-graph-xla keras-hub --repeats 5
+    python benchmarks/decode.py --systems exported-graph-xla hf-tf-xla --hf-venv /path/venv
 """
 
 from __future__ import annotations
@@ -60,8 +71,8 @@ import datetime as _dt
 import gc
 import json
 import os
-import platform
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -77,20 +88,31 @@ from rich.progress import (BarColumn, MofNCompleteColumn, Progress, SpinnerColum
                            TextColumn, TimeElapsedColumn)
 from rich.table import Table  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from machine import machine_info as cpu_machine_info, machine_summary  # noqa: E402
+
 EAGER = "eager-keras-nocache"
 GRAPH_NOXLA = "exported-graph-noxla"
 GRAPH_XLA = "exported-graph-xla"
 STREAM_XLA = "exported-stream-xla"
 KERAS_HUB = "keras-hub"
-SYSTEMS = (EAGER, GRAPH_NOXLA, GRAPH_XLA, STREAM_XLA, KERAS_HUB)
+HF_TF_XLA = "hf-tf-xla"
+SYSTEMS = (EAGER, GRAPH_NOXLA, GRAPH_XLA, STREAM_XLA, KERAS_HUB, HF_TF_XLA)
+OWN_WEIGHTS = (KERAS_HUB, HF_TF_XLA)  # peers with their own random weights
 DESCRIPTIONS = {
     EAGER: "eager loop over model(ids), full forward per token, no cache",
     GRAPH_NOXLA: "SavedModel `generate` signature, jit_compile=False, one call",
     GRAPH_XLA: "SavedModel `generate` signature, jit_compile=True, one call",
     STREAM_XLA: "XLA export, Python loop over prefill/decode (ExportedModel.stream)",
     KERAS_HUB: "keras_hub GPT2CausalLM.generate, greedy sampler, own random weights",
+    HF_TF_XLA: "HF transformers TFGPT2LMHeadModel, tf.function(generate, jit_compile=True), "
+               "own random weights, own venv",
 }
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
+BENCH_DIR = Path(__file__).resolve().parent
+RESULTS_DIR = BENCH_DIR / "results"
+HF_PEER = BENCH_DIR / "peers" / "hf_tf_xla.py"
+HF_VENV = BENCH_DIR / ".venv-hf-tf"
+HF_SETUP = "bash benchmarks/peers/setup_hf_tf.sh"
 
 # Wide enough for the table when output goes to a file or pipe (rich assumes 80 there).
 console = Console(width=None if sys.stdout.isatty() else 140)
@@ -260,6 +282,53 @@ def keras_hub_system(model_config, prompt: list[int], seed: int, jit: str) -> Sy
     return system
 
 
+def run_hf_peer(python: Path, spec: dict, timeout: float | None = None) -> dict:
+    """Runs benchmarks/peers/hf_tf_xla.py with `python` (its venv's) on `spec`; returns its
+    JSON line. Shared with throughput.py."""
+    proc = subprocess.run([str(python), str(HF_PEER), "--spec", "-"], input=json.dumps(spec),
+                          capture_output=True, text=True, timeout=timeout)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        log = [line for line in proc.stderr.splitlines()
+               if not line.startswith(("I0000", "W0000", "WARNING: All log messages"))]
+        raise RuntimeError(f"{HF_PEER.name} exited {proc.returncode}:\n" + "\n".join(log[-25:]))
+    return json.loads(lines[-1])
+
+
+def hf_peer_python(venv: Path) -> Path | None:
+    python = venv / "bin" / "python"
+    return python if python.exists() else None
+
+
+class HFPeerSystem(System):
+    """The HF transformers TF XLA peer: one subprocess does its warm-up and all the timed
+    runs (TF and transformers 4 live in the peer's own venv); `run` hands back its samples."""
+
+    one_call = True
+
+    def __init__(self, python: Path, spec: dict):
+        super().__init__()
+        self.python, self.spec = python, spec
+        self.samples: list[Sample] = []
+
+    def warmup(self, n: int) -> None:
+        result = run_hf_peer(self.python, {**self.spec, "new_tokens": n})
+        self.samples = [Sample(r["tokens"], r["ttft_est_s"], r["wall_s"]) for r in result["runs"]]
+        self.info = {key: result[key] for key in ("generate", "model", "num_params", "dtype",
+                                                  "build_s", "compile_s", "warmup_s",
+                                                  "versions", "env", "ttft_note")}
+        self.info["python"] = str(self.python)
+        self.info["two_token_call_s"] = [r["two_token_call_s"] for r in result["runs"]]
+        self.notes.append(f"own venv (TF {result['versions']['tensorflow']}, transformers "
+                          f"{result['versions']['transformers']}), own random weights (tokens "
+                          f"not comparable); warm-up and runs in one subprocess")
+        self.notes.append("TTFT = 2-token call minus one decode step (HF's TF XLA generate "
+                          "cannot make 1 token)")
+
+    def run(self, n: int) -> Sample:
+        return self.samples.pop(0)
+
+
 # -- setup ------------------------------------------------------------------------------------
 
 def make_source(quick: bool, seed: int):
@@ -292,27 +361,17 @@ def random_prompt(rng: np.random.Generator, length: int, low: int, high: int,
 
 
 def machine_info() -> dict:
+    """benchmarks/machine.py's CPU record (model, flags, cores, ISA environment) plus the
+    library versions and the load average."""
     import keras
     import tensorflow as tf
 
-    cpu_model = None
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu_model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
     try:
         hub_version = __import__("keras_hub").__version__
     except Exception:  # noqa: BLE001 - optional extra
         hub_version = None
     return {
-        "cpu_count": os.cpu_count(),
-        "cpu_affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
-        "cpu_model": cpu_model,
-        "platform": platform.platform(),
-        "python": platform.python_version(),
+        **cpu_machine_info(),
         "tensorflow": tf.__version__,
         "keras": keras.__version__,
         "keras_hub": hub_version,
@@ -348,18 +407,19 @@ def print_table(results: dict, workload: dict) -> None:
                         f"{workload['repeats']} runs)")
     for header, justify in [("system", "left"), ("new tokens", "right"), ("TTFT ms", "right"),
                             ("decode tok/s", "right"), ("e2e tok/s", "right"),
-                            ("e2e s", "right"), ("× eager", "right"), ("× keras-hub", "right")]:
+                            ("e2e s", "right"), ("× eager", "right"), ("× keras-hub", "right"),
+                            ("× hf-tf-xla", "right")]:
         table.add_column(header, justify=justify, no_wrap=True)
 
     def base(name: str) -> float | None:
         entry = results.get(name, {})
         return entry.get("median", {}).get("e2e_tok_s") if "median" in entry else None
 
-    eager_base, hub_base = base(EAGER), base(KERAS_HUB)
+    eager_base, hub_base, hf_base = base(EAGER), base(KERAS_HUB), base(HF_TF_XLA)
     for name, entry in results.items():
         if "median" not in entry:
             status = "skipped" if "skipped" in entry else "failed"
-            table.add_row(f"{name} [dim]({status})[/dim]", "—", "—", "—", "—", "—", "—", "—")
+            table.add_row(f"{name} [dim]({status})[/dim]", *["—"] * 8)
             continue
         m = entry["median"]
         requested = entry["new_tokens_requested"]
@@ -375,9 +435,11 @@ def print_table(results: dict, workload: dict) -> None:
         table.add_row(name, tokens, fmt(m["ttft_ms"], ".1f"), decode, fmt(tps, ".1f"),
                       fmt(m["e2e_s"], ".3f"),
                       fmt(tps / eager_base if eager_base else None, ".1f"),
-                      fmt(tps / hub_base if hub_base else None, ".2f"))
+                      fmt(tps / hub_base if hub_base else None, ".2f"),
+                      fmt(tps / hf_base if hf_base else None, ".2f"))
     table.caption = (
-        "TTFT: first token of the stream, or a separate 1-token call for one-call systems. "
+        "TTFT: first token of the stream, or a separate 1-token call for one-call systems "
+        f"({HF_TF_XLA}: a 2-token call minus one decode step). "
         "decode = (tokens-1)/(e2e-TTFT); ~ = estimated from two calls. "
         "Speedups divide e2e tok/s."
         + (f"\n* eager measured on {results[EAGER]['new_tokens_requested']} new tokens "
@@ -391,7 +453,7 @@ def agreement(results: dict, reference: str) -> None:
     """Records, per system on our weights, how many leading tokens match the reference."""
     ref = results.get(reference, {}).get("tokens")
     for name, entry in results.items():
-        if "tokens" not in entry or name == KERAS_HUB:
+        if "tokens" not in entry or name in OWN_WEIGHTS:
             continue
         if ref is None or name == reference:
             entry["agrees_with"] = None
@@ -423,6 +485,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--keras-hub-jit", choices=("auto", "on", "off"), default="auto",
                         help="jit_compile for keras-hub's generate; Keras' default 'auto' "
                              "means no XLA on a CPU-only machine (default auto)")
+    parser.add_argument("--hf-venv", type=Path, default=HF_VENV,
+                        help="virtualenv of the HF transformers TF peer (default "
+                             f"benchmarks/.venv-hf-tf; create it with `{HF_SETUP}`)")
     parser.add_argument("--seed", type=int, default=0, help="weight initialisation seed")
     parser.add_argument("--prompt-seed", type=int, default=0)
     parser.add_argument("--prompt-tries", type=int, default=20,
@@ -480,8 +545,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"{arch.hidden_size}, {arch.num_heads} heads, vocab {arch.vocab_size}, context "
                   f"{arch.max_seq_len}, {workload['num_params']:,} params; prompt {prompt_len}, "
                   f"new tokens {new_tokens}; systems: {', '.join(args.systems)}")
-    console.print(f"machine: {machine['cpu_count']} CPUs ({machine['cpu_model']}), TF "
-                  f"{machine['tensorflow']}, load average {machine['loadavg_start'][0]:.2f}")
+    console.print(f"{machine_summary(machine)}; TF {machine['tensorflow']}, load average "
+                  f"{machine['loadavg_start'][0]:.2f}", markup=False)
 
     results: dict[str, dict] = {}
     failed = False
@@ -556,6 +621,14 @@ def main(argv: list[str] | None = None) -> int:
                 return system
             if name == KERAS_HUB:
                 return keras_hub_system(arch, prompt, args.seed, args.keras_hub_jit)
+            if name == HF_TF_XLA:
+                return HFPeerSystem(hf_peer_python(args.hf_venv), {
+                    "mode": "decode", "batch_size": 1, "prompt_ids": prompt,
+                    "repeats": args.repeats, "seed": args.seed,
+                    "model": {"n_layer": arch.num_layers, "n_embd": arch.hidden_size,
+                              "n_head": arch.num_heads, "n_inner": arch.intermediate_size,
+                              "vocab_size": arch.vocab_size,
+                              "n_positions": arch.max_seq_len}})
             raise ValueError(name)
 
         total_units = len(args.systems) * (1 + args.repeats)
@@ -576,6 +649,11 @@ def main(argv: list[str] | None = None) -> int:
                                                 f"install the `bench` extra")
                             progress.advance(task, 1 + args.repeats)
                             continue
+                    if name == HF_TF_XLA and hf_peer_python(args.hf_venv) is None:
+                        entry["skipped"] = (f"no HF TF peer venv at {args.hf_venv}: run "
+                                            f"`{HF_SETUP}` (or pass --hf-venv)")
+                        progress.advance(task, 1 + args.repeats)
+                        continue
                     system = build(name)
                     start = time.perf_counter()
                     system.warmup(n)
@@ -589,7 +667,7 @@ def main(argv: list[str] | None = None) -> int:
                     entry.update(summarize(samples, system.one_call))
                     entry["tokens"] = samples[0].tokens
                     entry["eos_in_output"] = config.eos_token_id in samples[0].tokens \
-                        if name != KERAS_HUB else None
+                        if name not in OWN_WEIGHTS else None
                     entry["info"] = system.info
                     entry["notes"] = system.notes
                     if any(s.n != n for s in samples):
@@ -616,6 +694,7 @@ def main(argv: list[str] | None = None) -> int:
     agreement(results, GRAPH_XLA if GRAPH_XLA in results else
               next((s for s in (GRAPH_NOXLA, STREAM_XLA, EAGER) if s in results), ""))
     machine["loadavg_end"] = list(os.getloadavg())
+    console.print(machine_summary(machine), markup=False)
     print_table(results, workload)
     for name, entry in results.items():
         notes = [entry[k] for k in ("skipped", "error") if k in entry]

@@ -13,7 +13,8 @@ Systems, in one run:
                mode, so each dense read copies the whole cache (DESIGN.md's trap).
 
 Target (issue 4): paged step time at 4,096 / at 256 <= 1.2.
-Output: a table, benchmarks/results/kv_capacity.json and kv_capacity.png.
+Output: a table (under a one-line CPU summary), benchmarks/results/kv_capacity.json (with
+the machine: CPU model, ISA flags, ISA-capping environment) and kv_capacity.png.
 
 Run:  python benchmarks/kv_capacity.py [--precision bfloat16] [--steps 10]
 """
@@ -32,7 +33,10 @@ from rich.console import Console
 from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+from machine import machine_info, machine_summary  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 console = Console(width=120)
@@ -120,7 +124,7 @@ def main(argv=None) -> int:
     model = build_model(arch, seed=0, dtype=precision)
     results = {"workload": {"model": "gpt2-small (random)", "precision": precision,
                             "num_seqs": 32, "live_positions": args.live},
-               "machine": {"cpu_count": os.cpu_count(), "loadavg": list(os.getloadavg())},
+               "machine": {**machine_info(), "loadavg": list(os.getloadavg())},
                "runs": []}
     for system, dense in (("paged", False), ("dense-read", True)):
         for capacity in args.capacities:
@@ -141,6 +145,7 @@ def main(argv=None) -> int:
         table.add_row(run["system"], str(run["capacity_per_seq"]),
                       f"{32 * run['capacity_per_seq']:,}", f"{run['median_step_s'] * 1000:.1f}",
                       f"{run['ratio_to_smallest']:.2f}")
+    console.print(machine_summary(results["machine"]), markup=False)
     console.print(table)
     paged = [r for r in results["runs"] if r["system"] == "paged"]
     results["target"] = {"paged_ratio_largest_vs_smallest": paged[-1]["ratio_to_smallest"],

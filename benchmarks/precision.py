@@ -9,7 +9,8 @@ more than 5% perplexity.
 Speed: the engine's decode step on a GPT-2-small-shaped model (random weights), 32
 sequences with 200 live positions, in both precisions (medians of `--steps` steps).
 
-Output: a table and benchmarks/results/precision.json.
+Output: a table (under a one-line CPU summary) and benchmarks/results/precision.json (with
+the machine: CPU model, ISA flags, ISA-capping environment; bf16 speed depends on them).
 
 Run:  python benchmarks/precision.py [--windows 64] [--steps 10]
 """
@@ -29,6 +30,8 @@ from rich.table import Table
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+from machine import machine_info, machine_summary  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 console = Console(width=120)
@@ -67,8 +70,7 @@ def main(argv=None) -> int:
     from tokenserve.model import build_model
 
     report = {"quality": [perplexities(s, args.windows) for s in ("builtin", "builtin-lstm")],
-              "speed": {}, "machine": {"cpu_count": os.cpu_count(),
-                                       "loadavg": list(os.getloadavg())}}
+              "speed": {}, "machine": {**machine_info(), "loadavg": list(os.getloadavg())}}
     arch = preset("gpt2-small")
     config = GenerationConfig(model=arch, bos_token_id=0, eos_token_id=1, pad_token_id=2)
     for precision in ("float32", "bfloat16"):
@@ -85,6 +87,7 @@ def main(argv=None) -> int:
     for q in report["quality"]:
         table.add_row(q["source"], str(q["windows"]), f"{q['fp32']:.3f}", f"{q['bf16']:.3f}",
                       f"{q['relative_change']:+.2%}", str(abs(q["relative_change"]) <= GATE))
+    console.print(machine_summary(report["machine"]), markup=False)
     console.print(table)
     speed = report["speed"]
     console.print(f"engine decode step, GPT-2-small, 32 seqs x 200 positions: fp32 "
