@@ -12,3 +12,4 @@ spec="."
 [ -n "$extras" ] && spec=".[$extras]"
 .venv/bin/python -m pip install --quiet --upgrade pip
 .venv/bin/python -m pip install --quiet --editable "$spec"
+.venv/bin/python -m tokenserve.kernels.int8_matmul || true  # pre-build the int8 matmul op

@@ -47,6 +47,10 @@ class TransformerConfig:
     qkv_bias: bool = True
     out_bias: bool = True
     mlp_bias: bool = True
+    weight_format: Literal["float", "int8"] = "float"
+    """`float`: weights in the compute dtype. `int8`: the linear layers and the token
+    embedding (and with it a tied LM head) hold int8 weights with one float32 scale per
+    output channel (`tokenserve export --quantize int8`)."""
     family: Literal["transformer"] = "transformer"
 
     def __post_init__(self) -> None:
@@ -60,6 +64,8 @@ class TransformerConfig:
         _check(self.norm in ("layernorm", "rmsnorm"), f"unknown norm {self.norm!r}")
         _check(self.position in ("learned", "rope"), f"unknown position {self.position!r}")
         _check(self.mlp in ("gelu", "swiglu"), f"unknown mlp {self.mlp!r}")
+        _check(self.weight_format in ("float", "int8"),
+               f"unknown weight_format {self.weight_format!r}; use float or int8")
         _check(self.position != "rope" or self.head_dim % 2 == 0, "rope needs an even head_dim")
 
     @property

@@ -74,7 +74,8 @@ def load_model_dir(version_dir, precision: str = "float32"):
                              ) from error
     tokenizer = Tokenizer(hf, bos_token_id=config.bos_token_id,
                           eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id)
-    model = build_model(config.model, dtype=resolve_precision(precision))
+    model = build_model(config.model, dtype=resolve_precision(
+        precision, getattr(config.model, "weight_format", "float")))
     restore_weights(model, version_dir)
     return model, tokenizer, config, version_dir
 

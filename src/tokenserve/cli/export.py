@@ -18,6 +18,10 @@ def add_parser(commands) -> None:
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                    help="compute dtype of an imported checkpoint (bf16 and fp16 files are "
                         "accepted either way)")
+    p.add_argument("--quantize", choices=["none", "int8"], default="none",
+                   help="int8: linear layers and the token embedding / LM head as int8 with "
+                        "a float32 scale per output channel (about 1 byte per weight); check "
+                        "the cost with `tokenserve eval BASE --reference FLOAT_BASE`")
     p.add_argument("--output", required=True, help="model base path; versions go beneath it")
     p.add_argument("--version", type=int, default=None, help="version number (default: next)")
     p.add_argument("--no-xla", dest="xla", action="store_false",
@@ -44,9 +48,17 @@ def run(args: argparse.Namespace) -> int:
         model, tokenizer, config = load_hf(args.from_hf, compute_dtype=args.dtype)
     else:
         model, tokenizer, config = load_source(args.source, seed=args.seed)
+    if args.quantize == "int8":
+        import dataclasses
+
+        from tokenserve.model.quantize import quantize_model
+
+        model = quantize_model(model, dtype=model.compute_dtype)
+        config = dataclasses.replace(config, model=model.config)
     path = export_model(model, tokenizer, config, args.output, jit_compile=args.xla,
                         version=args.version, model_name=args.model_name)
     print(f"exported {config.name} ({config.model.family}, "
           f"{sum(w.numpy().size for w in model.weights):,} parameters, "
+          f"weights={getattr(config.model, 'weight_format', 'float')}, "
           f"xla={'on' if args.xla else 'off'}) to {path} in {time.perf_counter() - started:.1f}s")
     return 0

@@ -7,6 +7,8 @@ returns logits. This and tf_step.py are the engine's only TensorFlow code.
 from __future__ import annotations
 
 import json
+import logging
+import os
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +18,8 @@ from tokenserve.engine.cache_accounting import BlockAllocator, SlotAllocator
 from tokenserve.engine.config import EngineConfig
 from tokenserve.engine.scheduler import SchedulerOutput
 from tokenserve.errors import ModelLoadError
+
+log = logging.getLogger(__name__)
 
 _CONTEXT_PAD = 32  # context lengths are padded to a multiple of this (fewer distinct shapes)
 _DECODE_GROUPS = 6  # decode rows are attended in at most this many context-length groups
@@ -38,19 +42,43 @@ def _token_buckets():
         size += 64
 
 
-def cpu_has_bf16() -> bool:
-    """True when the CPU has AMX or AVX512-BF16, where oneDNN's bf16 matmuls pay."""
+def cpu_flags() -> set[str]:
     try:
-        flags = Path("/proc/cpuinfo").read_text()
+        text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return False
-    return "amx_bf16" in flags or "avx512_bf16" in flags
+        return set()
+    line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
+    return set(line.partition(":")[2].split())
 
 
-def resolve_precision(precision: str) -> str:
-    if precision == "auto":
-        return "bfloat16" if cpu_has_bf16() else "float32"
-    return precision
+def cpu_has_bf16() -> bool:
+    """True when the CPU has AMX or AVX512-BF16, where oneDNN's bf16 matmuls pay, and
+    oneDNN is allowed to use them: ONEDNN_MAX_CPU_ISA=AVX2 (say) caps it below bf16, and
+    oneDNN then fails to create bf16 matmuls at all."""
+    cap = (os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA")
+           or "ALL").upper()
+    capped = cap not in ("ALL", "DEFAULT") and "BF16" not in cap and "AMX" not in cap \
+        and "FP16" not in cap and "AVX10" not in cap
+    return bool({"amx_bf16", "avx512_bf16"} & cpu_flags()) and not capped
+
+
+def choose_precision(precision: str, weight_format: str = "float") -> tuple[str, str]:
+    """(compute dtype, why) for an engine's `precision` setting on this CPU."""
+    if weight_format == "int8":
+        return "float32", ("int8 weights: the int8 kernel multiplies in float32 "
+                           "(bfloat16 would only add casts)")
+    if precision != "auto":
+        return precision, "set explicitly"
+    if cpu_has_bf16():
+        found = sorted({"amx_bf16", "avx512_bf16"} & cpu_flags())
+        return "bfloat16", (f"the CPU has {', '.join(found)}: oneDNN's bf16 matmuls beat "
+                            f"float32 (benchmarks/precision.py)")
+    return "float32", ("the CPU has neither AMX nor AVX512-BF16: bf16 would be emulated, so "
+                       "float32 with XLA-compiled dense layers")
+
+
+def resolve_precision(precision: str, weight_format: str = "float") -> str:
+    return choose_precision(precision, weight_format)[0]
 
 
 def split_by_context(decode: list, max_groups: int, group_cost: int) -> list[list]:
@@ -97,8 +125,16 @@ class ModelRunner:
                 engine_config.max_num_seqs * config.max_seq_len)
             num_blocks = -(-capacity // block_size) + 1  # + the reserved padding block
             self.cache = BlockAllocator(num_blocks, block_size)
-            self.step = TransformerStep(model, num_blocks * block_size,
-                                        jit_dense=model.compute_dtype == "float32")
+            # XLA's float32 dense code beats oneDNN's at every batch size here, but oneDNN's
+            # bf16 matmuls beat XLA's, and the int8 kernel is a TF op that XLA cannot compile
+            self.step = TransformerStep(
+                model, num_blocks * block_size,
+                jit_dense=model.compute_dtype == "float32"
+                and config.model.weight_format == "float")
+            if config.model.weight_format == "int8":
+                from tokenserve.kernels.int8_matmul import kernel_status
+
+                log.info("int8 weights: %s", kernel_status())
         else:
             self.cache = SlotAllocator(engine_config.max_num_seqs)
             self.step = LSTMStep(model, engine_config.max_num_seqs + 1)
@@ -125,7 +161,11 @@ class ModelRunner:
                                  ) from error
         tokenizer = Tokenizer(hf, bos_token_id=config.bos_token_id,
                               eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id)
-        model = build_model(config.model, dtype=resolve_precision(engine_config.precision))
+        weight_format = getattr(config.model, "weight_format", "float")
+        precision, why = choose_precision(engine_config.precision, weight_format)
+        log.info("%s: computing in %s (precision=%s: %s)", version_dir, precision,
+                 engine_config.precision, why)
+        model = build_model(config.model, dtype=precision)
         restore_weights(model, version_dir)
         return cls(model, config, engine_config), tokenizer
 

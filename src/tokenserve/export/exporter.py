@@ -14,6 +14,7 @@ from tokenserve.config import GenerationConfig
 from tokenserve.export.module import GenerationModule, buckets
 from tokenserve.export.warmup import warmup_records, write_warmup
 from tokenserve.model.base import DecoderLM
+from tokenserve.model.layers import portable_graphs
 from tokenserve.model.tokenizer import Tokenizer
 
 GENERATION_CONFIG_FILE = "generation_config.json"
@@ -48,8 +49,9 @@ def export_model(model: DecoderLM, tokenizer: Tokenizer, config: GenerationConfi
         raise FileExistsError(f"version {version} already exists in {base_path}")
     staging = base_path / f".tmp-{version}-{int(time.time() * 1000)}"
     try:
-        module = GenerationModule(model, config, jit_compile=jit_compile)
-        tf.saved_model.save(module, str(staging), signatures=module.signatures())
+        with portable_graphs():  # loads in stock TensorFlow and TF Serving
+            module = GenerationModule(model, config, jit_compile=jit_compile)
+            tf.saved_model.save(module, str(staging), signatures=module.signatures())
         assets = staging / "assets"
         assets.mkdir(exist_ok=True)
         tokenizer.save(assets / TOKENIZER_FILE)

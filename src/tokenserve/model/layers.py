@@ -8,6 +8,8 @@ weight matrix with one matmul.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
 
 import keras
@@ -60,9 +62,42 @@ def norm(x, weights: dict, kind: str, eps: float):
 
 
 def linear(x, weights: dict):
-    """x @ kernel (+ bias); kernel is [in, out]."""
-    y = tf.matmul(x, tf.cast(weights["kernel"], x.dtype))
+    """x @ kernel (+ bias). Float weights: kernel [in, out]. int8 weights: q [out, in] with
+    scale [out, 1], through tokenserve's int8 matmul (which never rebuilds float weights)."""
+    if "q" in weights:
+        y = int8_linear(x, weights["q"], weights["scale"])
+    else:
+        y = tf.matmul(x, tf.cast(weights["kernel"], x.dtype))
     return y + tf.cast(weights["bias"], x.dtype) if "bias" in weights else y
+
+
+_portable = contextvars.ContextVar("tokenserve_portable_graphs", default=False)
+
+
+@contextlib.contextmanager
+def portable_graphs():
+    """Graphs traced inside use only stock TensorFlow ops.
+
+    A SavedModel must load in plain TensorFlow and stock TF Serving, which lack tokenserve's
+    compiled int8 op: exports trace int8 layers with the pure-TF dequantize-and-matmul."""
+    token = _portable.set(True)
+    try:
+        yield
+    finally:
+        _portable.reset(token)
+
+
+def int8_linear(x, q, scale):
+    """x [..., in] @ dequant(q [out, in], scale [out, G]).T -> [..., out] in x's dtype."""
+    from tokenserve.kernels.int8_matmul import int8_matmul, int8_matmul_fallback
+
+    width = tf.shape(q)[0]
+    rows = tf.reshape(x, [-1, tf.shape(x)[-1]])
+    if _portable.get():
+        y = tf.cast(int8_matmul_fallback(tf.cast(rows, tf.float32), q, scale), x.dtype)
+    else:
+        y = int8_matmul(rows, q, scale)
+    return tf.reshape(y, tf.concat([tf.shape(x)[:-1], [width]], 0))
 
 
 def mlp(x, up: dict, down: dict, kind: str):
@@ -108,15 +143,25 @@ def attend(q, k, v, mask):
 
 
 class Dense(keras.layers.Layer):
-    """x @ kernel (+ bias); kernel is [in, out]."""
+    """x @ kernel (+ bias); kernel is [in, out], or int8 q [out, in] with a float32 scale per
+    output channel when weight_format is int8."""
 
-    def __init__(self, units: int, use_bias: bool, std: float = _INIT_STD, **kwargs):
+    def __init__(self, units: int, use_bias: bool, std: float = _INIT_STD,
+                 weight_format: str = "float", **kwargs):
         super().__init__(**kwargs)
         self.units, self.use_bias, self.std = units, use_bias, std
+        self.weight_format = weight_format
 
     def build(self, input_shape):
-        self.kernel = self.add_weight(name="kernel", shape=(input_shape[-1], self.units),
-                                      initializer=_normal(self.std))
+        if self.weight_format == "int8":
+            self.kernel_q = self.add_weight(name="kernel_q", shape=(self.units, input_shape[-1]),
+                                            dtype="int8", initializer="zeros", trainable=False)
+            self.kernel_scale = self.add_weight(name="kernel_scale", shape=(self.units, 1),
+                                                dtype="float32", initializer="ones",
+                                                trainable=False)
+        else:
+            self.kernel = self.add_weight(name="kernel", shape=(input_shape[-1], self.units),
+                                          initializer=_normal(self.std))
         if self.use_bias:
             self.bias = self.add_weight(name="bias", shape=(self.units,), initializer="zeros")
 
@@ -125,7 +170,10 @@ class Dense(keras.layers.Layer):
 
     def weights_dict(self) -> dict:
         """This layer's variables by role, for `linear` (the engine passes them explicitly)."""
-        found = {"kernel": self.kernel.value}
+        if self.weight_format == "int8":
+            found = {"q": self.kernel_q.value, "scale": self.kernel_scale.value}
+        else:
+            found = {"kernel": self.kernel.value}
         if self.use_bias:
             found["bias"] = self.bias.value
         return found
@@ -138,9 +186,11 @@ class Attention(keras.layers.Layer):
         super().__init__(**kwargs)
         self.config = config
         c = config
-        self.qkv = Dense((c.num_heads + 2 * c.num_kv_heads) * c.head_dim, c.qkv_bias, name="qkv")
+        self.qkv = Dense((c.num_heads + 2 * c.num_kv_heads) * c.head_dim, c.qkv_bias,
+                         weight_format=c.weight_format, name="qkv")
         out_std = _INIT_STD / math.sqrt(2 * c.num_layers)  # GPT-2's scaled residual init
-        self.out = Dense(c.hidden_size, c.out_bias, std=out_std, name="out")
+        self.out = Dense(c.hidden_size, c.out_bias, std=out_std, weight_format=c.weight_format,
+                         name="out")
 
     def _project(self, x, positions):
         c = self.config
@@ -186,9 +236,9 @@ class MLP(keras.layers.Layer):
         c = config
         self.kind = c.mlp
         width = 2 * c.intermediate_size if c.mlp == "swiglu" else c.intermediate_size
-        self.up = Dense(width, c.mlp_bias, name="up")
+        self.up = Dense(width, c.mlp_bias, weight_format=c.weight_format, name="up")
         self.down = Dense(c.hidden_size, c.mlp_bias, std=_INIT_STD / math.sqrt(2 * c.num_layers),
-                          name="down")
+                          weight_format=c.weight_format, name="down")
 
     def call(self, x):
         return mlp(x, self.up.weights_dict(), self.down.weights_dict(), self.kind)

@@ -7,7 +7,7 @@ import tensorflow as tf
 
 from tokenserve.config import TransformerConfig
 from tokenserve.model.base import DecoderLM
-from tokenserve.model.layers import Block, Dense, Norm, _normal
+from tokenserve.model.layers import Block, Dense, Norm, _normal, int8_linear
 
 
 class TransformerLM(DecoderLM):
@@ -22,13 +22,22 @@ class TransformerLM(DecoderLM):
         self.config = config
         self.blocks = [Block(config, name=f"block_{i}") for i in range(config.num_layers)]
         self.final_norm = Norm(config.norm, config.norm_eps, name="final_norm")
-        self.head = None if config.tie_embeddings else Dense(config.vocab_size, False, name="head")
+        self.head = None if config.tie_embeddings else Dense(
+            config.vocab_size, False, weight_format=config.weight_format, name="head")
 
     def build(self, input_shape=None):
         c = self.config
-        self.token_embedding = self.add_weight(name="token_embedding",
-                                               shape=(c.vocab_size, c.hidden_size),
-                                               initializer=_normal())
+        if c.weight_format == "int8":  # [vocab, D] rows are also the tied head's outputs
+            self.token_embedding_q = self.add_weight(
+                name="token_embedding_q", shape=(c.vocab_size, c.hidden_size), dtype="int8",
+                initializer="zeros", trainable=False)
+            self.token_embedding_scale = self.add_weight(
+                name="token_embedding_scale", shape=(c.vocab_size, 1), dtype="float32",
+                initializer="ones", trainable=False)
+        else:
+            self.token_embedding = self.add_weight(name="token_embedding",
+                                                   shape=(c.vocab_size, c.hidden_size),
+                                                   initializer=_normal())
         if c.position == "learned":
             self.position_embedding = self.add_weight(name="position_embedding",
                                                       shape=(c.max_seq_len, c.hidden_size),
@@ -42,14 +51,22 @@ class TransformerLM(DecoderLM):
         self.built = True
 
     def _embed(self, token_ids, positions):
-        x = tf.gather(tf.cast(self.token_embedding, self.compute_dtype), token_ids)
+        if self.config.weight_format == "int8":
+            rows = tf.cast(tf.gather(self.token_embedding_q, token_ids), tf.float32)
+            x = tf.cast(rows * tf.gather(self.token_embedding_scale, token_ids),
+                        self.compute_dtype)
+        else:
+            x = tf.gather(tf.cast(self.token_embedding, self.compute_dtype), token_ids)
         if self.config.position == "learned":
             x += tf.gather(tf.cast(self.position_embedding, self.compute_dtype), positions)
         return x
 
     def _logits(self, hidden):
         hidden = self.final_norm(hidden)
-        if self.head is None:
+        if self.head is None and self.config.weight_format == "int8":
+            logits = int8_linear(hidden, self.token_embedding_q.value,
+                                 self.token_embedding_scale.value)
+        elif self.head is None:
             logits = tf.matmul(hidden, tf.cast(self.token_embedding, hidden.dtype),
                                transpose_b=True)
         else:

@@ -1,0 +1,535 @@
+// TokenserveInt8Matmul: y[M, N] = x[M, K] @ dequant(q[N, K], scale[N, G]).T on the CPU.
+//
+// Built for LLM decode (M = 1..32): the run time is dominated by streaming the weights, so
+// they are kept as int8 (one byte per weight, output-major so each output's K weights are
+// contiguous) and read from memory once per call, software-prefetched a few tiles ahead.
+// Every row of x is swept over a small tile of output channels while that tile's weights
+// sit in L1; tiles are spread over TF's intra-op threads.
+//
+// Two inner kernels, both with an AVX2+FMA path and a portable scalar path (same math):
+//   * int8 activations (llama.cpp's q8_0 idea): each row of x is quantized once per call to
+//     int8 in blocks of 32 with one float scale per block, then 32-wide integer dot products
+//     (_mm256_maddubs_epi16 + _mm256_madd_epi16) are scaled by the block scale. About half
+//     the instructions per multiply-add of the float kernel; error ~1/254 of the block absmax.
+//   * float activations: a tile of weights is dequantized (scale folded in) into a small
+//     float buffer once, then plain FMA dot products for every row of x. Exact up to float
+//     rounding.
+// The int8 kernel is the default: it measured about 2x faster than the float one at every
+// shape of benchmarks/int8_matmul.py. The float kernel stays as an exact option
+// (activations="float").
+//
+// Scales: scale[n, g] applies to q[n, g*K/G : (g+1)*K/G]. Activation blocks never straddle a
+// weight group (they restart at each group boundary), so any K and any group size work; a
+// block shorter than 32 is zero-padded. q must lie in [-127, 127] (symmetric quantization,
+// as quantize_weight produces): the AVX2 sign trick cannot negate -128.
+
+#include <algorithm>
+#include <cfloat>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define TOKENSERVE_X86 1
+#endif
+
+#include "tensorflow/core/framework/op.h"
+#include "tensorflow/core/framework/op_kernel.h"
+#include "tensorflow/core/framework/shape_inference.h"
+#include "tensorflow/core/platform/threadpool.h"
+
+namespace tokenserve {
+namespace {
+
+using tensorflow::int64;
+using tensorflow::OpKernel;
+using tensorflow::OpKernelConstruction;
+using tensorflow::OpKernelContext;
+using tensorflow::Tensor;
+using tensorflow::TensorShape;
+using tensorflow::errors::InvalidArgument;
+using tensorflow::shape_inference::DimensionHandle;
+using tensorflow::shape_inference::InferenceContext;
+using tensorflow::shape_inference::ShapeHandle;
+
+constexpr int kBlock = 32;  // activation quantization block (one float scale per block)
+constexpr int kTile = 4;    // output channels per micro-kernel call
+constexpr int kPrefetchTiles = 2;  // how far ahead weights are prefetched (1..8 measured)
+
+// Shapes of one call and how K splits into weight groups and activation blocks.
+struct Geometry {
+  int64 M, K, N, G;
+  int64 group;   // K / G: weights sharing one scale
+  int64 blocks;  // activation blocks per group: ceil(group / 32)
+  int64 tail;    // length of the last block of each group, 1..32
+  int64 padded;  // K rounded up to 8 (float kernel's buffer stride)
+  int64 RowBlocks() const { return G * blocks; }
+  int64 BlockLen(int64 j) const { return j == blocks - 1 ? tail : kBlock; }
+};
+
+// Quantized activations: row m, block b has 32 int8 values at q[(m*RowBlocks + b)*32]
+// (zero-padded) and its scale at d[m*RowBlocks + b]; x ~= q * d.
+struct QuantizedRows {
+  std::vector<int8_t> q;
+  std::vector<float> d;
+};
+
+// A tile of output channels: rows [n0, n0 + count) of q and scale.
+struct Tile {
+  const int8_t* q;      // q + n0 * K
+  const float* scale;   // scale + n0 * G
+  int64 n0, count;
+};
+
+// ---------------------------------------------------------------------------------------
+// Portable scalar path. Same operations in the same order per block as the AVX2 path, so
+// quantized activations are bit-identical and results differ only by float summation order.
+
+// Quantizes x[0, len) into q[0, 32) (zero-padded) and returns the block scale. A block with
+// a NaN or infinity gets q = 0 and scale NaN, so the outputs it feeds become NaN (as in the
+// float matmul) instead of finite garbage.
+float QuantizeBlockScalar(const float* x, int64 len, int8_t* q) {
+  float amax = 0.f;
+  bool finite = true;
+  for (int64 i = 0; i < len; ++i) {
+    finite = finite && std::isfinite(x[i]);
+    amax = std::max(amax, std::fabs(x[i]));
+  }
+  if (!finite) {
+    std::memset(q, 0, kBlock);
+    return NAN;
+  }
+  const float inv = amax > 0.f ? 127.f / amax : 0.f;
+  for (int64 i = 0; i < kBlock; ++i) {
+    // nearbyint: round half to even, as _mm256_round_ps(_MM_FROUND_TO_NEAREST_INT) does.
+    q[i] = i < len ? static_cast<int8_t>(std::nearbyint(x[i] * inv)) : 0;
+  }
+  return amax / 127.f;
+}
+
+void Int8TileScalar(const Geometry& g, const QuantizedRows& xq, const Tile& t, float* y) {
+  const int64 nb = g.RowBlocks();
+  for (int64 m = 0; m < g.M; ++m) {
+    const int8_t* xrow = xq.q.data() + m * nb * kBlock;
+    const float* drow = xq.d.data() + m * nb;
+    for (int64 r = 0; r < t.count; ++r) {
+      const int8_t* w = t.q + r * g.K;
+      float total = 0.f;
+      for (int64 grp = 0; grp < g.G; ++grp) {
+        float acc = 0.f;
+        for (int64 j = 0; j < g.blocks; ++j) {
+          const int64 b = grp * g.blocks + j;
+          const int8_t* wb = w + grp * g.group + j * kBlock;
+          const int8_t* xb = xrow + b * kBlock;
+          int32_t dot = 0;
+          for (int64 i = 0; i < g.BlockLen(j); ++i) dot += int32_t{xb[i]} * int32_t{wb[i]};
+          acc += static_cast<float>(dot) * drow[b];
+        }
+        total += acc * t.scale[r * g.G + grp];
+      }
+      y[m * g.N + t.n0 + r] = total;
+    }
+  }
+}
+
+// Dequantizes the tile's weights (scale folded in) into buf[count][padded], zero-padded.
+void DequantizeTileScalar(const Geometry& g, const Tile& t, float* buf) {
+  for (int64 r = 0; r < t.count; ++r) {
+    float* out = buf + r * g.padded;
+    for (int64 k = 0; k < g.K; ++k) {
+      out[k] = static_cast<float>(t.q[r * g.K + k]) * t.scale[r * g.G + k / g.group];
+    }
+    for (int64 k = g.K; k < g.padded; ++k) out[k] = 0.f;
+  }
+}
+
+void FloatTileScalar(const Geometry& g, const float* x, const Tile& t, float* buf, float* y) {
+  DequantizeTileScalar(g, t, buf);
+  for (int64 m = 0; m < g.M; ++m) {
+    const float* xrow = x + m * g.K;
+    for (int64 r = 0; r < t.count; ++r) {
+      const float* w = buf + r * g.padded;
+      float acc = 0.f;
+      for (int64 k = 0; k < g.K; ++k) acc += xrow[k] * w[k];
+      y[m * g.N + t.n0 + r] = acc;
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------
+// AVX2 + FMA path. Functions carry target attributes (rather than relying on -m flags) so the
+// library still loads and runs the scalar path on a CPU without AVX2.
+#ifdef TOKENSERVE_X86
+#define AVX2_FN __attribute__((target("avx2,fma")))
+
+AVX2_FN inline float HorizontalSum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+AVX2_FN inline float HorizontalMax(__m256 v) {
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_max_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+AVX2_FN float QuantizeBlockAvx2(const float* x, int64 len, int8_t* q) {
+  alignas(32) float padded[kBlock];
+  if (len < kBlock) {  // rare: the last block of a group whose size is not a multiple of 32
+    std::memset(padded, 0, sizeof(padded));
+    std::memcpy(padded, x, len * sizeof(float));
+    x = padded;
+  }
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  const __m256 largest = _mm256_set1_ps(FLT_MAX);
+  __m256 v[4];
+  __m256 amax = _mm256_setzero_ps();
+  __m256 bad = _mm256_setzero_ps();  // lanes that saw a NaN or an infinity
+  for (int i = 0; i < 4; ++i) {
+    v[i] = _mm256_loadu_ps(x + 8 * i);
+    const __m256 a = _mm256_andnot_ps(sign, v[i]);
+    amax = _mm256_max_ps(amax, a);
+    bad = _mm256_or_ps(bad, _mm256_cmp_ps(a, largest, _CMP_NLE_UQ));
+  }
+  if (_mm256_movemask_ps(bad)) {  // as QuantizeBlockScalar: outputs become NaN
+    std::memset(q, 0, kBlock);
+    return NAN;
+  }
+  const float max_abs = HorizontalMax(amax);
+  const __m256 inv = _mm256_set1_ps(max_abs > 0.f ? 127.f / max_abs : 0.f);
+  __m256i i32[4];
+  for (int i = 0; i < 4; ++i) {
+    const __m256 scaled = _mm256_round_ps(_mm256_mul_ps(v[i], inv),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    i32[i] = _mm256_cvtps_epi32(scaled);
+  }
+  // Packing works per 128-bit lane; the final permute restores element order.
+  const __m256i i16a = _mm256_packs_epi32(i32[0], i32[1]);
+  const __m256i i16b = _mm256_packs_epi32(i32[2], i32[3]);
+  const __m256i i8 = _mm256_packs_epi16(i16a, i16b);
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), _mm256_permutevar8x32_epi32(i8, order));
+  return max_abs / 127.f;
+}
+
+// One 32-value activation block against the same block of NT weight rows (stride apart):
+// acc[r] += d * (8 partial int32 sums of x . w_r).
+template <int NT>
+AVX2_FN __attribute__((always_inline)) inline void Int8BlockAvx2(const int8_t* x, float d,
+                                                                 const int8_t* w, int64 stride,
+                                                                 __m256* acc) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+  // maddubs multiplies unsigned by signed bytes: use |x| and move x's sign onto w.
+  // |x|, |w| <= 127, so a pair sum is at most 2 * 127 * 127 and never saturates.
+  const __m256i ax = _mm256_sign_epi8(xv, xv);
+  const __m256 dv = _mm256_set1_ps(d);
+  for (int r = 0; r < NT; ++r) {
+    const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + r * stride));
+    const __m256i pairs = _mm256_maddubs_epi16(ax, _mm256_sign_epi8(wv, xv));
+    const __m256i sums = _mm256_madd_epi16(pairs, ones);
+    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), dv, acc[r]);
+  }
+}
+
+// NT output channels x every row of x. The NT weight rows (NT * K bytes) stay in L1 while
+// all M rows sweep over them.
+template <int NT>
+AVX2_FN void Int8TileAvx2(const Geometry& g, const QuantizedRows& xq, const Tile& t, float* y) {
+  // Locals, so the compiler keeps them in registers across the stores to y.
+  const int64 K = g.K, G = g.G, group = g.group, blocks = g.blocks, tail = g.tail;
+  const int64 row_blocks = g.RowBlocks();
+  // Blocks of a group that need no padding: all but a last block shorter than 32.
+  const int64 full = tail == kBlock ? blocks : blocks - 1;
+  alignas(32) int8_t padded[NT * kBlock] = {};  // a short last block's weights, zero-padded
+  for (int64 m = 0; m < g.M; ++m) {
+    const int8_t* xrow = xq.q.data() + m * row_blocks * kBlock;
+    const float* drow = xq.d.data() + m * row_blocks;
+    __m256 total[NT];
+    for (int r = 0; r < NT; ++r) total[r] = _mm256_setzero_ps();
+    for (int64 grp = 0; grp < G; ++grp) {
+      const int8_t* xg = xrow + grp * blocks * kBlock;
+      const float* dg = drow + grp * blocks;
+      const int8_t* wg = t.q + grp * group;
+      __m256 acc[NT];
+      for (int r = 0; r < NT; ++r) acc[r] = _mm256_setzero_ps();
+      for (int64 j = 0; j < full; ++j) {
+        Int8BlockAvx2<NT>(xg + j * kBlock, dg[j], wg + j * kBlock, K, acc);
+      }
+      if (full < blocks) {  // copy rather than read past the end of q
+        for (int r = 0; r < NT; ++r) {
+          std::memcpy(padded + r * kBlock, wg + full * kBlock + r * K, tail);
+        }
+        Int8BlockAvx2<NT>(xg + full * kBlock, dg[full], padded, kBlock, acc);
+      }
+      if (G == 1) {
+        for (int r = 0; r < NT; ++r) total[r] = acc[r];
+      } else {
+        for (int r = 0; r < NT; ++r) {
+          total[r] = _mm256_fmadd_ps(acc[r], _mm256_set1_ps(t.scale[r * G + grp]), total[r]);
+        }
+      }
+    }
+    // Per-channel scale (G == 1) applied once, after the sum.
+    for (int r = 0; r < NT; ++r) {
+      y[m * g.N + t.n0 + r] = HorizontalSum(total[r]) * (G == 1 ? t.scale[r] : 1.f);
+    }
+  }
+}
+
+AVX2_FN void DequantizeTileAvx2(const Geometry& g, const Tile& t, float* buf) {
+  for (int64 r = 0; r < t.count; ++r) {
+    const int8_t* w = t.q + r * g.K;
+    float* out = buf + r * g.padded;
+    for (int64 grp = 0; grp < g.G; ++grp) {
+      const float s = t.scale[r * g.G + grp];
+      const __m256 sv = _mm256_set1_ps(s);
+      const int64 begin = grp * g.group, end = begin + g.group;
+      int64 k = begin;
+      for (; k + 8 <= end; k += 8) {
+        const __m128i w8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + k));
+        const __m256 wf = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(w8));
+        _mm256_storeu_ps(out + k, _mm256_mul_ps(wf, sv));
+      }
+      for (; k < end; ++k) out[k] = static_cast<float>(w[k]) * s;
+    }
+    for (int64 k = g.K; k < g.padded; ++k) out[k] = 0.f;
+  }
+}
+
+template <int NT>
+AVX2_FN void FloatTileAvx2(const Geometry& g, const float* x, const Tile& t, float* buf,
+                           float* y) {
+  DequantizeTileAvx2(g, t, buf);
+  const int64 K = g.K, padded = g.padded, full = g.K / 8 * 8;
+  // Lanes of the last, partial 8-vector of x (the buffer is zero-padded there).
+  alignas(32) int32_t mask_lanes[8];
+  for (int i = 0; i < 8; ++i) mask_lanes[i] = full + i < K ? -1 : 0;
+  const __m256i mask = _mm256_load_si256(reinterpret_cast<const __m256i*>(mask_lanes));
+  for (int64 m = 0; m < g.M; ++m) {
+    const float* xrow = x + m * K;
+    __m256 acc[NT];
+    for (int r = 0; r < NT; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64 k = 0; k < full; k += 8) {
+      const __m256 xv = _mm256_loadu_ps(xrow + k);
+      for (int r = 0; r < NT; ++r) {
+        acc[r] = _mm256_fmadd_ps(xv, _mm256_loadu_ps(buf + r * padded + k), acc[r]);
+      }
+    }
+    if (full < K) {
+      const __m256 xv = _mm256_maskload_ps(xrow + full, mask);
+      for (int r = 0; r < NT; ++r) {
+        acc[r] = _mm256_fmadd_ps(xv, _mm256_loadu_ps(buf + r * padded + full), acc[r]);
+      }
+    }
+    for (int r = 0; r < NT; ++r) y[m * g.N + t.n0 + r] = HorizontalSum(acc[r]);
+  }
+}
+#undef AVX2_FN
+#endif  // TOKENSERVE_X86
+
+bool CpuHasAvx2Fma() {
+#ifdef TOKENSERVE_X86
+  static const bool has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return has;
+#else
+  return false;
+#endif
+}
+
+// ---------------------------------------------------------------------------------------
+// Dispatch over ISA and kernel variant.
+
+void QuantizeRows(const Geometry& g, const float* x, bool avx2, QuantizedRows* out) {
+  const int64 nb = g.RowBlocks();
+  out->q.resize(g.M * nb * kBlock);
+  out->d.resize(g.M * nb);
+  for (int64 m = 0; m < g.M; ++m) {
+    for (int64 grp = 0; grp < g.G; ++grp) {
+      for (int64 j = 0; j < g.blocks; ++j) {
+        const int64 b = m * nb + grp * g.blocks + j;
+        const float* src = x + m * g.K + grp * g.group + j * kBlock;
+        int8_t* dst = out->q.data() + b * kBlock;
+#ifdef TOKENSERVE_X86
+        if (avx2) {
+          out->d[b] = QuantizeBlockAvx2(src, g.BlockLen(j), dst);
+          continue;
+        }
+#endif
+        out->d[b] = QuantizeBlockScalar(src, g.BlockLen(j), dst);
+      }
+    }
+  }
+}
+
+void Int8Tile(const Geometry& g, const QuantizedRows& xq, const Tile& t, bool avx2, float* y) {
+#ifdef TOKENSERVE_X86
+  if (avx2) {
+    if (t.count == kTile) return Int8TileAvx2<kTile>(g, xq, t, y);
+    for (int64 r = 0; r < t.count; ++r) {  // N % kTile leftovers, one channel at a time
+      Int8TileAvx2<1>(g, xq, Tile{t.q + r * g.K, t.scale + r * g.G, t.n0 + r, 1}, y);
+    }
+    return;
+  }
+#endif
+  Int8TileScalar(g, xq, t, y);
+}
+
+void FloatTile(const Geometry& g, const float* x, const Tile& t, bool avx2, float* buf,
+               float* y) {
+#ifdef TOKENSERVE_X86
+  if (avx2) {
+    if (t.count == kTile) return FloatTileAvx2<kTile>(g, x, t, buf, y);
+    for (int64 r = 0; r < t.count; ++r) {
+      FloatTileAvx2<1>(g, x, Tile{t.q + r * g.K, t.scale + r * g.G, t.n0 + r, 1}, buf, y);
+    }
+    return;
+  }
+#endif
+  FloatTileScalar(g, x, t, buf, y);
+}
+
+}  // namespace
+
+REGISTER_OP("TokenserveInt8Matmul")
+    .Input("x: float")       // [M, K]
+    .Input("q: int8")        // [N, K], values in [-127, 127]
+    .Input("scale: float")   // [N, G], G divides K
+    .Output("y: float")      // [M, N]
+    .Attr("activations: {'int8', 'float'} = 'int8'")
+    .Attr("isa: {'auto', 'scalar'} = 'auto'")
+    .SetShapeFn([](InferenceContext* c) {
+      ShapeHandle x, q, scale;
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 2, &x));
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(1), 2, &q));
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(2), 2, &scale));
+      DimensionHandle k, n;
+      TF_RETURN_IF_ERROR(c->Merge(c->Dim(x, 1), c->Dim(q, 1), &k));
+      TF_RETURN_IF_ERROR(c->Merge(c->Dim(q, 0), c->Dim(scale, 0), &n));
+      c->set_output(0, c->Matrix(c->Dim(x, 0), n));
+      return absl::OkStatus();
+    })
+    .Doc("y = x @ (q * scale expanded over K / G columns per group).T; int8 weights.");
+
+REGISTER_OP("TokenserveInt8MatmulInfo")
+    .Output("info: string")
+    .SetShapeFn([](InferenceContext* c) {
+      c->set_output(0, c->Scalar());
+      return absl::OkStatus();
+    })
+    .Doc("Which instruction set the TokenserveInt8Matmul kernel uses on this CPU.");
+
+class Int8MatmulOp : public OpKernel {
+ public:
+  explicit Int8MatmulOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    std::string isa;
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("activations", &activations_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("isa", &isa));
+    avx2_ = isa == "auto" && CpuHasAvx2Fma();
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    const Tensor& x = ctx->input(0);
+    const Tensor& q = ctx->input(1);
+    const Tensor& scale = ctx->input(2);
+    OP_REQUIRES(ctx, x.dims() == 2,
+                InvalidArgument("x must be [M, K], got shape ", x.shape().DebugString()));
+    OP_REQUIRES(ctx, q.dims() == 2,
+                InvalidArgument("q must be [N, K], got shape ", q.shape().DebugString()));
+    OP_REQUIRES(ctx, scale.dims() == 2,
+                InvalidArgument("scale must be [N, G], got shape ", scale.shape().DebugString()));
+    Geometry g;
+    g.M = x.dim_size(0);
+    g.K = x.dim_size(1);
+    g.N = q.dim_size(0);
+    g.G = scale.dim_size(1);
+    OP_REQUIRES(ctx, q.dim_size(1) == g.K,
+                InvalidArgument("x is [M, K] with K = ", g.K, " but q is ",
+                                q.shape().DebugString(), ", expected [N, K]"));
+    OP_REQUIRES(ctx, scale.dim_size(0) == g.N,
+                InvalidArgument("q has N = ", g.N, " rows but scale is ",
+                                scale.shape().DebugString(), ", expected [N, G]"));
+    OP_REQUIRES(ctx, g.G >= 1 && g.K % g.G == 0,
+                InvalidArgument("scale's group count G = ", g.G, " must be >= 1 and divide K = ",
+                                g.K));
+
+    Tensor* y_tensor = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({g.M, g.N}), &y_tensor));
+    float* y = y_tensor->flat<float>().data();
+    if (g.M == 0 || g.N == 0) return;
+    if (g.K == 0) {  // empty sum
+      std::fill(y, y + g.M * g.N, 0.f);
+      return;
+    }
+    g.group = g.K / g.G;
+    g.blocks = (g.group + kBlock - 1) / kBlock;
+    g.tail = g.group - (g.blocks - 1) * kBlock;
+    g.padded = (g.K + 7) / 8 * 8;
+
+    const float* xp = x.flat<float>().data();
+    const int8_t* qp = q.flat<int8_t>().data();
+    const float* sp = scale.flat<float>().data();
+    const bool int8 = activations_ == "int8";
+    QuantizedRows xq;
+    // Once per call, before the parallel loop: every tile reuses the quantized rows.
+    if (int8) QuantizeRows(g, xp, avx2_, &xq);
+
+    const bool avx2 = avx2_;
+    auto work = [&](int64 begin, int64 end) {
+      std::vector<float> buf;  // float kernel's dequantized tile, one per shard
+      if (!int8) buf.resize(kTile * g.padded);
+      for (int64 tile = begin; tile < end; ++tile) {
+        const int64 n0 = tile * kTile;
+        // Software prefetch of the weights kPrefetchTiles tiles ahead: with the hardware
+        // prefetcher alone a core streamed about half the bandwidth oneDNN's float32 matmul
+        // reaches (measured 14 vs 25 GB/s on the LM head at M = 1, and M = 8 was 1.8x slower).
+        const int64 ahead = n0 + kPrefetchTiles * kTile;
+        if (ahead < g.N) {
+          const char* p = reinterpret_cast<const char*>(qp + ahead * g.K);
+          const int64 bytes = std::min<int64>(kTile, g.N - ahead) * g.K;
+          for (int64 off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, 0, 3);
+        }
+        const Tile t{qp + n0 * g.K, sp + n0 * g.G, n0, std::min<int64>(kTile, g.N - n0)};
+        if (int8) {
+          Int8Tile(g, xq, t, avx2, y);
+        } else {
+          FloatTile(g, xp, t, avx2, buf.data(), y);
+        }
+      }
+    };
+    // Cost of one tile in cycles, roughly (measured per core: ~16 int8 multiply-adds and
+    // ~7 weight bytes from DRAM per cycle): Eigen's cost model then keeps small calls on
+    // the calling thread and splits large ones into shards of ~40k cycles.
+    const int64 cost = kTile * g.K * (g.M + 3) / 16;
+    const int64 tiles = (g.N + kTile - 1) / kTile;
+    ctx->device()->tensorflow_cpu_worker_threads()->workers->ParallelFor(
+        tiles, tensorflow::thread::ThreadPool::SchedulingParams::Adaptive(cost), work);
+  }
+
+ private:
+  std::string activations_;
+  bool avx2_ = false;
+};
+
+class Int8MatmulInfoOp : public OpKernel {
+ public:
+  explicit Int8MatmulInfoOp(OpKernelConstruction* ctx) : OpKernel(ctx) {}
+  void Compute(OpKernelContext* ctx) override {
+    Tensor* out = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({}), &out));
+    out->scalar<tensorflow::tstring>()() = CpuHasAvx2Fma() ? "AVX2+FMA" : "scalar (no AVX2+FMA)";
+  }
+};
+
+REGISTER_KERNEL_BUILDER(Name("TokenserveInt8Matmul").Device(tensorflow::DEVICE_CPU),
+                        Int8MatmulOp);
+REGISTER_KERNEL_BUILDER(Name("TokenserveInt8MatmulInfo").Device(tensorflow::DEVICE_CPU),
+                        Int8MatmulInfoOp);
+
+}  // namespace tokenserve

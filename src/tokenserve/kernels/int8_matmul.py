@@ -1,0 +1,244 @@
+"""int8-weight matrix multiply for CPU decode, usable in graph-mode tf.function (no XLA).
+
+A decode step (batch 1..32) is bound by reading the weights, so they are stored as int8
+(one byte each, 4x less than float32) with float32 scales, and multiplied by a TF custom op
+written in C++ with AVX2 intrinsics (`int8_matmul.cc`). The op is compiled from source on
+first use with the local g++ and TensorFlow's own compile flags, and cached under
+`tokenserve.cache.cache_dir("kernels")`. Without a compiler, or with
+TOKENSERVE_INT8_KERNEL=fallback, a pure-TF fallback computes nearly the same numbers
+(it dequantizes the whole weight each call, so it is slower than float32).
+
+    q, scale = quantize_weight(dense.kernel.numpy())      # [N, K] int8, [N, G] float32
+    y = int8_matmul(x, q, scale)                           # x [M, K] -> y [M, N]
+
+Environment:
+  TOKENSERVE_INT8_KERNEL=fallback   use the pure-TF path (read each time a graph is traced)
+  TOKENSERVE_INT8_KERNEL_MARCH=...  target of the build: "native" (default), "avx2"
+                                    (-mavx2 -mfma), or any -march value
+
+`python -m tokenserve.kernels.int8_matmul` builds the op and prints kernel_status().
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import numpy as np
+import tensorflow as tf
+
+from tokenserve.cache import cache_dir
+
+log = logging.getLogger("tokenserve.kernels")
+
+SOURCE = Path(__file__).with_name("int8_matmul.cc")
+MODE_ENV = "TOKENSERVE_INT8_KERNEL"
+MARCH_ENV = "TOKENSERVE_INT8_KERNEL_MARCH"
+
+_lock = threading.Lock()
+# The op library once loaded (its module and build flags), or why it is unavailable (str).
+# One per process: a second build of the same ops would not register again.
+_loaded: tuple[object, str] | str | None = None
+
+
+# ---------------------------------------------------------------------------------------------
+# Quantization
+
+
+def quantize_weight(kernel: np.ndarray, group_size: int | None = None
+                    ) -> tuple[np.ndarray, np.ndarray]:
+    """Symmetric int8 quantization of a Dense kernel.
+
+    kernel: float [K, N] (Keras layout, inputs x outputs).
+    Returns q int8 [N, K] (transposed: each output's weights contiguous) and scale float32
+    [N, G], G = K // group_size (G = 1, one scale per output channel, when group_size is
+    None), with kernel.T ~= q * scale repeated over each group's K // G columns.
+    scale = absmax / 127 per row or group; an all-zero one gets scale 1 (q is 0 there).
+    """
+    w = np.asarray(kernel, dtype=np.float32).T  # [N, K]
+    n, k = w.shape
+    if group_size is None:
+        group_size = k
+    if group_size <= 0 or k % group_size:
+        raise ValueError(f"group_size {group_size} must be positive and divide K = {k}")
+    groups = w.reshape(n, k // group_size, group_size)
+    scale = np.abs(groups).max(axis=2, initial=0.0) / 127.0  # [N, G]
+    scale[scale == 0] = 1.0
+    q = np.clip(np.rint(groups / scale[:, :, None]), -127, 127).astype(np.int8)
+    return np.ascontiguousarray(q.reshape(n, k)), scale.astype(np.float32)
+
+
+def dequantize_weight(q: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    """q int8 [N, K], scale [N, G] -> float32 [N, K] (the inverse of quantize_weight, .T)."""
+    n, k = q.shape
+    g = scale.shape[1]
+    w = q.astype(np.float32).reshape(n, g, k // g) * scale[:, :, None]
+    return w.reshape(n, k)
+
+
+# ---------------------------------------------------------------------------------------------
+# The matmul
+
+
+def int8_matmul(x, q, scale) -> tf.Tensor:
+    """x [M, K] @ dequant(q [N, K] int8, scale [N, G] float32).T -> [M, N] in x's dtype.
+
+    q must lie in [-127, 127], as quantize_weight makes it (the op's AVX2 path cannot use
+    -128). The compiled op quantizes x per 32-value block to int8 (error up to 1/254 of the
+    block's absmax per value); the fallback does not.
+
+    x is float32; bfloat16 and float16 are computed in float32 and cast back. Uses the
+    compiled op when it is available, else `int8_matmul_fallback`. Works eagerly and inside
+    tf.function (the choice is made when the graph is traced).
+    """
+    x = tf.convert_to_tensor(x)
+    if x.dtype in (tf.bfloat16, tf.float16):
+        return tf.cast(int8_matmul(tf.cast(x, tf.float32), q, scale), x.dtype)
+    if x.dtype != tf.float32:
+        raise TypeError(f"int8_matmul needs float32 (or bfloat16/float16) x, got {x.dtype.name}")
+    op = _op_module()
+    if op is None:
+        return int8_matmul_fallback(x, q, scale)
+    return op.tokenserve_int8_matmul(x, q, scale)
+
+
+def int8_matmul_fallback(x, q, scale) -> tf.Tensor:
+    """Pure-TF x [M, K] float32 @ dequant(q, scale).T: exact up to float rounding (no
+    activation quantization), but it reads q and writes a float32 copy of it every call."""
+    x = tf.convert_to_tensor(x, tf.float32)
+    q = tf.convert_to_tensor(q, tf.int8)
+    scale = tf.convert_to_tensor(scale, tf.float32)
+    w = tf.cast(q, tf.float32)  # [N, K]
+    if scale.shape.rank == 2 and scale.shape[1] == 1:
+        # One scale per output: scale the [M, N] product instead of the [N, K] weights.
+        return tf.matmul(x, w, transpose_b=True) * scale[:, 0]
+    n, k, g = tf.shape(q)[0], tf.shape(q)[1], tf.shape(scale)[1]
+    tf.debugging.assert_equal(k % g, 0, message="scale's group count G must divide K")
+    w = tf.reshape(tf.reshape(w, [n, g, k // g]) * scale[:, :, None], [n, k])
+    return tf.matmul(x, w, transpose_b=True)
+
+
+def compiled_int8_matmul(x, q, scale, activations: str = "int8", isa: str = "auto"):
+    """The compiled op with its kernel choices exposed (tests and benchmarks).
+
+    activations: "int8" (default; x quantized per 32-block) or "float" (exact, slower).
+    isa: "auto" (AVX2+FMA where the CPU has it) or "scalar" (the portable path).
+    Raises RuntimeError if the op is unavailable.
+    """
+    loaded = _load()
+    if isinstance(loaded, str):
+        raise RuntimeError(f"int8 op unavailable: {loaded}")
+    return loaded[0].tokenserve_int8_matmul(x, q, scale, activations=activations, isa=isa)
+
+
+def kernel_status() -> str:
+    """One line: which path int8_matmul takes here, and why (builds the op if needed)."""
+    if _forced_fallback():
+        return f"pure-TF fallback: {MODE_ENV}=fallback"
+    loaded = _load()
+    if isinstance(loaded, str):
+        return f"pure-TF fallback: {loaded}"
+    op, flags = loaded
+    isa = op.tokenserve_int8_matmul_info().numpy().decode()
+    return f"compiled int8 op ({isa}, int8 activations per 32-block; built with {flags})"
+
+
+# ---------------------------------------------------------------------------------------------
+# Building and loading
+
+
+def _forced_fallback() -> bool:
+    return os.environ.get(MODE_ENV, "").strip().lower() == "fallback"
+
+
+def _arch_flags() -> list[str]:
+    march = os.environ.get(MARCH_ENV, "").strip() or "native"
+    # "avx2": what a generic AVX2 machine runs, for benchmarking that on an AVX-512 one.
+    return ["-mavx2", "-mfma"] if march == "avx2" else [f"-march={march}"]
+
+
+def _op_module():
+    """The loaded op module, or None when the fallback is to be used."""
+    if _forced_fallback():
+        return None
+    loaded = _load()
+    return None if isinstance(loaded, str) else loaded[0]
+
+
+def _load():
+    """Builds (if needed) and loads the op once per process: (module, build flags), or the
+    reason it is unavailable (str; logged once as a warning)."""
+    global _loaded
+    with _lock:
+        if _loaded is None:
+            try:
+                _loaded = tf.load_op_library(str(build())), " ".join(_arch_flags())
+            except (OSError, RuntimeError, subprocess.SubprocessError, tf.errors.OpError) as e:
+                reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+                log.warning("int8 matmul op unavailable, using the pure-TF fallback: %s", reason)
+                _loaded = reason
+        return _loaded
+
+
+def _cpu_flags() -> str:
+    """The CPU's feature flags (Linux), so a cached build is never reused on another CPU."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return f"{platform.machine()} {platform.processor()}"
+
+
+def build() -> Path:
+    """Compiles int8_matmul.cc (if not cached) and returns the .so path.
+
+    The file name hashes the source, the TF version and flags, the target and the CPU's
+    flags. Compiles to a temporary file and renames it, so concurrent builders are safe.
+    Raises RuntimeError when it is not cached and g++ is missing or the build fails.
+    """
+    source = SOURCE.read_bytes()
+    compile_flags = ["-O3", *_arch_flags(), "-std=c++17", "-shared", "-fPIC",
+                     *tf.sysconfig.get_compile_flags()]
+    link_flags = tf.sysconfig.get_link_flags()
+    key = hashlib.sha256(b"\0".join([
+        source, tf.__version__.encode(), " ".join(compile_flags + link_flags).encode(),
+        _cpu_flags().encode()])).hexdigest()[:16]
+    out_dir = cache_dir("kernels")
+    target = out_dir / f"int8_matmul-{key}.so"
+    if target.exists():  # built before (needs no compiler now)
+        return target
+    compiler = shutil.which("g++")
+    if compiler is None:
+        raise RuntimeError("g++ not found")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=out_dir, prefix=".int8_matmul-", suffix=".so")
+    os.close(fd)
+    command = [compiler, *compile_flags, str(SOURCE), "-o", tmp, *link_flags]
+    log.info("building the int8 matmul op: %s", " ".join(command))
+    try:
+        result = subprocess.run(command, capture_output=True, text=True, timeout=600)
+        if result.returncode != 0:
+            errors = [line for line in result.stderr.splitlines() if "error" in line]
+            raise RuntimeError(f"compiling {SOURCE.name} failed: "
+                               f"{(errors or result.stderr.splitlines() or ['?'])[0]}")
+        os.chmod(tmp, 0o755)  # mkstemp made it private; a shared cache needs it readable
+        os.replace(tmp, target)  # atomic: a concurrent loader sees all of it or nothing
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    print(kernel_status())
