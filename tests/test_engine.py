@@ -190,11 +190,12 @@ def test_xla_dense_layers_compile_once_per_token_bucket(llms):
     assert step.jit_dense  # float32 runs its dense layers through XLA
     llm.generate(PROMPTS[:3], SamplingParams(max_tokens=5), use_tqdm=False)
     # every layer shares one XLA function: one trace, whatever the layer or bucket
-    traces = [fn.experimental_get_tracing_count() for fn in (step._enter, step._between,
-                                                              step._exit)]
+    dense = (step._enter, step._between, step._exit, step._head)
+    traces = [fn.experimental_get_tracing_count() for fn in dense]
     llm.generate(PROMPTS, SamplingParams(max_tokens=9), use_tqdm=False)
-    assert [fn.experimental_get_tracing_count() for fn in (step._enter, step._between,
-                                                            step._exit)] == traces == [1, 1, 1]
+    assert [fn.experimental_get_tracing_count() for fn in dense] == traces == [1, 1, 1, 1]
+    # and the XLA programs of every token bucket compile ahead of the first request
+    assert llm.engine.runner.compile_buckets() == 6  # 1, 2, 4, 8, 16, 32 >= 24 tokens
 
 
 def test_async_engine_streams_deltas_and_a_cancelled_stream_frees_its_capacity(exported):

@@ -125,6 +125,10 @@ class AsyncEngine:
         Its stats go nowhere, so metrics count only users' requests (as in TF Serving, where
         warmup records never reach the request counters)."""
         started = time.perf_counter()
+        num_compiled = self.engine.runner.compile_buckets()
+        if num_compiled:
+            log.info("compiled %d XLA step sizes in %.2fs", num_compiled,
+                     time.perf_counter() - started)
         request = self.engine.make_request([self.config.bos_token_id] * 3,
                                            SamplingParams(max_tokens=2, ignore_eos=True),
                                            "warmup")

@@ -226,12 +226,34 @@ class ModelRunner:
                 unpack.extend(range(i * chunk, i * chunk + count))
                 first += count
             prefill_inputs = (index, context(prefill), pos, np.asarray(unpack, np.int32))
+        # the LM head runs on one row per sequence: padded too, so XLA sees few shapes
+        num_rows = self._bucket(len(last), only_decode=False) if self.step.jit_dense else len(last)
+        last = np.concatenate([last, np.zeros([num_rows - len(last)], np.int32)])
         step = self.step.step_function(len(decode_groups), bool(prefill))
         logits = step(np.asarray(token_ids + padding, np.int32),
                       np.asarray(positions + padding, np.int32),
                       np.asarray(write_rows + padding, np.int32), decode_groups,
                       prefill_inputs, last)
-        return logits.numpy()
+        return logits.numpy()[:len(out.scheduled)]
+
+    def compile_buckets(self) -> int:
+        """Compiles the XLA programs of every token bucket a step can use, so no live step
+        stalls on a compile (about 0.3 s each for GPT-2-small). Returns how many ran."""
+        if not (self.is_transformer and self.step.jit_dense):
+            return 0
+        max_tokens = max(self.engine_config.max_num_batched_tokens,
+                         self.engine_config.max_num_seqs)
+        max_rows = self._bucket(self.engine_config.max_num_seqs, only_decode=False)
+        step = self.step.step_function(0, False)
+        sizes = []
+        for size in _token_buckets():
+            sizes.append(size)
+            if size >= max_tokens:
+                break
+        for size in sizes:  # padding tokens only: they write the reserved row 0
+            zeros = np.zeros([size], np.int32)
+            step(zeros, zeros, zeros, [], (), zeros[:min(size, max_rows)]).numpy()
+        return len(sizes)
 
     def _bucket(self, num_tokens: int, only_decode: bool) -> int:
         """How many tokens the step computes for `num_tokens` real ones.

@@ -68,8 +68,9 @@ class TransformerStep(tf.Module):
         # weights, so one XLA program per token bucket serves every layer. The KV cache never
         # enters them: XLA would copy the cache variables in and out on every call.
         dense = (lambda fn: tf.function(fn, jit_compile=True)) if jit_dense else (lambda fn: fn)
-        self._enter, self._between, self._exit = (dense(self._enter_fn),
-                                                  dense(self._between_fn), dense(self._exit_fn))
+        self._enter, self._between, self._exit, self._head = (
+            dense(self._enter_fn), dense(self._between_fn), dense(self._exit_fn),
+            dense(self.model._logits))  # the head on one row per sequence: its own bucket
         self._steps: dict[tuple[int, bool], tf.types.experimental.PolymorphicFunction] = {}
 
     # -- the dense half, XLA-compiled when jit_dense ------------------------------------------
@@ -98,9 +99,8 @@ class TransformerStep(tf.Module):
         x = self._finish_block(x, attn, w)
         return (x, *self._qkv(x, positions, w_next))
 
-    def _exit_fn(self, x, attn, last_tokens, w):
-        x = self._finish_block(x, attn, w)
-        return self.model._logits(tf.gather(x, last_tokens))              # [S, vocab] f32
+    def _exit_fn(self, x, attn, w):
+        return self._finish_block(x, attn, w)
 
     # -- attention over the paged cache (graph mode, never XLA) ------------------------------
     def _gather_kv(self, rows, cache):
@@ -195,7 +195,8 @@ class TransformerStep(tf.Module):
             attn = self._layer_attention(q, decode_groups, biases, prefill, cache, num_tokens)
             if i + 1 < len(self.caches):
                 x, q, k, v = self._between(x, attn, positions, weights[i], weights[i + 1])
-        return self._exit(x, attn, last_tokens, weights[-1])              # [S, vocab] f32
+        x = self._exit(x, attn, weights[-1])
+        return self._head(tf.gather(x, last_tokens))                       # [S, vocab] f32
 
 
 def block_weights(block) -> dict:
