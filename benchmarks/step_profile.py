@@ -1,0 +1,221 @@
+#!/usr/bin/env python
+"""Where an engine step's time goes: Python around the step, the TF graph's ops, XLA.
+
+Runs the in-process engine (LLMEngine, no server) on a GPT-2-small-shaped model with
+random weights (32-token prompts, greedy, ignore_eos) at 1, 8 and 32 running sequences and
+times each full-batch decode step in four parts:
+
+  schedule    the scheduler's decision (plain Python)
+  prepare     the runner turning it into index arrays (NumPy)
+  tf step     the traced step: XLA dense programs, graph-mode attention and cache ops
+  update      sampling, detokenizing, stop checks, stats (plain Python)
+
+and, with TF's profiler over 20 of those steps, splits the TF step's graph-mode ops by type
+(einsum, gathers, softmax, ...). Time not covered by graph ops is XLA's dense code plus the
+executor's own overhead; `--dense-only` times the dense XLA chain alone for comparison.
+
+Results: a rich table on stdout and JSON in benchmarks/results/step_profile.json (or
+--output), with the machine's CPU flags and ISA caps.
+
+    python benchmarks/step_profile.py                        # float32 GPT-2-small
+    python benchmarks/step_profile.py --model /path/to/int8/export
+    ONEDNN_MAX_CPU_ISA=AVX2 XLA_FLAGS=--xla_cpu_max_isa=AVX2 python benchmarks/step_profile.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import numpy as np  # noqa: E402
+from rich.console import Console  # noqa: E402
+from rich.table import Table  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from machine import machine_info, machine_summary  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+console = Console(width=None if sys.stdout.isatty() else 140)
+
+
+def export_preset(name: str, directory: Path) -> Path:
+    from tokenserve.export.exporter import export_model
+    from tokenserve.model.checkpoint import load_source
+
+    model, tokenizer, config = load_source(name)
+    return export_model(model, tokenizer, config, directory, jit_compile=False)
+
+
+class Timed:
+    """Wraps the engine's runner so each step's prepare and TF time are recorded."""
+
+    def __init__(self, runner):
+        self.runner = runner
+        self.tf_s = 0.0
+        step = runner.step
+        if hasattr(step, "step_function"):
+            original = step.step_function
+
+            def timed_function(*key):
+                fn = original(*key)
+
+                def call(*args):
+                    started = time.perf_counter()
+                    out = fn(*args)
+                    out.numpy()
+                    self.tf_s = time.perf_counter() - started
+                    return out
+                return call
+            step.step_function = timed_function
+
+
+def profile_ops(logdir: str, num_steps: int) -> dict[str, float]:
+    """Graph-mode op self time per step (ms) by op type, from the profiler's xplane."""
+    from tensorflow.python.profiler.internal import _pywrap_profiler_plugin as plugin
+
+    planes = glob.glob(f"{logdir}/**/*.xplane.pb", recursive=True)
+    data, _ = plugin.xspace_to_tools_data(planes[-1:], "framework_op_stats", {})
+    table = json.loads(data)[0]
+    columns = [c["id"] for c in table["cols"]]
+    by_type: dict[str, float] = collections.defaultdict(float)
+    for row in table["rows"]:
+        values = dict(zip(columns, [c.get("v") for c in row["c"]]))
+        if values["type"] != "IDLE":
+            by_type[values["type"]] += values["total_self_time"] / 1e3 / num_steps
+    return dict(sorted(by_type.items(), key=lambda kv: -kv[1]))
+
+
+def run_point(engine, timed: Timed, num_seqs: int, max_tokens: int, profile: bool) -> dict:
+    import tensorflow as tf
+
+    from tokenserve.sampling import SamplingParams
+
+    rng = np.random.default_rng(num_seqs)
+    vocab = engine.config.model.vocab_size
+    for _ in range(num_seqs):
+        ids = [int(t) for t in rng.integers(0, vocab, 32)]
+        engine.add_request(engine.make_request(ids, SamplingParams(max_tokens=max_tokens,
+                                                                   ignore_eos=True)))
+    parts = collections.defaultdict(list)
+    logdir, profiled = tempfile.mkdtemp(prefix="step-profile-"), 0
+    while engine.has_work:
+        started = time.perf_counter()
+        _, scheduled = engine.schedule()
+        scheduled_at = time.perf_counter()
+        full = (len(scheduled.scheduled) == num_seqs
+                and all(s.num_new_tokens == 1 for s in scheduled.scheduled))
+        tracing = profile and full and 10 <= len(parts["tf"]) < 30
+        if tracing and profiled == 0:
+            tf.profiler.experimental.start(logdir)
+        logits, duration = engine.execute(scheduled)
+        executed = time.perf_counter()
+        engine.update(scheduled, logits, duration)
+        updated = time.perf_counter()
+        if tracing:
+            profiled += 1
+            if profiled == 20:
+                tf.profiler.experimental.stop()
+        if full:
+            parts["schedule"].append(scheduled_at - started)
+            parts["prepare"].append(executed - scheduled_at - timed.tf_s)
+            parts["tf"].append(timed.tf_s)
+            parts["update"].append(updated - executed)
+    if 0 < profiled < 20:
+        tf.profiler.experimental.stop()
+    medians = {k: float(np.median(v)) * 1e3 for k, v in parts.items()}
+    medians["total"] = sum(medians.values())
+    ops = profile_ops(logdir, profiled) if profiled else {}
+    return {"num_seqs": num_seqs, "num_steps": len(parts["tf"]), "median_ms": medians,
+            "graph_ops_ms": ops, "graph_ops_total_ms": sum(ops.values())}
+
+
+def dense_only_ms(runner, num_tokens: int) -> float:
+    """The XLA dense chain of one step alone (no attention, no cache ops)."""
+    import tensorflow as tf
+
+    step = runner.step
+    if not getattr(step, "jit_dense", False):
+        return float("nan")
+    width = step.model.config.hidden_size
+    weights = step.layer_weights
+    x = tf.random.normal([num_tokens, width])
+    attn = tf.random.normal([num_tokens, width])
+    positions = tf.zeros([num_tokens], tf.int32)
+
+    @tf.function
+    def chain(x):
+        q, k, v = step._enter(x, positions, weights[0])
+        for i in range(len(weights) - 1):
+            x, q, k, v = step._between(x, attn, positions, weights[i], weights[i + 1])
+        return step._head(step._exit(x, attn, weights[-1]))
+
+    chain(x).numpy()
+    times = []
+    for _ in range(20):
+        started = time.perf_counter()
+        chain(x).numpy()
+        times.append(time.perf_counter() - started)
+    return float(np.median(times)) * 1e3
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", help="exported model (default: gpt2-small preset, random)")
+    parser.add_argument("--precision", default="float32")
+    parser.add_argument("--num-seqs", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--no-profile", dest="profile", action="store_false")
+    parser.add_argument("--output", type=Path, default=RESULTS / "step_profile.json")
+    args = parser.parse_args(argv)
+
+    from tokenserve.engine.llm import LLM
+
+    machine = machine_info()
+    console.print(machine_summary(machine))
+    model_dir = args.model or export_preset("gpt2-small", Path(tempfile.mkdtemp()) / "gpt2")
+    llm = LLM(model_dir, precision=args.precision, max_num_seqs=max(args.num_seqs))
+    engine = llm.engine
+    timed = Timed(engine.runner)
+    engine.runner.compile_buckets()
+    run_point(engine, timed, 1, 4, profile=False)  # trace the step graphs
+    points = []
+    for num_seqs in args.num_seqs:
+        run_point(engine, timed, num_seqs, 4, profile=False)
+        point = run_point(engine, timed, num_seqs, args.max_tokens, args.profile)
+        point["dense_only_ms"] = dense_only_ms(engine.runner,
+                                               engine.runner._bucket(num_seqs, True))
+        points.append(point)
+
+    table = Table(title=f"engine decode step, {Path(str(model_dir)).name} "
+                        f"({engine.runner.precision}), median ms")
+    for column in ("seqs", "schedule", "prepare", "tf step", "update", "total", "tok/s",
+                   "XLA dense alone", "graph ops", "top graph ops"):
+        table.add_column(column, justify="right" if column != "top graph ops" else "left")
+    for p in points:
+        m = p["median_ms"]
+        top = ", ".join(f"{k} {v:.2f}" for k, v in list(p["graph_ops_ms"].items())[:4])
+        table.add_row(str(p["num_seqs"]), f"{m['schedule']:.2f}", f"{m['prepare']:.2f}",
+                      f"{m['tf']:.2f}", f"{m['update']:.2f}", f"{m['total']:.2f}",
+                      f"{p['num_seqs'] / m['total'] * 1e3:.1f}", f"{p['dense_only_ms']:.2f}",
+                      f"{p['graph_ops_total_ms']:.2f}", top)
+    console.print(table)
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(json.dumps({
+        "workload": {"model": str(model_dir), "precision": engine.runner.precision,
+                     "prompt_tokens": 32, "max_tokens": args.max_tokens},
+        "machine": machine, "points": points}, indent=2) + "\n")
+    console.print(f"wrote {args.output}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
