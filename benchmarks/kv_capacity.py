@@ -10,7 +10,7 @@ Systems, in one run:
   dense-read   the same step, except attention reads the cache variables densely
                (`tf.convert_to_tensor(var)` then gather), as code that treats the cache as a
                plain tensor would. After a scatter, TF keeps the variable in copy-on-read
-               mode, so each dense read copies the whole cache (DESIGN.md's trap).
+               mode, so each dense read copies the whole cache (the trap docs/engine.md describes).
 
 Target (issue 4): paged step time at 4,096 / at 256 <= 1.2.
 Output: a table (under a one-line CPU summary), benchmarks/results/kv_capacity.json (with

@@ -130,7 +130,7 @@ def llama_config(vocab_size: int, max_seq_len: int, hidden_size: int, num_layers
 
 
 PRESETS: dict[str, ModelConfig] = {
-    # The benchmark workload of DESIGN.md; random weights, never trained here.
+    # The benchmark workload (docs/bench.md): GPT-2 small, random weights, never trained.
     "gpt2-small": gpt2_config(),
     "tiny-gpt2": gpt2_config(vocab_size=512, max_seq_len=128, hidden_size=64, num_layers=2,
                              num_heads=4),

@@ -1,25 +1,28 @@
-"""The engine's compiled steps: one tf.function per model family, traced once.
+"""The engine's compiled steps, one family each (design notes: docs/engine.md).
 
 Transformer: the KV cache is two resource variables per layer (keys, values), each
-[rows, Hkv * Dh] with rows = num_blocks * block_size. A step scatters only the new tokens' keys/values into it
-and gathers only the rows of the live context (ResourceScatterUpdate / ResourceGather).
-Nothing ever reads the variable densely: after a sparse update TF keeps a variable in
-copy-on-read mode, and one dense read would copy the whole cache (DESIGN.md measured
-0.2-2.8 s per step for that). No XLA either: an XLA cluster copies resource variables in
-and out, and oneDNN's bf16 matmuls beat XLA's on these CPUs (DESIGN.md). So per-step
-memory traffic is the weights plus the live context, independent of cache capacity
-(benchmarks/kv_capacity.py). Dims are None in the signatures: graph mode runs any shape
-without retracing; the runner still pads to a few sizes so oneDNN reuses its primitives.
+[rows, Hkv * Dh] with rows = num_blocks * block_size. A step scatters only the new tokens'
+keys/values into it and gathers only the rows of the live context (ResourceScatterUpdate /
+ResourceGather). Nothing ever reads a cache variable densely: after a sparse update TF keeps
+a variable in copy-on-read mode, and one dense read would copy the whole cache (0.2-2.8 s
+per step for a 2.4 GB cache). The cache never enters XLA either: an XLA cluster copies the
+resource variables it touches in and out. So per-step memory traffic is the weights plus
+the live context, independent of cache capacity (benchmarks/kv_capacity.py).
 
-Tokens of all sequences are packed into one [N] axis for the dense layers (no padding);
-attention runs for decode rows (one query each), in up to `num_decode_groups` groups of
-similar context length so short contexts are not padded to the longest, and for prefill rows
-(a chunk each).
-Decode attention is memory-bound (it reads every live key and value once per step), so it
-is written to read the gathered rows in their stored layout with no transposes: the query
-becomes a block-diagonal [Hkv*Dh, H] matrix, and two batched matmuls give scores [S, L, H]
-and outputs. This halved the per-layer attention time against einsum-based attention at
-32 sequences x 448 positions (19.2 -> 10.9 ms in bf16).
+What does go through XLA (float32 weights only) is the dense half of every block: norms,
+projections, MLP and the LM head, as functions of explicit weights, so one program per
+token bucket serves all layers. XLA's float32 dot code beats oneDNN's at every batch size
+on these CPUs, while oneDNN's bf16 matmuls beat XLA's, and the int8 kernel is a TF op that
+XLA cannot compile: those run the same functions in graph mode.
+
+Tokens of all sequences are packed into one [N] axis for the dense layers: decode tokens
+group by group, then prefill tokens, then padding to a bucket size. Attention runs per
+decode group (sequences of similar context length, so a short context is not padded to a
+long one; one query each) and for the prefill chunks. One graph is traced per (number of
+decode groups, prefill or not), so a batch-1 decode step runs one group's attention and no
+prefill ops. Decode attention reads the gathered rows in their stored layout with no
+transposes: each head's query is spread over the kv-head columns (zero elsewhere), and two
+batched matmuls give scores [S, H, L] and outputs.
 """
 
 from __future__ import annotations

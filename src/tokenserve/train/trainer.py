@@ -74,7 +74,7 @@ class Trainer:
             learning_rate=_learning_rate(config), weight_decay=config.weight_decay,
             beta_2=0.95, global_clipnorm=1.0)
         self.optimizer.build(model.trainable_variables)
-        # XLA pays for float32 but makes bf16 matmuls ~6x slower than oneDNN (DESIGN.md).
+        # XLA pays for float32 but makes bf16 matmuls ~6x slower than oneDNN (docs/engine.md).
         self._train_step = tf.function(self._step, jit_compile=config.precision == "fp32")
 
     def _step(self, inputs, targets):
