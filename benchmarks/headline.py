@@ -1,0 +1,206 @@
+#!/usr/bin/env python
+"""The headline comparison: one stream and 32 streams, tokenserve against its peers.
+
+Workload: GPT-2 small (124M, random weights), 32-token random prompts, 128 new tokens,
+greedy, ignore_eos. Same machine, same run, each system in its own process:
+
+  serve-<fmt>    `tokenserve serve` (float32 and int8 exports; `--precision auto`), measured
+                 from outside with `tokenserve bench` (an OpenAI streaming client):
+                 1 stream = 8 requests at concurrency 1; 32 streams = 64 requests at
+                 concurrency 32. TTFT and ITL are the client's.
+  llm-<fmt>      `tokenserve.LLM` in-process: one prompt, then 32 prompts at once.
+  hf-tf-xla      Hugging Face transformers' TF GPT-2, `generate` compiled with XLA, batch 1
+                 and static batch 8 (its own venv: bash benchmarks/peers/setup_hf_tf.sh).
+
+Everything is float32 unless the row says int8. Prints a table, writes
+benchmarks/results/headline.json (or --output) with the machine's CPU flags and ISA caps.
+To approximate an AVX2-only CPU on a bigger one:
+
+    ONEDNN_MAX_CPU_ISA=AVX2 XLA_FLAGS=--xla_cpu_max_isa=AVX2 TOKENSERVE_INT8_KERNEL_MARCH=avx2 \\
+        python benchmarks/headline.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+from rich.console import Console
+from rich.table import Table
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from machine import machine_info, machine_summary  # noqa: E402
+
+ROOT = HERE.parent
+RESULTS = HERE / "results"
+PYTHON = sys.executable
+TOKENSERVE = str(Path(PYTHON).with_name("tokenserve"))
+console = Console(width=None if sys.stdout.isatty() else 150)
+PROMPT_LEN, NEW_TOKENS = 32, 128
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def export(base: Path, quantize: str) -> Path:
+    if not base.exists():
+        console.print(f"exporting gpt2-small ({quantize}) to {base} ...")
+        subprocess.run([TOKENSERVE, "export", "gpt2-small", "--output", str(base), "--no-xla",
+                        "--quantize", quantize], check=True, stdout=subprocess.DEVNULL)
+    return base
+
+
+def bench_serve(base: Path, label: str, points: list[tuple[int, int]]) -> dict:
+    """Starts `tokenserve serve` on `base`, runs `tokenserve bench` for each
+    (concurrency, requests) point, stops the server."""
+    ports = {"--port": free_port(), "--rest_api_port": free_port(),
+             "--openai_port": free_port()}
+    log = open(Path(tempfile.gettempdir()) / f"headline-{label}.log", "w")
+    server = subprocess.Popen(
+        [TOKENSERVE, "serve", "--model_name", "gpt2", "--model_base_path", str(base),
+         *[str(x) for kv in ports.items() for x in kv]], stdout=log, stderr=log)
+    url = f"http://127.0.0.1:{ports['--openai_port']}"
+    try:
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(url + "/v1/models", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if server.poll() is not None:
+                raise RuntimeError(f"tokenserve serve exited; see {log.name}")
+            time.sleep(1)
+        results = {}
+        for concurrency, num_requests in points:
+            out = Path(tempfile.mkdtemp(prefix="headline-"))
+            subprocess.run(
+                [TOKENSERVE, "bench", "--base-url", url, "--model", "gpt2",
+                 "--num-prompts", str(num_requests), "--max-concurrency", str(concurrency),
+                 "--random-input-len", str(PROMPT_LEN), "--random-output-len", str(NEW_TOKENS),
+                 "--ignore-eos", "--disable-tqdm", "--result-dir", str(out)],
+                check=True, stdout=subprocess.DEVNULL)
+            run = json.loads((out / "results.json").read_text())["runs"][0]
+            results[concurrency] = {k: run[k] for k in (
+                "output_throughput", "p50_ttft_ms", "p99_ttft_ms", "p50_itl_ms", "p99_itl_ms",
+                "p50_tpot_ms", "completed", "failed")}
+            shutil.rmtree(out, ignore_errors=True)
+        chose = [line.strip() for line in open(log.name) if "computing in" in line]
+        return {"points": results, "precision_log": chose[-1] if chose else None}
+    finally:
+        server.terminate()
+        server.wait(60)
+
+
+LLM_WORKER = """
+import json, sys, time
+import numpy as np
+from tokenserve import LLM, SamplingParams
+llm = LLM(sys.argv[1], max_num_seqs=32)
+params = SamplingParams(max_tokens={new}, ignore_eos=True)
+rng = np.random.default_rng(0)
+def run(n):
+    prompts = [[int(t) for t in rng.integers(0, 50000, {prompt})] for _ in range(n)]
+    started = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    return sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - started)
+run(1); run(32)
+print(json.dumps({{"1": max(run(1) for _ in range(3)), "32": run(32),
+                  "precision": llm.engine.runner.precision}}))
+"""
+
+
+def bench_llm(base: Path) -> dict:
+    code = LLM_WORKER.format(new=NEW_TOKENS, prompt=PROMPT_LEN)
+    out = subprocess.run([PYTHON, "-c", code, str(base)], check=True, capture_output=True,
+                         text=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def bench_hf(venv: Path, batch_sizes: list[int]) -> dict:
+    python = venv / "bin" / "python"
+    if not python.exists():
+        return {"skipped": f"no {venv}: run bash benchmarks/peers/setup_hf_tf.sh"}
+    results = {}
+    for batch in batch_sizes:
+        out = subprocess.run(
+            [str(python), str(HERE / "peers" / "hf_tf_xla.py"), "--batch-size", str(batch),
+             "--prompt-len", str(PROMPT_LEN), "--new-tokens", str(NEW_TOKENS),
+             "--repeats", "3"], check=True, capture_output=True, text=True).stdout
+        run = json.loads(out.strip().splitlines()[-1])
+        results[batch] = {"tok_s": run["median"]["tok_s"],
+                          "ttft_est_ms": run["median"]["ttft_est_s"] * 1e3,
+                          "runs": [{k: r[k] for k in ("wall_s", "tok_s")} for r in run["runs"]]}
+    return results
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()) / "headline")
+    parser.add_argument("--hf-venv", type=Path, default=HERE / ".venv-hf-tf")
+    parser.add_argument("--systems", nargs="+",
+                        default=["serve-float32", "serve-int8", "llm-float32", "llm-int8", "hf"])
+    parser.add_argument("--output", type=Path, default=RESULTS / "headline.json")
+    args = parser.parse_args(argv)
+
+    machine = machine_info()
+    console.print(machine_summary(machine))
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    models = {fmt: args.workdir / f"gpt2-{fmt}" for fmt in ("float32", "int8")}
+    report = {"workload": {"model": "gpt2-small random", "prompt_tokens": PROMPT_LEN,
+                           "new_tokens": NEW_TOKENS, "greedy": True, "ignore_eos": True},
+              "machine": machine, "systems": {}}
+    for system in args.systems:
+        console.print(f"[bold]{system}[/bold] ...")
+        if system == "hf":
+            report["systems"]["hf-tf-xla"] = bench_hf(args.hf_venv, [1, 8])
+            continue
+        kind, fmt = system.split("-")
+        base = export(models[fmt], "none" if fmt == "float32" else "int8")
+        if kind == "serve":
+            report["systems"][system] = bench_serve(base, system, [(1, 8), (32, 64)])
+        else:
+            report["systems"][system] = bench_llm(base)
+        args.output.parent.mkdir(parents=True, exist_ok=True)
+        args.output.write_text(json.dumps(report, indent=2) + "\n")  # partial results survive
+
+    table = Table(title="GPT-2 small, 32-token prompt, 128 new tokens, greedy (output tok/s)")
+    for column in ("system", "1 stream", "TTFT p50 ms", "ITL p50 ms", "32 streams",
+                   "ITL p50 ms @32", "notes"):
+        table.add_column(column, justify="left" if column in ("system", "notes") else "right")
+    for name, result in report["systems"].items():
+        if name.startswith("serve"):
+            one, many = result["points"][1], result["points"][32]
+            table.add_row(f"tokenserve serve ({name[6:]})", f"{one['output_throughput']:.1f}",
+                          f"{one['p50_ttft_ms']:.0f}", f"{one['p50_itl_ms']:.1f}",
+                          f"{many['output_throughput']:.1f}", f"{many['p50_itl_ms']:.1f}",
+                          (result["precision_log"] or "").split("computing in ")[-1][:60])
+        elif name.startswith("llm"):
+            table.add_row(f"tokenserve.LLM ({name[4:]})", f"{result['1']:.1f}", "", "",
+                          f"{result['32']:.1f}", "", "in-process, 32 prompts at once")
+        elif "skipped" in result:
+            table.add_row(name, "", "", "", "", "", result["skipped"])
+        else:
+            table.add_row("HF TF + XLA generate", f"{result[1]['tok_s']:.1f}",
+                          f"~{result[1]['ttft_est_ms']:.0f}", "", f"{result[8]['tok_s']:.1f}",
+                          "", "batch 1 / static batch 8; TTFT estimated")
+    console.print(table)
+    console.print(f"wrote {args.output}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
