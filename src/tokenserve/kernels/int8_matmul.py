@@ -11,30 +11,28 @@ TOKENSERVE_INT8_KERNEL=fallback, a pure-TF fallback computes nearly the same num
     q, scale = quantize_weight(dense.kernel.numpy())      # [N, K] int8, [N, G] float32
     y = int8_matmul(x, q, scale)                           # x [M, K] -> y [M, N]
 
-Environment:
-  TOKENSERVE_INT8_KERNEL=fallback   use the pure-TF path (read each time a graph is traced)
+Environment (building and loading are shared with the other ops: tokenserve.kernels.build):
+  TOKENSERVE_INT8_KERNEL=fallback   use the pure-TF path (read each time a graph is traced);
+                                    TOKENSERVE_KERNELS=fallback does it for every op
   TOKENSERVE_INT8_KERNEL_MARCH=...  target of the build: "native" (default), "avx2"
-                                    (-mavx2 -mfma), or any -march value
+                                    (-mavx2 -mfma), or any -march value; defaults to
+                                    TOKENSERVE_KERNELS_MARCH when unset
 
-`python -m tokenserve.kernels.int8_matmul` builds the op and prints kernel_status().
+`python -m tokenserve.kernels.int8_matmul` builds the op and prints kernel_status()
+(`python -m tokenserve.kernels.build` builds every op).
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
+import shutil  # noqa: F401  (kept as a module attribute: tests patch im.shutil.which)
 import threading
 from pathlib import Path
 
 import numpy as np
 import tensorflow as tf
 
-from tokenserve.cache import cache_dir
+from tokenserve.kernels import build as kbuild
 
 log = logging.getLogger("tokenserve.kernels")
 
@@ -140,8 +138,9 @@ def compiled_int8_matmul(x, q, scale, activations: str = "int8", isa: str = "aut
 
 def kernel_status() -> str:
     """One line: which path int8_matmul takes here, and why (builds the op if needed)."""
-    if _forced_fallback():
-        return f"pure-TF fallback: {MODE_ENV}=fallback"
+    forced = kbuild.forced_fallback(MODE_ENV)
+    if forced:
+        return f"pure-TF fallback: {forced}=fallback"
     loaded = _load()
     if isinstance(loaded, str):
         return f"pure-TF fallback: {loaded}"
@@ -151,17 +150,19 @@ def kernel_status() -> str:
 
 
 # ---------------------------------------------------------------------------------------------
-# Building and loading
+# Building and loading (the shared machinery is in tokenserve.kernels.build)
 
 
 def _forced_fallback() -> bool:
-    return os.environ.get(MODE_ENV, "").strip().lower() == "fallback"
+    return kbuild.forced_fallback(MODE_ENV) is not None
 
 
 def _arch_flags() -> list[str]:
-    march = os.environ.get(MARCH_ENV, "").strip() or "native"
-    # "avx2": what a generic AVX2 machine runs, for benchmarking that on an AVX-512 one.
-    return ["-mavx2", "-mfma"] if march == "avx2" else [f"-march={march}"]
+    return kbuild.arch_flags(MARCH_ENV)
+
+
+def _cpu_flags() -> str:
+    return kbuild.cpu_flags()
 
 
 def _op_module():
@@ -178,25 +179,8 @@ def _load():
     global _loaded
     with _lock:
         if _loaded is None:
-            try:
-                _loaded = tf.load_op_library(str(build())), " ".join(_arch_flags())
-            except (OSError, RuntimeError, subprocess.SubprocessError, tf.errors.OpError) as e:
-                reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-                log.warning("int8 matmul op unavailable, using the pure-TF fallback: %s", reason)
-                _loaded = reason
+            _loaded = kbuild.load_library(SOURCE, _arch_flags(), "int8 matmul op")
         return _loaded
-
-
-def _cpu_flags() -> str:
-    """The CPU's feature flags (Linux), so a cached build is never reused on another CPU."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith(("flags", "Features")):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return f"{platform.machine()} {platform.processor()}"
 
 
 def build() -> Path:
@@ -206,37 +190,7 @@ def build() -> Path:
     flags. Compiles to a temporary file and renames it, so concurrent builders are safe.
     Raises RuntimeError when it is not cached and g++ is missing or the build fails.
     """
-    source = SOURCE.read_bytes()
-    compile_flags = ["-O3", *_arch_flags(), "-std=c++17", "-shared", "-fPIC",
-                     *tf.sysconfig.get_compile_flags()]
-    link_flags = tf.sysconfig.get_link_flags()
-    key = hashlib.sha256(b"\0".join([
-        source, tf.__version__.encode(), " ".join(compile_flags + link_flags).encode(),
-        _cpu_flags().encode()])).hexdigest()[:16]
-    out_dir = cache_dir("kernels")
-    target = out_dir / f"int8_matmul-{key}.so"
-    if target.exists():  # built before (needs no compiler now)
-        return target
-    compiler = shutil.which("g++")
-    if compiler is None:
-        raise RuntimeError("g++ not found")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=out_dir, prefix=".int8_matmul-", suffix=".so")
-    os.close(fd)
-    command = [compiler, *compile_flags, str(SOURCE), "-o", tmp, *link_flags]
-    log.info("building the int8 matmul op: %s", " ".join(command))
-    try:
-        result = subprocess.run(command, capture_output=True, text=True, timeout=600)
-        if result.returncode != 0:
-            errors = [line for line in result.stderr.splitlines() if "error" in line]
-            raise RuntimeError(f"compiling {SOURCE.name} failed: "
-                               f"{(errors or result.stderr.splitlines() or ['?'])[0]}")
-        os.chmod(tmp, 0o755)  # mkstemp made it private; a shared cache needs it readable
-        os.replace(tmp, target)  # atomic: a concurrent loader sees all of it or nothing
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return target
+    return kbuild.build_library(SOURCE, _arch_flags())
 
 
 if __name__ == "__main__":

@@ -1,0 +1,148 @@
+"""Building and loading tokenserve's custom TensorFlow ops (shared by every op module).
+
+Each op is one C++ file next to this one (`int8_matmul.cc`, `paged_attention.cc`), compiled
+on first use with the local g++ and TensorFlow's own compile flags into
+`tokenserve.cache.cache_dir("kernels")` as `<stem>-<hash>.so`. The hash covers the source,
+the TF version, the compile and link flags and the CPU's feature flags, so a cached build is
+never reused for another source, TF or CPU. A build writes a temporary file and renames it
+into place (atomic), so concurrent builders and loaders are safe. A library is loaded once
+per process (by .so path); each op module remembers its own outcome (the module, or why it
+is unavailable) and falls back to pure TF when it has none.
+
+Environment:
+  TOKENSERVE_KERNELS=fallback       every op takes its pure-TF fallback
+  TOKENSERVE_KERNELS_MARCH=...      build target of every op: "native" (default), "avx2"
+                                    (-mavx2 -mfma: what a generic AVX2 machine runs, to
+                                    benchmark that on an AVX-512 one) or any -march value
+  per op (read first):  TOKENSERVE_INT8_KERNEL=fallback, TOKENSERVE_INT8_KERNEL_MARCH=...,
+                        TOKENSERVE_PAGED_ATTENTION_KERNEL=fallback
+
+`python -m tokenserve.kernels.build` builds every op and prints each one's status.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import tensorflow as tf
+
+from tokenserve.cache import cache_dir
+
+log = logging.getLogger("tokenserve.kernels")
+
+KERNELS_ENV = "TOKENSERVE_KERNELS"
+MARCH_ENV = "TOKENSERVE_KERNELS_MARCH"
+
+_lock = threading.Lock()
+_libraries: dict[Path, object] = {}  # .so path -> the module tf.load_op_library returned
+
+
+def forced_fallback(*mode_envs: str) -> str | None:
+    """The variable (of `mode_envs`, then TOKENSERVE_KERNELS) that is set to "fallback", or
+    None. Read on every call: a graph traced later sees a changed setting."""
+    for name in (*mode_envs, KERNELS_ENV):
+        if os.environ.get(name, "").strip().lower() == "fallback":
+            return name
+    return None
+
+
+def arch_flags(*march_envs: str) -> list[str]:
+    """The -m flags from the first of `march_envs`, TOKENSERVE_KERNELS_MARCH that is set
+    (default: -march=native)."""
+    march = next((os.environ[name].strip() for name in (*march_envs, MARCH_ENV)
+                  if os.environ.get(name, "").strip()), "native")
+    return ["-mavx2", "-mfma"] if march == "avx2" else [f"-march={march}"]
+
+
+def cpu_flags() -> str:
+    """The CPU's feature flags (Linux), so a cached build is never reused on another CPU."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return f"{platform.machine()} {platform.processor()}"
+
+
+def build_library(source: Path, arch: list[str]) -> Path:
+    """Compiles `source` (if not cached) and returns the .so path.
+
+    Raises RuntimeError when it is not cached and g++ is missing or the build fails (the
+    message names the source and quotes the first error line); no file is left behind then.
+    """
+    source = Path(source)
+    code = source.read_bytes()
+    compile_flags = ["-O3", *arch, "-std=c++17", "-shared", "-fPIC",
+                     *tf.sysconfig.get_compile_flags()]
+    link_flags = tf.sysconfig.get_link_flags()
+    key = hashlib.sha256(b"\0".join([
+        code, tf.__version__.encode(), " ".join(compile_flags + link_flags).encode(),
+        cpu_flags().encode()])).hexdigest()[:16]
+    out_dir = cache_dir("kernels")
+    target = out_dir / f"{source.stem}-{key}.so"
+    if target.exists():  # built before (needs no compiler now)
+        return target
+    compiler = shutil.which("g++")
+    if compiler is None:
+        raise RuntimeError("g++ not found")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=out_dir, prefix=f".{source.stem}-", suffix=".so")
+    os.close(fd)
+    command = [compiler, *compile_flags, str(source), "-o", tmp, *link_flags]
+    log.info("building %s: %s", source.name, " ".join(command))
+    try:
+        result = subprocess.run(command, capture_output=True, text=True, timeout=600)
+        if result.returncode != 0:
+            errors = [line for line in result.stderr.splitlines() if "error" in line]
+            raise RuntimeError(f"compiling {source.name} failed: "
+                               f"{(errors or result.stderr.splitlines() or ['?'])[0]}")
+        os.chmod(tmp, 0o755)  # mkstemp made it private; a shared cache needs it readable
+        os.replace(tmp, target)  # atomic: a concurrent loader sees all of it or nothing
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+def load_library(source: Path, arch: list[str], what: str) -> tuple[object, str] | str:
+    """Builds (if needed) and loads `source`: (op module, build flags), or the reason it is
+    unavailable (str; logged as a warning naming `what`). Callers keep the outcome (one build
+    attempt per process); the same .so is only passed to tf.load_op_library once."""
+    try:
+        path = build_library(source, arch)
+        with _lock:
+            if path not in _libraries:
+                _libraries[path] = tf.load_op_library(str(path))
+            return _libraries[path], " ".join(arch)
+    except (OSError, RuntimeError, subprocess.SubprocessError, tf.errors.OpError) as e:
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        log.warning("%s unavailable, using the pure-TF fallback: %s", what, reason)
+        return reason
+
+
+def main() -> int:
+    """Builds every op; prints one status line each. Exit status 1 if any is unavailable
+    (forced fallbacks count as fine)."""
+    from tokenserve.kernels import int8_matmul, paged_attention
+
+    ok = True
+    for name, module in (("int8_matmul", int8_matmul), ("paged_attention", paged_attention)):
+        status = module.kernel_status()
+        print(f"{name}: {status}")
+        ok = ok and (status.startswith("compiled") or "=fallback" in status)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    raise SystemExit(main())
