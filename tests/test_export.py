@@ -103,6 +103,20 @@ print(json.dumps(out["output_ids"].numpy().tolist()))
         call_generate(generate, [PROMPT], 16)[0].tolist()
 
 
+def test_runs_in_a_tf1_session_as_tf_serving_loads_it(exported):
+    """TF Serving's SavedModelBundle restores variables through the MetaGraph's saver into a
+    Session and runs signatures by tensor name; every variable the graph reads must be one
+    that restore wrote (Keras 3 objects once saved a second, unread copy of each)."""
+    model, _, path = exported
+    with tf.Graph().as_default() as graph, tf.compat.v1.Session(graph=graph) as session:
+        meta = tf.compat.v1.saved_model.loader.load(session, ["serve"], str(path))
+        signature = meta.signature_def["serving_default"]
+        predicted = session.run(signature.outputs["predicted_id"].name,
+                                {signature.inputs["input_ids"].name: [PROMPT]})
+    expected = int(np.argmax(model(np.asarray([PROMPT], np.int32)).numpy()[0, -1]))
+    assert predicted.tolist() == [expected]
+
+
 def test_saved_model_cli_lists_every_signature(exported):
     _, _, path = exported
     cli = Path(sys.executable).parent / "saved_model_cli"

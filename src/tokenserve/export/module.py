@@ -38,7 +38,12 @@ class GenerationModule(tf.Module):
 
     def __init__(self, model: DecoderLM, config: GenerationConfig, jit_compile: bool = True):
         super().__init__(name="tokenserve")
-        self.model = model
+        # Track the Keras model's underlying tf.Variables, not the Keras objects: Keras 3
+        # saves each of its variables as a second resource that the functions never read, so
+        # a TF1-style loader (TF Serving's SavedModelBundle, a Session) restored one handle
+        # while the graph read the other ("Could not find variable ..." on every call).
+        object.__setattr__(self, "model", model)
+        self.model_variables = [weight.value for weight in model.weights]
         self.config = config
         self.jit_compile = jit_compile
         self.pad_id = config.pad_token_id
