@@ -44,15 +44,17 @@ class _Module(tf.Module):
     @tf.function(input_signature=[tf.TensorSpec([], tf.string, name="gate"),
                                   tf.TensorSpec([None], tf.float32, name="x")])
     def wait(self, gate, x):
-        """Writes `gate`.started, blocks until a file matching `gate` exists, then returns
-        affine(x)."""
+        """Writes `gate`.started, blocks until a file matching `gate` exists (writing the
+        iteration count to `gate`.beat every 20 ms while it waits), then returns affine(x)."""
         tf.io.write_file(tf.strings.join([gate, ".started"]), "")
         def missing(_):
             return tf.equal(tf.size(tf.io.matching_files(gate)), 0)
 
         def nap(i):
             # 20 ms sleep inside the graph, so the wait does not spin a core.
-            slept = tf.data.Dataset.range(1).apply(sleep(20_000))
+            beat = tf.io.write_file(tf.strings.join([gate, ".beat"]), tf.strings.as_string(i))
+            with tf.control_dependencies([beat]):
+                slept = tf.data.Dataset.range(1).apply(sleep(20_000))
             return i + slept.reduce(tf.constant(1, tf.int64), lambda total, item: total + item)
 
         tf.while_loop(missing, nap, [tf.constant(0, tf.int64)])

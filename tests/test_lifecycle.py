@@ -90,10 +90,13 @@ def test_model_server_config_text_format():
     assert specs[0].labels == {"stable": 1}
     assert specs[1].policy == VersionPolicy.all()
     assert specs[2].policy == VersionPolicy.latest(1)
-    with pytest.raises(ConfigError, match="duplicate"):
+    with pytest.raises(ConfigError, match="^Illegal to list model a multiple times in config "
+                                          "list$"):
         parse_model_server_config('model_config_list { config { name: "a" base_path: "/x" } '
                                   'config { name: "a" base_path: "/y" } }')
-    with pytest.raises(ConfigError, match="invalid model config"):
+    # protobuf's C++ TextFormat line, as tensorflow_model_server prints it
+    with pytest.raises(ConfigError, match=r"^Error parsing text-format "
+                                          r"tensorflow\.serving\.ModelServerConfig: 1:21: "):
         parse_model_server_config("model_config_list { nonsense: 1 }")
 
 
@@ -305,3 +308,67 @@ def test_new_base_path_replaces_the_models_versions(tmp_path, loader, manager):
         assert version.path == tmp_path / "new" / "1"
     with manager._cond:
         assert manager._cond.wait_for(lambda: old.state == VersionState.END, 5)
+
+
+# ---- reloads never take serving down before the new config serves (issue 13, item 7) -------
+
+def test_reload_to_a_missing_base_path_reports_and_keeps_serving(tmp_path, loader, manager):
+    make_version(tmp_path / "a", 1)
+    make_version(tmp_path / "b", 1)
+    manager.apply_config([ModelSpecConfig("a", str(tmp_path / "a")),
+                          ModelSpecConfig("b", str(tmp_path / "b"))])
+    with pytest.raises(ModelLoadError, match=r"1 model\(s\) did not become available: "
+                                             r"\{\{name: c\} Could not find base path "):
+        manager.apply_config([ModelSpecConfig("c", str(tmp_path / "c"))])
+    for name in ("a", "b"):  # still serving, still in the status and the catalog
+        with manager.acquire(name) as version:
+            assert version.state == VersionState.AVAILABLE
+        assert states(manager, name) == {1: VersionState.AVAILABLE}
+    assert manager.model_names() == ["a", "b", "c"]
+    make_version(tmp_path / "c", 1)  # the new config can load now: then the old one goes
+    manager.poll()
+    with manager._cond:
+        assert manager._cond.wait_for(
+            lambda: all(states(manager, n) == {1: VersionState.END} for n in ("a", "b")), 5)
+    with manager.acquire("c") as version:
+        assert version.path == tmp_path / "c" / "1"
+    with pytest.raises(ModelNotFoundError, match=r"Latest\(a\)"):
+        with manager.acquire("a"):
+            pass
+    assert manager.model_names() == ["c"]
+
+
+def test_reload_to_an_empty_or_failing_base_path_keeps_the_old_versions(tmp_path, loader,
+                                                                        manager):
+    make_version(tmp_path / "old", 1)
+    (tmp_path / "empty").mkdir()
+    manager.apply_config([ModelSpecConfig("m", str(tmp_path / "old"))])
+    with pytest.raises(ModelLoadError, match=r"No versions of servable m found under base "
+                                             r"path .*Did you forget to name your leaf "):
+        manager.apply_config([ModelSpecConfig("m", str(tmp_path / "empty"))])
+    with manager.acquire("m") as version:
+        assert version.path == tmp_path / "old" / "1"
+    make_version(tmp_path / "bad", 4, fail=True)
+    with pytest.raises(ModelLoadError, match=r"\{name: m version: 4\} due to error: cannot load"):
+        manager.apply_config([ModelSpecConfig("m", str(tmp_path / "bad"))])
+    with manager.acquire("m") as version:
+        assert version.path == tmp_path / "old" / "1"
+    make_version(tmp_path / "good", 2)
+    manager.apply_config([ModelSpecConfig("m", str(tmp_path / "good"))])  # loads: no error
+    with manager.acquire("m") as version:
+        assert version.path == tmp_path / "good" / "2"
+    assert states(manager, "m") == {2: VersionState.AVAILABLE}
+
+
+def test_a_held_model_put_back_in_the_config_keeps_its_versions(tmp_path, loader, manager):
+    make_version(tmp_path / "a", 1)
+    manager.apply_config([ModelSpecConfig("a", str(tmp_path / "a"))])
+    with manager.acquire("a") as version:
+        serving = version
+    with pytest.raises(ModelLoadError):
+        manager.apply_config([ModelSpecConfig("ghost", str(tmp_path / "ghost"))])
+    manager.apply_config([ModelSpecConfig("a", str(tmp_path / "a"))])  # no error: a serves
+    with manager.acquire("a") as version:
+        assert version is serving  # not loaded again
+    assert loader.calls == [tmp_path / "a" / "1"]
+    assert manager.model_names() == ["a"]

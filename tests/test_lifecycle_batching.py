@@ -24,7 +24,7 @@ class Doubler:
         self.batches: list[int] = []
         self.lock = threading.Lock()
 
-    def run(self, signature_name, inputs, output_keys=None):
+    def run(self, signature_name, inputs, output_keys=None, timeout_s=None):
         x = inputs["x"]
         with self.lock:
             self.batches.append(len(x) if np.ndim(x) else 0)

@@ -129,3 +129,21 @@ def test_shares_one_registry_with_tf_serving_metrics():
     names = {family.name for family in registry.collect()}
     assert "vllm:time_to_first_token_seconds" in names
     assert any(name.startswith(":tensorflow:serving:") for name in names)
+
+
+def test_tf_serving_request_counters_label_only_configured_models():
+    """The model name of a TF Serving request comes from its URL or ModelSpec: labelling
+    every made-up one would let clients grow /metrics without bound."""
+    from tokenserve.observability.tfserving_metrics import TFServingMetrics
+
+    registry = CollectorRegistry()
+    metrics = TFServingMetrics(registry)
+    metrics.label_models(lambda: ["m"])
+    metrics.request("m", "predict", "REST", "OK", 0.01)
+    for i in range(20):
+        metrics.request(f"evil-{i}\x00" + "x" * 8000, "predict", "REST", "NOT_FOUND", 0.01)
+    text = generate_latest(registry).decode()
+    assert "evil" not in text
+    assert ':tensorflow:serving:request_count{model_name="(unknown)",status="NOT_FOUND"} 20.0' \
+        in text
+    assert ':tensorflow:serving:request_count{model_name="m",status="OK"} 1.0' in text

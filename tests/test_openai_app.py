@@ -195,7 +195,35 @@ def test_rejections_are_reported_to_the_stats_sink(setup):
     client.post("/v1/completions", json={"model": "tiny", "prompt": ""})
     client.post("/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 999})
     client.post("/v1/completions", json={"model": "gone", "prompt": "x"})
-    assert stats.reasons == [("tiny", "invalid"), ("tiny", "too_long"), ("gone", "not_found")]
+    client.post("/v1/completions", json={"model": "tiny:9", "prompt": "x"})
+    assert stats.reasons == [("tiny", "invalid"), ("tiny", "too_long"),
+                             ("(unknown)", "not_found"), ("tiny", "not_found")]
+
+
+def test_unknown_model_names_never_become_metric_labels(tokenizer):
+    """Names a client makes up (NUL bytes, 8,000 characters) are counted under one label,
+    so /metrics does not grow with them (it grew from 94 KB to 6.6 MB in 400 requests)."""
+    from conftest import tiny
+
+    from tokenserve.observability.llm_metrics import LLMMetrics
+
+    registry = CollectorRegistry()
+    app = build_openai_app(StaticModels({"m": FakeEngine(tokenizer, tiny("tiny-gpt2",
+                                                                         tokenizer)[1])}),
+                           OpenAIServerConfig(metrics_registry=registry),
+                           stats=LLMMetrics(registry))
+    with TestClient(app) as client:
+        client.post("/v1/completions", json={"model": "m", "prompt": ""})
+        before = len(client.get("/metrics").text)
+        for i in range(50):
+            name = f"evil-{i}-\x00-" + "x" * 8000
+            assert client.post("/v1/completions", json={"model": name, "prompt": "x"}
+                               ).status_code == 404
+        text = client.get("/metrics").text
+    assert "evil" not in text and "xxxx" not in text
+    assert 'tokenserve:rejected_requests_total{model_name="(unknown)",model_version="",' \
+           'reason="not_found"} 50.0' in text
+    assert len(text) < before + 2000
 
 
 def test_metrics_serve_the_configured_registry_and_responses_carry_request_ids(setup):

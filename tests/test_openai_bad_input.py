@@ -27,6 +27,10 @@ def body(**changes):
     return {**OK, **changes}
 
 
+# 1,000 levels of arrays: past Python's recursion limit in the JSON parser
+NESTED = b'{"model": "tiny", "prompt": ' + b"[" * 1000 + b"]" * 1000 + b"}"
+
+
 # (row id, path, request: json dict | raw bytes, headers override, status, message part)
 HTTP_ROWS = [
     ("malformed-json", C, b'{"model": "tiny", "prompt": ', None, 400, "not valid JSON"),
@@ -114,6 +118,29 @@ HTTP_ROWS = [
      None, 429, "the queue is full"),
     ("unknown-route", "/v1/embeddings", OK, None, 404, "Not Found"),
     ("wrong-method", C, None, None, 405, "Method Not Allowed"),
+    ("deeply-nested-json", C, NESTED, None, 400, "nested more than 64 levels deep"),
+    ("deeply-nested-json-chat", CHAT, NESTED, None, 400, "nested more than 64 levels deep"),
+    ("deeply-nested-json-tokenize", "/tokenize", NESTED, None, 400,
+     "nested more than 64 levels deep"),
+    ("deeply-nested-json-detokenize", "/detokenize", NESTED, None, 400,
+     "nested more than 64 levels deep"),
+    ("nan-in-body", C, b'{"model": "tiny", "prompt": "x", "temperature": NaN}', None, 400,
+     "NaN is not a JSON value"),
+    ("prompt-longer-than-context-can-hold", C, body(prompt="x" * 60_000), None, 400,
+     "However, your prompt has 60000 characters, more than 128 tokens can hold"),
+    ("text-plain-body", C, ("text/plain", json.dumps(OK).encode()), None, 415,
+     "Content-Type 'text/plain' is not supported"),
+    ("form-encoded-body", C, ("application/x-www-form-urlencoded", b"prompt=x"), None, 415,
+     "Content-Type 'application/x-www-form-urlencoded' is not supported"),
+    ("text-part-without-text", CHAT, {"model": MODEL, "messages": [
+        {"role": "user", "content": [{"type": "text"}]}]}, None, 400,
+     "messages.0.content.0.text: a content part of type 'text' needs a 'text' string."),
+    ("tokenize-empty-messages", "/tokenize", {"model": MODEL, "messages": []}, None, 400,
+     "messages: List should have at least 1 item"),
+    ("trailing-slash-without-key", C + "/", OK, {}, 401, "Missing API key"),
+    ("trailing-slash", C + "/", OK, None, 404, "Not Found"),
+    ("unknown-route-without-key", "/v1/embeddings", OK, {}, 401, "Missing API key"),
+    ("metrics-without-key", "/metrics", None, {}, 401, "Missing API key"),
 ]
 
 
@@ -166,6 +193,10 @@ def send(server, path, request, headers):
     if isinstance(request, bytes):
         all_headers["Content-Type"] = "application/json"
         return httpx.post(server.url + path, content=request, headers=all_headers, timeout=60)
+    if isinstance(request, tuple):  # (content type, raw body)
+        all_headers["Content-Type"] = request[0]
+        return httpx.post(server.url + path, content=request[1], headers=all_headers,
+                          timeout=60)
     return httpx.post(server.url + path, json=request, headers=all_headers, timeout=60)
 
 

@@ -81,7 +81,7 @@ class RealServer:
         self.headers = {"Authorization": f"Bearer {API_KEY}"}
 
     def _metric(self, prefix: str) -> float:
-        text = httpx.get(self.url + "/metrics").text
+        text = httpx.get(self.url + "/metrics", headers=self.headers).text
         for line in text.splitlines():
             if line.startswith(prefix + " "):
                 return float(line.rsplit(" ", 1)[1])

@@ -70,7 +70,8 @@ def test_openai_completion_and_usage_through_serve(server):
         model="tiny", prompt="def add(a, b):", max_tokens=8, extra_body={"ignore_eos": True})
     assert completion.usage.completion_tokens == 8
     assert completion.choices[0].finish_reason == "length"
-    metrics = httpx.get(server["openai"] + "/metrics").text
+    assert httpx.get(server["openai"] + "/metrics").status_code == 401  # follows --api_key
+    metrics = httpx.get(server["openai"] + "/metrics", headers=AUTH).text
     assert 'vllm:generation_tokens_total{model_name="tiny"' in metrics
 
 
@@ -146,8 +147,18 @@ def test_hot_swap_lets_a_running_stream_finish_on_the_old_version(server):
         time.sleep(0.2)
     assert states()[2] == AVAILABLE, "version 2 did not become AVAILABLE"
     assert states()[1] != END, "version 1 ended while its stream was still running"
-    fresh = client.completions.create(model="tiny", prompt="x", max_tokens=2)
+    def served_by(version: int) -> float:
+        metrics = httpx.get(server["openai"] + "/metrics", headers=AUTH).text
+        return sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+                   if line.startswith("vllm:request_success_total{")
+                   and 'model_name="tiny"' in line and f'model_version="{version}"' in line)
+
+    before = served_by(2), served_by(1)
+    fresh = client.completions.create(model="tiny", prompt="x", max_tokens=2,
+                                      extra_body={"ignore_eos": True})
     assert fresh.model == "tiny"
+    # the new request ran on version 2's engine, not on version 1 (still streaming)
+    assert (served_by(2), served_by(1)) == (before[0] + 1, before[1])
     chunks += list(stream)
     finished = [c.choices[0] for c in chunks if c.choices and c.choices[0].finish_reason]
     assert len(finished) == 16 and {c.finish_reason for c in finished} == {"length"}
@@ -156,3 +167,45 @@ def test_hot_swap_lets_a_running_stream_finish_on_the_old_version(server):
         time.sleep(0.2)
     assert states().get(1, END) == END  # END (or already forgotten)
     assert {m.id for m in client.models.list().data} >= {"tiny", "tiny:2"}
+    # the lifecycle metrics saw the real load, swap and unload
+    metrics = httpx.get(server["openai"] + "/metrics", headers=AUTH).text
+    for version, state in (("1", "END"), ("2", "AVAILABLE")):
+        assert (f'tokenserve:model_version_state{{model_name="tiny",model_version="{version}",'
+                f'state="{state}"}} 1.0') in metrics
+    for version in ("1", "2"):
+        for series in ("model_load_latency_seconds", "model_warmup_latency_seconds"):
+            assert (f'tokenserve:{series}_count{{model_name="tiny",'
+                    f'model_version="{version}"}} 1.0') in metrics
+    assert 'vllm:num_requests_running{model_name="tiny",model_version="2"}' in metrics
+    assert 'vllm:num_requests_running{model_name="tiny",model_version="1"}' not in metrics
+
+
+def test_made_up_model_names_stay_out_of_the_metrics(server):
+    import openai
+
+    client = openai_client(server)
+    for name in ("evil-1", "evil-2" + "x" * 2000):
+        reply = httpx.post(server["rest"] + f"/v1/models/{name}:predict",
+                           json={"instances": [[5, 6]]}, headers=AUTH)
+        assert reply.status_code == 404
+        with pytest.raises(openai.NotFoundError):
+            client.completions.create(model=name, prompt="x", max_tokens=1)
+    metrics = httpx.get(server["openai"] + "/metrics", headers=AUTH).text
+    assert "evil" not in metrics
+    assert 'model_name="(unknown)"' in metrics
+
+
+def test_shutdown_is_not_held_up_by_a_client_that_stopped_reading(server):
+    """Last in this module: it stops the server. A stream whose client reads nothing more
+    (its socket buffers full) is cancelled after the graceful period; SIGTERM ends the
+    process instead of waiting on it forever."""
+    client = openai_client(server)
+    stream = client.completions.create(model="tiny", prompt="for item in items:",
+                                       max_tokens=1000, n=16, logprobs=20, stream=True,
+                                       extra_body={"ignore_eos": True})
+    next(stream)  # running, and never read again
+    started = time.monotonic()
+    server["process"].terminate()
+    server["process"].wait(timeout=90)
+    assert time.monotonic() - started < 75  # the 30 s grace, then the drain
+    stream.close()

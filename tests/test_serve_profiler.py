@@ -1,36 +1,66 @@
 """TensorBoard's "capture profile" against `tokenserve serve`'s gRPC port, as it works
-against tensorflow_model_server: TF's own profiler client, a trace file on disk."""
+against tensorflow_model_server: TF's own profiler client, a trace file on disk, for a
+server under load and for one that sees no request during the capture."""
 
 from __future__ import annotations
 
 import threading
 
 import httpx
+import pytest
 
 import servables as S
 
 
-def test_profiler_client_captures_a_trace_through_the_serving_port(tmp_path):
-    import tensorflow as tf
-
-    S.write_tf2_model(tmp_path / "half", 1)
-    process = S.ServerProcess(tmp_path, "--model_name=half",
-                              f"--model_base_path={tmp_path / 'half'}")
-    stop = threading.Event()
-
-    def load():  # an idle server has nothing to trace (TF's client then fails, as with TF Serving)
-        while not stop.is_set():
-            httpx.post(f"{process.rest}/v1/models/half:predict",
-                       json={"instances": [1.0, 2.0, 3.0]}, timeout=10).raise_for_status()
-
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    root = tmp_path_factory.mktemp("profiler")
+    S.write_tf1_model(root / "half", 1)  # half_plus_two-style TF1 graph, Session-served
+    process = S.ServerProcess(root, "--model_name=half", f"--model_base_path={root / 'half'}")
     try:
         process.wait_ready("half")
-        client = threading.Thread(target=load, daemon=True)
-        client.start()
-        logdir = tmp_path / "tb"
-        tf.profiler.experimental.client.trace(f"grpc://{process.target}", str(logdir), 1000)
-        traces = list(logdir.glob("plugins/profile/*/*.xplane.pb"))
-        assert traces and traces[0].stat().st_size > 0, process.log()
+        process.root = root
+        yield process
+    finally:
+        process.stop()
+
+
+def capture(server, logdir, duration_ms: int) -> list[str]:
+    """Event names on the host plane of one capture taken with TF's own client."""
+    import tensorflow as tf
+    from tensorflow.tsl.profiler.protobuf import xplane_pb2
+
+    tf.profiler.experimental.client.trace(f"grpc://{server.target}", str(logdir), duration_ms,
+                                          num_tracing_attempts=1)
+    [trace] = logdir.glob("plugins/profile/*/*.xplane.pb")
+    space = xplane_pb2.XSpace.FromString(trace.read_bytes())
+    [host] = [plane for plane in space.planes if plane.name == "/host:CPU"]
+    return [host.event_metadata[event.metadata_id].name
+            for line in host.lines for event in line.events]
+
+
+def test_capture_while_requests_arrive_traces_the_session_runs(server):
+    stop = threading.Event()
+
+    def load():
+        while not stop.is_set():
+            httpx.post(f"{server.rest}/v1/models/half:predict",
+                       json={"instances": [1.0, 2.0, 3.0]}, timeout=10).raise_for_status()
+
+    client = threading.Thread(target=load, daemon=True)
+    client.start()
+    try:
+        events = capture(server, server.root / "busy", 1000)
     finally:
         stop.set()
-        process.stop()
+        client.join(10)
+    assert "ProfilerService::Profile" in events
+    assert set(events) - {"ProfilerService::Profile"}, events  # the predicts' own events
+
+
+def test_capture_with_no_request_in_the_window_still_returns_a_trace(server):
+    """Requests once a second and a shorter capture: the window often holds none.
+    tensorflow_model_server returns a trace; TF's client used to fail here with
+    `UNAVAILABLE: No trace event was collected`."""
+    events = capture(server, server.root / "idle", 300)
+    assert events == ["ProfilerService::Profile"]

@@ -86,3 +86,44 @@ def test_columnar_inputs_errors():
     with pytest.raises(InvalidRequestError, match="Encountered list at unexpected size: 1 at "
                                                   "level: 1 expected size: 2"):
         codec.inputs_to_arrays([[1, 2], [3]], {"a": tf.int32})
+
+
+# ---- request tensors are checked against their declared shape first (issue 13, item 8) -------
+
+def test_tensor_proto_fill_within_the_limit_follows_tensorflow():
+    proto = tf.make_tensor_proto(1.5, shape=[2, 3])  # one value, six elements
+    assert len(proto.float_val) == 1
+    assert codec.tensor_proto_to_array("x", proto).tolist() == [[1.5] * 3] * 2
+
+
+def test_tensor_proto_checks_before_allocating():
+    huge = tf.make_tensor_proto(1.0, shape=[1, 2**26])
+    with pytest.raises(codec.TensorParsingError, match=r"^tensor parsing error: x \(1 values "
+                                                       r"for 67108864 elements; filling more "
+                                                       r"than 1048576 is refused\)$"):
+        codec.tensor_proto_to_array("x", huge)
+    short = tf.make_tensor_proto(np.zeros(4, np.float32))
+    short.tensor_content = short.tensor_content[:-4]
+    with pytest.raises(codec.TensorParsingError, match=r"^tensor parsing error: x \(tensor_"
+                                                       r"content holds 12 bytes for 4 "):
+        codec.tensor_proto_to_array("x", short)
+    unknown = tf.make_tensor_proto(np.zeros(2, np.float32))
+    unknown.tensor_shape.dim[0].size = -1
+    with pytest.raises(codec.TensorParsingError, match="not fully defined"):
+        codec.tensor_proto_to_array("x", unknown)
+
+
+def test_json_deeper_than_a_tensor_can_be_is_a_tensor_parsing_error():
+    value = 1.0
+    for _ in range(900):
+        value = [value]
+    with pytest.raises(codec.TensorParsingError, match=r"^tensor parsing error: x \(more than "
+                                                       r"63 dimensions\)$"):
+        codec.instances_to_arrays([value], {"x": tf.float32})
+    with pytest.raises(codec.TensorParsingError, match=r"^tensor parsing error: x \(more than "
+                                                       r"64 dimensions\)$"):
+        codec.inputs_to_arrays(value, {"x": tf.float32})
+    deepest = 1.0
+    for _ in range(63):
+        deepest = [deepest]
+    assert codec.instances_to_arrays([deepest], {"x": tf.float32})["x"].ndim == 64

@@ -50,13 +50,16 @@ def test_value_forms_and_repeatable_api_key(tmp_path):
 
 
 def test_real_but_unused_tf_serving_flags_are_accepted():
-    args = parse("--rest_api_num_threads", "2", "--ssl_config_file=/etc/ssl.cfg",
+    args = parse("--rest_api_num_threads", "2",
                  "--enable_signature_method_name_check", "--xla_cpu_compilation_enabled=true",
                  "--platform_config_file=/p.cfg", "--port=1")
-    assert ignored_flags(args) == ["rest_api_num_threads", "ssl_config_file",
-                                   "platform_config_file", "enable_signature_method_name_check",
+    assert ignored_flags(args) == ["rest_api_num_threads", "platform_config_file",
                                    "xla_cpu_compilation_enabled"]
-    assert config_from_args(args).port == 1
+    config = config_from_args(args)
+    assert config.port == 1
+    # used, not ignored: TF Serving's TF1 method_name check for Predict/Classify/Regress
+    assert config.enable_signature_method_name_check is True
+    assert config_from_args(parse()).enable_signature_method_name_check is False
 
 
 def test_tensorflow_threads_tags_and_cors_flags():

@@ -198,7 +198,8 @@ def test_config_file_change_and_reload_request_under_load(server):
     models = {"m": str(server.root / "m"), "n": str(server.root / "n")}
     with Load(server) as load:
         server.config.write_text("model_config_list { config { name: ")  # a bad edit
-        wait_for(lambda: "invalid model config" in server.log(), what="bad config logged")
+        wait_for(lambda: "Error parsing text-format tensorflow.serving.ModelServerConfig"
+                 in server.log(), what="bad config logged")
         assert statuses(server, "m")[3] == State.AVAILABLE
         server.config.write_text(config_text(models, {"m": {"stable": 3}}))
         wait_for(lambda: statuses(server, "n").get(1) == State.AVAILABLE, what="n loaded")
@@ -232,14 +233,87 @@ def test_config_file_change_and_reload_request_under_load(server):
     assert {version for _, version in load.results} == {3}
 
 
-def test_rest_timeout_is_504_and_the_server_keeps_serving(server):
+def test_rest_timeout_is_504_and_the_run_stops(server):
+    """--rest_api_timeout_in_ms bounds the TensorFlow run itself (RunOptions.timeout_in_ms,
+    as TF Serving sets it): the answer is the session's DEADLINE_EXCEEDED, and the run is
+    cancelled, not left computing for whoever comes next."""
     gate = server.root / "never"
+    beat = server.root / "never.beat"
     reply = httpx.post(f"{server.rest}/v1/models/m:predict", timeout=60, json={
         "signature_name": "wait", "inputs": {"gate": str(gate), "x": [1.0]}})
     try:
         assert reply.status_code == 504
-        assert reply.json() == {"error": "Request timed out after 5000 ms"}
+        assert reply.json() == {"error": "Timed out waiting for notification"}
+        assert beat.exists()  # the wait loop did run
+        time.sleep(0.3)
+        last = beat.read_text()
+        time.sleep(1.0)  # 50 beats if the loop were still running
+        assert beat.read_text() == last
         fine = httpx.post(f"{server.rest}/v1/models/m:predict", json={"instances": [1.0]})
         assert fine.status_code == 200
     finally:
-        gate.write_text("open")  # lets the abandoned call finish
+        gate.write_text("open")  # lets a run that was not cancelled finish
+
+
+def test_grpc_deadline_stops_the_run(server):
+    """The call's deadline bounds the TensorFlow run (TF Serving's
+    enforce_session_run_timeout): the run is cancelled when the client gives up."""
+    gate = server.root / "never-grpc"
+    beat = server.root / "never-grpc.beat"
+    stub = prediction_service_pb2_grpc.PredictionServiceStub(server.channel)
+    request = predict_pb2.PredictRequest(
+        model_spec=model_pb2.ModelSpec(name="m", signature_name="wait"))
+    request.inputs["gate"].CopyFrom(tf.make_tensor_proto(str(gate)))
+    request.inputs["x"].CopyFrom(tf.make_tensor_proto(np.array([1.0], np.float32)))
+    try:
+        with pytest.raises(grpc.RpcError) as raised:
+            stub.Predict(request, timeout=1.5)
+        assert raised.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        wait_for(beat.exists, 10, "the run started")
+        time.sleep(1.0)
+        last = beat.read_text()
+        time.sleep(1.0)
+        assert beat.read_text() == last
+    finally:
+        gate.write_text("open")
+
+
+def test_empty_reload_request_changes_nothing(server):
+    stub = model_service_pb2_grpc.ModelServiceStub(server.channel)
+    before = statuses(server, "m")
+    with pytest.raises(grpc.RpcError) as raised:
+        stub.HandleReloadConfigRequest(model_management_pb2.ReloadConfigRequest(), timeout=60)
+    assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert raised.value.details() == ("ServerModelConfig type not supported by "
+                                      "HandleReloadConfigRequest. Only ModelConfigList is "
+                                      "currently supported")
+    assert statuses(server, "m") == before
+    assert State.AVAILABLE in before.values()
+    reply = httpx.post(f"{server.rest}/v1/models/m:predict", json={"instances": [1.0]})
+    assert reply.status_code == 200
+
+
+def test_reload_to_a_missing_base_path_reports_and_keeps_serving(server):
+    stub = model_service_pb2_grpc.ModelServiceStub(server.channel)
+    ghost = model_management_pb2.ReloadConfigRequest()
+    ghost.config.model_config_list.config.add(name="ghost", base_path=str(server.root / "nope"),
+                                              model_platform="tensorflow")
+    with Load(server) as load:
+        wait_for(lambda: len(load.results) > 5, what="first replies")
+        with pytest.raises(grpc.RpcError) as raised:
+            stub.HandleReloadConfigRequest(ghost, timeout=60)
+        assert raised.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert raised.value.details().startswith(
+            "1 model(s) did not become available: {{name: ghost} Could not find base path "
+            f"{server.root / 'nope'} for servable ghost}}")
+        moment = time.monotonic()
+        wait_for(lambda: len([1 for t, _ in load.results if t > moment]) > 10,
+                 what="replies after the refused reload")
+        assert State.AVAILABLE in statuses(server, "m").values()
+        back = model_management_pb2.ReloadConfigRequest()
+        back.config.model_config_list.config.add(name="m", base_path=str(server.root / "m"),
+                                                 model_platform="tensorflow")
+        assert stub.HandleReloadConfigRequest(back, timeout=120).status.error_code == 0
+        gone = httpx.post(f"{server.rest}/v1/models/ghost:predict", json={"instances": [1.0]})
+        assert gone.status_code == 404
+    assert not load.failures, load.failures[:5]

@@ -124,7 +124,7 @@ def test_status_grpc_and_broken_models_do_not_disturb_others(server, models, pre
         (1, get_model_status_pb2.ModelVersionStatus.AVAILABLE)]
     for name, text in (("broken", "Failed to load SavedModel"),
                        ("badwarmup", "warmup record 0"),
-                       ("badclassify", 'signature key "nope" not found')):
+                       ("badclassify", "No signature was found with the name: nope")):
         [broken] = models.GetModelStatus(get_model_status_pb2.GetModelStatusRequest(
             model_spec=model_pb2.ModelSpec(name=name))).model_version_status
         assert broken.state == get_model_status_pb2.ModelVersionStatus.END
@@ -314,9 +314,10 @@ REST_ERRORS = [
      "Malformed request: POST /v1/models/tf2:explain"),
     ("/v2/models/tf2/infer", {"instances": [1.0]}, 400,
      "Malformed request: POST /v2/models/tf2/infer"),
+    # serving_default's input is `x`, not `inputs` (TF Serving 2.x checks the signature's
+    # shape, not its method_name)
     ("/v1/models/tf1:classify", {"examples": [{"x": 1.0}]}, 400,
-     "Expected classification signature method_name to be tensorflow/serving/classify. "
-     "Was: tensorflow/serving/predict"),
+     "No classification inputs found in SignatureDef: inputs {\n  key: \"x\""),
 ]
 
 
@@ -341,10 +342,19 @@ GRPC_ERRORS = [
      'Serving signature key "nope" not found.'),
     (predict_request("tf2", x=np.array([1, 2], np.int64)), grpc.StatusCode.INVALID_ARGUMENT,
      "Expects arg[0] to be float but int64 is provided"),
+    # As predict_util.cc: the count matches, so the unknown name is reported by GetInputValues
     (predict_request("tf2", y=S.float_input([1.0])), grpc.StatusCode.INVALID_ARGUMENT,
-     "input size does not match signature"),
-    (predict_request("tf2", x=S.float_input([[1.0]])), grpc.StatusCode.INVALID_ARGUMENT,
-     "Shape of tensor x [1,1] is not compatible with expected shape [?]"),
+     "Signature input alias: x(feed name: serving_default_x:0) not found in request and no "
+     "default value provided. Inputs expected to be in the request {y}, or default input "
+     "alias set: "),
+    (predict_request("tf2", x=S.float_input([1.0]), y=S.float_input([1.0])),
+     grpc.StatusCode.INVALID_ARGUMENT,
+     "input size does not match signature: 2!=1 len({x,y}) != len({x}). Sent extra: {y}. "
+     "Missing but required: {}."),
+    (predict_request("tf2", "arith", a=np.array([[1]], np.int32)),
+     grpc.StatusCode.INVALID_ARGUMENT,
+     "input size does not match signature: 1!=2 len({a}) != len({a,b}). Sent extra: {}. "
+     "Missing but required: {b}."),
 ]
 
 
@@ -363,7 +373,8 @@ def test_still_serving_after_errors_and_metrics(server, predictions):
     assert metrics.status_code == 200
     text = metrics.text
     assert '\n:tensorflow:serving:request_count{model_name="tf2",status="OK"} ' in text
-    assert ':tensorflow:serving:request_count{model_name="nope",status="NOT_FOUND"}' in text
+    # names that are not configured models are counted under one label (issue 14)
+    assert ':tensorflow:serving:request_count{model_name="(unknown)",status="NOT_FOUND"}' in text
     assert '_total' not in text.split(":tensorflow:serving:request_count", 1)[1].split("\n")[0]
     assert ':tensorflow:serving:request_latency_bucket{API="Predict",entrypoint="GRPC"' in text
     assert ':tensorflow:serving:request_latency_bucket{API="predict",entrypoint="REST"' in text

@@ -1,5 +1,7 @@
 """Training is reproducible from its seed and resumes exactly where it stopped."""
 
+import dataclasses
+
 import numpy as np
 
 from tokenserve.config import TrainConfig, preset
@@ -12,12 +14,13 @@ CONFIG = TrainConfig(seed=3, seq_len=16, batch_size=2, num_steps=6, warmup_steps
                      checkpoint_every=100, precision="fp32", eval_batches=2)
 
 
-def train(tokenizer, checkpoints, stops=()):
+def train(tokenizer, checkpoints, stops=(), seed=CONFIG.seed):
     stream = token_stream(TINY_TEXT, tokenizer)
+    config = dataclasses.replace(CONFIG, seed=seed)
     result = None
     for stop in [*stops, None]:
-        model = build_model(preset("tiny-llama"), seed=CONFIG.seed)
-        result = Trainer(model, CONFIG, checkpoints).fit(stream, stream[:200], stop_at=stop)
+        model = build_model(preset("tiny-llama"), seed=seed)
+        result = Trainer(model, config, checkpoints).fit(stream, stream[:200], stop_at=stop)
     return model, result
 
 
@@ -32,7 +35,13 @@ def test_interrupted_and_resumed_run_equals_uninterrupted_run(tokenizer, tmp_pat
 def test_same_seed_same_weights_other_seed_other_weights(tokenizer, tmp_path):
     first, _ = train(tokenizer, tmp_path / "a")
     second, _ = train(tokenizer, tmp_path / "b")
-    np.testing.assert_array_equal(first.weights[0].numpy(), second.weights[0].numpy())
+    other, _ = train(tokenizer, tmp_path / "c", seed=CONFIG.seed + 1)
+    for a, b in zip(first.weights, second.weights):
+        np.testing.assert_array_equal(a.numpy(), b.numpy(), err_msg=a.path)
+    # another seed: other initial weights and other batches, so other trained weights
+    differing = [a.path for a, c in zip(first.weights, other.weights)
+                 if not np.array_equal(a.numpy(), c.numpy())]
+    assert len(differing) == len(first.weights)
     assert not np.array_equal(batch_at(np.arange(1000), 0, 1, 2, 16)[0],
                               batch_at(np.arange(1000), 0, 2, 2, 16)[0])
 

@@ -57,6 +57,11 @@ class PayloadTooLargeError(InvalidRequestError):
     """A request body over the server's limit (HTTP 413, INVALID_ARGUMENT)."""
 
 
+class UnsupportedMediaTypeError(InvalidRequestError):
+    """A request body sent as something other than JSON, e.g. `text/plain` (HTTP 415,
+    INVALID_ARGUMENT)."""
+
+
 class ServableUnavailableError(TokenserveError):
     """The model exists but no version of it is AVAILABLE yet (HTTP 503, UNAVAILABLE)."""
 

@@ -19,10 +19,10 @@ from tokenserve.errors import ConfigError
 IGNORED_TFSERVING_FLAGS = (
     "rest_api_num_threads", "enable_per_model_batching_parameters", "allow_version_labels",
     "flush_filesystem_caches", "tensorflow_session_config_file", "use_alts_credentials",
-    "ssl_config_file", "platform_config_file", "per_process_gpu_memory_fraction",
+    "platform_config_file", "per_process_gpu_memory_fraction",
     "remove_unused_fields_from_bundle_metagraph", "num_tflite_pools",
     "num_tflite_interpreters_per_pool", "num_tflite_interpreters", "use_tflite_model",
-    "enable_signature_method_name_check", "xla_cpu_compilation_enabled", "enable_profiler",
+    "xla_cpu_compilation_enabled", "enable_profiler",
     "thread_pool_factory_config_file", "mixed_precision", "skip_initialize_tpu",
     "enable_grpc_healthcheck_service", "enable_serialization_as_tensor_content",
 )
@@ -56,9 +56,10 @@ def add_parser(commands) -> None:
             "tensorflow_intra_op_parallelism", "tensorflow_inter_op_parallelism")
     strings = ("grpc_socket_path", "grpc_channel_arguments", "model_name", "model_base_path",
                "model_config_file", "batching_parameters_file", "monitoring_config_file",
-               "host", "saved_model_tags")
+               "host", "saved_model_tags", "ssl_config_file")
     bools = ("enable_batching", "enable_model_warmup", "rest_api_enable_cors_support",
-             "allow_version_labels_for_unavailable_models", "prefer_tflite_model")
+             "allow_version_labels_for_unavailable_models", "prefer_tflite_model",
+             "enable_signature_method_name_check")
     for name in ints:
         p.add_argument(f"--{name}", type=int, default=defaults[name])
     for name in strings:
@@ -70,8 +71,11 @@ def add_parser(commands) -> None:
                    help="print the versions and exit, as tensorflow_model_server --version")
     p.add_argument("--api_key", action="append", default=[],
                    help="accepted API key (repeatable; also TOKENSERVE_API_KEYS=k1,k2): "
-                        "every generation and management endpoint then needs "
-                        "'Authorization: Bearer <key>'; health stays open")
+                        "every endpoint then needs 'Authorization: Bearer <key>' except "
+                        "health, readiness and the OpenAPI schema")
+    p.add_argument("--metrics_public", type=parse_bool, nargs="?", const=True,
+                   default=defaults["metrics_public"], metavar="true|false",
+                   help="serve Prometheus metrics without an API key")
     _add_llm_flags(p)
     for name in IGNORED_TFSERVING_FLAGS:
         p.add_argument(f"--{name}", nargs="?", const="true", default=None,

@@ -3,6 +3,13 @@
 TensorFlow releases the GIL while a step computes, so the HTTP and gRPC servers' event
 loops stay responsive. Callers touch the scheduler only under `_lock`, which the loop
 holds while scheduling and updating but not while the step computes.
+
+A failed step fails the requests it was running (they end with ABORT) and the engine goes
+on. A failure that cannot be pinned on running requests (the step failed and there were none
+to fail, or failing them failed) leaves the engine's state unknown: the engine is then dead.
+It logs that once, fails every request it holds with EngineDeadError (HTTP 503, gRPC
+UNAVAILABLE), refuses new ones the same way and reports not ready, instead of leaving
+streams waiting on a loop that is gone (or spinning on a step that fails every time).
 """
 
 from __future__ import annotations
@@ -68,7 +75,8 @@ class AsyncEngine:
         return self.engine.max_model_len
 
     def is_ready(self) -> bool:
-        return self._ready and self._last_step_ok and self._thread.is_alive()
+        return (self._ready and self._error is None and self._last_step_ok
+                and self._thread.is_alive())
 
     @property
     def num_running(self) -> int:
@@ -87,12 +95,14 @@ class AsyncEngine:
                        timeout_s: float | None = None, trace_context: dict | None = None
                        ) -> AsyncIterator[RequestOutput]:
         """Streams RequestOutput deltas; see EngineClient.generate."""
-        if self._error is not None or self._stopped:
-            raise EngineDeadError(f"the engine has stopped: {self._error or 'shut down'}")
         request = self.engine.make_request(prompt_ids, params, request_id or uuid.uuid4().hex,
                                            priority, timeout_s, trace_context)
         queue: asyncio.Queue = asyncio.Queue()
         with self._lock:
+            # Checked under the lock that shutdown() and _die() hold while they sweep the
+            # requests, so a request is either swept (and ended) or refused here, never left
+            # queued on a loop that has stopped.
+            self._check_alive()
             self.engine.add_request(request)   # QueueFullError propagates before any output
             self._streams[request.request_id] = (asyncio.get_running_loop(), queue)
             self._wake.notify()
@@ -110,9 +120,19 @@ class AsyncEngine:
 
     def abort(self, request_id: str) -> None:
         with self._lock:
+            if self._error is not None:  # dead: its state is not to be trusted or touched
+                self._streams.pop(request_id, None)
+                return
             output = self.engine.abort(request_id)
             if output is not None:
                 self._deliver([output])
+
+    def _check_alive(self) -> None:
+        """Raises EngineDeadError once the engine has died or shut down (caller holds _lock)."""
+        if self._error is not None:
+            raise EngineDeadError(str(self._error))
+        if self._stopped:
+            raise EngineDeadError("the engine has stopped: shut down")
 
     # -- lifecycle ------------------------------------------------------------------------
     def start(self) -> None:
@@ -146,10 +166,11 @@ class AsyncEngine:
         """Stops the loop; unfinished requests end with finish_reason ABORT."""
         with self._lock:
             self._stopped = True
-            for request_id in list(self.engine.scheduler.requests):
-                output = self.engine.abort(request_id)
-                if output is not None:
-                    self._deliver([output])
+            if self._error is None:  # a dead engine has failed its requests already
+                for request_id in list(self.engine.scheduler.requests):
+                    output = self.engine.abort(request_id)
+                    if output is not None:
+                        self._deliver([output])
             self._wake.notify()
         if self._thread.is_alive():
             self._thread.join(timeout)
@@ -157,6 +178,12 @@ class AsyncEngine:
     close = shutdown
 
     def _loop(self) -> None:
+        try:
+            self._run()
+        except BaseException as error:  # noqa: BLE001 - the thread must not die silently
+            self._die(error)
+
+    def _run(self) -> None:
         wait_s = self.engine.engine_config.batch_wait_s
         while True:
             with self._lock:
@@ -173,8 +200,27 @@ class AsyncEngine:
                 log.exception("engine step failed")
                 self._last_step_ok = False
                 outputs = self._fail_running(error)
+                if not outputs:  # nothing to pin it on: the next step would fail the same way
+                    raise EngineDeadError(f"the engine has stopped: a step failed with no "
+                                          f"running request to fail ({type(error).__name__}: "
+                                          f"{error})") from error
             with self._lock:
                 self._deliver(outputs)
+
+    def _die(self, error: BaseException) -> None:
+        """The loop cannot go on: log once, fail every stream, refuse new requests."""
+        dead = error if isinstance(error, EngineDeadError) else EngineDeadError(
+            f"the engine has stopped: {type(error).__name__}: {error}")
+        log.critical("engine loop stopped; failing every request: %s", dead,
+                     exc_info=(type(error), error, error.__traceback__))
+        with self._lock:
+            self._error = dead
+            streams, self._streams = self._streams, {}
+        for loop, queue in streams.values():
+            try:
+                loop.call_soon_threadsafe(queue.put_nowait, EngineDeadError(str(dead)))
+            except RuntimeError:  # the caller's event loop is closed
+                pass
 
     def _step(self) -> list[RequestOutput]:
         engine = self.engine

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Sequence as Seq
 from pathlib import Path
 
 from tokenserve.engine.config import EngineConfig
 from tokenserve.engine.core import LLMEngine
 from tokenserve.engine.outputs import CompletionOutput, RequestOutput
+from tokenserve.errors import QueueFullError
 from tokenserve.sampling import SamplingParams
 
 
@@ -28,14 +30,22 @@ class LLM:
         runner, tokenizer = ModelRunner.from_model_dir(model_dir, config)
         self.engine = LLMEngine(runner, tokenizer, config)
         self.tokenizer = tokenizer
+        self._num_requests = 0  # request ids stay unique across calls
 
     def generate(self, prompts: str | list[str] | list[list[int]],
                  params: SamplingParams | Seq[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """One finished RequestOutput per prompt, in order, with full texts and token ids.
 
-        prompts: text, a list of texts, or a list of token-id lists.
+        prompts: text, a list of texts, or a list of token-id lists; any number of them.
+            They are fed to the engine as its queue drains (its request and token limits
+            apply to what waits at once, not to the call).
         params: one SamplingParams for all prompts, or one per prompt.
+
+        Raises:
+            InvalidRequestError / PromptTooLongError: a prompt the engine refuses; nothing
+                has run then (every prompt is checked first).
+            QueueFullError: one prompt alone is over the queue's token limit.
         """
         from tqdm.auto import tqdm
 
@@ -46,17 +56,36 @@ class LLM:
         if len(per_prompt) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(per_prompt)} SamplingParams")
         ids = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
-        requests = [self.engine.make_request(i, p, f"offline-{n}")
+        first = self._num_requests
+        requests = [self.engine.make_request(i, p, f"offline-{first + n}")
                     for n, (i, p) in enumerate(zip(ids, per_prompt))]
-        for request in requests:
-            self.engine.add_request(request)
+        self._num_requests += len(requests)
+        pending = deque(requests)
         results: dict[str, RequestOutput] = {}
-        with tqdm(total=len(requests), desc="generate", unit="req", disable=not use_tqdm) as bar:
-            while self.engine.has_work:
-                for output in self.engine.step():
-                    self._accumulate(results, output)
-                    bar.update(int(output.finished))
+        try:
+            with tqdm(total=len(requests), desc="generate", unit="req",
+                      disable=not use_tqdm) as bar:
+                while pending or self.engine.has_work:
+                    self._feed(pending)
+                    for output in self.engine.step():
+                        self._accumulate(results, output)
+                        bar.update(int(output.finished))
+        except BaseException:
+            for request in requests:  # leave the engine empty for the next call
+                self.engine.abort(request.request_id)
+            raise
         return [results[r.request_id] for r in requests]
+
+    def _feed(self, pending: deque) -> None:
+        """Queues pending requests until the engine's queue is full."""
+        while pending:
+            try:
+                self.engine.add_request(pending[0])
+            except QueueFullError:
+                if not self.engine.has_work:
+                    raise  # over the limit on an empty queue: it can never be queued
+                return
+            pending.popleft()
 
     @staticmethod
     def _accumulate(results: dict[str, RequestOutput], delta: RequestOutput) -> None:

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from tokenserve.errors import QueueFullError
 from tokenserve.lifecycle.server_protos import BatchingParameters
 
 
@@ -24,6 +25,8 @@ from tokenserve.lifecycle.server_protos import BatchingParameters
 class _Call:
     inputs: dict[str, np.ndarray]
     num_rows: int
+    deadline: float | None = None
+    """time.monotonic() by which the caller needs its answer (None: no deadline)."""
     future: Future = field(default_factory=Future)
     enqueued_at: float = field(default_factory=time.monotonic)
 
@@ -53,16 +56,27 @@ class BatchingServable:
             thread.start()
 
     def run(self, signature_name: str, inputs: dict[str, np.ndarray],
-            output_keys: list[str] | None = None) -> dict[str, np.ndarray]:
+            output_keys: list[str] | None = None,
+            timeout_s: float | None = None) -> dict[str, np.ndarray]:
         num_rows = _batch_rows(inputs)
         if num_rows is None or num_rows > self._params.max_batch_size or self._closed:
-            return self._servable.run(signature_name, inputs, output_keys)
+            return self._servable.run(signature_name, inputs, output_keys, timeout_s)
         key = (signature_name, tuple(sorted(output_keys or ())),
                tuple((name, value.dtype.str, value.shape[1:])
                      for name, value in sorted(inputs.items())))
-        call = _Call(inputs, num_rows)
+        call = _Call(inputs, num_rows,
+                     None if timeout_s is None else time.monotonic() + timeout_s)
         with self._cond:
-            self._queues.setdefault(key, []).append(call)
+            queue = self._queues.setdefault(key, [])
+            # max_enqueued_batches full batches may wait per queue, as in TF Serving; past
+            # that a call is refused at once instead of queueing without bound.
+            limit = self._params.max_enqueued_batches * self._params.max_batch_size
+            if sum(queued.num_rows for queued in queue) + num_rows > limit:
+                if not queue:
+                    del self._queues[key]
+                raise QueueFullError("The batch scheduling queue to which this task was "
+                                     "submitted is full")
+            queue.append(call)
             self._cond.notify_all()
         return call.future.result()
 
@@ -104,6 +118,8 @@ class BatchingServable:
                 while calls and total + calls[0].num_rows <= self._params.max_batch_size:
                     total += calls[0].num_rows
                     taken.append(calls.pop(0))
+                if not calls:  # keys hold input shapes, which clients choose: drop empty ones
+                    del self._queues[key]
                 return key, taken
             self._cond.wait(wait_s)
 
@@ -120,8 +136,11 @@ class BatchingServable:
             if padded > total:
                 joined = np.concatenate([joined, np.repeat(joined[-1:], padded - total, 0)])
             inputs[name] = joined
+        # The batch may run as long as its most patient caller waits.
+        deadlines = [call.deadline for call in calls]
+        timeout_s = None if None in deadlines else max(deadlines) - time.monotonic()
         try:
-            outputs = self._servable.run(signature_name, inputs, output_keys)
+            outputs = self._servable.run(signature_name, inputs, output_keys, timeout_s)
             if any(np.ndim(v) == 0 or len(v) != padded for v in outputs.values()):
                 raise ValueError("outputs are not batched along dimension 0")
         except Exception:  # noqa: BLE001 - retry each call alone; only bad ones fail
@@ -135,8 +154,10 @@ class BatchingServable:
             start = end
 
     def _run_alone(self, signature_name: str, call: _Call, output_keys) -> None:
+        timeout_s = None if call.deadline is None else call.deadline - time.monotonic()
         try:
-            call.future.set_result(self._servable.run(signature_name, call.inputs, output_keys))
+            call.future.set_result(self._servable.run(signature_name, call.inputs, output_keys,
+                                                      timeout_s))
         except Exception as error:  # noqa: BLE001 - delivered to the caller
             call.future.set_exception(error)
 

@@ -10,9 +10,11 @@ from tokenserve.lifecycle.repository import SAVED_MODEL_FILES, TFLITE_FILE
 
 
 def load_servable(spec: ModelSpecConfig, version_dir: Path, prefer_tflite: bool = False,
-                  tags: tuple[str, ...] = ("serve",)):
-    """A SavedModelServable, or a TFLiteServable when the platform is `tflite` or
-    --prefer_tflite_model is set and the directory holds model.tflite."""
+                  tags: tuple[str, ...] = ("serve",), session_options=None):
+    """A SavedModelServable (a TF1 Session over the MetaGraph tagged `tags`, with the
+    thread pools of `session_options`, a lifecycle.session_bundle.SessionOptions), or a
+    TFLiteServable when the platform is `tflite` or --prefer_tflite_model is set and the
+    directory holds model.tflite."""
     has_tflite = (version_dir / TFLITE_FILE).exists()
     if has_tflite and (prefer_tflite or spec.platform == "tflite"):
         from tokenserve.lifecycle.tflite import TFLiteServable
@@ -25,4 +27,5 @@ def load_servable(spec: ModelSpecConfig, version_dir: Path, prefer_tflite: bool 
         failure.error_code = "NOT_FOUND"
         raise failure
     from tokenserve.lifecycle.savedmodel import SavedModelServable
-    return SavedModelServable(version_dir, tags)
+    from tokenserve.lifecycle.session_bundle import SessionOptions
+    return SavedModelServable(version_dir, tags, session_options or SessionOptions())

@@ -58,20 +58,35 @@ def from_proto(config: model_server_config_pb2.ModelServerConfig) -> list[ModelS
             platform=model.model_platform or "tensorflow",
             policy=_policy(model.model_version_policy),
             labels={label: int(version) for label, version in model.version_labels.items()}))
-    names = [spec.name for spec in specs]
-    duplicates = sorted({name for name in names if names.count(name) > 1})
-    if duplicates:
-        raise ConfigError(f"duplicate model names in config: {', '.join(duplicates)}")
+    seen = set()
+    for spec in specs:  # server_core.cc ValidateModelConfigList
+        if spec.name in seen:
+            raise ConfigError(f"Illegal to list model {spec.name} multiple times in config list")
+        seen.add(spec.name)
     return specs
 
 
-def parse_model_server_config(text: str) -> list[ModelSpecConfig]:
+def parse_error(message_type: str, error: text_format.ParseError) -> str:
+    """protobuf's C++ TextFormat error line (`Error parsing text-format <type>: L:C: ...`),
+    which TF Serving prints on stderr and scripts grep for."""
+    line, column = error.GetLine(), error.GetColumn()
+    detail = str(error)
+    if line is not None:
+        detail = detail.split(" : ", 1)[-1]
+        return f"Error parsing text-format {message_type}: {line}:{column}: {detail}"
+    return f"Error parsing text-format {message_type}: {detail}"
+
+
+def parse_model_server_config(text: str, source: str = "") -> list[ModelSpecConfig]:
     """Parses text-format ModelServerConfig (`model_config_list { config { ... } }`)."""
     config = model_server_config_pb2.ModelServerConfig()
     try:
         text_format.Parse(text, config)
     except text_format.ParseError as error:
-        raise ConfigError(f"invalid model config: {error}") from error
+        message = parse_error(config.DESCRIPTOR.full_name, error)
+        if source:  # and TF Serving's status for the file
+            message += f". Invalid protobuf file: '{source}'"
+        raise ConfigError(message) from error
     return from_proto(config)
 
 
@@ -80,4 +95,4 @@ def read_model_config_file(path: str | Path) -> list[ModelSpecConfig]:
         text = Path(path).read_text()
     except OSError as error:
         raise ConfigError(f"cannot read model config file {path}: {error}") from error
-    return parse_model_server_config(text)
+    return parse_model_server_config(text, str(path))

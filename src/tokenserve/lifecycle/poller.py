@@ -60,9 +60,12 @@ class Poller:
     def _reload_config(self) -> None:
         specs = self._read_config()
         if specs != self._last_file_specs:
-            self._last_file_specs = specs
             log.info("model config file changed; applying %d models", len(specs))
             self._manager.apply_config(specs, wait=True)
+            # Recorded only once applied: a config refused for a passing reason (a label on
+            # a version still loading) is tried again at the next poll, not when the file
+            # next changes.
+            self._last_file_specs = specs
 
     @staticmethod
     def _guard(step: Callable[[], None]) -> None:

@@ -1,106 +1,95 @@
-"""Any TensorFlow SavedModel (TF2, Keras export, TF1 SavedModelBuilder) as a servable."""
+"""Any TensorFlow SavedModel (TF1 SavedModelBuilder, TF2, Keras export) as a servable.
+
+Loaded through a TF1 Session (lifecycle/session_bundle.py), as tensorflow_model_server does,
+and run by tensor name with TF Serving's request rules (lifecycle/servable.py). TensorFlow
+errors from the run keep their code: INVALID_ARGUMENT (e.g. `Expects arg[0] to be float but
+int64 is provided`, or a shape the graph cannot take) is a bad request, FAILED_PRECONDITION
+and DEADLINE_EXCEEDED keep theirs, anything else is the server's error.
+"""
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import numpy as np
 import tensorflow as tf
 from tensorflow.core.framework import types_pb2
-from tensorflow.core.protobuf import saved_model_pb2
 
-from tokenserve.errors import InvalidRequestError, ModelLoadError
-from tokenserve.lifecycle.servable import (check_input_keys, check_input_shapes,
-                                           check_output_keys, signature_def)
+from tokenserve.errors import (DeadlineExceededError, FailedPreconditionError,
+                               InvalidRequestError, ModelLoadError, RequestAbortedError)
+from tokenserve.lifecycle.servable import (DEFAULT_SIGNATURE, check_output_keys,
+                                           resolve_inputs, signature_def)
+from tokenserve.lifecycle.session_bundle import (SERVE_TAG, SessionBundle, SessionOptions,
+                                                 load_failure, status_code_name)
 
-SERVE_TAG = "serve"
-_INTERNAL_SIGNATURES = ("__saved_model_init_op", "__saved_model_train_op")
+__all__ = ["SERVE_TAG", "SavedModelServable", "dtype_string", "load_error", "run_error"]
 
 
-def dtype_string(dtype: tf.DType) -> str:
+def dtype_string(dtype) -> str:
     """TF's DataTypeString (`float`, `int64`, `string`), the name TF Serving's messages use."""
     return types_pb2.DataType.Name(tf.dtypes.as_dtype(dtype).as_datatype_enum)[3:].lower()
 
 
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip()
-    return text.splitlines()[0] if text else type(error).__name__
-
-
 def load_error(path: Path, error: BaseException) -> ModelLoadError:
     """A ModelLoadError carrying TF's status code name (shown in GetModelStatus)."""
-    failure = ModelLoadError(f"Failed to load SavedModel from {path}: {_first_line(error)}")
-    failure.error_code = _code_name(error)
-    return failure
+    text = (getattr(error, "message", None) or str(error)).strip()
+    text = text.splitlines()[0] if text else type(error).__name__
+    return load_failure(f"Failed to load SavedModel from {path}: {text}",
+                        status_code_name(error))
 
 
-def _code_name(error: BaseException) -> str:
-    if isinstance(error, tf.errors.OpError):
-        # tf.errors.NotFoundError -> NOT_FOUND, the name TF Serving prints.
-        name = type(error).__name__.removesuffix("Error")
-        return re.sub(r"(?<!^)(?=[A-Z])", "_", name).upper()
-    if isinstance(error, (FileNotFoundError, OSError)):
-        return "NOT_FOUND"
-    return "UNKNOWN"
+# TF status of a failed run -> the tokenserve error carrying the same gRPC code (server/status.py)
+_RUN_ERRORS = ((tf.errors.InvalidArgumentError, InvalidRequestError),
+               (tf.errors.FailedPreconditionError, FailedPreconditionError),
+               (tf.errors.DeadlineExceededError, DeadlineExceededError),
+               (tf.errors.CancelledError, RequestAbortedError))
 
 
-def read_signature_defs(path: Path, tags: tuple[str, ...] = (SERVE_TAG,)) -> dict:
-    """SignatureDefs of the MetaGraph tagged `serve`, read straight from saved_model.pb."""
-    proto = saved_model_pb2.SavedModel()
-    pb = path / "saved_model.pb"
-    if pb.exists():
-        proto.ParseFromString(pb.read_bytes())
-    else:
-        from google.protobuf import text_format
-        text_format.Parse((path / "saved_model.pbtxt").read_text(), proto)
-    for meta_graph in proto.meta_graphs:
-        if set(tags) <= set(meta_graph.meta_info_def.tags):
-            return {name: sig for name, sig in meta_graph.signature_def.items()
-                    if name not in _INTERNAL_SIGNATURES}
-    raise ModelLoadError(f"SavedModel at {path} has no MetaGraph with tags {list(tags)}")
+def run_error(error: tf.errors.OpError) -> Exception:
+    """The tokenserve error for a TF run error, with TF's full message (TF Serving returns
+    the session's status as it is); errors of other codes stay TF's own, and the TF Serving
+    frontends answer with their code (server/tfserving/tf_status.py)."""
+    for tf_type, ours in _RUN_ERRORS:
+        if isinstance(error, tf_type):
+            return ours(error.message)
+    return error
 
 
 class SavedModelServable:
-    """A SavedModel loaded with `tf.saved_model.load`, run through its signatures."""
+    """A SavedModel in a Session; every SignatureDef of its MetaGraph is served (TF2 models
+    show `__saved_model_init_op` too, as in TF Serving's metadata).
 
-    def __init__(self, path: str | Path, tags: tuple[str, ...] = (SERVE_TAG,)):
+    Args:
+        path: the version directory.
+        tags: --saved_model_tags.
+        options: --tensorflow_*_parallelism.
+    """
+
+    def __init__(self, path: str | Path, tags: tuple[str, ...] = (SERVE_TAG,),
+                 options: SessionOptions = SessionOptions()):
         self.path = Path(path)
-        try:
-            self.signature_defs = read_signature_defs(self.path, tags)
-            self._model = tf.saved_model.load(str(self.path), tags=list(tags))
-            self._functions = dict(self._model.signatures)
-        except ModelLoadError:
-            raise
-        except Exception as error:  # corrupt protobuf, missing variables, unknown ops ...
-            raise load_error(self.path, error) from error
-        missing = set(self.signature_defs) - set(self._functions)
-        if missing:
-            raise ModelLoadError(f"SavedModel at {self.path}: signatures {sorted(missing)} "
-                                 f"are in the MetaGraph but not loadable")
+        self._bundle = SessionBundle(self.path, tuple(tags), options)
+        self.signature_defs = dict(self._bundle.meta_graph_def.signature_def)
+        self._defaults = {
+            name: {alias: tf.make_ndarray(proto) for alias, proto in sig.defaults.items()}
+            for name, sig in self.signature_defs.items()}
 
     def run(self, signature_name: str, inputs: dict[str, np.ndarray],
-            output_keys: list[str] | None = None) -> dict[str, np.ndarray]:
+            output_keys: list[str] | None = None,
+            timeout_s: float | None = None) -> dict[str, np.ndarray]:
         sig = signature_def(self, signature_name)
-        check_input_keys(sig, inputs)
-        check_input_shapes(sig, inputs)
+        feeds = resolve_inputs(sig, inputs,
+                               self._defaults.get(signature_name or DEFAULT_SIGNATURE))
         outputs = check_output_keys(sig, output_keys)
-        function = self._functions[signature_name or "serving_default"]
-        tensors = {}
-        for index, key in enumerate(sorted(inputs)):
-            expected = tf.dtypes.as_dtype(sig.inputs[key].dtype)
-            value = inputs[key]
-            got = tf.dtypes.as_dtype(value.dtype) if value.dtype != object else tf.string
-            if got != expected:
-                raise InvalidRequestError(f"Expects arg[{index}] to be {dtype_string(expected)} "
-                                          f"but {dtype_string(got)} is provided")
-            tensors[key] = tf.constant(value, dtype=expected)
         try:
-            result = function(**tensors)
-        except (tf.errors.InvalidArgumentError, TypeError, ValueError) as error:
-            raise InvalidRequestError(_first_line(error)) from error
-        return {key: result[key].numpy() for key in outputs}
+            values = self._bundle.run(feeds, [sig.outputs[key].name for key in outputs],
+                                      timeout_s)
+        except tf.errors.OpError as error:
+            mapped = run_error(error)
+            if mapped is error:
+                raise
+            raise mapped from error
+        return {key: np.asarray(value) for key, value in zip(outputs, values)}
 
     def close(self) -> None:
-        self._functions = {}
-        self._model = None
+        self._bundle.close()

@@ -92,10 +92,13 @@ class BatchingParameters:
 
 
 def _parse(text: str, message, what: str):
+    from tokenserve.lifecycle.model_config import parse_error
+
     try:
         text_format.Parse(text, message)
     except text_format.ParseError as error:
-        raise ConfigError(f"invalid {what}: {error}") from error
+        raise ConfigError(f"invalid {what}: "
+                          f"{parse_error(message.DESCRIPTOR.full_name, error)}") from error
     return message
 
 

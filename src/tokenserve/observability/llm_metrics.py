@@ -241,6 +241,23 @@ class LLMMetrics(StatsSink):
             except KeyError:  # that version never ran a step
                 pass
 
+    # -- the lifecycle's observer interface (ModelManager.add_observer) --------------------
+    def on_version_state(self, model: str, version: int, state) -> None:
+        """A version changed state (`state`: the lifecycle's VersionState or its name). At
+        END its scheduler gauges go: its engine has stopped, and a dashboard should not
+        keep showing its last running and waiting counts."""
+        name = getattr(state, "name", state)
+        self.record_version_state(model, str(version), name)
+        if name == VersionState.END.value:
+            self.forget_version(model, str(version))
+
+    def on_load(self, model: str, version: int, seconds: float, ok: bool) -> None:
+        if ok:
+            self.record_model_load(model, str(version), seconds)
+
+    def on_warmup(self, model: str, version: int, seconds: float) -> None:
+        self.record_warmup(model, str(version), seconds)
+
     def record_model_load(self, model: str, version: str, seconds: float) -> None:
         """Observes how long loading one model version took."""
         self.model_load_latency.labels(model, version).observe(seconds)

@@ -33,6 +33,8 @@ import grpc
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 
 SERVICE_NAME = "tensorflow.ProfilerService"
+CAPTURE_EVENT = "ProfilerService::Profile"
+"""The host-plane event spanning each capture."""
 _FIELD = descriptor_pb2.FieldDescriptorProto
 
 
@@ -164,13 +166,20 @@ class ProfilerServicer:
         """
         from tensorflow.python.profiler.internal import _pywrap_profiler
 
+        from tensorflow.python.profiler.trace import Trace
+
         with tempfile.TemporaryDirectory(prefix="tokenserve-profile-") as scratch:
             session = _pywrap_profiler.ProfilerSession()
             try:
                 session.start(scratch, self._profiler_options(request))
             except Exception as error:  # TF's profiler is busy (started by tf.profiler) etc.
                 context.abort(grpc.StatusCode.UNAVAILABLE, f"cannot start profiler: {error}")
-            self._wait(self._duration_s(request), context)
+            # The capture itself is host activity and is traced as such: a window with no
+            # request in it still returns a trace (the capture's span, nothing else), as
+            # tensorflow_model_server does, instead of TF's client failing with
+            # "UNAVAILABLE: No trace event was collected".
+            with Trace(CAPTURE_EVENT, duration_ms=int(self._duration_s(request) * 1000)):
+                self._wait(self._duration_s(request), context)
             session.export_to_tb()
             written = glob.glob(os.path.join(scratch, "plugins", "profile", "*", "*.xplane.pb"))
             if not written:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import threading
 from collections import defaultdict
+from collections.abc import Callable, Iterable
 
 from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import Metric
@@ -67,6 +68,7 @@ class TFServingMetrics:
     LOAD_LATENCY = ":tensorflow:cc:saved_model:load_latency"
 
     def __init__(self, registry: CollectorRegistry):
+        self._model_names: Callable[[], Iterable[str]] | None = None
         self._counters = _UntypedCounters()
         self._counters.family(self.REQUEST_COUNT, "The total number of requests.",
                               ("model_name", "status"))
@@ -88,10 +90,21 @@ class TFServingMetrics:
             "Distribution of wall time (in microseconds) for warming up the model.",
             ("model_path", "status"), buckets=LATENCY_BUCKETS_US, registry=registry)
 
+    UNKNOWN_MODEL = "(unknown)"
+
+    def label_models(self, model_names: Callable[[], Iterable[str]]) -> None:
+        """Labels requests with `model_name` only when it is one of `model_names()` (the
+        configured models) and counts the rest under UNKNOWN_MODEL: a name comes from the
+        request (URL path or ModelSpec), and labelling every made-up one would let clients
+        grow /metrics without bound."""
+        self._model_names = model_names
+
     def request(self, model_name: str, api: str, entrypoint: str, status: str,
                 seconds: float) -> None:
         """One finished request; `status` is "OK" or a status code name. Latency is recorded
         for successful requests only, as TF Serving does."""
+        if self._model_names is not None and model_name not in set(self._model_names()):
+            model_name = self.UNKNOWN_MODEL
         self._counters.inc(self.REQUEST_COUNT, 1, model_name=model_name, status=status)
         if status == "OK":
             self._request_latency.labels(model_name, api, entrypoint).observe(seconds * 1e6)

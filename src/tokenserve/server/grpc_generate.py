@@ -14,6 +14,7 @@ Example (the integrator's wiring on the gRPC port, beside TF Serving's services)
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import ExitStack
@@ -63,18 +64,18 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         self.api_keys = api_keys or APIKeys()
         self.request_timeout_s = request_timeout_s
 
-    def _prepare(self, request: pb.GenerateRequest, context, held: ExitStack):
-        """(model id, tokenizer, MergedOutputs) for a request, holding its model version in
-        `held`; raises TokenserveError."""
-        self.api_keys.check_grpc_metadata(context.invocation_metadata())
-        model_id = request.model or self.models.default_model()
-        engine = held.enter_context(self.models.acquire(model_id))
+    def _prepare(self, request: pb.GenerateRequest, engine, metadata,
+                 remaining: float | None) -> MergedOutputs:
+        """The engine inputs of a request; raises TokenserveError. Blocking (it tokenizes):
+        Generate runs it off the event loop, which the TF Serving services on this port
+        share. It touches no model version: Generate acquires that on the loop, so a call
+        cancelled meanwhile cannot leave a version held."""
         kind = request.WhichOneof("prompt")
         if kind is None:
             raise bad_request("GenerateRequest needs a prompt: set text or token_ids.", "prompt")
         prompt = request.text if kind == "text" else list(request.token_ids.ids)
         prompt_ids = prompt_token_ids(prompt, engine.tokenizer, engine.config.model.vocab_size,
-                                      max_prompts=1)[0]
+                                      max_prompts=1, max_model_len=engine.max_model_len)[0]
         options = request.sampling
         requested = options.max_tokens if options.HasField("max_tokens") else None
         max_tokens = max_new_tokens(requested, "max_tokens", len(prompt_ids),
@@ -82,13 +83,11 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         params = sampling_params(options, max_tokens)
         timeout_s = request_timeout(request.timeout_s if request.HasField("timeout_s") else None,
                                     self.request_timeout_s)
-        remaining = context.time_remaining()
         if remaining is not None and (timeout_s is None or remaining < timeout_s):
             timeout_s = max(remaining, 1e-3)
         request_id = request.request_id or f"gen-{uuid.uuid4().hex}"
-        return model_id, engine.tokenizer, MergedOutputs(
-            engine, [prompt_ids], params, request_id, request.priority, timeout_s,
-            trace_context(context.invocation_metadata()))
+        return MergedOutputs(engine, [prompt_ids], params, request_id, request.priority,
+                             timeout_s, trace_context(metadata))
 
     async def Generate(self, request: pb.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
@@ -100,7 +99,13 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
                     if isinstance(request, _Undecodable):
                         raise bad_request(f"The request is not a valid GenerateRequest: "
                                           f"{request.error}")
-                    model_id, tokenizer, outputs = self._prepare(request, context, held)
+                    metadata = context.invocation_metadata()
+                    self.api_keys.check_grpc_metadata(metadata)
+                    model_id = request.model or self.models.default_model()
+                    engine = held.enter_context(self.models.acquire(model_id))
+                    tokenizer = engine.tokenizer
+                    outputs = await asyncio.to_thread(self._prepare, request, engine, metadata,
+                                                      context.time_remaining())
                     await outputs.start()
                 except TokenserveError as error:
                     await context.abort(grpc_code(error), str(error))

@@ -4,14 +4,19 @@ Every tokenserve language-model version gets its own continuous-batching engine 
 extension: built after warmup, before the version is AVAILABLE, shut down after its streams
 drain). The OpenAI API (port 8000) and the streaming gRPC service (port 8500, beside TF
 Serving's services) resolve model ids through the manager, so hot swaps reach them too.
+With --ssl_config_file every port speaks TLS (server/tls.py).
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import logging
 import sys
+import threading
 from dataclasses import dataclass, field
 
+import uvicorn
 from prometheus_client import CollectorRegistry
 
 from tokenserve.engine.config import EngineConfig, from_batching_parameters
@@ -19,6 +24,7 @@ from tokenserve.observability.stack import Observability, ObservabilityConfig
 from tokenserve.server.auth import APIKeys, AsyncAPIKeyInterceptor, check_http_authorization
 from tokenserve.server.serve_config import ServeConfig
 from tokenserve.server.status import http_status
+from tokenserve.server.tls import SSLConfig
 
 log = logging.getLogger("tokenserve.serve")
 
@@ -43,6 +49,31 @@ def engine_config_for(config: ServeConfig, base: EngineConfig) -> EngineConfig:
     return base
 
 
+def start_http(app, host: str, port: int, tls: SSLConfig | None = None,
+               graceful_shutdown_s: float = 30.0) -> uvicorn.Server:
+    """Serves `app` under uvicorn on its own thread, over TLS when `tls` is given; returns
+    once it listens (its `should_exit = True` stops it). On shutdown, requests still running
+    after `graceful_shutdown_s` are cancelled (their streams abort and free their slots):
+    a client that stopped reading a stream must not keep the process from exiting.
+
+    Raises:
+        OSError: the port could not be opened.
+    """
+    files = tls.files() if tls is not None else contextlib.nullcontext({})
+    with files as ssl_options:  # uvicorn reads them while starting; removed once it listens
+        server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning",
+                                               access_log=False, lifespan="off",
+                                               timeout_graceful_shutdown=graceful_shutdown_s,
+                                               **ssl_options))
+        thread = threading.Thread(target=server.run, name=f"http-{port}", daemon=True)
+        thread.start()
+        while not server.started and thread.is_alive():
+            thread.join(0.05)
+    if not server.started:
+        raise OSError(f"could not start the HTTP server on {host}:{port}")
+    return server
+
+
 def run(config: ServeConfig, llm: LLMServeConfig = LLMServeConfig(), stop_event=None) -> None:
     """Serves until SIGTERM/SIGINT (or `stop_event`); see `tfserving.server.serve`."""
     from tokenserve.engine.async_engine import AsyncEngine
@@ -51,7 +82,7 @@ def run(config: ServeConfig, llm: LLMServeConfig = LLMServeConfig(), stop_event=
     from tokenserve.server.grpc_generate import add_generation_service
     from tokenserve.server.openai import OpenAIServerConfig, build_openai_app
     from tokenserve.server.openai.managed_models import ManagedModels
-    from tokenserve.server.tfserving.server import _uvicorn, build_context, serve
+    from tokenserve.server.tfserving.server import build_context, serve
 
     registry = CollectorRegistry()
     observability = Observability(llm.observability, registry)
@@ -59,7 +90,13 @@ def run(config: ServeConfig, llm: LLMServeConfig = LLMServeConfig(), stop_event=
     keys = APIKeys.from_sources(config.api_keys)
     engine_config = engine_config_for(config, llm.engine)
     context = build_context(config, registry)
+    # version state, load and warmup latency series, and no series for unloaded versions
+    context.manager.add_observer(observability.metrics)
+    # TF Serving's request counters label configured models only (names come from clients)
+    context.metrics.label_models(context.manager.model_names)
     models = ManagedModels(context.manager)
+    tls = config.ssl_config
+    interceptors = [AsyncAPIKeyInterceptor(keys)] if keys.enabled else []
 
     def engine_for(version):
         if not (version.path / "assets" / GENERATION_CONFIG_FILE).exists():
@@ -73,9 +110,11 @@ def run(config: ServeConfig, llm: LLMServeConfig = LLMServeConfig(), stop_event=
             return None
         app = build_openai_app(models, OpenAIServerConfig(
             api_keys=keys, metrics_registry=ctx.registry, max_body_bytes=llm.max_body_bytes,
-            request_timeout_s=llm.request_timeout_s), stats=observability.sink)
-        server = _uvicorn(app, config.host, config.openai_port)
-        print(f"Serving the OpenAI API at http://{config.host}:{config.openai_port}/v1 ...",
+            request_timeout_s=llm.request_timeout_s, metrics_public=config.metrics_public),
+            stats=observability.sink)
+        server = start_http(app, config.host, config.openai_port, tls)
+        scheme = "https" if tls is not None else "http"
+        print(f"Serving the OpenAI API at {scheme}://{config.host}:{config.openai_port}/v1 ...",
               flush=True, file=sys.stderr)
         return _Stoppable(server)
 
@@ -90,21 +129,76 @@ def run(config: ServeConfig, llm: LLMServeConfig = LLMServeConfig(), stop_event=
         from fastapi import Request
         from fastapi.responses import JSONResponse
 
+        monitoring = config.monitoring
+        open_paths = ({monitoring.prometheus_path} if config.metrics_public
+                      and monitoring.prometheus_enabled else set())
+
         @app.middleware("http")
         async def require_key(request: Request, call_next):
-            try:
-                check_http_authorization(keys, request.headers)
-            except Exception as error:  # UnauthenticatedError: TF Serving's error body
-                return JSONResponse({"error": str(error)}, status_code=http_status(error))
+            if request.url.path not in open_paths:
+                try:
+                    check_http_authorization(keys, request.headers)
+                except Exception as error:  # UnauthenticatedError: TF Serving's error body
+                    return JSONResponse({"error": str(error)}, status_code=http_status(error))
             return await call_next(request)
 
+    frontends, serve_config = [openai_frontend], config
+    if tls is not None:
+        # The TF Serving wiring opens plaintext ports only: with TLS its gRPC and REST
+        # servers start here instead, on the same ports and with the same services.
+        frontends = [_tls_grpc(config, tls, [generation_services], interceptors),
+                     _tls_rest(config, tls, rest_auth), openai_frontend]
+        serve_config = dataclasses.replace(config, port=0, rest_api_port=0,
+                                           grpc_socket_path="")
     try:
-        serve(config, frontends=[openai_frontend], extensions={"engine": engine_for},
-              grpc_services=[generation_services],
-              grpc_interceptors=[AsyncAPIKeyInterceptor(keys)] if keys.enabled else [],
+        serve(serve_config, frontends=frontends, extensions={"engine": engine_for},
+              grpc_services=[generation_services], grpc_interceptors=interceptors,
               stop_event=stop_event, context=context, rest_middleware=rest_auth)
     finally:
         observability.close()
+
+
+def _tls_grpc(config: ServeConfig, tls: SSLConfig, services: list, interceptors: list):
+    """A frontend: TF Serving's gRPC services plus `services` on --port over TLS (and on
+    --grpc_socket_path, a local socket, without)."""
+    def start(ctx):
+        from tokenserve.server.tfserving.grpc_service import GrpcServerThread
+
+        if not config.port and not config.grpc_socket_path:
+            return None
+
+        async def secure_port(grpc_server) -> None:
+            if config.port:
+                grpc_server.add_secure_port(f"0.0.0.0:{config.port}", tls.grpc_credentials())
+
+        server = GrpcServerThread(ctx.manager, 0, config.grpc_socket_path,
+                                  config.grpc_channel_arguments, ctx.metrics,
+                                  max_workers=config.grpc_max_threads,
+                                  extra_services=[*services, secure_port],
+                                  interceptors=interceptors)
+        print(f"Running gRPC ModelServer at {config.host}:{config.port} (TLS) ...",
+              file=sys.stderr)
+        return server
+    return start
+
+
+def _tls_rest(config: ServeConfig, tls: SSLConfig, middleware):
+    """A frontend: TF Serving's REST API on --rest_api_port over TLS."""
+    def start(ctx):
+        from tokenserve.server.tfserving.rest import build_rest_app
+
+        if not config.rest_api_port:
+            return None
+        monitoring = config.monitoring
+        app = build_rest_app(ctx.manager, ctx.metrics, config.rest_api_timeout_in_ms / 1000,
+                             monitoring.prometheus_path if monitoring.prometheus_enabled
+                             else None, ctx.registry, cors=config.rest_api_enable_cors_support)
+        middleware(app)
+        server = start_http(app, config.host, config.rest_api_port, tls)
+        print(f"Exporting HTTP/REST API at:{config.host}:{config.rest_api_port} (TLS) ...",
+              file=sys.stderr)
+        return _Stoppable(server)
+    return start
 
 
 class _Stoppable:

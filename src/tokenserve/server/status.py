@@ -12,6 +12,7 @@ from tokenserve import errors
 
 _TABLE: list[tuple[type[Exception], int, grpc.StatusCode]] = [
     (errors.PayloadTooLargeError, 413, grpc.StatusCode.INVALID_ARGUMENT),
+    (errors.UnsupportedMediaTypeError, 415, grpc.StatusCode.INVALID_ARGUMENT),
     (errors.PromptTooLongError, 400, grpc.StatusCode.INVALID_ARGUMENT),
     (errors.InvalidRequestError, 400, grpc.StatusCode.INVALID_ARGUMENT),
     (errors.UnauthenticatedError, 401, grpc.StatusCode.UNAUTHENTICATED),

@@ -10,8 +10,8 @@ from tokenserve.engine.protocol import EngineClient
 from .chat_template import render_chat
 from .config import OpenAIServerConfig
 from .formatting import SSE_DONE, chat_logprobs, sse
-from .params import (bad_request, check_text, check_unsupported, max_new_tokens,
-                     request_timeout, sampling_params)
+from .params import (bad_request, check_prompt_chars, check_text, check_unsupported,
+                     encode_text, max_new_tokens, request_timeout, sampling_params)
 from .schemas import (CHAT_ROLES, AssistantMessage, ChatChoice, ChatChunkChoice,
                       ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
                       ChatLogprobs, ChatMessage, DeltaMessage, Usage)
@@ -34,21 +34,32 @@ def message_text(message: ChatMessage, param: str) -> str:
         text = message.content
     else:
         for j, part in enumerate(message.content):
-            if part.type != "text" or part.text is None:
+            if part.type != "text":
                 raise bad_request(f"{param}.content.{j}: content of type '{part.type}' is not "
                                   f"supported; this server takes text only.",
                                   f"{param}.content.{j}", "unsupported_parameter")
+            if part.text is None:
+                raise bad_request(f"{param}.content.{j}.text: a content part of type 'text' "
+                                  f"needs a 'text' string.", f"{param}.content.{j}.text",
+                                  "invalid_type")
         text = "".join(part.text for part in message.content)
     check_text(text, f"{param}.content")
     return text
 
 
 def chat_prompt_ids(messages: list[ChatMessage], engine: EngineClient,
-                    add_generation_prompt: bool = True) -> list[int]:
+                    add_generation_prompt: bool = True, check_length: bool = True
+                    ) -> list[int]:
     """Renders `messages` with the model's chat template (or the default) and tokenizes it.
+    Blocking: servers call it off their event loop.
+
+    Args:
+        check_length: refuse a rendered prompt with more characters than the context can
+            hold before tokenizing it (off for /tokenize, which counts any text).
 
     Raises:
         InvalidRequestError: bad text in a message, or the template refuses the messages.
+        PromptTooLongError: the rendered prompt cannot fit the context (`check_length`).
     """
     plain = []
     for i, message in enumerate(messages):
@@ -62,7 +73,9 @@ def chat_prompt_ids(messages: list[ChatMessage], engine: EngineClient,
                                                     skip_special_tokens=False),
                          eos_token=tokenizer.decode([engine.config.eos_token_id],
                                                     skip_special_tokens=False))
-    ids = tokenizer.encode(prompt)
+    if check_length:
+        check_prompt_chars(prompt, tokenizer, engine.max_model_len, "messages")
+    ids = encode_text(tokenizer, prompt)
     if not ids:
         raise bad_request("messages render to an empty prompt.", "messages", "empty_prompt")
     return ids
@@ -73,7 +86,8 @@ class ChatRun:
 
     def __init__(self, request: ChatCompletionRequest, engine: EngineClient, model_id: str,
                  config: OpenAIServerConfig, trace: dict[str, str] | None = None):
-        """Checks the request and builds the engine inputs.
+        """Checks the request and builds the engine inputs. Blocking (it renders and
+        tokenizes): the app builds it off the event loop.
 
         Raises:
             InvalidRequestError / PromptTooLongError: the request cannot be served.

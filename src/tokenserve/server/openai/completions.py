@@ -24,7 +24,8 @@ class CompletionRun:
 
     def __init__(self, request: CompletionRequest, engine: EngineClient, model_id: str,
                  config: OpenAIServerConfig, trace: dict[str, str] | None = None):
-        """Checks the request and builds the engine inputs.
+        """Checks the request and builds the engine inputs. Blocking (it tokenizes): the app
+        builds it off the event loop.
 
         Raises:
             InvalidRequestError / PromptTooLongError: the request cannot be served.
@@ -34,7 +35,8 @@ class CompletionRun:
         self.request, self.model_id, self.request_id = request, model_id, request_id
         self.tokenizer = engine.tokenizer
         prompts = prompt_token_ids(request.prompt, self.tokenizer,
-                                   engine.config.model.vocab_size, config.max_prompts)
+                                   engine.config.model.vocab_size, config.max_prompts,
+                                   engine.max_model_len)
         max_tokens = min(max_new_tokens(request.max_tokens, "max_tokens", len(ids),
                                         engine.max_model_len,
                                         config.default_completion_max_tokens)

@@ -25,8 +25,15 @@ class OpenAIServerConfig:
     default_completion_max_tokens: int = 16
     """max_tokens of /v1/completions when the request gives none (OpenAI's default).
     Chat defaults to the rest of the model's context, as vLLM does."""
+    max_json_depth: int = 64
+    """Request bodies nested deeper than this (arrays and objects) get 400 before they are
+    validated: a real request is a handful of levels deep, and a body nested about 1,000
+    deep would otherwise exhaust Python's recursion limit (a 500) in the parser or later."""
     metrics_registry: Any = None
     """A prometheus_client CollectorRegistry served at GET /metrics; None answers 404."""
+    metrics_public: bool = False
+    """Serve /metrics without an API key (`--metrics_public`). By default it follows
+    `api_keys`: metric labels name every served model and version."""
     owned_by: str = "tokenserve"
 
     def __post_init__(self) -> None:
@@ -36,5 +43,7 @@ class OpenAIServerConfig:
             raise ConfigError(f"request_timeout_s must be positive, got {self.request_timeout_s}")
         if self.max_prompts < 1:
             raise ConfigError(f"max_prompts must be at least 1, got {self.max_prompts}")
+        if self.max_json_depth < 8:
+            raise ConfigError(f"max_json_depth must be at least 8, got {self.max_json_depth}")
         if self.default_completion_max_tokens < 1:
             raise ConfigError("default_completion_max_tokens must be at least 1")

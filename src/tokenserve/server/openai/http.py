@@ -13,7 +13,8 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
-from tokenserve.errors import PayloadTooLargeError, RequestAbortedError
+from tokenserve.errors import (PayloadTooLargeError, RequestAbortedError,
+                               UnsupportedMediaTypeError)
 from tokenserve.server.status import http_status
 
 from .params import bad_request
@@ -23,9 +24,11 @@ Model = TypeVar("Model", bound=BaseModel)
 
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
                 404: "invalid_request_error", 413: "invalid_request_error",
+                415: "invalid_request_error",
                 429: "rate_limit_error", 499: "request_cancelled", 503: "service_unavailable",
                 504: "timeout_error"}
 _ERROR_CODES = {401: "invalid_api_key", 404: "model_not_found", 413: "payload_too_large",
+                415: "unsupported_media_type",
                 429: "queue_full", 499: "cancelled", 503: "model_unavailable", 504: "timeout"}
 
 
@@ -59,13 +62,59 @@ def _validation_message(error: ValidationError) -> tuple[str, str | None]:
     return f"{param or 'body'}: {first['msg']}{extra}", param
 
 
-async def read_json(request: Request, model: type[Model], max_bytes: int) -> Model:
+def check_json_media_type(content_type: str | None) -> None:
+    """Refuses bodies declared as something other than JSON (`application/json` or an
+    `application/*+json` type, any parameters). A request without Content-Type is read as
+    JSON, as most HTTP servers do; one that says `text/plain` or a form encoding meant
+    something else, and parsing it as JSON anyway would answer a question it did not ask.
+
+    Raises:
+        UnsupportedMediaTypeError: HTTP 415.
+    """
+    if content_type is None:
+        return
+    media_type = content_type.split(";", 1)[0].strip().lower()
+    if media_type == "application/json" or (media_type.startswith("application/")
+                                            and media_type.endswith("+json")):
+        return
+    error = UnsupportedMediaTypeError(f"Content-Type '{media_type}' is not supported: send the "
+                                      f"request body as application/json.")
+    error.param, error.code = None, "unsupported_media_type"
+    raise error
+
+
+def _refuse_constant(name: str) -> None:
+    """NaN and Infinity are not JSON (Python's parser takes them); no field wants them."""
+    raise bad_request(f"Request body is not valid JSON: {name} is not a JSON value.",
+                      code="invalid_json")
+
+
+def _nested_deeper_than(value: object, limit: int) -> bool:
+    """True if arrays and objects nest more than `limit` levels (iterative: no recursion)."""
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        children = (item.values() if isinstance(item, dict) else
+                    item if isinstance(item, list) else ())
+        for child in children:
+            if isinstance(child, (dict, list)):
+                if depth + 1 > limit:
+                    return True
+                stack.append((child, depth + 1))
+    return False
+
+
+async def read_json(request: Request, model: type[Model], max_bytes: int,
+                    max_depth: int = 64) -> Model:
     """Reads, size-checks, decodes and validates the request body as `model`.
 
     Raises:
+        UnsupportedMediaTypeError: a Content-Type that is not JSON.
         PayloadTooLargeError: the body is (or announces itself as) over `max_bytes`.
-        InvalidRequestError: not UTF-8, not JSON, not an object, or wrong field types.
+        InvalidRequestError: not UTF-8, not JSON, nested deeper than `max_depth`, not an
+            object, or wrong field types.
     """
+    check_json_media_type(request.headers.get("content-type"))
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > max_bytes:
         raise PayloadTooLargeError(f"Request body of {declared} bytes is over the limit of "
@@ -83,10 +132,17 @@ async def read_json(request: Request, model: type[Model], max_bytes: int) -> Mod
         raise bad_request(f"Request body is not valid UTF-8 (byte {error.start}).",
                           code="invalid_utf8") from None
     try:
-        value = json.loads(text)
+        value = json.loads(text, parse_constant=_refuse_constant)
     except json.JSONDecodeError as error:
         raise bad_request(f"Request body is not valid JSON: {error.msg} at line "
                           f"{error.lineno} column {error.colno}.", code="invalid_json") from None
+    except RecursionError:  # deeper than the parser's recursion limit (~1,000)
+        too_deep = True
+    else:
+        too_deep = _nested_deeper_than(value, max_depth)
+    if too_deep:
+        raise bad_request(f"Request body is nested more than {max_depth} levels deep.",
+                          code="invalid_json")
     if not isinstance(value, dict):
         raise bad_request("Request body must be a JSON object.", code="invalid_json")
     try:
@@ -174,9 +230,13 @@ class EventStream(StreamingResponse):
                 group.start_soon(stream)
                 group.start_soon(listen)
         finally:
+            # on_close releases the model version the stream holds: it runs even when
+            # closing the generator raises, or the version could never finish unloading.
             with anyio.CancelScope(shield=True):
-                aclose = getattr(self._events, "aclose", None)
-                if aclose is not None:
-                    await aclose()
-                if self._on_close is not None:
-                    await self._on_close()
+                try:
+                    aclose = getattr(self._events, "aclose", None)
+                    if aclose is not None:
+                        await aclose()
+                finally:
+                    if self._on_close is not None:
+                        await self._on_close()

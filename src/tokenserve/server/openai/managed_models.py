@@ -95,3 +95,6 @@ class ManagedModels:
         names = self.manager.model_names()
         serving = {card.root for card in self.list_models()}
         return next((n for n in names if n in serving), names[0] if names else "")
+
+    def model_names(self) -> list[str]:
+        return self.manager.model_names()

@@ -88,6 +88,10 @@ class ModelResolver(Protocol):
     def default_model(self) -> str:
         """The id used when a request names no model; readiness checks this one."""
 
+    def model_names(self) -> list[str]:
+        """The configured model names (AVAILABLE or not): the only model values metrics
+        label requests with."""
+
 
 class StaticModels:
     """A fixed set of engines, each one version of its name (single-model servers, tests).
@@ -134,3 +138,6 @@ class StaticModels:
 
     def default_model(self) -> str:
         return next(iter(self.engines))
+
+    def model_names(self) -> list[str]:
+        return list(self.engines)

@@ -8,6 +8,7 @@ PromptTooLongError) carrying `param` and `code` attributes for the OpenAI error 
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from typing import Any
 
 from tokenserve.errors import InvalidRequestError, PromptTooLongError
@@ -64,12 +65,83 @@ def check_text(text: str, param: str) -> None:
                           param, "invalid_utf8") from None
 
 
-def prompt_token_ids(prompt: Any, tokenizer, vocab_size: int, max_prompts: int
-                     ) -> list[list[int]]:
-    """The prompt (str, [str], [int] or [[int]]) as one token-id list per prompt.
+_CHARS_PER_TOKEN: "weakref.WeakKeyDictionary[object, int | None]" = weakref.WeakKeyDictionary()
+
+
+def max_chars_per_token(tokenizer) -> int | None:
+    """The most characters of prompt text one token can stand for, or None when the
+    tokenizer does not bound it.
+
+    Bounded for a BPE model with no normalizer (GPT-2 style byte-level BPE, the built-in
+    models): every character of the text ends up inside some vocabulary entry, whose
+    string is at least as long as the text it covers (a byte-level entry has one character
+    per byte). A normalizer may shrink text first (NFKC, stripping), and a fused unknown
+    token covers any run of characters, so those tokenizers get no bound. Computed once per
+    tokenizer (the vocabulary walk takes milliseconds).
+    """
+    try:
+        return _CHARS_PER_TOKEN[tokenizer]
+    except (KeyError, TypeError):
+        pass
+    bound = None
+    hf = getattr(tokenizer, "hf", None)
+    model = getattr(hf, "model", None)
+    if (model is not None and type(model).__name__ == "BPE" and hf.normalizer is None
+            and not (model.unk_token and model.fuse_unk)):
+        vocab = hf.get_vocab(with_added_tokens=True)
+        bound = max((len(token) for token in vocab), default=None)
+    try:
+        _CHARS_PER_TOKEN[tokenizer] = bound
+    except TypeError:  # not weakly referenceable: recomputed next time
+        pass
+    return bound
+
+
+def encode_text(tokenizer, text: str) -> list[int]:
+    """`tokenizer.encode(text)`, through the batch call: HF tokenizers' `encode` holds the
+    GIL for the whole text (seconds for megabytes, during which no other thread, the event
+    loop included, runs), while `encode_batch` releases it. Same ids."""
+    return tokenizer.encode_batch([text])[0]
+
+
+def decode_ids(tokenizer, token_ids: list[int]) -> str:
+    """`tokenizer.decode(token_ids)`, releasing the GIL as `encode_text` does."""
+    hf = getattr(tokenizer, "hf", None)
+    if hf is None:
+        return tokenizer.decode(token_ids)
+    return hf.decode_batch([list(token_ids)], skip_special_tokens=True)[0]
+
+
+def check_prompt_chars(text: str, tokenizer, max_model_len: int, param: str = "prompt"
+                       ) -> None:
+    """Refuses, before tokenizing, a prompt with more characters than `max_model_len` tokens
+    can hold: tokenizing megabytes would take seconds only to refuse it afterwards.
+
+    Raises:
+        PromptTooLongError: with the context-length message and code.
+    """
+    per_token = max_chars_per_token(tokenizer)
+    if per_token is None or len(text) <= per_token * max_model_len:
+        return
+    raise bad_request(
+        f"This model's maximum context length is {max_model_len} tokens. However, your "
+        f"prompt has {len(text)} characters, more than {max_model_len} tokens can hold "
+        f"(at most {per_token * max_model_len} characters). Please reduce the length of the "
+        f"prompt.", param, "context_length_exceeded", PromptTooLongError)
+
+
+def prompt_token_ids(prompt: Any, tokenizer, vocab_size: int, max_prompts: int,
+                     max_model_len: int | None = None) -> list[list[int]]:
+    """The prompt (str, [str], [int] or [[int]]) as one token-id list per prompt. Blocking:
+    servers call it off their event loop (tokenizing a long text takes a while).
+
+    Args:
+        max_model_len: when given, text prompts longer than this many tokens can hold are
+            refused before they are tokenized (`check_prompt_chars`).
 
     Raises:
         InvalidRequestError: empty prompt, too many prompts, bad text or token ids.
+        PromptTooLongError: a text prompt with more characters than the context can hold.
     """
     if isinstance(prompt, str) or _is_token_ids(prompt):
         prompts: list = [prompt]
@@ -88,7 +160,9 @@ def prompt_token_ids(prompt: Any, tokenizer, vocab_size: int, max_prompts: int
     for item in prompts:
         if isinstance(item, str):
             check_text(item, "prompt")
-            ids = tokenizer.encode(item)
+            if max_model_len is not None:
+                check_prompt_chars(item, tokenizer, max_model_len)
+            ids = encode_text(tokenizer, item)
         else:
             ids = list(item)
             bad = [t for t in ids if not 0 <= t < vocab_size]

@@ -9,9 +9,9 @@ return something the client did not ask for, so they are refused with a 400 nami
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, model_serializer
 
 
 class _Request(BaseModel):
@@ -50,10 +50,19 @@ class _Sampling(_Request):
     """tokenserve extension: a deadline shorter than the server's request timeout."""
 
 
+PROMPT_SCHEMA = {"anyOf": [
+    {"type": "string"},
+    {"type": "array", "items": {"type": "string"}},
+    {"type": "array", "items": {"type": "integer"}},
+    {"type": "array", "items": {"type": "array", "items": {"type": "integer"}}},
+]}
+"""The `prompt` forms, for the OpenAPI schema (validation itself is in params.py)."""
+
+
 class CompletionRequest(_Sampling):
     """POST /v1/completions."""
 
-    prompt: Any
+    prompt: Annotated[Any, WithJsonSchema(PROMPT_SCHEMA)]
     """A string, a list of strings, a list of token ids or a list of token-id lists; checked
     in params.prompt_token_ids, which can say which of these it expected."""
     max_tokens: int | None = None
@@ -98,7 +107,8 @@ class TokenizeRequest(_Request):
 
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    """As in chat completions, at least one message."""
     add_generation_prompt: bool = True
 
 
@@ -278,3 +288,11 @@ class TokenizeResponse(BaseModel):
 
 class DetokenizeResponse(BaseModel):
     prompt: str
+
+
+class Readiness(BaseModel):
+    """GET /ready: `ready` (200), or `not_ready` / `unavailable` with a reason (503)."""
+
+    status: Literal["ready", "not_ready", "unavailable"]
+    model: str
+    reason: str | None = None

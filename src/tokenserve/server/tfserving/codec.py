@@ -4,6 +4,12 @@ JSON rules and error messages follow TF Serving's json_tensor: a JSON value must
 signature's dtype exactly (an int32 input takes JSON integers only, a float input refuses a
 value it cannot hold without loss), every instance must have the same shape, and string
 tensors take `{"b64": ...}` objects; outputs named `*_bytes` come back base64-encoded.
+
+A tensor that cannot be built is TF Serving's `tensor parsing error: <alias>` (what
+`Tensor::FromProto` failing gives), raised before anything large is allocated: a TensorProto
+is checked against its declared shape first (a 44-byte request declaring 2^26 elements with
+one value is refused, not expanded), and a JSON value nested deeper than the dimensions a
+tensor can have is refused before it is walked.
 """
 
 from __future__ import annotations
@@ -19,6 +25,21 @@ from tensorflow.core.framework import tensor_pb2
 from tokenserve.errors import InvalidRequestError
 from tokenserve.lifecycle.savedmodel import dtype_string
 
+MAX_DIMS = 64
+"""Dimensions of one tensor. TensorFlow allows 254; NumPy, which carries tensors here, 64."""
+MAX_FILL_ELEMENTS = 1 << 20
+"""A TensorProto may send fewer values than its shape holds (TF repeats the last one, as
+`tf.make_tensor_proto(0.0, shape=[...])` relies on); such a fill may expand to at most this
+many elements, so a tiny request cannot make the server allocate gigabytes."""
+
+
+class TensorParsingError(InvalidRequestError):
+    """A request tensor that does not form a tensor (TF Serving: `tensor parsing error`)."""
+
+    def __init__(self, name: str, detail: str = ""):
+        super().__init__(f"tensor parsing error: {name}" + (f" ({detail})" if detail else ""))
+
+
 _INT_RANGES = {tf.int8: (-2**7, 2**7 - 1), tf.int16: (-2**15, 2**15 - 1),
                tf.int32: (-2**31, 2**31 - 1), tf.uint8: (0, 2**8 - 1),
                tf.int64: (-2**63, 2**63 - 1), tf.uint32: (0, 2**32 - 1),
@@ -31,7 +52,10 @@ def invalid(message: str) -> InvalidRequestError:
 
 def compact(value) -> str:
     """rapidjson's one-line rendering of a JSON value, for error messages."""
-    return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+    try:
+        return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+    except RecursionError:
+        return "<nested too deeply to print>"
 
 
 def json_type(value) -> str:
@@ -101,9 +125,9 @@ def _raise(error: Exception):
     raise error
 
 
-def _dense_shape(value) -> list[int]:
+def _dense_shape(value, limit: int) -> list[int]:
     shape = []
-    while isinstance(value, list):
+    while isinstance(value, list) and len(shape) < limit:
         shape.append(len(value))
         if not value:
             break
@@ -127,9 +151,12 @@ def _fill(value, level: int, shape: list[int], dtype: tf.DType, out: list) -> No
         _fill(item, level + 1, shape, dtype, out)
 
 
-def json_to_array(value, dtype: tf.DType) -> np.ndarray:
+def json_to_array(value, dtype: tf.DType, name: str = "", max_dims: int = MAX_DIMS
+                  ) -> np.ndarray:
     """One JSON value (scalar or nested lists) as an array of the signature's dtype."""
-    shape = _dense_shape(value)
+    shape = _dense_shape(value, max_dims + 1)
+    if len(shape) > max_dims:
+        raise TensorParsingError(name, f"more than {max_dims} dimensions")
     flat: list = []
     _fill(value, 0, shape, dtype, flat)
     if dtype == tf.string:
@@ -155,6 +182,8 @@ def instances_to_arrays(instances: list, input_dtypes: dict[str, tf.DType]) -> d
             for name, item in element.items():
                 try:
                     _add_instance(item, name, input_dtypes, columns)
+                except TensorParsingError:
+                    raise
                 except InvalidRequestError as error:
                     raise invalid(f"Failed to process element: {index} key: {name} of "
                                   f"'instances' list. Error: {status_text(str(error))}") from None
@@ -168,6 +197,8 @@ def instances_to_arrays(instances: list, input_dtypes: dict[str, tf.DType]) -> d
                               f"input list")
             try:
                 _add_instance(element, names[0], input_dtypes, columns)
+            except TensorParsingError:
+                raise
             except InvalidRequestError as error:
                 raise invalid(f"Failed to process element: {index} of 'instances' list. "
                               f"Error: {status_text(str(error))}") from None
@@ -177,7 +208,8 @@ def instances_to_arrays(instances: list, input_dtypes: dict[str, tf.DType]) -> d
 def _add_instance(item, name: str, input_dtypes: dict, columns: dict) -> None:
     if name not in input_dtypes:
         raise invalid(f"JSON object: does not have named input: {name}")
-    array = json_to_array(item, input_dtypes[name])
+    # The batch adds a dimension to each instance's.
+    array = json_to_array(item, input_dtypes[name], name, MAX_DIMS - 1)
     previous = columns.setdefault(name, [])
     if previous:
         first = previous[0]
@@ -196,22 +228,60 @@ def inputs_to_arrays(inputs, input_dtypes: dict[str, tf.DType]) -> dict:
             raise invalid("inputs is a plain value/list, but expecting an object as multiple "
                           "input tensors required as per tensorinfo_map")
         name = next(iter(input_dtypes))
-        return {name: json_to_array(inputs, input_dtypes[name])}
+        return {name: json_to_array(inputs, input_dtypes[name], name)}
     arrays = {}
     for name in sorted(input_dtypes):
         if name not in inputs:
             raise invalid(f"Missing named input: {name} in 'inputs' object.")
-        arrays[name] = json_to_array(inputs[name], input_dtypes[name])
+        arrays[name] = json_to_array(inputs[name], input_dtypes[name], name)
     return arrays
 
 
 # ---- TensorProto ------------------------------------------------------------------------
 
+def _values_sent(proto, dtype: tf.DType) -> int:
+    """How many elements the typed value field of a TensorProto holds."""
+    field = _VALUE_FIELDS.get(dtype) or {tf.float16: "half_val", tf.bfloat16: "half_val",
+                                         tf.complex64: "scomplex_val",
+                                         tf.complex128: "dcomplex_val"}.get(dtype)
+    if field is None:
+        return -1
+    count = len(getattr(proto, field))
+    return count // 2 if dtype.is_complex else count
+
+
 def tensor_proto_to_array(name: str, proto) -> np.ndarray:
+    """A request TensorProto as an array, checked against its declared shape before any
+    allocation (see MAX_DIMS and MAX_FILL_ELEMENTS)."""
+    shape = proto.tensor_shape
+    dims = [dim.size for dim in shape.dim]
+    if shape.unknown_rank or any(size < 0 for size in dims):
+        raise TensorParsingError(name, "the shape is not fully defined")
+    if len(dims) > MAX_DIMS:
+        raise TensorParsingError(name, f"more than {MAX_DIMS} dimensions")
+    try:
+        dtype = tf.dtypes.as_dtype(proto.dtype)
+    except TypeError:
+        raise TensorParsingError(name, "unknown dtype") from None
+    if dtype in (tf.resource, tf.variant) or dtype._is_ref_dtype or proto.dtype == 0:
+        raise TensorParsingError(name, f"dtype {dtype_string(dtype)} cannot be sent")
+    elements = 1
+    for size in dims:
+        elements *= size
+    if proto.tensor_content:
+        itemsize = np.dtype(dtype.as_numpy_dtype).itemsize
+        if dtype == tf.string or len(proto.tensor_content) != elements * itemsize:
+            raise TensorParsingError(name, f"tensor_content holds {len(proto.tensor_content)} "
+                                           f"bytes for {elements} elements")
+    else:
+        sent = _values_sent(proto, dtype)
+        if 0 <= sent < elements and elements > MAX_FILL_ELEMENTS:
+            raise TensorParsingError(name, f"{sent} values for {elements} elements; filling "
+                                           f"more than {MAX_FILL_ELEMENTS} is refused")
     try:
         return tf.make_ndarray(proto)
     except (TypeError, ValueError) as error:
-        raise invalid(f"tensor parsing error: {name}: {error}") from None
+        raise TensorParsingError(name, str(error)) from None
 
 
 # Which repeated field of TensorProto holds each dtype's values (TF's Tensor::AsProtoField).

@@ -1,6 +1,14 @@
 """TF Serving's REST API on FastAPI: `/v1/models/{name}[/versions/{v}|/labels/{l}]` for status,
 `.../metadata`, and `...:predict|:classify|:regress`, with TF Serving's JSON bodies, its
-`{ "error": "..." }` error body and HTTP status mapping (through server/status.py)."""
+`{ "error": "..." }` error body and HTTP status mapping (through server/status.py, and TF
+Serving's own table for TensorFlow's status codes).
+
+Every answer, errors included, is TF Serving's body: a method other than GET and POST is a
+`Malformed request` (400), as is an unknown URL. `--rest_api_timeout_in_ms` bounds the
+TensorFlow run itself (RunOptions.timeout_in_ms, as TF Serving sets it), so a request that
+times out is cancelled rather than left computing; a backstop a second later answers 504
+for anything that cannot be cancelled.
+"""
 
 from __future__ import annotations
 
@@ -20,9 +28,10 @@ from tensorflow_serving.apis import get_model_metadata_pb2, input_pb2, model_pb2
 from tokenserve.errors import DeadlineExceededError, InvalidRequestError
 from tokenserve.lifecycle.manager import ModelManager
 from tokenserve.lifecycle.servable import DEFAULT_SIGNATURE
-from tokenserve.server.status import grpc_code, http_status
 from tokenserve.server.tfserving import codec, inference, json_writer, model_info
 from tokenserve.server.tfserving.json_writer import error_body
+from tokenserve.server.tfserving.tf_status import (error_grpc_code, error_http_status,
+                                                   error_message)
 
 log = logging.getLogger("tokenserve.tfserving")
 ENTRYPOINT = "REST"
@@ -34,6 +43,10 @@ _CORS_HEADERS = {"Access-Control-Allow-Origin": "*",
                  "Access-Control-Allow-Methods": "POST, GET",
                  "Access-Control-Allow-Headers": "Content-Type"}
 _ALL_MODELS = re.compile(r"/v1/models/?$", re.IGNORECASE)
+_INT64_MAX = 2**63 - 1
+_BACKSTOP_S = 1.0
+"""The REST timeout's backstop comes this long after the TensorFlow run's own timeout."""
+_OTHER_METHODS = ["PUT", "DELETE", "PATCH", "OPTIONS", "HEAD"]
 
 
 def _json_response(body: str, status: int = 200) -> Response:
@@ -43,6 +56,8 @@ def _json_response(body: str, status: int = 200) -> Response:
 def _model_spec(name: str, version: str | None, label: str | None) -> model_pb2.ModelSpec:
     spec = model_pb2.ModelSpec(name=name)
     if version is not None:
+        if int(version) > _INT64_MAX:  # absl::SimpleAtoi into int64 fails
+            raise InvalidRequestError(f"Failed to convert version: {version} to numeric.")
         spec.version.value = int(version)
     elif label is not None:
         spec.version_label = label
@@ -58,6 +73,9 @@ def _parse_body(body: bytes) -> dict:
         reason = getattr(error, "msg", str(error))
         raise InvalidRequestError(f"JSON Parse error: {reason} at offset: "
                                   f"{getattr(error, 'pos', 0)}") from None
+    except RecursionError:  # no tensor has that many dimensions (see codec.MAX_DIMS)
+        raise InvalidRequestError("JSON Parse error: The document is nested too deeply") \
+            from None
     if not isinstance(doc, dict):
         raise InvalidRequestError(f"JSON Value: {codec.compact(doc)} Is not object")
     signature = doc.get("signature_name", DEFAULT_SIGNATURE)
@@ -67,7 +85,8 @@ def _parse_body(body: bytes) -> dict:
     return doc
 
 
-def _predict(manager: ModelManager, spec: model_pb2.ModelSpec, doc: dict) -> str:
+def _predict(manager: ModelManager, spec: model_pb2.ModelSpec, doc: dict,
+             deadline: float | None = None) -> str:
     signature = doc.get("signature_name") or DEFAULT_SIGNATURE
     with manager.acquire(**inference.spec_args(spec)) as version:
         if signature not in version.servable.signature_defs:
@@ -89,11 +108,13 @@ def _predict(manager: ModelManager, spec: model_pb2.ModelSpec, doc: dict) -> str
             if not instances:
                 raise InvalidRequestError(f"JSON Value: {codec.compact(doc)} No values in "
                                           f"'instances' array")
-            outputs = version.servable.run(signature, codec.instances_to_arrays(instances, dtypes))
-            return json_writer.row_json(outputs)
+            arrays = codec.instances_to_arrays(instances, dtypes)
+            return json_writer.row_json(inference.predict_arrays(version.servable, signature,
+                                                                 arrays, deadline))
         if "inputs" in doc:
             arrays = codec.inputs_to_arrays(doc["inputs"], dtypes)
-            return json_writer.columnar_json(version.servable.run(signature, arrays))
+            return json_writer.columnar_json(inference.predict_arrays(
+                version.servable, signature, arrays, deadline))
         raise InvalidRequestError("Missing 'inputs' or 'instances' key")
 
 
@@ -155,19 +176,21 @@ def _examples_input(doc: dict, method: str) -> input_pb2.Input:
     return request_input
 
 
-def _classify(manager: ModelManager, spec: model_pb2.ModelSpec, doc: dict) -> str:
+def _classify(manager: ModelManager, spec: model_pb2.ModelSpec, doc: dict,
+              deadline: float | None = None) -> str:
     request_input = _examples_input(doc, "classify")
     with manager.acquire(**inference.spec_args(spec)) as version:
         result = inference.classify_on(version.servable, doc.get("signature_name", ""),
-                                       request_input)
+                                       request_input, deadline)
     return json_writer.classification_json(result)
 
 
-def _regress(manager: ModelManager, spec: model_pb2.ModelSpec, doc: dict) -> str:
+def _regress(manager: ModelManager, spec: model_pb2.ModelSpec, doc: dict,
+             deadline: float | None = None) -> str:
     request_input = _examples_input(doc, "regress")
     with manager.acquire(**inference.spec_args(spec)) as version:
         result = inference.regress_on(version.servable, doc.get("signature_name", ""),
-                                      request_input)
+                                      request_input, deadline)
     return json_writer.regression_json(result)
 
 
@@ -192,20 +215,23 @@ def build_rest_app(manager: ModelManager, metrics=None, timeout_s: float = 30.0,
             return response
 
     async def run(api: str, model_name: str, work) -> Response:
+        """Runs `work(deadline)` off the event loop; the deadline bounds its TF run."""
         started = time.monotonic()
+        deadline = started + timeout_s if timeout_s else None
         try:
-            body = await asyncio.wait_for(run_in_threadpool(work), timeout_s)
+            body = await asyncio.wait_for(run_in_threadpool(work, deadline),
+                                          timeout_s + _BACKSTOP_S if timeout_s else None)
             status, code = 200, "OK"
             response = _json_response(body)
         except Exception as error:  # noqa: BLE001 - every error becomes TF Serving's body
             if isinstance(error, asyncio.TimeoutError):
                 error = DeadlineExceededError(f"Request timed out after {timeout_s * 1000:.0f} "
                                               f"ms")
-            status = http_status(error)
+            status = error_http_status(error)
             if status == 500:
-                log.exception("%s failed", api)
-            code = grpc_code(error).name
-            response = _json_response(error_body(str(error)), status)
+                log.error("%s failed", api, exc_info=error)
+            code = error_grpc_code(error).name
+            response = _json_response(error_body(error_message(error)), status)
         if metrics and model_name:
             metrics.request(model_name, api, ENTRYPOINT, code, time.monotonic() - started)
         return response
@@ -221,22 +247,24 @@ def build_rest_app(manager: ModelManager, metrics=None, timeout_s: float = 30.0,
     async def get(request: Request) -> Response:
         match = _GET.match(request.url.path)
         if _ALL_MODELS.match(request.url.path):  # TF Serving has no "list all models"
-            error = InvalidRequestError("Missing model name in request.")
-            return _json_response(error_body(str(error)), http_status(error))
+            return _error(InvalidRequestError("Missing model name in request."))
         if not match:
             return _malformed(request)
         name, version, label, metadata = match.groups()
         metadata = metadata and metadata.lower()
-        spec = _model_spec(name, version, label)
+        try:
+            spec = _model_spec(name, version, label)
+        except InvalidRequestError as error:
+            return _error(error)
         if metadata:
-            def work():
+            def work(deadline):
                 request_proto = get_model_metadata_pb2.GetModelMetadataRequest(
                     model_spec=spec, metadata_field=[model_info.SIGNATURE_DEF_FIELD])
                 return model_info.metadata_json(model_info.model_metadata(manager,
                                                                           request_proto))
             return await run("get_model_metadata", name, work)
-        return await run("get_model_status", "",
-                         lambda: model_info.status_json(model_info.model_status(manager, spec)))
+        return await run("get_model_status", "", lambda deadline: model_info.status_json(
+            model_info.model_status(manager, spec)))
 
     @app.post("/{path:path}")
     async def post(request: Request) -> Response:
@@ -246,13 +274,24 @@ def build_rest_app(manager: ModelManager, metrics=None, timeout_s: float = 30.0,
         name, version, label, method = match.groups()
         method = method.lower()
         body = await request.body()
-        spec = _model_spec(name, version, label)
-        return await run(method, name, lambda: _POST_HANDLERS[method](manager, spec,
-                                                                     _parse_body(body)))
+        try:
+            spec = _model_spec(name, version, label)
+        except InvalidRequestError as error:
+            return _error(error)
+        return await run(method, name, lambda deadline: _POST_HANDLERS[method](
+            manager, spec, _parse_body(body), deadline))
+
+    @app.api_route("/{path:path}", methods=_OTHER_METHODS)
+    async def other(request: Request) -> Response:
+        return _malformed(request)  # TF Serving serves GET and POST only
 
     return app
 
 
+def _error(error: Exception) -> Response:
+    return _json_response(error_body(error_message(error)), error_http_status(error))
+
+
 def _malformed(request: Request) -> Response:
-    error = InvalidRequestError(f"Malformed request: {request.method} {request.url.path}")
-    return _json_response(error_body(str(error)), http_status(error))
+    return _error(InvalidRequestError(f"Malformed request: {request.method} "
+                                      f"{request.url.path}"))

@@ -24,11 +24,13 @@ from tokenserve.lifecycle.loader import load_servable
 from tokenserve.lifecycle.manager import ModelManager
 from tokenserve.lifecycle.model_config import read_model_config_file
 from tokenserve.lifecycle.poller import Poller
+from tokenserve.lifecycle.session_bundle import SessionOptions
 from tokenserve.lifecycle.warmup import make_warmup
 from tokenserve.observability.tfserving_metrics import TFServingMetrics
 from tokenserve.server.serve_config import ServeConfig
 from tokenserve.server.tfserving.grpc_service import start_grpc_server
-from tokenserve.server.tfserving.inference import replay_warmup_record
+from tokenserve.server.tfserving.inference import (replay_warmup_record,
+                                                   set_signature_method_name_check)
 from tokenserve.server.tfserving.rest import build_rest_app
 
 log = logging.getLogger("tokenserve.serve")
@@ -59,10 +61,10 @@ class _TimedServable:
         self.path = servable.path
         self.signature_defs = servable.signature_defs
 
-    def run(self, signature_name, inputs, output_keys=None):
+    def run(self, signature_name, inputs, output_keys=None, timeout_s=None):
         started = time.monotonic()
         try:
-            return self._servable.run(signature_name, inputs, output_keys)
+            return self._servable.run(signature_name, inputs, output_keys, timeout_s)
         finally:
             self._metrics.runtime(self._model_name, "predict", time.monotonic() - started)
 
@@ -76,11 +78,15 @@ def build_context(config: ServeConfig, registry: CollectorRegistry | None = None
     unless given)."""
     registry = registry if registry is not None else CollectorRegistry()
     metrics = TFServingMetrics(registry)
+    set_signature_method_name_check(config.enable_signature_method_name_check)
     warmup = (make_warmup(replay_warmup_record, config.num_request_iterations_for_warmup)
               if config.enable_model_warmup else None)
+    session_options = SessionOptions(intra_op_threads=config.intra_op_threads,
+                                     inter_op_threads=config.inter_op_threads)
+
     def load(spec, path):
         servable = load_servable(spec, path, prefer_tflite=config.prefer_tflite_model,
-                                 tags=config.tags)
+                                 tags=config.tags, session_options=session_options)
         servable = _TimedServable(servable, spec.name, metrics)
         if config.enable_batching:
             servable = BatchingServable(servable, config.batching_parameters)

@@ -1,0 +1,105 @@
+"""The server's sampler (engine/sampler.py), directly: min-p, the three penalties, and top-p's
+candidate path (the nucleus found among the 256 likeliest tokens without a full sort) against
+the full sort. tests/test_sampling.py covers the CLI's separate `Sampler`."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tokenserve.engine.sampler import _CANDIDATES, SequenceSampler, sample_batch
+from tokenserve.sampling import SamplingParams
+
+VOCAB = 1000
+
+
+def sampler(prompt_ids=(), **params) -> SequenceSampler:
+    return SequenceSampler(SamplingParams(**params), 0, VOCAB, list(prompt_ids))
+
+
+def draws(params: dict, logits: np.ndarray, n: int = 400) -> set[int]:
+    """Tokens drawn by n samplers with seeds 0..n-1."""
+    return {sampler(seed=seed, **params).sample(logits) for seed in range(n)}
+
+
+def test_min_p_keeps_exactly_the_tokens_within_its_ratio_of_the_best():
+    logits = np.full(VOCAB, -30.0)
+    logits[:4] = np.log([0.4, 0.3, 0.2, 0.02])  # ratios to the best: 1, .75, .5, .05
+    assert draws({"temperature": 1.0, "min_p": 0.45}, logits) == {0, 1, 2}
+    assert draws({"temperature": 1.0, "min_p": 0.6}, logits) == {0, 1}
+    assert draws({"temperature": 1.0, "min_p": 0.01}, logits) >= {0, 1, 2, 3}
+
+
+def test_presence_and_frequency_penalties_subtract_per_generated_token():
+    logits = np.zeros(VOCAB)
+    logits[:3] = [5.0, 4.75, 4.5]  # binary fractions: exact sums
+    presence = sampler(presence_penalty=0.5)   # temperature 0: argmax after penalties
+    assert presence.sample(logits) == 0
+    presence.observe(0)
+    assert presence.sample(logits) == 1        # 5.0 - 0.5 < 4.75
+    presence.observe(0)
+    assert presence.sample(logits) == 1        # presence counts once: still 4.5
+    frequency = sampler(frequency_penalty=0.5)
+    frequency.observe(0)
+    assert frequency.sample(logits) == 1       # 4.5 < 4.75
+    frequency.observe(1)
+    assert frequency.sample(logits) == 0       # 4.5, 4.25, 4.5: the lower id wins a tie
+    frequency.observe(0)
+    assert frequency.sample(logits) == 2       # 5.0 - 2 * 0.5 = 4.0 < 4.5
+
+
+def test_repetition_penalty_divides_positive_and_multiplies_negative_seen_logits():
+    logits = np.full(VOCAB, -10.0)
+    logits[:4] = [3.0, 2.0, -1.0, -1.5]
+    # token 0 is in the prompt: 3.0 / 2 = 1.5 < 2.0, so token 1 wins
+    assert sampler(prompt_ids=[0], repetition_penalty=2.0).sample(logits) == 1
+    # a generated token is penalized too, and unseen tokens are not
+    penalized = sampler(repetition_penalty=2.0)
+    assert penalized.sample(logits) == 0
+    penalized.observe(0)
+    assert penalized.sample(logits) == 1
+    # negative logits get more negative: -1.0 * 3 = -3.0 < -1.5
+    negative = np.full(VOCAB, -10.0)
+    negative[2:4] = [-1.0, -1.5]
+    assert sampler(prompt_ids=[2], repetition_penalty=3.0).sample(negative) == 3
+    assert sampler(prompt_ids=[2], repetition_penalty=1.0 + 1e-9).sample(negative) == 2
+
+
+@pytest.mark.parametrize("top_p", [0.3, 0.8, 0.95])
+def test_top_p_candidate_path_equals_the_full_sort(top_p):
+    rng = np.random.default_rng(7)
+    for trial in range(20):
+        probs = rng.dirichlet(np.full(VOCAB, 0.05 if trial % 2 else 0.5))
+        fast = sampler(temperature=1.0, top_p=top_p)._sorted_nucleus(probs)
+        order = np.lexsort((np.arange(VOCAB), -probs))  # the full sort, ties by lower id
+        mass_before = np.cumsum(probs[order]) - probs[order]
+        expected = order[mass_before < top_p]
+        np.testing.assert_array_equal(fast, expected)
+
+
+def test_top_p_candidate_path_is_taken_and_the_fallback_when_the_head_is_short():
+    peaked = np.full(VOCAB, 1e-6)
+    peaked[:10] = 0.1
+    peaked /= peaked.sum()
+    flat = np.full(VOCAB, 1.0 / VOCAB)  # the 256 likeliest hold only 25.6% of the mass
+    for probs in (peaked, flat):
+        nucleus = sampler(temperature=1.0, top_p=0.9)._sorted_nucleus(probs)
+        mass = probs[nucleus].sum()
+        assert mass >= 0.9 - 1e-9 and mass - probs[nucleus[-1]] < 0.9
+    assert len(sampler(temperature=1.0, top_p=0.9)._sorted_nucleus(flat)) > _CANDIDATES
+
+
+def test_top_p_draws_only_from_the_nucleus():
+    logits = np.full(VOCAB, -30.0)
+    logits[:3] = np.log([0.5, 0.3, 0.2])
+    assert draws({"temperature": 1.0, "top_p": 0.7}, logits) == {0, 1}
+
+
+def test_greedy_rows_and_sampled_rows_share_one_batch():
+    logits = np.zeros((2, VOCAB), np.float32)
+    logits[0, 17] = 5.0
+    logits[1, :2] = [1.0, 1.0]
+    seeded = [sampler(), sampler(temperature=1.0, seed=3)]
+    again = [sampler(), sampler(temperature=1.0, seed=3)]
+    first, second = sample_batch(logits, seeded), sample_batch(logits, again)
+    assert first[0] == 17 and first == second  # a seed reproduces its draw

@@ -1,0 +1,275 @@
+"""`tokenserve serve` against TF Serving's own test models (rebuilt with tf.compat.v1 in
+tests/tfserving_models.py), driven by the official tensorflow-serving-api stubs over gRPC and
+by plain REST, expecting what tensorflow_model_server answers (issue 13, items 1-4 and 8)."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import grpc
+import httpx
+import numpy as np
+import pytest
+import tensorflow as tf
+from tensorflow.core.example import example_pb2, feature_pb2
+from tensorflow_serving.apis import (classification_pb2, inference_pb2, input_pb2, model_pb2,
+                                     predict_pb2, prediction_service_pb2_grpc, regression_pb2)
+
+import servables as S
+import tfserving_models as M
+
+MODELS = {"half_plus_two": "tensorflow", "half_plus_three": "tensorflow",
+          "counter": "tensorflow", "tf2_classifier": "tensorflow",
+          "keras_in_module": "tensorflow", "lite": "tflite", "lite_sigdef": "tflite"}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    root = tmp_path_factory.mktemp("fidelity")
+    M.write_half_plus_two(root / "half_plus_two", 123)
+    M.write_half_plus_three(root / "half_plus_three", 123)
+    M.write_counter(root / "counter", 123)
+    M.write_tf2_classifier(root / "tf2_classifier", 1)
+    M.write_keras_in_module(root / "keras_in_module", 1)
+    M.write_tflite_half_plus_two(root / "lite", 1)
+    M.write_tflite_with_sigdef(root / "lite_sigdef", 1)
+    (root / "models.config").write_text(M.model_config(root, MODELS))
+    process = S.ServerProcess(root, f"--model_config_file={root / 'models.config'}",
+                              "--max_num_load_retries=0")
+    try:
+        process.wait_ready("half_plus_two")
+        process.channel = grpc.insecure_channel(process.target)
+        yield process
+    finally:
+        process.stop()
+
+
+@pytest.fixture(scope="module")
+def stub(server):
+    return prediction_service_pb2_grpc.PredictionServiceStub(server.channel)
+
+
+def post(server, path: str, body) -> httpx.Response:
+    content = body if isinstance(body, (str, bytes)) else json.dumps(body)
+    return httpx.post(f"{server.rest}{path}", content=content, timeout=60)
+
+
+def predict_request(model: str, signature: str = "", **inputs) -> predict_pb2.PredictRequest:
+    request = predict_pb2.PredictRequest(
+        model_spec=model_pb2.ModelSpec(name=model, signature_name=signature))
+    for key, value in inputs.items():
+        request.inputs[key].CopyFrom(tf.make_tensor_proto(value))
+    return request
+
+
+def examples(*values: float) -> input_pb2.Input:
+    request_input = input_pb2.Input()
+    for value in values:
+        request_input.example_list.examples.append(example_pb2.Example(
+            features=feature_pb2.Features(feature={"x": feature_pb2.Feature(
+                float_list=feature_pb2.FloatList(value=[value]))})))
+    return request_input
+
+
+def test_every_model_loaded(server):
+    for name in MODELS:
+        status = httpx.get(f"{server.rest}/v1/models/{name}").json()
+        assert status["model_version_status"][0]["state"] == "AVAILABLE", (name, server.log())
+
+
+# ---- item 1: TF1 models with reference variables ---------------------------------------------
+
+def test_half_plus_three_answers_as_in_tf_servings_rest_guide(server):
+    predicted = post(server, "/v1/models/half_plus_three:predict",
+                     {"instances": [1.0, 2.0, 5.0]})
+    assert predicted.text == '{\n    "predictions": [3.5, 4.0, 5.5\n    ]\n}'
+    regressed = post(server, "/v1/models/half_plus_three:regress", {
+        "signature_name": "tensorflow/serving/regress", "examples": [{"x": 1.0}, {"x": 2.0}]})
+    assert regressed.text == '{\n    "results": [3.5, 4.0]\n}'
+
+
+def test_counter_signatures_keep_state(stub):
+    def call(signature, **inputs):
+        reply = stub.Predict(predict_request("counter", signature, **inputs))
+        return tf.make_ndarray(reply.outputs["output"]).item()
+
+    assert call("reset_counter") == 0.0
+    assert call("incr_counter") == 1.0
+    assert call("incr_counter_by", delta=np.float32(2.0)) == 3.0
+    assert call("get_counter") == 3.0
+
+
+def test_keras_model_held_by_a_module(server):
+    reply = post(server, "/v1/models/keras_in_module:predict", {"instances": [[1.0, 2.0, 3.0]]})
+    assert reply.json() == {"predictions": [[6.0, 6.0]]}
+
+
+# ---- item 2: tensors reach the model as sent -------------------------------------------------
+
+def test_half_plus_two_takes_a_flat_batch_over_grpc_and_rest(server, stub):
+    reply = stub.Predict(predict_request("half_plus_two", x=np.array([1.0, 2.0, 5.0],
+                                                                     np.float32)))
+    assert tf.make_ndarray(reply.outputs["y"]).tolist() == [2.5, 3.0, 4.5]
+    assert reply.model_spec.version.value == 123
+    rows = post(server, "/v1/models/half_plus_two:predict", {"instances": [1.0, 2.0, 5.0]})
+    assert rows.json() == {"predictions": [2.5, 3.0, 4.5]}
+    columns = post(server, "/v1/models/half_plus_two:predict", {"inputs": [1.0, 2.0, 5.0]})
+    assert columns.json() == {"outputs": [2.5, 3.0, 4.5]}
+
+
+def test_tflite_takes_a_tensor_of_another_shape(stub):
+    reply = stub.Predict(predict_request("lite", x=np.array([1.0], np.float32)))  # model: [1,1]
+    assert tf.make_ndarray(reply.outputs["y"]).tolist() == [2.5]
+
+
+# ---- item 3: Classify, Regress, MultiInference -----------------------------------------------
+
+def test_tf2_signatures_classify_regress_and_multi_inference(server, stub):
+    classified = stub.Classify(classification_pb2.ClassificationRequest(
+        model_spec=model_pb2.ModelSpec(name="tf2_classifier", signature_name="classify"),
+        input=examples(1.0, 3.0)))
+    assert [[(c.label, c.score) for c in row.classes]
+            for row in classified.result.classifications] == [
+        [("pos", 2.5), ("neg", -2.5)], [("pos", 3.5), ("neg", -3.5)]]
+    regressed = stub.Regress(regression_pb2.RegressionRequest(
+        model_spec=model_pb2.ModelSpec(name="tf2_classifier", signature_name="regress"),
+        input=examples(1.0, 3.0)))
+    assert [r.value for r in regressed.result.regressions] == [2.5, 3.5]
+    multi = inference_pb2.MultiInferenceRequest(input=examples(2.0))
+    for signature, method in (("classify", "tensorflow/serving/classify"),
+                              ("regress", "tensorflow/serving/regress")):
+        multi.tasks.add(model_spec=model_pb2.ModelSpec(name="tf2_classifier",
+                                                       signature_name=signature),
+                        method_name=method)
+    # Each TF2 signature has its own input placeholder, and TF Serving's MultiInference runs
+    # one feed: it refuses them, as here.
+    with pytest.raises(grpc.RpcError) as raised:
+        stub.MultiInference(multi)
+    assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert raised.value.details() == "Input tensor must be the same for all Signatures."
+    rest = post(server, "/v1/models/tf2_classifier:classify", {
+        "signature_name": "classify", "examples": [{"x": 1.0}]})
+    assert rest.json() == {"results": [[["pos", 2.5], ["neg", -2.5]]]}
+
+
+def test_tf1_classify_with_scores_only_multi_inference_and_errors(server, stub):
+    classified = stub.Classify(classification_pb2.ClassificationRequest(
+        model_spec=model_pb2.ModelSpec(name="half_plus_two", signature_name="classify_x_to_y"),
+        input=examples(1.0)))
+    assert [(c.label, c.score) for c in classified.result.classifications[0].classes] == [
+        ("", 2.5)]
+    multi = inference_pb2.MultiInferenceRequest(input=examples(2.0))
+    for signature, method in (("classify_x_to_y", "tensorflow/serving/classify"),
+                              ("regress_x_to_y2", "tensorflow/serving/regress")):
+        multi.tasks.add(model_spec=model_pb2.ModelSpec(name="half_plus_two",
+                                                       signature_name=signature),
+                        method_name=method)
+    results = stub.MultiInference(multi).results
+    assert results[0].classification_result.classifications[0].classes[0].score == 3.0
+    assert results[1].regression_result.regressions[0].value == 4.0
+    assert [r.model_spec.signature_name for r in results] == ["classify_x_to_y",
+                                                              "regress_x_to_y2"]
+    with pytest.raises(grpc.RpcError) as raised:  # its input is a float tensor, not Examples
+        stub.Regress(regression_pb2.RegressionRequest(
+            model_spec=model_pb2.ModelSpec(name="half_plus_two",
+                                           signature_name="regress_x2_to_y3"),
+            input=examples(1.0)))
+    assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "Expects arg[0] to be float but string is provided" in raised.value.details()
+    with pytest.raises(grpc.RpcError) as raised:
+        stub.Regress(regression_pb2.RegressionRequest(
+            model_spec=model_pb2.ModelSpec(name="half_plus_two", signature_name="nope"),
+            input=examples(1.0)))
+    assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert raised.value.details() == "No signature was found with the name: nope"
+    multi = inference_pb2.MultiInferenceRequest(input=examples(1.0))
+    multi.tasks.add(model_spec=model_pb2.ModelSpec(name="half_plus_two",
+                                                   signature_name="regress_x_to_y"),
+                    method_name="tensorflow/serving/predict")
+    with pytest.raises(grpc.RpcError) as raised:
+        stub.MultiInference(multi)
+    assert raised.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    assert raised.value.details() == ("Unsupported signature method_name: "
+                                      "tensorflow/serving/predict")
+
+
+# ---- item 4: a .tflite model with a SignatureDef ---------------------------------------------
+
+def test_tflite_signature_def_serves_its_aliases(server):
+    reply = post(server, "/v1/models/lite_sigdef:predict", {"inputs": {"x": [1.0, 2.0, 3.0]}})
+    assert reply.json() == {"outputs": [2.5, 3.0, 3.5]}, reply.text
+    metadata = httpx.get(f"{server.rest}/v1/models/lite_sigdef/metadata").json()
+    signature = metadata["metadata"]["signature_def"]["signature_def"]["serving_default"]
+    assert signature["inputs"]["x"]["name"] == "tflite_input"
+    assert signature["outputs"]["y"]["name"] == "y"
+
+
+# ---- item 8: hostile requests get TF Serving's 4xx / INVALID_ARGUMENT, and no work -----------
+
+def test_rest_version_beyond_int64(server):
+    reply = post(server, "/v1/models/half_plus_two/versions/9223372036854775808:predict",
+                 {"instances": [1.0]})
+    assert reply.status_code == 400
+    assert reply.text == ('{\n    "error": "Failed to convert version: 9223372036854775808 to '
+                          'numeric."\n}')
+    status = httpx.get(f"{server.rest}/v1/models/half_plus_two/versions/99999999999999999999")
+    assert status.status_code == 400
+
+
+def test_rest_json_nested_too_deep(server):
+    body = '{"instances": ' + "[" * 5000 + "1.0" + "]" * 5000 + "}"
+    reply = post(server, "/v1/models/half_plus_two:predict", body)
+    assert reply.status_code == 400, reply.text
+    assert reply.json() == {"error": "JSON Parse error: The document is nested too deeply"}
+    instance = "[" * 900 + "1.0" + "]" * 900  # valid JSON, 900 dimensions
+    reply = post(server, "/v1/models/half_plus_two:predict", '{"instances": [' + instance + "]}")
+    assert reply.status_code == 400, reply.text
+    assert reply.json()["error"].startswith("tensor parsing error: x")
+
+
+def _peak_rss_kib(server) -> int:
+    status = open(f"/proc/{server.process.pid}/status").read()
+    return int(status.split("VmHWM:")[1].split()[0])
+
+
+def test_grpc_tensor_declaring_more_elements_than_it_sends(server, stub):
+    request = predict_pb2.PredictRequest(model_spec=model_pb2.ModelSpec(name="half_plus_two"))
+    tensor = request.inputs["x"]
+    tensor.dtype = tf.float32.as_datatype_enum
+    tensor.tensor_shape.dim.add(size=1)
+    tensor.tensor_shape.dim.add(size=2**26)
+    tensor.float_val.append(1.0)
+    assert request.ByteSize() < 50
+    before = _peak_rss_kib(server)
+    with pytest.raises(grpc.RpcError) as raised:
+        stub.Predict(request, timeout=30)
+    assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert raised.value.details().startswith("tensor parsing error: x (1 values for 67108864 "
+                                             "elements")
+    assert _peak_rss_kib(server) - before < 64 * 1024  # 2^26 floats would be 256 MiB
+
+
+def test_grpc_garbage_bytes(server):
+    predict = server.channel.unary_unary(
+        "/tensorflow.serving.PredictionService/Predict",
+        request_serializer=lambda raw: raw, response_deserializer=lambda raw: raw)
+    with pytest.raises(grpc.RpcError) as raised:
+        predict(b"\xff\xff\xff\xff\x0f garbage", timeout=30)
+    assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert raised.value.details().startswith("Could not parse tensorflow.serving.PredictRequest")
+
+
+def test_rest_other_methods_are_malformed_requests(server):
+    for method in ("PUT", "DELETE", "PATCH"):
+        reply = httpx.request(method, f"{server.rest}/v1/models/half_plus_two", timeout=30)
+        assert reply.status_code == 400
+        assert reply.text == ('{\n    "error": "Malformed request: ' + method
+                              + ' /v1/models/half_plus_two"\n}')
+
+
+def test_still_serving_after_hostile_requests(server, stub):
+    started = time.monotonic()
+    reply = stub.Predict(predict_request("half_plus_two", x=np.array([[1.0]], np.float32)))
+    assert tf.make_ndarray(reply.outputs["y"]).tolist() == [[2.5]]
+    assert time.monotonic() - started < 10
