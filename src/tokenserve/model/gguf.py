@@ -1,0 +1,467 @@
+"""Imports GGUF files (llama.cpp, Ollama, LM Studio) with the `gguf` package from PyPI.
+
+A GGUF file holds the architecture's hyper-parameters, the tensors (often quantized) and the
+tokenizer as metadata. `load_gguf` turns one into the same (model, tokenizer, generation
+config) triple as `tokenserve.model.hf.load_hf`:
+
+- Architectures `llama` (Llama, SmolLM, TinyLlama, Mistral without a sliding window),
+  `qwen2` and `gpt2`.
+- Tensor types F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 and the K- and I-quants that
+  `gguf.quants.dequantize` implements; every tensor is dequantized to float32 once, at import.
+  (`tokenserve export --quantize int8` then re-quantizes the float model for serving.)
+- llama.cpp stores the Q and K rows of `llama` models interleaved for its rotary kernel;
+  they are put back in Hugging Face order here, so the model matches `transformers`.
+- The tokenizer is rebuilt as an HF `tokenizers` Tokenizer from the vocabulary, merges,
+  token types and pre-tokenizer name (`tokenizer.ggml.pre`): byte-level BPE (`gpt2`) and
+  SentencePiece BPE (`llama`). The chat template and special tokens come from the file.
+
+Anything else is refused with a message naming the architecture, tensor type or
+pre-tokenizer, before any weight is converted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from tokenserve.config import GenerationConfig, TransformerConfig, gpt2_config, llama_config
+from tokenserve.errors import ConfigError, ModelLoadError, ModelNotFoundError
+
+ARCHITECTURES = ("llama", "qwen2", "gpt2")
+TOKENIZER_MODELS = ("gpt2", "llama")
+
+# tokenizer.ggml.token_type values (llama.cpp's llama_token_type)
+NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
+
+# Pre-tokenizer splits, as llama.cpp's llama-vocab.cpp applies them per `tokenizer.ggml.pre`.
+_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_GPT4O_SPLIT = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+                r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+                r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+                r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+                r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+# name -> "gpt2" (GPT-2's own regex), "digits" (each digit alone, then GPT-2's regex) or a
+# split regex applied before the byte-level mapping
+PRE_TOKENIZERS: dict[str, str] = {
+    **dict.fromkeys(("default", "gpt-2", "gpt2", "mpt", "olmo", "jais", "trillion"), "gpt2"),
+    **dict.fromkeys(("starcoder", "refact", "command-r", "smollm", "codeshell", "exaone",
+                     "minerva"), "digits"),
+    **dict.fromkeys(("llama3", "llama-v3", "llama-bpe", "falcon3", "pixtral", "dbrx",
+                     "smaug-bpe", "midm-2.0"), _LLAMA3_SPLIT),
+    **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "stablelm2", "megrez"), _QWEN2_SPLIT),
+    **dict.fromkeys(("gpt-4o", "llama4"), _GPT4O_SPLIT),
+}
+
+
+class UnsupportedGGUFError(ConfigError):
+    """The file uses an architecture, tensor type or tokenizer that tokenserve cannot import."""
+
+
+@dataclasses.dataclass
+class GGUFFile:
+    """A GGUF file's metadata (plain Python values) and its tensors (not yet read)."""
+
+    path: Path
+    metadata: dict[str, Any]
+    tensors: dict[str, Any]  # name -> gguf.ReaderTensor
+
+    @property
+    def architecture(self) -> str:
+        return str(self.metadata.get("general.architecture", "<none>"))
+
+    def get(self, key: str, default=None):
+        """`{architecture}.key` (e.g. `block_count`), or `default`."""
+        return self.metadata.get(f"{self.architecture}.{key}", default)
+
+    def require(self, key: str):
+        value = self.get(key)
+        if value is None:
+            raise ModelLoadError(f"{self.path.name} has no {self.architecture}.{key}")
+        return value
+
+
+def read_gguf(path: str | Path) -> GGUFFile:
+    """Opens a GGUF file (memory-mapped): metadata now, tensors when `dequantize`d."""
+    try:
+        import gguf
+    except ImportError:  # pragma: no cover - a dependency of tokenserve
+        raise ModelLoadError("reading GGUF files needs the `gguf` package: "
+                             "pip install gguf") from None
+    path = Path(path)
+    if not path.is_file():
+        raise ModelNotFoundError(f"GGUF file {path} does not exist")
+    try:
+        reader = gguf.GGUFReader(str(path))
+    except Exception as error:
+        raise ModelLoadError(f"{path} is not a readable GGUF file: {error}") from error
+    metadata = {}
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF."):
+            continue
+        try:
+            metadata[key] = field.contents()
+        except Exception:  # noqa: BLE001  a value we cannot decode is one we do not need
+            metadata[key] = None
+    return GGUFFile(path, metadata, {t.name: t for t in reader.tensors})
+
+
+def dequantize(tensor) -> np.ndarray:
+    """A tensor of the file as float32, in NumPy (row-major, torch-like [out, in]) order."""
+    import gguf
+
+    try:
+        value = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+    except NotImplementedError:
+        raise UnsupportedGGUFError(
+            f"tensor {tensor.name} has type {tensor.tensor_type.name}, which tokenserve cannot "
+            f"dequantize; supported: {', '.join(supported_tensor_types())}") from None
+    shape = tuple(int(n) for n in reversed(tensor.shape))  # GGUF lists the innermost first
+    return np.asarray(value, np.float32).reshape(shape)
+
+
+def supported_tensor_types() -> list[str]:
+    """The GGML tensor types that `dequantize` reads, by name."""
+    import gguf
+
+    traits = getattr(gguf.quants, "_type_traits", {})
+    names = ["F32", "F16"] + [t.name for t in gguf.GGMLQuantizationType if t in traits]
+    return list(dict.fromkeys(names))
+
+
+# ---------------------------------------------------------------------------------------------
+# architecture
+
+
+def architecture_config(file: GGUFFile, context: int | None = None) -> TransformerConfig:
+    """Our TransformerConfig for the file's architecture hyper-parameters.
+
+    context: cap the context length (and so the KV cache per sequence) below the file's.
+    """
+    arch = file.architecture
+    if arch not in ARCHITECTURES:
+        raise UnsupportedGGUFError(f"GGUF architecture {arch!r} is not supported; "
+                                   f"supported: {', '.join(ARCHITECTURES)}")
+    for key in ("expert_count", "attention.sliding_window"):
+        if file.get(key):
+            raise UnsupportedGGUFError(f"{arch}.{key} = {file.get(key)} is not supported")
+    hidden = int(file.require("embedding_length"))
+    heads = int(file.require("attention.head_count"))
+    kv_heads = file.get("attention.head_count_kv", heads)
+    if isinstance(kv_heads, list):  # per layer
+        if len(set(kv_heads)) != 1:
+            raise UnsupportedGGUFError(f"per-layer KV head counts {kv_heads} are not supported")
+        kv_heads = kv_heads[0]
+    head_dim = hidden // heads
+    for key in ("attention.key_length", "attention.value_length"):
+        if file.get(key) not in (None, head_dim):
+            raise UnsupportedGGUFError(f"{arch}.{key} = {file.get(key)} differs from "
+                                       f"embedding_length / head_count = {head_dim}")
+    max_seq_len = int(file.require("context_length"))
+    if context is not None:
+        if context < 1:
+            raise ConfigError(f"context must be positive, got {context}")
+        max_seq_len = min(max_seq_len, context)
+    vocab = _vocab_size(file)
+    tie = "output.weight" not in file.tensors
+    if arch == "gpt2":
+        config = gpt2_config(vocab_size=vocab, max_seq_len=max_seq_len, hidden_size=hidden,
+                             num_layers=int(file.require("block_count")), num_heads=heads)
+        return dataclasses.replace(
+            config, intermediate_size=int(file.get("feed_forward_length", 4 * hidden)),
+            norm_eps=float(file.get("attention.layer_norm_epsilon", 1e-5)), tie_embeddings=tie)
+
+    rotary = file.get("rope.dimension_count")
+    if rotary is not None and int(rotary) != head_dim:
+        raise UnsupportedGGUFError(f"partial rotary embeddings ({arch}.rope.dimension_count = "
+                                   f"{rotary}, head_dim {head_dim}) are not supported")
+    scaling = file.get("rope.scaling.type")
+    if scaling not in (None, "none") or "rope_freqs.weight" in file.tensors:
+        raise UnsupportedGGUFError(f"rope scaling {scaling or 'rope_freqs'!r} is not supported")
+    config = llama_config(
+        vocab_size=vocab, max_seq_len=max_seq_len, hidden_size=hidden,
+        num_layers=int(file.require("block_count")), num_heads=heads,
+        num_kv_heads=int(kv_heads), intermediate_size=int(file.require("feed_forward_length")),
+        tie_embeddings=tie, rope_theta=float(file.get("rope.freq_base", 10000.0)),
+        norm_eps=float(file.get("attention.layer_norm_rms_epsilon", 1e-5)))
+    return dataclasses.replace(
+        config, qkv_bias="blk.0.attn_q.bias" in file.tensors,
+        out_bias="blk.0.attn_output.bias" in file.tensors,
+        mlp_bias="blk.0.ffn_up.bias" in file.tensors)
+
+
+def _vocab_size(file: GGUFFile) -> int:
+    embedding = file.tensors.get("token_embd.weight")
+    if embedding is None:
+        raise ModelLoadError(f"{file.path.name} has no tensor token_embd.weight")
+    return int(embedding.shape[-1])  # GGUF shape is [hidden, vocab]
+
+
+# ---------------------------------------------------------------------------------------------
+# weights
+
+
+def _unpermute(weight: np.ndarray, heads: int) -> np.ndarray:
+    """Undoes llama.cpp's convert_hf_to_gguf `permute` of Q/K rows (and biases) for rotary."""
+    shape = weight.shape
+    return (weight.reshape(heads, shape[0] // heads // 2, 2, *shape[1:])
+            .swapaxes(1, 2).reshape(shape))
+
+
+def _hf_name(config: TransformerConfig, arch: str, name: str) -> str | None:
+    """The Hugging Face name of a GGUF tensor (the layout `hf.assign_weights` takes)."""
+    if arch == "gpt2":
+        fixed = {"token_embd.weight": "wte.weight", "position_embd.weight": "wpe.weight",
+                 "output_norm.weight": "ln_f.weight", "output_norm.bias": "ln_f.bias",
+                 "output.weight": "lm_head.weight"}
+        per_layer = {"attn_norm": "ln_1", "attn_qkv": "attn.c_attn",
+                     "attn_output": "attn.c_proj", "ffn_norm": "ln_2", "ffn_up": "mlp.c_fc",
+                     "ffn_down": "mlp.c_proj"}
+        layer_prefix = "h.{}."
+    else:
+        fixed = {"token_embd.weight": "model.embed_tokens.weight",
+                 "output_norm.weight": "model.norm.weight", "output.weight": "lm_head.weight"}
+        per_layer = {"attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj",
+                     "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+                     "attn_output": "self_attn.o_proj", "ffn_norm": "post_attention_layernorm",
+                     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+                     "ffn_down": "mlp.down_proj"}
+        layer_prefix = "model.layers.{}."
+    if name in fixed:
+        return fixed[name]
+    match = re.fullmatch(r"blk\.(\d+)\.([a-z_]+)\.(weight|bias)", name)
+    if match and int(match[1]) < config.num_layers and match[2] in per_layer:
+        return layer_prefix.format(match[1]) + f"{per_layer[match[2]]}.{match[3]}"
+    return None
+
+
+def read_weights(file: GGUFFile, config: TransformerConfig) -> dict[str, np.ndarray]:
+    """Every tensor dequantized to float32 under its Hugging Face name and layout."""
+    arch = file.architecture
+    unknown = sorted(n for n in file.tensors if _hf_name(config, arch, n) is None)
+    if unknown:
+        shape = [int(n) for n in file.tensors[unknown[0]].shape]
+        raise ModelLoadError(
+            f"{file.path.name} has tensor {unknown[0]} (shape {shape}), which the "
+            f"{arch} architecture does not use"
+            + (f" (and {len(unknown) - 1} more)" if len(unknown) > 1 else ""))
+    # refuse an unreadable type before spending time on the others
+    readable = set(supported_tensor_types())
+    for tensor in file.tensors.values():
+        if tensor.tensor_type.name not in readable:
+            dequantize(tensor)  # raises, naming the tensor and its type
+    tensors = {}
+    for name, tensor in file.tensors.items():
+        value = dequantize(tensor)
+        if arch == "llama" and ".attn_q." in name:
+            value = _unpermute(value, config.num_heads)
+        elif arch == "llama" and ".attn_k." in name:
+            value = _unpermute(value, config.num_kv_heads)
+        elif arch == "gpt2" and name.endswith(("attn_qkv.weight", "attn_output.weight",
+                                               "ffn_up.weight", "ffn_down.weight")):
+            value = value.T  # GPT-2's Conv1D layout is [in, out]
+        elif name == "position_embd.weight":
+            value = value[:config.max_seq_len]  # a shorter context reads fewer positions
+        tensors[_hf_name(config, arch, name)] = value
+    return tensors
+
+
+def assign_weights(model, config: TransformerConfig, file: GGUFFile,
+                   tensors: dict[str, np.ndarray]) -> None:
+    """Copies the tensors into `model`, naming any missing or misshapen one by its GGUF name."""
+    from tokenserve.model.hf import assign_weights as assign_hf
+
+    arch = {"gpt2": "GPT2LMHeadModel", "qwen2": "Qwen2ForCausalLM"}.get(
+        file.architecture, "LlamaForCausalLM")
+    if file.architecture == "gpt2" and not config.tie_embeddings:
+        # hf.py maps only GPT-2's tied head; an untied one is assigned here
+        head = next(w for w in model.weights if w.path.endswith("head/kernel"))
+        head.assign(tensors.pop("lm_head.weight").T)
+    try:
+        assign_hf(model, config, arch, tensors)
+    except ModelLoadError as error:
+        message = re.sub(r"\b(?:model\.|h\.\d|wte\.|wpe\.|ln_f\.|lm_head\.)[\w.]*",
+                         lambda m: _gguf_name_for(m[0]), str(error))
+        raise ModelLoadError(f"{file.path.name}: {message.replace('checkpoint', 'file')}") from None
+
+
+def _gguf_name_for(hf: str) -> str:
+    """The GGUF name a missing Hugging Face tensor would have had (for messages)."""
+    pairs = [("model.embed_tokens", "token_embd"), ("model.norm", "output_norm"),
+             ("lm_head", "output"), ("model.layers.", "blk."), ("h.", "blk."),
+             ("self_attn.q_proj", "attn_q"), ("self_attn.k_proj", "attn_k"),
+             ("self_attn.v_proj", "attn_v"), ("self_attn.o_proj", "attn_output"),
+             ("post_attention_layernorm", "ffn_norm"), ("input_layernorm", "attn_norm"),
+             ("mlp.gate_proj", "ffn_gate"), ("mlp.up_proj", "ffn_up"),
+             ("mlp.down_proj", "ffn_down"), ("attn.c_attn", "attn_qkv"),
+             ("attn.c_proj", "attn_output"), ("mlp.c_fc", "ffn_up"), ("mlp.c_proj", "ffn_down"),
+             ("ln_1", "attn_norm"), ("ln_2", "ffn_norm"), ("ln_f", "output_norm"),
+             ("wte", "token_embd"), ("wpe", "position_embd")]
+    for old, new in pairs:
+        hf = hf.replace(old, new)
+    return hf
+
+
+def _tie_if_equal(config: TransformerConfig, tensors: dict) -> TransformerConfig:
+    """A separate output.weight that equals the embedding (GPT-2 files repeat it) is tied."""
+    head, embedding = tensors.get("lm_head.weight"), tensors.get(
+        "wte.weight", tensors.get("model.embed_tokens.weight"))
+    if (not config.tie_embeddings and head is not None and embedding is not None
+            and head.shape == embedding.shape and np.array_equal(head, embedding)):
+        return dataclasses.replace(config, tie_embeddings=True)
+    return config
+
+
+# ---------------------------------------------------------------------------------------------
+# tokenizer
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's printable spelling of each byte (the byte-level BPE alphabet)."""
+    printable = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+                 + list(range(ord("®"), ord("ÿ") + 1)))
+    spelled, extra = {}, 0
+    for byte in range(256):
+        if byte in printable:
+            spelled[byte] = chr(byte)
+        else:
+            spelled[byte] = chr(256 + extra)
+            extra += 1
+    return spelled
+
+
+def _merges_from_scores(tokens: list[str], scores: list[float]) -> list[tuple[str, str]]:
+    """BPE merges a SentencePiece vocabulary implies: every split of a token into two
+    tokens, best score first (as `transformers` derives them for files without merges)."""
+    vocab = {token: index for index, token in enumerate(tokens)}
+    merges = []
+    for token, score in zip(tokens, scores):
+        local = [(token[:i], token[i:], score) for i in range(1, len(token))
+                 if token[:i] in vocab and token[i:] in vocab]
+        local.sort(key=lambda m: (vocab[m[0]], vocab[m[1]]))
+        merges.extend(local)
+    merges.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
+    return [(left, right) for left, right, _ in merges]
+
+
+def build_tokenizer(file: GGUFFile):
+    """Our Tokenizer (an HF `tokenizers` Tokenizer inside) from the file's vocabulary."""
+    from tokenizers import AddedToken, Regex, decoders, pre_tokenizers
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers.models import BPE
+
+    from tokenserve.model.tokenizer import Tokenizer
+
+    meta = file.metadata
+    kind = meta.get("tokenizer.ggml.model")
+    if kind not in TOKENIZER_MODELS:
+        raise UnsupportedGGUFError(f"GGUF tokenizer model {kind!r} is not supported; "
+                                   f"supported: {', '.join(TOKENIZER_MODELS)}")
+    tokens = list(meta.get("tokenizer.ggml.tokens") or [])
+    if not tokens:
+        raise ModelLoadError(f"{file.path.name} has no tokenizer.ggml.tokens")
+    types = list(meta.get("tokenizer.ggml.token_type") or [NORMAL] * len(tokens))
+    merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges") or []]
+
+    if kind == "gpt2":
+        pre = meta.get("tokenizer.ggml.pre") or "default"
+        if pre not in PRE_TOKENIZERS:
+            raise UnsupportedGGUFError(
+                f"GGUF pre-tokenizer {pre!r} is not supported; supported: "
+                f"{', '.join(sorted(PRE_TOKENIZERS))}")
+        spelling = _bytes_to_unicode()
+        alphabet = set(spelling.values())
+        vocab = {}
+        for index, token in enumerate(tokens):
+            if not set(token) <= alphabet:  # stored as text: spell its bytes
+                token = "".join(spelling[b] for b in token.encode("utf-8"))
+            vocab.setdefault(token, index)
+        hf = HFTokenizer(BPE(vocab=vocab, merges=merges, fuse_unk=False))
+        split = PRE_TOKENIZERS[pre]
+        if split == "gpt2":
+            hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+        elif split == "digits":
+            hf.pre_tokenizer = pre_tokenizers.Sequence([
+                pre_tokenizers.Digits(individual_digits=True),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
+        else:
+            hf.pre_tokenizer = pre_tokenizers.Sequence([
+                pre_tokenizers.Split(Regex(split), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+        hf.decoder = decoders.ByteLevel()
+        # a byte-level "control" token outside the byte alphabet is a mislabel: not special
+        is_control = lambda t: set(t) <= alphabet  # noqa: E731
+    else:  # SentencePiece BPE with byte fallback (Llama 1/2, TinyLlama, Mistral)
+        scores = list(meta.get("tokenizer.ggml.scores") or [0.0] * len(tokens))
+        if not merges:
+            merges = _merges_from_scores(tokens, scores)
+        unk = meta.get("tokenizer.ggml.unknown_token_id")
+        prefix = meta.get("tokenizer.ggml.add_space_prefix", True)
+        hf = HFTokenizer(BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges,
+                             unk_token=tokens[unk] if unk is not None else None,
+                             fuse_unk=True, byte_fallback=True))
+        hf.pre_tokenizer = pre_tokenizers.Metaspace(
+            replacement="▁", prepend_scheme="first" if prefix else "never", split=False)
+        steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+        if prefix:
+            steps.append(decoders.Strip(content=" ", left=1))
+        hf.decoder = decoders.Sequence(steps)
+        is_control = lambda t: True  # noqa: E731
+
+    special = [AddedToken(t, normalized=False, special=True)
+               for t, kind_ in zip(tokens, types) if kind_ == CONTROL and is_control(t)]
+    if special:
+        hf.add_special_tokens(special)
+    user = [AddedToken(t, normalized=False, special=False)
+            for t, kind_ in zip(tokens, types) if kind_ == USER_DEFINED]
+    if user:
+        hf.add_tokens(user)
+
+    def token_id(name: str) -> int | None:
+        value = meta.get(f"tokenizer.ggml.{name}_token_id")
+        return int(value) if value is not None and 0 <= int(value) < len(tokens) else None
+
+    eos = token_id("eos")
+    if eos is None:
+        raise ModelLoadError(f"{file.path.name} names no eos token (tokenizer.ggml.eos_token_id)")
+    bos, pad = token_id("bos"), token_id("padding")
+    return Tokenizer(hf, bos_token_id=eos if bos is None else bos, eos_token_id=eos,
+                     pad_token_id=eos if pad is None else pad)
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def load_gguf(path: str | Path, compute_dtype: str = "float32", context: int | None = None,
+              name: str | None = None):
+    """(model, tokenizer, generation config) from a GGUF file.
+
+    compute_dtype: "float32" or "bfloat16" (as `load_hf`). context: cap the context length
+    (the file's is the default). name: the generation config's name (default: the file's
+    stem).
+    """
+    from tokenserve.model import build_model
+
+    file = read_gguf(path)
+    config = architecture_config(file, context=context)
+    tokenizer = build_tokenizer(file)
+    if tokenizer.vocab_size > config.vocab_size:
+        raise ModelLoadError(f"{file.path.name}: the tokenizer has {tokenizer.vocab_size} tokens "
+                             f"but token_embd.weight only {config.vocab_size} rows")
+    tensors = read_weights(file, config)
+    config = _tie_if_equal(config, tensors)
+    model = build_model(config, dtype=compute_dtype)
+    assign_weights(model, config, file, tensors)
+    template = file.metadata.get("tokenizer.chat_template")
+    generation = GenerationConfig(
+        model=config, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        chat_template=template if isinstance(template, str) else None,
+        name=name or file.path.name.removesuffix(".gguf"))
+    return model, tokenizer, generation
