@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tokenserve.errors import ConfigError, InvalidRequestError, ModelLoadError
+from tokenserve.errors import ConfigError, InvalidRequestError
 
 BUILTIN_WORDS = ("builtin", "builtin-transformer", "builtin-lstm")
 DEFAULT_MAX_TOKENS = 32768
@@ -51,33 +51,11 @@ class EvalResult:
 def load_model_dir(version_dir, precision: str = "float32"):
     """(model, tokenizer, generation config, version dir) of an exported tokenserve model.
 
-    The same calls as `ModelRunner.from_model_dir`, without the runner's cache and step.
+    Loaded as the engine loads it (`load_language_model`), without its cache and step.
     """
-    from tokenizers import Tokenizer as HFTokenizer
+    from tokenserve.export.loader import load_language_model
 
-    from tokenserve.config import GenerationConfig
-    from tokenserve.engine.runner import resolve_precision
-    from tokenserve.export.exporter import GENERATION_CONFIG_FILE, TOKENIZER_FILE
-    from tokenserve.export.loader import resolve_version_dir, restore_weights
-    from tokenserve.model import build_model
-    from tokenserve.model.tokenizer import Tokenizer
-
-    version_dir = resolve_version_dir(version_dir)
-    assets = version_dir / "assets"
-    try:
-        config = GenerationConfig.from_dict(
-            json.loads((assets / GENERATION_CONFIG_FILE).read_text()))
-        hf = HFTokenizer.from_file(str(assets / TOKENIZER_FILE))
-    except Exception as error:
-        raise ModelLoadError(f"{version_dir} is not a tokenserve language model "
-                             f"(no readable assets/{GENERATION_CONFIG_FILE}): {error}"
-                             ) from error
-    tokenizer = Tokenizer(hf, bos_token_id=config.bos_token_id,
-                          eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id)
-    model = build_model(config.model, dtype=resolve_precision(
-        precision, getattr(config.model, "weight_format", "float")))
-    restore_weights(model, version_dir)
-    return model, tokenizer, config, version_dir
+    return load_language_model(version_dir, precision)
 
 
 def resolve_model_path(path_or_builtin) -> Path:
@@ -106,10 +84,7 @@ def weight_format(version_dir) -> str | None:
         values = json.loads((Path(version_dir) / "assets" / GENERATION_CONFIG_FILE).read_text())
     except (OSError, ValueError):
         return None
-    for key in ("weight_format", "weights_format", "quantization", "quantize", "weight_dtype"):
-        if values.get(key):
-            return str(values[key])
-    return None
+    return values.get("model", {}).get("weight_format", "float")
 
 
 def heldout_fraction() -> float:

@@ -6,7 +6,6 @@ returns logits. This and tf_step.py are the engine's only TensorFlow code.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from pathlib import Path
@@ -17,7 +16,6 @@ from tokenserve.config import GenerationConfig, TransformerConfig
 from tokenserve.engine.cache_accounting import BlockAllocator, SlotAllocator
 from tokenserve.engine.config import EngineConfig
 from tokenserve.engine.scheduler import SchedulerOutput
-from tokenserve.errors import ModelLoadError
 
 log = logging.getLogger(__name__)
 
@@ -142,31 +140,9 @@ class ModelRunner:
     @classmethod
     def from_model_dir(cls, version_dir: str | Path, engine_config: EngineConfig):
         """(runner, tokenizer) for an exported tokenserve model version."""
-        from tokenizers import Tokenizer as HFTokenizer
+        from tokenserve.export.loader import load_language_model
 
-        from tokenserve.export.exporter import GENERATION_CONFIG_FILE, TOKENIZER_FILE
-        from tokenserve.export.loader import resolve_version_dir, restore_weights
-        from tokenserve.model import build_model
-        from tokenserve.model.tokenizer import Tokenizer
-
-        version_dir = resolve_version_dir(version_dir)
-        assets = version_dir / "assets"
-        try:
-            config = GenerationConfig.from_dict(
-                json.loads((assets / GENERATION_CONFIG_FILE).read_text()))
-            hf = HFTokenizer.from_file(str(assets / TOKENIZER_FILE))
-        except Exception as error:
-            raise ModelLoadError(f"{version_dir} is not a tokenserve language model "
-                                 f"(no readable assets/{GENERATION_CONFIG_FILE}): {error}"
-                                 ) from error
-        tokenizer = Tokenizer(hf, bos_token_id=config.bos_token_id,
-                              eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id)
-        weight_format = getattr(config.model, "weight_format", "float")
-        precision, why = choose_precision(engine_config.precision, weight_format)
-        log.info("%s: computing in %s (precision=%s: %s)", version_dir, precision,
-                 engine_config.precision, why)
-        model = build_model(config.model, dtype=precision)
-        restore_weights(model, version_dir)
+        model, tokenizer, config, _ = load_language_model(version_dir, engine_config.precision)
         return cls(model, config, engine_config), tokenizer
 
     @property

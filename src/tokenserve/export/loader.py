@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,6 +17,8 @@ from tokenserve.export.exporter import GENERATION_CONFIG_FILE, TOKENIZER_FILE, v
 from tokenserve.export.module import buckets
 from tokenserve.model.tokenizer import Tokenizer
 from tokenserve.sampling import Sampler, SamplingParams
+
+log = logging.getLogger(__name__)
 
 
 def resolve_version_dir(path: str | Path) -> Path:
@@ -97,6 +100,34 @@ class ExportedModel:
             out = self.signatures["decode"](token_ids=tf.constant([[token]], tf.int32),
                                             positions=tf.constant([length + step], tf.int32),
                                             state=out["state"])
+
+
+def load_language_model(version_dir: str | Path, precision: str = "auto"):
+    """(model, tokenizer, generation config, version dir) of an exported tokenserve model,
+    its weights restored into a fresh Keras model computing in `precision` (auto: as
+    `choose_precision` decides for this CPU and the export's weight format). The engine and
+    `tokenserve eval` both load through here, so eval measures what the engine serves."""
+    from tokenserve.engine.runner import choose_precision
+    from tokenserve.model import build_model
+
+    version_dir = resolve_version_dir(version_dir)
+    assets = version_dir / "assets"
+    try:
+        config = GenerationConfig.from_dict(
+            json.loads((assets / GENERATION_CONFIG_FILE).read_text()))
+        hf = HFTokenizer.from_file(str(assets / TOKENIZER_FILE))
+    except Exception as error:
+        raise ModelLoadError(f"{version_dir} is not a tokenserve language model "
+                             f"(no readable assets/{GENERATION_CONFIG_FILE}): {error}"
+                             ) from error
+    tokenizer = Tokenizer(hf, bos_token_id=config.bos_token_id,
+                          eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id)
+    weight_format = getattr(config.model, "weight_format", "float")
+    dtype, why = choose_precision(precision, weight_format)
+    log.info("%s: computing in %s (precision=%s: %s)", version_dir, dtype, precision, why)
+    model = build_model(config.model, dtype=dtype)
+    restore_weights(model, version_dir)
+    return model, tokenizer, config, version_dir
 
 
 def restore_weights(model, version_dir: str | Path) -> None:
