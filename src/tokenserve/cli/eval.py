@@ -13,7 +13,8 @@ def add_parser(commands) -> None:
                     "a version dir, a base path (newest version), builtin or builtin-lstm. "
                     "Without --data it reads the built-in models' held-out split of this "
                     "interpreter's standard library.")
-    p.add_argument("model", metavar="MODEL", help="version dir, base path, builtin or builtin-lstm")
+    p.add_argument("model", metavar="MODEL",
+                   help="version dir, base path, builtin, builtin-lstm or smollm2")
     p.add_argument("--data", metavar="FILE", action="append", default=None,
                    help="UTF-8 text file to score instead of the held-out split (repeatable)")
     p.add_argument("--reference", metavar="OTHER_MODEL", default=None,

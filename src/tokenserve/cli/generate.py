@@ -13,7 +13,9 @@ def add_parser(commands) -> None:
                                         "built-in model (exported once into ~/.cache).")
     p.add_argument("prompt", help="text to continue")
     p.add_argument("--model", default=None,
-                   help="SavedModel version dir or base path (newest version); default: built-in")
+                   help="SavedModel version dir or base path (newest version), builtin, "
+                        "builtin-lstm or smollm2 (exported once into ~/.cache); default: "
+                        "built-in")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-k", type=int, default=0)
@@ -26,13 +28,14 @@ def add_parser(commands) -> None:
 def run(args: argparse.Namespace) -> int:
     import time
 
+    from tokenserve.evaluate import resolve_model_path
     from tokenserve.export.loader import ExportedModel
     from tokenserve.model.checkpoint import builtin_export
     from tokenserve.sampling import SamplingParams
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             top_k=args.top_k, top_p=args.top_p, seed=args.seed)
-    model = ExportedModel(args.model or builtin_export())
+    model = ExportedModel(resolve_model_path(args.model) if args.model else builtin_export())
     prompt_ids = model.tokenizer.encode(args.prompt)
     model.check_fits(len(prompt_ids), params.max_tokens)
     sys.stdout.write(args.prompt)
