@@ -41,12 +41,10 @@ def _token_buckets():
 
 
 def cpu_flags() -> set[str]:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return set()
-    line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
-    return set(line.partition(":")[2].split())
+    """The CPU's feature flags, as the kernel builds key their cache on them."""
+    from tokenserve.kernels.build import cpu_flags as flags_line
+
+    return set(flags_line().split())
 
 
 def cpu_has_bf16() -> bool:

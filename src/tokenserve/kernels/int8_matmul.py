@@ -161,10 +161,6 @@ def _arch_flags() -> list[str]:
     return kbuild.arch_flags(MARCH_ENV)
 
 
-def _cpu_flags() -> str:
-    return kbuild.cpu_flags()
-
-
 def _op_module():
     """The loaded op module, or None when the fallback is to be used."""
     if _forced_fallback():
