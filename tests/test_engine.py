@@ -185,17 +185,37 @@ def test_graph_attention_gives_the_fused_ops_greedy_tokens(exported, llms, monke
         assert out.outputs[0].token_ids == other.outputs[0].token_ids
 
 
+def test_fused_dense_ops_give_the_xla_paths_greedy_tokens(exported, llms):
+    """Steps of a few tokens run the dense half as fused ops, larger ones through XLA: both
+    must give the same tokens, alone and in mixed batches (prefill chunks beside decodes)."""
+    _, llm, _ = llms
+    runner = llm.engine.runner
+    if not runner.is_transformer:
+        pytest.skip("the LSTM has no dense blocks to fuse")
+    assert runner.step.kernel_dense  # the suite builds the op; float32 weights
+    xla_only = LLM(exported[2], engine_config(max_fused_dense_tokens=0))
+    all_fused = LLM(exported[2], engine_config(max_fused_dense_tokens=1024))
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in xla_only.generate(PROMPTS, params, use_tqdm=False)]
+    for engine in (llm, all_fused):
+        got = [o.outputs[0].token_ids for o in engine.generate(PROMPTS, params, use_tqdm=False)]
+        assert got == want
+    used = {key[2] for key in runner.step._steps} | {key[2] for key in all_fused.engine.runner.step._steps}
+    assert used == {True, False}  # both paths really ran
+    assert not any(key[2] for key in xla_only.engine.runner.step._steps)
+
+
 def test_the_step_does_not_retrace_for_new_shapes(llms):
     _, llm, _ = llms
     step = llm.engine.runner.step
     if not llm.engine.runner.is_transformer:
         steps = {"lstm": step.step}
     else:
-        steps = step._steps  # one traced graph per (decode groups, prefill?)
+        steps = step._steps  # one traced graph per (decode groups, prefill?, fused dense?)
     llm.generate(PROMPTS[:2], SamplingParams(max_tokens=4), use_tqdm=False)
     traced = {key: fn.experimental_get_tracing_count() for key, fn in steps.items()}
     if llm.engine.runner.is_transformer:  # decode-only and prefill-only steps both ran
-        assert (1, False) in traced and (0, True) in traced
+        assert {key[:2] for key in traced} >= {(1, False), (0, True)}
     llm.generate(PROMPTS, SamplingParams(max_tokens=7), use_tqdm=False)
     llm.generate(["def " * 20], SamplingParams(max_tokens=3), use_tqdm=False)
     assert all(fn.experimental_get_tracing_count() == 1 for fn in steps.values())

@@ -200,10 +200,14 @@ class ModelRunner:
                 unpack.extend(range(i * chunk, i * chunk + count))
                 first += count
             prefill_inputs = (index, context(prefill), pos, np.asarray(unpack, np.int32))
-        # the LM head runs on one row per sequence: padded too, so XLA sees few shapes
-        num_rows = self._bucket(len(last), only_decode=False) if self.step.jit_dense else len(last)
+        # a step of a few tokens runs the dense half as fused ops (no XLA shapes to match)
+        fused = (self.step.kernel_dense
+                 and num_padded <= self.engine_config.max_fused_dense_tokens)
+        # the XLA LM head runs on one row per sequence: padded too, so XLA sees few shapes
+        num_rows = (self._bucket(len(last), only_decode=False)
+                    if self.step.jit_dense and not fused else len(last))
         last = np.concatenate([last, np.zeros([num_rows - len(last)], np.int32)])
-        step = self.step.step_function(len(decode_groups), bool(prefill))
+        step = self.step.step_function(len(decode_groups), bool(prefill), fused)
         logits = step(np.asarray(token_ids + padding, np.int32),
                       np.asarray(positions + padding, np.int32),
                       np.asarray(write_rows + padding, np.int32), decode_groups,

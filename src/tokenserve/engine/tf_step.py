@@ -31,6 +31,7 @@ import math
 
 import tensorflow as tf
 
+from tokenserve.kernels import dense as kdense
 from tokenserve.kernels import paged_attention
 from tokenserve.model.layers import attend, linear, mlp, norm, rope
 from tokenserve.model.lstm import LSTMLM
@@ -78,14 +79,25 @@ class TransformerStep(tf.Module):
         self._enter, self._between, self._exit, self._head = (
             dense(self._enter_fn), dense(self._between_fn), dense(self._exit_fn),
             dense(self.model._logits))  # the head on one row per sequence: its own bucket
-        self._steps: dict[tuple[int, bool], tf.types.experimental.PolymorphicFunction] = {}
+        # Steps of a few tokens (float32 weights) run the dense half as fused ops instead
+        # (kernels/dense.py): one op per layer with bias, activation and residual, one per
+        # norm. XLA's matmuls are as fast, but its runtime spends milliseconds a step
+        # between the small fusions around them.
+        self.kernel_dense = (jit_dense and kdense.is_compiled()
+                             and model.config.weight_format == "float")
+        self._steps: dict[tuple[int, bool, bool],
+                          tf.types.experimental.PolymorphicFunction] = {}
 
     # -- the dense half, XLA-compiled when jit_dense ------------------------------------------
     def _qkv(self, x, positions, w):
         """x: [N, D] -> q [N, H, Dh], k, v [N, Hkv*Dh] (RoPE applied)."""
         c = self.model.config
-        num_tokens = tf.shape(x)[0]
         qkv = linear(norm(x, w["attn_norm"], c.norm, c.norm_eps), w["qkv"])
+        return self._split_qkv(qkv, positions)
+
+    def _split_qkv(self, qkv, positions):
+        c = self.model.config
+        num_tokens = tf.shape(qkv)[0]
         q, k, v = tf.split(qkv, [c.num_heads * c.head_dim, self.kv_width, self.kv_width], -1)
         q = tf.reshape(q, [num_tokens, c.num_heads, c.head_dim])
         if c.position == "rope":
@@ -108,6 +120,39 @@ class TransformerStep(tf.Module):
 
     def _exit_fn(self, x, attn, w):
         return self._finish_block(x, attn, w)
+
+    # -- the dense half as fused ops, for steps of a few tokens (graph mode) -----------------
+    def _norm_k(self, x, w):
+        return kdense.layer_norm(x, w["scale"], w.get("bias"), self.model.config.norm_eps)
+
+    def _qkv_k(self, x, positions, w):
+        qkv = kdense.dense(self._norm_k(x, w["attn_norm"]), w["qkv"]["kernel"],
+                           w["qkv"].get("bias"))
+        return self._split_qkv(qkv, positions)
+
+    def _finish_block_k(self, x, attn, w):
+        act = "swiglu" if self.model.config.mlp == "swiglu" else "gelu_tanh"
+        x = kdense.dense(attn, w["out"]["kernel"], w["out"].get("bias"), residual=x)
+        h = kdense.dense(self._norm_k(x, w["mlp_norm"]), w["up"]["kernel"], w["up"].get("bias"),
+                         activation=act)
+        return kdense.dense(h, w["down"]["kernel"], w["down"].get("bias"), residual=x)
+
+    def _enter_k(self, x, positions, w):
+        return self._qkv_k(x, positions, w)
+
+    def _between_k(self, x, attn, positions, w, w_next):
+        x = self._finish_block_k(x, attn, w)
+        return (x, *self._qkv_k(x, positions, w_next))
+
+    def _exit_k(self, x, attn, w):
+        return self._finish_block_k(x, attn, w)
+
+    def _head_k(self, x):
+        m = self.model
+        x = self._norm_k(x, m.final_norm.weights_dict())
+        if m.head is None:  # tied: the token embedding [vocab, D]
+            return kdense.dense(x, m.token_embedding, layout="nk")
+        return kdense.dense(x, m.head.weights_dict()["kernel"])
 
     # -- attention over the paged cache (graph mode, never XLA) ------------------------------
     def _gather_kv(self, rows, cache):
@@ -166,9 +211,11 @@ class TransformerStep(tf.Module):
         return tf.concat(outputs, 0)
 
     # -- the step -------------------------------------------------------------------------
-    def step_function(self, num_groups: int, with_prefill: bool):
-        """The traced step for `num_groups` decode groups, with or without prefill rows."""
-        key = (num_groups, with_prefill)
+    def step_function(self, num_groups: int, with_prefill: bool, fused_dense: bool = False):
+        """The traced step for `num_groups` decode groups, with or without prefill rows;
+        `fused_dense`: the dense half through kernels/dense.py (only when kernel_dense)."""
+        fused_dense = fused_dense and self.kernel_dense
+        key = (num_groups, with_prefill, fused_dense)
         if key not in self._steps:
             signature = [
                 _spec([None]),          # token_ids  [N]  packed, padded to a bucket
@@ -184,10 +231,18 @@ class TransformerStep(tf.Module):
                  _spec([None])) if with_prefill else (),  # unpack [Np] into [Sp * Tp]
                 _spec([None]),          # last_tokens [S] packed index whose logits we need
             ]
-            self._steps[key] = tf.function(self._step, input_signature=signature)
+            dense = ((self._enter_k, self._between_k, self._exit_k, self._head_k) if fused_dense
+                     else (self._enter, self._between, self._exit, self._head))
+
+            def step(token_ids, positions, write_rows, decode_groups, prefill, last_tokens):
+                return self._step(dense, token_ids, positions, write_rows, decode_groups,
+                                  prefill, last_tokens)
+            self._steps[key] = tf.function(step, input_signature=signature)
         return self._steps[key]
 
-    def _step(self, token_ids, positions, write_rows, decode_groups, prefill, last_tokens):
+    def _step(self, dense, token_ids, positions, write_rows, decode_groups, prefill,
+              last_tokens):
+        enter, between, exit_, head = dense
         m = self.model
         num_tokens = tf.shape(token_ids)[0]
         # masks are shared by all layers: build them once
@@ -204,16 +259,16 @@ class TransformerStep(tf.Module):
             prefill = None
         x = m._embed(token_ids, positions)                                 # [N, D]
         weights = self.layer_weights
-        q, k, v = self._enter(x, positions, weights[0])
+        q, k, v = enter(x, positions, weights[0])
         for i, cache in enumerate(self.caches):
             for variable, new_rows in zip(cache, (k, v)):
                 variable.scatter_update(tf.IndexedSlices(tf.cast(new_rows, variable.dtype),
                                                          write_rows))
             attn = self._layer_attention(q, decode_groups, biases, prefill, cache, num_tokens)
             if i + 1 < len(self.caches):
-                x, q, k, v = self._between(x, attn, positions, weights[i], weights[i + 1])
-        x = self._exit(x, attn, weights[-1])
-        return self._head(tf.gather(x, last_tokens))                       # [S, vocab] f32
+                x, q, k, v = between(x, attn, positions, weights[i], weights[i + 1])
+        x = exit_(x, attn, weights[-1])
+        return head(tf.gather(x, last_tokens))                             # [S, vocab] f32
 
 
 def block_weights(block) -> dict:

@@ -1,6 +1,7 @@
 """Building and loading tokenserve's custom TensorFlow ops (shared by every op module).
 
-Each op is one C++ file next to this one (`int8_matmul.cc`, `paged_attention.cc`), compiled
+Each op is one C++ file next to this one (`int8_matmul.cc`, `paged_attention.cc`,
+`dense.cc`), compiled
 on first use with the local g++ and TensorFlow's own compile flags into
 `tokenserve.cache.cache_dir("kernels")` as `<stem>-<hash>.so`. The hash covers the source,
 the TF version, the compile and link flags and the CPU's feature flags, so a cached build is
@@ -15,7 +16,8 @@ Environment:
                                     (-mavx2 -mfma: what a generic AVX2 machine runs, to
                                     benchmark that on an AVX-512 one) or any -march value
   per op (read first):  TOKENSERVE_INT8_KERNEL=fallback, TOKENSERVE_INT8_KERNEL_MARCH=...,
-                        TOKENSERVE_PAGED_ATTENTION_KERNEL=fallback
+                        TOKENSERVE_PAGED_ATTENTION_KERNEL=fallback,
+                        TOKENSERVE_DENSE_KERNEL=fallback
 
 `python -m tokenserve.kernels.build` builds every op and prints each one's status.
 """
@@ -130,13 +132,55 @@ def load_library(source: Path, arch: list[str], what: str) -> tuple[object, str]
         return reason
 
 
+class OpLibrary:
+    """One op source's build-and-load outcome, kept once per process.
+
+    Example:
+        >>> LIBRARY = OpLibrary(Path(__file__).with_name("dense.cc"), "dense op",
+        ...                     mode_env="TOKENSERVE_DENSE_KERNEL")
+        >>> op = LIBRARY.module()   # None: take the pure-TF fallback
+    """
+
+    def __init__(self, source: Path, what: str, mode_env: str, march_env: str | None = None):
+        self.source, self.what = Path(source), what
+        self.mode_env, self.march_env = mode_env, march_env
+        self._lock = threading.Lock()
+        # (module, build flags) once loaded, or why it is unavailable (str)
+        self._loaded: tuple[object, str] | str | None = None
+
+    def forced_fallback(self) -> str | None:
+        return forced_fallback(self.mode_env)
+
+    def load(self) -> tuple[object, str] | str:
+        """Builds (if needed) and loads the library once: (module, flags) or the reason."""
+        with self._lock:
+            if self._loaded is None:
+                march = (self.march_env,) if self.march_env else ()
+                self._loaded = load_library(self.source, arch_flags(*march), self.what)
+            return self._loaded
+
+    def module(self):
+        """The op module, or None when the pure-TF fallback is to be used (forced or
+        unavailable). Read when a graph is traced."""
+        if self.forced_fallback():
+            return None
+        loaded = self.load()
+        return None if isinstance(loaded, str) else loaded[0]
+
+    def reset(self) -> None:
+        """Forgets the outcome, as a fresh process would (tests)."""
+        with self._lock:
+            self._loaded = None
+
+
 def main() -> int:
     """Builds every op; prints one status line each. Exit status 1 if any is unavailable
     (forced fallbacks count as fine)."""
-    from tokenserve.kernels import int8_matmul, paged_attention
+    from tokenserve.kernels import dense, int8_matmul, paged_attention
 
     ok = True
-    for name, module in (("int8_matmul", int8_matmul), ("paged_attention", paged_attention)):
+    for name, module in (("int8_matmul", int8_matmul), ("paged_attention", paged_attention),
+                         ("dense", dense)):
         status = module.kernel_status()
         print(f"{name}: {status}")
         ok = ok and (status.startswith("compiled") or "=fallback" in status)

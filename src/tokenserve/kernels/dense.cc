@@ -1,0 +1,570 @@
+// Float32 dense layers for small decode batches, in graph mode (no XLA).
+//
+// TokenserveDense     y = epilogue(x @ W + bias)            x [M, K], y [M, N] or [M, N / 2]
+//   layout "kn": W is [K, N] (Keras' Dense kernel); "nk": W is [N, K] (a tied embedding used
+//   as the LM head). bias: [N] or [0] (none). residual: [M, N] or [0, 0] (none), added last.
+//   activation: "none"; "gelu_tanh" (GPT-2's); "swiglu": y[:, j] = silu(z[:, j]) * z[:, j + N/2]
+//   (gate and up fused in one kernel, the output is N / 2 wide).
+// TokenserveNorm      LayerNorm (scale, bias) or RMSNorm (scale) over the last axis of [M, D].
+//
+// Why these exist: a batch-1 decode step of GPT-2-small reads 498 MB of float32 weights.
+// This machine streams about 45 GB/s with two cores, so the floor is about 11 ms, and the
+// matmuls alone reach it; but XLA's CPU runtime spends several more milliseconds per step
+// between its small fusions (norms, bias adds, GELU), and graph-mode TF spends ~10 us per
+// op. Here each dense layer is one op with its bias, activation and residual fused, and a
+// norm is one op, so a transformer block is about a dozen ops.
+//
+// Work split: "kn" splits N into 2 x threads column ranges, each walked row by row over K
+// (each row's range is one contiguous run the prefetcher streams) into float accumulators for
+// up to 8 rows of x at a time, which stay in L1/L2; "nk" splits N into tiles of rows, each
+// row a dot product with every row of x. Accumulation is float32, in a different order from
+// XLA's, so results match it to float rounding, not bit for bit.
+//
+// Two inner paths with the same math: AVX2+FMA (functions with target attributes, chosen at
+// run time) and portable scalar C++ (also forced with isa="scalar" for tests).
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define TOKENSERVE_X86 1
+#endif
+
+#include "tensorflow/core/framework/op.h"
+#include "tensorflow/core/framework/op_kernel.h"
+#include "tensorflow/core/framework/shape_inference.h"
+#include "tensorflow/core/platform/threadpool.h"
+
+namespace tokenserve {
+namespace {
+
+using tensorflow::DEVICE_CPU;
+using tensorflow::OpKernel;
+using tensorflow::OpKernelConstruction;
+using tensorflow::OpKernelContext;
+using tensorflow::Tensor;
+using tensorflow::TensorShape;
+using tensorflow::errors::InvalidArgument;
+using tensorflow::shape_inference::DimensionHandle;
+using tensorflow::shape_inference::InferenceContext;
+using tensorflow::shape_inference::ShapeHandle;
+using int64 = int64_t;
+
+constexpr int64 kRowsPerPass = 8;   // rows of x sharing one pass over the weights ("kn")
+constexpr int64 kMaxRange = 1024;   // columns per work item at most ("kn"): 4 KB per row
+constexpr int64 kTileRows = 64;     // weight rows per work item ("nk")
+
+enum class Activation { kNone, kGeluTanh, kSwiglu };
+
+struct Geometry {
+  int64 M, K, N;  // x [M, K]; z = x @ W: [M, N]
+  int64 out;      // y's width: N, or N / 2 for swiglu
+};
+
+struct Args {
+  const float* x;
+  const float* w;
+  const float* bias;      // nullptr: none
+  const float* residual;  // nullptr: none; [M, out]
+  float* y;               // [M, out]
+  Activation act;
+};
+
+bool CpuHasAvx2Fma() {
+#ifdef TOKENSERVE_X86
+  static const bool has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return has;
+#else
+  return false;
+#endif
+}
+
+// ---- activations (scalar) ---------------------------------------------------------------
+inline float Sigmoid(float v) { return 1.f / (1.f + std::exp(-v)); }
+// GPT-2's tanh GELU: 0.5 v (1 + tanh(c (v + 0.044715 v^3))) == v * sigmoid(2 c (...))
+inline float GeluTanh(float v) {
+  return v * Sigmoid(1.5957691216057308f * (v + 0.044715f * v * v * v));
+}
+
+// Epilogue of `out` values of a finished row z (already + bias), written to y_row; swiglu
+// multiplies by the up half, `up` (z + N / 2).
+void FinishRowScalar(int64 out, Activation act, const float* z, const float* up,
+                     const float* res, float* y_row) {
+  for (int64 j = 0; j < out; ++j) {
+    float v = z[j];
+    if (act == Activation::kGeluTanh) v = GeluTanh(v);
+    if (act == Activation::kSwiglu) v = v * Sigmoid(v) * up[j];
+    if (res) v += res[j];
+    y_row[j] = v;
+  }
+}
+
+#ifdef TOKENSERVE_X86
+#define AVX2_FN __attribute__((target("avx2,fma")))
+
+// exp(x), Cephes' polynomial (relative error ~1e-7; inputs clamped to +-88).
+AVX2_FN inline __m256 Exp(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
+  __m256 fx = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f),
+                                              _mm256_set1_ps(0.5f)));
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, x, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, x, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, x, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, x, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, x, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.f)));
+  const __m256i n = _mm256_slli_epi32(
+      _mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(n));
+}
+
+AVX2_FN inline __m256 Sigmoid8(__m256 v) {
+  const __m256 one = _mm256_set1_ps(1.f);
+  return _mm256_div_ps(one, _mm256_add_ps(one, Exp(_mm256_sub_ps(_mm256_setzero_ps(), v))));
+}
+
+AVX2_FN void FinishRowAvx2(int64 out, Activation act, const float* z, const float* up,
+                           const float* res, float* y_row) {
+  int64 j = 0;
+  for (; j + 8 <= out; j += 8) {
+    __m256 v = _mm256_loadu_ps(z + j);
+    if (act == Activation::kGeluTanh) {
+      const __m256 cube = _mm256_mul_ps(_mm256_mul_ps(v, v), v);
+      const __m256 inner = _mm256_fmadd_ps(cube, _mm256_set1_ps(0.044715f), v);
+      v = _mm256_mul_ps(v, Sigmoid8(_mm256_mul_ps(inner, _mm256_set1_ps(1.5957691216057308f))));
+    } else if (act == Activation::kSwiglu) {
+      v = _mm256_mul_ps(_mm256_mul_ps(v, Sigmoid8(v)), _mm256_loadu_ps(up + j));
+    }
+    if (res) v = _mm256_add_ps(v, _mm256_loadu_ps(res + j));
+    _mm256_storeu_ps(y_row + j, v);
+  }
+  if (j < out) {  // the tail, through the scalar code
+    FinishRowScalar(out - j, act, z + j, up ? up + j : nullptr, res ? res + j : nullptr,
+                    y_row + j);
+  }
+}
+
+// "kn": acc[r, 0 .. width) = x[r, :] @ W[:, j0 .. j0 + width) for rows r of one pass.
+// Four weight rows per iteration: each accumulator is loaded and stored once per four FMAs.
+AVX2_FN void KnRangeAvx2(const Geometry& g, const float* x, int64 rows, const float* w,
+                         int64 j0, int64 width, float* acc) {
+  std::fill(acc, acc + rows * width, 0.f);
+  const int64 vec = width / 8 * 8;
+  int64 k = 0;
+  for (; k + 4 <= g.K; k += 4) {
+    const float* w0 = w + k * g.N + j0;
+    const float* w1 = w0 + g.N;
+    const float* w2 = w1 + g.N;
+    const float* w3 = w2 + g.N;
+    if (k + 8 < g.K) {  // the rows after next: one line per 16 floats of the range
+      const float* ahead = w0 + 8 * g.N;
+      for (int64 j = 0; j < width; j += 16) {
+        _mm_prefetch(reinterpret_cast<const char*>(ahead + j), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(ahead + g.N + j), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(ahead + 2 * g.N + j), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(ahead + 3 * g.N + j), _MM_HINT_T0);
+      }
+    }
+    for (int64 r = 0; r < rows; ++r) {
+      const float* xr = x + r * g.K + k;
+      const __m256 x0 = _mm256_set1_ps(xr[0]), x1 = _mm256_set1_ps(xr[1]);
+      const __m256 x2 = _mm256_set1_ps(xr[2]), x3 = _mm256_set1_ps(xr[3]);
+      float* a = acc + r * width;
+      int64 j = 0;
+      for (; j < vec; j += 8) {
+        __m256 s = _mm256_loadu_ps(a + j);
+        s = _mm256_fmadd_ps(x0, _mm256_loadu_ps(w0 + j), s);
+        s = _mm256_fmadd_ps(x1, _mm256_loadu_ps(w1 + j), s);
+        s = _mm256_fmadd_ps(x2, _mm256_loadu_ps(w2 + j), s);
+        s = _mm256_fmadd_ps(x3, _mm256_loadu_ps(w3 + j), s);
+        _mm256_storeu_ps(a + j, s);
+      }
+      for (; j < width; ++j) a[j] += xr[0] * w0[j] + xr[1] * w1[j] + xr[2] * w2[j] + xr[3] * w3[j];
+    }
+  }
+  for (; k < g.K; ++k) {
+    const float* wk = w + k * g.N + j0;
+    for (int64 r = 0; r < rows; ++r) {
+      const float xv = x[r * g.K + k];
+      float* a = acc + r * width;
+      for (int64 j = 0; j < width; ++j) a[j] += xv * wk[j];
+    }
+  }
+}
+
+AVX2_FN inline float HorizontalSum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// "nk": z[r, n] = W[n, :] . x[r, :] for weight rows [n0, n1) and every row r of x.
+AVX2_FN void NkTileAvx2(const Geometry& g, const float* x, const float* w, int64 n0, int64 n1,
+                        float* z) {
+  const int64 vec = g.K / 32 * 32;
+  for (int64 n = n0; n < n1; ++n) {
+    const float* wn = w + n * g.K;
+    for (int64 r = 0; r < g.M; ++r) {
+      const float* xr = x + r * g.K;
+      __m256 s0 = _mm256_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
+      int64 k = 0;
+      for (; k < vec; k += 32) {
+        s0 = _mm256_fmadd_ps(_mm256_loadu_ps(wn + k), _mm256_loadu_ps(xr + k), s0);
+        s1 = _mm256_fmadd_ps(_mm256_loadu_ps(wn + k + 8), _mm256_loadu_ps(xr + k + 8), s1);
+        s2 = _mm256_fmadd_ps(_mm256_loadu_ps(wn + k + 16), _mm256_loadu_ps(xr + k + 16), s2);
+        s3 = _mm256_fmadd_ps(_mm256_loadu_ps(wn + k + 24), _mm256_loadu_ps(xr + k + 24), s3);
+      }
+      float sum = HorizontalSum(_mm256_add_ps(_mm256_add_ps(s0, s1), _mm256_add_ps(s2, s3)));
+      for (; k < g.K; ++k) sum += wn[k] * xr[k];
+      z[r * g.N + n] = sum;
+    }
+  }
+}
+
+// Norm of one row: LayerNorm (bias != nullptr or layernorm) or RMSNorm.
+AVX2_FN void NormRowAvx2(int64 d, const float* x, const float* scale, const float* bias,
+                         bool layernorm, float eps, float* y) {
+  const int64 vec = d / 8 * 8;
+  __m256 s = _mm256_setzero_ps(), ss = s;
+  int64 j = 0;
+  for (; j < vec; j += 8) {
+    const __m256 v = _mm256_loadu_ps(x + j);
+    s = _mm256_add_ps(s, v);
+    ss = _mm256_fmadd_ps(v, v, ss);
+  }
+  double sum = HorizontalSum(s), sumsq = HorizontalSum(ss);
+  for (; j < d; ++j) {
+    sum += x[j];
+    sumsq += static_cast<double>(x[j]) * x[j];
+  }
+  const double mean = layernorm ? sum / d : 0.0;
+  const double var = sumsq / d - mean * mean;
+  const float inv = static_cast<float>(1.0 / std::sqrt(std::max(var, 0.0) + eps));
+  const __m256 mv = _mm256_set1_ps(static_cast<float>(mean)), iv = _mm256_set1_ps(inv);
+  for (j = 0; j < vec; j += 8) {
+    __m256 v = _mm256_mul_ps(_mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(x + j), mv), iv),
+                             _mm256_loadu_ps(scale + j));
+    if (bias) v = _mm256_add_ps(v, _mm256_loadu_ps(bias + j));
+    _mm256_storeu_ps(y + j, v);
+  }
+  for (; j < d; ++j) {
+    y[j] = (x[j] - static_cast<float>(mean)) * inv * scale[j] + (bias ? bias[j] : 0.f);
+  }
+}
+#undef AVX2_FN
+#endif  // TOKENSERVE_X86
+
+void KnRangeScalar(const Geometry& g, const float* x, int64 rows, const float* w, int64 j0,
+                   int64 width, float* acc) {
+  std::fill(acc, acc + rows * width, 0.f);
+  for (int64 k = 0; k < g.K; ++k) {
+    const float* wk = w + k * g.N + j0;
+    for (int64 r = 0; r < rows; ++r) {
+      const float xv = x[r * g.K + k];
+      float* a = acc + r * width;
+      for (int64 j = 0; j < width; ++j) a[j] += xv * wk[j];
+    }
+  }
+}
+
+void NkTileScalar(const Geometry& g, const float* x, const float* w, int64 n0, int64 n1,
+                  float* z) {
+  for (int64 n = n0; n < n1; ++n) {
+    for (int64 r = 0; r < g.M; ++r) {
+      float sum = 0.f;
+      for (int64 k = 0; k < g.K; ++k) sum += w[n * g.K + k] * x[r * g.K + k];
+      z[r * g.N + n] = sum;
+    }
+  }
+}
+
+void NormRowScalar(int64 d, const float* x, const float* scale, const float* bias,
+                   bool layernorm, float eps, float* y) {
+  double sum = 0.0, sumsq = 0.0;
+  for (int64 j = 0; j < d; ++j) {
+    sum += x[j];
+    sumsq += static_cast<double>(x[j]) * x[j];
+  }
+  const double mean = layernorm ? sum / d : 0.0;
+  const float inv = static_cast<float>(1.0 / std::sqrt(std::max(sumsq / d - mean * mean, 0.0) + eps));
+  for (int64 j = 0; j < d; ++j) {
+    y[j] = (x[j] - static_cast<float>(mean)) * inv * scale[j] + (bias ? bias[j] : 0.f);
+  }
+}
+
+void FinishRow(bool avx2, int64 out, Activation act, const float* z, const float* up,
+               const float* res, float* y_row) {
+#ifdef TOKENSERVE_X86
+  if (avx2) return FinishRowAvx2(out, act, z, up, res, y_row);
+#endif
+  FinishRowScalar(out, act, z, up, res, y_row);
+}
+
+}  // namespace
+
+REGISTER_OP("TokenserveDense")
+    .Input("x: float")         // [M, K]
+    .Input("w: float")         // [K, N] ("kn") or [N, K] ("nk")
+    .Input("bias: float")      // [N] or [0]
+    .Input("residual: float")  // [M, out] or [0, 0]
+    .Output("y: float")        // [M, out]; out = N, or N / 2 for swiglu
+    .Attr("layout: {'kn', 'nk'} = 'kn'")
+    .Attr("activation: {'none', 'gelu_tanh', 'swiglu'} = 'none'")
+    .Attr("isa: {'auto', 'scalar'} = 'auto'")
+    .SetShapeFn([](InferenceContext* c) {
+      ShapeHandle x, w;
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 2, &x));
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(1), 2, &w));
+      std::string layout, activation;
+      TF_RETURN_IF_ERROR(c->GetAttr("layout", &layout));
+      TF_RETURN_IF_ERROR(c->GetAttr("activation", &activation));
+      DimensionHandle k, n = c->Dim(w, layout == "kn" ? 1 : 0);
+      TF_RETURN_IF_ERROR(c->Merge(c->Dim(x, 1), c->Dim(w, layout == "kn" ? 0 : 1), &k));
+      if (activation == "swiglu") TF_RETURN_IF_ERROR(c->Divide(n, 2, true, &n));
+      c->set_output(0, c->Matrix(c->Dim(x, 0), n));
+      return absl::OkStatus();
+    })
+    .Doc("y = activation(x @ W + bias) + residual, float32, for small M.");
+
+REGISTER_OP("TokenserveNorm")
+    .Input("x: float")      // [M, D]
+    .Input("scale: float")  // [D]
+    .Input("bias: float")   // [D] (layernorm) or [0] (rmsnorm)
+    .Output("y: float")
+    .Attr("eps: float")
+    .Attr("isa: {'auto', 'scalar'} = 'auto'")
+    .SetShapeFn([](InferenceContext* c) {
+      ShapeHandle x;
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 2, &x));
+      c->set_output(0, x);
+      return absl::OkStatus();
+    })
+    .Doc("LayerNorm (bias given) or RMSNorm (bias empty) over the last axis, float32.");
+
+REGISTER_OP("TokenserveDenseInfo")
+    .Output("info: string")
+    .SetShapeFn([](InferenceContext* c) {
+      c->set_output(0, c->Scalar());
+      return absl::OkStatus();
+    })
+    .Doc("Which instruction set the TokenserveDense and TokenserveNorm kernels use here.");
+
+class DenseOp : public OpKernel {
+ public:
+  explicit DenseOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    std::string layout, activation, isa;
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("layout", &layout));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("activation", &activation));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("isa", &isa));
+    kn_ = layout == "kn";
+    act_ = activation == "gelu_tanh" ? Activation::kGeluTanh
+         : activation == "swiglu"    ? Activation::kSwiglu
+                                     : Activation::kNone;
+    avx2_ = isa == "auto" && CpuHasAvx2Fma();
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    const Tensor& x = ctx->input(0);
+    const Tensor& w = ctx->input(1);
+    const Tensor& bias = ctx->input(2);
+    const Tensor& residual = ctx->input(3);
+    OP_REQUIRES(ctx, x.dims() == 2 && w.dims() == 2,
+                InvalidArgument("x and w must be matrices, got ", x.shape().DebugString(),
+                                " and ", w.shape().DebugString()));
+    Geometry g;
+    g.M = x.dim_size(0);
+    g.K = x.dim_size(1);
+    g.N = w.dim_size(kn_ ? 1 : 0);
+    OP_REQUIRES(ctx, w.dim_size(kn_ ? 0 : 1) == g.K,
+                InvalidArgument("x is [M, K] with K = ", g.K, " but w is ",
+                                w.shape().DebugString(), kn_ ? ", expected [K, N]" : ", expected [N, K]"));
+    OP_REQUIRES(ctx, act_ != Activation::kSwiglu || g.N % 2 == 0,
+                InvalidArgument("swiglu needs an even N, got ", g.N));
+    g.out = act_ == Activation::kSwiglu ? g.N / 2 : g.N;
+    OP_REQUIRES(ctx, bias.NumElements() == 0 || (bias.dims() == 1 && bias.dim_size(0) == g.N),
+                InvalidArgument("bias must be [N] = [", g.N, "] or empty, got ",
+                                bias.shape().DebugString()));
+    OP_REQUIRES(ctx, residual.NumElements() == 0 ||
+                         (residual.dims() == 2 && residual.dim_size(0) == g.M &&
+                          residual.dim_size(1) == g.out),
+                InvalidArgument("residual must be [M, out] = [", g.M, ", ", g.out,
+                                "] or empty, got ", residual.shape().DebugString()));
+    Tensor* y_tensor = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({g.M, g.out}), &y_tensor));
+    if (g.M == 0 || g.out == 0) return;
+    Args a{x.flat<float>().data(), w.flat<float>().data(),
+           bias.NumElements() ? bias.flat<float>().data() : nullptr,
+           residual.NumElements() ? residual.flat<float>().data() : nullptr,
+           y_tensor->flat<float>().data(), act_};
+    auto* pool = ctx->device()->tensorflow_cpu_worker_threads()->workers;
+    if (kn_) {
+      ComputeKn(g, a, pool);
+    } else {
+      ComputeNk(ctx, g, a, pool);
+    }
+  }
+
+ private:
+  // Column ranges of W, 2 per thread (at most kMaxRange wide, a multiple of 8 where possible);
+  // each range runs its own epilogue, except swiglu, whose halves live in different ranges.
+  void ComputeKn(const Geometry& g, const Args& a, tensorflow::thread::ThreadPool* pool) {
+    const bool swiglu = a.act == Activation::kSwiglu;
+    const int64 threads = std::max(1, pool->NumThreads());
+    int64 items = std::max<int64>(2 * threads, (g.N + kMaxRange - 1) / kMaxRange);
+    int64 width = (g.N + items - 1) / items;
+    width = std::max<int64>(8, (width + 7) / 8 * 8);
+    items = (g.N + width - 1) / width;
+    std::vector<float> z;  // the whole of x @ W + bias (swiglu only: pairs cross ranges)
+    if (swiglu) z.resize(g.M * g.N);
+    const bool avx2 = avx2_;
+    auto work = [&](int64 begin, int64 end) {
+      std::vector<float> acc(kRowsPerPass * width);
+      for (int64 item = begin; item < end; ++item) {
+        const int64 j0 = item * width, cols = std::min(width, g.N - j0);
+        for (int64 r0 = 0; r0 < g.M; r0 += kRowsPerPass) {
+          const int64 rows = std::min(kRowsPerPass, g.M - r0);
+#ifdef TOKENSERVE_X86
+          if (avx2) {
+            KnRangeAvx2(g, a.x + r0 * g.K, rows, a.w, j0, cols, acc.data());
+          } else
+#endif
+          {
+            KnRangeScalar(g, a.x + r0 * g.K, rows, a.w, j0, cols, acc.data());
+          }
+          for (int64 r = 0; r < rows; ++r) {
+            float* zr = acc.data() + r * cols;
+            if (a.bias) {
+              for (int64 j = 0; j < cols; ++j) zr[j] += a.bias[j0 + j];
+            }
+            if (swiglu) {
+              std::memcpy(z.data() + (r0 + r) * g.N + j0, zr, cols * sizeof(float));
+              continue;
+            }
+            const float* res = a.residual ? a.residual + (r0 + r) * g.out + j0 : nullptr;
+            FinishRow(avx2, cols, a.act, zr, nullptr, res, a.y + (r0 + r) * g.out + j0);
+          }
+        }
+      }
+    };
+    pool->ParallelFor(items, tensorflow::thread::ThreadPool::SchedulingParams(
+                                 tensorflow::thread::ThreadPool::SchedulingStrategy::kFixedBlockSize,
+                                 std::nullopt, 1), work);
+    if (swiglu) {
+      for (int64 r = 0; r < g.M; ++r) {
+        const float* zr = z.data() + r * g.N;
+        FinishRow(avx2, g.out, a.act, zr, zr + g.out,
+                  a.residual ? a.residual + r * g.out : nullptr, a.y + r * g.out);
+      }
+    }
+  }
+
+  void ComputeNk(OpKernelContext* ctx, const Geometry& g, const Args& a,
+                 tensorflow::thread::ThreadPool* pool) {
+    const bool direct = a.act == Activation::kNone && !a.bias && !a.residual;
+    std::vector<float> z;
+    float* zp = a.y;
+    if (!direct) {
+      z.resize(g.M * g.N);
+      zp = z.data();
+    }
+    const bool avx2 = avx2_;
+    auto work = [&](int64 begin, int64 end) {
+      for (int64 tile = begin; tile < end; ++tile) {
+        const int64 n0 = tile * kTileRows, n1 = std::min(g.N, n0 + kTileRows);
+#ifdef TOKENSERVE_X86
+        if (avx2) {
+          NkTileAvx2(g, a.x, a.w, n0, n1, zp);
+          continue;
+        }
+#endif
+        NkTileScalar(g, a.x, a.w, n0, n1, zp);
+      }
+    };
+    const int64 tiles = (g.N + kTileRows - 1) / kTileRows;
+    const int64 cost = kTileRows * g.K * (g.M + 2);  // ~cycles: a row of W per output row
+    pool->ParallelFor(tiles, tensorflow::thread::ThreadPool::SchedulingParams::Adaptive(cost),
+                      work);
+    if (direct) return;
+    for (int64 r = 0; r < g.M; ++r) {
+      float* zr = zp + r * g.N;
+      if (a.bias) {
+        for (int64 j = 0; j < g.N; ++j) zr[j] += a.bias[j];
+      }
+      FinishRow(avx2, g.out, a.act, zr, zr + g.out,
+                a.residual ? a.residual + r * g.out : nullptr, a.y + r * g.out);
+    }
+  }
+
+  bool kn_ = true;
+  Activation act_ = Activation::kNone;
+  bool avx2_ = false;
+};
+
+class NormOp : public OpKernel {
+ public:
+  explicit NormOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    std::string isa;
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("eps", &eps_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("isa", &isa));
+    avx2_ = isa == "auto" && CpuHasAvx2Fma();
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    const Tensor& x = ctx->input(0);
+    const Tensor& scale = ctx->input(1);
+    const Tensor& bias = ctx->input(2);
+    OP_REQUIRES(ctx, x.dims() == 2, InvalidArgument("x must be [M, D], got ",
+                                                    x.shape().DebugString()));
+    const int64 m = x.dim_size(0), d = x.dim_size(1);
+    OP_REQUIRES(ctx, scale.dims() == 1 && scale.dim_size(0) == d,
+                InvalidArgument("scale must be [D] = [", d, "], got ", scale.shape().DebugString()));
+    const bool layernorm = bias.NumElements() > 0;
+    OP_REQUIRES(ctx, !layernorm || (bias.dims() == 1 && bias.dim_size(0) == d),
+                InvalidArgument("bias must be [D] = [", d, "] or empty, got ",
+                                bias.shape().DebugString()));
+    Tensor* y = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, x.shape(), &y));
+    const float* xp = x.flat<float>().data();
+    const float* sp = scale.flat<float>().data();
+    const float* bp = layernorm ? bias.flat<float>().data() : nullptr;
+    float* yp = y->flat<float>().data();
+    for (int64 r = 0; r < m; ++r) {  // a few rows of ~1k values: not worth a thread handoff
+#ifdef TOKENSERVE_X86
+      if (avx2_) {
+        NormRowAvx2(d, xp + r * d, sp, bp, layernorm, eps_, yp + r * d);
+        continue;
+      }
+#endif
+      NormRowScalar(d, xp + r * d, sp, bp, layernorm, eps_, yp + r * d);
+    }
+  }
+
+ private:
+  float eps_ = 1e-5f;
+  bool avx2_ = false;
+};
+
+class DenseInfoOp : public OpKernel {
+ public:
+  explicit DenseInfoOp(OpKernelConstruction* ctx) : OpKernel(ctx) {}
+  void Compute(OpKernelContext* ctx) override {
+    Tensor* out = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({}), &out));
+    out->scalar<tensorflow::tstring>()() = CpuHasAvx2Fma() ? "AVX2+FMA" : "scalar (no AVX2+FMA)";
+  }
+};
+
+REGISTER_KERNEL_BUILDER(Name("TokenserveDense").Device(DEVICE_CPU), DenseOp);
+REGISTER_KERNEL_BUILDER(Name("TokenserveNorm").Device(DEVICE_CPU), NormOp);
+REGISTER_KERNEL_BUILDER(Name("TokenserveDenseInfo").Device(DEVICE_CPU), DenseInfoOp);
+
+}  // namespace tokenserve

@@ -1,0 +1,105 @@
+"""Float32 dense layers and norms for small decode batches, in graph mode (no XLA).
+
+A batch-1 decode step is bound by reading the weights (GPT-2-small: 498 MB of float32 per
+token). XLA's matmuls stream them near the machine's bandwidth, but its CPU runtime spends
+several more milliseconds a step between the small fusions around them (norms, bias adds,
+GELU), and graph-mode TF costs ~10 us per op. `dense.cc` makes each dense layer one op, with
+its bias, activation (GPT-2's tanh GELU, or SwiGLU) and residual add fused, and each norm one
+op; the engine uses them for steps of a few tokens (docs/engine.md, "The step").
+
+    y = dense(x, kernel, bias, residual=x0, activation="gelu_tanh")   # x [M, K] -> [M, N]
+    logits = dense(h, embedding, layout="nk")                          # tied LM head
+    h = layer_norm(x, scale, bias, eps=1e-5)
+
+Each function uses the compiled op when it is available, else the same math in stock TF ops
+(also forced with TOKENSERVE_DENSE_KERNEL=fallback or TOKENSERVE_KERNELS=fallback). The op
+is built from source on first use (tokenserve.kernels.build).
+
+`python -m tokenserve.kernels.dense` builds the op and prints kernel_status().
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import tensorflow as tf
+
+from tokenserve.kernels import build as kbuild
+
+LIBRARY = kbuild.OpLibrary(Path(__file__).with_name("dense.cc"), "dense op",
+                           mode_env="TOKENSERVE_DENSE_KERNEL")
+
+ACTIVATIONS = ("none", "gelu_tanh", "swiglu")
+
+
+def dense(x, w, bias=None, residual=None, layout: str = "kn", activation: str = "none",
+          isa: str = "auto") -> tf.Tensor:
+    """activation(x @ W + bias) + residual for float32 x [M, K].
+
+    w: [K, N] (layout "kn") or [N, K] ("nk"). bias: [N] or None. residual: [M, out] or None.
+    activation: "none", "gelu_tanh" or "swiglu" (out = N / 2: silu(z[:, :N/2]) * z[:, N/2:]).
+    isa: "auto" or "scalar" (the op's portable path; tests).
+    """
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+    op = LIBRARY.module()
+    if op is None:
+        return dense_fallback(x, w, bias, residual, layout, activation)
+    empty = tf.zeros([0], tf.float32)
+    return op.tokenserve_dense(x, w, empty if bias is None else bias,
+                               tf.zeros([0, 0], tf.float32) if residual is None else residual,
+                               layout=layout, activation=activation, isa=isa)
+
+
+def dense_fallback(x, w, bias=None, residual=None, layout: str = "kn",
+                   activation: str = "none") -> tf.Tensor:
+    """`dense` in stock TF ops."""
+    z = tf.matmul(x, w, transpose_b=layout == "nk")
+    if bias is not None:
+        z = z + bias
+    if activation == "gelu_tanh":
+        z = tf.nn.gelu(z, approximate=True)
+    elif activation == "swiglu":
+        gate, up = tf.split(z, 2, axis=-1)
+        z = tf.nn.silu(gate) * up
+    return z if residual is None else z + residual
+
+
+def layer_norm(x, scale, bias=None, eps: float = 1e-5, isa: str = "auto") -> tf.Tensor:
+    """LayerNorm of float32 x [M, D] (scale, bias [D]), or RMSNorm when bias is None."""
+    op = LIBRARY.module()
+    if op is None:
+        return layer_norm_fallback(x, scale, bias, eps)
+    return op.tokenserve_norm(x, scale, tf.zeros([0], tf.float32) if bias is None else bias,
+                              eps=eps, isa=isa)
+
+
+def layer_norm_fallback(x, scale, bias=None, eps: float = 1e-5) -> tf.Tensor:
+    if bias is None:
+        return x * tf.math.rsqrt(tf.reduce_mean(tf.square(x), -1, keepdims=True) + eps) * scale
+    mean, var = tf.nn.moments(x, axes=[-1], keepdims=True)
+    return (x - mean) * tf.math.rsqrt(var + eps) * scale + bias
+
+
+def is_compiled() -> bool:
+    """True when the compiled op is loaded and not forced off."""
+    return LIBRARY.module() is not None
+
+
+def kernel_status() -> str:
+    """One line: which path the dense functions take here, and why (builds the op if needed)."""
+    forced = LIBRARY.forced_fallback()
+    if forced:
+        return f"pure-TF fallback: {forced}=fallback"
+    loaded = LIBRARY.load()
+    if isinstance(loaded, str):
+        return f"pure-TF fallback: {loaded}"
+    op, flags = loaded
+    isa = op.tokenserve_dense_info().numpy().decode()
+    return f"compiled dense op ({isa}; built with {flags})"
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    print(kernel_status())

@@ -1,0 +1,119 @@
+"""The fused float32 dense and norm ops (kernels/dense.cc): AVX2 and scalar paths against a
+float64 NumPy reference, both weight layouts, every epilogue, graph mode, bad shapes."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tokenserve.kernels import dense as kd
+
+# (M, K, N): empty batch, one row, more rows than one pass over the weights (8), K and N not
+# multiples of 4 or 8 (tails), GPT-2-small's MLP shape.
+CASES = [(0, 16, 8), (1, 64, 8), (3, 37, 21), (9, 100, 34), (17, 33, 18), (2, 768, 3072)]
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    loaded = kd.LIBRARY.load()
+    if isinstance(loaded, str):
+        pytest.skip(f"compiled dense op unavailable ({loaded}); the fallback tests still run")
+    return loaded[0]
+
+
+def make(m, k, n, seed=0):
+    rng = np.random.default_rng(seed)
+    return (rng.standard_normal((m, k)).astype(np.float32),
+            (rng.standard_normal((k, n)) / np.sqrt(k)).astype(np.float32),
+            rng.standard_normal(n).astype(np.float32))
+
+
+def reference(x, w, bias, residual, activation):
+    z = x.astype(np.float64) @ w.astype(np.float64) + bias
+    if activation == "gelu_tanh":
+        z = 0.5 * z * (1 + np.tanh(np.sqrt(2 / np.pi) * (z + 0.044715 * z ** 3)))
+    elif activation == "swiglu":
+        gate, up = np.split(z, 2, axis=-1)
+        z = gate / (1 + np.exp(-gate)) * up
+    return z if residual is None else z + residual
+
+
+@pytest.mark.parametrize("isa", ["auto", "scalar"])
+@pytest.mark.parametrize("layout", ["kn", "nk"])
+@pytest.mark.parametrize("activation", ["none", "gelu_tanh", "swiglu"])
+@pytest.mark.parametrize("m,k,n", CASES)
+def test_dense_matches_reference(compiled, m, k, n, activation, layout, isa):
+    if activation == "swiglu" and n % 2:
+        n += 1
+    x, w, bias = make(m, k, n)
+    out = n // 2 if activation == "swiglu" else n
+    residual = np.random.default_rng(1).standard_normal((m, out)).astype(np.float32)
+    want = reference(x, w, bias, residual, activation)
+    weights = w if layout == "kn" else np.ascontiguousarray(w.T)
+    got = kd.dense(x, weights, bias, residual, layout, activation, isa=isa).numpy()
+    assert got.shape == (m, out)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+    # without bias and residual (the tied LM head's case)
+    plain = kd.dense(x, weights, layout=layout, isa=isa).numpy()
+    np.testing.assert_allclose(plain, x.astype(np.float64) @ w, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("isa", ["auto", "scalar"])
+@pytest.mark.parametrize("layernorm", [True, False])
+def test_norm_matches_reference(compiled, isa, layernorm):
+    rng = np.random.default_rng(2)
+    x = (rng.standard_normal((5, 77)) * 3 + 1).astype(np.float32)
+    scale, bias = rng.standard_normal(77).astype(np.float32), rng.standard_normal(77).astype(np.float32)
+    x64 = x.astype(np.float64)
+    if layernorm:
+        want = (x64 - x64.mean(-1, keepdims=True)) / np.sqrt(x64.var(-1, keepdims=True) + 1e-5)
+        want = want * scale + bias
+    else:
+        want = x64 / np.sqrt((x64 ** 2).mean(-1, keepdims=True) + 1e-5) * scale
+    got = kd.layer_norm(x, scale, bias if layernorm else None, 1e-5, isa=isa).numpy()
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+    fallback = kd.layer_norm_fallback(x, scale, bias if layernorm else None, 1e-5).numpy()
+    np.testing.assert_allclose(fallback, want, rtol=1e-4, atol=1e-4)
+
+
+def test_the_fallback_matches_the_op(compiled):
+    x, w, bias = make(3, 40, 24)
+    for activation in ("none", "gelu_tanh", "swiglu"):
+        np.testing.assert_allclose(kd.dense(x, w, bias, activation=activation).numpy(),
+                                   kd.dense_fallback(x, w, bias, activation=activation).numpy(),
+                                   rtol=1e-5, atol=1e-5)
+
+
+def test_in_a_graph_with_unknown_batch(compiled):
+    x, w, bias = make(4, 32, 16)
+
+    @tf.function(input_signature=[tf.TensorSpec([None, 32], tf.float32)])
+    def layer(x):
+        return kd.dense(x, w, bias, activation="swiglu")
+
+    assert layer.get_concrete_function().structured_outputs.shape.as_list() == [None, 8]
+    np.testing.assert_allclose(layer(x).numpy(), reference(x, w, bias, None, "swiglu"),
+                               rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("args,message", [
+    (dict(w=np.zeros((31, 8), np.float32)), "expected \\[K, N\\]"),
+    (dict(bias=np.zeros(7, np.float32)), "bias must be"),
+    (dict(residual=np.zeros((4, 9), np.float32)), "residual must be"),
+    (dict(w=np.zeros((32, 7), np.float32), activation="swiglu"), "even N"),
+])
+def test_bad_shapes_are_invalid_argument(compiled, args, message):
+    call = dict(x=np.zeros((4, 32), np.float32), w=np.zeros((32, 8), np.float32))
+    call.update(args)
+    with pytest.raises(tf.errors.InvalidArgumentError, match=message):
+        kd.dense(**call)
+
+
+def test_forced_fallback(monkeypatch):
+    monkeypatch.setenv("TOKENSERVE_DENSE_KERNEL", "fallback")
+    assert not kd.is_compiled()
+    assert kd.kernel_status() == "pure-TF fallback: TOKENSERVE_DENSE_KERNEL=fallback"
+    x, w, bias = make(2, 16, 8)
+    np.testing.assert_allclose(kd.dense(x, w, bias, activation="gelu_tanh").numpy(),
+                               reference(x, w, bias, None, "gelu_tanh"), rtol=1e-4, atol=1e-4)
