@@ -77,6 +77,23 @@ def test_norm_matches_reference(compiled, isa, layernorm):
     np.testing.assert_allclose(fallback, want, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("activation", ["none", "gelu_tanh", "swiglu"])
+@pytest.mark.parametrize("m", [1, 40])
+def test_epilogue_matches_reference(compiled, activation, m):
+    rng = np.random.default_rng(3)
+    z = rng.standard_normal((m, 36)).astype(np.float32)
+    bias = rng.standard_normal(36).astype(np.float32)
+    out = 18 if activation == "swiglu" else 36
+    residual = rng.standard_normal((m, out)).astype(np.float32)
+    eye = np.eye(36, dtype=np.float32)  # z @ I: the reference's matmul is the identity
+    want = reference(z, eye, bias, residual, activation)
+    for isa in ("auto", "scalar"):
+        got = kd.epilogue(z, bias, residual, activation, isa=isa).numpy()
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(kd.epilogue_fallback(z, bias, residual, activation).numpy(), want,
+                               rtol=1e-5, atol=1e-5)
+
+
 def test_the_fallback_matches_the_op(compiled):
     x, w, bias = make(3, 40, 24)
     for activation in ("none", "gelu_tanh", "swiglu"):

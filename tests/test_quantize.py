@@ -102,8 +102,11 @@ def test_the_engine_serves_int8_with_its_kernel_and_equals_full_forward_passes(i
     runner = llm.engine.runner
     assert runner.model.config.weight_format == "int8" and runner.precision == "float32"
     assert not runner.step.jit_dense  # the int8 op is not an XLA op
+    # every step runs the fused norm and epilogue ops around the int8 matmuls
+    assert runner.step.kernel_dense and runner.step.fused_every_step
     outputs = llm.generate(PROMPTS, SamplingParams(max_tokens=10, ignore_eos=True),
                            use_tqdm=False)
+    assert all(fused for _, _, fused in runner.step._steps)
     for prompt, out in zip(PROMPTS, outputs):
         assert out.outputs[0].token_ids == greedy(int8, llm.tokenizer.encode(prompt), 10)
 

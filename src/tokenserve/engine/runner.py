@@ -201,8 +201,9 @@ class ModelRunner:
                 first += count
             prefill_inputs = (index, context(prefill), pos, np.asarray(unpack, np.int32))
         # a step of a few tokens runs the dense half as fused ops (no XLA shapes to match)
-        fused = (self.step.kernel_dense
-                 and num_padded <= self.engine_config.max_fused_dense_tokens)
+        fused = self.step.kernel_dense and (
+            self.step.fused_every_step
+            or num_padded <= self.engine_config.max_fused_dense_tokens)
         # the XLA LM head runs on one row per sequence: padded too, so XLA sees few shapes
         num_rows = (self._bucket(len(last), only_decode=False)
                     if self.step.jit_dense and not fused else len(last))

@@ -33,6 +33,7 @@ import tensorflow as tf
 
 from tokenserve.kernels import dense as kdense
 from tokenserve.kernels import paged_attention
+from tokenserve.kernels.int8_matmul import int8_matmul
 from tokenserve.model.layers import attend, linear, mlp, norm, rope
 from tokenserve.model.lstm import LSTMLM
 from tokenserve.model.transformer import TransformerLM
@@ -79,12 +80,15 @@ class TransformerStep(tf.Module):
         self._enter, self._between, self._exit, self._head = (
             dense(self._enter_fn), dense(self._between_fn), dense(self._exit_fn),
             dense(self.model._logits))  # the head on one row per sequence: its own bucket
-        # Steps of a few tokens (float32 weights) run the dense half as fused ops instead
-        # (kernels/dense.py): one op per layer with bias, activation and residual, one per
-        # norm. XLA's matmuls are as fast, but its runtime spends milliseconds a step
-        # between the small fusions around them.
-        self.kernel_dense = (jit_dense and kdense.is_compiled()
-                             and model.config.weight_format == "float")
+        # The dense half as fused ops (kernels/dense.py): one op per layer with its bias,
+        # activation and residual, one per norm. For float32 weights, steps of a few tokens
+        # run them instead of the XLA programs (XLA's matmuls are as fast, but its runtime
+        # spends milliseconds a step between the small fusions around them); int8 weights,
+        # which XLA cannot take, run them at every size.
+        int8 = model.config.weight_format == "int8"
+        self.kernel_dense = (kdense.is_compiled() and model.compute_dtype == "float32"
+                             and (jit_dense or int8))
+        self.fused_every_step = self.kernel_dense and int8
         self._steps: dict[tuple[int, bool, bool],
                           tf.types.experimental.PolymorphicFunction] = {}
 
@@ -125,17 +129,22 @@ class TransformerStep(tf.Module):
     def _norm_k(self, x, w):
         return kdense.layer_norm(x, w["scale"], w.get("bias"), self.model.config.norm_eps)
 
+    @staticmethod
+    def _linear_k(x, w, residual=None, activation="none"):
+        if "q" in w:  # int8 weights: the int8 op, then the same epilogue
+            return kdense.epilogue(int8_matmul(x, w["q"], w["scale"]), w.get("bias"), residual,
+                                   activation)
+        return kdense.dense(x, w["kernel"], w.get("bias"), residual, activation=activation)
+
     def _qkv_k(self, x, positions, w):
-        qkv = kdense.dense(self._norm_k(x, w["attn_norm"]), w["qkv"]["kernel"],
-                           w["qkv"].get("bias"))
-        return self._split_qkv(qkv, positions)
+        return self._split_qkv(self._linear_k(self._norm_k(x, w["attn_norm"]), w["qkv"]),
+                               positions)
 
     def _finish_block_k(self, x, attn, w):
         act = "swiglu" if self.model.config.mlp == "swiglu" else "gelu_tanh"
-        x = kdense.dense(attn, w["out"]["kernel"], w["out"].get("bias"), residual=x)
-        h = kdense.dense(self._norm_k(x, w["mlp_norm"]), w["up"]["kernel"], w["up"].get("bias"),
-                         activation=act)
-        return kdense.dense(h, w["down"]["kernel"], w["down"].get("bias"), residual=x)
+        x = self._linear_k(attn, w["out"], residual=x)
+        h = self._linear_k(self._norm_k(x, w["mlp_norm"]), w["up"], activation=act)
+        return self._linear_k(h, w["down"], residual=x)
 
     def _enter_k(self, x, positions, w):
         return self._qkv_k(x, positions, w)
@@ -150,9 +159,11 @@ class TransformerStep(tf.Module):
     def _head_k(self, x):
         m = self.model
         x = self._norm_k(x, m.final_norm.weights_dict())
-        if m.head is None:  # tied: the token embedding [vocab, D]
-            return kdense.dense(x, m.token_embedding, layout="nk")
-        return kdense.dense(x, m.head.weights_dict()["kernel"])
+        if m.head is not None:
+            return self._linear_k(x, m.head.weights_dict())
+        if m.config.weight_format == "int8":  # tied: the token embedding [vocab, D]
+            return int8_matmul(x, m.token_embedding_q, m.token_embedding_scale)
+        return kdense.dense(x, m.token_embedding, layout="nk")
 
     # -- attention over the paged cache (graph mode, never XLA) ------------------------------
     def _gather_kv(self, rows, cache):

@@ -5,6 +5,7 @@
 //   as the LM head). bias: [N] or [0] (none). residual: [M, N] or [0, 0] (none), added last.
 //   activation: "none"; "gelu_tanh" (GPT-2's); "swiglu": y[:, j] = silu(z[:, j]) * z[:, j + N/2]
 //   (gate and up fused in one kernel, the output is N / 2 wide).
+// TokenserveEpilogue  the same epilogue on a finished product z [M, N] (int8 weights' matmul).
 // TokenserveNorm      LayerNorm (scale, bias) or RMSNorm (scale) over the last axis of [M, D].
 //
 // Why these exist: a batch-1 decode step of GPT-2-small reads 498 MB of float32 weights.
@@ -335,6 +336,25 @@ REGISTER_OP("TokenserveDense")
     })
     .Doc("y = activation(x @ W + bias) + residual, float32, for small M.");
 
+REGISTER_OP("TokenserveEpilogue")
+    .Input("z: float")         // [M, N], a matmul's output (int8 weights: TokenserveInt8Matmul)
+    .Input("bias: float")      // [N] or [0]
+    .Input("residual: float")  // [M, out] or [0, 0]
+    .Output("y: float")        // [M, out]; out = N, or N / 2 for swiglu
+    .Attr("activation: {'none', 'gelu_tanh', 'swiglu'} = 'none'")
+    .Attr("isa: {'auto', 'scalar'} = 'auto'")
+    .SetShapeFn([](InferenceContext* c) {
+      ShapeHandle z;
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 2, &z));
+      std::string activation;
+      TF_RETURN_IF_ERROR(c->GetAttr("activation", &activation));
+      DimensionHandle n = c->Dim(z, 1);
+      if (activation == "swiglu") TF_RETURN_IF_ERROR(c->Divide(n, 2, true, &n));
+      c->set_output(0, c->Matrix(c->Dim(z, 0), n));
+      return absl::OkStatus();
+    })
+    .Doc("TokenserveDense's epilogue alone: activation(z + bias) + residual.");
+
 REGISTER_OP("TokenserveNorm")
     .Input("x: float")      // [M, D]
     .Input("scale: float")  // [D]
@@ -509,6 +529,66 @@ class DenseOp : public OpKernel {
   bool avx2_ = false;
 };
 
+class EpilogueOp : public OpKernel {
+ public:
+  explicit EpilogueOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    std::string activation, isa;
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("activation", &activation));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("isa", &isa));
+    act_ = activation == "gelu_tanh" ? Activation::kGeluTanh
+         : activation == "swiglu"    ? Activation::kSwiglu
+                                     : Activation::kNone;
+    avx2_ = isa == "auto" && CpuHasAvx2Fma();
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    const Tensor& z = ctx->input(0);
+    const Tensor& bias = ctx->input(1);
+    const Tensor& residual = ctx->input(2);
+    OP_REQUIRES(ctx, z.dims() == 2, InvalidArgument("z must be [M, N], got ",
+                                                    z.shape().DebugString()));
+    const int64 m = z.dim_size(0), n = z.dim_size(1);
+    OP_REQUIRES(ctx, act_ != Activation::kSwiglu || n % 2 == 0,
+                InvalidArgument("swiglu needs an even N, got ", n));
+    const int64 out = act_ == Activation::kSwiglu ? n / 2 : n;
+    OP_REQUIRES(ctx, bias.NumElements() == 0 || (bias.dims() == 1 && bias.dim_size(0) == n),
+                InvalidArgument("bias must be [N] = [", n, "] or empty, got ",
+                                bias.shape().DebugString()));
+    OP_REQUIRES(ctx, residual.NumElements() == 0 ||
+                         (residual.dims() == 2 && residual.dim_size(0) == m &&
+                          residual.dim_size(1) == out),
+                InvalidArgument("residual must be [M, out] = [", m, ", ", out,
+                                "] or empty, got ", residual.shape().DebugString()));
+    Tensor* y = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({m, out}), &y));
+    const float* zp = z.flat<float>().data();
+    const float* bp = bias.NumElements() ? bias.flat<float>().data() : nullptr;
+    const float* rp = residual.NumElements() ? residual.flat<float>().data() : nullptr;
+    float* yp = y->flat<float>().data();
+    const bool avx2 = avx2_;
+    const Activation act = act_;
+    auto work = [&](int64 begin, int64 end) {
+      std::vector<float> row(bp ? n : 0);
+      for (int64 r = begin; r < end; ++r) {
+        const float* zr = zp + r * n;
+        if (bp) {
+          for (int64 j = 0; j < n; ++j) row[j] = zr[j] + bp[j];
+          zr = row.data();
+        }
+        FinishRow(avx2, out, act, zr, zr + out, rp ? rp + r * out : nullptr, yp + r * out);
+      }
+    };
+    // ~cycles per row: an exp per value for the activations, a few ops otherwise
+    const int64 cost = n * (act == Activation::kNone ? 2 : 20);
+    ctx->device()->tensorflow_cpu_worker_threads()->workers->ParallelFor(
+        m, tensorflow::thread::ThreadPool::SchedulingParams::Adaptive(cost), work);
+  }
+
+ private:
+  Activation act_ = Activation::kNone;
+  bool avx2_ = false;
+};
+
 class NormOp : public OpKernel {
  public:
   explicit NormOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
@@ -564,6 +644,7 @@ class DenseInfoOp : public OpKernel {
 };
 
 REGISTER_KERNEL_BUILDER(Name("TokenserveDense").Device(DEVICE_CPU), DenseOp);
+REGISTER_KERNEL_BUILDER(Name("TokenserveEpilogue").Device(DEVICE_CPU), EpilogueOp);
 REGISTER_KERNEL_BUILDER(Name("TokenserveNorm").Device(DEVICE_CPU), NormOp);
 REGISTER_KERNEL_BUILDER(Name("TokenserveDenseInfo").Device(DEVICE_CPU), DenseInfoOp);
 

@@ -55,7 +55,27 @@ def dense(x, w, bias=None, residual=None, layout: str = "kn", activation: str = 
 def dense_fallback(x, w, bias=None, residual=None, layout: str = "kn",
                    activation: str = "none") -> tf.Tensor:
     """`dense` in stock TF ops."""
-    z = tf.matmul(x, w, transpose_b=layout == "nk")
+    return epilogue_fallback(tf.matmul(x, w, transpose_b=layout == "nk"), bias, residual,
+                             activation)
+
+
+def epilogue(z, bias=None, residual=None, activation: str = "none",
+             isa: str = "auto") -> tf.Tensor:
+    """`dense`'s epilogue on a finished product z [M, N]: activation(z + bias) + residual
+    (the int8 weights' path: TokenserveInt8Matmul, then this)."""
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+    op = LIBRARY.module()
+    if op is None:
+        return epilogue_fallback(z, bias, residual, activation)
+    return op.tokenserve_epilogue(
+        z, tf.zeros([0], tf.float32) if bias is None else bias,
+        tf.zeros([0, 0], tf.float32) if residual is None else residual,
+        activation=activation, isa=isa)
+
+
+def epilogue_fallback(z, bias=None, residual=None, activation: str = "none") -> tf.Tensor:
+    z = tf.convert_to_tensor(z, tf.float32)
     if bias is not None:
         z = z + bias
     if activation == "gelu_tanh":
