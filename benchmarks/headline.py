@@ -16,7 +16,7 @@ Everything is float32 unless the row says int8. Prints a table, writes
 benchmarks/results/headline.json (or --output) with the machine's CPU flags and ISA caps.
 To approximate an AVX2-only CPU on a bigger one:
 
-    ONEDNN_MAX_CPU_ISA=AVX2 XLA_FLAGS=--xla_cpu_max_isa=AVX2 TOKENSERVE_INT8_KERNEL_MARCH=avx2 \\
+    ONEDNN_MAX_CPU_ISA=AVX2 XLA_FLAGS=--xla_cpu_max_isa=AVX2 TOKENSERVE_KERNELS_MARCH=avx2 \\
         python benchmarks/headline.py
 """
 
@@ -154,6 +154,8 @@ def main(argv=None) -> int:
     parser.add_argument("--systems", nargs="+",
                         default=["serve-float32", "serve-int8", "llm-float32", "llm-int8", "hf"])
     parser.add_argument("--output", type=Path, default=RESULTS / "headline.json")
+    parser.add_argument("--append", action="store_true",
+                        help="keep the systems already in --output (run them one at a time)")
     args = parser.parse_args(argv)
 
     machine = machine_info()
@@ -163,17 +165,24 @@ def main(argv=None) -> int:
     report = {"workload": {"model": "gpt2-small random", "prompt_tokens": PROMPT_LEN,
                            "new_tokens": NEW_TOKENS, "greedy": True, "ignore_eos": True},
               "machine": machine, "systems": {}}
+    if args.append and args.output.exists():
+        report["systems"] = json.loads(args.output.read_text())["systems"]
+        for name, result in report["systems"].items():  # JSON made the int keys strings
+            if name.startswith("serve"):
+                result["points"] = {int(k): v for k, v in result["points"].items()}
+            elif name.startswith("hf") and "skipped" not in result:
+                report["systems"][name] = {int(k): v for k, v in result.items()}
     for system in args.systems:
         console.print(f"[bold]{system}[/bold] ...")
         if system == "hf":
             report["systems"]["hf-tf-xla"] = bench_hf(args.hf_venv, [1, 8])
-            continue
-        kind, fmt = system.split("-")
-        base = export(models[fmt], "none" if fmt == "float32" else "int8")
-        if kind == "serve":
-            report["systems"][system] = bench_serve(base, system, [(1, 8), (32, 64)])
         else:
-            report["systems"][system] = bench_llm(base)
+            kind, fmt = system.split("-")
+            base = export(models[fmt], "none" if fmt == "float32" else "int8")
+            if kind == "serve":
+                report["systems"][system] = bench_serve(base, system, [(1, 8), (32, 64)])
+            else:
+                report["systems"][system] = bench_llm(base)
         args.output.parent.mkdir(parents=True, exist_ok=True)
         args.output.write_text(json.dumps(report, indent=2) + "\n")  # partial results survive
 
