@@ -47,6 +47,10 @@ class TransformerConfig:
     qkv_bias: bool = True
     out_bias: bool = True
     mlp_bias: bool = True
+    head_dim: int = 0
+    """Width of one attention head; 0 means hidden_size // num_heads. A model pruned by
+    `tokenserve prune` keeps its head width with fewer heads, so num_heads * head_dim can be
+    less than hidden_size."""
     weight_format: Literal["float", "int8"] = "float"
     """`float`: weights in the compute dtype. `int8`: the linear layers and the token
     embedding (and with it a tied LM head) hold int8 weights with one float32 scale per
@@ -57,8 +61,12 @@ class TransformerConfig:
         for name in ("vocab_size", "max_seq_len", "hidden_size", "num_layers",
                      "num_heads", "num_kv_heads", "intermediate_size"):
             _check(getattr(self, name) > 0, f"{name} must be positive, got {getattr(self, name)}")
-        _check(self.hidden_size % self.num_heads == 0,
-               f"hidden_size {self.hidden_size} is not divisible by num_heads {self.num_heads}")
+        _check(self.head_dim >= 0, f"head_dim must not be negative, got {self.head_dim}")
+        if self.head_dim == 0:
+            _check(self.hidden_size % self.num_heads == 0,
+                   f"hidden_size {self.hidden_size} is not divisible by num_heads "
+                   f"{self.num_heads}")
+            object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
         _check(self.num_heads % self.num_kv_heads == 0,
                f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
         _check(self.norm in ("layernorm", "rmsnorm"), f"unknown norm {self.norm!r}")
@@ -67,10 +75,6 @@ class TransformerConfig:
         _check(self.weight_format in ("float", "int8"),
                f"unknown weight_format {self.weight_format!r}; use float or int8")
         _check(self.position != "rope" or self.head_dim % 2 == 0, "rope needs an even head_dim")
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
 
 
 @dataclass(frozen=True)

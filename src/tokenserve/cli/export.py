@@ -27,10 +27,26 @@ def add_parser(commands) -> None:
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                    help="compute dtype of an imported checkpoint (bf16 and fp16 files are "
                         "accepted either way)")
-    p.add_argument("--quantize", choices=["none", "int8"], default="none",
-                   help="int8: linear layers and the token embedding / LM head as int8 with "
-                        "a float32 scale per output channel (about 1 byte per weight); check "
-                        "the cost with `tokenserve eval BASE --reference FLOAT_BASE`")
+    p.add_argument("--format", choices=["savedmodel", "tflite"], default="savedmodel",
+                   help="savedmodel (default), or tflite: BASE/<version>/model.tflite with "
+                        "prefill/decode/score signatures, run by LiteRT (`tokenserve generate "
+                        "--model BASE`) and served by --prefer_tflite_model")
+    p.add_argument("--quantize", choices=["none", "int8", "float16", "dynamic-int8"],
+                   default="none",
+                   help="int8: SavedModel: linear layers and the token embedding / LM head as "
+                        "int8 with a float32 scale per output channel; tflite: int8 weights "
+                        "and activations, calibrated (see --calibration). float16 and "
+                        "dynamic-int8 (int8 weights, activations quantized per call): tflite "
+                        "only. Check the cost with `tokenserve eval BASE --reference FLOAT`")
+    p.add_argument("--calibration", metavar="FILE", default=None,
+                   help="tflite int8: UTF-8 text to calibrate activation ranges on (default: "
+                        "the built-in model's training split)")
+    p.add_argument("--allow_flex", "--allow-flex", dest="allow_flex", action="store_true",
+                   help="tflite: keep ops outside the TFLite builtins as Select TF ops "
+                        "instead of refusing the model")
+    p.add_argument("--tflite-state", choices=["io", "variable"], default="io",
+                   help="tflite: the KV cache as explicit signature input/output (default) "
+                        "or a TFLite resource variable")
     p.add_argument("--output", required=True, help="model base path; versions go beneath it")
     p.add_argument("--version", type=int, default=None, help="version number (default: next)")
     p.add_argument("--no-xla", dest="xla", action="store_false",
@@ -63,6 +79,12 @@ def run(args: argparse.Namespace) -> int:
     else:
         model, tokenizer, config = load_source(args.source, seed=args.seed,
                                                context=args.context, compute_dtype=args.dtype)
+    if args.format == "tflite":
+        return _export_tflite(args, model, tokenizer, config, started)
+    if args.quantize in ("float16", "dynamic-int8"):
+        from tokenserve.errors import ConfigError
+
+        raise ConfigError(f"--quantize {args.quantize} needs --format tflite")
     if args.quantize == "int8":
         import dataclasses
 
@@ -76,4 +98,22 @@ def run(args: argparse.Namespace) -> int:
           f"{sum(w.numpy().size for w in model.weights):,} parameters, "
           f"weights={getattr(config.model, 'weight_format', 'float')}, "
           f"xla={'on' if args.xla else 'off'}) to {path} in {time.perf_counter() - started:.1f}s")
+    return 0
+
+
+def _export_tflite(args, model, tokenizer, config, started) -> int:
+    import os
+    import sys
+    import time
+
+    from tokenserve.edge.convert import TFLITE_FILE, TFLiteOptions, export_tflite
+
+    options = TFLiteOptions(quantize=args.quantize, state_mode=args.tflite_state,
+                            allow_flex=args.allow_flex, calibration=args.calibration)
+    path = export_tflite(model, tokenizer, config, args.output, options, version=args.version,
+                         progress=sys.stderr.isatty())
+    size = os.path.getsize(path / TFLITE_FILE)
+    print(f"exported {config.name} ({config.model.family}, tflite, quantize={args.quantize}, "
+          f"state={options.state_mode}, {size / 2**20:.1f} MiB) to {path / TFLITE_FILE} in "
+          f"{time.perf_counter() - started:.1f}s")
     return 0

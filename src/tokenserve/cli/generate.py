@@ -13,7 +13,8 @@ def add_parser(commands) -> None:
                                         "built-in model (exported once into ~/.cache).")
     p.add_argument("prompt", help="text to continue")
     p.add_argument("--model", default=None,
-                   help="SavedModel version dir or base path (newest version), builtin, "
+                   help="SavedModel version dir or base path (newest version), a .tflite "
+                        "export (file, version dir or base path; runs through LiteRT), builtin, "
                         "builtin-lstm or smollm2 (exported once into ~/.cache); default: "
                         "built-in")
     p.add_argument("--max-tokens", type=int, default=128)
@@ -28,6 +29,7 @@ def add_parser(commands) -> None:
 def run(args: argparse.Namespace) -> int:
     import time
 
+    from tokenserve.edge.runner import is_tflite_path
     from tokenserve.evaluate import resolve_model_path
     from tokenserve.export.loader import ExportedModel
     from tokenserve.model.checkpoint import builtin_export
@@ -35,7 +37,13 @@ def run(args: argparse.Namespace) -> int:
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             top_k=args.top_k, top_p=args.top_p, seed=args.seed)
-    model = ExportedModel(resolve_model_path(args.model) if args.model else builtin_export())
+    path = resolve_model_path(args.model) if args.model else builtin_export()
+    if is_tflite_path(path):  # through LiteRT, as a phone runs it
+        from tokenserve.edge.runner import LiteRTModel
+
+        model = LiteRTModel(path)
+    else:
+        model = ExportedModel(path)
     prompt_ids = model.tokenizer.encode(args.prompt)
     model.check_fits(len(prompt_ids), params.max_tokens)
     sys.stdout.write(args.prompt)

@@ -48,12 +48,12 @@ def _persistent_xla_cache() -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from tokenserve.cli import bench, eval, export, generate, serve, train
+    from tokenserve.cli import bench, eval, export, generate, optimize, prune, serve, train
 
     parser = argparse.ArgumentParser(prog="tokenserve",
                                      description="Token generation serving on TensorFlow.")
     commands = parser.add_subparsers(dest="command", required=True)
-    for module in (generate, export, train, serve, bench, eval):
+    for module in (generate, export, train, serve, bench, eval, prune, optimize):
         module.add_parser(commands)
     return parser
 

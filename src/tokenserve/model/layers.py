@@ -257,7 +257,8 @@ class Block(keras.layers.Layer):
     def build(self, input_shape):
         self.attn_norm.build(input_shape)
         self.attn.qkv.build(input_shape)
-        self.attn.out.build(input_shape)
+        c = self.attn.config  # heads may be pruned: the attention width can be below hidden
+        self.attn.out.build((*input_shape[:-1], c.num_heads * c.head_dim))
         self.mlp_norm.build(input_shape)
         self.mlp.up.build(input_shape)
         self.mlp.down.build((None, None, self.mlp.up.units // (2 if self.mlp.kind == "swiglu" else 1)))

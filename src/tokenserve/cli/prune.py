@@ -1,0 +1,111 @@
+"""`tokenserve prune SOURCE --output BASE --heads 0.25 [--mlp 0.2] [--finetune-steps N]`."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_parser(commands) -> None:
+    p = commands.add_parser(
+        "prune", help="remove attention heads and MLP channels; export a smaller SavedModel",
+        description="Scores attention heads (by KV group) and MLP channels on calibration "
+                    "windows, removes the least important from every layer so the matrices "
+                    "shrink, optionally fine-tunes briefly, and exports a versioned SavedModel "
+                    "the engine serves. SOURCE is an exported model (version dir or base "
+                    "path) or anything `tokenserve export` takes (default: builtin).")
+    p.add_argument("source", nargs="?", default=None, help="what to prune (default: builtin)")
+    p.add_argument("--output", required=True, help="model base path; versions go beneath it")
+    p.add_argument("--heads", type=float, default=0.25,
+                   help="fraction of KV heads (with their query heads) removed per layer "
+                        "(default 0.25)")
+    p.add_argument("--mlp", type=float, default=0.0,
+                   help="fraction of MLP channels removed per layer (default 0)")
+    p.add_argument("--finetune-steps", type=int, default=0, metavar="N",
+                   help="AdamW steps on the training data after pruning (default 0: none)")
+    p.add_argument("--learning-rate", type=float, default=3e-4)
+    p.add_argument("--data", metavar="FILE", action="append", default=None,
+                   help="UTF-8 text for scoring and fine-tuning (default: the built-in "
+                        "models' training split of the standard library; repeatable)")
+    p.add_argument("--calibration-windows", type=int, default=16, metavar="N",
+                   help="windows scored per head group (default 16)")
+    p.add_argument("--window", type=int, default=128, metavar="T",
+                   help="tokens per calibration window (default 128)")
+    p.add_argument("--version", type=int, default=None, help="version number (default: next)")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(run=run)
+
+
+def load_float_source(source):
+    """(model, tokenizer, generation config) of an export dir or an export SOURCE, float32."""
+    from pathlib import Path
+
+    from tokenserve.model.checkpoint import load_source
+
+    if source and Path(source).is_dir() and any(Path(source).glob("**/saved_model.pb")):
+        from tokenserve.export.loader import load_language_model
+
+        model, tokenizer, config, _ = load_language_model(source, precision="float32")
+        return model, tokenizer, config
+    return load_source(source)
+
+
+def training_streams(tokenizer, data_files=None):
+    """(train stream, held-out stream) of token ids: the files in `data_files` (split 90/10),
+    or the built-in models' stdlib training and held-out splits."""
+    from tokenserve.evaluate import heldout_fraction, read_texts
+    from tokenserve.train.corpus import Corpus, token_stream
+
+    if data_files:
+        stream = token_stream(read_texts(data_files), tokenizer)
+        cut = int(len(stream) * 0.9)
+        return stream[:cut], stream[cut:]
+    corpus = Corpus.from_stdlib(heldout_fraction())
+    return (token_stream(corpus.train_texts, tokenizer),
+            token_stream(corpus.holdout_texts, tokenizer))
+
+
+def calibration_windows(stream, count: int, length: int, seed: int = 0):
+    import numpy as np
+
+    length = min(length, len(stream) - 2)
+    starts = np.random.default_rng(seed).integers(0, len(stream) - length - 1, count)
+    return np.stack([stream[s:s + length + 1] for s in starts]).astype(np.int32)
+
+
+def run(args: argparse.Namespace) -> int:
+    import dataclasses
+    import json
+    import sys
+    import tempfile
+    import time
+
+    from tokenserve.errors import ConfigError
+    from tokenserve.export.exporter import export_model
+    from tokenserve.model.prune import PruneConfig, finetune, prune_model
+
+    started = time.perf_counter()
+    if args.finetune_steps < 0:
+        raise ConfigError(f"--finetune-steps must not be negative, got {args.finetune_steps}")
+    prune_config = PruneConfig(heads=args.heads, mlp=args.mlp)
+    model, tokenizer, config = load_float_source(args.source)
+    train, holdout = training_streams(tokenizer, args.data)
+    windows = calibration_windows(train, args.calibration_windows,
+                                  min(args.window, config.max_seq_len), args.seed)
+    pruned, report = prune_model(model, windows, prune_config, progress=sys.stderr.isatty())
+    if args.finetune_steps:
+        with tempfile.TemporaryDirectory(prefix="tokenserve-prune-") as workdir:
+            finetune(pruned, train, holdout, args.finetune_steps, workdir,
+                     learning_rate=args.learning_rate, seed=args.seed)
+    config = dataclasses.replace(config, model=pruned.config)
+    path = export_model(pruned, tokenizer, config, args.output, version=args.version)
+    (path / "assets.extra").mkdir(exist_ok=True)
+    (path / "assets.extra" / "prune_report.json").write_text(
+        json.dumps(dict(report.to_dict(), heads=args.heads, mlp=args.mlp,
+                        finetune_steps=args.finetune_steps), indent=2) + "\n")
+    c = pruned.config
+    print(f"pruned {config.name}: {c.num_heads} query / {c.num_kv_heads} KV heads of "
+          f"{model.config.num_heads} / {model.config.num_kv_heads}, MLP "
+          f"{c.intermediate_size} of {model.config.intermediate_size}; "
+          f"{report.parameters_after:,} of {report.parameters_before:,} parameters; "
+          f"exported to {path} in {time.perf_counter() - started:.1f}s")
+    return 0

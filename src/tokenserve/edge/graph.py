@@ -1,0 +1,301 @@
+"""Batch-1 forward passes of tokenserve's model families, written for the TFLite converter.
+
+The engine's graphs (model/layers.py) are shaped for batches and XLA: 5-D einsums, scatter
+updates into the cache. The TFLite builtins want 2-D matmuls (FULLY_CONNECTED, which every
+quantization mode handles), 3-D batch matmuls and DYNAMIC_UPDATE_SLICE for the cache. So the
+same arithmetic is written again here, batch 1, from the model's weights; norms and the MLP
+reuse the layers' functional helpers. `tests/test_tflite_export.py` holds both to the same
+greedy tokens.
+
+Signatures (batch 1; T is dynamic, the cache length S static):
+  prefill  token_ids int32 [1, T], positions int32 [1] (, state) -> logits [1, V] (, state)
+  decode   token_ids int32 [1, 1], positions int32 [1] (, state) -> logits [1, V] (, state)
+  score    token_ids int32 [1, T] -> logits [1, T, V]       (a causal full pass, for eval)
+
+A Transformer's state is the KV cache float32 [num_layers, 2, Hkv, S, Dh] (head-major, so
+attention reads it without a transpose), passed as an explicit input and output
+(`state_mode="io"`) or held in a TFLite resource variable (`state_mode="variable"`). An LSTM's
+state is (h, c) float32 [num_layers, 2, 1, hidden], always explicit (1 KiB per layer).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import tensorflow as tf
+from tensorflow.compiler.tf2xla.ops import gen_xla_ops  # DYNAMIC_UPDATE_SLICE in TFLite
+
+from tokenserve.config import LSTMConfig, TransformerConfig
+from tokenserve.model.layers import mlp, norm
+
+# exp(-1e4) is exactly 0 in float32, so masked keys drop out as with float32.min, while the
+# score tensor's range stays small enough for int8 calibration to keep some resolution.
+MASK_BIAS = -1e4
+STATE_MODES = ("io", "variable")
+
+
+def _float(value) -> np.ndarray:
+    return np.asarray(value.numpy() if hasattr(value, "numpy") else value, np.float32)
+
+
+def dense_weights(layer) -> dict:
+    """A Dense layer's weights as float32 numpy {kernel [in, out], bias?}; int8 dequantized."""
+    found = layer.weights_dict()
+    if "q" in found:
+        kernel = (_float(found["q"]) * _float(found["scale"])).T
+    else:
+        kernel = _float(found["kernel"])
+    out = {"kernel": kernel}
+    if "bias" in found:
+        out["bias"] = _float(found["bias"])
+    return out
+
+
+def token_embedding(model) -> np.ndarray:
+    """[vocab, D] float32, dequantized when the model holds int8 weights."""
+    if getattr(model.config, "weight_format", "float") == "int8":
+        return _float(model.token_embedding_q) * _float(model.token_embedding_scale)
+    return _float(model.token_embedding)
+
+
+class _Weights(tf.Module):
+    """Float32 tf.Variables by name; the converter freezes them into constants."""
+
+    def __init__(self, arrays: dict):
+        super().__init__(name="weights")
+        self.table = {name: tf.Variable(value, trainable=False, name=name.replace("/", "_"))
+                      for name, value in arrays.items()}
+
+    def get(self, prefix: str) -> dict:
+        start = prefix + "/"
+        return {k[len(start):]: v for k, v in self.table.items() if k.startswith(start)}
+
+
+class EdgeTransformer(tf.Module):
+    """A TransformerLM as TFLite-convertible tf.functions (see the module docstring)."""
+
+    def __init__(self, model, cache_len: int | None = None, state_mode: str = "io"):
+        super().__init__(name="edge_transformer")
+        if state_mode not in STATE_MODES:
+            raise ValueError(f"state_mode must be one of {STATE_MODES}, got {state_mode!r}")
+        c: TransformerConfig = model.config
+        self.config, self.state_mode = c, state_mode
+        self.cache_len = min(cache_len or c.max_seq_len, c.max_seq_len)
+        arrays = {"embedding": token_embedding(model)}
+        if c.position == "learned":
+            arrays["position"] = _float(model.position_embedding)
+        for i, block in enumerate(model.blocks):
+            for role, layer in (("attn_norm", block.attn_norm), ("mlp_norm", block.mlp_norm)):
+                for key, value in layer.weights_dict().items():
+                    arrays[f"{i}/{role}/{key}"] = _float(value)
+            for role, layer in (("qkv", block.attn.qkv), ("out", block.attn.out),
+                                ("up", block.mlp.up), ("down", block.mlp.down)):
+                for key, value in dense_weights(layer).items():
+                    arrays[f"{i}/{role}/{key}"] = value
+        for key, value in model.final_norm.weights_dict().items():
+            arrays[f"final_norm/{key}"] = _float(value)
+        if model.head is not None:
+            for key, value in dense_weights(model.head).items():
+                arrays[f"head/{key}"] = value
+        self.weights = _Weights(arrays)
+        if c.position == "rope":  # cos/sin tables [max_len, Dh], gathered by position
+            inv_freq = 1.0 / (c.rope_theta ** (np.arange(0, c.head_dim, 2) / c.head_dim))
+            angles = np.arange(c.max_seq_len)[:, None] * inv_freq[None, :]
+            angles = np.concatenate([angles, angles], axis=-1)
+            self._cos = tf.constant(np.cos(angles), tf.float32)
+            self._sin = tf.constant(np.sin(angles), tf.float32)
+        if state_mode == "variable":
+            self.cache = tf.Variable(tf.zeros(self.state_shape()), trainable=False, name="kv_cache")
+
+    def state_shape(self) -> list:
+        c = self.config
+        return [c.num_layers, 2, c.num_kv_heads, self.cache_len, c.head_dim]
+
+    # -- the forward pass ------------------------------------------------------------------
+    def _rope(self, x, positions):
+        # x: [T, H, Dh]; positions: [T]
+        cos = tf.gather(self._cos, positions)[:, None, :]
+        sin = tf.gather(self._sin, positions)[:, None, :]
+        x1, x2 = tf.split(x, 2, axis=-1)
+        return x * cos + tf.concat([-x2, x1], axis=-1) * sin
+
+    def _attention(self, layer: int, x, positions, start, cache):
+        """x [T, D] -> ([T, D], cache). With `cache` None, attends causally within x."""
+        c = self.config
+        heads, kv_heads, dim = c.num_heads, c.num_kv_heads, c.head_dim
+        groups = heads // kv_heads
+        length = tf.shape(x)[0]
+        qkv = tf.matmul(x, self.weights.table[f"{layer}/qkv/kernel"])
+        if f"{layer}/qkv/bias" in self.weights.table:
+            qkv += self.weights.table[f"{layer}/qkv/bias"]
+        q, k, v = tf.split(qkv, [heads * dim, kv_heads * dim, kv_heads * dim], axis=-1)
+        q = tf.reshape(q, [length, heads, dim])
+        k = tf.reshape(k, [length, kv_heads, dim])
+        v = tf.reshape(v, [length, kv_heads, dim])
+        if c.position == "rope":
+            q, k = self._rope(q, positions), self._rope(k, positions)
+        k = tf.transpose(k, [1, 0, 2])  # [Hkv, T, Dh]
+        v = tf.transpose(v, [1, 0, 2])
+        if cache is None:
+            keys, values = k, v
+            key_positions = positions
+        else:
+            # cache: [L, 2, Hkv, S, Dh]; this chunk's rows go to [layer, :, :, start:start+T]
+            update = tf.stack([k, v])[None]  # [1, 2, Hkv, T, Dh]
+            zero = tf.constant(0, tf.int32)
+            cache = gen_xla_ops.xla_dynamic_update_slice(
+                cache, update, tf.stack([layer, zero, zero, start, zero]))
+            keys, values = cache[layer, 0], cache[layer, 1]  # [Hkv, S, Dh]
+            key_positions = tf.range(self.cache_len)
+        # q: [T, Hkv, G, Dh] -> [Hkv, G*T, Dh]; head h = kv * G + g, as in layers.attend
+        q = tf.reshape(tf.transpose(tf.reshape(q, [length, kv_heads, groups, dim]), [1, 2, 0, 3]),
+                       [kv_heads, groups * length, dim])
+        scores = tf.matmul(q, keys, transpose_b=True) * (1.0 / math.sqrt(dim))
+        scores = tf.reshape(scores, [kv_heads, groups, length, -1])  # [Hkv, G, T, S]
+        visible = key_positions[None, :] <= positions[:, None]  # [T, S]
+        scores += tf.where(visible, 0.0, MASK_BIAS)
+        probs = tf.reshape(tf.nn.softmax(scores, axis=-1), [kv_heads, groups * length, -1])
+        out = tf.reshape(tf.matmul(probs, values), [kv_heads, groups, length, dim])
+        out = tf.reshape(tf.transpose(out, [2, 0, 1, 3]), [length, heads * dim])
+        out = tf.matmul(out, self.weights.table[f"{layer}/out/kernel"])
+        if f"{layer}/out/bias" in self.weights.table:
+            out += self.weights.table[f"{layer}/out/bias"]
+        return out, cache
+
+    def _hidden(self, token_ids, start, cache):
+        """token_ids [1, T] from position `start` -> (hidden [T, D], cache)."""
+        c = self.config
+        ids = token_ids[0]
+        positions = start + tf.range(tf.shape(ids)[0])
+        x = tf.gather(self.weights.table["embedding"], ids)
+        if c.position == "learned":
+            x += tf.gather(self.weights.table["position"], positions)
+        for layer in range(c.num_layers):
+            h, cache = self._attention(layer, norm(x, self.weights.get(f"{layer}/attn_norm"),
+                                                   c.norm, c.norm_eps), positions, start, cache)
+            x += h
+            x += mlp(norm(x, self.weights.get(f"{layer}/mlp_norm"), c.norm, c.norm_eps),
+                     self.weights.get(f"{layer}/up"), self.weights.get(f"{layer}/down"), c.mlp)
+        return norm(x, self.weights.get("final_norm"), c.norm, c.norm_eps), cache
+
+    def _logits(self, hidden):
+        # hidden: [N, D] -> [N, V]; a tied head is FULLY_CONNECTED on the [V, D] embedding
+        if "head/kernel" in self.weights.table:
+            logits = tf.matmul(hidden, self.weights.table["head/kernel"])
+            return logits + self.weights.table["head/bias"] if "head/bias" in self.weights.table \
+                else logits
+        return tf.matmul(hidden, self.weights.table["embedding"], transpose_b=True)
+
+    def _step(self, token_ids, positions, state):
+        hidden, state = self._hidden(token_ids, positions[0], state)
+        return self._logits(hidden[-1:]), state
+
+    # -- signatures --------------------------------------------------------------------------
+    def signatures(self) -> dict:
+        ids = tf.TensorSpec([1, None], tf.int32, name="token_ids")
+        one = tf.TensorSpec([1, 1], tf.int32, name="token_ids")
+        pos = tf.TensorSpec([1], tf.int32, name="positions")
+        state = tf.TensorSpec(self.state_shape(), tf.float32, name="state")
+        if self.state_mode == "io":
+            def run(token_ids, positions, state):
+                logits, state = self._step(token_ids, positions, state)
+                return {"logits": logits, "state": state}
+            prefill = tf.function(run, input_signature=[ids, pos, state])
+            decode = tf.function(run, input_signature=[one, pos, state])
+        else:
+            def run(token_ids, positions):
+                logits, new_state = self._step(token_ids, positions, self.cache.read_value())
+                self.cache.assign(new_state)
+                return {"logits": logits}
+            prefill = tf.function(run, input_signature=[ids, pos])
+            decode = tf.function(run, input_signature=[one, pos])
+
+        def score(token_ids):
+            hidden, _ = self._hidden(token_ids, tf.constant(0, tf.int32), None)
+            # An identity gather, as decode's row slice: without it the converter folds the
+            # final norm's scale into the LM head, a second copy of the [V, D] embedding.
+            rows = tf.gather(hidden, tf.range(tf.shape(hidden)[0]))
+            return {"logits": self._logits(rows)[None]}
+
+        return {"prefill": prefill.get_concrete_function(),
+                "decode": decode.get_concrete_function(),
+                "score": tf.function(score, input_signature=[ids]).get_concrete_function()}
+
+
+class EdgeLSTM(tf.Module):
+    """An LSTMLM as TFLite-convertible tf.functions; its (h, c) state is explicit IO."""
+
+    def __init__(self, model, cache_len: int | None = None, state_mode: str = "io"):
+        super().__init__(name="edge_lstm")
+        c: LSTMConfig = model.config
+        self.config, self.state_mode, self.cache_len = c, "io", c.max_seq_len
+        arrays = {"embedding": _float(model.token_embedding), "head/bias": _float(model.head_bias)}
+        for i in range(c.num_layers):
+            arrays[f"{i}/kernel"] = _float(model.kernels[i])
+            arrays[f"{i}/bias"] = _float(model.biases[i])
+        if not c.tie_embeddings:
+            arrays["head/kernel"] = _float(model.head_kernel)
+        self.weights = _Weights(arrays)
+
+    def state_shape(self) -> list:
+        return [self.config.num_layers, 2, 1, self.config.hidden_size]
+
+    def _run(self, token_ids, state):
+        """token_ids [1, T], state [L, 2, 1, H] -> (state, outputs [T, H])."""
+        c, table = self.config, self.weights.table
+        x = tf.gather(table["embedding"], token_ids[0])  # [T, H]
+        length = tf.shape(x)[0]
+
+        def body(t, state, outputs):
+            x_t = x[t][None]  # [1, H]
+            layers = []
+            for layer in range(c.num_layers):
+                h, cell = state[layer, 0], state[layer, 1]
+                gates = tf.matmul(tf.concat([x_t, h], -1), table[f"{layer}/kernel"])
+                i, f, g, o = tf.split(gates + table[f"{layer}/bias"], 4, axis=-1)
+                cell = tf.sigmoid(f) * cell + tf.sigmoid(i) * tf.tanh(g)
+                x_t = tf.sigmoid(o) * tf.tanh(cell)
+                layers.append(tf.stack([x_t, cell]))
+            outputs = gen_xla_ops.xla_dynamic_update_slice(
+                outputs, x_t, tf.stack([t, tf.constant(0, tf.int32)]))
+            return t + 1, tf.stack(layers), outputs
+
+        outputs = tf.zeros([length, c.hidden_size])
+        _, state, outputs = tf.while_loop(lambda t, *_: t < length, body,
+                                          (tf.constant(0, tf.int32), state, outputs))
+        return state, outputs
+
+    def _logits(self, hidden):
+        table = self.weights.table
+        if "head/kernel" in table:
+            logits = tf.matmul(hidden, table["head/kernel"])
+        else:
+            logits = tf.matmul(hidden, table["embedding"], transpose_b=True)
+        return logits + table["head/bias"]
+
+    def signatures(self) -> dict:
+        ids = tf.TensorSpec([1, None], tf.int32, name="token_ids")
+        one = tf.TensorSpec([1, 1], tf.int32, name="token_ids")
+        state_spec = tf.TensorSpec(self.state_shape(), tf.float32, name="state")
+
+        def run(token_ids, state):
+            state, outputs = self._run(token_ids, state)
+            return {"logits": self._logits(outputs[-1:]), "state": state}
+
+        def score(token_ids):
+            _, outputs = self._run(token_ids, tf.zeros(self.state_shape()))
+            return {"logits": self._logits(outputs)[None]}
+
+        return {"prefill": tf.function(run, input_signature=[ids, state_spec])
+                .get_concrete_function(),
+                "decode": tf.function(run, input_signature=[one, state_spec])
+                .get_concrete_function(),
+                "score": tf.function(score, input_signature=[ids]).get_concrete_function()}
+
+
+def edge_module(model, cache_len: int | None = None, state_mode: str = "io"):
+    """The TFLite-convertible module of `model` (a TransformerLM or an LSTMLM)."""
+    if isinstance(model.config, TransformerConfig):
+        return EdgeTransformer(model, cache_len, state_mode)
+    return EdgeLSTM(model, cache_len, state_mode)

@@ -1,0 +1,46 @@
+"""`tokenserve optimize`: the perplexity gate and its report."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from tokenserve.optimize_variants import GATE_PERCENT, VariantResult, rejected, write_report
+
+
+def test_gate_rejects_over_five_percent_and_nan():
+    assert GATE_PERCENT == 5.0
+    assert not rejected(-3.0) and not rejected(0.0) and not rejected(5.0)
+    assert rejected(5.01) and rejected(80.0) and rejected(math.nan)
+
+
+def _result(name, delta, fmt="savedmodel"):
+    return VariantResult(name=name, format=fmt, path=f"models/{name}", size_bytes=1 << 20,
+                         perplexity=10 * (1 + delta / 100), delta_percent=delta,
+                         greedy_agreement=0.9, decode_tok_s=100.0, ttft_ms=5.0,
+                         rejected=rejected(delta))
+
+
+def test_report_shows_rejected_variants(tmp_path):
+    results = [_result("fp32", 0.0), _result("tflite-int8", 12.5, "tflite"),
+               _result("pruned-heads25-ft", 3.0)]
+    write_report(results, tmp_path, "test", {"source": "tiny"})
+    table = (tmp_path / "optimize.md").read_text()
+    assert "| tflite-int8 |" in table and "**rejected**" in table
+    assert table.count("accepted") == 2
+    record = json.loads((tmp_path / "optimize.json").read_text())
+    assert [v["rejected"] for v in record["variants"]] == [False, True, False]
+    assert (tmp_path / "optimize.png").stat().st_size > 0
+
+
+@pytest.mark.slow
+def test_optimize_runs_on_a_tiny_model(tmp_path):
+    from tokenserve.cli.main import main
+
+    assert main(["optimize", "tiny-gpt2", "--output", str(tmp_path), "--eval-tokens", "256",
+                 "--max-tokens", "8", "--finetune-steps", "2", "--no-engine",
+                 "--variants", "fp32,tflite-dynamic-int8,pruned-heads25"]) == 0
+    names = [v["name"] for v in json.loads((tmp_path / "optimize.json").read_text())["variants"]]
+    assert names == ["fp32", "tflite-dynamic-int8", "pruned-heads25"]
