@@ -47,12 +47,12 @@ HTTP_ROWS = [
      "lists."),
     ("unknown-harmless-field-ignored", C, body(my_field=1, user="u", store=False), None, 200,
      ""),
-    ("unsupported-tools", CHAT, {"model": MODEL, "messages": HI,
-                                 "tools": [{"type": "function"}]}, None, 400,
-     "'tools' is not supported"),
-    ("unsupported-response-format", CHAT, {"model": MODEL, "messages": HI,
-                                           "response_format": {"type": "json_object"}},
-     None, 400, "'response_format' is not supported"),
+    ("tool-without-function", CHAT, {"model": MODEL, "messages": HI,
+                                     "tools": [{"type": "function"}]}, None, 400,
+     "tools.0.function: Field required"),
+    ("response-format-bad-schema", CHAT, {"model": MODEL, "messages": HI, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}},
+     None, 400, "invalid JSON schema: Invalid type: nope"),
     ("unsupported-logit-bias", C, body(logit_bias={"1": 5}), None, 400,
      "'logit_bias' is not supported"),
     ("unsupported-suffix", C, body(suffix="end"), None, 400, "'suffix' is not supported"),
@@ -62,8 +62,8 @@ HTTP_ROWS = [
     ("image-content-part", CHAT, {"model": MODEL, "messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "http://x"}}]}]}, None, 400,
      "messages.0.content.0: content of type 'image_url' is not supported"),
-    ("tool-role-message", CHAT, {"model": MODEL, "messages": [
-        {"role": "tool", "content": "x"}]}, None, 400, "role 'tool' is not supported"),
+    ("function-role-message", CHAT, {"model": MODEL, "messages": [
+        {"role": "function", "content": "x"}]}, None, 400, "role 'function' is not supported"),
     ("unknown-model", C, body(model="nope"), None, 404, "The model 'nope' does not exist."),
     ("unknown-version", C, body(model="tiny:7"), None, 404, "has version 1 only"),
     ("unknown-label", C, body(model="tiny@canary"), None, 404, "has no label 'canary'"),

@@ -6,6 +6,7 @@ with each request's own parameters and random stream.
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 
 import numpy as np
@@ -17,6 +18,37 @@ MAX_N = 16
 """Most completions one request may ask for; more is an abusive request, not a workload."""
 MAX_LOGPROBS = 20
 """Most top alternatives per token, as in the OpenAI API."""
+
+
+class GuideKind(enum.Enum):
+    """What a structured-output constraint is written in."""
+
+    JSON_SCHEMA = "json_schema"
+    """A JSON schema (as JSON text); `{"type": "object"}` is OpenAI's json_object mode."""
+    REGEX = "regex"
+    CHOICE = "choice"
+    """One of a list of strings, exactly."""
+    GRAMMAR = "grammar"
+    """A Lark grammar (llguidance's dialect) or a GBNF grammar (llama.cpp's, with `::=`)."""
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """A constraint on the generated text; the engine masks tokens that would break it.
+
+    Example:
+        >>> StructuredOutput(GuideKind.REGEX, r"\\d{3}-\\d{4}")
+    """
+
+    kind: GuideKind
+    spec: str | tuple[str, ...]
+    """The schema (JSON text), regex or grammar; for CHOICE, the strings."""
+
+    def __post_init__(self) -> None:
+        if self.kind is GuideKind.CHOICE:
+            object.__setattr__(self, "spec", tuple(self.spec))
+        elif not isinstance(self.spec, str):
+            raise InvalidRequestError(f"a {self.kind.value} constraint must be a string")
 
 
 @dataclass(frozen=True)
@@ -52,6 +84,9 @@ class SamplingParams:
     """Completions to generate for the prompt, each with its own random stream."""
     logprobs: int | None = None
     """Return the chosen token's logprob and this many top alternatives; None returns none."""
+    structured: StructuredOutput | None = None
+    """Constrains the output (JSON schema, regex, choice, grammar); None leaves it free.
+    A constrained sequence ends with STOP as soon as its constraint is complete."""
 
     def __post_init__(self) -> None:
         # Accept lists from JSON callers; the dataclass stays hashable and immutable.

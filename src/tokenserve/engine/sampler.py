@@ -19,8 +19,10 @@ class SequenceSampler:
     """Sampling state of one sequence: its random stream and its token counts."""
 
     def __init__(self, params: SamplingParams, index: int, vocab_size: int,
-                 prompt_ids: list[int]):
+                 prompt_ids: list[int], guide=None):
         self.params = params
+        self.guide = guide
+        """The sequence's structured-output constraint (engine.guided.Guide), or None."""
         self.rng = np.random.default_rng(None if params.seed is None else params.seed + index)
         self.counts = None
         if params.needs_penalties:
@@ -36,6 +38,13 @@ class SequenceSampler:
         if self.counts is not None:
             self.counts[token_id] += 1
             self.seen[token_id] = True
+        if self.guide is not None:
+            self.guide.consume(token_id)
+
+    @property
+    def is_guide_done(self) -> bool:
+        """The constraint is complete: the sequence must end here."""
+        return self.guide is not None and self.guide.is_done
 
     def sample(self, logits: np.ndarray) -> int:
         """logits: float [vocab] -> the chosen token id."""
@@ -102,6 +111,15 @@ def sample_batch(logits: np.ndarray, samplers: list[SequenceSampler]) -> list[in
         if not sampler.is_greedy:
             tokens[i] = sampler.sample(logits[i])
     return tokens
+
+
+def apply_token_masks(logits: np.ndarray, masks: np.ndarray) -> np.ndarray:
+    """logits float [S, vocab], masks int32 [S, ceil(vocab / 32)] (bit t of a row: token t
+    allowed) -> the logits with every token not allowed at -inf (a copy)."""
+    allowed = np.unpackbits(masks.view(np.uint8), axis=1, bitorder="little")
+    # allowed: uint8 [S, 32 * words] -> [S, vocab]
+    return np.where(allowed[:, :logits.shape[1]].astype(bool), logits, -np.inf).astype(
+        logits.dtype, copy=False)
 
 
 def token_logprob(logits: np.ndarray, token_id: int, num_top: int) -> TokenLogprob:

@@ -22,8 +22,9 @@ from contextlib import ExitStack
 import grpc
 from google.protobuf.message import DecodeError
 
+from tokenserve.engine.guided import check_structured
 from tokenserve.errors import TokenserveError
-from tokenserve.sampling import SamplingParams
+from tokenserve.sampling import GuideKind, SamplingParams, StructuredOutput
 from tokenserve.server.auth import APIKeys
 from tokenserve.server.openai.formatting import MIN_LOGPROB, token_text
 from tokenserve.server.openai.models import ModelResolver
@@ -41,18 +42,39 @@ _OPTIONAL = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "pr
              "frequency_penalty", "seed", "n", "logprobs")
 
 
+_GUIDED_KINDS = {"guided_json": GuideKind.JSON_SCHEMA, "guided_regex": GuideKind.REGEX,
+                 "guided_choice": GuideKind.CHOICE, "guided_grammar": GuideKind.GRAMMAR}
+
+
+def structured_output(options: pb.SamplingOptions) -> StructuredOutput | None:
+    """The `guided` oneof as a checked StructuredOutput (None when unset).
+
+    Raises:
+        InvalidRequestError: the constraint is invalid (naming the field and the problem).
+    """
+    name = options.WhichOneof("guided")
+    if name is None:
+        return None
+    value = getattr(options, name)
+    spec = tuple(value.choices) if name == "guided_choice" else value
+    structured = StructuredOutput(_GUIDED_KINDS[name], spec)
+    check_structured(structured, name)
+    return structured
+
+
 def sampling_params(options: pb.SamplingOptions, max_tokens: int) -> SamplingParams:
     """SamplingOptions (unset fields: SamplingParams defaults) to SamplingParams.
 
     Raises:
-        InvalidRequestError: a value out of range.
+        InvalidRequestError: a value out of range, or an invalid output constraint.
     """
     values = {name: getattr(options, name) for name in _OPTIONAL if options.HasField(name)}
     if "seed" in values:
         values["seed"] = engine_seed(values["seed"])
     return SamplingParams(max_tokens=max_tokens, stop=list(options.stop),
                           stop_token_ids=list(options.stop_token_ids),
-                          ignore_eos=options.ignore_eos, **values)
+                          ignore_eos=options.ignore_eos, structured=structured_output(options),
+                          **values)
 
 
 class GenerationServicer(pb_grpc.GenerationServiceServicer):

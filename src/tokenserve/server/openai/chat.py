@@ -2,20 +2,25 @@
 
 from __future__ import annotations
 
+import json
 import uuid
 from collections.abc import AsyncIterator
 
+from tokenserve.engine.guided import check_structured
 from tokenserve.engine.protocol import EngineClient
 
 from .chat_template import render_chat
 from .config import OpenAIServerConfig
 from .formatting import SSE_DONE, chat_logprobs, sse
 from .params import (bad_request, check_prompt_chars, check_text, check_unsupported,
-                     encode_text, max_new_tokens, request_timeout, sampling_params)
+                     encode_text, max_new_tokens, request_timeout, sampling_params,
+                     structured_output)
 from .schemas import (CHAT_ROLES, AssistantMessage, ChatChoice, ChatChunkChoice,
                       ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
                       ChatLogprobs, ChatMessage, DeltaMessage, Usage)
 from .streams import MergedOutputs
+from .tools import (ToolCallFormat, ToolCallStream, forced_call_grammar, parse_tool_calls,
+                    template_tools, tool_choice_of)
 
 
 def message_text(message: ChatMessage, param: str) -> str:
@@ -25,8 +30,8 @@ def message_text(message: ChatMessage, param: str) -> str:
         InvalidRequestError: naming the message field.
     """
     if message.role not in CHAT_ROLES:
-        raise bad_request(f"{param}.role: role '{message.role}' is not supported (tool calling "
-                          f"is not served); use one of {', '.join(CHAT_ROLES)}.",
+        raise bad_request(f"{param}.role: role '{message.role}' is not supported; use one of "
+                          f"{', '.join(CHAT_ROLES)}.",
                           f"{param}.role", "unsupported_parameter")
     if message.content is None:
         return ""
@@ -47,9 +52,29 @@ def message_text(message: ChatMessage, param: str) -> str:
     return text
 
 
+def _template_message(message: ChatMessage, text: str) -> dict:
+    """A message as HF chat templates take it: tool calls with their arguments parsed."""
+    plain = {"role": message.role, "content": text}
+    if message.name:
+        plain["name"] = message.name
+    if message.tool_call_id is not None:
+        plain["tool_call_id"] = message.tool_call_id
+    if message.tool_calls:
+        calls = []
+        for call in message.tool_calls:
+            try:
+                arguments = json.loads(call.function.arguments)
+            except json.JSONDecodeError:
+                arguments = call.function.arguments
+            calls.append({"id": call.id, "type": "function",
+                          "function": {"name": call.function.name, "arguments": arguments}})
+        plain["tool_calls"] = calls
+    return plain
+
+
 def chat_prompt_ids(messages: list[ChatMessage], engine: EngineClient,
-                    add_generation_prompt: bool = True, check_length: bool = True
-                    ) -> list[int]:
+                    add_generation_prompt: bool = True, check_length: bool = True,
+                    tools: list[dict] | None = None) -> list[int]:
     """Renders `messages` with the model's chat template (or the default) and tokenizes it.
     Blocking: servers call it off their event loop.
 
@@ -61,18 +86,16 @@ def chat_prompt_ids(messages: list[ChatMessage], engine: EngineClient,
         InvalidRequestError: bad text in a message, or the template refuses the messages.
         PromptTooLongError: the rendered prompt cannot fit the context (`check_length`).
     """
-    plain = []
-    for i, message in enumerate(messages):
-        text = message_text(message, f"messages.{i}")
-        plain.append({"role": message.role, "content": text}
-                     | ({"name": message.name} if message.name else {}))
+    plain = [_template_message(message, message_text(message, f"messages.{i}"))
+             for i, message in enumerate(messages)]
     tokenizer = engine.tokenizer
     prompt = render_chat(engine.config.chat_template, plain,
                          add_generation_prompt=add_generation_prompt,
                          bos_token=tokenizer.decode([engine.config.bos_token_id],
                                                     skip_special_tokens=False),
                          eos_token=tokenizer.decode([engine.config.eos_token_id],
-                                                    skip_special_tokens=False))
+                                                    skip_special_tokens=False),
+                         tools=tools)
     if check_length:
         check_prompt_chars(prompt, tokenizer, engine.max_model_len, "messages")
     ids = encode_text(tokenizer, prompt)
@@ -96,7 +119,16 @@ class ChatRun:
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         self.request, self.model_id, self.request_id = request, model_id, request_id
         self.tokenizer = engine.tokenizer
-        prompt_ids = chat_prompt_ids(request.messages, engine, request.add_generation_prompt)
+        self.tool_choice = tool_choice_of(request)
+        self.tool_format = ToolCallFormat.of_template(engine.config.chat_template)
+        structured = structured_output(request)
+        forced = forced_call_grammar(request, self.tool_choice, self.tool_format)
+        check_structured(forced, "tools")
+        if forced is not None and structured is not None:
+            raise bad_request("A required or named tool_choice cannot be combined with another "
+                              "output constraint.", "tool_choice")
+        prompt_ids = chat_prompt_ids(request.messages, engine, request.add_generation_prompt,
+                                     tools=template_tools(request))
         if request.max_completion_tokens is not None:
             requested, param = request.max_completion_tokens, "max_completion_tokens"
         else:
@@ -104,12 +136,17 @@ class ChatRun:
         max_tokens = max_new_tokens(requested, param, len(prompt_ids), engine.max_model_len,
                                     default=None)
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
-        self.params = sampling_params(request, max_tokens, logprobs)
+        self.params = sampling_params(request, max_tokens, logprobs, forced or structured)
         self.num_prompt_tokens = len(prompt_ids)
         timeout_s = request_timeout(request.timeout_s, config.request_timeout_s)
         self.outputs = MergedOutputs(engine, [prompt_ids], self.params, request_id,
                                      request.priority, timeout_s, trace_context=trace)
         self.num_generated = 0
+
+    @property
+    def uses_tools(self) -> bool:
+        """Outputs are parsed for tool calls (tools given and tool_choice is not "none")."""
+        return self.tool_choice != "none"
 
     def _usage(self) -> Usage:
         return Usage(prompt_tokens=self.num_prompt_tokens, completion_tokens=self.num_generated,
@@ -142,9 +179,15 @@ class ChatRun:
                 if self.outputs.deadline_passed(seq.finish_reason):
                     raise self.outputs.deadline_error()
                 reasons[seq.index] = (seq.finish_reason.value, seq.stop_reason)
-        choices = [ChatChoice(index=i, message=AssistantMessage(content=texts[i]),
-                              logprobs=logprobs[i], finish_reason=reasons[i][0],
-                              stop_reason=reasons[i][1]) for i in range(self.params.n)]
+        choices = []
+        for i in range(self.params.n):
+            message, reason = AssistantMessage(content=texts[i]), reasons[i][0]
+            if self.uses_tools:
+                content, calls = parse_tool_calls(texts[i], self.tool_format)
+                message = AssistantMessage(content=content, tool_calls=calls or None)
+                reason = "tool_calls" if calls and reason == "stop" else reason
+            choices.append(ChatChoice(index=i, message=message, logprobs=logprobs[i],
+                                      finish_reason=reason, stop_reason=reasons[i][1]))
         return ChatCompletionResponse(id=self.request_id, model=self.model_id, choices=choices,
                                       usage=self._usage())
 
@@ -160,12 +203,24 @@ class ChatRun:
         for index in range(self.params.n):
             yield self._chunk(ChatChunkChoice(index=index, delta=DeltaMessage(role="assistant",
                                                                               content="")))
+        parsers = [ToolCallStream(self.tool_format) for _ in range(self.params.n)]
         async for seq in self._sequences():
             logprobs = None
             if self.params.logprobs is not None:
                 logprobs = ChatLogprobs(content=chat_logprobs(self.tokenizer, seq.logprobs or []))
             reason = seq.finish_reason.value if seq.finish_reason is not None else None
-            choice = ChatChunkChoice(index=seq.index, delta=DeltaMessage(content=seq.text),
+            delta = DeltaMessage(content=seq.text)
+            if self.uses_tools:
+                parser = parsers[seq.index]
+                content, calls = parser.feed(seq.text)
+                if reason is not None:
+                    content += parser.finish()
+                    if parser.calls and reason == "stop":
+                        reason = "tool_calls"
+                if not (content or calls or reason or logprobs):
+                    continue  # held back: it may be the start of a call
+                delta = DeltaMessage(content=content or None, tool_calls=calls or None)
+            choice = ChatChunkChoice(index=seq.index, delta=delta,
                                      logprobs=logprobs, finish_reason=reason,
                                      stop_reason=seq.stop_reason)
             yield self._chunk(choice, self._usage() if per_chunk else None)

@@ -13,7 +13,7 @@ from tokenserve.engine.protocol import EngineClient
 from .config import OpenAIServerConfig
 from .formatting import SSE_DONE, CompletionLogprobsBuilder, sse
 from .params import (check_unsupported, max_new_tokens, prompt_token_ids, request_timeout,
-                     sampling_params)
+                     sampling_params, structured_output)
 from .schemas import (CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse,
                       Usage)
 from .streams import MergedOutputs
@@ -41,7 +41,8 @@ class CompletionRun:
                                         engine.max_model_len,
                                         config.default_completion_max_tokens)
                          for ids in prompts)
-        self.params = sampling_params(request, max_tokens, request.logprobs)
+        self.params = sampling_params(request, max_tokens, request.logprobs,
+                                      structured_output(request))
         self.num_prompt_tokens = sum(len(ids) for ids in prompts)
         self.prompt_texts = [self.tokenizer.decode(ids) if request.echo else "" for ids in prompts]
         timeout_s = request_timeout(request.timeout_s, config.request_timeout_s)

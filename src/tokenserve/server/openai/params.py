@@ -8,11 +8,13 @@ PromptTooLongError) carrying `param` and `code` attributes for the OpenAI error 
 from __future__ import annotations
 
 import dataclasses
+import json
 import weakref
 from typing import Any
 
+from tokenserve.engine.guided import check_structured
 from tokenserve.errors import InvalidRequestError, PromptTooLongError
-from tokenserve.sampling import SamplingParams
+from tokenserve.sampling import GuideKind, SamplingParams, StructuredOutput
 
 from .schemas import REJECTED_FIELDS, ChatCompletionRequest, CompletionRequest
 
@@ -218,15 +220,65 @@ def engine_seed(seed: int | None) -> int | None:
     return seed % 2**64
 
 
+JSON_OBJECT_SCHEMA = '{"type": "object"}'
+"""OpenAI's json_object mode: any JSON object."""
+
+
+def structured_output(request: CompletionRequest | ChatCompletionRequest
+                      ) -> StructuredOutput | None:
+    """The request's output constraint from `guided_*` or chat's `response_format`, checked.
+
+    Raises:
+        InvalidRequestError: more than one constraint, or one that is invalid (a 400 naming
+            the field and the problem, before the request reaches an engine).
+    """
+    found: list[tuple[str, StructuredOutput]] = []
+    if request.guided_json is not None:
+        schema = request.guided_json
+        text = schema if isinstance(schema, str) else json.dumps(schema)
+        found.append(("guided_json", StructuredOutput(GuideKind.JSON_SCHEMA, text)))
+    if request.guided_regex is not None:
+        found.append(("guided_regex", StructuredOutput(GuideKind.REGEX, request.guided_regex)))
+    if request.guided_choice is not None:
+        found.append(("guided_choice", StructuredOutput(GuideKind.CHOICE,
+                                                        tuple(request.guided_choice))))
+    if request.guided_grammar is not None:
+        found.append(("guided_grammar", StructuredOutput(GuideKind.GRAMMAR,
+                                                         request.guided_grammar)))
+    response_format = getattr(request, "response_format", None)
+    if response_format is not None and response_format.type != "text":
+        if response_format.type == "json_object":
+            text = JSON_OBJECT_SCHEMA
+        elif response_format.json_schema is None:
+            raise bad_request("response_format of type 'json_schema' needs a 'json_schema' "
+                              "object.", "response_format.json_schema", "invalid_type")
+        else:
+            schema = response_format.json_schema.schema_
+            text = JSON_OBJECT_SCHEMA if schema is None else json.dumps(schema)
+        param = ("response_format" if response_format.type == "json_object"
+                 else "response_format.json_schema.schema")
+        found.append((param, StructuredOutput(GuideKind.JSON_SCHEMA, text)))
+    if len(found) > 1:
+        raise bad_request(f"At most one output constraint per request; got "
+                          f"{', '.join(name for name, _ in found)}.", found[1][0],
+                          "invalid_structured_output")
+    if not found:
+        return None
+    param, structured = found[0]
+    check_structured(structured, param)
+    return structured
+
+
 def sampling_params(request: CompletionRequest | ChatCompletionRequest, max_tokens: int,
-                    logprobs: int | None) -> SamplingParams:
+                    logprobs: int | None, structured: StructuredOutput | None = None
+                    ) -> SamplingParams:
     """The engine's SamplingParams for a validated request.
 
     Raises:
         InvalidRequestError: a value out of range, naming the request field.
     """
     values: dict[str, Any] = {"max_tokens": max_tokens, "logprobs": logprobs, "n": request.n,
-                              "ignore_eos": request.ignore_eos}
+                              "ignore_eos": request.ignore_eos, "structured": structured}
     for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
                  "frequency_penalty", "repetition_penalty", "stop_token_ids"):
         value = getattr(request, name)

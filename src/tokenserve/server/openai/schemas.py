@@ -48,6 +48,13 @@ class _Sampling(_Request):
     priority: int = 0
     timeout_s: float | None = None
     """tokenserve extension: a deadline shorter than the server's request timeout."""
+    # vLLM's structured-output extensions (at most one per request)
+    guided_json: dict | str | None = None
+    """A JSON schema the output must match (an object, or its JSON text)."""
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    """A Lark grammar (llguidance dialect) or a GBNF grammar (with `::=`)."""
 
 
 PROMPT_SCHEMA = {"anyOf": [
@@ -73,7 +80,55 @@ class CompletionRequest(_Sampling):
     suffix: str | None = None
 
 
-CHAT_ROLES = ("system", "developer", "user", "assistant")
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str
+    """The arguments as JSON text, as OpenAI sends them."""
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class FunctionDefinition(_Request):
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict | None = None
+    """A JSON schema of the arguments object; missing means no arguments."""
+    strict: bool | None = None
+
+
+class Tool(_Request):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Request):
+    name: str
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class JsonSchemaFormat(_Request):
+    name: str
+    description: str | None = None
+    schema_: dict | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Request):
+    """`{"type": "text" | "json_object" | "json_schema", "json_schema": {...}}`."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
 
 
 class ContentPart(_Request):
@@ -85,9 +140,13 @@ class ContentPart(_Request):
 
 class ChatMessage(_Request):
     role: str
-    """One of CHAT_ROLES; `tool` and `function` need tool calling, which is not served."""
+    """One of CHAT_ROLES."""
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    """An assistant turn's calls, sent back with the tools' results."""
+    tool_call_id: str | None = None
+    """A `tool` message: the call it answers."""
 
 
 class ChatCompletionRequest(_Sampling):
@@ -100,6 +159,11 @@ class ChatCompletionRequest(_Sampling):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    response_format: ResponseFormat | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    """Default: "auto" with tools, "none" without."""
+    parallel_tool_calls: bool = True
 
 
 class TokenizeRequest(_Request):
@@ -122,11 +186,8 @@ class DetokenizeRequest(_Request):
 # Fields whose meaning we do not implement: name -> the value that is harmless (None = any
 # value but null/absent is refused). Anything else unknown is ignored, like `user` or `store`.
 REJECTED_FIELDS: dict[str, tuple[Any, ...]] = {
-    "tools": (None, []),
     "functions": (None, []),
-    "tool_choice": (None, "none"),
     "function_call": (None, "none"),
-    "response_format": (None, {"type": "text"}),
     "logit_bias": (None, {}),
     "audio": (None,),
     "modalities": (None, ["text"]),
@@ -137,8 +198,7 @@ REJECTED_FIELDS: dict[str, tuple[Any, ...]] = {
     "include_stop_str_in_output": (None, False),
     "prompt_logprobs": (None,),
     "truncate_prompt_tokens": (None,),
-    "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,),
-    "guided_grammar": (None,), "structured_outputs": (None,),
+    "structured_outputs": (None,),
     "logits_processors": (None,),
     "chat_template": (None,),
     "continue_final_message": (None, False),
@@ -215,7 +275,12 @@ class ChatLogprobs(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
+
+    @model_serializer(mode="wrap")
+    def _without_empty_calls(self, handler):
+        return {k: v for k, v in handler(self).items() if k != "tool_calls" or v}
 
 
 class ChatChoice(BaseModel):
@@ -236,11 +301,35 @@ class ChatCompletionResponse(BaseModel):
     system_fingerprint: str | None = None
 
 
+class DeltaFunctionCall(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _without_nulls(self, handler):
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class DeltaToolCall(BaseModel):
+    """A streamed tool call: the first delta of a call has its id, type and name; the
+    following ones carry pieces of `function.arguments`."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
+
+    @model_serializer(mode="wrap")
+    def _without_nulls(self, handler):
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
 class DeltaMessage(BaseModel):
     """A chat stream delta; unset fields are left out, as OpenAI sends them."""
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
     @model_serializer(mode="wrap")
     def _without_nulls(self, handler):

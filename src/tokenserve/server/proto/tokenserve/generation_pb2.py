@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n3tokenserve/server/proto/tokenserve/generation.proto\x12\rtokenserve.v1\"\xef\x03\n\x0fSamplingOptions\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x06 \x01(\x02H\x05\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x08 \x01(\x02H\x07\x88\x01\x01\x12\x11\n\x04seed\x18\t \x01(\x03H\x08\x88\x01\x01\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\x05\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x0e\n\x01n\x18\r \x01(\x05H\t\x88\x01\x01\x12\x15\n\x08logprobs\x18\x0e \x01(\x05H\n\x88\x01\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x07\n\x05_seedB\x04\n\x02_nB\x0b\n\t_logprobs\"\xe6\x01\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12,\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x17.tokenserve.v1.TokenIdsH\x00\x12\x30\n\x08sampling\x18\x04 \x01(\x0b\x32\x1e.tokenserve.v1.SamplingOptions\x12\x12\n\nrequest_id\x18\x05 \x01(\t\x12\x10\n\x08priority\x18\x06 \x01(\x05\x12\x16\n\ttimeout_s\x18\x07 \x01(\x01H\x01\x88\x01\x01\x42\x08\n\x06promptB\x0c\n\n_timeout_s\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\">\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\"h\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12&\n\x03top\x18\x04 \x03(\x0b\x32\x19.tokenserve.v1.TopLogprob\"O\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\x05\"\xc4\x01\n\rSequenceDelta\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12-\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1b.tokenserve.v1.TokenLogprob\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\x15\n\x0bstop_string\x18\x06 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\x07 \x01(\x05H\x00\x42\r\n\x0bstop_reason\"\xb5\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12-\n\x07outputs\x18\x03 \x03(\x0b\x32\x1c.tokenserve.v1.SequenceDelta\x12\x10\n\x08\x66inished\x18\x04 \x01(\x08\x12#\n\x05usage\x18\x05 \x01(\x0b\x32\x14.tokenserve.v1.Usage\x12\x18\n\x10prompt_token_ids\x18\x06 \x03(\x05\x32\x62\n\x11GenerationService\x12M\n\x08Generate\x12\x1e.tokenserve.v1.GenerateRequest\x1a\x1f.tokenserve.v1.GenerateResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n3tokenserve/server/proto/tokenserve/generation.proto\x12\rtokenserve.v1\"\xf8\x04\n\x0fSamplingOptions\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x01\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05top_p\x18\x04 \x01(\x02H\x04\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x02H\x05\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x06 \x01(\x02H\x06\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x07 \x01(\x02H\x07\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x08 \x01(\x02H\x08\x88\x01\x01\x12\x11\n\x04seed\x18\t \x01(\x03H\t\x88\x01\x01\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\x05\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x0e\n\x01n\x18\r \x01(\x05H\n\x88\x01\x01\x12\x15\n\x08logprobs\x18\x0e \x01(\x05H\x0b\x88\x01\x01\x12\x15\n\x0bguided_json\x18\x0f \x01(\tH\x00\x12\x16\n\x0cguided_regex\x18\x10 \x01(\tH\x00\x12\x34\n\rguided_choice\x18\x11 \x01(\x0b\x32\x1b.tokenserve.v1.GuidedChoiceH\x00\x12\x18\n\x0eguided_grammar\x18\x12 \x01(\tH\x00\x42\x08\n\x06guidedB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x07\n\x05_seedB\x04\n\x02_nB\x0b\n\t_logprobs\"\x1f\n\x0cGuidedChoice\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\xe6\x01\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12,\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x17.tokenserve.v1.TokenIdsH\x00\x12\x30\n\x08sampling\x18\x04 \x01(\x0b\x32\x1e.tokenserve.v1.SamplingOptions\x12\x12\n\nrequest_id\x18\x05 \x01(\t\x12\x10\n\x08priority\x18\x06 \x01(\x05\x12\x16\n\ttimeout_s\x18\x07 \x01(\x01H\x01\x88\x01\x01\x42\x08\n\x06promptB\x0c\n\n_timeout_s\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\">\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\"h\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12&\n\x03top\x18\x04 \x03(\x0b\x32\x19.tokenserve.v1.TopLogprob\"O\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\x05\"\xc4\x01\n\rSequenceDelta\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12-\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1b.tokenserve.v1.TokenLogprob\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\x15\n\x0bstop_string\x18\x06 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\x07 \x01(\x05H\x00\x42\r\n\x0bstop_reason\"\xb5\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12-\n\x07outputs\x18\x03 \x03(\x0b\x32\x1c.tokenserve.v1.SequenceDelta\x12\x10\n\x08\x66inished\x18\x04 \x01(\x08\x12#\n\x05usage\x18\x05 \x01(\x0b\x32\x14.tokenserve.v1.Usage\x12\x18\n\x10prompt_token_ids\x18\x06 \x03(\x05\x32\x62\n\x11GenerationService\x12M\n\x08Generate\x12\x1e.tokenserve.v1.GenerateRequest\x1a\x1f.tokenserve.v1.GenerateResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,21 +32,23 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tokenserve.server.proto.tok
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGOPTIONS']._serialized_start=71
-  _globals['_SAMPLINGOPTIONS']._serialized_end=566
-  _globals['_GENERATEREQUEST']._serialized_start=569
-  _globals['_GENERATEREQUEST']._serialized_end=799
-  _globals['_TOKENIDS']._serialized_start=801
-  _globals['_TOKENIDS']._serialized_end=824
-  _globals['_TOPLOGPROB']._serialized_start=826
-  _globals['_TOPLOGPROB']._serialized_end=888
-  _globals['_TOKENLOGPROB']._serialized_start=890
-  _globals['_TOKENLOGPROB']._serialized_end=994
-  _globals['_USAGE']._serialized_start=996
-  _globals['_USAGE']._serialized_end=1075
-  _globals['_SEQUENCEDELTA']._serialized_start=1078
-  _globals['_SEQUENCEDELTA']._serialized_end=1274
-  _globals['_GENERATERESPONSE']._serialized_start=1277
-  _globals['_GENERATERESPONSE']._serialized_end=1458
-  _globals['_GENERATIONSERVICE']._serialized_start=1460
-  _globals['_GENERATIONSERVICE']._serialized_end=1558
+  _globals['_SAMPLINGOPTIONS']._serialized_end=703
+  _globals['_GUIDEDCHOICE']._serialized_start=705
+  _globals['_GUIDEDCHOICE']._serialized_end=736
+  _globals['_GENERATEREQUEST']._serialized_start=739
+  _globals['_GENERATEREQUEST']._serialized_end=969
+  _globals['_TOKENIDS']._serialized_start=971
+  _globals['_TOKENIDS']._serialized_end=994
+  _globals['_TOPLOGPROB']._serialized_start=996
+  _globals['_TOPLOGPROB']._serialized_end=1058
+  _globals['_TOKENLOGPROB']._serialized_start=1060
+  _globals['_TOKENLOGPROB']._serialized_end=1164
+  _globals['_USAGE']._serialized_start=1166
+  _globals['_USAGE']._serialized_end=1245
+  _globals['_SEQUENCEDELTA']._serialized_start=1248
+  _globals['_SEQUENCEDELTA']._serialized_end=1444
+  _globals['_GENERATERESPONSE']._serialized_start=1447
+  _globals['_GENERATERESPONSE']._serialized_end=1628
+  _globals['_GENERATIONSERVICE']._serialized_start=1630
+  _globals['_GENERATIONSERVICE']._serialized_end=1728
 # @@protoc_insertion_point(module_scope)
