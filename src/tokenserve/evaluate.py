@@ -80,7 +80,61 @@ def load_for_eval(path_or_builtin, precision: str = "float32"):
     into the user cache, as `tokenserve serve` and `generate` do)."""
     if precision not in ("auto", "float32", "bfloat16"):
         raise ConfigError(f"unknown precision {precision!r}; use auto, float32 or bfloat16")
-    return load_model_dir(resolve_model_path(path_or_builtin), precision)
+    from tokenserve.edge.runner import LiteRTModel, is_tflite_path
+
+    path = resolve_model_path(path_or_builtin)
+    if is_tflite_path(path):  # a .tflite export scores through LiteRT (`score` signature)
+        model = LiteRTModel(path)
+        return model, model.tokenizer, model.generation_config, model.file
+    return load_model_dir(path, precision)
+
+
+class KVCacheScorer:
+    """Scores windows through the engine's paged step over a KV cache of `kv_cache_dtype`,
+    so the perplexity includes the cache's rounding: every position's keys and values are
+    written to the cache and read back from it by the attention, as in serving. Stands in
+    for the model in `perplexity` (it has `config` and `score_windows`).
+
+    Example:
+        >>> perplexity(KVCacheScorer(model, "float16"), windows, reference=model)
+    """
+
+    def __init__(self, model, kv_cache_dtype: str = "auto"):
+        from tokenserve.config import TransformerConfig
+        from tokenserve.engine.kv_budget import resolve_kv_dtype
+
+        if not isinstance(model.config, TransformerConfig):
+            raise ConfigError("--kv-cache-dtype applies to transformers (an LSTM has no KV "
+                              "cache)")
+        self.model, self.config = model, model.config
+        self.kv_dtype = resolve_kv_dtype(kv_cache_dtype, model.compute_dtype)
+        self.compute_dtype = model.compute_dtype
+        self._steps: dict[int, object] = {}
+
+    def _step(self, num_rows: int):
+        from tokenserve.engine.tf_step import TransformerStep
+
+        if num_rows not in self._steps:  # one cache per batch shape (one, plus a last batch)
+            step = TransformerStep(self.model, num_rows, kv_dtype=self.kv_dtype)
+            self._steps[num_rows] = step.step_function(0, True)
+        return self._steps[num_rows]
+
+    def score_windows(self, windows):
+        """windows int32 [B, T + 1] -> (nll [B, T], greedy token ids [B, T])."""
+        import tensorflow as tf
+
+        batch, length = windows.shape[0], windows.shape[1] - 1
+        positions = np.tile(np.arange(length, dtype=np.int32), batch)               # [B*T]
+        rows = (1 + np.arange(batch * length, dtype=np.int32)).reshape(batch, length)  # row 0:
+        index = np.arange(batch * length, dtype=np.int32).reshape(batch, length)   # padding
+        prefill = (index, rows, positions.reshape(batch, length), index.ravel())
+        logits = self._step(batch * length + 1)(
+            windows[:, :-1].ravel().astype(np.int32), positions, rows.ravel(), [], prefill,
+            index.ravel())                                                          # [B*T, V]
+        logits = tf.cast(tf.reshape(logits, [batch, length, -1]), tf.float32)
+        nll = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=windows[:, 1:],
+                                                             logits=logits)
+        return nll.numpy(), tf.argmax(logits, axis=-1, output_type=tf.int32).numpy()
 
 
 def weight_format(version_dir) -> str | None:
@@ -169,6 +223,8 @@ def read_texts(paths) -> list[str]:
 
 def _scorer(model):
     """A compiled window -> (per-position nll, greedy token) function for `model`."""
+    if hasattr(model, "score_windows"):  # a LiteRT model scores in numpy
+        return model.score_windows
     import tensorflow as tf
 
     @tf.function
@@ -234,8 +290,8 @@ def perplexity(model, token_windows, batch_size: int = 8, reference=None,
         greedy = []
         for i, score in enumerate(scorers):
             nll, top = score(chunk)
-            totals[i] += float(np.sum(nll.numpy()[:real], dtype=np.float64))
-            greedy.append(top.numpy()[:real])
+            totals[i] += float(np.sum(np.asarray(nll)[:real], dtype=np.float64))
+            greedy.append(np.asarray(top)[:real])
         if reference is not None:
             agree += int(np.sum(greedy[0] == greedy[1]))
 

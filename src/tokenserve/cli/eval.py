@@ -30,6 +30,11 @@ def add_parser(commands) -> None:
     p.add_argument("--precision", choices=["auto", "float32", "bfloat16"], default="float32",
                    help="compute dtype (default float32, comparable across machines; auto "
                         "picks bfloat16 on CPUs with AMX or AVX512-BF16)")
+    p.add_argument("--kv-cache-dtype", choices=["auto", "float32", "bfloat16", "float16"],
+                   default=None,
+                   help="score MODEL through the engine's paged step over a KV cache of this "
+                        "dtype (its rounding included); with --reference MODEL itself this "
+                        "measures the cache's effect")
     p.add_argument("--json", metavar="PATH", default=None, help="also write the numbers here")
     p.set_defaults(run=run)
 
@@ -71,7 +76,9 @@ def run(args: argparse.Namespace) -> int:
     else:
         windows = evaluate.text_windows(texts, tokenizer, context, args.max_tokens)
         data = ", ".join(args.data)
-    result = evaluate.perplexity(model, windows, batch_size=args.batch_size,
+    scored = (evaluate.KVCacheScorer(model, args.kv_cache_dtype) if args.kv_cache_dtype
+              else model)
+    result = evaluate.perplexity(scored, windows, batch_size=args.batch_size,
                                  reference=reference, progress=sys.stderr.isatty())
     seconds = time.perf_counter() - started
 
@@ -82,7 +89,8 @@ def run(args: argparse.Namespace) -> int:
             "model": str(version_dir), "weight_format": evaluate.weight_format(version_dir),
             "precision": model.compute_dtype, "data": data, "context": result.context,
             "windows": result.num_windows, "tokens": result.num_tokens, "nll": result.nll,
-            "perplexity": result.perplexity, "seconds": round(seconds, 2)}
+            "perplexity": result.perplexity, "seconds": round(seconds, 2),
+            "kv_cache_dtype": scored.kv_dtype if args.kv_cache_dtype else None}
         if reference is not None:
             record.update({
                 "reference_model": str(ref_dir),

@@ -2,7 +2,9 @@
 // cache kept in two TF resource variables, read in place.
 //
 //   q        T [S, H, Dh]      the step's queries
-//   key_cache, value_cache     resource handles of variables holding T [R, Hkv * Dh]
+//   key_cache, value_cache     resource handles of variables holding Tcache [R, Hkv * Dh]
+//                              (Tcache: T, or a 16-bit type when T is float32: the cache is
+//                              stored in 16 bits and widened to float32 as it is read)
 //   rows     int32 [S, L]      cache row of each context position (all must lie in [0, R))
 //   lengths  int32 [S]         positions 0 .. lengths[s] - 1 are attended to (0: zeros out)
 //   out      T [S, H * Dh]     softmax(q . k * scale) . v per head, head h reading kv head
@@ -32,10 +34,12 @@
 // Two inner paths with the same math: AVX2+FMA (functions with target attributes, chosen at
 // run time with __builtin_cpu_supports, specialised for Dh = 32, 64, 128 so the loops over Dh
 // unroll; any Dh that is a multiple of 8 up to 256 otherwise) and portable scalar C++ (any Dh;
-// also forced with isa="scalar" for tests). Accumulation is float32 for both dtypes; bfloat16
-// inputs are widened exactly and the output is rounded to nearest even.
+// also forced with isa="scalar" for tests). Accumulation is float32 for every dtype: bfloat16
+// and float16 values are widened exactly (float16 with F16C's vcvtph2ps on the AVX2 path) and
+// a bfloat16 output is rounded to nearest even.
 
 #include <algorithm>
+#include <type_traits>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
@@ -46,6 +50,7 @@
 #include <vector>
 
 #if defined(__x86_64__) || defined(__i386__)
+#include <cpuid.h>
 #include <immintrin.h>
 #define TOKENSERVE_X86 1
 #endif
@@ -63,6 +68,7 @@ namespace tokenserve {
 namespace {
 
 using tensorflow::bfloat16;
+using Half = Eigen::half;
 using tensorflow::DataTypeToEnum;
 using tensorflow::int64;
 using tensorflow::OpKernel;
@@ -109,6 +115,7 @@ inline float ToFloat(bfloat16 x) {
   std::memcpy(&f, &wide, sizeof(f));
   return f;
 }
+inline float ToFloat(Half x) { return static_cast<float>(x); }  // exact
 template <typename T>
 inline T FromFloat(float x) {
   return static_cast<T>(x);  // bfloat16: Eigen rounds to nearest even
@@ -135,11 +142,11 @@ inline void PrefetchRows(const T* base, const int32_t* rows, int64 from, int64 t
 // Portable scalar path. qs, out: the item's first query head; kc, vc: the caches offset to the
 // item's first kv head.
 
-template <typename T>
-void AttendScalar(const Geometry& g, const T* qs, const T* kc, const T* vc, const int32_t* rows,
+template <typename T, typename C>
+void AttendScalar(const Geometry& g, const T* qs, const C* kc, const C* vc, const int32_t* rows,
                   int64 len, Scratch* scratch, T* out) {
   const int64 Dh = g.Dh, G = g.group, heads = g.Heads(), width = g.width;
-  const int64 bytes = g.span * Dh * static_cast<int64>(sizeof(T));
+  const int64 bytes = g.span * Dh * static_cast<int64>(sizeof(C));
   float* q = scratch->q.data();
   float* scores = scratch->scores.data();
   float* acc = scratch->acc.data();
@@ -147,9 +154,9 @@ void AttendScalar(const Geometry& g, const T* qs, const T* kc, const T* vc, cons
   for (int64 i = 0; i < heads * Dh; ++i) q[i] = ToFloat(qs[i]) * g.scale;
   for (int64 l = 0; l < len; ++l) {
     PrefetchRows(kc, rows, l + kAhead, l + kAhead + 1, len, width, bytes);
-    const T* k = kc + rows[l] * width;
+    const C* k = kc + rows[l] * width;
     for (int64 h = 0; h < heads; ++h) {
-      const T* kh = k + (h / G) * Dh;
+      const C* kh = k + (h / G) * Dh;
       float dot = 0.f;
       for (int64 d = 0; d < Dh; ++d) dot += q[h * Dh + d] * ToFloat(kh[d]);
       scores[h * len + l] = dot;
@@ -169,9 +176,9 @@ void AttendScalar(const Geometry& g, const T* qs, const T* kc, const T* vc, cons
   std::fill(acc, acc + heads * Dh, 0.f);
   for (int64 l = 0; l < len; ++l) {
     PrefetchRows(vc, rows, l + kAhead, l + kAhead + 1, len, width, bytes);
-    const T* v = vc + rows[l] * width;
+    const C* v = vc + rows[l] * width;
     for (int64 h = 0; h < heads; ++h) {
-      const T* vh = v + (h / G) * Dh;
+      const C* vh = v + (h / G) * Dh;
       const float p = scores[h * len + l];
       for (int64 d = 0; d < Dh; ++d) acc[h * Dh + d] += p * ToFloat(vh[d]);
     }
@@ -185,13 +192,16 @@ void AttendScalar(const Geometry& g, const T* qs, const T* kc, const T* vc, cons
 // AVX2 + FMA path. Target attributes rather than -m flags, so the library still loads and
 // takes the scalar path on a CPU without AVX2.
 #ifdef TOKENSERVE_X86
-#define AVX2_FN __attribute__((target("avx2,fma")))
+#define AVX2_FN __attribute__((target("avx2,fma,f16c")))
 
 AVX2_FN inline __m256 Load8(const float* p) { return _mm256_loadu_ps(p); }
 AVX2_FN inline __m256 Load8(const bfloat16* p) {
   // bfloat16 is the top half of a float32: widen to 32 bits and shift (exact).
   const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+AVX2_FN inline __m256 Load8(const Half* p) {  // F16C: exact
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 
 AVX2_FN inline float HorizontalSum(__m256 v) {
@@ -264,9 +274,9 @@ AVX2_FN float SoftmaxAvx2(float* s, int64 len) {
 
 // Scores of rows r[0..R) (R = 1 or 4) for every head of the item, row-major: each row's
 // span * Dh values are read once, contiguously, for all heads.
-template <typename T, int NV, int R>
+template <typename C, int NV, int R>
 AVX2_FN __attribute__((always_inline)) inline void ScoreRows(const Geometry& g, int nv,
-                                                             const float* q, const T* const* k,
+                                                             const float* q, const C* const* k,
                                                              float* scores, int64 len,
                                                              int64 l) {
   const int64 Dh = g.Dh, G = g.group, heads = g.Heads();
@@ -288,9 +298,9 @@ AVX2_FN __attribute__((always_inline)) inline void ScoreRows(const Geometry& g, 
 }
 
 // acc[h] += sum over rows r of p[h][l + r] * v[r] for every head of the item.
-template <typename T, int NV, int R>
+template <typename C, int NV, int R>
 AVX2_FN __attribute__((always_inline)) inline void AccumulateRows(const Geometry& g, int nv,
-                                                                  const T* const* v,
+                                                                  const C* const* v,
                                                                   const float* scores,
                                                                   float* acc, int64 len,
                                                                   int64 l) {
@@ -310,11 +320,11 @@ AVX2_FN __attribute__((always_inline)) inline void AccumulateRows(const Geometry
 
 // NV > 0: Dh = 8 * NV known at compile time (the loops over Dh unroll); NV == 0: Dh = 8 * nv
 // at run time, nv <= kMaxVectors.
-template <typename T, int NV>
-AVX2_FN void AttendAvx2(const Geometry& g, const T* qs, const T* kc, const T* vc,
+template <typename T, typename C, int NV>
+AVX2_FN void AttendAvx2(const Geometry& g, const T* qs, const C* kc, const C* vc,
                         const int32_t* rows, int64 len, Scratch* scratch, T* out) {
   const int64 Dh = g.Dh, heads = g.Heads(), width = g.width;
-  const int64 bytes = g.span * Dh * static_cast<int64>(sizeof(T));
+  const int64 bytes = g.span * Dh * static_cast<int64>(sizeof(C));
   const int nv = NV > 0 ? NV : static_cast<int>(Dh / 8);
   float* q = scratch->q.data();
   float* scores = scratch->scores.data();
@@ -327,15 +337,15 @@ AVX2_FN void AttendAvx2(const Geometry& g, const T* qs, const T* kc, const T* vc
   }
 
   const int64 len4 = len / 4 * 4;
-  const T* r4[4];
+  const C* r4[4];
   for (int64 l = 0; l < len4; l += 4) {
     PrefetchRows(kc, rows, l + kAhead, l + kAhead + 4, len, width, bytes);
     for (int r = 0; r < 4; ++r) r4[r] = kc + rows[l + r] * width;
-    ScoreRows<T, NV, 4>(g, nv, q, r4, scores, len, l);
+    ScoreRows<C, NV, 4>(g, nv, q, r4, scores, len, l);
   }
   for (int64 l = len4; l < len; ++l) {
     r4[0] = kc + rows[l] * width;
-    ScoreRows<T, NV, 1>(g, nv, q, r4, scores, len, l);
+    ScoreRows<C, NV, 1>(g, nv, q, r4, scores, len, l);
   }
 
   for (int64 h = 0; h < heads; ++h) inv[h] = SoftmaxAvx2(scores + h * len, len);
@@ -344,11 +354,11 @@ AVX2_FN void AttendAvx2(const Geometry& g, const T* qs, const T* kc, const T* vc
   for (int64 l = 0; l < len4; l += 4) {
     PrefetchRows(vc, rows, l + kAhead, l + kAhead + 4, len, width, bytes);
     for (int r = 0; r < 4; ++r) r4[r] = vc + rows[l + r] * width;
-    AccumulateRows<T, NV, 4>(g, nv, r4, scores, acc, len, l);
+    AccumulateRows<C, NV, 4>(g, nv, r4, scores, acc, len, l);
   }
   for (int64 l = len4; l < len; ++l) {
     r4[0] = vc + rows[l] * width;
-    AccumulateRows<T, NV, 1>(g, nv, r4, scores, acc, len, l);
+    AccumulateRows<C, NV, 1>(g, nv, r4, scores, acc, len, l);
   }
 
   for (int64 h = 0; h < heads; ++h) {
@@ -368,9 +378,20 @@ AVX2_FN void AttendAvx2(const Geometry& g, const T* qs, const T* kc, const T* vc
 #undef AVX2_FN
 #endif  // TOKENSERVE_X86
 
+bool CpuHasF16c() {
+#ifdef TOKENSERVE_X86
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  return __get_cpuid(1, &eax, &ebx, &ecx, &edx) && (ecx & bit_F16C);
+#else
+  return false;
+#endif
+}
+
+// The AVX2 path also needs F16C (float16 caches); every AVX2 CPU made has it.
 bool CpuHasAvx2Fma() {
 #ifdef TOKENSERVE_X86
-  static const bool has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  static const bool has =
+      __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && CpuHasF16c();
   return has;
 #else
   return false;
@@ -378,8 +399,8 @@ bool CpuHasAvx2Fma() {
 }
 
 // One item, dispatched over ISA and Dh.
-template <typename T>
-void Attend(const Geometry& g, bool avx2, const T* qs, const T* kc, const T* vc,
+template <typename T, typename C>
+void Attend(const Geometry& g, bool avx2, const T* qs, const C* kc, const C* vc,
             const int32_t* rows, int64 len, Scratch* scratch, T* out) {
   if (len == 0) {  // nothing to attend to: zeros, as documented
     std::fill(out, out + g.Heads() * g.Dh, FromFloat<T>(0.f));
@@ -388,27 +409,28 @@ void Attend(const Geometry& g, bool avx2, const T* qs, const T* kc, const T* vc,
 #ifdef TOKENSERVE_X86
   if (avx2 && g.Dh % 8 == 0 && g.Dh / 8 <= kMaxVectors) {
     switch (g.Dh) {
-      case 32: return AttendAvx2<T, 4>(g, qs, kc, vc, rows, len, scratch, out);
-      case 64: return AttendAvx2<T, 8>(g, qs, kc, vc, rows, len, scratch, out);
-      case 128: return AttendAvx2<T, 16>(g, qs, kc, vc, rows, len, scratch, out);
-      default: return AttendAvx2<T, 0>(g, qs, kc, vc, rows, len, scratch, out);
+      case 32: return AttendAvx2<T, C, 4>(g, qs, kc, vc, rows, len, scratch, out);
+      case 64: return AttendAvx2<T, C, 8>(g, qs, kc, vc, rows, len, scratch, out);
+      case 128: return AttendAvx2<T, C, 16>(g, qs, kc, vc, rows, len, scratch, out);
+      default: return AttendAvx2<T, C, 0>(g, qs, kc, vc, rows, len, scratch, out);
     }
   }
 #endif
-  AttendScalar<T>(g, qs, kc, vc, rows, len, scratch, out);
+  AttendScalar<T, C>(g, qs, kc, vc, rows, len, scratch, out);
 }
 
 }  // namespace
 
 REGISTER_OP("TokenservePagedDecodeAttention")
     .Input("q: T")                  // [S, H, Dh]
-    .Input("key_cache: resource")   // variable of T [R, Hkv * Dh]
-    .Input("value_cache: resource")  // variable of T [R, Hkv * Dh]
+    .Input("key_cache: resource")   // variable of Tcache [R, Hkv * Dh]
+    .Input("value_cache: resource")  // variable of Tcache [R, Hkv * Dh]
     .Input("rows: int32")           // [S, L]
     .Input("lengths: int32")        // [S]
     .Output("out: T")               // [S, H * Dh]
     .Attr("scale: float")
     .Attr("T: {float, bfloat16}")
+    .Attr("Tcache: {float, bfloat16, half}")  // T, or bfloat16 / half when T is float
     .Attr("isa: {'auto', 'scalar'} = 'auto'")
     .Attr("kv_heads_per_item: int = 0")  // 0: automatic (tests and tuning only)
     // Stateful, like ResourceGather: it reads variables, so it must never be constant-folded
@@ -442,7 +464,7 @@ REGISTER_OP("TokenservePagedDecodeAttentionInfo")
     })
     .Doc("Which instruction set the TokenservePagedDecodeAttention kernel uses on this CPU.");
 
-template <typename T>
+template <typename T, typename C>
 class PagedDecodeAttentionOp : public OpKernel {
  public:
   explicit PagedDecodeAttentionOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
@@ -517,10 +539,10 @@ class PagedDecodeAttentionOp : public OpKernel {
       OP_REQUIRES(ctx, var->is_initialized,
                   FailedPrecondition(name, ": attempting to use an uninitialized variable"));
       const Tensor* t = var->tensor();
-      OP_REQUIRES(ctx, t->dtype() == DataTypeToEnum<T>::v(),
+      OP_REQUIRES(ctx, t->dtype() == DataTypeToEnum<C>::v(),
                   InvalidArgument(name, " holds ", tensorflow::DataTypeString(t->dtype()),
-                                  " but q is ",
-                                  tensorflow::DataTypeString(DataTypeToEnum<T>::v())));
+                                  " but Tcache is ",
+                                  tensorflow::DataTypeString(DataTypeToEnum<C>::v())));
       OP_REQUIRES(ctx, t->dims() == 2,
                   InvalidArgument(name, " must be [R, Hkv * Dh], got shape ",
                                   t->shape().DebugString()));
@@ -552,8 +574,8 @@ class PagedDecodeAttentionOp : public OpKernel {
     if (g.S == 0 || g.H == 0) return;
 
     const T* qp = q.flat<T>().data();
-    const T* kp = keys->flat<T>().data();
-    const T* vp = values->flat<T>().data();
+    const C* kp = keys->flat<C>().data();
+    const C* vp = values->flat<C>().data();
     T* op = out_tensor->flat<T>().data();
     const bool avx2 = avx2_;
     // Items: a sequence and `span` consecutive kv heads. Whole rows (span = Hkv) read the
@@ -575,7 +597,7 @@ class PagedDecodeAttentionOp : public OpKernel {
       for (int64 item = begin; item < end; ++item) {
         const int64 s = item / parts, kv = (item % parts) * g.span;
         const int64 head = kv * g.group;  // the item's first query head
-        Attend<T>(g, avx2, qp + (s * g.H + head) * g.Dh, kp + kv * g.Dh, vp + kv * g.Dh,
+        Attend<T, C>(g, avx2, qp + (s * g.H + head) * g.Dh, kp + kv * g.Dh, vp + kv * g.Dh,
                   rows_p + s * g.L, len_p[s], &scratch, op + (s * g.H + head) * g.Dh);
       }
     };
@@ -603,13 +625,17 @@ class PagedDecodeAttentionInfoOp : public OpKernel {
   }
 };
 
-#define REGISTER(T)                                                 \
+// (q, cache) dtypes: the same, or a float32 step over a 16-bit cache.
+#define REGISTER(T, C)                                              \
   REGISTER_KERNEL_BUILDER(Name("TokenservePagedDecodeAttention")   \
                               .Device(tensorflow::DEVICE_CPU)       \
-                              .TypeConstraint<T>("T"),              \
-                          PagedDecodeAttentionOp<T>);
-REGISTER(float)
-REGISTER(bfloat16)
+                              .TypeConstraint<T>("T")               \
+                              .TypeConstraint<C>("Tcache"),         \
+                          PagedDecodeAttentionOp<T, C>);
+REGISTER(float, float)
+REGISTER(bfloat16, bfloat16)
+REGISTER(float, bfloat16)
+REGISTER(float, Half)
 #undef REGISTER
 REGISTER_KERNEL_BUILDER(Name("TokenservePagedDecodeAttentionInfo").Device(tensorflow::DEVICE_CPU),
                         PagedDecodeAttentionInfoOp);

@@ -14,6 +14,10 @@ sequences (GPT-2-small, 2-core EPYC).
     # q [S, H, Dh]; caches: tf.Variable [R, Hkv*Dh] (or their handles); rows int32 [S, L];
     # lengths int32 [S] (positions 0..lengths-1 are attended; 0 gives zeros) -> [S, H*Dh]
 
+The cache may be stored in fewer bits than q: a float32 step over a bfloat16 or float16
+cache (half the memory) widens each row to float32 as it reads it, exactly, in the op and in
+the fallback alike; the math after that is the float32 cache's.
+
 Ordering against the cache writes: the op's shared lock on the variables does not order it
 against `scatter_update` (ResourceScatterUpdate writes float/bfloat16 under a shared lock
 too), the graph must. Inside a tf.function, automatic control dependencies give every op
@@ -61,11 +65,13 @@ except (ImportError, AttributeError):  # pragma: no cover - then it is ordered a
     pass
 
 
-def paged_decode_attention(q, key_cache, value_cache, rows, lengths, scale: float) -> tf.Tensor:
+def paged_decode_attention(q, key_cache, value_cache, rows, lengths, scale: float,
+                           cache_dtype=None) -> tf.Tensor:
     """Decode attention of q [S, H, Dh] over cache rows -> [S, H * Dh] in q's dtype.
 
     key_cache, value_cache: tf.Variable (or a resource handle tensor) of [R, Hkv * Dh] in q's
-    dtype (float32 or bfloat16); head h reads kv head h // (H // Hkv).
+    dtype, or in bfloat16 or float16 under a float32 q (`cache_dtype`: needed for handles
+    only, default q's dtype); head h reads kv head h // (H // Hkv).
     rows: int32 [S, L], the cache row of each context position; every entry must be a valid
     row (padding: e.g. 0), else InvalidArgumentError.
     lengths: int32 [S], positions 0 .. lengths[s] - 1 are attended to; 0 gives zeros.
@@ -76,12 +82,15 @@ def paged_decode_attention(q, key_cache, value_cache, rows, lengths, scale: floa
     """
     op = _op_module()
     if op is None:
-        return paged_decode_attention_fallback(q, key_cache, value_cache, rows, lengths, scale)
-    return _call(op, q, key_cache, value_cache, rows, lengths, scale)
+        return paged_decode_attention_fallback(q, key_cache, value_cache, rows, lengths, scale,
+                                               cache_dtype)
+    return _call(op, q, key_cache, value_cache, rows, lengths, scale,
+                 cache_dtype=cache_dtype)
 
 
 def compiled_paged_decode_attention(q, key_cache, value_cache, rows, lengths, scale: float,
-                                    isa: str = "auto", kv_heads_per_item: int = 0) -> tf.Tensor:
+                                    isa: str = "auto", kv_heads_per_item: int = 0,
+                                    cache_dtype=None) -> tf.Tensor:
     """The compiled op with its kernel choices exposed (tests and benchmarks).
 
     isa: "auto" (AVX2+FMA where the CPU has it) or "scalar" (the portable path).
@@ -94,38 +103,55 @@ def compiled_paged_decode_attention(q, key_cache, value_cache, rows, lengths, sc
     if isinstance(loaded, str):
         raise RuntimeError(f"paged attention op unavailable: {loaded}")
     return _call(loaded[0], q, key_cache, value_cache, rows, lengths, scale, isa,
-                 kv_heads_per_item)
+                 kv_heads_per_item, cache_dtype)
 
 
-def _handle(cache, dtype: tf.DType):
-    """The resource handle of a cache given as a variable or a handle; checks its dtype."""
+CACHE_DTYPES = (tf.float32, tf.bfloat16, tf.float16)
+
+
+def _cache_dtype(key_cache, value_cache, q_dtype: tf.DType, cache_dtype=None) -> tf.DType:
+    """The dtype both caches hold: the variables' own, else `cache_dtype`, else q's."""
+    dtypes = {c.dtype for c in (key_cache, value_cache) if isinstance(c, tf.Variable)}
+    if cache_dtype is not None:
+        dtypes.add(tf.as_dtype(cache_dtype))
+    if len(dtypes) > 1:
+        raise TypeError(f"the caches hold different dtypes: {sorted(d.name for d in dtypes)}")
+    dtype = dtypes.pop() if dtypes else q_dtype
+    if dtype != q_dtype and not (q_dtype == tf.float32 and dtype in CACHE_DTYPES):
+        raise TypeError(f"the cache holds {dtype.name} but q is {q_dtype.name} (a cache must "
+                        f"hold q's dtype, or 16 bits under a float32 q)")
+    return dtype
+
+
+def _handle(cache):
+    """The resource handle of a cache given as a variable or a handle."""
     if isinstance(cache, tf.Variable):
-        if cache.dtype != dtype:
-            raise TypeError(f"the cache holds {cache.dtype.name} but q is {dtype.name}")
         return cache.handle
     return tf.convert_to_tensor(cache, tf.resource)
 
 
 def _call(op, q, key_cache, value_cache, rows, lengths, scale, isa="auto",
-          kv_heads_per_item=0):
+          kv_heads_per_item=0, cache_dtype=None):
     q = tf.convert_to_tensor(q)
     return op.tokenserve_paged_decode_attention(
-        q, _handle(key_cache, q.dtype), _handle(value_cache, q.dtype),
-        tf.cast(rows, tf.int32), tf.cast(lengths, tf.int32), scale=float(scale), isa=isa,
+        q, _handle(key_cache), _handle(value_cache), tf.cast(rows, tf.int32),
+        tf.cast(lengths, tf.int32), scale=float(scale),
+        Tcache=_cache_dtype(key_cache, value_cache, q.dtype, cache_dtype), isa=isa,
         kv_heads_per_item=kv_heads_per_item)
 
 
-def _gather(cache, rows, dtype: tf.DType):
-    """cache rows [S, L] -> [S, L, width] (ResourceGather: no dense read of the cache)."""
+def _gather(cache, rows, cache_dtype: tf.DType, dtype: tf.DType):
+    """cache rows [S, L] -> [S, L, width] in `dtype` (ResourceGather: no dense read of the
+    cache; a 16-bit cache is widened after the gather, on the gathered rows only)."""
     if isinstance(cache, tf.Variable):
-        if cache.dtype != dtype:
-            raise TypeError(f"the cache holds {cache.dtype.name} but q is {dtype.name}")
-        return tf.gather(cache, rows)
-    return tf.raw_ops.ResourceGather(resource=cache, indices=rows, dtype=dtype)
+        gathered = tf.gather(cache, rows)
+    else:
+        gathered = tf.raw_ops.ResourceGather(resource=cache, indices=rows, dtype=cache_dtype)
+    return tf.cast(gathered, dtype)
 
 
 def paged_decode_attention_fallback(q, key_cache, value_cache, rows, lengths,
-                                    scale: float) -> tf.Tensor:
+                                    scale: float, cache_dtype=None) -> tf.Tensor:
     """Pure-TF paged_decode_attention, the engine's graph path (TransformerStep's decode
     attention): gather the rows ([S, L, Hkv*Dh] copies), spread each head's query over the
     kv-head columns (zero outside its own) so both batched matmuls read the rows in their
@@ -133,8 +159,9 @@ def paged_decode_attention_fallback(q, key_cache, value_cache, rows, lengths,
     q = tf.convert_to_tensor(q)
     rows = tf.cast(rows, tf.int32)
     lengths = tf.cast(lengths, tf.int32)
-    keys = _gather(key_cache, rows, q.dtype)                              # [S, L, W]
-    values = _gather(value_cache, rows, q.dtype)
+    stored = _cache_dtype(key_cache, value_cache, q.dtype, cache_dtype)
+    keys = _gather(key_cache, rows, stored, q.dtype)                      # [S, L, W]
+    values = _gather(value_cache, rows, stored, q.dtype)
     shape = tf.shape(q)
     num_seqs, num_heads, head_dim = shape[0], shape[1], shape[2]
     width = tf.shape(keys)[2]

@@ -353,27 +353,46 @@ class ModelManager:
         self._finish_reload()
 
     def _bring_up(self, version: LoadedVersion, spec: ModelSpecConfig) -> None:
-        started = time.monotonic()
+        """Load, warmup, extensions. Observers see one load and one warmup latency per
+        version, extensions' own phases included: an extension may report them as
+        `startup_seconds = {"load": s, "warmup": s}` (the engine: its weights, its warmup)."""
+        begun = started = time.monotonic()
         try:
             version.servable = self._loader(spec, version.path)
         finally:
-            seconds = time.monotonic() - started
+            load_s = time.monotonic() - started
             if self._metrics:  # the load alone, as TF Serving's load_latency
-                self._metrics.load(str(version.path), seconds, version.servable is not None)
-            self._notify("on_load", version, seconds, version.servable is not None)
-        if self._warmup is not None:
-            started = time.monotonic()
-            self._warmup(version)
-            seconds = time.monotonic() - started
-            if self._metrics:
-                self._metrics.warmup(str(version.path), seconds)
-            self._notify("on_warmup", version, seconds)
-        with self._cond:
-            extensions = list(self._extensions)
-        for name, factory in extensions:
-            built = factory(version)
-            if built is not None:
-                version.extensions[name] = built
+                self._metrics.load(str(version.path), load_s, version.servable is not None)
+            if version.servable is None:
+                self._notify("on_load", version, load_s, False)
+        phases = {"load": load_s, "warmup": 0.0}
+        try:
+            if self._warmup is not None:
+                started = time.monotonic()
+                self._warmup(version)
+                phases["warmup"] = time.monotonic() - started
+                if self._metrics:
+                    self._metrics.warmup(str(version.path), phases["warmup"])
+            with self._cond:
+                extensions = list(self._extensions)
+            for name, factory in extensions:
+                started = time.monotonic()
+                built = factory(version)
+                if built is not None:
+                    version.extensions[name] = built
+                    reported = getattr(built, "startup_seconds", None) or {}
+                    for phase in ("load", "warmup"):
+                        phases[phase] += reported.get(phase, 0.0)
+                    phases[name] = time.monotonic() - started
+        finally:
+            self._notify("on_load", version, phases["load"], True)
+            if self._warmup is not None or phases["warmup"]:
+                self._notify("on_warmup", version, phases["warmup"])
+        log.info("%s version %d: ready in %.2fs (phases: load %.2fs, warmup %.2fs; %s)",
+                 version.model_name, version.version, time.monotonic() - begun,
+                 phases["load"], phases["warmup"],
+                 ", ".join(f"extension {k} {v:.2f}s" for k, v in phases.items()
+                           if k not in ("load", "warmup")) or "no extensions")
 
     def _tear_down(self, version: LoadedVersion) -> None:
         for name, built in reversed(list(version.extensions.items())):

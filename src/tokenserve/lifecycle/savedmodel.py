@@ -9,6 +9,8 @@ and DEADLINE_EXCEEDED keep theirs, anything else is the server's error.
 
 from __future__ import annotations
 
+import logging
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -22,7 +24,10 @@ from tokenserve.lifecycle.servable import (DEFAULT_SIGNATURE, check_output_keys,
 from tokenserve.lifecycle.session_bundle import (SERVE_TAG, SessionBundle, SessionOptions,
                                                  load_failure, status_code_name)
 
-__all__ = ["SERVE_TAG", "SavedModelServable", "dtype_string", "load_error", "run_error"]
+__all__ = ["SERVE_TAG", "LazySavedModelServable", "SavedModelServable", "dtype_string",
+           "load_error", "run_error"]
+
+log = logging.getLogger("tokenserve.lifecycle")
 
 
 def dtype_string(dtype) -> str:
@@ -93,3 +98,60 @@ class SavedModelServable:
 
     def close(self) -> None:
         self._bundle.close()
+
+
+class LazySavedModelServable:
+    """A SavedModelServable whose Session, and with it a full copy of the weights, is built
+    on the first run, not at load.
+
+    For a tokenserve language model the engine holds the weights it serves from; the
+    SavedModel's Session is only the TF Serving path (Predict, `generate`), so it costs
+    memory only once a client uses that path. Signatures (metadata, request checks) come from
+    saved_model.pb, which is read at once, with no variables.
+    """
+
+    def __init__(self, path: str | Path, tags: tuple[str, ...] = (SERVE_TAG,),
+                 options: SessionOptions = SessionOptions()):
+        from tokenserve.lifecycle.session_bundle import check_tags, read_saved_model
+
+        self.path = Path(path)
+        self._tags, self._options = tuple(tags), options
+        try:
+            proto = read_saved_model(self.path)
+        except Exception as error:  # noqa: BLE001 - a corrupt file fails the load, as before
+            raise load_error(self.path, error) from error
+        check_tags(proto, self._tags)
+        graph = next(g for g in proto.meta_graphs if set(g.meta_info_def.tags) == set(tags))
+        self.signature_defs = dict(graph.signature_def)
+        self._servable: SavedModelServable | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def loaded(self) -> bool:
+        return self._servable is not None
+
+    @property
+    def weights_bytes(self) -> int:
+        """Bytes of the variables the Session holds (0 until it is built)."""
+        if self._servable is None:
+            return 0
+        return sum(f.stat().st_size for f in (self.path / "variables").glob("variables.data-*"))
+
+    def _session(self) -> SavedModelServable:
+        with self._lock:
+            if self._servable is None:
+                log.info("%s: building the SavedModel session for its first TF Serving "
+                         "request", self.path)
+                self._servable = SavedModelServable(self.path, self._tags, self._options)
+            return self._servable
+
+    def run(self, signature_name: str, inputs: dict[str, np.ndarray],
+            output_keys: list[str] | None = None,
+            timeout_s: float | None = None) -> dict[str, np.ndarray]:
+        return self._session().run(signature_name, inputs, output_keys, timeout_s)
+
+    def close(self) -> None:
+        with self._lock:
+            servable, self._servable = self._servable, None
+        if servable is not None:
+            servable.close()

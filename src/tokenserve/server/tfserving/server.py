@@ -72,28 +72,44 @@ class _TimedServable:
         self._servable.close()
 
 
-def build_context(config: ServeConfig, registry: CollectorRegistry | None = None
-                  ) -> ServeContext:
+def build_context(config: ServeConfig, registry: CollectorRegistry | None = None,
+                  lazy_llm_sessions: bool = False) -> ServeContext:
     """A manager configured from `config` (nothing loaded yet) and a registry (a fresh one
-    unless given)."""
+    unless given). `lazy_llm_sessions`: a tokenserve language model's SavedModel Session (a
+    second copy of the weights the engine already holds) is built on its first TF Serving
+    request, and its TF Serving warmup records wait for that too."""
+    from tokenserve.export.exporter import GENERATION_CONFIG_FILE
+
     registry = registry if registry is not None else CollectorRegistry()
     metrics = TFServingMetrics(registry)
     set_signature_method_name_check(config.enable_signature_method_name_check)
-    warmup = (make_warmup(replay_warmup_record, config.num_request_iterations_for_warmup)
+    replay = (make_warmup(replay_warmup_record, config.num_request_iterations_for_warmup)
               if config.enable_model_warmup else None)
     session_options = SessionOptions(intra_op_threads=config.intra_op_threads,
                                      inter_op_threads=config.inter_op_threads)
 
+    def lazy(path) -> bool:
+        return lazy_llm_sessions and (path / "assets" / GENERATION_CONFIG_FILE).exists()
+
+    def warmup(version):
+        if lazy(version.path):
+            log.info("%s version %d: TF Serving warmup skipped (its Session is built on the "
+                     "first TF Serving request; the engine warms up itself)",
+                     version.model_name, version.version)
+            return
+        replay(version)
+
     def load(spec, path):
         servable = load_servable(spec, path, prefer_tflite=config.prefer_tflite_model,
-                                 tags=config.tags, session_options=session_options)
+                                 tags=config.tags, session_options=session_options,
+                                 lazy_session=lazy(path))
         servable = _TimedServable(servable, spec.name, metrics)
         if config.enable_batching:
             servable = BatchingServable(servable, config.batching_parameters)
         return servable
 
     manager = ModelManager(
-        load, warmup=warmup, max_num_load_retries=config.max_num_load_retries,
+        load, warmup=warmup if replay is not None else None, max_num_load_retries=config.max_num_load_retries,
         load_retry_interval_s=config.load_retry_interval_micros / 1e6,
         allow_labels_for_unavailable=config.allow_version_labels_for_unavailable_models,
         metrics=metrics)

@@ -1,0 +1,188 @@
+#!/usr/bin/env python
+"""Memory footprint and time to ready of `tokenserve serve`, measured from outside.
+
+For each configuration the script launches `tokenserve serve` on one model, polls the
+OpenAI API until the model is listed (time to ready), reads the process's resident memory
+from /proc (VmRSS idle, then after 32 concurrent requests; VmHWM: the peak), scrapes the
+`tokenserve:memory_bytes{kind=...}` gauges and keeps the server's startup memory line.
+
+Starts:
+  first   an empty XLA persistent cache (a fresh directory): every XLA program compiles.
+          The custom-op libraries stay built (scripts/setup.sh builds them at install).
+  second  the same cache directory again, warm from the first start.
+
+Models: GPT-2-small (random weights, `tokenserve export gpt2-small --output DIR --no-xla`)
+with 32 sequences x 1,024 tokens of KV pool, and the built-in transformer (`tokenserve
+serve` with no model flags).
+
+Targets: GPT-2-small RSS <= 2.2 GB; built-in <= 700 MB; ready <= 10 s on a second start
+and <= 20 s on a first start (GPT-2-small).
+
+Output: a table, benchmarks/results/footprint.json.
+
+Run:  python benchmarks/footprint.py [--gpt2 /tmp/headline/gpt2-float32] [--only builtin]
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+from rich.console import Console
+from rich.table import Table
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from machine import machine_info, machine_summary  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+TOKENSERVE = str(Path(sys.executable).with_name("tokenserve"))
+NUM_REQUESTS = 32
+console = Console(width=140)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def proc_memory(pid: int) -> dict[str, int]:
+    """VmRSS, VmHWM (peak), RssAnon and RssFile of a process, in bytes (/proc/PID/status).
+    RssFile is mostly TensorFlow's shared libraries (page cache, shared between processes)."""
+    values = {}
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        name, _, rest = line.partition(":")
+        if name in ("VmRSS", "VmHWM", "RssAnon", "RssFile"):
+            values[name] = int(rest.split()[0]) * 1024
+    return values
+
+
+def memory_gauges(text: str) -> dict[str, int]:
+    gauges = {}
+    for match in re.finditer(r'^tokenserve:memory_bytes\{[^}]*kind="([^"]+)"[^}]*\} (\S+)$',
+                             text, re.M):
+        gauges[match.group(1)] = int(float(match.group(2)))
+    return gauges
+
+
+def run_server(label: str, model_args: list[str], flags: list[str], xla_dir: Path,
+               model_id: str, prompt_words: int, max_tokens: int) -> dict:
+    ports = {"--port": free_port(), "--rest_api_port": free_port(),
+             "--openai_port": free_port()}
+    log_path = Path(tempfile.gettempdir()) / f"footprint-{label}.log"
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3",
+               TF_XLA_FLAGS=f"--tf_xla_persistent_cache_directory={xla_dir}")
+    started = time.monotonic()
+    with open(log_path, "w") as log:
+        server = subprocess.Popen(
+            [TOKENSERVE, "serve", *model_args, "--metrics_public",
+             *[str(x) for kv in ports.items() for x in kv], *flags],
+            stdout=log, stderr=log, env=env)
+    url = f"http://127.0.0.1:{ports['--openai_port']}"
+    try:
+        ready_s = None
+        while time.monotonic() - started < 900:
+            try:
+                answer = httpx.get(url + "/v1/models", timeout=2)
+                if answer.status_code == 200 and model_id in answer.text:
+                    ready_s = time.monotonic() - started
+                    break
+            except httpx.HTTPError:
+                pass
+            if server.poll() is not None:
+                raise RuntimeError(f"tokenserve serve exited; see {log_path}")
+            time.sleep(0.1)
+        time.sleep(2)  # let the allocator settle
+        idle = proc_memory(server.pid)
+        gauges = memory_gauges(httpx.get(url + "/metrics", timeout=10).text)
+        prompt = " ".join(["the quick brown fox jumps over the lazy dog"] * (prompt_words // 9))
+
+        def one(_):
+            return httpx.post(url + "/v1/completions", timeout=900, json={
+                "model": model_id, "prompt": prompt, "max_tokens": max_tokens,
+                "ignore_eos": True}).status_code
+        with concurrent.futures.ThreadPoolExecutor(NUM_REQUESTS) as pool:
+            codes = list(pool.map(one, range(NUM_REQUESTS)))
+        loaded = proc_memory(server.pid)
+        log_lines = log_path.read_text().splitlines()
+        memory_lines = [line.strip() for line in log_lines if "memory:" in line]
+        phase_lines = [line.strip() for line in log_lines if "ready in" in line
+                       or "phases" in line]
+        return {"ready_s": ready_s, "rss_idle": idle["VmRSS"], "rss_loaded": loaded["VmRSS"],
+                "rss_peak": loaded["VmHWM"], "rss_anon_loaded": loaded["RssAnon"],
+                "rss_file_loaded": loaded["RssFile"], "gauges": gauges,
+                "requests_ok": sum(code == 200 for code in codes),
+                "memory_log": memory_lines[-1] if memory_lines else None,
+                "phase_log": phase_lines[-3:], "flags": flags}
+    finally:
+        server.terminate()
+        try:
+            server.wait(60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--gpt2", default="/tmp/headline/gpt2-float32",
+                        help="a GPT-2-small export (made with `tokenserve export gpt2-small "
+                             "--output DIR --no-xla` when missing)")
+    parser.add_argument("--only", choices=["gpt2", "builtin"], default=None)
+    parser.add_argument("--kv_cache_dtype", default=None,
+                        help="passed to serve (default: serve's own default)")
+    parser.add_argument("--output", default=str(RESULTS / "footprint.json"))
+    args = parser.parse_args()
+    console.print(machine_summary(machine_info()))
+    gpt2 = Path(args.gpt2)
+    if args.only != "builtin" and not gpt2.exists():
+        console.print(f"exporting gpt2-small to {gpt2} ...")
+        subprocess.run([TOKENSERVE, "export", "gpt2-small", "--output", str(gpt2), "--no-xla"],
+                       check=True, stdout=subprocess.DEVNULL)
+    common = ["--max_num_seqs", "32"] + (
+        [f"--kv_cache_dtype={args.kv_cache_dtype}"] if args.kv_cache_dtype else [])
+    models = {
+        "gpt2-small": (["--model_name", "gpt2", "--model_base_path", str(gpt2)], "gpt2",
+                       common + ["--kv_cache_tokens", str(32 * 1024)], 120, 16),
+        "builtin": ([], "builtin", common, 60, 16),
+    }
+    results = {}
+    for name, (model_args, model_id, flags, words, max_tokens) in models.items():
+        if args.only and not name.startswith(args.only):
+            continue
+        xla_dir = Path(tempfile.mkdtemp(prefix=f"footprint-xla-{name}-"))
+        for start in ("first", "second"):
+            label = f"{name}-{start}"
+            console.print(f"{label}: serving ...")
+            results[label] = run_server(label, model_args, flags, xla_dir, model_id, words,
+                                        max_tokens)
+            console.print(results[label])
+    table = Table(title="tokenserve serve: memory and time to ready")
+    for column in ("run", "ready s", "RSS idle MB", "RSS after 32 req MB", "of which anon MB",
+                   "of which file MB", "peak MB", "requests ok"):
+        table.add_column(column, justify="right")
+    for label, r in results.items():
+        table.add_row(label, f"{r['ready_s']:.1f}", f"{r['rss_idle'] / 1e6:.0f}",
+                      f"{r['rss_loaded'] / 1e6:.0f}", f"{r['rss_anon_loaded'] / 1e6:.0f}",
+                      f"{r['rss_file_loaded'] / 1e6:.0f}", f"{r['rss_peak'] / 1e6:.0f}",
+                      f"{r['requests_ok']}/{NUM_REQUESTS}")
+    console.print(table)
+    for label, r in results.items():
+        console.print(f"{label}: {r['memory_log']}")
+    Path(args.output).write_text(json.dumps(
+        {"machine": machine_info(), "results": results}, indent=2) + "\n")
+    console.print(f"wrote {args.output}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,111 @@
+"""The KV pool sized from a memory budget (bytes, or a fraction of the memory limit as vLLM's
+gpu_memory_utilization), its dtype choice, the flags, and the runner allocating the plan."""
+
+from __future__ import annotations
+
+import pytest
+
+from tokenserve.engine.config import EngineConfig
+from tokenserve.engine.kv_budget import plan_kv_cache, resolve_kv_dtype
+from tokenserve.errors import ConfigError
+
+# GPT-2-small: 12 layers, 12 heads of 64 -> a K or V row of 768 values
+GPT2 = dict(num_layers=12, kv_width=768, compute_dtype="float32", max_seq_len=1024)
+F16_TOKEN = 12 * 2 * 768 * 2  # bytes per position in float16: 36,864
+
+
+def test_auto_is_16_bits_under_any_compute_dtype():
+    assert resolve_kv_dtype("auto", "float32") == "float16"
+    assert resolve_kv_dtype("auto", "bfloat16") == "bfloat16"
+    assert resolve_kv_dtype("float32", "float32") == "float32"
+    with pytest.raises(ConfigError, match="bfloat16 compute"):
+        resolve_kv_dtype("float16", "bfloat16")
+    with pytest.raises(ConfigError):
+        resolve_kv_dtype("int8", "float32")
+
+
+def test_default_is_max_num_seqs_full_contexts():
+    plan = plan_kv_cache(EngineConfig(max_num_seqs=32), **GPT2)
+    assert plan.dtype == "float16" and plan.bytes_per_token == F16_TOKEN
+    assert plan.num_tokens == 32 * 1024
+    assert plan.num_bytes == (32 * 1024 + 16) * F16_TOKEN  # + the padding block
+    assert round(plan.num_bytes / 2**20) == 1153  # llama.cpp's f16 cache: 1,152 MiB
+
+
+def test_capacity_from_a_byte_budget():
+    budget = 600 * 2**20
+    plan = plan_kv_cache(EngineConfig(kv_cache_memory_bytes=budget), **GPT2)
+    block = 16 * F16_TOKEN
+    assert plan.num_blocks == budget // block
+    assert plan.num_bytes <= budget < plan.num_bytes + block  # fills the budget, never over
+    assert plan.num_tokens == (budget // block - 1) * 16
+    assert "600" in plan.source or f"{budget:,}" in plan.source
+    wide = plan_kv_cache(EngineConfig(kv_cache_memory_bytes=budget, kv_cache_dtype="float32"),
+                         **GPT2)
+    assert wide.num_blocks == budget // (2 * block)  # float32: half the tokens
+    assert "tokens" in plan.describe(1024) and "float16" in plan.describe(1024)
+
+
+def test_capacity_from_a_memory_fraction():
+    gib = 2**30
+    config = EngineConfig(kv_cache_memory_fraction=0.5)
+    plan = plan_kv_cache(config, **GPT2, used_bytes=1 * gib, limit_bytes=8 * gib)
+    budget = 4 * gib - 1 * gib  # half of 8 GiB, less what the process already holds
+    assert plan.num_blocks == budget // (16 * F16_TOKEN)
+    assert plan.num_bytes <= budget
+    with pytest.raises(ConfigError, match="at least one"):  # nothing left for the pool
+        plan_kv_cache(config, **GPT2, used_bytes=5 * gib, limit_bytes=8 * gib)
+
+
+def test_explicit_tokens_win_and_sizes_exclude_each_other():
+    plan = plan_kv_cache(EngineConfig(max_cache_tokens=100, block_size=16), **GPT2)
+    assert plan.num_tokens == 112 and plan.source == "kv_cache_tokens"
+    with pytest.raises(ConfigError, match="at most one"):
+        EngineConfig(max_cache_tokens=1024, kv_cache_memory_bytes=2**30)
+    with pytest.raises(ConfigError, match="at most one"):
+        EngineConfig(kv_cache_memory_bytes=2**30, kv_cache_memory_fraction=0.5)
+
+
+@pytest.mark.parametrize("options,match", [
+    (dict(kv_cache_memory_fraction=0.0), "fraction"),
+    (dict(kv_cache_memory_fraction=1.5), "fraction"),
+    (dict(kv_cache_memory_bytes=0), "positive"),
+    (dict(kv_cache_dtype="fp8"), "kv_cache_dtype"),
+])
+def test_bad_settings(options, match):
+    with pytest.raises(ConfigError, match=match):
+        EngineConfig(**options)
+
+
+def test_a_budget_below_one_block_is_refused():
+    with pytest.raises(ConfigError, match="at least one"):
+        plan_kv_cache(EngineConfig(kv_cache_memory_bytes=16 * F16_TOKEN), **GPT2)
+
+
+def test_flags_reach_the_engine_config():
+    from tokenserve.cli.main import build_parser
+    from tokenserve.cli.serve import llm_config_from_args
+
+    args = build_parser().parse_args(["serve", "--kv_cache_dtype=bfloat16",
+                                      "--kv_cache_memory_bytes=1000000000"])
+    engine = llm_config_from_args(args).engine
+    assert engine.kv_cache_dtype == "bfloat16" and engine.kv_cache_memory_bytes == 10**9
+    args = build_parser().parse_args(["serve", "--kv_cache_memory_fraction", "0.8"])
+    assert llm_config_from_args(args).engine.kv_cache_memory_fraction == 0.8
+
+
+def test_runner_allocates_the_planned_pool(tokenizer):
+    from conftest import tiny
+    from tokenserve.engine.runner import ModelRunner
+
+    model, config = tiny("tiny-llama", tokenizer)
+    c = config.model
+    token_bytes = c.num_layers * 2 * c.num_kv_heads * c.head_dim * 2
+    budget = 50 * 4 * token_bytes + 123  # 50 blocks of 4, and a little over
+    runner = ModelRunner(model, config, EngineConfig(block_size=4, precision="float32",
+                                                     kv_cache_memory_bytes=budget))
+    assert runner.cache.capacity_tokens == 49 * 4  # the padding block is not usable
+    caches = [v for pair in runner.step.caches for v in pair]
+    assert {v.dtype.name for v in caches} == {"float16"}
+    allocated = sum(v.shape.num_elements() * v.dtype.size for v in caches)
+    assert allocated == runner.kv_plan.num_bytes <= budget
