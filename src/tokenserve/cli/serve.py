@@ -95,6 +95,14 @@ def _add_llm_flags(p) -> None:
                    help="token budget of one engine step (decode first, then prefill chunks)")
     g.add_argument("--kv_cache_tokens", type=int, default=None,
                    help="KV-cache capacity in positions (default: max_num_seqs x context)")
+    g.add_argument("--kv_cache_dtype", default=engine.kv_cache_dtype,
+                   choices=["auto", "float32", "bfloat16", "float16"],
+                   help="KV-cache storage; auto = 16 bits (float16 under float32 compute)")
+    g.add_argument("--kv_cache_memory_bytes", type=int, default=None,
+                   help="size the KV cache to this many bytes (capacity logged at load)")
+    g.add_argument("--kv_cache_memory_fraction", type=float, default=None,
+                   help="size the KV cache so the process uses this fraction of its memory "
+                        "limit (cgroup, else RAM), as vLLM's gpu_memory_utilization")
     g.add_argument("--precision", default=engine.precision,
                    choices=["auto", "float32", "bfloat16"],
                    help="engine compute dtype; auto = bfloat16 on AMX/AVX512-BF16 CPUs")
@@ -105,7 +113,25 @@ def _add_llm_flags(p) -> None:
     g.add_argument("--preempt_for_priority", type=parse_bool, nargs="?", const=True,
                    default=False, metavar="true|false",
                    help="let higher-priority requests preempt running lower-priority ones")
+    g.add_argument("--enable_prefix_caching", type=parse_bool, nargs="?", const=True,
+                   default=engine.enable_prefix_caching, metavar="true|false",
+                   help="reuse the KV blocks of cached prompt prefixes (default on; "
+                        "--noenable_prefix_caching turns it off)")
+    g.add_argument("--noenable_prefix_caching", dest="enable_prefix_caching",
+                   action="store_false", help=argparse.SUPPRESS)
+    g.add_argument("--kv_store", default=None, metavar="redis://HOST:PORT/DB",
+                   help="share full KV blocks between replicas through this Redis")
+    g.add_argument("--kv_store_ttl_s", type=float, default=engine.kv_store_ttl_s,
+                   help="lifetime of a KV block written to --kv_store")
+    g.add_argument("--state_store", default=None, metavar="redis://HOST:PORT/DB",
+                   help="keep Responses-API conversations in this Redis (default: in "
+                        "process), so any replica continues any conversation")
     g = p.add_argument_group("OpenAI API and observability")
+    g.add_argument("--ui", type=parse_bool, nargs="?", const=True, default=True,
+                   metavar="true|false",
+                   help="serve the browser playground and dashboard at / on the OpenAI port "
+                        "(default on; --noui turns it off)")
+    g.add_argument("--noui", dest="ui", action="store_false", help=argparse.SUPPRESS)
     g.add_argument("--request_timeout_s", type=float, default=600.0,
                    help="deadline of each generation request")
     g.add_argument("--max_request_body_bytes", type=int, default=8 * 1024 * 1024,
@@ -126,15 +152,21 @@ def llm_config_from_args(args: argparse.Namespace):
     engine = EngineConfig(max_num_seqs=args.max_num_seqs,
                           max_num_batched_tokens=args.max_num_batched_tokens,
                           max_cache_tokens=args.kv_cache_tokens, precision=args.precision,
+                          kv_cache_dtype=args.kv_cache_dtype,
+                          kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+                          kv_cache_memory_fraction=args.kv_cache_memory_fraction,
                           max_queue_requests=args.max_queue_requests,
                           max_queue_tokens=args.max_queue_tokens,
-                          preempt_for_priority=args.preempt_for_priority)
+                          preempt_for_priority=args.preempt_for_priority,
+                          enable_prefix_caching=args.enable_prefix_caching,
+                          kv_store=args.kv_store, kv_store_ttl_s=args.kv_store_ttl_s)
     observability = ObservabilityConfig(otlp_traces_endpoint=args.otlp_traces_endpoint,
                                         tensorboard_logdir=args.tensorboard_logdir,
                                         log_format=args.log_format)
     return LLMServeConfig(engine=engine, observability=observability,
                           request_timeout_s=args.request_timeout_s,
-                          max_body_bytes=args.max_request_body_bytes)
+                          max_body_bytes=args.max_request_body_bytes,
+                          state_store=args.state_store, ui=args.ui)
 
 
 class _PrintVersion(argparse.Action):

@@ -52,6 +52,8 @@ class AsyncEngine:
         self._last_step_ok = True
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._loop, name="tokenserve-engine", daemon=True)
+        if engine.scheduler.kv_tier is not None:  # a finished KV lookup wakes the loop
+            engine.scheduler.kv_tier.on_ready = self._notify
 
     @classmethod
     def from_model_dir(cls, path: str | Path, engine_config: EngineConfig = EngineConfig(),
@@ -187,7 +189,8 @@ class AsyncEngine:
         wait_s = self.engine.engine_config.batch_wait_s
         while True:
             with self._lock:
-                while not self._stopped and not self.engine.has_work:
+                # sequences waiting only for the remote KV tier wake the loop when loaded
+                while not self._stopped and not self.engine.scheduler.has_runnable_work:
                     self._wake.wait()
                     if wait_s and self.engine.has_work:  # let more arrivals join the first step
                         self._wake.wait(wait_s)
@@ -206,6 +209,10 @@ class AsyncEngine:
                                           f"{error})") from error
             with self._lock:
                 self._deliver(outputs)
+
+    def _notify(self) -> None:
+        with self._lock:
+            self._wake.notify()
 
     def _die(self, error: BaseException) -> None:
         """The loop cannot go on: log once, fail every stream, refuse new requests."""

@@ -52,6 +52,18 @@ class BlockAllocator:
         self._free.extend(reversed(seq.block_ids))
         seq.block_ids = []
 
+    # -- prefix caching hooks: no-ops here (engine/prefix_cache.py implements them) ---------
+    def match_prefix(self, seq: Sequence) -> int:
+        """Gives a fresh `seq` the cached blocks of its longest cached prefix; returns how
+        many tokens they hold (their prefill is skipped)."""
+        return 0
+
+    def cache_computed(self, seq: Sequence) -> None:
+        """Makes the full, computed blocks of `seq` findable by later requests."""
+
+    def count_query(self, num_tokens: int, num_hit_tokens: int) -> None:
+        """Counts an admitted sequence's prompt tokens and how many were cached."""
+
 
 class SlotAllocator(BlockAllocator):
     """One recurrent-state slot per sequence (the LSTM family): a block so large that one

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from tokenserve.engine.kv_budget import KV_CACHE_DTYPES
 from tokenserve.errors import ConfigError
 
 PRECISIONS = ("auto", "float32", "bfloat16")
@@ -25,7 +26,17 @@ class EngineConfig:
     block_size: int = 16
     """Positions per KV-cache block; sequences own whole blocks."""
     max_cache_tokens: int | None = None
-    """KV-cache capacity in positions over all sequences; None: max_num_seqs * the context."""
+    """KV-cache capacity in positions over all sequences; None: from kv_cache_memory_bytes or
+    kv_cache_memory_fraction when set, else max_num_seqs * the context."""
+    kv_cache_dtype: str = "auto"
+    """KV-cache storage: auto (16 bits: float16 under float32 compute, else the compute
+    dtype), float32, bfloat16 or float16. A float32 step widens 16-bit rows as it reads them."""
+    kv_cache_memory_bytes: int | None = None
+    """Size the KV pool to this many bytes (its token capacity is logged at load)."""
+    kv_cache_memory_fraction: float | None = None
+    """Size the KV pool so the whole process uses this fraction of the memory it may use (the
+    cgroup's limit, else RAM), as vLLM's gpu_memory_utilization: the pool gets the rest after
+    the weights and runtime already resident."""
     max_queue_requests: int = 1024
     """Waiting requests beyond this are refused at once with QueueFullError (HTTP 429)."""
     max_queue_tokens: int = 1_000_000
@@ -44,6 +55,15 @@ class EngineConfig:
     """Steps of at most this many tokens (float32 weights) run the dense half as fused ops
     (kernels/dense.py) instead of XLA programs: on GPT-2-small (AVX2) a decode step takes
     12 % less time at 1 sequence and 14 % less at 4; XLA catches up by 8. 0 turns it off."""
+    enable_prefix_caching: bool = True
+    """Share full KV blocks between sequences with a common prefix and keep them cached after
+    use (transformers; the LSTM family has no blocks to share)."""
+    kv_store: str | None = None
+    """redis://HOST:PORT/DB: a KV tier shared by replicas; None: the local cache only."""
+    kv_store_ttl_s: float = 3600.0
+    """Lifetime of a block written to the KV store, refreshed when it is written again."""
+    kv_store_timeout_s: float = 1.0
+    """Longest wait for one KV-store call; a slower store counts as down (recompute)."""
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size",
@@ -53,8 +73,29 @@ class EngineConfig:
         if self.max_cache_tokens is not None and self.max_cache_tokens < self.block_size:
             raise ConfigError(f"max_cache_tokens must hold at least one block "
                               f"({self.block_size}), got {self.max_cache_tokens}")
+        sizes = [name for name in ("max_cache_tokens", "kv_cache_memory_bytes",
+                                   "kv_cache_memory_fraction") if getattr(self, name) is not None]
+        if len(sizes) > 1:
+            raise ConfigError(f"set at most one of {', '.join(sizes)}: each sizes the KV cache")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got "
+                              f"{self.kv_cache_dtype!r}")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:
+            raise ConfigError(f"kv_cache_memory_bytes must be positive, got "
+                              f"{self.kv_cache_memory_bytes}")
+        fraction = self.kv_cache_memory_fraction
+        if fraction is not None and not 0 < fraction <= 1:
+            raise ConfigError(f"kv_cache_memory_fraction must lie in (0, 1], got "
+                              f"{self.kv_cache_memory_fraction}")
         if self.precision not in PRECISIONS:
             raise ConfigError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
+        if self.kv_store is not None and not self.enable_prefix_caching:
+            raise ConfigError("kv_store needs prefix caching (blocks are stored by prefix hash)")
+        if self.kv_store is not None and not self.kv_store.startswith(("redis://", "rediss://",
+                                                                       "unix://")):
+            raise ConfigError(f"kv_store must be a redis:// URL, got {self.kv_store!r}")
+        if self.kv_store_ttl_s <= 0 or self.kv_store_timeout_s <= 0:
+            raise ConfigError("kv_store_ttl_s and kv_store_timeout_s must be positive")
         if self.max_fused_dense_tokens < 0:
             raise ConfigError(f"max_fused_dense_tokens must be >= 0, got "
                               f"{self.max_fused_dense_tokens}")

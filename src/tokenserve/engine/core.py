@@ -10,12 +10,18 @@ import time
 import uuid
 from dataclasses import dataclass
 
+import numpy as np
+
 from tokenserve.config import GenerationConfig
 from tokenserve.engine.config import EngineConfig
 from tokenserve.engine.detokenizer import IncrementalDetokenizer
+from tokenserve.engine.kv_tier import setup_prefix_cache
+from tokenserve.engine.prefix_cache import PrefixCacheStats
+from tokenserve.engine.guided import GuidedDecoding
 from tokenserve.engine.outputs import CompletionOutput, FinishReason, RequestOutput
 from tokenserve.engine.request import Request, Sequence
-from tokenserve.engine.sampler import SequenceSampler, sample_batch, token_logprob
+from tokenserve.engine.sampler import (SequenceSampler, apply_token_masks, sample_batch,
+                                       token_logprob)
 from tokenserve.engine.scheduler import Scheduler, SchedulerOutput
 from tokenserve.errors import InvalidRequestError, PromptTooLongError
 from tokenserve.sampling import SamplingParams
@@ -38,10 +44,14 @@ class LLMEngine:
         self.runner, self.tokenizer = runner, tokenizer
         self.config: GenerationConfig = runner.config
         self.engine_config = engine_config
-        self.scheduler = Scheduler(engine_config, runner.cache)
         self.stats = stats or StatsSink()
         self.model_name, self.version = model_name or self.config.name, version
+        kv_tier = setup_prefix_cache(runner, engine_config, self.model_name, version)
+        self.scheduler = Scheduler(engine_config, runner.cache, kv_tier)
         self.num_steps = 0
+        self.guided = GuidedDecoding(tokenizer, self.config.model.vocab_size,
+                                     self.config.eos_token_id)
+        self._masks = None  # (guided seqs sampling this step, Future of their token masks)
 
     @property
     def max_model_len(self) -> int:
@@ -71,8 +81,10 @@ class LLMEngine:
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         request = Request(request_id or uuid.uuid4().hex, list(prompt_ids), params,
                           priority=priority, deadline=deadline, trace_context=trace_context or {})
-        for seq in request.seqs:
-            seq.state = _SeqState(SequenceSampler(params, seq.index, vocab, prompt_ids),
+        for seq in request.seqs:  # an invalid constraint raises here, before taking a slot
+            guide = None if params.structured is None else self.guided.make_guide(
+                params.structured)
+            seq.state = _SeqState(SequenceSampler(params, seq.index, vocab, prompt_ids, guide),
                                   IncrementalDetokenizer(self.tokenizer, params.stop))
         return request
 
@@ -90,6 +102,16 @@ class LLMEngine:
     @property
     def has_work(self) -> bool:
         return self.scheduler.has_work
+
+    def prefix_cache_stats(self) -> PrefixCacheStats:
+        """Cumulative prefix-cache counters (zeros without prefix caching)."""
+        cache, tier = self.scheduler.cache, self.scheduler.kv_tier
+        remote = {} if tier is None else dict(
+            num_remote_query_tokens=tier.num_query_tokens,
+            num_remote_hit_tokens=tier.num_hit_tokens,
+            num_remote_saved_blocks=tier.num_saved_blocks, num_remote_errors=tier.num_errors)
+        return PrefixCacheStats(getattr(cache, "num_query_tokens", 0),
+                                getattr(cache, "num_hit_tokens", 0), **remote)
 
     # -- one step -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -110,6 +132,14 @@ class LLMEngine:
         """(logits [S, vocab], seconds): the runner's compiled step. Touches no Python state,
         so the async engine runs it without holding its lock."""
         started = time.perf_counter()
+        if scheduled.kv_transfers:  # block copies to and from the remote tier, in order
+            self.scheduler.kv_tier.apply(self.runner, scheduled.kv_transfers)
+        if not scheduled.scheduled:
+            return None, time.perf_counter() - started
+        guided = [s.seq for s in scheduled.scheduled if s.seq.state.sampler.guide is not None
+                  and s.num_new_tokens == s.seq.num_pending_tokens]  # these sample this step
+        self._masks = guided and (guided, self.guided.start_masks(
+            [seq.state.sampler.guide for seq in guided]))  # overlaps the step
         logits = self.runner.execute(scheduled)
         return logits, time.perf_counter() - started
 
@@ -117,6 +147,8 @@ class LLMEngine:
         """Samples, detokenizes, checks stops and emits stats for the computed tokens.
 
         Sequences that finished while the step computed (aborted) are skipped."""
+        if not scheduled.scheduled:  # the step only moved KV blocks
+            return []
         live = [i for i, s in enumerate(scheduled.scheduled) if not s.seq.is_finished]
         if len(live) < len(scheduled.scheduled):
             scheduled.scheduled = [scheduled.scheduled[i] for i in live]
@@ -141,7 +173,8 @@ class LLMEngine:
                 rows.append(row)
         if not sampling:
             return []
-        tokens = sample_batch(logits[rows], [seq.state.sampler for seq in sampling])
+        tokens = sample_batch(self._masked(logits[rows], sampling),
+                              [seq.state.sampler for seq in sampling])
         deltas: dict[str, list[CompletionOutput]] = {}
         for seq, row, token in zip(sampling, rows, tokens):
             deltas.setdefault(seq.request.request_id, []).append(
@@ -155,6 +188,22 @@ class LLMEngine:
                 outputs.append(RequestOutput(request_id, request.prompt_ids, completions, False,
                                              request.num_generated_tokens))
         return outputs
+
+    def _masked(self, logits, sampling: list[Sequence]):
+        """The sampling rows' logits with structured-output masks applied."""
+        guided = [i for i, seq in enumerate(sampling) if seq.state.sampler.guide is not None]
+        if not guided:
+            return logits
+        pending, self._masks = self._masks or ((), None), None
+        masks = dict(zip(map(id, pending[0]), pending[1].result())) if pending[0] else {}
+        missing = [sampling[i] for i in guided if id(sampling[i]) not in masks]
+        if missing:  # not computed during the step (e.g. the offline path)
+            masks.update(zip(map(id, missing), self.guided.fill_masks(
+                [seq.state.sampler.guide for seq in missing])))
+        logits = logits.copy()
+        logits[guided] = apply_token_masks(
+            logits[guided], np.stack([masks[id(sampling[i])] for i in guided]))
+        return logits
 
     @staticmethod
     def _request_of(request_id: str, seqs: list[Sequence]) -> Request:
@@ -180,6 +229,8 @@ class LLMEngine:
             text, matched = state.detokenizer.append(token)
             if matched is not None:
                 finish, stop_reason = FinishReason.STOP, matched
+        if finish is None and state.sampler.is_guide_done:
+            finish = FinishReason.STOP  # the constrained output is complete
         if finish is None and (seq.num_output_tokens >= params.max_tokens
                                or seq.num_tokens >= self.max_model_len):
             finish = FinishReason.LENGTH

@@ -15,6 +15,8 @@ import numpy as np
 from tokenserve.config import GenerationConfig, TransformerConfig
 from tokenserve.engine.cache_accounting import BlockAllocator, SlotAllocator
 from tokenserve.engine.config import EngineConfig
+from tokenserve.engine.kv_budget import plan_kv_cache
+from tokenserve.engine.prefix_cache import PrefixCachingAllocator
 from tokenserve.engine.scheduler import SchedulerOutput
 
 log = logging.getLogger(__name__)
@@ -116,17 +118,22 @@ class ModelRunner:
         self.is_transformer = isinstance(config.model, TransformerConfig)
         self.vocab_size = config.model.vocab_size
         if self.is_transformer:
-            block_size = engine_config.block_size
-            capacity = engine_config.max_cache_tokens or (
-                engine_config.max_num_seqs * config.max_seq_len)
-            num_blocks = -(-capacity // block_size) + 1  # + the reserved padding block
-            self.cache = BlockAllocator(num_blocks, block_size)
+            c = config.model
+            self.kv_plan = plan_kv_cache(
+                engine_config, num_layers=c.num_layers, kv_width=c.num_kv_heads * c.head_dim,
+                compute_dtype=model.compute_dtype, max_seq_len=config.max_seq_len)
+            log.info("%s", self.kv_plan.describe(config.max_seq_len))
+            num_blocks, block_size = self.kv_plan.num_blocks, self.kv_plan.block_size
+            if engine_config.enable_prefix_caching:  # its hash namespace is set by the engine
+                self.cache = PrefixCachingAllocator(num_blocks, block_size)
+            else:
+                self.cache = BlockAllocator(num_blocks, block_size)
             # XLA's float32 dense code beats oneDNN's at every batch size here, but oneDNN's
             # bf16 matmuls beat XLA's, and the int8 kernel is a TF op that XLA cannot compile
             self.step = TransformerStep(
                 model, num_blocks * block_size,
                 jit_dense=model.compute_dtype == "float32"
-                and config.model.weight_format == "float")
+                and config.model.weight_format == "float", kv_dtype=self.kv_plan.dtype)
             if config.model.weight_format == "int8":
                 from tokenserve.kernels.int8_matmul import kernel_status
 
@@ -258,3 +265,40 @@ class ModelRunner:
                 start:start + scheduled.num_new_tokens]
             num_tokens[i], slots[i], fresh[i] = scheduled.num_new_tokens, seq.block_ids[0], start == 0
         return self.step.step(token_ids, num_tokens, slots, fresh).numpy()
+
+    def memory_bytes(self) -> dict[str, int]:
+        """Bytes the runner allocated: {"weights": the model's variables, "kv_cache": the
+        KV pool (an LSTM: its state slots)}. Exact sizes, not resident-memory estimates."""
+        import tensorflow as tf
+
+        def size(variable) -> int:
+            return int(np.prod(variable.shape)) * tf.as_dtype(variable.dtype).size
+
+        caches = ([v for pair in self.step.caches for v in pair] if self.is_transformer
+                  else [self.step.states])
+        return {"weights": sum(size(w) for w in self.model.weights),
+                "kv_cache": sum(size(v) for v in caches)}
+
+    # -- KV blocks in and out (the remote tier) ---------------------------------------------
+    @property
+    def kv_block_shape(self) -> tuple[int, ...]:
+        """One block's rows as read_kv_blocks returns them: [block_size, layers, 2, Hkv*Dh]."""
+        return (self.cache.block_size, len(self.step.caches), 2, self.step.kv_width)
+
+    @property
+    def kv_dtype(self):
+        return self.step.caches[0][0].dtype.as_numpy_dtype
+
+    def _block_rows(self, block_ids: list[int]) -> np.ndarray:
+        size = self.cache.block_size
+        return (np.asarray(block_ids, np.int32)[:, None] * size + np.arange(size)).ravel()
+
+    def read_kv_blocks(self, block_ids: list[int]) -> np.ndarray:
+        """[n, *kv_block_shape]: the K/V rows of every layer of these blocks."""
+        rows = self.step.read_rows(self._block_rows(block_ids)).numpy()
+        return rows.reshape((len(block_ids),) + self.kv_block_shape)
+
+    def write_kv_blocks(self, block_ids: list[int], rows: np.ndarray) -> None:
+        """Writes [n, *kv_block_shape] rows into these blocks."""
+        self.step.write_rows(self._block_rows(block_ids),
+                             rows.reshape((-1,) + self.kv_block_shape[1:]).astype(np.float32))

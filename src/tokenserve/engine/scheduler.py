@@ -6,6 +6,11 @@ then earliest arrival), so decodes are never starved by prefills; the rest of th
 budget admits waiting sequences. When the cache is full, the lowest-priority, latest running
 sequence is preempted by recompute: its blocks are freed and it re-queues with its tokens,
 to be recomputed from scratch when there is room again.
+
+With prefix caching, a sequence admitted from the queue starts with the cached blocks of its
+longest cached prefix (its num_computed_tokens starts there). With a remote KV tier, one
+that has more full blocks than the local cache holds first waits in the tier for a lookup
+of the rest; the blocks found are queued as transfers that run before the step computes.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from dataclasses import dataclass, field
 
 from tokenserve.engine.cache_accounting import BlockAllocator, SlotAllocator
 from tokenserve.engine.config import EngineConfig
+from tokenserve.engine.kv_tier import KVLoad, KVSave, RemoteKVTier
 from tokenserve.engine.outputs import FinishReason
 from tokenserve.engine.request import Request, Sequence, SequenceStatus
 from tokenserve.errors import QueueFullError
@@ -32,6 +38,8 @@ class ScheduledSeq:
 class SchedulerOutput:
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    kv_transfers: list[KVSave | KVLoad] = field(default_factory=list)
+    """Block copies between the cache and the remote tier, run in order before the step."""
 
     @property
     def num_batched_tokens(self) -> int:
@@ -39,15 +47,21 @@ class SchedulerOutput:
 
     @property
     def is_empty(self) -> bool:
-        return not self.scheduled
+        return not self.scheduled and not self.kv_transfers
 
 
 class Scheduler:
     """Waiting queue, running batch and cache accounting for one engine."""
 
-    def __init__(self, config: EngineConfig, cache: BlockAllocator | SlotAllocator):
+    def __init__(self, config: EngineConfig, cache: BlockAllocator | SlotAllocator,
+                 kv_tier: RemoteKVTier | None = None):
         self.config = config
         self.cache = cache
+        self.kv_tier = kv_tier
+        self._transfers: list[KVSave | KVLoad] = []  # queued for the next step
+        self._looked_up: set[int] = set()  # seq ids whose remote lookup is done
+        if kv_tier is not None:
+            cache.on_evict = self._on_evict
         self.waiting: list[tuple[tuple, Sequence]] = []  # heap of (sort key, sequence)
         self.running: list[Sequence] = []
         self.requests: dict[str, Request] = {}
@@ -56,7 +70,13 @@ class Scheduler:
     # -- queue ----------------------------------------------------------------------------
     @property
     def num_waiting_requests(self) -> int:
-        return len({seq.request.request_id for _, seq in self.waiting})
+        return len({seq.request.request_id for _, seq in self.waiting}
+                   | {seq.request.request_id for seq in self._loading()})
+
+    def _loading(self) -> list[Sequence]:
+        if self.kv_tier is None or not self.kv_tier.num_loading:
+            return []
+        return [s for r in self.requests.values() for s in r.seqs if self.kv_tier.is_loading(s)]
 
     @property
     def num_waiting_tokens(self) -> int:
@@ -88,6 +108,10 @@ class Scheduler:
         elif seq.status is SequenceStatus.WAITING:
             self.waiting = [(k, s) for k, s in self.waiting if s is not seq]
             heapq.heapify(self.waiting)
+        if self.kv_tier is not None:
+            self.kv_tier.cancel(seq)
+            self._looked_up.discard(seq.seq_id)
+            self._save_finished(seq)
         self.cache.free(seq)
         seq.status, seq.finish_reason, seq.stop_reason = SequenceStatus.FINISHED, reason, stop_reason
         if seq.request.is_finished:
@@ -108,11 +132,22 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self._transfers
+                     or (self.kv_tier is not None and self.kv_tier.num_loading))
+
+    @property
+    def has_runnable_work(self) -> bool:
+        """has_work, less sequences that only wait for the remote tier."""
+        return bool(self.waiting or self.running or self._transfers
+                    or (self.kv_tier is not None and self.kv_tier.has_finished))
 
     # -- one step -------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        for seq in self.running:
+            self.cache.cache_computed(seq)
+        if self.kv_tier is not None:
+            self._admit_looked_up()
         if self.config.preempt_for_priority:
             self._preempt_for_waiting(out)
         budget = self.config.max_num_batched_tokens
@@ -136,9 +171,18 @@ class Scheduler:
             self._preempt(seq, out)  # nothing left to evict: it waits for room itself
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0][1]
+            num_hit = self.cache.match_prefix(seq) if not seq.block_ids else None
+            if num_hit is not None and self._look_up_remote(seq):
+                heapq.heappop(self.waiting)  # it waits in the tier, holding its local hits
+                continue
             num_new = min(seq.num_pending_tokens, budget)
             if not self.cache.reserve(seq, num_new):
+                if seq.block_ids:  # give its cached blocks back until it fits
+                    self.cache.free(seq)
+                    seq.num_computed_tokens = 0
                 break
+            if num_hit is not None:
+                self.cache.count_query(seq.num_tokens, num_hit)
             heapq.heappop(self.waiting)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
@@ -146,7 +190,51 @@ class Scheduler:
                 seq.request.scheduled_time = time.time()
             out.scheduled.append(ScheduledSeq(seq, num_new))
             budget -= num_new
+        out.kv_transfers, self._transfers = self._transfers, []
         return out
+
+    # -- remote KV tier -------------------------------------------------------------------
+    def _look_up_remote(self, seq: Sequence) -> bool:
+        """Starts a remote lookup of the blocks after `seq`'s local hits, if it has any and
+        was not looked up already; True when the sequence now waits for it."""
+        if self.kv_tier is None or seq.seq_id in self._looked_up:
+            return False
+        self._looked_up.add(seq.seq_id)
+        first, end = len(seq.block_ids), self.cache.num_cacheable_blocks(seq)
+        if first >= end:
+            return False
+        hashes = self.cache.block_hashes(seq, end)[first:]
+        self.kv_tier.start_lookup(seq, hashes, self.cache.block_size)
+        return True
+
+    def _admit_looked_up(self) -> None:
+        """Sequences whose lookup returned: blocks for what was found, back to the queue."""
+        for seq, hashes, payloads in self.kv_tier.take_finished():
+            if seq.is_finished:
+                continue
+            num_local = seq.num_computed_tokens
+            to_fill = self.cache.adopt(seq, hashes[:len(payloads)]) if payloads else None
+            if to_fill:
+                self._transfers.append(KVLoad([block for _, block in to_fill],
+                                              [payloads[i] for i, _ in to_fill]))
+                self.kv_tier.loaded([hashes[i] for i, _ in to_fill])
+            if to_fill is not None:
+                self.kv_tier.count_hits(len(payloads) * self.cache.block_size)
+            self.cache.count_query(seq.num_tokens, num_local)
+            self._enqueue(seq)
+
+    def _on_evict(self, hash_: bytes, block: int) -> None:
+        if self.kv_tier.needs_save(hash_):
+            self._transfers.append(KVSave([hash_], [block]))
+
+    def _save_finished(self, seq: Sequence) -> None:
+        """Queues a save of the full blocks of an ending sequence the store may lack."""
+        self.cache.cache_computed(seq)
+        num_full = min(seq.num_computed_tokens // self.cache.block_size, len(seq.block_ids))
+        pairs = [(h, b) for h, b in zip(self.cache.block_hashes(seq, num_full), seq.block_ids)
+                 if self.cache.lookup(h) == b and self.kv_tier.needs_save(h)]
+        if pairs:
+            self._transfers.append(KVSave([h for h, _ in pairs], [b for _, b in pairs]))
 
     def _victim(self, exclude: set[int]) -> Sequence | None:
         """The running sequence to preempt first: lowest priority, then latest arrival."""

@@ -1,7 +1,9 @@
 """The engine's compiled steps, one family each (design notes: docs/engine.md).
 
 Transformer: the KV cache is two resource variables per layer (keys, values), each
-[rows, Hkv * Dh] with rows = num_blocks * block_size. A step scatters only the new tokens'
+[rows, Hkv * Dh] with rows = num_blocks * block_size, stored in the compute dtype or in 16
+bits under float32 compute (`kv_dtype`: new rows are rounded as they are scattered, read
+rows widened after the gather or inside the fused op). A step scatters only the new tokens'
 keys/values into it and gathers only the rows of the live context (ResourceScatterUpdate /
 ResourceGather). Nothing ever reads a cache variable densely: after a sparse update TF keeps
 a variable in copy-on-read mode, and one dense read would copy the whole cache (0.2-2.8 s
@@ -54,12 +56,14 @@ class TransformerStep(tf.Module):
     it needs: one group's attention and no prefill ops.
     """
 
-    def __init__(self, model: TransformerLM, num_rows: int, jit_dense: bool = False):
+    def __init__(self, model: TransformerLM, num_rows: int, jit_dense: bool = False,
+                 kv_dtype: str | None = None):
         super().__init__(name="transformer_step")
         self.model = model
         c = model.config
         self.kv_width = c.num_kv_heads * c.head_dim
-        self.caches = [tuple(tf.Variable(tf.zeros([num_rows, self.kv_width], model.compute_dtype),
+        self.kv_dtype = tf.as_dtype(kv_dtype or model.compute_dtype)
+        self.caches = [tuple(tf.Variable(tf.zeros([num_rows, self.kv_width], self.kv_dtype),
                                          trainable=False, name=f"{kind}_cache_{i}")
                              for kind in ("key", "value"))
                        for i in range(c.num_layers)]
@@ -166,9 +170,18 @@ class TransformerStep(tf.Module):
         return kdense.dense(x, m.token_embedding, layout="nk")
 
     # -- attention over the paged cache (graph mode, never XLA) ------------------------------
+    def _to_cache(self, rows):
+        """New K/V rows in the cache's dtype; float16 saturates (no inf from a rare large
+        value) instead of overflowing."""
+        if self.kv_dtype == tf.float16:
+            rows = tf.clip_by_value(rows, -65504.0, 65504.0)
+        return tf.cast(rows, self.kv_dtype)
+
     def _gather_kv(self, rows, cache):
-        keys, values = cache
-        return tf.gather(keys, rows), tf.gather(values, rows)             # [S, L, Hkv*Dh] x2
+        """rows [S, L] -> keys, values [S, L, Hkv*Dh] in the compute dtype (a 16-bit cache is
+        widened after the gather: only the live rows, never the whole cache)."""
+        dtype = self.model.compute_dtype
+        return tuple(tf.cast(tf.gather(variable, rows), dtype) for variable in cache)
 
     def _decode_attention(self, q, rows, bias, cache):
         """q: [S, H, Dh]; rows: [S, L]; bias: [S, 1, L] (0 or -max) -> [S, H*Dh].
@@ -273,13 +286,26 @@ class TransformerStep(tf.Module):
         q, k, v = enter(x, positions, weights[0])
         for i, cache in enumerate(self.caches):
             for variable, new_rows in zip(cache, (k, v)):
-                variable.scatter_update(tf.IndexedSlices(tf.cast(new_rows, variable.dtype),
-                                                         write_rows))
+                variable.scatter_update(tf.IndexedSlices(self._to_cache(new_rows), write_rows))
             attn = self._layer_attention(q, decode_groups, biases, prefill, cache, num_tokens)
             if i + 1 < len(self.caches):
                 x, q, k, v = between(x, attn, positions, weights[i], weights[i + 1])
         x = exit_(x, attn, weights[-1])
         return head(tf.gather(x, last_tokens))                             # [S, vocab] f32
+
+    # -- KV rows in and out (prefix caching's remote tier): sparse, as the step ------------
+    @tf.function(input_signature=[_spec([None])])
+    def read_rows(self, rows):
+        """rows: [R] -> [R, layers, 2, Hkv*Dh]: a gather, never a dense read of the cache."""
+        return tf.stack([tf.stack([tf.gather(variable, rows) for variable in cache], 1)
+                         for cache in self.caches], 1)
+
+    @tf.function(input_signature=[_spec([None]), _spec([None, None, 2, None], tf.float32)])
+    def write_rows(self, rows, values):
+        """rows: [R]; values: [R, layers, 2, Hkv*Dh] float32 (exact for a 16-bit cache)."""
+        for i, cache in enumerate(self.caches):
+            for j, variable in enumerate(cache):
+                variable.scatter_update(tf.IndexedSlices(self._to_cache(values[:, i, j]), rows))
 
 
 def block_weights(block) -> dict:

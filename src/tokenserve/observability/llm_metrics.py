@@ -12,10 +12,44 @@ from dataclasses import dataclass
 from enum import Enum
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily
 
 from tokenserve.stats import RejectionStats, RequestStats, StatsSink, StepStats
 
 LABELS = ("model_name", "model_version")
+
+PREFIX_CACHE_COUNTERS = (
+    # (metric, field of the engine's PrefixCacheStats, help)
+    ("vllm:prefix_cache_queries", "num_query_tokens",
+     "Prefix cache queries, in terms of number of queried tokens."),
+    ("vllm:prefix_cache_hits", "num_hit_tokens",
+     "Prefix cache hits, in terms of number of cached tokens."),
+    ("tokenserve:kv_store_queries", "num_remote_query_tokens",
+     "Tokens looked up in the shared KV store after a local prefix-cache miss."),
+    ("tokenserve:kv_store_hits", "num_remote_hit_tokens",
+     "Tokens loaded from the shared KV store instead of computed."),
+    ("tokenserve:kv_store_saved_blocks", "num_remote_saved_blocks",
+     "KV blocks written to the shared KV store."),
+    ("tokenserve:kv_store_errors", "num_remote_errors",
+     "Failed KV-store calls (each served by recomputing)."),
+)
+
+
+class _PrefixCacheCollector:
+    """Reads each engine's cumulative prefix-cache counters at scrape time."""
+
+    def __init__(self) -> None:
+        self.sources: dict[tuple[str, str], object] = {}  # labels -> () -> PrefixCacheStats
+        self.lock = threading.Lock()
+
+    def collect(self):
+        with self.lock:
+            snapshots = [(labels, read()) for labels, read in self.sources.items()]
+        for name, field, doc in PREFIX_CACHE_COUNTERS:
+            family = CounterMetricFamily(name, doc, labels=LABELS)
+            for labels, stats in snapshots:
+                family.add_metric(labels, getattr(stats, field))
+            yield family
 
 # Bucket edges are vLLM's own (vllm/v1/metrics/loggers.py), so histogram_quantile over a
 # mixed fleet of vLLM and tokenserve replicas aggregates like with like.
@@ -175,6 +209,14 @@ class LLMMetrics(StatsSink):
         self.model_warmup_latency = histogram("tokenserve:model_warmup_latency_seconds",
                                               "Time to warm up a model version in seconds.",
                                               LOAD_LATENCY_BUCKETS)
+        self._prefix_cache = _PrefixCacheCollector()
+        registry.register(self._prefix_cache)
+
+    def watch_prefix_cache(self, model: str, version: str, read) -> None:
+        """Exports an engine's prefix-cache counters; `read()` returns its PrefixCacheStats
+        (LLMEngine.prefix_cache_stats), called at every scrape."""
+        with self._prefix_cache.lock:
+            self._prefix_cache.sources[(model, version)] = read
 
     def on_step(self, stats: StepStats) -> None:
         labels = (stats.model, stats.version)
@@ -240,6 +282,11 @@ class LLMMetrics(StatsSink):
                 gauge.remove(model, version)
             except KeyError:  # that version never ran a step
                 pass
+        with self._prefix_cache.lock:  # its counters stay, frozen at their last values
+            read = self._prefix_cache.sources.get((model, version))
+            if read is not None:
+                last = read()
+                self._prefix_cache.sources[(model, version)] = lambda: last
 
     # -- the lifecycle's observer interface (ModelManager.add_observer) --------------------
     def on_version_state(self, model: str, version: int, state) -> None:

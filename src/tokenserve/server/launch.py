@@ -14,12 +14,16 @@ import dataclasses
 import logging
 import sys
 import threading
+import time
 from dataclasses import dataclass, field
 
 import uvicorn
 from prometheus_client import CollectorRegistry
 
 from tokenserve.engine.config import EngineConfig, from_batching_parameters
+from tokenserve.observability.memory import (MemoryGauges, release_freed_memory,
+                                             resident_bytes)
+from tokenserve.observability.memory import describe as describe_memory
 from tokenserve.observability.stack import Observability, ObservabilityConfig
 from tokenserve.server.auth import APIKeys, AsyncAPIKeyInterceptor, check_http_authorization
 from tokenserve.server.serve_config import ServeConfig
@@ -39,6 +43,10 @@ class LLMServeConfig:
     """Deadline of every generation request (OpenAI API and gRPC stream)."""
     max_body_bytes: int = 8 * 1024 * 1024
     """Larger OpenAI request bodies get HTTP 413."""
+    state_store: str | None = None
+    """redis://HOST:PORT/DB for Responses-API conversations; None: an in-process LRU."""
+    ui: bool = True
+    """Serve the browser playground and dashboard at / on the OpenAI port (`--noui`: off)."""
 
 
 def engine_config_for(config: ServeConfig, base: EngineConfig) -> EngineConfig:
@@ -83,13 +91,18 @@ def run(config: ServeConfig, llm: LLMServeConfig = LLMServeConfig(), stop_event=
     from tokenserve.server.openai import OpenAIServerConfig, build_openai_app
     from tokenserve.server.openai.managed_models import ManagedModels
     from tokenserve.server.tfserving.server import build_context, serve
+    from tokenserve.state.response_store import open_response_store
 
     registry = CollectorRegistry()
     observability = Observability(llm.observability, registry)
     observability.start()
     keys = APIKeys.from_sources(config.api_keys)
     engine_config = engine_config_for(config, llm.engine)
-    context = build_context(config, registry)
+    # a language model's SavedModel Session (a second copy of the weights) waits for its
+    # first TF Serving request: the engine serves from its own copy
+    context = build_context(config, registry, lazy_llm_sessions=True)
+    memory = MemoryGauges(registry)
+    context.manager.add_observer(memory)  # drops a version's series when it unloads
     # version state, load and warmup latency series, and no series for unloaded versions
     context.manager.add_observer(observability.metrics)
     # TF Serving's request counters label configured models only (names come from clients)
@@ -101,9 +114,33 @@ def run(config: ServeConfig, llm: LLMServeConfig = LLMServeConfig(), stop_event=
     def engine_for(version):
         if not (version.path / "assets" / GENERATION_CONFIG_FILE).exists():
             return None  # not a tokenserve language model: TF Serving APIs only
-        return AsyncEngine.from_model_dir(version.path, engine_config, stats=observability.sink,
-                                          model_name=version.model_name,
-                                          version=str(version.version))
+        started = time.monotonic()
+        engine = AsyncEngine.from_model_dir(version.path, engine_config,
+                                            stats=observability.sink,
+                                            model_name=version.model_name,
+                                            version=str(version.version), start=False)
+        loaded = time.monotonic()
+        engine.start()  # warms up: XLA programs (from the persistent cache), one request
+        release_freed_memory()  # the checkpoint's read buffers, warmup's temporaries
+        # the manager adds these to the version's load and warmup latency
+        engine.startup_seconds = {"load": loaded - started,
+                                  "warmup": time.monotonic() - loaded}
+        observability.metrics.watch_prefix_cache(version.model_name, str(version.version),
+                                                 engine.engine.prefix_cache_stats)
+        runner, session = engine.engine.runner, version.servable
+        while not hasattr(session, "weights_bytes") and hasattr(session, "_servable"):
+            # the TF Serving wrappers around a LazySavedModelServable
+            session = session._servable  # noqa: SLF001
+
+        def memory_parts() -> dict[str, int]:
+            return {**runner.memory_bytes(),
+                    "savedmodel_weights": getattr(session, "weights_bytes", 0)}
+        memory.watch(version.model_name, str(version.version), memory_parts)
+        log.info("%s version %s engine: weights loaded in %.2fs, warmed up in %.2fs; %s",
+                 version.model_name, version.version, engine.startup_seconds["load"],
+                 engine.startup_seconds["warmup"],
+                 describe_memory(memory_parts(), resident_bytes()))
+        return engine
 
     def openai_frontend(ctx):
         if not config.openai_port:
@@ -111,11 +148,17 @@ def run(config: ServeConfig, llm: LLMServeConfig = LLMServeConfig(), stop_event=
         app = build_openai_app(models, OpenAIServerConfig(
             api_keys=keys, metrics_registry=ctx.registry, max_body_bytes=llm.max_body_bytes,
             request_timeout_s=llm.request_timeout_s, metrics_public=config.metrics_public),
-            stats=observability.sink)
+            stats=observability.sink, response_store=open_response_store(llm.state_store))
+        if llm.ui:
+            from tokenserve.server.ui import with_ui
+            app = with_ui(app, ctx.manager, ctx.registry)
         server = start_http(app, config.host, config.openai_port, tls)
         scheme = "https" if tls is not None else "http"
         print(f"Serving the OpenAI API at {scheme}://{config.host}:{config.openai_port}/v1 ...",
               flush=True, file=sys.stderr)
+        if llm.ui:
+            print(f"Serving the playground and dashboard at {scheme}://{config.host}:"
+                  f"{config.openai_port}/ ...", flush=True, file=sys.stderr)
         return _Stoppable(server)
 
     async def generation_services(grpc_server):

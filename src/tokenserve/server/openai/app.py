@@ -35,6 +35,8 @@ from .http import (EventStream, error_body, error_response, read_json, unless_di
 from .models import ModelId, ModelResolver
 from .openapi import install_openapi, request_body, responses
 from .params import bad_request, check_text, decode_ids, encode_text
+from .responses import add_responses_routes
+from .responses_schemas import ResponseCreateRequest
 from .schemas import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
                       CompletionResponse, DetokenizeRequest, DetokenizeResponse, ErrorResponse,
                       ModelList, ModelObject, Readiness, TokenizeRequest, TokenizeResponse)
@@ -80,13 +82,14 @@ class _RequireKey:
 
 
 def build_openai_app(models: ModelResolver, config: OpenAIServerConfig | None = None,
-                     stats: StatsSink | None = None) -> FastAPI:
+                     stats: StatsSink | None = None, response_store=None) -> FastAPI:
     """The OpenAI-compatible app over the engines `models` resolves.
 
     Args:
         models: model id -> engine (StaticModels, or the TF Serving lifecycle's resolver).
         config: limits, API keys, timeout, metrics registry.
         stats: receives a RejectionStats for every request refused before the engine.
+        response_store: where the Responses API keeps conversations (default: in-process).
 
     Example:
         app = build_openai_app(StaticModels({"builtin": engine}), OpenAIServerConfig())
@@ -269,6 +272,8 @@ def build_openai_app(models: ModelResolver, config: OpenAIServerConfig | None = 
         text = await run_in_threadpool(decode_ids, engine.tokenizer, body.tokens)
         return JSONResponse(DetokenizeResponse(prompt=text).model_dump())
 
+    from tokenserve.state.response_store import MemoryResponseStore
+    add_responses_routes(app, models, config, response_store or MemoryResponseStore())
     install_openapi(app, [CompletionRequest, ChatCompletionRequest, TokenizeRequest,
-                          DetokenizeRequest], bodiless={"/health": 200})
+                          DetokenizeRequest, ResponseCreateRequest], bodiless={"/health": 200})
     return app
