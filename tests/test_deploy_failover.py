@@ -39,6 +39,10 @@ class FailoverRun:
     killed: str
     killed_ports: set[int]
     kill_time: float
+    dead_time: float
+    """when the killed process had exited: until then a dying replica's listening socket can
+    still take connections, which then reset after nginx has sent the request (a POST that
+    nginx must not retry), so requests started in [kill_time, dead_time] count as in flight"""
     streams: list[Outcome]
     conversations: list[Outcome]
     responses_api: bool
@@ -53,9 +57,10 @@ def upstream_port(outcome: Outcome) -> int | None:
 
 
 def in_flight_on(outcome: Outcome, run: FailoverRun) -> bool:
-    """Started before the kill, still running at it, and answered by the killed replica (or
-    failed before any replica answered: nginx's 502 names the replica it tried)."""
-    return (outcome.started <= run.kill_time <= outcome.ended
+    """Running at some moment between the kill signal and the process's exit, and answered
+    by the killed replica (or failed before any replica answered: nginx's 502 names the
+    replica it tried)."""
+    return (outcome.started <= run.dead_time and outcome.ended >= run.kill_time
             and upstream_port(outcome) in run.killed_ports)
 
 
@@ -109,12 +114,13 @@ def run() -> FailoverRun:
         time.sleep(LOAD_BEFORE_KILL_S)
         victim = cluster.stable[1]
         kill_time = time.monotonic()
-        victim.kill()
+        victim.kill()  # returns once the process has exited
+        dead_time = time.monotonic()
         time.sleep(LOAD_AFTER_KILL_S)
         stream_outcomes = streams.stop()
         conversation_outcomes = conversations.stop() if conversations else []
         return FailoverRun(victim.name, {victim.openai_port, victim.rest_port, victim.grpc_port},
-                           kill_time, stream_outcomes, conversation_outcomes, responses_api,
+                           kill_time, dead_time, stream_outcomes, conversation_outcomes, responses_api,
                            probe, affinity)
 
 
@@ -127,8 +133,8 @@ def counts(run: FailoverRun) -> dict[str, int]:
                 sum(in_flight_on(o, run) for o in failed),
             "retries": sum(o.attempt > 0 for o in run.streams),
             "retries_ok": sum(o.attempt > 0 and o.ok for o in run.streams),
-            "after_kill": sum(o.started > run.kill_time for o in run.streams),
-            "after_kill_ok": sum(o.started > run.kill_time and o.ok for o in run.streams)}
+            "after_death": sum(o.started > run.dead_time for o in run.streams),
+            "after_death_ok": sum(o.started > run.dead_time and o.ok for o in run.streams)}
 
 
 def test_report_counts(run):
@@ -173,7 +179,7 @@ def test_every_request_succeeds_first_time_or_on_retry(run):
     lost = [attempts for attempts in by_request.values() if not attempts[-1].ok]
     assert not lost, lost
     after = [(o.upstream, o.status, o.error, o.started - run.kill_time)
-             for o in run.streams if o.started > run.kill_time and not o.ok]
+             for o in run.streams if o.started > run.dead_time and not o.ok]
     assert not after, after
 
 
