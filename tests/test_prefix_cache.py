@@ -121,7 +121,8 @@ def test_prefix_hits_give_exactly_the_greedy_tokens_of_a_cold_run(transformer_di
     warm = LLM(transformer_dir, engine_config())
     expected = [o.outputs[0].token_ids for o in cold.generate(prompts, params, use_tqdm=False)]
     first = [o.outputs[0].token_ids for o in warm.generate(prompts[:1], params, use_tqdm=False)]
-    rest = [o.outputs[0].token_ids for o in warm.generate(prompts, params, use_tqdm=False)]
+    again = warm.generate(prompts, params, use_tqdm=False)
+    rest = [o.outputs[0].token_ids for o in again]
     assert first == expected[:1] and rest == expected
     encoded = [warm.tokenizer.encode(p) for p in prompts]
     common = next(i for i, ids in enumerate(zip(*encoded)) if len(set(ids)) > 1)
@@ -130,6 +131,8 @@ def test_prefix_hits_give_exactly_the_greedy_tokens_of_a_cold_run(transformer_di
     # shared prefix's full blocks
     repeated = (len(encoded[0]) - 1) // BLOCK * BLOCK
     assert stats.num_hit_tokens == repeated + 2 * (common // BLOCK * BLOCK)
+    # each request reports its own hits (the OpenAI usage's cached_tokens)
+    assert [o.num_cached_tokens for o in again] == [repeated] + 2 * [common // BLOCK * BLOCK]
     assert cold.engine.prefix_cache_stats().num_query_tokens == 0
 
 

@@ -35,6 +35,10 @@ class _SeqState:
     finish_reported: bool = False
 
 
+def _cached_tokens(request: Request) -> int:
+    return request.seqs[0].num_cached_tokens or 0
+
+
 class LLMEngine:
     """Continuous batching over one model: requests join and leave at every step."""
 
@@ -186,7 +190,8 @@ class LLMEngine:
                 outputs.append(self._final(request, completions))
             else:
                 outputs.append(RequestOutput(request_id, request.prompt_ids, completions, False,
-                                             request.num_generated_tokens))
+                                             request.num_generated_tokens,
+                                             num_cached_tokens=_cached_tokens(request)))
         return outputs
 
     def _masked(self, logits, sampling: list[Sequence]):
@@ -264,7 +269,7 @@ class LLMEngine:
                    "first_token_time": stats.first_token_time, "finish_time": finish_time,
                    "num_preemptions": stats.num_preemptions}
         return RequestOutput(request.request_id, request.prompt_ids, completions, True,
-                             request.num_generated_tokens, metrics)
+                             request.num_generated_tokens, metrics, _cached_tokens(request))
 
     def _emit_step_stats(self, scheduled: SchedulerOutput, duration: float) -> None:
         self.num_steps += 1

@@ -104,3 +104,4 @@ class LLM:
         total.finished = delta.finished
         total.num_generated_tokens = delta.num_generated_tokens or total.num_generated_tokens
         total.metrics = delta.metrics or total.metrics
+        total.num_cached_tokens = delta.num_cached_tokens or total.num_cached_tokens

@@ -54,3 +54,5 @@ class RequestOutput:
     """Total generated so far, over all `n` sequences (the OpenAI `completion_tokens`)."""
     metrics: dict = field(default_factory=dict)
     """Set on the final output: arrival/first-token/finish times and queue time, in seconds."""
+    num_cached_tokens: int = 0
+    """Prompt tokens served from the prefix cache (the OpenAI usage's `cached_tokens`)."""

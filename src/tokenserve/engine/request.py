@@ -41,6 +41,8 @@ class Sequence:
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
     num_preemptions: int = 0
+    num_cached_tokens: int | None = None
+    """Prompt tokens found in the prefix cache (local or remote) when first admitted."""
     state: object = None
     """Per-sequence sampling and detokenizing state, owned by the engine."""
 

@@ -184,6 +184,8 @@ class Scheduler:
             if num_hit is not None:
                 self.cache.count_query(seq.num_tokens, num_hit)
             heapq.heappop(self.waiting)
+            if seq.num_cached_tokens is None:  # first admission, not a resume after preemption
+                seq.num_cached_tokens = seq.num_computed_tokens
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             if seq.request.scheduled_time is None:
