@@ -6,7 +6,7 @@ import argparse
 import os
 import sys
 
-from tokenserve.cache import cache_dir
+from tokenserve.user_cache import cache_dir
 from tokenserve.errors import TokenserveError
 
 

@@ -3,7 +3,7 @@
 Each op is one C++ file next to this one (`int8_matmul.cc`, `paged_attention.cc`,
 `dense.cc`), compiled
 on first use with the local g++ and TensorFlow's own compile flags into
-`tokenserve.cache.cache_dir("kernels")` as `<stem>-<hash>.so`. The hash covers the source,
+`tokenserve.user_cache.cache_dir("kernels")` as `<stem>-<hash>.so`. The hash covers the source,
 the TF version, the compile and link flags and the CPU's feature flags, so a cached build is
 never reused for another source, TF or CPU. A build writes a temporary file and renames it
 into place (atomic), so concurrent builders and loaders are safe. A library is loaded once
@@ -36,7 +36,7 @@ from pathlib import Path
 
 import tensorflow as tf
 
-from tokenserve.cache import cache_dir
+from tokenserve.user_cache import cache_dir
 
 log = logging.getLogger("tokenserve.kernels")
 

@@ -13,7 +13,7 @@ import json
 import sys
 from pathlib import Path
 
-from tokenserve.cache import cache_dir
+from tokenserve.user_cache import cache_dir
 from tokenserve.config import PRESETS, GenerationConfig, preset
 from tokenserve.errors import ModelNotFoundError, UnknownPresetError
 

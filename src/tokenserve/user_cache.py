@@ -1,4 +1,6 @@
-"""Where tokenserve keeps what it can rebuild: exports of the built-in model, XLA programs."""
+"""The user cache directory: where tokenserve keeps what it can rebuild (exports of the
+built-in and packaged models, XLA programs, compiled kernels). Not the KV cache, which is
+the engine's (`engine/cache_accounting.py`)."""
 
 from __future__ import annotations
 
