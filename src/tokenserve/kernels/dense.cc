@@ -27,6 +27,7 @@
 // run time) and portable scalar C++ (also forced with isa="scalar" for tests).
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -60,7 +61,8 @@ using int64 = int64_t;
 
 constexpr int64 kRowsPerPass = 8;   // rows of x sharing one pass over the weights ("kn")
 constexpr int64 kMaxRange = 1024;   // columns per work item at most ("kn"): 4 KB per row
-constexpr int64 kTileRows = 64;     // weight rows per work item ("nk")
+constexpr int64 kTileRows = 256;    // weight rows per work item ("nk")
+constexpr int64 kChunksPerWorker = 4;  // "kn" split-K chunks per thread (late threads take fewer)
 constexpr int64 kSplitKMaxRows = 2;  // "kn" with at most this many rows of x splits K instead
 constexpr int64 kSplitKMinRows = 64;  // weight rows per thread at least, when K is split
 
@@ -353,6 +355,27 @@ void FinishRow(bool avx2, int64 out, Activation act, const float* z, const float
   FinishRowScalar(out, act, z, up, res, y_row);
 }
 
+// Runs body(chunk, worker) for chunks [0, num_chunks) on `workers` workers, the caller being
+// worker 0: each takes the next chunk from a shared counter until none is left. A pool thread
+// that was asleep takes 15-40 us to start on these VMs (a fixed split made the caller wait
+// for it at the end of most ops); with chunks, a late worker just takes fewer of them.
+template <typename Body>
+void ForChunks(tensorflow::thread::ThreadPool* pool, int64 workers, int64 num_chunks, Body body) {
+  std::atomic<int64> next{0};
+  auto run = [&](int64 begin, int64 end) {
+    for (int64 worker = begin; worker < end; ++worker) {
+      for (int64 chunk = next.fetch_add(1); chunk < num_chunks; chunk = next.fetch_add(1)) {
+        body(chunk, worker);
+      }
+    }
+  };
+  workers = std::min(workers, num_chunks);
+  if (workers <= 1) return run(0, 1);
+  pool->ParallelFor(workers, tensorflow::thread::ThreadPool::SchedulingParams(
+                                 tensorflow::thread::ThreadPool::SchedulingStrategy::kFixedBlockSize,
+                                 std::nullopt, 1), run);
+}
+
 }  // namespace
 
 REGISTER_OP("TokenserveDense")
@@ -532,40 +555,42 @@ class DenseOp : public OpKernel {
     }
   }
 
-  // One or two rows of x (a decode step of one or two sequences): each thread takes a
-  // contiguous range of weight rows with the full width, so it reads one sequential stream
-  // (45-56 GB/s for the pair on this kind of VM, where column ranges walked row by row
-  // reached 27-34: the prefetcher follows one stream far better than several strided
-  // ones), into its own partial sums; the epilogue adds the partials up.
+  // One or two rows of x (a decode step of one or two sequences): K is cut into chunks of
+  // whole weight rows, each read front to back as one sequential stream (the prefetcher
+  // follows one stream far better than several strided ones: 43-45 GB/s for the pair of
+  // threads on this kind of VM, where column ranges walked row by row reached 31-34), into
+  // per-worker partial sums that the epilogue adds up.
   void ComputeKnSplitK(const Geometry& g, const Args& a, tensorflow::thread::ThreadPool* pool) {
-    const int64 threads = std::max(1, pool->NumThreads());
-    const int64 parts = std::max<int64>(1, std::min(threads, g.K / kSplitKMinRows));
-    const int64 rows_per_part = (g.K + parts - 1) / parts;
-    std::vector<float> partial(parts * g.M * g.N, 0.f);
+    const int64 workers = std::max(1, pool->NumThreads());
+    const int64 chunks = std::max<int64>(1, std::min(kChunksPerWorker * workers,
+                                                     g.K / kSplitKMinRows));
+    const int64 rows_per_chunk = (g.K + chunks - 1) / chunks;
+    std::vector<float> partial(workers * g.M * g.N);
+    std::vector<char> used(workers, 0);
     const bool avx2 = avx2_;
-    auto work = [&](int64 begin, int64 end) {
-      for (int64 p = begin; p < end; ++p) {
-        const int64 k0 = p * rows_per_part, k1 = std::min(g.K, k0 + rows_per_part);
-        float* acc = partial.data() + p * g.M * g.N;
-#ifdef TOKENSERVE_X86
-        if (avx2) {
-          if (g.M == 1) {
-            KnRowsAvx2<1>(g, a.x, a.w, k0, k1, acc);
-          } else {
-            KnRowsAvx2<2>(g, a.x, a.w, k0, k1, acc);
-          }
-          continue;
-        }
-#endif
-        KnRowsScalar(g, a.x, a.w, k0, k1, acc);
+    ForChunks(pool, workers, chunks, [&](int64 chunk, int64 worker) {
+      const int64 k0 = chunk * rows_per_chunk, k1 = std::min(g.K, k0 + rows_per_chunk);
+      float* acc = partial.data() + worker * g.M * g.N;
+      if (!used[worker]) {
+        std::fill(acc, acc + g.M * g.N, 0.f);
+        used[worker] = 1;
       }
-    };
-    pool->ParallelFor(parts, tensorflow::thread::ThreadPool::SchedulingParams(
-                                 tensorflow::thread::ThreadPool::SchedulingStrategy::kFixedBlockSize,
-                                 std::nullopt, 1), work);
-    float* z = partial.data();  // part 0 collects the others, then the bias
-    for (int64 p = 1; p < parts; ++p) {
-      const float* other = partial.data() + p * g.M * g.N;
+#ifdef TOKENSERVE_X86
+      if (avx2) {
+        if (g.M == 1) {
+          KnRowsAvx2<1>(g, a.x, a.w, k0, k1, acc);
+        } else {
+          KnRowsAvx2<2>(g, a.x, a.w, k0, k1, acc);
+        }
+        return;
+      }
+#endif
+      KnRowsScalar(g, a.x, a.w, k0, k1, acc);
+    });
+    float* z = partial.data();  // worker 0 (the caller) always takes the first chunk
+    for (int64 w = 1; w < workers; ++w) {
+      if (!used[w]) continue;
+      const float* other = partial.data() + w * g.M * g.N;
       for (int64 i = 0; i < g.M * g.N; ++i) z[i] += other[i];
     }
     for (int64 r = 0; r < g.M; ++r) {
@@ -588,22 +613,17 @@ class DenseOp : public OpKernel {
       zp = z.data();
     }
     const bool avx2 = avx2_;
-    auto work = [&](int64 begin, int64 end) {
-      for (int64 tile = begin; tile < end; ++tile) {
-        const int64 n0 = tile * kTileRows, n1 = std::min(g.N, n0 + kTileRows);
-#ifdef TOKENSERVE_X86
-        if (avx2) {
-          NkTileAvx2(g, a.x, a.w, n0, n1, zp);
-          continue;
-        }
-#endif
-        NkTileScalar(g, a.x, a.w, n0, n1, zp);
-      }
-    };
     const int64 tiles = (g.N + kTileRows - 1) / kTileRows;
-    const int64 cost = kTileRows * g.K * (g.M + 2);  // ~cycles: a row of W per output row
-    pool->ParallelFor(tiles, tensorflow::thread::ThreadPool::SchedulingParams::Adaptive(cost),
-                      work);
+    ForChunks(pool, std::max(1, pool->NumThreads()), tiles, [&](int64 tile, int64) {
+      const int64 n0 = tile * kTileRows, n1 = std::min(g.N, n0 + kTileRows);
+#ifdef TOKENSERVE_X86
+      if (avx2) {
+        NkTileAvx2(g, a.x, a.w, n0, n1, zp);
+        return;
+      }
+#endif
+      NkTileScalar(g, a.x, a.w, n0, n1, zp);
+    });
     if (direct) return;
     for (int64 r = 0; r < g.M; ++r) {
       float* zr = zp + r * g.N;
