@@ -246,7 +246,11 @@ class AsyncEngine:
         return [o for o in outputs if o is not None]
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
-        """Hands outputs to their callers' event loops (caller holds _lock)."""
+        """Hands outputs to their callers' event loops (caller holds _lock).
+
+        One wake-up per event loop and step, not one per output: each call_soon_threadsafe
+        writes to the loop's self-pipe, and at 32 streams that was 32 wake-ups a step."""
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
         for output in outputs:
             target = self._streams.get(output.request_id)
             if target is None:
@@ -254,8 +258,14 @@ class AsyncEngine:
             if output.finished:
                 del self._streams[output.request_id]
             loop, queue = target
+            by_loop.setdefault(loop, []).append((queue, output))
+        for loop, items in by_loop.items():
             try:
-                loop.call_soon_threadsafe(queue.put_nowait, output)
+                loop.call_soon_threadsafe(_put_all, items)
             except RuntimeError:  # the caller's event loop is closed
                 pass
 
+
+def _put_all(items: list) -> None:
+    for queue, output in items:
+        queue.put_nowait(output)
