@@ -11,9 +11,12 @@ hold six turns after a 1,000-token system prompt; the per-token cost is GPT-2 sm
     python benchmarks/multiturn.py            # 16 x 6, as specified
     python benchmarks/multiturn.py --quick    # 4 x 3: minutes on a 2-core machine
 
-Prints a table, writes benchmarks/results/multiturn[-quick].json and a PNG of TTFT by turn.
-The replicas run in this process (two engines, each with its own KV cache), against a
-redis-server the script starts on a free loopback port.
+Prints a table, writes benchmarks/results/multiturn[-quick].json (rewritten after every
+mode, so a run cut short keeps what it measured) and a PNG of TTFT by turn. The replicas
+run in this process (two engines, each with its own KV cache), against a redis-server the
+script starts on a free loopback port in a temporary directory. Every engine is warmed up
+(its step traced for prefill and for several decode groups) on unrelated prompts before
+it is timed, and the counters below exclude the warm-up.
 """
 
 from __future__ import annotations
@@ -34,22 +37,39 @@ from pathlib import Path
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 sys.path.insert(0, str(Path(__file__).parent))
-from machine import machine_info  # noqa: E402
+from machine import machine_info, machine_summary  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 ANSWER_TOKENS = 64
+MODES = ("no-cache", "local", "redis-2-replicas", "sticky-2-replicas")
+DEFAULT_MODES = MODES[:3]
+# sticky-2-replicas, a control: two engines with local caching only, each conversation
+# staying on one of them; it shows what two replicas sharing this machine's cores cost
+# without the remote tier.
+# the feature's goals: TTFT P50 of turns 2+ as a fraction of no-cache's, and throughput
+GOALS = {"local": {"max_ttft_ratio": 0.30, "min_throughput_ratio": 2.0},
+         "redis-2-replicas": {"max_ttft_ratio": 0.40, "min_throughput_ratio": 2.0}}
+WARMUP_PROMPT_TOKENS = (600, 250, 120, 60, 30, 12, 5, 3)  # mixed lengths: several decode groups
+
+
+def log(text: str) -> None:
+    print(text, flush=True)
 
 
 def export_model(base: Path, max_seq_len: int) -> Path:
+    """The newest complete export under `base`, made (GPT-2 small, random weights) if none."""
+    existing = sorted((p for p in base.glob("[0-9]*") if (p / "saved_model.pb").exists()
+                       and (p / "variables" / "variables.index").exists()),
+                      key=lambda p: int(p.name))
+    if existing:
+        return existing[-1]
     from tokenserve.config import GenerationConfig, gpt2_config
     from tokenserve.export.exporter import export_model as export
     from tokenserve.model import build_model
-    from tokenserve.model.tokenizer import Tokenizer
     from tokenserve.model.checkpoint import BUILTIN_DIR
+    from tokenserve.model.tokenizer import Tokenizer
 
-    existing = sorted(p for p in base.glob("[0-9]*") if p.is_dir())
-    if existing:
-        return existing[-1]
+    log(f"exporting GPT-2 small ({max_seq_len} positions, random weights) to {base} ...")
     tokenizer = Tokenizer.load(BUILTIN_DIR / "tokenizer.json")
     architecture = gpt2_config(max_seq_len=max_seq_len)
     config = GenerationConfig(model=architecture, bos_token_id=tokenizer.bos_token_id,
@@ -58,42 +78,94 @@ def export_model(base: Path, max_seq_len: int) -> Path:
     return export(build_model(architecture, seed=0), tokenizer, config, base, jit_compile=False)
 
 
-def start_redis(directory: Path) -> tuple[subprocess.Popen, str]:
+def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+        return sock.getsockname()[1]
+
+
+def start_redis(directory: Path) -> tuple[subprocess.Popen, str]:
+    import redis
+
+    port = free_port()
     process = subprocess.Popen([shutil.which("redis-server"), "--port", str(port), "--bind",
                                 "127.0.0.1", "--dir", str(directory), "--save", "",
                                 "--appendonly", "no"], stdout=subprocess.DEVNULL)
-    import redis
-
-    for _ in range(100):
+    client = redis.Redis(port=port)
+    for _ in range(200):
         try:
-            redis.Redis(port=port).ping()
-            break
+            client.ping()
+            return process, f"redis://127.0.0.1:{port}/0"
         except redis.ConnectionError:
             time.sleep(0.05)
-    return process, f"redis://127.0.0.1:{port}/0"
+    process.kill()
+    raise RuntimeError(f"redis-server did not answer on port {port}")
+
+
+@dataclasses.dataclass
+class Progress:
+    """Logs each turn once every conversation has finished it."""
+
+    mode: str
+    num_conversations: int
+    started: float = dataclasses.field(default_factory=time.perf_counter)
+    done: dict = dataclasses.field(default_factory=dict)  # turn -> TTFTs so far
+
+    def turn_done(self, turn: int, ttft_s: float) -> None:
+        ttfts = self.done.setdefault(turn, [])
+        ttfts.append(ttft_s)
+        if len(ttfts) == self.num_conversations:
+            log(f"  [{self.mode}] turn {turn} done by all {self.num_conversations} "
+                f"conversations at {time.perf_counter() - self.started:6.1f} s "
+                f"(TTFT P50 {statistics.median(ttfts):.3f} s)")
 
 
 async def conversation(engines, index: int, system: list[int], turns: list[list[int]],
-                       results: list) -> None:
+                       results: list, progress: Progress, sticky: bool) -> None:
     from tokenserve.sampling import SamplingParams
 
     history = list(system)
     params = SamplingParams(max_tokens=ANSWER_TOKENS, ignore_eos=True)
     for turn, user in enumerate(turns):
-        engine = engines[turn % len(engines)]  # alternate replicas turn by turn
+        # alternate replicas turn by turn, or keep the conversation on one
+        replica = (index if sticky else turn) % len(engines)
         history += user
-        started, first, answer = time.perf_counter(), None, []
-        async for output in engine.generate(history, params, f"c{index}-t{turn}"):
+        started, first, answer, cached = time.perf_counter(), None, [], None
+        async for output in engines[replica].generate(history, params, f"c{index}-t{turn}"):
             if first is None and output.outputs and output.outputs[0].token_ids:
                 first = time.perf_counter()
+            if output.finished:
+                cached = output.num_cached_tokens
             for piece in output.outputs:
                 answer += piece.token_ids
-        results.append({"conversation": index, "turn": turn + 1, "ttft_s": first - started,
-                        "prompt_tokens": len(history), "output_tokens": len(answer)})
+        results.append({"conversation": index, "turn": turn + 1, "replica": replica,
+                        "arrival": started, "first": first,
+                        "ttft_s": first - started, "latency_s": time.perf_counter() - started,
+                        "prompt_tokens": len(history), "cached_tokens": cached,
+                        "output_tokens": len(answer)})
+        progress.turn_done(turn + 1, first - started)
         history += answer
+
+
+async def warm_up(engine, vocab: int, seed: int) -> None:
+    """Traces the step on prompts unrelated to the workload (prefill, several decode groups)."""
+    import numpy as np
+
+    from tokenserve.sampling import SamplingParams
+
+    rng = np.random.default_rng(1000 + seed)
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+
+    async def one(i: int, length: int) -> None:
+        prompt = rng.integers(10, vocab, length).tolist()
+        async for _ in engine.generate(prompt, params, f"warmup-{seed}-{i}"):
+            pass
+
+    await asyncio.gather(*[one(i, n) for i, n in enumerate(WARMUP_PROMPT_TOKENS)])
+
+
+def stats_delta(after: dict, before: dict) -> dict:
+    return {key: after[key] - before[key] for key in after}
 
 
 async def run_mode(name: str, model_dir: Path, args, redis_url: str | None) -> dict:
@@ -102,33 +174,92 @@ async def run_mode(name: str, model_dir: Path, args, redis_url: str | None) -> d
     from tokenserve.engine.async_engine import AsyncEngine
     from tokenserve.engine.config import EngineConfig
 
-    config = EngineConfig(max_num_seqs=args.conversations, max_num_batched_tokens=512,
+    config = EngineConfig(max_num_seqs=args.conversations,
+                          max_num_batched_tokens=args.max_num_batched_tokens,
                           max_cache_tokens=args.cache_tokens, precision="float32",
                           enable_prefix_caching=name != "no-cache",
                           kv_store=redis_url if name == "redis-2-replicas" else None)
+    num_replicas = 2 if name.endswith("-2-replicas") else 1
+    log(f"[{name}] loading and warming up {num_replicas} engine(s) ...")
+    loading = time.perf_counter()
     engines = [AsyncEngine.from_model_dir(model_dir, config, model_name="gpt2", version="1")
-               for _ in range(2 if name == "redis-2-replicas" else 1)]
-    rng = np.random.default_rng(0)
+               for _ in range(num_replicas)]
     vocab = engines[0].config.model.vocab_size
+    for i, engine in enumerate(engines):
+        await warm_up(engine, vocab, i)
+    warm = [dataclasses.asdict(e.engine.prefix_cache_stats()) for e in engines]
+    log(f"[{name}] ready in {time.perf_counter() - loading:.1f} s; running "
+        f"{args.conversations} conversations x {args.turns} turns")
+    rng = np.random.default_rng(0)  # the same workload in every mode
     system = rng.integers(10, vocab, args.system_tokens).tolist()
     turns = [[rng.integers(10, vocab, args.user_tokens).tolist() for _ in range(args.turns)]
              for _ in range(args.conversations)]
     results: list = []
+    progress = Progress(name, args.conversations)
     started = time.perf_counter()
-    await asyncio.gather(*[conversation(engines, i, system, turns[i], results)
+    await asyncio.gather(*[conversation(engines, i, system, turns[i], results, progress,
+                                        sticky=name.startswith("sticky"))
                            for i in range(args.conversations)])
     wall = time.perf_counter() - started
-    stats = [dataclasses.asdict(e.engine.prefix_cache_stats()) for e in engines]
+    stats = [stats_delta(dataclasses.asdict(e.engine.prefix_cache_stats()), w)
+             for e, w in zip(engines, warm)]
     for engine in engines:
         engine.shutdown()
+        if engine.engine.scheduler.kv_tier is not None:  # its last writes, before Redis stops
+            engine.engine.scheduler.kv_tier.close(wait=True)
     by_turn = {t: [r["ttft_s"] for r in results if r["turn"] == t]
                for t in range(1, args.turns + 1)}
     later = [r["ttft_s"] for r in results if r["turn"] >= 2]
-    return {"mode": name, "wall_s": wall,
+    prompt_tokens = sum(r["prompt_tokens"] for r in results)
+    cached_tokens = sum(r["cached_tokens"] or 0 for r in results)
+    log(f"[{name}] done in {wall:.1f} s; {cached_tokens / prompt_tokens:.0%} of prompt tokens "
+        f"served from a cache")
+    return {"mode": name, "replicas": len(engines), "wall_s": wall,
             "output_tokens_per_s": sum(r["output_tokens"] for r in results) / wall,
             "ttft_p50_turns_2_plus_s": statistics.median(later) if later else None,
+            "ttft_p50_turn_1_s": statistics.median(by_turn[1]),
             "ttft_p50_by_turn_s": {t: statistics.median(v) for t, v in by_turn.items()},
-            "prefix_cache": stats, "requests": results}
+            "prompt_tokens": prompt_tokens, "cached_prompt_tokens": cached_tokens,
+            "prefix_cache": stats, "requests": sorted(
+                results, key=lambda r: (r["conversation"], r["turn"]))}
+
+
+def compare(modes: list[dict]) -> None:
+    """Adds ratios to no-cache and the goals' verdicts to each mode."""
+    base = next((m for m in modes if m["mode"] == "no-cache"), None)
+    for mode in modes:
+        if base is None or mode is base or not base["ttft_p50_turns_2_plus_s"]:
+            continue
+        mode["ttft_ratio_to_no_cache"] = (mode["ttft_p50_turns_2_plus_s"]
+                                          / base["ttft_p50_turns_2_plus_s"])
+        mode["throughput_ratio_to_no_cache"] = (mode["output_tokens_per_s"]
+                                                / base["output_tokens_per_s"])
+        goal = GOALS.get(mode["mode"])
+        if goal:
+            mode["goals"] = {**goal, "ttft_met": mode["ttft_ratio_to_no_cache"]
+                             <= goal["max_ttft_ratio"],
+                             "throughput_met": mode["throughput_ratio_to_no_cache"]
+                             >= goal["min_throughput_ratio"]}
+
+
+def print_table(modes: list[dict]) -> None:
+    log(f"{'mode':<18}{'TTFT P50 t1 (s)':>16}{'TTFT P50 t2+ (s)':>18}{'vs no-cache':>12}"
+        f"{'out tok/s':>11}{'vs no-cache':>12}{'cached':>8}")
+    for mode in modes:
+        ttft = mode.get("ttft_ratio_to_no_cache")
+        tput = mode.get("throughput_ratio_to_no_cache")
+        log(f"{mode['mode']:<18}{mode['ttft_p50_turn_1_s']:>16.3f}"
+            f"{mode['ttft_p50_turns_2_plus_s']:>18.3f}"
+            f"{'' if ttft is None else f'{ttft:.0%}':>12}{mode['output_tokens_per_s']:>11.1f}"
+            f"{'' if tput is None else f'{tput:.2f}x':>12}"
+            f"{mode['cached_prompt_tokens'] / mode['prompt_tokens']:>8.0%}")
+    for mode in modes:
+        if "goals" in mode:
+            goals = mode["goals"]
+            log(f"goal {mode['mode']}: TTFT t2+ <= {goals['max_ttft_ratio']:.0%} of no-cache: "
+                f"{'met' if goals['ttft_met'] else 'MISSED'}; throughput >= "
+                f"{goals['min_throughput_ratio']:.0f}x: "
+                f"{'met' if goals['throughput_met'] else 'MISSED'}")
 
 
 def plot(report: dict, path: Path) -> None:
@@ -137,20 +268,30 @@ def plot(report: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4))
+    workload = report["workload"]
+    fig, ax = plt.subplots(figsize=(7.5, 4.2))
     for mode in report["modes"]:
         turns = sorted(mode["ttft_p50_by_turn_s"], key=int)
         ax.plot([int(t) for t in turns], [mode["ttft_p50_by_turn_s"][t] for t in turns],
-                marker="o", label=mode["mode"])
+                marker="o", label=f"{mode['mode']} ({mode['output_tokens_per_s']:.0f} out tok/s)")
     ax.set_xlabel("turn")
     ax.set_ylabel("TTFT P50 (s)")
-    ax.set_title(f"{report['workload']['conversations']} conversations x "
-                 f"{report['workload']['turns']} turns, {report['workload']['system_tokens']}"
-                 f"-token shared system prompt")
-    ax.legend()
-    ax.grid(alpha=0.3)
+    ax.set_yscale("log")
+    ax.set_xticks(range(1, workload["turns"] + 1))
+    ax.set_title(f"{workload['conversations']} conversations x {workload['turns']} turns, "
+                 f"{workload['system_tokens']}-token shared system prompt\n"
+                 f"GPT-2 small (random weights), {report['machine']['cpu_count']} CPUs",
+                 fontsize=10)
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3, which="both")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write(report: dict, name: str) -> None:
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / f"{name}.json").write_text(json.dumps(report, indent=1) + "\n")
 
 
 def main() -> int:
@@ -160,43 +301,59 @@ def main() -> int:
     parser.add_argument("--turns", type=int, default=6)
     parser.add_argument("--system_tokens", type=int, default=1000)
     parser.add_argument("--user_tokens", type=int, default=100)
-    parser.add_argument("--modes", default="no-cache,local,redis-2-replicas")
+    parser.add_argument("--max_num_batched_tokens", type=int, default=512)
+    parser.add_argument("--modes", default=",".join(DEFAULT_MODES),
+                        help=f"comma-separated, of {', '.join(MODES)}")
     parser.add_argument("--model_dir", default=str(Path(tempfile.gettempdir())
-                                                   / "tokenserve-bench" / "gpt2-small-2k"))
+                                                   / "tokenserve-bench" / "gpt2-small-2k"),
+                        help="base path of a GPT-2-small export with >= 2,048 positions "
+                             "(exported there if it holds none)")
+    parser.add_argument("--note", default=None,
+                        help="a remark stored in the JSON (e.g. why the workload was reduced)")
     args = parser.parse_args()
     if args.quick:
         args.conversations, args.turns = 4, 3
+    modes_wanted = args.modes.split(",")
+    unknown = set(modes_wanted) - set(MODES)
+    if unknown:
+        parser.error(f"unknown modes {sorted(unknown)}; choose from {list(MODES)}")
     longest = args.system_tokens + args.turns * (args.user_tokens + ANSWER_TOKENS)
     args.cache_tokens = args.conversations * longest + 4096  # room for every conversation
+    machine = machine_info()
+    log(machine_summary(machine))
     model_dir = export_model(Path(args.model_dir), max_seq_len=2048)
-    tmp = Path(tempfile.mkdtemp(prefix="multiturn-redis-"))
-    redis_process, redis_url = start_redis(tmp)
-    try:
-        modes = [asyncio.run(run_mode(m, model_dir, args, redis_url))
-                 for m in args.modes.split(",")]
-    finally:
-        redis_process.kill()
-        shutil.rmtree(tmp, ignore_errors=True)
     report = {"workload": {"conversations": args.conversations, "turns": args.turns,
                            "system_tokens": args.system_tokens,
                            "user_tokens": args.user_tokens, "answer_tokens": ANSWER_TOKENS,
-                           "quick": args.quick},
-              "machine": machine_info(), "modes": modes}
-    base = next((m for m in modes if m["mode"] == "no-cache"), None)
-    print(f"{'mode':<18}{'TTFT P50 t2+ (s)':>18}{'vs no-cache':>13}{'out tok/s':>11}"
-          f"{'vs no-cache':>13}")
-    for mode in modes:
-        ratio_ttft = (mode["ttft_p50_turns_2_plus_s"] / base["ttft_p50_turns_2_plus_s"]
-                      if base else float("nan"))
-        ratio_tput = (mode["output_tokens_per_s"] / base["output_tokens_per_s"]
-                      if base else float("nan"))
-        print(f"{mode['mode']:<18}{mode['ttft_p50_turns_2_plus_s']:>18.3f}{ratio_ttft:>12.0%}"
-              f"{mode['output_tokens_per_s']:>11.1f}{ratio_tput:>12.2f}x")
-    RESULTS.mkdir(exist_ok=True)
+                           "quick": args.quick, "note": args.note},
+              "model": {"export": str(model_dir), "architecture": "gpt2-small (random weights)",
+                        "max_seq_len": 2048, "precision": "float32", "kv_cache": "16-bit"},
+              "engine": {"max_num_seqs": args.conversations,
+                         "max_num_batched_tokens": args.max_num_batched_tokens,
+                         "max_cache_tokens": args.cache_tokens, "block_size": 16},
+              "redis_server": subprocess.run(["redis-server", "--version"], capture_output=True,
+                                             text=True).stdout.strip(),
+              "command": " ".join(["python", "benchmarks/multiturn.py"] + sys.argv[1:]),
+              "machine": machine, "goals": GOALS, "complete": False, "modes": []}
     name = "multiturn-quick" if args.quick else "multiturn"
-    (RESULTS / f"{name}.json").write_text(json.dumps(report, indent=1))
+    tmp = Path(tempfile.mkdtemp(prefix="multiturn-redis-"))
+    redis_process, redis_url = start_redis(tmp)
+    started = time.perf_counter()
+    try:
+        for mode in modes_wanted:
+            report["modes"].append(asyncio.run(run_mode(mode, model_dir, args, redis_url)))
+            compare(report["modes"])
+            write(report, name)
+    finally:
+        redis_process.kill()
+        redis_process.wait()
+        shutil.rmtree(tmp, ignore_errors=True)
+    report["complete"] = True
+    report["total_s"] = time.perf_counter() - started
+    write(report, name)
     plot(report, RESULTS / f"{name}.png")
-    print(f"wrote {RESULTS / name}.json and .png")
+    print_table(report["modes"])
+    log(f"wrote {RESULTS / name}.json and .png ({report['total_s']:.0f} s in all)")
     return 0
 
 

@@ -166,8 +166,10 @@ class RemoteKVTier:
         """Blocks just loaded from the store are there already: no need to write them."""
         self._remember(hashes)
 
-    def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+    def close(self, wait: bool = False) -> None:
+        """Stops the worker and closes the store; `wait` lets queued writes finish first."""
+        self._pool.shutdown(wait=wait, cancel_futures=not wait)
+        self.store.close()
 
 
 def setup_prefix_cache(runner, engine_config, model_name: str, version: str
