@@ -42,7 +42,7 @@ from machine import machine_info, machine_summary  # noqa: E402
 RESULTS = Path(__file__).parent / "results"
 ANSWER_TOKENS = 64
 MODES = ("no-cache", "local", "redis-2-replicas", "sticky-2-replicas")
-DEFAULT_MODES = MODES[:3]
+DEFAULT_MODES = MODES
 # sticky-2-replicas, a control: two engines with local caching only, each conversation
 # staying on one of them; it shows what two replicas sharing this machine's cores cost
 # without the remote tier.
@@ -264,6 +264,7 @@ def print_table(modes: list[dict]) -> None:
 
 def plot(report: dict, path: Path) -> None:
     import matplotlib
+    import matplotlib.ticker
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -277,6 +278,8 @@ def plot(report: dict, path: Path) -> None:
     ax.set_xlabel("turn")
     ax.set_ylabel("TTFT P50 (s)")
     ax.set_yscale("log")
+    ax.yaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
+    ax.yaxis.set_minor_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
     ax.set_xticks(range(1, workload["turns"] + 1))
     ax.set_title(f"{workload['conversations']} conversations x {workload['turns']} turns, "
                  f"{workload['system_tokens']}-token shared system prompt\n"
