@@ -6,9 +6,8 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tokenserve.observability.llm_metrics import (LLMMetrics, VersionState,
-                                                  one_two_five_buckets)
-from tokenserve.stats import RejectionStats, RequestStats, StepStats
+from tokenserve.observability.llm_metrics import LLMMetrics, one_two_five_buckets
+from tokenserve.stats import RejectionStats, RequestStats, StepStats, VersionState
 
 
 def samples(registry: CollectorRegistry) -> dict[tuple, float]:

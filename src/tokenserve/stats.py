@@ -1,9 +1,22 @@
-"""Stats the engine and servers emit as plain data. Observability (Prometheus, OpenTelemetry,
-TensorBoard) consumes these and imports neither engine nor server."""
+"""Stats the engine, the servers and the lifecycle emit as plain data. Observability
+(Prometheus, OpenTelemetry, TensorBoard) consumes these and imports none of them."""
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
+
+
+class VersionState(enum.IntEnum):
+    """Lifecycle of one model version; names and values are TF Serving's
+    `ModelVersionStatus.State` (get_model_status.proto). The lifecycle sets it, GetModelStatus
+    reports it, and the metrics label `tokenserve:model_version_state` with its name."""
+
+    START = 10
+    LOADING = 20
+    AVAILABLE = 30
+    UNLOADING = 40
+    END = 50
 
 
 @dataclass(frozen=True)

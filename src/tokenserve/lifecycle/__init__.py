@@ -9,7 +9,8 @@ TensorFlow.
 from tokenserve.lifecycle.manager import ModelManager
 from tokenserve.lifecycle.model_config import ModelSpecConfig, parse_model_server_config
 from tokenserve.lifecycle.policy import VersionPolicy
-from tokenserve.lifecycle.states import VersionState, VersionStatus
+from tokenserve.lifecycle.states import VersionStatus
+from tokenserve.stats import VersionState
 from tokenserve.lifecycle.version import LoadedVersion
 
 __all__ = ["LoadedVersion", "ModelManager", "ModelSpecConfig", "VersionPolicy", "VersionState",

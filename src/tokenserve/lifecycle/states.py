@@ -1,19 +1,11 @@
-"""Version states, numbered as TF Serving's `ModelVersionStatus.State`."""
+"""A version's status as GetModelStatus reports it. Its state is `stats.VersionState`, the
+one enum of version states (observability reads it too, and imports nothing from here)."""
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass
 
-
-class VersionState(enum.IntEnum):
-    """Lifecycle of one model version; values equal get_model_status.proto's enum."""
-
-    START = 10
-    LOADING = 20
-    AVAILABLE = 30
-    UNLOADING = 40
-    END = 50
+from tokenserve.stats import VersionState
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tokenserve.lifecycle.states import VersionState, VersionStatus
+from tokenserve.lifecycle.states import VersionStatus
+from tokenserve.stats import VersionState
 
 
 class LoadedVersion:

@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from enum import Enum
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily
 
-from tokenserve.stats import RejectionStats, RequestStats, StatsSink, StepStats
+from tokenserve.stats import RejectionStats, RequestStats, StatsSink, StepStats, VersionState
 
 LABELS = ("model_name", "model_version")
 
@@ -64,16 +63,6 @@ N_BUCKETS = (1, 2, 5, 10, 20)
 BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 STEP_DURATION_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
 LOAD_LATENCY_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0)
-
-
-class VersionState(str, Enum):
-    """A model version's lifecycle state, as TF Serving's ModelVersionStatus names them."""
-
-    START = "START"
-    LOADING = "LOADING"
-    AVAILABLE = "AVAILABLE"
-    UNLOADING = "UNLOADING"
-    END = "END"
 
 
 @dataclass(frozen=True)
@@ -266,11 +255,20 @@ class LLMMetrics(StatsSink):
         self.rejected_requests.labels(stats.model, stats.version, stats.reason).inc()
 
     def record_version_state(self, model: str, version: str, state: VersionState | str) -> None:
-        """Marks `state` as the version's current state (1) and every other state 0."""
+        """Marks `state` (a VersionState or its name) as the version's current state (1) and
+        every other state 0.
+
+        Raises:
+            ValueError: `state` names no VersionState.
+        """
+        if isinstance(state, str):
+            if state not in VersionState.__members__:
+                raise ValueError(f"{state!r} is not a version state")
+            state = VersionState[state]
         current = VersionState(state)
         with self._version_lock:
             for candidate in VersionState:
-                self.version_state.labels(model, version, candidate.value).set(
+                self.version_state.labels(model, version, candidate.name).set(
                     1 if candidate is current else 0)
 
     def forget_version(self, model: str, version: str) -> None:
@@ -290,12 +288,11 @@ class LLMMetrics(StatsSink):
 
     # -- the lifecycle's observer interface (ModelManager.add_observer) --------------------
     def on_version_state(self, model: str, version: int, state) -> None:
-        """A version changed state (`state`: the lifecycle's VersionState or its name). At
-        END its scheduler gauges go: its engine has stopped, and a dashboard should not
-        keep showing its last running and waiting counts."""
-        name = getattr(state, "name", state)
-        self.record_version_state(model, str(version), name)
-        if name == VersionState.END.value:
+        """A version changed state (a VersionState or its name). At END its scheduler
+        gauges go: its engine has stopped, and a dashboard should not keep showing its last
+        running and waiting counts."""
+        self.record_version_state(model, str(version), state)
+        if getattr(state, "name", state) == VersionState.END.name:
             self.forget_version(model, str(version))
 
     def on_load(self, model: str, version: int, seconds: float, ok: bool) -> None:

@@ -18,6 +18,8 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
+from tokenserve.stats import VersionState
+
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import GaugeMetricFamily
 
@@ -78,7 +80,7 @@ class MemoryGauges:
 
     # a lifecycle observer (ModelManager.add_observer): a version's series go with it
     def on_version_state(self, model_name: str, version: int, state) -> None:
-        if getattr(state, "name", state) == "END":
+        if getattr(state, "name", state) == VersionState.END.name:
             self.forget(model_name, str(version))
 
     def on_load(self, *args) -> None:
