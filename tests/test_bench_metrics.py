@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from tokenserve.bench.client import ClientConfig, RequestOutput, request_body
+from tokenserve.bench.client import ClientConfig, RequestResult, request_body
 from tokenserve.bench.dataset import (BenchRequest, file_dataset, load_tokenizer,
                                       random_dataset, sample_lengths, sharegpt_dataset)
 from tokenserve.bench.load import LoadConfig, arrival_offsets
@@ -15,7 +15,7 @@ from tokenserve.bench.metrics import calculate_metrics, parse_goodput
 
 
 def output(ttft, itl, latency, output_tokens=None, start=0.0, prompt_len=10, text=""):
-    return RequestOutput(success=True, prompt_len=prompt_len, output_tokens=output_tokens,
+    return RequestResult(success=True, prompt_len=prompt_len, output_tokens=output_tokens,
                          ttft=ttft, itl=list(itl), latency=latency, start_time=start,
                          generated_text=text)
 
@@ -28,7 +28,7 @@ def test_hand_computed_run():
         output(0.5, [0.1, 0.3], 0.9, output_tokens=3, start=0.5, prompt_len=20),
         # a single token: no TPOT sample, but a TTFT and an E2E sample
         output(0.3, [], 0.3, output_tokens=1, start=1.0, prompt_len=30),
-        RequestOutput(success=False, error="HTTP 500"),
+        RequestResult(success=False, error="HTTP 500"),
     ]
     metrics = calculate_metrics(outputs, duration_s=2.0, percentiles=(50, 99))
     assert (metrics.completed, metrics.failed) == (3, 1)
@@ -74,7 +74,7 @@ def test_output_length_falls_back_to_the_tokenizer_then_one():
 
 
 def test_all_failed_reports_zeros():
-    metrics = calculate_metrics([RequestOutput(error="x")], duration_s=1.0)
+    metrics = calculate_metrics([RequestResult(error="x")], duration_s=1.0)
     assert metrics.completed == 0 and metrics.latencies["ttft"].mean_ms == 0
     assert metrics.max_output_tokens_per_s == 0
 

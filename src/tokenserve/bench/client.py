@@ -18,8 +18,9 @@ from tokenserve.bench.dataset import BenchRequest
 
 
 @dataclass
-class RequestOutput:
-    """What one request measured. Times in seconds."""
+class RequestResult:
+    """What one benchmark request measured (not the engine's `engine.outputs.RequestOutput`).
+    Times in seconds."""
 
     success: bool = False
     prompt_len: int = 0
@@ -91,8 +92,8 @@ class StreamingClient:
     async def __aexit__(self, *exc_info) -> None:
         await self._http.aclose()
 
-    async def send(self, request: BenchRequest) -> RequestOutput:
-        output = RequestOutput(prompt_len=request.prompt_len)
+    async def send(self, request: BenchRequest) -> RequestResult:
+        output = RequestResult(prompt_len=request.prompt_len)
         started = time.perf_counter()
         output.start_time = started
         last_chunk_at = started

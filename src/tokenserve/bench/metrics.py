@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from tokenserve.bench.client import RequestOutput
+from tokenserve.bench.client import RequestResult
 
 DEFAULT_PERCENTILES = (50.0, 95.0, 99.0)
 SLO_METRICS = ("ttft", "tpot", "e2el")
@@ -84,7 +84,7 @@ class BenchmarkMetrics:
     """Per request, 0 for failures (request order)."""
 
 
-def output_length(output: RequestOutput, count_tokens: Callable[[str], int] | None) -> int:
+def output_length(output: RequestResult, count_tokens: Callable[[str], int] | None) -> int:
     """The server's count, else the tokenizer's, else 1 (vLLM's fallback order)."""
     if output.output_tokens:
         return output.output_tokens
@@ -93,7 +93,7 @@ def output_length(output: RequestOutput, count_tokens: Callable[[str], int] | No
     return 1
 
 
-def calculate_metrics(outputs: Sequence[RequestOutput], duration_s: float,
+def calculate_metrics(outputs: Sequence[RequestResult], duration_s: float,
                       count_tokens: Callable[[str], int] | None = None,
                       percentiles: Sequence[float] = DEFAULT_PERCENTILES,
                       goodput_slos_ms: dict[str, float] | None = None) -> BenchmarkMetrics:
@@ -145,7 +145,7 @@ def calculate_metrics(outputs: Sequence[RequestOutput], duration_s: float,
         output_lens=output_lens)
 
 
-def _peaks(outputs: Sequence[RequestOutput]) -> tuple[float, int]:
+def _peaks(outputs: Sequence[RequestResult]) -> tuple[float, int]:
     """(most chunks received in any one-second bucket, most requests in flight at once)."""
     if not outputs:
         return 0.0, 0

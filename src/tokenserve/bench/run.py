@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from tqdm.auto import tqdm
 
-from tokenserve.bench.client import ClientConfig, RequestOutput, StreamingClient
+from tokenserve.bench.client import ClientConfig, RequestResult, StreamingClient
 from tokenserve.bench.dataset import BenchRequest
 from tokenserve.bench.load import LoadConfig, run_load
 from tokenserve.bench.metrics import DEFAULT_PERCENTILES, BenchmarkMetrics, calculate_metrics
@@ -22,7 +22,7 @@ class RunResult:
     burstiness: float
     max_concurrency: int | None
     metrics: BenchmarkMetrics
-    outputs: list[RequestOutput]
+    outputs: list[RequestResult]
 
 
 @dataclass(frozen=True)
