@@ -543,26 +543,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    import tensorflow as tf
-
-    from tokenserve.export.exporter import export_model
-    from tokenserve.export.loader import ExportedModel
-    from tokenserve.sampling import SamplingParams
-
-    machine = machine_info()
-    new_tokens, prompt_len = args.new_tokens, args.prompt_tokens
-    eager_tokens = min(args.eager_new_tokens, new_tokens)
-    needs_export = any(s in args.systems for s in (GRAPH_NOXLA, GRAPH_XLA, STREAM_XLA))
-
-    with console.status("loading model" if args.model else "building model"):
-        model, tokenizer, config = make_source(args.quick, args.seed, args.model)
+def describe_workload(args: argparse.Namespace, model, config, machine: dict) -> dict:
+    """The run's workload record (also printed as a one-line summary)."""
     arch = config.model
-    if prompt_len + new_tokens > arch.max_seq_len:
-        console.print(f"[red]prompt {prompt_len} + new tokens {new_tokens} exceeds the "
-                      f"context length {arch.max_seq_len}[/red]")
-        return 2
     workload = {
         "model_name": (f"{config.name} ({args.model})" if args.model else
                        "quick tiny GPT-2" if args.quick else "GPT-2 small (random weights)"),
@@ -570,171 +553,189 @@ def main(argv: list[str] | None = None) -> int:
         "model_config": dataclasses.asdict(arch),
         "num_params": int(model.count_params()),
         "batch_size": 1, "sampling": "greedy",
-        "prompt_tokens": prompt_len, "new_tokens": new_tokens,
-        "eager_new_tokens": eager_tokens, "repeats": args.repeats, "quick": args.quick,
+        "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens,
+        "eager_new_tokens": min(args.eager_new_tokens, args.new_tokens),
+        "repeats": args.repeats, "quick": args.quick,
         "seed": args.seed, "eos_token_id": config.eos_token_id,
         "pad_token_id": config.pad_token_id,
     }
     console.print(f"[bold]{workload['model_name']}[/bold]: {arch.num_layers} layers, width "
                   f"{arch.hidden_size}, {arch.num_heads} heads, vocab {arch.vocab_size}, context "
-                  f"{arch.max_seq_len}, {workload['num_params']:,} params; prompt {prompt_len}, "
-                  f"new tokens {new_tokens}; systems: {', '.join(args.systems)}")
+                  f"{arch.max_seq_len}, {workload['num_params']:,} params; prompt "
+                  f"{args.prompt_tokens}, new tokens {args.new_tokens}; systems: "
+                  f"{', '.join(args.systems)}")
     console.print(f"{machine_summary(machine)}; TF {machine['tensorflow']}, load average "
                   f"{machine['loadavg_start'][0]:.2f}", markup=False)
+    return workload
 
-    results: dict[str, dict] = {}
-    failed = False
-    tmp = tempfile.TemporaryDirectory(prefix="tokenserve-bench-")
-    loaded: dict[str, object] = {}  # keeps SavedModel objects alive while their signatures run
-    try:
-        # -- export -----------------------------------------------------------------------------
-        paths: dict[bool, Path] = {}
+
+@dataclasses.dataclass
+class Run:
+    """What the systems of one run share: the model, its exports and the prompt."""
+
+    args: argparse.Namespace
+    model: object
+    tokenizer: object
+    config: object
+    workdir: Path
+    paths: dict = dataclasses.field(default_factory=dict)
+    """jit_compile -> the exported version dir."""
+    loaded: dict = dataclasses.field(default_factory=dict)
+    """Keeps SavedModel objects alive while their signatures run."""
+    prompt: list[int] | None = None
+
+    def export(self) -> dict[str, float]:
+        """Exports the SavedModels the chosen systems need; returns seconds per export."""
+        from tokenserve.export.exporter import export_model
+
         export_s: dict[str, float] = {}
-        if needs_export:
-            wanted = sorted({s != GRAPH_NOXLA for s in args.systems
-                             if s in (GRAPH_NOXLA, GRAPH_XLA, STREAM_XLA)})
-            for jit in wanted:
-                label = "xla" if jit else "noxla"
-                with console.status(f"exporting SavedModel ({label})"):
-                    start = time.perf_counter()
-                    paths[jit] = export_model(model, tokenizer, config,
-                                              Path(tmp.name) / label, jit_compile=jit)
-                    export_s[label] = time.perf_counter() - start
-                console.print(f"exported {label} in {export_s[label]:.1f}s")
-        workload["export_s"] = export_s
+        wanted = sorted({s != GRAPH_NOXLA for s in self.args.systems
+                         if s in (GRAPH_NOXLA, GRAPH_XLA, STREAM_XLA)})
+        for jit in wanted:
+            label = "xla" if jit else "noxla"
+            with console.status(f"exporting SavedModel ({label})"):
+                start = time.perf_counter()
+                self.paths[jit] = export_model(self.model, self.tokenizer, self.config,
+                                               self.workdir / label, jit_compile=jit)
+                export_s[label] = time.perf_counter() - start
+            console.print(f"exported {label} in {export_s[label]:.1f}s")
+        return export_s
 
-        def load_signature(jit: bool):
-            key = "xla" if jit else "noxla"
-            if key not in loaded:
-                loaded[key] = tf.saved_model.load(str(paths[jit]))
-            return loaded[key].signatures["generate"]
+    def signature(self, jit: bool):
+        """The `generate` signature of the export with (or without) XLA."""
+        import tensorflow as tf
 
-        # -- prompt: no eos within the greedy continuation ---------------------------------------
+        key = "xla" if jit else "noxla"
+        if key not in self.loaded:
+            self.loaded[key] = tf.saved_model.load(str(self.paths[jit]))
+        return self.loaded[key].signatures["generate"]
+
+    def choose_prompt(self) -> dict | None:
+        """Sets a random prompt whose greedy continuation holds no eos (checked through an
+        export when there is one); returns how it was found, or None if no try worked."""
+        args, config = self.args, self.config
         banned = {config.eos_token_id, config.pad_token_id, config.bos_token_id}
-        high = min(tokenizer.vocab_size, arch.vocab_size)
-        prompt, prompt_tries = None, 0
-        checker_jit = True if True in paths else (False if False in paths else None)
+        high = min(self.tokenizer.vocab_size, config.model.vocab_size)
+        checker = True if True in self.paths else (False if False in self.paths else None)
         with console.status("choosing an eos-free prompt"):
             for attempt in range(args.prompt_tries):
-                prompt_tries = attempt + 1
                 rng = np.random.default_rng(args.prompt_seed + attempt)
-                candidate = random_prompt(rng, prompt_len, 3, high, banned)
-                if checker_jit is None:  # no export: nothing stops early, eos is only reported
-                    prompt = candidate
-                    break
-                generated = graph_generate_fn(load_signature(checker_jit), candidate)(new_tokens)
-                if len(generated) == new_tokens and config.eos_token_id not in generated:
-                    prompt = candidate
-                    break
-        if prompt is None:
-            console.print(f"[red]no eos-free prompt in {args.prompt_tries} tries; "
-                          f"raise --prompt-tries or change --prompt-seed[/red]")
-            return 1
-        workload.update(prompt_ids=prompt, prompt_tries=prompt_tries,
-                        prompt_checked_with=(None if checker_jit is None
-                                             else ("exported-xla" if checker_jit
-                                                   else "exported-noxla")))
-        if EAGER not in args.systems:
-            del model  # the exports (and keras-hub) do not need the in-memory model
-            gc.collect()
-
-        # -- systems ----------------------------------------------------------------------------
-        def build(name: str) -> System:
-            if name == EAGER:
-                system = StreamSystem(lambda n: eager_nocache_stream(model, prompt, n),
-                                      warmup_tokens=2)
-                system.notes.append("warm-up generates 2 tokens (nothing to compile)")
-                return system
-            if name in (GRAPH_NOXLA, GRAPH_XLA):
-                return OneCallSystem(graph_generate_fn(load_signature(name == GRAPH_XLA), prompt))
-            if name == STREAM_XLA:
-                exported = ExportedModel(paths[True])
-                loaded["stream"] = exported
-                system = StreamSystem(lambda n: exported.stream(prompt,
-                                                                SamplingParams(max_tokens=n)))
-                return system
-            if name == KERAS_HUB:
-                return keras_hub_system(arch, prompt, args.seed, args.keras_hub_jit)
-            if name == HF_TF_XLA:
-                return HFPeerSystem(hf_peer_python(args.hf_venv), {
-                    "mode": "decode", "batch_size": 1, "prompt_ids": prompt,
-                    "repeats": args.repeats, "seed": args.seed,
-                    "model": {"n_layer": arch.num_layers, "n_embd": arch.hidden_size,
-                              "n_head": arch.num_heads, "n_inner": arch.intermediate_size,
-                              "vocab_size": arch.vocab_size,
-                              "n_positions": arch.max_seq_len}})
-            raise ValueError(name)
-
-        total_units = len(args.systems) * (1 + args.repeats)
-        with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
-                      MofNCompleteColumn(), TimeElapsedColumn(), console=console) as progress:
-            task = progress.add_task("benchmark", total=total_units)
-            for name in args.systems:
-                n = eager_tokens if name == EAGER else new_tokens
-                entry = {"description": DESCRIPTIONS[name], "new_tokens_requested": n}
-                results[name] = entry
-                try:
-                    progress.update(task, description=f"{name}: setup + warm-up")
-                    if name in OWN_WEIGHTS and args.model:
-                        entry["skipped"] = (f"a GPT-2 with random weights of its own: cannot "
-                                            f"run --model {args.model}")
-                        progress.advance(task, 1 + args.repeats)
+                candidate = random_prompt(rng, args.prompt_tokens, 3, high, banned)
+                if checker is not None:  # without an export nothing stops early
+                    generated = graph_generate_fn(self.signature(checker),
+                                                  candidate)(args.new_tokens)
+                    if len(generated) != args.new_tokens or config.eos_token_id in generated:
                         continue
-                    if name == KERAS_HUB:
-                        try:
-                            import keras_hub  # noqa: F401
-                        except ImportError as error:
-                            entry["skipped"] = (f"keras-hub not importable ({error}); "
-                                                f"install the `bench` extra")
-                            progress.advance(task, 1 + args.repeats)
-                            continue
-                    if name == HF_TF_XLA and hf_peer_python(args.hf_venv) is None:
-                        entry["skipped"] = (f"no HF TF peer venv at {args.hf_venv}: run "
-                                            f"`{HF_SETUP}` (or pass --hf-venv)")
-                        progress.advance(task, 1 + args.repeats)
-                        continue
-                    system = build(name)
-                    start = time.perf_counter()
-                    system.warmup(n)
-                    entry["warmup_s"] = time.perf_counter() - start
-                    progress.advance(task)
-                    samples = []
-                    for rep in range(args.repeats):
-                        progress.update(task, description=f"{name}: run {rep + 1}/{args.repeats}")
-                        samples.append(system.run(n))
-                        progress.advance(task)
-                    entry.update(summarize(samples, system.one_call))
-                    entry["tokens"] = samples[0].tokens
-                    entry["eos_in_output"] = config.eos_token_id in samples[0].tokens \
-                        if name not in OWN_WEIGHTS else None
-                    entry["info"] = system.info
-                    entry["notes"] = system.notes
-                    if any(s.n != n for s in samples):
-                        entry["notes"].append(f"generated {entry['samples']['generated']} "
-                                              f"tokens, not {n}")
-                    m = entry["median"]
-                    progress.console.print(
-                        f"{name}: TTFT {m['ttft_ms']:.1f} ms, e2e {m['e2e_tok_s']:.1f} tok/s "
-                        f"({m['e2e_s']:.3f}s), generated {entry['samples']['generated']}")
-                except Exception as error:  # noqa: BLE001 - report and continue with the rest
-                    failed = True
-                    entry["error"] = f"{type(error).__name__}: {error}"
-                    progress.console.print(f"[red]{name} failed:[/red]")
-                    progress.console.print(traceback.format_exc(), markup=False)
-                    progress.update(task, completed=min(
-                        total_units, (args.systems.index(name) + 1) * (1 + args.repeats)))
-                finally:
-                    gc.collect()
-    finally:
-        loaded.clear()
-        gc.collect()
-        tmp.cleanup()
+                self.prompt = candidate
+                checked = None if checker is None else (
+                    "exported-xla" if checker else "exported-noxla")
+                return {"prompt_ids": candidate, "prompt_tries": attempt + 1,
+                        "prompt_checked_with": checked}
+        return None
 
-    agreement(results, GRAPH_XLA if GRAPH_XLA in results else
-              next((s for s in (GRAPH_NOXLA, STREAM_XLA, EAGER) if s in results), ""))
-    machine["loadavg_end"] = list(os.getloadavg())
-    console.print(machine_summary(machine), markup=False)
-    print_table(results, workload)
+    def build(self, name: str) -> System:
+        """The system `name`, ready to warm up."""
+        prompt, arch = self.prompt, self.config.model
+        if name == EAGER:
+            system = StreamSystem(lambda n: eager_nocache_stream(self.model, prompt, n),
+                                  warmup_tokens=2)
+            system.notes.append("warm-up generates 2 tokens (nothing to compile)")
+            return system
+        if name in (GRAPH_NOXLA, GRAPH_XLA):
+            return OneCallSystem(graph_generate_fn(self.signature(name == GRAPH_XLA), prompt))
+        if name == STREAM_XLA:
+            from tokenserve.exported_model import ExportedModel
+            from tokenserve.sampling import SamplingParams
+
+            exported = self.loaded["stream"] = ExportedModel(self.paths[True])
+            return StreamSystem(lambda n: exported.stream(prompt, SamplingParams(max_tokens=n)))
+        if name == KERAS_HUB:
+            return keras_hub_system(arch, prompt, self.args.seed, self.args.keras_hub_jit)
+        if name == HF_TF_XLA:
+            return HFPeerSystem(hf_peer_python(self.args.hf_venv), {
+                "mode": "decode", "batch_size": 1, "prompt_ids": prompt,
+                "repeats": self.args.repeats, "seed": self.args.seed,
+                "model": {"n_layer": arch.num_layers, "n_embd": arch.hidden_size,
+                          "n_head": arch.num_heads, "n_inner": arch.intermediate_size,
+                          "vocab_size": arch.vocab_size, "n_positions": arch.max_seq_len}})
+        raise ValueError(name)
+
+
+def skip_reason(name: str, args: argparse.Namespace) -> str | None:
+    """Why system `name` cannot run here, or None."""
+    if name in OWN_WEIGHTS and args.model:
+        return f"a GPT-2 with random weights of its own: cannot run --model {args.model}"
+    if name == KERAS_HUB:
+        try:
+            import keras_hub  # noqa: F401
+        except ImportError as error:
+            return f"keras-hub not importable ({error}); install the `bench` extra"
+    if name == HF_TF_XLA and hf_peer_python(args.hf_venv) is None:
+        return f"no HF TF peer venv at {args.hf_venv}: run `{HF_SETUP}` (or pass --hf-venv)"
+    return None
+
+
+def measure(run: Run, name: str, n: int, entry: dict, progress: Progress, task) -> None:
+    """Warms up and times system `name` over `run.args.repeats` runs of `n` tokens, filling
+    its results `entry` as it goes (raises what the system raised)."""
+    system = run.build(name)
+    start = time.perf_counter()
+    system.warmup(n)
+    entry["warmup_s"] = time.perf_counter() - start
+    progress.advance(task)
+    samples = []
+    for rep in range(run.args.repeats):
+        progress.update(task, description=f"{name}: run {rep + 1}/{run.args.repeats}")
+        samples.append(system.run(n))
+        progress.advance(task)
+    entry.update(summarize(samples, system.one_call))
+    entry["tokens"] = samples[0].tokens
+    entry["eos_in_output"] = (run.config.eos_token_id in samples[0].tokens
+                              if name not in OWN_WEIGHTS else None)
+    entry["info"] = system.info
+    entry["notes"] = system.notes
+    if any(s.n != n for s in samples):
+        entry["notes"].append(f"generated {entry['samples']['generated']} tokens, not {n}")
+    m = entry["median"]
+    progress.console.print(f"{name}: TTFT {m['ttft_ms']:.1f} ms, e2e {m['e2e_tok_s']:.1f} "
+                           f"tok/s ({m['e2e_s']:.3f}s), generated "
+                           f"{entry['samples']['generated']}")
+
+
+def measure_all(run: Run) -> tuple[dict[str, dict], bool]:
+    """(results by system, whether any system failed); a failure is reported and the rest
+    still run."""
+    args, results, failed = run.args, {}, False
+    eager_tokens = min(args.eager_new_tokens, args.new_tokens)
+    total_units = len(args.systems) * (1 + args.repeats)
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
+                  MofNCompleteColumn(), TimeElapsedColumn(), console=console) as progress:
+        task = progress.add_task("benchmark", total=total_units)
+        for name in args.systems:
+            n = eager_tokens if name == EAGER else args.new_tokens
+            entry = results[name] = {"description": DESCRIPTIONS[name],
+                                     "new_tokens_requested": n}
+            progress.update(task, description=f"{name}: setup + warm-up")
+            skipped = skip_reason(name, args)
+            if skipped is not None:
+                entry["skipped"] = skipped
+                progress.advance(task, 1 + args.repeats)
+                continue
+            try:
+                measure(run, name, n, entry, progress, task)
+            except Exception as error:  # noqa: BLE001 - report and continue with the rest
+                failed = True
+                entry["error"] = f"{type(error).__name__}: {error}"
+                progress.console.print(f"[red]{name} failed:[/red]")
+                progress.console.print(traceback.format_exc(), markup=False)
+                progress.update(task, completed=min(
+                    total_units, (args.systems.index(name) + 1) * (1 + args.repeats)))
+            finally:
+                gc.collect()
+    return results, failed
+
+
+def print_notes(results: dict) -> None:
     for name, entry in results.items():
         notes = [entry[k] for k in ("skipped", "error") if k in entry]
         notes += entry.get("notes", [])
@@ -747,6 +748,9 @@ def main(argv: list[str] | None = None) -> int:
         if notes:
             console.print(f"  {name}: " + "; ".join(notes), markup=False)
 
+
+def write_report(args: argparse.Namespace, argv: list[str] | None, workload: dict,
+                 machine: dict, results: dict) -> None:
     args.output.parent.mkdir(parents=True, exist_ok=True)
     report = {"benchmark": "decode",
               "timestamp": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
@@ -754,6 +758,45 @@ def main(argv: list[str] | None = None) -> int:
               "workload": workload, "machine": machine, "systems": results}
     args.output.write_text(json.dumps(_finite(report), indent=2) + "\n")
     console.print(f"wrote {args.output}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    machine = machine_info()
+    with console.status("loading model" if args.model else "building model"):
+        model, tokenizer, config = make_source(args.quick, args.seed, args.model)
+    if args.prompt_tokens + args.new_tokens > config.model.max_seq_len:
+        console.print(f"[red]prompt {args.prompt_tokens} + new tokens {args.new_tokens} exceeds "
+                      f"the context length {config.model.max_seq_len}[/red]")
+        return 2
+    workload = describe_workload(args, model, config, machine)
+    tmp = tempfile.TemporaryDirectory(prefix="tokenserve-bench-")
+    run = Run(args, model, tokenizer, config, Path(tmp.name))
+    del model  # `run` holds it only as long as a system needs it
+    try:
+        workload["export_s"] = run.export()
+        found = run.choose_prompt()
+        if found is None:
+            console.print(f"[red]no eos-free prompt in {args.prompt_tries} tries; "
+                          f"raise --prompt-tries or change --prompt-seed[/red]")
+            return 1
+        workload.update(found)
+        if EAGER not in args.systems:
+            run.model = None  # the exports (and keras-hub) do not need the in-memory model
+            gc.collect()
+        results, failed = measure_all(run)
+    finally:
+        run.loaded.clear()
+        gc.collect()
+        tmp.cleanup()
+
+    agreement(results, GRAPH_XLA if GRAPH_XLA in results else
+              next((s for s in (GRAPH_NOXLA, STREAM_XLA, EAGER) if s in results), ""))
+    machine["loadavg_end"] = list(os.getloadavg())
+    console.print(machine_summary(machine), markup=False)
+    print_table(results, workload)
+    print_notes(results)
+    write_report(args, argv, workload, machine, results)
     return 1 if failed else 0
 
 

@@ -75,7 +75,7 @@ async def main_async(args) -> dict:
     if args.model:
         model_dir = Path(args.model)
     else:
-        from tokenserve.model.checkpoint import builtin_export
+        from tokenserve.export.cached_exports import builtin_export
         model_dir = builtin_export()
     engine = AsyncEngine.from_model_dir(model_dir, EngineConfig(max_num_seqs=args.concurrency))
     tokenizer = engine.tokenizer

@@ -187,7 +187,7 @@ def adapter_query(pods: list[str]) -> str:
 
 def model_repository(root: Path) -> Path:
     """`root/builtin/{1,2}`: the built-in export as two versions (stable and canary)."""
-    from tokenserve.model.checkpoint import builtin_export
+    from tokenserve.export.cached_exports import builtin_export
 
     exported = builtin_export() / "1"
     base = root / "builtin"

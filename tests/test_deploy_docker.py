@@ -63,7 +63,7 @@ def test_entrypoint_passes_other_commands_through():
 
 def test_entrypoint_serves_model_name_under_model_base_path(tmp_path):
     """TF Serving's habit: MODEL_NAME under MODEL_BASE_PATH, extra flags after the image."""
-    from tokenserve.model.checkpoint import builtin_export
+    from tokenserve.export.cached_exports import builtin_export
 
     (tmp_path / "code").symlink_to(builtin_export(), target_is_directory=True)
     openai, rest, grpc_port = free_port(), free_port(), free_port()

@@ -11,9 +11,9 @@ import pytest
 import tensorflow as tf
 
 from tokenserve.export.exporter import export_model
-from tokenserve.export.loader import ExportedModel
+from tokenserve.exported_model import ExportedModel
 from tokenserve.export.module import GenerationModule
-from tokenserve.export.warmup import read_warmup
+from tokenserve.lifecycle.warmup_replay import read_warmup
 from tokenserve.sampling import SamplingParams
 from tests.conftest import tiny
 
@@ -173,9 +173,15 @@ def test_assets_and_versions(exported, tokenizer, tmp_path):
 
 
 def test_warmup_file_holds_prediction_logs_that_replay(exported):
+    """Written by export.warmup_records, found and read by the lifecycle's replay."""
+    from tokenserve.export import warmup_records
+    from tokenserve.lifecycle.warmup_replay import MAX_WARMUP_RECORDS, warmup_file
+
     _, config, path = exported
-    records = read_warmup(path / "assets.extra" / "tf_serving_warmup_requests")
-    assert 1 <= len(records) <= 1000
+    assert warmup_file(path) == path / "assets.extra" / warmup_records.WARMUP_FILE
+    assert warmup_records.MAX_WARMUP_RECORDS == MAX_WARMUP_RECORDS
+    records = read_warmup(warmup_file(path))
+    assert 1 <= len(records) <= MAX_WARMUP_RECORDS
     signatures = tf.saved_model.load(str(path)).signatures
     for record in records:
         request = record.predict_log.request

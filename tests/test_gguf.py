@@ -315,7 +315,7 @@ def test_export_cli_with_int8_and_float_export_stream(tokenizer, tmp_path):
     import tensorflow as tf
 
     from tokenserve.export.exporter import export_model
-    from tokenserve.export.loader import ExportedModel
+    from tokenserve.exported_model import ExportedModel
     from tokenserve.sampling import SamplingParams
 
     path = write_gguf(tmp_path / "tiny.gguf", qtype=Q.Q4_1, embed_qtype=Q.Q8_0, tie=True,

@@ -48,7 +48,7 @@ PROMPTS = [f"# record {i}\n{word} = " for i, word in enumerate(
 @pytest.fixture(scope="module")
 def builtin_llm():
     from tokenserve.engine.llm import LLM
-    from tokenserve.model.checkpoint import builtin_export
+    from tokenserve.export.cached_exports import builtin_export
 
     return LLM(builtin_export(), max_num_seqs=20)
 

@@ -92,7 +92,7 @@ def test_bad_fractions_are_refused(tokenizer, windows):
 def test_cli_prune_exports_what_the_engine_serves(tokenizer, tmp_path, capsys):
     from tokenserve import LLM
     from tokenserve.cli.main import main
-    from tokenserve.export.loader import ExportedModel
+    from tokenserve.exported_model import ExportedModel
     from tokenserve.sampling import SamplingParams
 
     data = tmp_path / "code.py"

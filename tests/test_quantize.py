@@ -75,7 +75,7 @@ def test_the_export_uses_only_stock_tensorflow_ops_and_matches_the_portable_mode
         int8_export, tokenizer):
     from tensorflow.core.protobuf import saved_model_pb2
 
-    from tokenserve.export.loader import ExportedModel
+    from tokenserve.exported_model import ExportedModel
     from tokenserve.model.layers import portable_graphs
     from tokenserve.sampling import SamplingParams
 

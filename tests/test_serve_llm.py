@@ -116,6 +116,37 @@ def test_streaming_grpc_generation_through_serve(server):
     assert responses[-1].usage.completion_tokens == 6
 
 
+def test_one_seed_gives_the_same_tokens_on_the_cli_offline_and_through_the_server(server):
+    """One host sampler (docs/architecture.md#one-host-sampler): `tokenserve generate` (the
+    export's own signatures), the offline `LLM` and the server's engine all pick tokens with
+    the engine's sampler, so a seeded, sampled (not greedy) request gives the same text."""
+    from tokenserve import LLM, SamplingParams
+    from tokenserve.exported_model import ExportedModel
+
+    prompt, max_tokens, sampled = "def add(a, b):", 24, dict(temperature=1.0, top_p=0.9, seed=7)
+    version_dir = server["base"] / "1"
+    cli = subprocess.run(
+        [sys.executable, "-m", "tokenserve", "generate", prompt, "--model", str(version_dir),
+         "--max-tokens", str(max_tokens), "--temperature", "1.0", "--top-p", "0.9",
+         "--seed", "7"], capture_output=True, text=True, timeout=300,
+        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"))
+    assert cli.returncode == 0, cli.stderr
+    assert cli.stdout.startswith(prompt) and cli.stdout.endswith("\n")
+    cli_text = cli.stdout[len(prompt):-1]
+
+    params = SamplingParams(max_tokens=max_tokens, **sampled)
+    offline = LLM(version_dir, precision="float32", max_num_seqs=4).generate(
+        prompt, params, use_tqdm=False)[0].outputs[0]
+    exported = ExportedModel(version_dir)
+    streamed_ids = list(exported.stream(exported.tokenizer.encode(prompt), params))
+    served = openai_client(server).completions.create(
+        model="tiny", prompt=prompt, max_tokens=max_tokens, **sampled).choices[0].text
+
+    assert streamed_ids[:len(offline.token_ids)] == list(offline.token_ids)
+    assert len(set(offline.token_ids)) > 3  # sampled, not one repeated token
+    assert cli_text == offline.text == served
+
+
 def test_hot_swap_lets_a_running_stream_finish_on_the_old_version(server):
     """A stream on version 1 keeps its version while version 2 loads and takes new requests;
     version 1 ends only after the stream has finished."""

@@ -12,7 +12,7 @@ from tokenserve.edge.convert import (TFLITE_FILE, TFLiteOptions, UnsupportedOpsE
                                      export_tflite, flex_ops)
 from tokenserve.edge.runner import LiteRTModel, is_tflite_path
 from tokenserve.export.exporter import export_model
-from tokenserve.export.loader import ExportedModel
+from tokenserve.exported_model import ExportedModel
 from tokenserve.sampling import SamplingParams
 
 FAMILIES = ["tiny-gpt2", "tiny-llama", "tiny-lstm"]

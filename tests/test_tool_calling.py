@@ -92,7 +92,7 @@ def server(pytestconfig, tmp_path_factory):
 @pytest.fixture(scope="module")
 def builtin_server():
     """The built-in model (its template is the default one; 512-token context)."""
-    from tokenserve.model.checkpoint import builtin_export
+    from tokenserve.export.cached_exports import builtin_export
 
     server = RealServer(builtin_export())
     yield server

@@ -23,7 +23,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "build_model": "tokenserve.model",
     "export_model": "tokenserve.export.exporter",
-    "ExportedModel": "tokenserve.export.loader",
+    "ExportedModel": "tokenserve.exported_model",
     "LLM": "tokenserve.engine.llm",
     "AsyncEngine": "tokenserve.engine.async_engine",
     "EngineConfig": "tokenserve.engine.config",

@@ -26,7 +26,17 @@ class ModelLoadError(TokenserveError):
 
 
 class InvalidRequestError(TokenserveError, ValueError):
-    """A request is malformed: bad shape, dtype or parameter."""
+    """A request is malformed: bad shape, dtype or parameter.
+
+    Args:
+        message: what is wrong, for the client.
+        param: the request field at fault, when one is (the OpenAI error body's `param`).
+        code: a short machine-readable reason, e.g. "context_length_exceeded" (its `code`).
+    """
+
+    def __init__(self, message: str = "", param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.param, self.code = param, code
 
 
 class PromptTooLongError(InvalidRequestError):

@@ -53,7 +53,7 @@ def load_model_dir(version_dir, precision: str = "float32"):
 
     Loaded as the engine loads it (`load_language_model`), without its cache and step.
     """
-    from tokenserve.export.loader import load_language_model
+    from tokenserve.export.restore import load_language_model
 
     return load_language_model(version_dir, precision)
 
@@ -64,11 +64,11 @@ def resolve_model_path(path_or_builtin) -> Path:
     from tokenserve.model.checkpoint import PACKAGED_GGUF
 
     if str(path_or_builtin) in BUILTIN_WORDS:
-        from tokenserve.model.checkpoint import builtin_export
+        from tokenserve.export.cached_exports import builtin_export
 
         return builtin_export(str(path_or_builtin))
     if str(path_or_builtin) in PACKAGED_GGUF:
-        from tokenserve.model.checkpoint import packaged_export
+        from tokenserve.export.cached_exports import packaged_export
 
         return packaged_export(str(path_or_builtin))
     return Path(path_or_builtin)
@@ -87,6 +87,20 @@ def load_for_eval(path_or_builtin, precision: str = "float32"):
         model = LiteRTModel(path)
         return model, model.tokenizer, model.generation_config, model.file
     return load_model_dir(path, precision)
+
+
+def load_float_source(source):
+    """(model, tokenizer, generation config) of an export dir or an export SOURCE, float32."""
+    from pathlib import Path
+
+    from tokenserve.model.checkpoint import load_source
+
+    if source and Path(source).is_dir() and any(Path(source).glob("**/saved_model.pb")):
+        from tokenserve.export.restore import load_language_model
+
+        model, tokenizer, config, _ = load_language_model(source, precision="float32")
+        return model, tokenizer, config
+    return load_source(source)
 
 
 class KVCacheScorer:

@@ -98,7 +98,7 @@ class Optimizer:
     def __init__(self, source, output: Path, eval_tokens: int = 8192, max_tokens: int = 128,
                  finetune_steps: int = 150, heads: float = 0.25, progress: bool = True,
                  variants=VARIANTS, engine: bool = True):
-        from tokenserve.cli.prune import load_float_source
+        from tokenserve.evaluate import load_float_source
 
         self.output = Path(output)
         self.models_dir = self.output / "models"
@@ -112,7 +112,7 @@ class Optimizer:
     # -- data -------------------------------------------------------------------------------
     def streams(self):
         if self._streams is None:
-            from tokenserve.cli.prune import training_streams
+            from tokenserve.train.finetune import training_streams
 
             self._streams = training_streams(self.tokenizer)
         return self._streams
@@ -144,7 +144,7 @@ class Optimizer:
         if name == "fp32":
             return self._export(name, self.model), "savedmodel", ""
         if name == "bf16":
-            from tokenserve.export.loader import load_language_model
+            from tokenserve.export.restore import load_language_model
 
             model, *_ = load_language_model(self.models_dir / "fp32", precision="bfloat16")
             return self._export(name, model), "savedmodel", "bfloat16 weights and compute"
@@ -167,8 +167,8 @@ class Optimizer:
         if name.startswith("pruned-"):
             import tempfile
 
-            from tokenserve.cli.prune import calibration_windows
-            from tokenserve.model.prune import PruneConfig, finetune, prune_model
+            from tokenserve.model.prune import PruneConfig, prune_model
+            from tokenserve.train.finetune import calibration_windows, finetune
 
             windows = calibration_windows(self.streams()[0], 16, 128)
             pruned, report = prune_model(self.model, windows, PruneConfig(heads=self.heads),
@@ -193,7 +193,7 @@ class Optimizer:
     def measure(self, name: str, path: Path, fmt: str, note: str, reference) -> VariantResult:
         from tokenserve.edge.runner import LiteRTModel
         from tokenserve.evaluate import perplexity
-        from tokenserve.export.loader import ExportedModel
+        from tokenserve.exported_model import ExportedModel
 
         precision = "bfloat16" if name == "bf16" else "float32"
         model = self._load(path, fmt, precision)

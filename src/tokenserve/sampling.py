@@ -1,15 +1,14 @@
-"""Sampling parameters and a NumPy sampler for token-by-token generation.
+"""What a request asks of sampling: `SamplingParams` (and its structured-output constraint).
 
-Plain Python and NumPy (no TensorFlow), so the engine can sample per request
-with each request's own parameters and random stream.
+Plain Python, no TensorFlow: every layer from the frontends down to the engine reads it. The
+one host sampler that applies it is the engine's (`engine/sampler.py`); outside the engine,
+`token_stream.sample_tokens` runs that same sampler for one sequence.
 """
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-
-import numpy as np
 
 from tokenserve.errors import InvalidRequestError
 
@@ -55,7 +54,8 @@ class StructuredOutput:
 class SamplingParams:
     """How to pick tokens for one request; the defaults are greedy decoding of up to 128 tokens.
 
-    Field meanings follow vLLM's SamplingParams, so OpenAI-style requests map one to one.
+    Field meanings follow vLLM's SamplingParams, so OpenAI-style requests map one to one. A
+    value out of range raises InvalidRequestError with `param` naming the field.
     """
 
     max_tokens: int = 128
@@ -94,59 +94,37 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         if not 1 <= self.max_tokens <= 1_000_000:
             raise InvalidRequestError(f"max_tokens must be between 1 and 1000000, "
-                                      f"got {self.max_tokens}")
+                                      f"got {self.max_tokens}", "max_tokens")
         if not 0.0 <= self.temperature <= 100.0:
-            raise InvalidRequestError(f"temperature must be in [0, 100], got {self.temperature}")
+            raise InvalidRequestError(f"temperature must be in [0, 100], got {self.temperature}",
+                                      "temperature")
         if self.top_k < 0:
-            raise InvalidRequestError(f"top_k must be >= 0, got {self.top_k}")
+            raise InvalidRequestError(f"top_k must be >= 0, got {self.top_k}", "top_k")
         if not 0.0 < self.top_p <= 1.0:
-            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}")
+            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}", "top_p")
         if not 0.0 <= self.min_p <= 1.0:
-            raise InvalidRequestError(f"min_p must be in [0, 1], got {self.min_p}")
+            raise InvalidRequestError(f"min_p must be in [0, 1], got {self.min_p}", "min_p")
         if not 0.0 < self.repetition_penalty <= 10.0:
             raise InvalidRequestError(f"repetition_penalty must be in (0, 10], "
-                                      f"got {self.repetition_penalty}")
+                                      f"got {self.repetition_penalty}", "repetition_penalty")
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2.0 <= getattr(self, name) <= 2.0:
-                raise InvalidRequestError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+                raise InvalidRequestError(f"{name} must be in [-2, 2], got {getattr(self, name)}",
+                                          name)
         if not 1 <= self.n <= MAX_N:
-            raise InvalidRequestError(f"n must be between 1 and {MAX_N}, got {self.n}")
+            raise InvalidRequestError(f"n must be between 1 and {MAX_N}, got {self.n}", "n")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise InvalidRequestError(f"logprobs must be between 0 and {MAX_LOGPROBS}, "
-                                      f"got {self.logprobs}")
+                                      f"got {self.logprobs}", "logprobs")
         if any(not isinstance(s, str) or not s for s in self.stop):
-            raise InvalidRequestError("stop strings must be non-empty strings")
+            raise InvalidRequestError("stop strings must be non-empty strings", "stop")
         if len(self.stop) > 16:
-            raise InvalidRequestError(f"at most 16 stop strings, got {len(self.stop)}")
+            raise InvalidRequestError(f"at most 16 stop strings, got {len(self.stop)}", "stop")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
-            raise InvalidRequestError("stop_token_ids must be non-negative integers")
+            raise InvalidRequestError("stop_token_ids must be non-negative integers",
+                                      "stop_token_ids")
 
     @property
     def needs_penalties(self) -> bool:
         return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
                 or self.frequency_penalty != 0.0)
-
-
-class Sampler:
-    """Draws tokens from logits under one request's SamplingParams."""
-
-    def __init__(self, params: SamplingParams):
-        self.params = params
-        self.rng = np.random.default_rng(params.seed)
-
-    def __call__(self, logits: np.ndarray) -> int:
-        """logits: float [vocab] -> the chosen token id."""
-        p = self.params
-        if p.temperature == 0.0:
-            return int(np.argmax(logits))
-        scaled = logits.astype(np.float64) / p.temperature
-        order = np.argsort(-scaled, kind="stable")
-        if p.top_k > 0:
-            order = order[:p.top_k]
-        probs = np.exp(scaled[order] - scaled[order[0]])
-        probs /= probs.sum()
-        if p.top_p < 1.0:
-            mass_before = np.cumsum(probs) - probs
-            keep = mass_before < p.top_p
-            order, probs = order[keep], probs[keep] / probs[keep].sum()
-        return int(order[self.rng.choice(len(order), p=probs)])

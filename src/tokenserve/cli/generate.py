@@ -31,8 +31,8 @@ def run(args: argparse.Namespace) -> int:
 
     from tokenserve.edge.runner import is_tflite_path
     from tokenserve.evaluate import resolve_model_path
-    from tokenserve.export.loader import ExportedModel
-    from tokenserve.model.checkpoint import builtin_export
+    from tokenserve.exported_model import ExportedModel
+    from tokenserve.export.cached_exports import builtin_export
     from tokenserve.sampling import SamplingParams
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,

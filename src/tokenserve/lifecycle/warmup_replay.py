@@ -32,8 +32,6 @@ def make_warmup(replay_record: Callable[[object, object], None],
         path = warmup_file(version.path)
         if path is None:
             return
-        from tokenserve.export.warmup import read_warmup  # TensorFlow; only when needed
-
         try:
             records = read_warmup(path)
         except Exception as error:
@@ -52,3 +50,12 @@ def make_warmup(replay_record: Callable[[object, object], None],
         log.info("replayed %d warmup records for %s version %d", len(records),
                  version.model_name, version.version)
     return warmup
+
+
+def read_warmup(path: str | Path) -> list:
+    """Parses a warmup file (TFRecords of PredictionLog); raises on a record that is not one."""
+    import tensorflow as tf  # only when a version has warmup records
+    from tensorflow_serving.apis import prediction_log_pb2
+
+    return [prediction_log_pb2.PredictionLog.FromString(raw.numpy())
+            for raw in tf.data.TFRecordDataset(str(path))]

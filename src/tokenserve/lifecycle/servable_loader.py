@@ -1,4 +1,4 @@
-"""Picks the servable class for a version directory."""
+"""Picks the servable class for a version directory (SavedModel Session or TFLite) and builds it."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""`assets.extra/tf_serving_warmup_requests`: PredictionLog records TF Serving replays on load."""
+"""Writes `assets.extra/tf_serving_warmup_requests` into an export: the PredictionLog records
+that TF Serving (and `lifecycle/warmup_replay.py`) replay before a version is AVAILABLE."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import numpy as np
 import tensorflow as tf
 from tensorflow_serving.apis import model_pb2, predict_pb2, prediction_log_pb2
 
-WARMUP_FILE = "tf_serving_warmup_requests"
+WARMUP_FILE = "tf_serving_warmup_requests"  # TF Serving's name: a wire contract, not a choice
 MAX_WARMUP_RECORDS = 1000  # TF Serving reads at most this many
 
 
@@ -47,11 +48,3 @@ def write_warmup(version_dir: Path, records: list[prediction_log_pb2.PredictionL
         for record in records:
             writer.write(record.SerializeToString())
     return path
-
-
-def read_warmup(path: str | Path) -> list[prediction_log_pb2.PredictionLog]:
-    """Parses a warmup file; raises on a record that is not a PredictionLog."""
-    records = []
-    for raw in tf.data.TFRecordDataset(str(path)):
-        records.append(prediction_log_pb2.PredictionLog.FromString(raw.numpy()))
-    return records

@@ -1,0 +1,46 @@
+"""A brief fine-tune after a model was changed (pruned), and the data it and pruning read.
+
+`tokenserve prune` and `tokenserve optimize` score heads and channels on `calibration_windows`
+and fine-tune on `training_streams` with the trainer's loop.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def training_streams(tokenizer, data_files=None):
+    """(train stream, held-out stream) of token ids: the files in `data_files` (split 90/10),
+    or the built-in models' stdlib training and held-out splits."""
+    from tokenserve.evaluate import heldout_fraction, read_texts
+    from tokenserve.train.corpus import Corpus, token_stream
+
+    if data_files:
+        stream = token_stream(read_texts(data_files), tokenizer)
+        cut = int(len(stream) * 0.9)
+        return stream[:cut], stream[cut:]
+    corpus = Corpus.from_stdlib(heldout_fraction())
+    return (token_stream(corpus.train_texts, tokenizer),
+            token_stream(corpus.holdout_texts, tokenizer))
+
+
+def calibration_windows(stream, count: int, length: int, seed: int = 0) -> np.ndarray:
+    """int32 [count, length + 1]: windows of `stream` at seeded random starts."""
+    length = min(length, len(stream) - 2)
+    starts = np.random.default_rng(seed).integers(0, len(stream) - length - 1, count)
+    return np.stack([stream[s:s + length + 1] for s in starts]).astype(np.int32)
+
+
+def finetune(model, stream: np.ndarray, holdout: np.ndarray, num_steps: int, workdir,
+             learning_rate: float = 3e-4, batch_size: int = 8, seq_len: int = 256,
+             seed: int = 0):
+    """A brief AdamW fine-tune on `stream` (the trainer's loop); returns its TrainResult."""
+    from tokenserve.config import TrainConfig
+    from tokenserve.train.trainer import Trainer
+
+    seq_len = min(seq_len, model.config.max_seq_len, len(stream) - 2)
+    config = TrainConfig(seed=seed, seq_len=seq_len, batch_size=batch_size,
+                         num_steps=num_steps, learning_rate=learning_rate,
+                         warmup_steps=max(1, num_steps // 10), weight_decay=0.0,
+                         eval_batches=1, checkpoint_every=max(num_steps, 1), precision="fp32")
+    return Trainer(model, config, workdir).fit(stream, holdout, label="fine-tune")

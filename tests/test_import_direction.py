@@ -1,0 +1,170 @@
+"""Imports flow one way: cli -> server -> engine -> runner -> model/export, with the lifecycle
+beside the engine and observability at the bottom (docs/architecture.md#layers).
+
+Every `import` and `from ... import` of every module in src/tokenserve, at module level or
+inside a function, is read with `ast` (nothing is imported), mapped to its layer, and must
+point to the importer's own group or to a lower layer. Groups that share a layer (the engine
+and the lifecycle, say) do not import each other. A new import that runs back up fails here;
+the few that exist on purpose are listed in ALLOWED_BACK_IMPORTS with their reason.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+PACKAGE = SRC / "tokenserve"
+
+LAYERS: list[tuple[str, ...]] = [
+    ("cli",),
+    ("server", "tools"),
+    ("engine", "lifecycle"),
+    ("runner",),
+    ("export",),
+    ("model",),
+    ("kernels", "state"),
+    ("observability",),
+    ("base",),
+]
+"""Top to bottom. A module may import its own group and every group of a lower layer."""
+
+GROUPS: dict[str, str] = {
+    "tokenserve.__main__": "cli",
+    "tokenserve.cli": "cli",
+    "tokenserve.server": "server",
+    # tools: commands' workhorses above the engine (eval, optimize, TFLite, training, the load
+    # generator, generation through an export's own signatures)
+    "tokenserve.evaluate": "tools",
+    "tokenserve.optimize_variants": "tools",
+    "tokenserve.edge": "tools",
+    "tokenserve.bench": "tools",
+    "tokenserve.train": "tools",
+    "tokenserve.exported_model": "tools",
+    "tokenserve.token_stream": "tools",
+    "tokenserve.engine": "engine",
+    "tokenserve.engine.runner": "runner",
+    "tokenserve.engine.tf_step": "runner",
+    "tokenserve.lifecycle": "lifecycle",
+    "tokenserve.export": "export",
+    "tokenserve.model": "model",
+    "tokenserve.kernels": "kernels",
+    "tokenserve.state": "state",
+    "tokenserve.observability": "observability",
+    # plain data every layer reads: configs, errors, sampling parameters, stats, the user
+    # cache directory, and the package itself (its __init__ imports only these eagerly)
+    "tokenserve": "base",
+    "tokenserve.config": "base",
+    "tokenserve.errors": "base",
+    "tokenserve.sampling": "base",
+    "tokenserve.stats": "base",
+    "tokenserve.user_cache": "base",
+}
+"""Module prefix -> group; the longest matching prefix wins."""
+
+RUNNER_DATA = ("tokenserve.engine.cache_accounting", "tokenserve.engine.config",
+               "tokenserve.engine.kv_budget", "tokenserve.engine.prefix_cache",
+               "tokenserve.engine.scheduler")
+"""What the runner reads from the engine above it: configs, cache accounting and the
+scheduler's output (the dataclass it executes). Never the loop (core, async_engine, llm)."""
+
+ALLOWED_BACK_IMPORTS: dict[tuple[str, str], str] = {
+    ("tokenserve.export.restore", "tokenserve.engine.runner"):
+        "load_language_model asks the runner's choose_precision which dtype to build the "
+        "model in (the runner owns that choice); it goes when choose_precision moves below "
+        "the runner",
+}
+"""(importer, imported) -> why this import may run up. Keep it short."""
+
+
+def group_of(module: str) -> str | None:
+    parts = module.split(".")
+    for end in range(len(parts), 0, -1):
+        group = GROUPS.get(".".join(parts[:end]))
+        if group is not None:
+            return group
+    return None
+
+
+def layer_of(group: str) -> int:
+    return next(i for i, layer in enumerate(LAYERS) if group in layer)
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(SRC).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports_of(path: Path, text: str | None = None) -> set[str]:
+    """Every tokenserve module `path` (or `text`, as if it were that file) imports, anywhere
+    in the file."""
+    module, found = module_name(path), set()
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    text = path.read_text() if text is None else text
+    for node in ast.walk(ast.parse(text, str(path))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:  # relative: resolve against the importer's package
+                base = package.split(".")[:len(package.split(".")) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            found.add(target)
+            # `from tokenserve.engine import runner` names a module too
+            found.update(f"{target}.{alias.name}" for alias in node.names
+                         if (PACKAGE.parent / f"{target}.{alias.name}".replace(".", "/")
+                             ).with_suffix(".py").exists())
+    return {name for name in found if name == "tokenserve" or name.startswith("tokenserve.")}
+
+
+def modules() -> list[Path]:
+    return sorted(PACKAGE.rglob("*.py"))
+
+
+def violations(edited: dict[Path, str] | None = None) -> list[str]:
+    """Every import that runs back up; `edited` replaces some files' text."""
+    found, edited = [], edited or {}
+    for path in modules():
+        importer = module_name(path)
+        source = group_of(importer)
+        for imported in sorted(imports_of(path, edited.get(path))):
+            target = group_of(imported)
+            if (importer, imported) in ALLOWED_BACK_IMPORTS or target == source:
+                continue
+            if source == "runner" and target == "engine" and imported in RUNNER_DATA:
+                continue
+            if layer_of(target) <= layer_of(source):
+                found.append(f"{importer} ({source}) imports {imported} ({target})")
+    return found
+
+
+def test_every_module_has_a_layer():
+    assert [module_name(p) for p in modules() if group_of(module_name(p)) is None] == []
+
+
+def test_imports_never_run_back_up():
+    assert violations() == []
+
+
+def test_every_listed_exception_still_exists():
+    """An exception whose import is gone must leave the list (so the list stays true)."""
+    stale = [pair for pair in ALLOWED_BACK_IMPORTS
+             if pair[1] not in imports_of(PACKAGE.parent / (pair[0].replace(".", "/") + ".py"))]
+    assert stale == []
+
+
+@pytest.mark.parametrize("source, line", [
+    ("model/checkpoint.py", "from tokenserve.export.exporter import export_model"),
+    ("lifecycle/warmup_replay.py", "from tokenserve.engine.core import LLMEngine"),
+    ("engine/runner.py", "from tokenserve.engine.core import LLMEngine"),
+    ("observability/stack.py", "from tokenserve.server.openai import build_openai_app"),
+    ("export/module.py", "from tokenserve.sampling import SamplingParams\n"
+                         "from tokenserve.token_stream import sample_tokens"),
+])
+def test_a_new_back_import_is_caught(source, line):
+    """The check can fail: each of these lines, added to a real module, is reported."""
+    path = PACKAGE / source
+    assert violations({path: path.read_text() + "\n" + line + "\n"}) != []
