@@ -146,7 +146,7 @@ def openai_routes() -> set[str]:
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_probes_ports_and_flags_are_what_the_server_serves(overlay):
-    from tokenserve.server.serve_config import ServeConfig
+    from tokenserve.server.config import ServeConfig
 
     docs = render(overlay)
     parser = serve_parser()

@@ -418,7 +418,7 @@ def test_smollm2_source_is_found_in_the_installed_package(monkeypatch):
 
 def test_serve_finds_smollm2_by_model_name(monkeypatch, tmp_path):
     from tokenserve.model import checkpoint
-    from tokenserve.server.serve_config import ServeConfig
+    from tokenserve.server.config import ServeConfig
 
     monkeypatch.setattr(checkpoint, "packaged_export", lambda name: tmp_path / name)
     (spec,) = ServeConfig(model_name="smollm2").model_specs()

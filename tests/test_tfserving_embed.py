@@ -11,7 +11,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 import servables as S
-from tokenserve.server.serve_config import ServeConfig
+from tokenserve.server.config import ServeConfig
 from tokenserve.server.tfserving.server import serve
 
 

@@ -7,7 +7,7 @@ import pytest
 from tokenserve.cli.main import build_parser, main
 from tokenserve.cli.serve import config_from_args, ignored_flags
 from tokenserve.errors import ConfigError
-from tokenserve.server.serve_config import BUILTIN_MODEL_NAME, ServeConfig
+from tokenserve.server.config import BUILTIN_MODEL_NAME, ServeConfig
 
 
 def parse(*argv: str):
@@ -47,6 +47,49 @@ def test_value_forms_and_repeatable_api_key(tmp_path):
     assert config.api_keys == ("k1", "k2")
     [spec] = config.model_specs()
     assert (spec.name, spec.base_path) == ("m", "/models/m")
+
+
+def test_batching_parameters_file_is_parsed_once_and_maps_onto_the_engine(tmp_path):
+    """The file ServeConfig parsed drives the engine too; only the fields it sets count."""
+    from tokenserve.engine.config import EngineConfig
+    from tokenserve.server.config import LLMServeConfig, engine_config_for
+
+    batching = tmp_path / "batching.config"
+    batching.write_text("max_batch_size { value: 8 }\nbatch_timeout_micros { value: 2000 }\n"
+                        "max_enqueued_batches { value: 4 }\nnum_batch_threads { value: 2 }\n"
+                        "allowed_batch_sizes: 4\nallowed_batch_sizes: 8\n")
+    base = EngineConfig(max_num_seqs=3, max_queue_requests=7)
+    config = config_from_args(parse(f"--batching_parameters_file={batching}"))
+    engine = engine_config_for(config, base)
+    assert (engine.max_num_seqs, engine.batch_wait_s, engine.max_queue_requests,
+            engine.batch_sizes) == (8, 0.002, 32, (4, 8))
+    batching.write_text("batch_timeout_micros { value: 500 }\n")
+    engine = engine_config_for(config_from_args(parse(f"--batching_parameters_file={batching}")),
+                               base)
+    assert (engine.max_num_seqs, engine.batch_wait_s, engine.max_queue_requests) == \
+        (3, 0.0005, 7)  # the flags' values stay where the file is silent
+    assert engine_config_for(config_from_args(parse("--enable_batching")), base) == base
+    assert LLMServeConfig().engine == EngineConfig()
+    batching.write_text("max_batch_size: 8")  # not TF Serving's text format: refused at once
+    with pytest.raises(ConfigError):
+        config_from_args(parse(f"--batching_parameters_file={batching}"))
+
+
+def test_request_limits_have_one_default():
+    """The request deadline and body limit default once (server.config) for the flags, the
+    OpenAI frontend and the gRPC generation service."""
+    import inspect
+
+    from tokenserve.server import config as server_config
+    from tokenserve.server.grpc_generate import add_generation_service
+    from tokenserve.server.openai.config import OpenAIServerConfig
+
+    args = parse()
+    assert args.request_timeout_s == OpenAIServerConfig().request_timeout_s == \
+        inspect.signature(add_generation_service).parameters["request_timeout_s"].default == \
+        server_config.LLMServeConfig().request_timeout_s == server_config.REQUEST_TIMEOUT_S
+    assert args.max_request_body_bytes == OpenAIServerConfig().max_body_bytes == \
+        server_config.LLMServeConfig().max_body_bytes == server_config.MAX_BODY_BYTES
 
 
 def test_real_but_unused_tf_serving_flags_are_accepted():

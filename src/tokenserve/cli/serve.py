@@ -85,9 +85,10 @@ def add_parser(commands) -> None:
 
 def _add_llm_flags(p) -> None:
     """tokenserve's own flags: the engine, the OpenAI frontend and observability."""
-    from tokenserve.engine.config import EngineConfig
+    from tokenserve.server.config import LLMServeConfig
 
-    engine = EngineConfig()
+    llm = LLMServeConfig()
+    engine = llm.engine
     g = p.add_argument_group("engine (continuous batching)")
     g.add_argument("--max_num_seqs", type=int, default=engine.max_num_seqs,
                    help="most sequences in the running batch")
@@ -127,14 +128,14 @@ def _add_llm_flags(p) -> None:
                    help="keep Responses-API conversations in this Redis (default: in "
                         "process), so any replica continues any conversation")
     g = p.add_argument_group("OpenAI API and observability")
-    g.add_argument("--ui", type=parse_bool, nargs="?", const=True, default=True,
+    g.add_argument("--ui", type=parse_bool, nargs="?", const=True, default=llm.ui,
                    metavar="true|false",
                    help="serve the browser playground and dashboard at / on the OpenAI port "
                         "(default on; --noui turns it off)")
     g.add_argument("--noui", dest="ui", action="store_false", help=argparse.SUPPRESS)
-    g.add_argument("--request_timeout_s", type=float, default=600.0,
+    g.add_argument("--request_timeout_s", type=float, default=llm.request_timeout_s,
                    help="deadline of each generation request")
-    g.add_argument("--max_request_body_bytes", type=int, default=8 * 1024 * 1024,
+    g.add_argument("--max_request_body_bytes", type=int, default=llm.max_body_bytes,
                    help="larger OpenAI request bodies get HTTP 413")
     g.add_argument("--otlp_traces_endpoint", default=None,
                    help="export OpenTelemetry traces (OTLP/HTTP), e.g. http://collector:4318")
@@ -147,7 +148,7 @@ def _add_llm_flags(p) -> None:
 def llm_config_from_args(args: argparse.Namespace):
     from tokenserve.engine.config import EngineConfig
     from tokenserve.observability.stack import ObservabilityConfig
-    from tokenserve.server.launch import LLMServeConfig
+    from tokenserve.server.config import LLMServeConfig
 
     engine = EngineConfig(max_num_seqs=args.max_num_seqs,
                           max_num_batched_tokens=args.max_num_batched_tokens,
@@ -189,7 +190,7 @@ def _version_text() -> str:
 
 
 def _config_class():
-    from tokenserve.server.serve_config import ServeConfig
+    from tokenserve.server.config import ServeConfig
     return ServeConfig
 
 

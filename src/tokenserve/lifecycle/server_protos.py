@@ -82,6 +82,8 @@ class BatchingParameters:
     pad_variable_length_inputs: bool = False
     enable_large_batch_splitting: bool = False
     max_execution_batch_size: int | None = None
+    fields_set: frozenset[str] = frozenset()
+    """The fields the parsed file set; the others hold TF Serving's defaults."""
 
     def __post_init__(self):
         if self.max_batch_size < 1:
@@ -130,7 +132,8 @@ def parse_batching_parameters(text: str) -> BatchingParameters:
             values[name] = getattr(proto, name).value
     values["allowed_batch_sizes"] = tuple(proto.allowed_batch_sizes)
     values["pad_variable_length_inputs"] = proto.pad_variable_length_inputs
-    return BatchingParameters(**values)
+    fields_set = frozenset(descriptor.name for descriptor, _ in proto.ListFields())
+    return BatchingParameters(**values, fields_set=fields_set)
 
 
 def read_batching_parameters(path: str | Path) -> BatchingParameters:

@@ -26,6 +26,7 @@ from tokenserve.engine.guided import check_structured
 from tokenserve.errors import TokenserveError
 from tokenserve.sampling import GuideKind, SamplingParams, StructuredOutput
 from tokenserve.server.auth import APIKeys
+from tokenserve.server.config import REQUEST_TIMEOUT_S
 from tokenserve.server.openai.formatting import MIN_LOGPROB, token_text
 from tokenserve.server.openai.models import ModelResolver
 from tokenserve.server.openai.params import (bad_request, engine_seed, max_new_tokens,
@@ -81,7 +82,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
     """GenerationService over the engines of a ModelResolver."""
 
     def __init__(self, models: ModelResolver, api_keys: APIKeys | None = None,
-                 request_timeout_s: float | None = 600.0):
+                 request_timeout_s: float | None = REQUEST_TIMEOUT_S):
         self.models = models
         self.api_keys = api_keys or APIKeys()
         self.request_timeout_s = request_timeout_s
@@ -176,7 +177,7 @@ def _delta(tokenizer, seq) -> pb.SequenceDelta:
 
 def add_generation_service(grpc_server: grpc.aio.Server, models: ModelResolver,
                            api_keys: APIKeys | None = None,
-                           request_timeout_s: float | None = 600.0) -> GenerationServicer:
+                           request_timeout_s: float | None = REQUEST_TIMEOUT_S) -> GenerationServicer:
     """Registers tokenserve.v1.GenerationService on a grpc.aio server.
 
     Args:

@@ -15,46 +15,20 @@ import logging
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
 
 import uvicorn
 from prometheus_client import CollectorRegistry
 
-from tokenserve.engine.config import EngineConfig, from_batching_parameters
 from tokenserve.observability.memory import (MemoryGauges, release_freed_memory,
                                              resident_bytes)
 from tokenserve.observability.memory import describe as describe_memory
-from tokenserve.observability.stack import Observability, ObservabilityConfig
+from tokenserve.observability.stack import Observability
 from tokenserve.server.auth import APIKeys, AsyncAPIKeyInterceptor, check_http_authorization
-from tokenserve.server.serve_config import ServeConfig
+from tokenserve.server.config import LLMServeConfig, ServeConfig, engine_config_for
 from tokenserve.server.status import http_status
 from tokenserve.server.tls import SSLConfig
 
 log = logging.getLogger("tokenserve.serve")
-
-
-@dataclass(frozen=True)
-class LLMServeConfig:
-    """What `tokenserve serve` adds to tensorflow_model_server's flags."""
-
-    engine: EngineConfig = field(default_factory=EngineConfig)
-    observability: ObservabilityConfig = field(default_factory=ObservabilityConfig)
-    request_timeout_s: float | None = 600.0
-    """Deadline of every generation request (OpenAI API and gRPC stream)."""
-    max_body_bytes: int = 8 * 1024 * 1024
-    """Larger OpenAI request bodies get HTTP 413."""
-    state_store: str | None = None
-    """redis://HOST:PORT/DB for Responses-API conversations; None: an in-process LRU."""
-    ui: bool = True
-    """Serve the browser playground and dashboard at / on the OpenAI port (`--noui`: off)."""
-
-
-def engine_config_for(config: ServeConfig, base: EngineConfig) -> EngineConfig:
-    """Applies --batching_parameters_file to the engine (see engine.config for the mapping)."""
-    if config.batching_parameters_file:
-        with open(config.batching_parameters_file) as file:
-            return from_batching_parameters(file.read(), base)
-    return base
 
 
 def start_http(app, host: str, port: int, tls: SSLConfig | None = None,

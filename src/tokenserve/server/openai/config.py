@@ -7,6 +7,7 @@ from typing import Any
 
 from tokenserve.errors import ConfigError
 from tokenserve.server.auth import APIKeys
+from tokenserve.server.config import MAX_BODY_BYTES, REQUEST_TIMEOUT_S
 
 
 @dataclass(frozen=True)
@@ -15,9 +16,9 @@ class OpenAIServerConfig:
 
     api_keys: APIKeys = field(default_factory=APIKeys)
     """Accepted bearer keys; empty (the default) leaves the API open."""
-    max_body_bytes: int = 8 * 1024 * 1024
+    max_body_bytes: int = MAX_BODY_BYTES
     """Larger request bodies get 413 before they are parsed (a 128k-token prompt is ~0.5 MB)."""
-    request_timeout_s: float | None = 600.0
+    request_timeout_s: float | None = REQUEST_TIMEOUT_S
     """Deadline of every generation request, passed to the engine as `timeout_s`. A request
     may shorten it with the `timeout_s` body field. None: no deadline."""
     max_prompts: int = 32

