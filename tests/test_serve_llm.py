@@ -147,6 +147,48 @@ def test_one_seed_gives_the_same_tokens_on_the_cli_offline_and_through_the_serve
     assert cli_text == offline.text == served
 
 
+def test_a_repeated_prompt_reports_its_cached_tokens_as_openai_does(server):
+    """usage.prompt_tokens_details.cached_tokens (completions and chat, streamed usage too)
+    and usage.input_tokens_details.cached_tokens (responses): the prompt tokens the prefix
+    cache served, in whole 16-token blocks, read by the official client."""
+    client = openai_client(server)
+    prompt = "class Point:\n    def __init__(self, x, y):\n        self.x = x\n" * 3
+    short = dict(max_tokens=2, extra_body={"ignore_eos": True})
+
+    def completion_cached() -> int:
+        usage = client.completions.create(model="tiny", prompt=prompt, **short).usage
+        assert usage.prompt_tokens > 16
+        return usage.prompt_tokens_details.cached_tokens
+
+    def streamed_completion_cached() -> int:
+        chunks = list(client.completions.create(
+            model="tiny", prompt=prompt, stream=True,
+            stream_options={"include_usage": True}, **short))
+        return chunks[-1].usage.prompt_tokens_details.cached_tokens
+
+    def chat_cached(stream: bool) -> int:
+        messages = [{"role": "user", "content": prompt}]
+        if not stream:
+            return client.chat.completions.create(
+                model="tiny", messages=messages, **short).usage.prompt_tokens_details \
+                .cached_tokens
+        chunks = list(client.chat.completions.create(
+            model="tiny", messages=messages, stream=True,
+            stream_options={"include_usage": True}, **short))
+        return chunks[-1].usage.prompt_tokens_details.cached_tokens
+
+    def response_cached() -> int:
+        reply = client.responses.create(model="tiny", input=prompt, max_output_tokens=2,
+                                        temperature=0)
+        return reply.usage.input_tokens_details.cached_tokens
+
+    for cached in (completion_cached, streamed_completion_cached, lambda: chat_cached(False),
+                   lambda: chat_cached(True), response_cached):
+        cached()  # the first call fills the cache (or finds it filled by the one before)
+        again = cached()
+        assert again > 0 and again % 16 == 0, again
+
+
 def test_hot_swap_lets_a_running_stream_finish_on_the_old_version(server):
     """A stream on version 1 keeps its version while version 2 loads and takes new requests;
     version 1 ends only after the stream has finished."""

@@ -17,7 +17,7 @@ from .params import (bad_request, check_prompt_chars, check_text, check_unsuppor
                      structured_output)
 from .schemas import (CHAT_ROLES, AssistantMessage, ChatChoice, ChatChunkChoice,
                       ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
-                      ChatLogprobs, ChatMessage, DeltaMessage, Usage)
+                      ChatLogprobs, ChatMessage, DeltaMessage, PromptTokensDetails, Usage)
 from .streams import MergedOutputs
 from .tools import (ToolCallFormat, ToolCallStream, forced_call_grammar, parse_tool_calls,
                     template_tools, tool_choice_of)
@@ -150,7 +150,9 @@ class ChatRun:
 
     def _usage(self) -> Usage:
         return Usage(prompt_tokens=self.num_prompt_tokens, completion_tokens=self.num_generated,
-                     total_tokens=self.num_prompt_tokens + self.num_generated)
+                     total_tokens=self.num_prompt_tokens + self.num_generated,
+                     prompt_tokens_details=PromptTokensDetails(
+                         cached_tokens=self.outputs.num_cached_tokens))
 
     def _sequences(self) -> AsyncIterator:
         async def sequences():

@@ -15,7 +15,7 @@ from .formatting import SSE_DONE, CompletionLogprobsBuilder, sse
 from .params import (check_unsupported, max_new_tokens, prompt_token_ids, request_timeout,
                      sampling_params, structured_output)
 from .schemas import (CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse,
-                      Usage)
+                      PromptTokensDetails, Usage)
 from .streams import MergedOutputs
 
 
@@ -53,7 +53,9 @@ class CompletionRun:
     def _usage(self) -> Usage:
         completion = sum(self._num_generated.values())
         return Usage(prompt_tokens=self.num_prompt_tokens, completion_tokens=completion,
-                     total_tokens=self.num_prompt_tokens + completion)
+                     total_tokens=self.num_prompt_tokens + completion,
+                     prompt_tokens_details=PromptTokensDetails(
+                         cached_tokens=self.outputs.num_cached_tokens))
 
     def _choices(self) -> AsyncIterator:
         """(choice index, CompletionOutput) for every sequence delta, tracking usage."""

@@ -34,9 +34,9 @@ from .models import ModelResolver
 from .openapi import request_body
 from .openapi import responses as documented
 from .params import bad_request, max_new_tokens, request_timeout
-from .responses_schemas import (INPUT_ROLES, DeletedResponse, InputItemList, OutputMessage,
-                                OutputText, ResponseCreateRequest, ResponseObject,
-                                ResponseUsage)
+from .responses_schemas import (INPUT_ROLES, DeletedResponse, InputItemList,
+                                InputTokensDetails, OutputMessage, OutputText,
+                                ResponseCreateRequest, ResponseObject, ResponseUsage)
 from .schemas import ChatMessage
 from .streams import MergedOutputs, trace_context
 
@@ -140,6 +140,8 @@ class ResponseRun:
             incomplete_details={"reason": "max_output_tokens"} if status == "incomplete"
             else None,
             usage=ResponseUsage(input_tokens=len(self.prompt_ids),
+                                input_tokens_details=InputTokensDetails(
+                                    cached_tokens=self.outputs.num_cached_tokens),
                                 output_tokens=len(self.output_ids),
                                 total_tokens=len(self.prompt_ids) + len(self.output_ids))
             if done else None)

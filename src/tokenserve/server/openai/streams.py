@@ -47,6 +47,13 @@ class MergedOutputs:
         self._tasks: list[asyncio.Task] = []
         self._buffer: list[tuple[int, RequestOutput]] = []
         self._num_open = len(prompts)
+        self._num_cached = [0] * len(prompts)
+
+    @property
+    def num_cached_tokens(self) -> int:
+        """Prompt tokens the prefix cache served, over every prompt (the usage's
+        `cached_tokens`)."""
+        return sum(self._num_cached)
 
     async def _pump(self, index: int) -> None:
         stream = None
@@ -55,6 +62,7 @@ class MergedOutputs:
                                           self.request_ids[index], self.priority, self.timeout_s,
                                           **self._extra)
             async for output in stream:
+                self._num_cached[index] = max(self._num_cached[index], output.num_cached_tokens)
                 await self._queue.put((index, output))
                 if output.finished:
                     break
