@@ -34,6 +34,12 @@ ERROR_DESCRIPTIONS = {
 }
 
 
+GENERATION_ERRORS = (400, 401, 404, 413, 415, 429, 503, 504)
+"""What a generation route (completions, chat, responses) can answer besides 200."""
+BODY_ERRORS = (400, 401, 404, 413, 415, 503)
+"""What a route that reads a JSON body but does not generate can answer besides 200."""
+
+
 SSE_EVENT = {
     "type": "object", "required": ["data"],
     "description": "One server-sent event of a `stream: true` answer (the schema applies to "

@@ -1,7 +1,7 @@
 """The OpenAI Responses API: conversations kept on the server.
 
-Routes: POST /v1/responses (SSE with `stream: true`), GET and DELETE /v1/responses/{id},
-GET /v1/responses/{id}/input_items. A response made with `store: true` (the default) keeps
+The routes are in routes_responses.py: POST /v1/responses (SSE with `stream: true`), GET and
+DELETE /v1/responses/{id}, GET /v1/responses/{id}/input_items. A response made with `store: true` (the default) keeps
 the whole conversation, so the next turn sends only its new input and
 `previous_response_id`. The prompt of every turn is the chat template over the whole
 conversation (this turn's `instructions` first; earlier instructions are not carried, as in
@@ -18,8 +18,7 @@ import secrets
 import time
 from collections.abc import AsyncIterator
 
-from fastapi import APIRouter, FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi import Request
 from starlette.concurrency import run_in_threadpool
 
 from tokenserve.engine.outputs import FinishReason
@@ -29,16 +28,12 @@ from tokenserve.sampling import SamplingParams
 
 from .chat import chat_prompt_ids
 from .config import OpenAIServerConfig
-from .http import EventStream, read_json, unless_disconnected, with_error_event
-from .models import ModelResolver
-from .openapi import request_body
-from .openapi import responses as documented
 from .params import bad_request, max_new_tokens, request_timeout
-from .responses_schemas import (INPUT_ROLES, DeletedResponse, InputItemList,
-                                InputTokensDetails, OutputMessage, OutputText,
-                                ResponseCreateRequest, ResponseObject, ResponseUsage)
+from .responses_schemas import (INPUT_ROLES, InputItemList, InputTokensDetails, OutputMessage,
+                                OutputText, ResponseCreateRequest, ResponseObject,
+                                ResponseUsage)
 from .schemas import ChatMessage
-from .streams import MergedOutputs, trace_context
+from .streams import MergedOutputs
 
 
 class ResponseNotFoundError(ModelNotFoundError):
@@ -207,94 +202,38 @@ class ResponseRun:
         yield event(kind, response=final.model_dump())
 
 
-def add_responses_routes(app: FastAPI, models: ModelResolver, config: OpenAIServerConfig,
-                         store) -> None:
-    """Registers the Responses API on `app`, keeping stored responses in `store`
-    (tokenserve.state.response_store)."""
-    router = APIRouter()
+async def owned_response(store, request: Request, config: OpenAIServerConfig,
+                         response_id: str, param: str | None = None):
+    """The stored response `response_id` if the caller's key owns it.
 
-    async def owned(request: Request, response_id: str, param: str | None = None):
-        stored = await run_in_threadpool(store.get, response_id)
-        if stored is None or stored.owner != key_owner(request, config):
-            what = "Previous response" if param else "Response"
-            raise ResponseNotFoundError(f"{what} with id '{response_id}' not found. It may "
-                                        f"have expired, been deleted, or never been stored.",
-                                        param)
-        return stored
+    Raises:
+        ResponseNotFoundError: it does not exist, expired, or belongs to another key (404,
+            naming `param`, e.g. previous_response_id, when given).
+    """
+    stored = await run_in_threadpool(store.get, response_id)
+    if stored is None or stored.owner != key_owner(request, config):
+        what = "Previous response" if param else "Response"
+        raise ResponseNotFoundError(f"{what} with id '{response_id}' not found. It may "
+                                    f"have expired, been deleted, or never been stored.",
+                                    param)
+    return stored
 
-    @router.post("/v1/responses", openapi_extra=request_body(ResponseCreateRequest),
-                 responses=documented(ResponseObject, 400, 401, 404, 413, 415, 429, 503, 504,
-                                      stream=True))
-    async def create(request: Request) -> Response:
-        body = await read_json(request, ResponseCreateRequest, config.max_body_bytes,
-                               config.max_json_depth)
-        if body.tools:
-            raise bad_request("tools are not served by this server.", "tools",
-                              "unsupported_parameter")
-        owner = key_owner(request, config)
-        previous = None
-        if body.previous_response_id is not None:
-            previous = await owned(request, body.previous_response_id, "previous_response_id")
-        model_id = body.model or models.default_model()
-        request.state.model = model_id
-        held = models.acquire(model_id)
-        engine = held.__enter__()
-        try:
-            run = await run_in_threadpool(ResponseRun, body, engine, model_id, config,
-                                          previous, owner, trace_context(request.headers))
-            await unless_disconnected(request, run.outputs.start())
-        except BaseException as error:
-            held.__exit__(type(error), error, error.__traceback__)
-            raise
 
-        async def save(final: ResponseObject) -> None:
-            if body.store:
-                await run_in_threadpool(store.put, run.stored(final))
+def input_items_page(items: list[dict], order: str, limit: int,
+                     after: str | None) -> InputItemList:
+    """One page of a stored response's input items, OpenAI's way (newest first by default).
 
-        if body.stream:
-            async def close() -> None:
-                try:
-                    await run.outputs.aclose()
-                finally:
-                    held.__exit__(None, None, None)
-
-            return EventStream(with_error_event(run.events(save)), on_close=close)
-        try:
-            final = await unless_disconnected(request, run.response())
-            await save(final)
-        finally:
-            await run.outputs.aclose()
-            held.__exit__(None, None, None)
-        return JSONResponse(final.model_dump())
-
-    @router.get("/v1/responses/{response_id}",
-                responses=documented(ResponseObject, 400, 401, 404))
-    async def retrieve(request: Request, response_id: str) -> JSONResponse:
-        return JSONResponse((await owned(request, response_id)).response)
-
-    @router.delete("/v1/responses/{response_id}",
-                   responses=documented(DeletedResponse, 400, 401, 404))
-    async def delete(request: Request, response_id: str) -> JSONResponse:
-        await owned(request, response_id)
-        await run_in_threadpool(store.delete, response_id)
-        return JSONResponse(DeletedResponse(id=response_id).model_dump())
-
-    @router.get("/v1/responses/{response_id}/input_items",
-                responses=documented(InputItemList, 400, 401, 404))
-    async def input_items(request: Request, response_id: str, order: str = "desc",
-                          limit: int = 20, after: str | None = None) -> JSONResponse:
-        if order not in ("asc", "desc") or not 1 <= limit <= 100:
-            raise bad_request("order must be 'asc' or 'desc' and limit 1..100.", "order")
-        items = list((await owned(request, response_id)).input_items)
-        if order == "desc":
-            items.reverse()
-        if after is not None:
-            ids = [item["id"] for item in items]
-            items = items[ids.index(after) + 1:] if after in ids else []
-        page = items[:limit]
-        return JSONResponse(InputItemList(
-            data=page, first_id=page[0]["id"] if page else None,
-            last_id=page[-1]["id"] if page else None,
-            has_more=len(items) > limit).model_dump())
-
-    app.include_router(router)
+    Raises:
+        InvalidRequestError: an order other than asc/desc, or a limit outside 1..100.
+    """
+    if order not in ("asc", "desc") or not 1 <= limit <= 100:
+        raise bad_request("order must be 'asc' or 'desc' and limit 1..100.", "order")
+    items = list(items)
+    if order == "desc":
+        items.reverse()
+    if after is not None:
+        ids = [item["id"] for item in items]
+        items = items[ids.index(after) + 1:] if after in ids else []
+    page = items[:limit]
+    return InputItemList(data=page, first_id=page[0]["id"] if page else None,
+                         last_id=page[-1]["id"] if page else None, has_more=len(items) > limit)
