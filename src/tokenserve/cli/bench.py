@@ -62,7 +62,7 @@ def add_parser(commands) -> None:
                         "plot them together into --result-dir")
     p.add_argument("--result-dir", default="bench-results")
     p.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
-    p.set_defaults(run=run)
+    p.set_defaults(run=run, loads_tensorflow=False)  # an HTTP client: no TensorFlow
 
 
 def _dataset(args: argparse.Namespace, tokenizer):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 
@@ -10,16 +11,28 @@ from tokenserve.user_cache import cache_dir
 from tokenserve.errors import TokenserveError
 
 
-def _quiet_tensorflow() -> None:
-    """Imports TensorFlow with its C++ start-up chatter muted.
+def _library_logs(verbose: bool) -> None:
+    """absl's and TensorFlow's Python loggers show warnings only, unless `verbose`: a
+    first-run export otherwise prints pages of INFO notices ("Function ... contains input
+    name(s) ... with unsupported characters which will be renamed ...")."""
+    level = logging.INFO if verbose else logging.WARNING
+    for name in ("absl", "tensorflow"):
+        logging.getLogger(name).setLevel(level)
+
+
+def _load_tensorflow(verbose: bool = False) -> None:
+    """Imports TensorFlow for a command that needs it, quietly unless `verbose`.
 
     TF 2.21 logs through absl before any log level applies (oneDNN and CUDA
     notices on every start), so stderr's file descriptor is pointed at
     /dev/null while TF loads and finds its devices; Python errors still show.
     """
+    _persistent_xla_cache()
+    if verbose:
+        import tensorflow  # noqa: F401 - with every notice
+        return
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
-    _persistent_xla_cache()
     sys.stderr.flush()
     saved = os.dup(2)
     devnull = os.open(os.devnull, os.O_WRONLY)
@@ -48,6 +61,8 @@ def _persistent_xla_cache() -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """Every command's flags. Building it (and `--help`) imports no TensorFlow: command
+    modules import what they run inside `run`."""
     from tokenserve.cli import bench, eval, export, generate, optimize, prune, serve, train
 
     parser = argparse.ArgumentParser(prog="tokenserve",
@@ -55,12 +70,18 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     for module in (generate, export, train, serve, bench, eval, prune, optimize):
         module.add_parser(commands)
+    for command in commands.choices.values():
+        command.add_argument("--verbose", action="store_true",
+                             help="show TensorFlow's and absl's own logs (start-up notices, "
+                                  "export details)")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    _quiet_tensorflow()
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_args(argv)  # --help and bad flags exit here, before TF loads
+    _library_logs(args.verbose)
+    if getattr(args, "loads_tensorflow", True):
+        _load_tensorflow(args.verbose)
     try:
         return args.run(args) or 0
     except TokenserveError as error:
