@@ -116,9 +116,9 @@ def run_point(engine, timed: Timed, num_seqs: int, max_tokens: int, profile: boo
         tracing = profile and full and 10 <= len(parts["tf"]) < 30
         if tracing and profiled == 0:
             tf.profiler.experimental.start(logdir)
-        logits, duration = engine.execute(scheduled)
+        output = engine.execute(scheduled)
         executed = time.perf_counter()
-        engine.update(scheduled, logits, duration)
+        engine.update(scheduled, output)
         updated = time.perf_counter()
         if tracing:
             profiled += 1

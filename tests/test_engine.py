@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import numpy as np
 import pytest
@@ -84,7 +85,9 @@ def test_decode_groups_split_by_context_length_cover_every_row_once():
 
 def test_greedy_output_is_exact_when_decode_runs_in_several_context_groups(llms, monkeypatch):
     model, llm, _ = llms
-    monkeypatch.setattr(runner_module, "_GROUP_COST_ROWS", 0)  # split at every length change
+    runner = llm.engine.runner  # split at every length change
+    monkeypatch.setattr(runner, "engine_config",
+                        dataclasses.replace(runner.engine_config, decode_group_cost_rows=0))
     rng = np.random.default_rng(3)
     prompts = [rng.integers(3, 500, n).tolist() for n in (3, 40, 70, 100, 35, 8)]
     params = SamplingParams(max_tokens=10, ignore_eos=True)

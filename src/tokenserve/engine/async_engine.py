@@ -235,9 +235,9 @@ class AsyncEngine:
             outputs, scheduled = engine.schedule()
         if scheduled.is_empty:
             return outputs
-        logits, duration = engine.execute(scheduled)  # no lock: callers may enqueue or abort
+        output = engine.execute(scheduled)  # no lock: callers may enqueue or abort
         with self._lock:
-            return outputs + engine.update(scheduled, logits, duration)
+            return outputs + engine.update(scheduled, output)
 
     def _fail_running(self, error: Exception) -> list[RequestOutput]:
         with self._lock:

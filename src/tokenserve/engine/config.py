@@ -55,6 +55,15 @@ class EngineConfig:
     """Steps of at most this many tokens (float32 weights) run the dense half as fused ops
     (kernels/dense.py) instead of XLA programs: on GPT-2-small (AVX2) a decode step takes
     12 % less time at 1 sequence and 14 % less at 4; XLA catches up by 8. 0 turns it off."""
+    context_pad: int = 32
+    """Decode context lengths are padded to a multiple of this: fewer distinct shapes, at the
+    cost of reading up to this many padding rows per sequence."""
+    max_decode_groups: int = 6
+    """Decode rows are attended in at most this many groups of similar context length (one
+    group would pad every sequence to the longest context in the batch)."""
+    decode_group_cost_rows: int = 128
+    """A decode group's fixed cost (a gather, two matmuls per layer) in context rows read,
+    which the split into groups weighs against padding."""
     enable_prefix_caching: bool = True
     """Share full KV blocks between sequences with a common prefix and keep them cached after
     use (transformers; the LSTM family has no blocks to share)."""
@@ -67,7 +76,8 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size",
-                     "max_queue_requests", "max_queue_tokens"):
+                     "max_queue_requests", "max_queue_tokens", "context_pad",
+                     "max_decode_groups"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_cache_tokens is not None and self.max_cache_tokens < self.block_size:

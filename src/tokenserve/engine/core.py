@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import time
 import uuid
-from dataclasses import dataclass
 
 import numpy as np
 
@@ -18,21 +17,15 @@ from tokenserve.engine.detokenizer import IncrementalDetokenizer
 from tokenserve.engine.kv_tier import setup_prefix_cache
 from tokenserve.engine.prefix_cache import PrefixCacheStats
 from tokenserve.engine.guided import GuidedDecoding
-from tokenserve.engine.outputs import CompletionOutput, FinishReason, RequestOutput
-from tokenserve.engine.request import Request, Sequence
+from tokenserve.engine.outputs import (CompletionOutput, FinishReason, ModelRunnerOutput,
+                                       RequestOutput)
+from tokenserve.engine.request import Request, Sequence, SequenceState
 from tokenserve.engine.sampler import (SequenceSampler, apply_token_masks, sample_batch,
                                        token_logprob)
 from tokenserve.engine.scheduler import Scheduler, SchedulerOutput
 from tokenserve.errors import InvalidRequestError, PromptTooLongError
 from tokenserve.sampling import SamplingParams
 from tokenserve.stats import RequestStats, StatsSink, StepStats
-
-
-@dataclass
-class _SeqState:
-    sampler: SequenceSampler
-    detokenizer: IncrementalDetokenizer
-    finish_reported: bool = False
 
 
 def _cached_tokens(request: Request) -> int:
@@ -88,7 +81,7 @@ class LLMEngine:
         for seq in request.seqs:  # an invalid constraint raises here, before taking a slot
             guide = None if params.structured is None else self.guided.make_guide(
                 params.structured)
-            seq.state = _SeqState(SequenceSampler(params, seq.index, vocab, prompt_ids, guide),
+            seq.state = SequenceState(SequenceSampler(params, seq.index, vocab, prompt_ids, guide),
                                   IncrementalDetokenizer(self.tokenizer, params.stop))
         return request
 
@@ -122,7 +115,7 @@ class LLMEngine:
         """Runs one step; returns an output for every request that progressed or ended."""
         outputs, scheduled = self.schedule()
         if not scheduled.is_empty:
-            outputs += self.update(scheduled, *self.execute(scheduled))
+            outputs += self.update(scheduled, self.execute(scheduled))
         return outputs
 
     def schedule(self) -> tuple[list[RequestOutput], SchedulerOutput]:
@@ -132,27 +125,25 @@ class LLMEngine:
         expired = [self.abort(r.request_id) for r in self.scheduler.expired()]
         return [o for o in expired if o is not None], self.scheduler.schedule()
 
-    def execute(self, scheduled: SchedulerOutput):
-        """(logits [S, vocab], seconds): the runner's compiled step. Touches no Python state,
-        so the async engine runs it without holding its lock."""
+    def execute(self, scheduled: SchedulerOutput) -> ModelRunnerOutput:
+        """The runner's compiled step. Touches no Python state, so the async engine runs it
+        without holding its lock."""
         started = time.perf_counter()
         if scheduled.kv_transfers:  # block copies to and from the remote tier, in order
             self.scheduler.kv_tier.apply(self.runner, scheduled.kv_transfers)
         if not scheduled.scheduled:
-            return None, time.perf_counter() - started
-        guided = [s.seq for s in scheduled.scheduled if s.seq.state.sampler.guide is not None
-                  and s.num_new_tokens == s.seq.num_pending_tokens]  # these sample this step
-        self._masks = guided and (guided, self.guided.start_masks(
-            [seq.state.sampler.guide for seq in guided]))  # overlaps the step
+            return ModelRunnerOutput(None, time.perf_counter() - started)
         logits = self.runner.execute(scheduled)
-        return logits, time.perf_counter() - started
+        return ModelRunnerOutput(logits, time.perf_counter() - started)
 
-    def update(self, scheduled: SchedulerOutput, logits, duration: float) -> list[RequestOutput]:
+    def update(self, scheduled: SchedulerOutput, output: ModelRunnerOutput
+               ) -> list[RequestOutput]:
         """Samples, detokenizes, checks stops and emits stats for the computed tokens.
 
         Sequences that finished while the step computed (aborted) are skipped."""
         if not scheduled.scheduled:  # the step only moved KV blocks
             return []
+        logits, duration = output.logits, output.duration_s
         live = [i for i, s in enumerate(scheduled.scheduled) if not s.seq.is_finished]
         if len(live) < len(scheduled.scheduled):
             scheduled.scheduled = [scheduled.scheduled[i] for i in live]
@@ -195,19 +186,13 @@ class LLMEngine:
         return outputs
 
     def _masked(self, logits, sampling: list[Sequence]):
-        """The sampling rows' logits with structured-output masks applied."""
-        guided = [i for i, seq in enumerate(sampling) if seq.state.sampler.guide is not None]
-        if not guided:
-            return logits
-        pending, self._masks = self._masks or ((), None), None
-        masks = dict(zip(map(id, pending[0]), pending[1].result())) if pending[0] else {}
-        missing = [sampling[i] for i in guided if id(sampling[i]) not in masks]
-        if missing:  # not computed during the step (e.g. the offline path)
-            masks.update(zip(map(id, missing), self.guided.fill_masks(
-                [seq.state.sampler.guide for seq in missing])))
-        logits = logits.copy()
-        logits[guided] = apply_token_masks(
-            logits[guided], np.stack([masks[id(sampling[i])] for i in guided]))
+        """The sampling rows' logits (the caller's copy, masked in place) with each
+        structured-output constraint applied."""
+        rows = [i for i, seq in enumerate(sampling) if seq.state.sampler.guide is not None]
+        if rows:
+            samplers = [sampling[i].state.sampler for i in rows]
+            self.guided.apply(logits, rows, [s.guide for s in samplers],
+                              [s.is_greedy for s in samplers])
         return logits
 
     @staticmethod

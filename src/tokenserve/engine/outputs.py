@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import numpy as np
 
 
 class FinishReason(str, enum.Enum):
@@ -22,6 +26,17 @@ class TokenLogprob:
     logprob: float
     top: tuple[tuple[int, float], ...] = ()
     """(token id, logprob) pairs, most likely first."""
+
+
+@dataclass(frozen=True)
+class ModelRunnerOutput:
+    """What one step computed, for the engine's update (as vLLM's ModelRunnerOutput)."""
+
+    logits: "np.ndarray | None"
+    """float32 [S, vocab]: each scheduled sequence's last-token logits, in scheduled order;
+    None when the step only moved KV blocks to or from the remote tier."""
+    duration_s: float
+    """Wall time of the step, KV-tier transfers included."""
 
 
 @dataclass

@@ -6,9 +6,14 @@ import enum
 import itertools
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from tokenserve.engine.outputs import FinishReason
 from tokenserve.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from tokenserve.engine.detokenizer import IncrementalDetokenizer
+    from tokenserve.engine.sampler import SequenceSampler
 
 _seq_ids = itertools.count()
 
@@ -17,6 +22,16 @@ class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
+
+
+@dataclass
+class SequenceState:
+    """A sequence's sampler and detokenizer, owned by the engine."""
+
+    sampler: SequenceSampler
+    detokenizer: IncrementalDetokenizer
+    finish_reported: bool = False
+    """Its final CompletionOutput (with the finish reason) was emitted."""
 
 
 @dataclass(eq=False)
@@ -43,8 +58,8 @@ class Sequence:
     num_preemptions: int = 0
     num_cached_tokens: int | None = None
     """Prompt tokens found in the prefix cache (local or remote) when first admitted."""
-    state: object = None
-    """Per-sequence sampling and detokenizing state, owned by the engine."""
+    state: SequenceState | None = None
+    """Per-sequence sampling and detokenizing state, set by the engine's make_request."""
 
     @property
     def num_tokens(self) -> int:

@@ -21,11 +21,6 @@ from tokenserve.engine.scheduler import SchedulerOutput
 
 log = logging.getLogger(__name__)
 
-_CONTEXT_PAD = 32  # context lengths are padded to a multiple of this (fewer distinct shapes)
-_DECODE_GROUPS = 6  # decode rows are attended in at most this many context-length groups
-_GROUP_COST_ROWS = 128  # a group's fixed cost (a gather, two matmuls per layer), in rows read
-
-
 def _round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
@@ -79,7 +74,8 @@ def resolve_precision(precision: str, weight_format: str = "float") -> str:
     return choose_precision(precision, weight_format)[0]
 
 
-def split_by_context(decode: list, max_groups: int, group_cost: int) -> list[list]:
+def split_by_context(decode: list, max_groups: int, group_cost: int,
+                     pad: int = EngineConfig.context_pad) -> list[list]:
     """Splits decode rows into at most `max_groups` groups of similar context length.
 
     Each group is padded to its longest context, so one group would pad every sequence to the
@@ -89,7 +85,7 @@ def split_by_context(decode: list, max_groups: int, group_cost: int) -> list[lis
     if len(decode) < 2 or max_groups < 2:
         return [decode]
     ordered = sorted(decode, key=lambda g: len(g[1]))
-    lengths = [_round_up(len(g[1]), _CONTEXT_PAD) for g in ordered]
+    lengths = [_round_up(len(g[1]), pad) for g in ordered]
     # a group only ever ends where the padded length changes
     ends = [i + 1 for i in range(len(lengths))
             if i + 1 == len(lengths) or lengths[i + 1] != lengths[i]]
@@ -169,7 +165,9 @@ class ModelRunner:
             start = seq.num_computed_tokens
             rows = (np.asarray(seq.block_ids)[:, None] * block_size + offsets).ravel()
             (decode if count == 1 else prefill).append((index, rows[:start + count], start, count))
-        groups = split_by_context(decode, _DECODE_GROUPS, _GROUP_COST_ROWS) if decode else []
+        knobs = self.engine_config
+        groups = split_by_context(decode, knobs.max_decode_groups, knobs.decode_group_cost_rows,
+                                  knobs.context_pad) if decode else []
 
         # packed order: decode tokens group by group, then prefill tokens, then bucket padding
         token_ids, positions, write_rows = [], [], []
@@ -186,7 +184,7 @@ class ModelRunner:
         padding = [0] * (num_padded - num_tokens)  # token 0 at position 0, written to row 0
 
         def context(group):
-            length = _round_up(max((len(g[1]) for g in group), default=1), _CONTEXT_PAD)
+            length = _round_up(max((len(g[1]) for g in group), default=1), knobs.context_pad)
             rows = np.zeros([len(group), length], np.int32)
             for i, (_, ctx, _, _) in enumerate(group):
                 rows[i, :len(ctx)] = ctx

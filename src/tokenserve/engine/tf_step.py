@@ -83,7 +83,7 @@ class TransformerStep(tf.Module):
         dense = (lambda fn: tf.function(fn, jit_compile=True)) if jit_dense else (lambda fn: fn)
         self._enter, self._between, self._exit, self._head = (
             dense(self._enter_fn), dense(self._between_fn), dense(self._exit_fn),
-            dense(self.model._logits))  # the head on one row per sequence: its own bucket
+            dense(self.model.head_logits))  # the head on one row per sequence: its own bucket
         # The dense half as fused ops (kernels/dense.py): one op per layer with its bias,
         # activation and residual, one per norm. For float32 weights, steps of a few tokens
         # run them instead of the XLA programs (XLA's matmuls are as fast, but its runtime
@@ -281,7 +281,7 @@ class TransformerStep(tf.Module):
             prefill = (index, rows, mask, unpack)
         else:
             prefill = None
-        x = m._embed(token_ids, positions)                                 # [N, D]
+        x = m.embed(token_ids, positions)                                  # [N, D]
         weights = self.layer_weights
         q, k, v = enter(x, positions, weights[0])
         for i, cache in enumerate(self.caches):

@@ -50,7 +50,9 @@ class TransformerLM(DecoderLM):
             self.head.build(hidden_shape)
         self.built = True
 
-    def _embed(self, token_ids, positions):
+    def embed(self, token_ids, positions):
+        """Token (and learned position) embeddings: int32 ids and positions [...] -> [..., D]
+        in the compute dtype."""
         if self.config.weight_format == "int8":
             rows = tf.cast(tf.gather(self.token_embedding_q, token_ids), tf.float32)
             x = tf.cast(rows * tf.gather(self.token_embedding_scale, token_ids),
@@ -61,7 +63,8 @@ class TransformerLM(DecoderLM):
             x += tf.gather(tf.cast(self.position_embedding, self.compute_dtype), positions)
         return x
 
-    def _logits(self, hidden):
+    def head_logits(self, hidden):
+        """Final norm and LM head: hidden states [..., D] -> float32 logits [..., vocab]."""
         hidden = self.final_norm(hidden)
         if self.head is None and self.config.weight_format == "int8":
             logits = int8_linear(hidden, self.token_embedding_q.value,
@@ -80,10 +83,10 @@ class TransformerLM(DecoderLM):
         positions = tf.broadcast_to(tf.range(length)[None, :], [batch, length])
         causal = tf.range(length)[None, :] <= tf.range(length)[:, None]  # [T, T]
         mask = tf.broadcast_to(causal[None], [batch, length, length])
-        x = self._embed(token_ids, positions)
+        x = self.embed(token_ids, positions)
         for block in self.blocks:
             x = block(x, positions, mask)
-        return self._logits(x)
+        return self.head_logits(x)
 
     def state_shape(self, batch_size, max_len) -> list:
         c = self.config
@@ -110,9 +113,9 @@ class TransformerLM(DecoderLM):
         token_positions = tf.cast(positions, tf.int32)[:, None] + tf.range(length)[None, :]
         # key j is visible to the query at position p when j <= p: [B, T, L]
         mask = tf.range(cache_len)[None, None, :] <= token_positions[:, :, None]
-        x = self._embed(token_ids, token_positions)
+        x = self.embed(token_ids, token_positions)
         new_states = []
         for block, cache in zip(self.blocks, layer_states):
             x, cache = block.call_cached(x, token_positions, mask, cache)
             new_states.append(cache)
-        return self._logits(self._gather_last(x, num_tokens)), new_states
+        return self.head_logits(self._gather_last(x, num_tokens)), new_states
