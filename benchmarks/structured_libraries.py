@@ -31,7 +31,8 @@ def tokenizers():
     from conftest import TINY_TEXT
     from tokenserve.model.tokenizer import Tokenizer
     out["tiny400"] = (Tokenizer.train(TINY_TEXT, vocab_size=400).hf, "<|eos|>")
-    from tokenserve.model.gguf import read_gguf, build_tokenizer
+    from tokenserve.model.gguf import read_gguf
+    from tokenserve.model.gguf_tokenizer import build_tokenizer
     from tokenserve.model.checkpoint import packaged_gguf
     tok = build_tokenizer(read_gguf(packaged_gguf("smollm2")))
     hf = getattr(tok, "hf", tok)

@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 from tokenserve.errors import ModelLoadError, ModelNotFoundError
-from tokenserve.model.gguf import UnsupportedGGUFError, build_tokenizer, load_gguf, read_gguf
+from tokenserve.model.gguf import UnsupportedGGUFError, load_gguf, read_gguf
+from tokenserve.model.gguf_tokenizer import build_tokenizer
 
 if os.environ.get("CI"):
     # In CI these are installed (the test extra): skipping would pass the run without ever
@@ -417,10 +418,10 @@ def test_smollm2_source_is_found_in_the_installed_package(monkeypatch):
 
 
 def test_serve_finds_smollm2_by_model_name(monkeypatch, tmp_path):
-    from tokenserve.model import checkpoint
+    from tokenserve.export import cached_exports
     from tokenserve.server.config import ServeConfig
 
-    monkeypatch.setattr(checkpoint, "packaged_export", lambda name: tmp_path / name)
+    monkeypatch.setattr(cached_exports, "packaged_export", lambda name: tmp_path / name)
     (spec,) = ServeConfig(model_name="smollm2").model_specs()
     assert (spec.name, spec.base_path) == ("smollm2", str(tmp_path / "smollm2"))
 
@@ -431,8 +432,8 @@ def test_eval_and_generate_find_smollm2_by_name(monkeypatch, tokenizer, tmp_path
     from tests.conftest import tiny
     from tokenserve import evaluate
     from tokenserve.cli.main import main
+    from tokenserve.export import cached_exports
     from tokenserve.export.exporter import export_model
-    from tokenserve.model import checkpoint
 
     model, config = tiny("tiny-llama", tokenizer)
     version = export_model(model, tokenizer, config, tmp_path / "smollm2", jit_compile=False)
@@ -442,7 +443,7 @@ def test_eval_and_generate_find_smollm2_by_name(monkeypatch, tokenizer, tmp_path
         asked.append(name)
         return tmp_path / "smollm2"
 
-    monkeypatch.setattr(checkpoint, "packaged_export", fake_export)
+    monkeypatch.setattr(cached_exports, "packaged_export", fake_export)
     assert evaluate.resolve_model_path("smollm2") == tmp_path / "smollm2"
     assert evaluate.resolve_model_path(tmp_path / "x") == tmp_path / "x"  # paths as given
     assert evaluate.load_for_eval("smollm2")[3] == version

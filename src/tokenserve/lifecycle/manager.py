@@ -12,26 +12,21 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 
-from tokenserve.errors import (ConfigError, FailedPreconditionError, InvalidRequestError,
-                               ModelLoadError, ModelNotFoundError)
+from tokenserve.errors import ConfigError, FailedPreconditionError, ModelLoadError
 from tokenserve.lifecycle.model_config import ModelSpecConfig
 from tokenserve.lifecycle.repository import discover_versions, fingerprint
-from tokenserve.lifecycle.states import VersionState, VersionStatus
+from tokenserve.lifecycle.routing import VersionRouting
 from tokenserve.lifecycle.version import LoadedVersion
+from tokenserve.lifecycle.version_loading import Extension, Loader, VersionLoading
+from tokenserve.stats import VersionState
 
 log = logging.getLogger("tokenserve.lifecycle")
 
-Loader = Callable[[ModelSpecConfig, Path], object]
-"""(spec, version_dir) -> servable; raises to fail the load."""
-Extension = Callable[["LoadedVersion"], object]
-"""(loaded version) -> object stored in `version.extensions[name]`, or None for nothing."""
 
-
-class ModelManager:
+class ModelManager(VersionRouting):
     """Versions of every configured model, with TF Serving's lifecycle.
 
     Args:
@@ -57,12 +52,10 @@ class ModelManager:
                  max_num_load_retries: int = 5, load_retry_interval_s: float = 60.0,
                  allow_labels_for_unavailable: bool = False, metrics=None,
                  unload_drain_timeout_s: float | None = 900.0):
-        self._loader = loader
-        self._warmup = warmup
+        self._loading = VersionLoading(loader, warmup, metrics, self._notify)
         self._max_num_load_retries = max_num_load_retries
         self._load_retry_interval_s = load_retry_interval_s
         self._allow_labels_for_unavailable = allow_labels_for_unavailable
-        self._metrics = metrics
         # Longer than any request may run (600 s by default), so only a hold that leaked
         # reaches it; then the version unloads anyway rather than never.
         self._unload_drain_timeout_s = unload_drain_timeout_s
@@ -316,10 +309,12 @@ class ModelManager:
                 self._set_state(version, VersionState.LOADING)
                 version.fingerprint = files
                 self._cond.notify_all()
+            with self._cond:
+                extensions = list(self._extensions)
             try:
-                self._bring_up(version, spec)
+                self._loading.bring_up(version, spec, extensions)
             except Exception as error:  # noqa: BLE001 - any failure is reported in status
-                self._tear_down(version)
+                self._loading.tear_down(version)
                 log.warning("loading %s version %d failed (attempt %d): %s", version.model_name,
                             version.version, attempt + 1, error)
                 last_error = error
@@ -343,7 +338,7 @@ class ModelManager:
                 version.error_code, version.error_message = "OK", ""
                 self._cond.notify_all()
         if retired:
-            self._tear_down(version)
+            self._loading.tear_down(version)
             with self._cond:
                 self._set_state(version, VersionState.END)
                 self._cond.notify_all()
@@ -351,65 +346,6 @@ class ModelManager:
         log.info("%s version %d is AVAILABLE", version.model_name, version.version)
         self._reconcile(version.model_name)
         self._finish_reload()
-
-    def _bring_up(self, version: LoadedVersion, spec: ModelSpecConfig) -> None:
-        """Load, warmup, extensions. Observers see one load and one warmup latency per
-        version, extensions' own phases included: an extension may report them as
-        `startup_seconds = {"load": s, "warmup": s}` (the engine: its weights, its warmup)."""
-        begun = started = time.monotonic()
-        try:
-            version.servable = self._loader(spec, version.path)
-        finally:
-            load_s = time.monotonic() - started
-            if self._metrics:  # the load alone, as TF Serving's load_latency
-                self._metrics.load(str(version.path), load_s, version.servable is not None)
-            if version.servable is None:
-                self._notify("on_load", version, load_s, False)
-        phases = {"load": load_s, "warmup": 0.0}
-        try:
-            if self._warmup is not None:
-                started = time.monotonic()
-                self._warmup(version)
-                phases["warmup"] = time.monotonic() - started
-                if self._metrics:
-                    self._metrics.warmup(str(version.path), phases["warmup"])
-            with self._cond:
-                extensions = list(self._extensions)
-            for name, factory in extensions:
-                started = time.monotonic()
-                built = factory(version)
-                if built is not None:
-                    version.extensions[name] = built
-                    reported = getattr(built, "startup_seconds", None) or {}
-                    for phase in ("load", "warmup"):
-                        phases[phase] += reported.get(phase, 0.0)
-                    phases[name] = time.monotonic() - started
-        finally:
-            self._notify("on_load", version, phases["load"], True)
-            if self._warmup is not None or phases["warmup"]:
-                self._notify("on_warmup", version, phases["warmup"])
-        log.info("%s version %d: ready in %.2fs (phases: load %.2fs, warmup %.2fs; %s)",
-                 version.model_name, version.version, time.monotonic() - begun,
-                 phases["load"], phases["warmup"],
-                 ", ".join(f"extension {k} {v:.2f}s" for k, v in phases.items()
-                           if k not in ("load", "warmup")) or "no extensions")
-
-    def _tear_down(self, version: LoadedVersion) -> None:
-        for name, built in reversed(list(version.extensions.items())):
-            # close(), or shutdown() for objects that name it so (AsyncEngine).
-            close = getattr(built, "close", None) or getattr(built, "shutdown", None)
-            if close is not None:
-                try:
-                    close()
-                except Exception:  # noqa: BLE001 - unloading goes on
-                    log.exception("closing extension %s of %r failed", name, version)
-        version.extensions = {}
-        if version.servable is not None:
-            try:
-                version.servable.close()
-            except Exception:  # noqa: BLE001
-                log.exception("closing %r failed", version)
-        version.servable = None
 
     def _unload(self, version: LoadedVersion) -> None:
         with self._cond:
@@ -420,107 +356,12 @@ class ModelManager:
                         "unloading it anyway", version.model_name, version.version,
                         version.num_inflight, self._unload_drain_timeout_s)
         try:
-            self._tear_down(version)
+            self._loading.tear_down(version)
         finally:  # END whatever closing did, so the version is released
             with self._cond:
                 self._set_state(version, VersionState.END)
                 self._cond.notify_all()
         log.info("%s version %d reached END", version.model_name, version.version)
-
-    # ---- routing -------------------------------------------------------------------------
-
-    @contextmanager
-    def acquire(self, model_name: str, version: int | None = None,
-                label: str | None = None) -> Iterator[LoadedVersion]:
-        """Holds an AVAILABLE version for the duration of the `with` block.
-
-        The version cannot finish unloading while held, so a request (or a generation
-        stream) that started on it completes on it. Raises ModelNotFoundError with TF
-        Serving's message when nothing matches, InvalidRequestError for an unknown label.
-        """
-        with self._cond:
-            found = self._resolve(model_name, version, label)
-            found.num_inflight += 1
-        try:
-            yield found
-        finally:
-            with self._cond:
-                found.num_inflight -= 1
-                if found.num_inflight == 0:
-                    self._cond.notify_all()
-
-    def _serving(self, name: str) -> dict[int, LoadedVersion]:
-        """The versions requests to `name` may reach: its config's, and while a reload is
-        loading, the AVAILABLE ones it held (the config's win where both are AVAILABLE)."""
-        current = self._versions.get(name, {}) if name in self._specs else {}
-        held = self._outgoing.get(name)
-        if not held:
-            return current
-        merged = dict(held)
-        for number, version in current.items():
-            if version.state == VersionState.AVAILABLE or number not in merged:
-                merged[number] = version
-        return merged
-
-    def _resolve(self, name: str, version: int | None, label: str | None) -> LoadedVersion:
-        if label:
-            if name not in self._specs and name not in self._outgoing:
-                raise ModelNotFoundError(f"Servable not found for request: Latest({name})")
-            if label not in self._labels.get(name, {}):
-                raise InvalidRequestError(f"Unrecognized servable version label: {label}")
-            version = self._labels[name][label]
-        versions = self._serving(name)
-        if version is not None:
-            found = versions.get(int(version))
-            if found is None or found.state != VersionState.AVAILABLE:
-                raise ModelNotFoundError(
-                    f"Servable not found for request: Specific({name}, {version})")
-            return found
-        available = [v for v in versions.values() if v.state == VersionState.AVAILABLE]
-        if not available:
-            raise ModelNotFoundError(f"Servable not found for request: Latest({name})")
-        return max(available, key=lambda v: v.version)
-
-    # ---- inspection ----------------------------------------------------------------------
-
-    def model_names(self) -> list[str]:
-        """Names of the configured models (and of those a pending reload still serves)."""
-        with self._cond:
-            return sorted(set(self._specs) | set(self._outgoing))
-
-    def available_versions(self, model_name: str) -> list[LoadedVersion]:
-        """AVAILABLE versions of a model, highest first (empty for an unknown model)."""
-        with self._cond:
-            return sorted((v for v in self._serving(model_name).values()
-                           if v.state == VersionState.AVAILABLE),
-                          key=lambda v: -v.version)
-
-    def labels(self, model_name: str) -> dict[str, int]:
-        """Label -> version for a model (labels may name versions that are not AVAILABLE)."""
-        with self._cond:
-            return dict(self._labels.get(model_name, {}))
-
-    def model_status(self, model_name: str, version: int | None = None) -> list[VersionStatus]:
-        """GetModelStatus: every known version of a model, or one version, highest first."""
-        with self._cond:
-            versions = dict(self._outgoing.get(model_name, {}))
-            versions.update(self._versions.get(model_name, {}))
-            if not versions:
-                raise ModelNotFoundError(f"Could not find any versions of model {model_name}")
-            if version is not None:
-                if version not in versions:
-                    raise ModelNotFoundError(
-                        f"Could not find version {version} of model {model_name}")
-                return [versions[version].status]
-            return [versions[n].status for n in sorted(versions, reverse=True)]
-
-    def wait_until_settled(self, timeout_s: float | None = None) -> bool:
-        """Blocks until no version is START or LOADING; False on timeout."""
-        def settled():
-            return all(v.state not in (VersionState.START, VersionState.LOADING)
-                       for versions in self._versions.values() for v in versions.values())
-        with self._cond:
-            return self._cond.wait_for(settled, timeout=timeout_s)
 
     def close(self, timeout_s: float | None = None) -> None:
         """Unloads everything (after in-flight requests drain) and stops retries."""
