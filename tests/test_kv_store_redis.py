@@ -74,6 +74,10 @@ def test_replica_b_loads_the_blocks_replica_a_computed(transformer_dir, cold, re
     assert stats.num_hit_tokens == 0  # nothing local on B ...
     assert stats.num_remote_hit_tokens >= num_blocks * BLOCK  # ... all of A's blocks loaded
     assert stats.num_remote_errors == 0
+    # each prompt is one query, however many times it waited for a lookup
+    assert replica_a.engine.prefix_cache_stats().num_query_tokens == len(
+        replica_a.tokenizer.encode(PROMPT))
+    assert stats.num_query_tokens == len(replica_b.tokenizer.encode(PROMPT + MORE))
 
 
 def test_killing_redis_mid_run_loses_no_request_and_the_store_reconnects(

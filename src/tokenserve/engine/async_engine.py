@@ -161,6 +161,7 @@ class AsyncEngine:
                 self.engine.step()
         finally:
             self.engine.stats = stats
+            self.engine.reset_prefix_cache_stats()
         self._ready = True
         log.info("engine warmed up in %.2fs", time.perf_counter() - started)
 
@@ -176,6 +177,8 @@ class AsyncEngine:
             self._wake.notify()
         if self._thread.is_alive():
             self._thread.join(timeout)
+        if not self._thread.is_alive():  # a loop still running may still use the tier
+            self.engine.close()
 
     close = shutdown
 

@@ -110,6 +110,19 @@ class LLMEngine:
         return PrefixCacheStats(getattr(cache, "num_query_tokens", 0),
                                 getattr(cache, "num_hit_tokens", 0), **remote)
 
+    def reset_prefix_cache_stats(self) -> None:
+        """Zeroes the prefix-cache counters (after warm-up: only users' requests count)."""
+        for counters in (self.scheduler.cache, self.scheduler.kv_tier):
+            for name in ("num_query_tokens", "num_hit_tokens"):
+                if hasattr(counters, name):
+                    setattr(counters, name, 0)
+
+    def close(self) -> None:
+        """Releases the remote KV tier (its writer thread and connection), letting queued
+        block writes finish so another replica can still find them."""
+        if self.scheduler.kv_tier is not None:
+            self.scheduler.kv_tier.close(wait=True)
+
     # -- one step -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Runs one step; returns an output for every request that progressed or ended."""

@@ -60,6 +60,7 @@ class Scheduler:
         self.kv_tier = kv_tier
         self._transfers: list[KVSave | KVLoad] = []  # queued for the next step
         self._looked_up: set[int] = set()  # seq ids whose remote lookup is done
+        self._queried: set[int] = set()  # seq ids counted in the prefix-cache queries
         if kv_tier is not None:
             cache.on_evict = self._on_evict
         self.waiting: list[tuple[tuple, Sequence]] = []  # heap of (sort key, sequence)
@@ -112,6 +113,7 @@ class Scheduler:
             self.kv_tier.cancel(seq)
             self._looked_up.discard(seq.seq_id)
             self._save_finished(seq)
+        self._queried.discard(seq.seq_id)
         self.cache.free(seq)
         seq.status, seq.finish_reason, seq.stop_reason = SequenceStatus.FINISHED, reason, stop_reason
         if seq.request.is_finished:
@@ -181,7 +183,8 @@ class Scheduler:
                     self.cache.free(seq)
                     seq.num_computed_tokens = 0
                 break
-            if num_hit is not None:
+            if num_hit is not None and seq.seq_id not in self._queried:
+                self._queried.add(seq.seq_id)  # a remote lookup may have counted it already
                 self.cache.count_query(seq.num_tokens, num_hit)
             heapq.heappop(self.waiting)
             if seq.num_cached_tokens is None:  # first admission, not a resume after preemption
@@ -222,7 +225,9 @@ class Scheduler:
                 self.kv_tier.loaded([hashes[i] for i, _ in to_fill])
             if to_fill is not None:
                 self.kv_tier.count_hits(len(payloads) * self.cache.block_size)
-            self.cache.count_query(seq.num_tokens, num_local)
+            if seq.seq_id not in self._queried:
+                self._queried.add(seq.seq_id)
+                self.cache.count_query(seq.num_tokens, num_local)
             self._enqueue(seq)
 
     def _on_evict(self, hash_: bytes, block: int) -> None:
