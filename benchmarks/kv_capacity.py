@@ -12,7 +12,8 @@ Systems, in one run:
                plain tensor would. After a scatter, TF keeps the variable in copy-on-read
                mode, so each dense read copies the whole cache (the trap docs/engine.md describes).
 
-Target (issue 4): paged step time at 4,096 / at 256 <= 1.2.
+Target (docs/engine.md#facts-about-tensorflow-on-these-cpus-that-shaped-the-step):
+paged step time at 4,096 / at 256 <= 1.2.
 Output: a table (under a one-line CPU summary), benchmarks/results/kv_capacity.json (with
 the machine: CPU model, ISA flags, ISA-capping environment) and kv_capacity.png.
 

@@ -153,7 +153,7 @@ def test_a_request_that_arrives_while_shutting_down_is_refused_not_stranded(mode
 def test_the_keras_dtype_policy_is_per_thread():
     """Why versions may load on threads of their own: build_model sets Keras's "global"
     dtype policy while it builds, and Keras 3 keeps that policy per thread, so one version's
-    bfloat16 build never leaks into another's (verified for issue 14, item 9)."""
+    bfloat16 build never leaks into another's (docs/architecture.md#the-life-of-a-version)."""
     seen = []
     keras.mixed_precision.set_global_policy("bfloat16")
     try:

@@ -310,7 +310,8 @@ def test_new_base_path_replaces_the_models_versions(tmp_path, loader, manager):
         assert manager._cond.wait_for(lambda: old.state == VersionState.END, 5)
 
 
-# ---- reloads never take serving down before the new config serves (issue 13, item 7) -------
+# ---- reloads never take serving down before the new config serves -----------------------------
+# (docs/migrating-from-tf-serving.md#lifecycle)
 
 def test_reload_to_a_missing_base_path_reports_and_keeps_serving(tmp_path, loader, manager):
     make_version(tmp_path / "a", 1)

@@ -1,6 +1,7 @@
 """The Session-based SavedModel servable and the TFLite servable, in process: they load TF
 Serving's own test models (rebuilt with tf.compat.v1, tests/tfserving_models.py) and apply TF
-Serving's request rules, with TF Serving's texts (issue 13, items 1, 2, 4 and 5)."""
+Serving's request rules, with TF Serving's texts
+(docs/migrating-from-tf-serving.md#how-a-request-runs)."""
 
 from __future__ import annotations
 

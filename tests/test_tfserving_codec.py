@@ -88,7 +88,8 @@ def test_columnar_inputs_errors():
         codec.inputs_to_arrays([[1, 2], [3]], {"a": tf.int32})
 
 
-# ---- request tensors are checked against their declared shape first (issue 13, item 8) -------
+# ---- request tensors are checked against their declared shape first --------------------------
+# (docs/migrating-from-tf-serving.md#how-a-request-runs)
 
 def test_tensor_proto_fill_within_the_limit_follows_tensorflow():
     proto = tf.make_tensor_proto(1.5, shape=[2, 3])  # one value, six elements

@@ -1,6 +1,7 @@
 """`tokenserve serve` against TF Serving's own test models (rebuilt with tf.compat.v1 in
 tests/tfserving_models.py), driven by the official tensorflow-serving-api stubs over gRPC and
-by plain REST, expecting what tensorflow_model_server answers (issue 13, items 1-4 and 8)."""
+by plain REST, expecting what tensorflow_model_server answers
+(docs/migrating-from-tf-serving.md#apis)."""
 
 from __future__ import annotations
 

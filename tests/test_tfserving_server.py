@@ -373,7 +373,7 @@ def test_still_serving_after_errors_and_metrics(server, predictions):
     assert metrics.status_code == 200
     text = metrics.text
     assert '\n:tensorflow:serving:request_count{model_name="tf2",status="OK"} ' in text
-    # names that are not configured models are counted under one label (issue 14)
+    # names that are not configured models are counted under one label (docs/metrics.md#prometheus)
     assert ':tensorflow:serving:request_count{model_name="(unknown)",status="NOT_FOUND"}' in text
     assert '_total' not in text.split(":tensorflow:serving:request_count", 1)[1].split("\n")[0]
     assert ':tensorflow:serving:request_latency_bucket{API="Predict",entrypoint="GRPC"' in text

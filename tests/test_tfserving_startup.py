@@ -1,6 +1,7 @@
-"""Starting `tokenserve serve` as tensorflow_model_server starts (issue 13, item 5): a bad
---model_config_file fails with protobuf's own error line, and the ports open only once the
-initial models have loaded or finally failed after TF Serving's retry flags."""
+"""Starting `tokenserve serve` as tensorflow_model_server starts
+(docs/migrating-from-tf-serving.md#lifecycle): a bad --model_config_file fails with protobuf's
+own error line, and the ports open only once the initial models have loaded or finally
+failed after TF Serving's retry flags."""
 
 from __future__ import annotations
 
