@@ -128,18 +128,109 @@ def test_invalid_constraint_is_refused_before_it_takes_a_slot(builtin_llm, kind,
 
 
 def test_masks_rule_out_every_other_token():
+    """In place, on the given rows only; sparse (token by token) and dense rows alike."""
     rng = np.random.default_rng(0)
-    logits = rng.normal(size=(3, 70)).astype(np.float32)
-    allowed = [{0, 31, 32, 69}, {5}, set(range(70))]
-    masks = np.zeros((3, 3), np.uint32)
-    for row, ids in enumerate(allowed):
+    vocab = 600
+    logits = rng.normal(size=(4, vocab)).astype(np.float32)
+    before = logits.copy()
+    allowed = {0: {0, 31, 32, 599}, 2: {5}, 3: set(range(vocab)) - {7, 300}}  # 3 is dense
+    masks = np.zeros((3, (vocab + 31) // 32), np.uint32)
+    for mask, ids in zip(masks, allowed.values()):
         for t in ids:
-            masks[row, t // 32] |= np.uint32(1 << (t % 32))
-    masked = apply_token_masks(logits, masks.view(np.int32))
-    for row, ids in enumerate(allowed):
-        finite = set(np.flatnonzero(np.isfinite(masked[row])).tolist())
+            mask[t // 32] |= np.uint32(1 << (t % 32))
+    apply_token_masks(logits, list(allowed), masks.view(np.int32))
+    for row, ids in allowed.items():
+        finite = set(np.flatnonzero(np.isfinite(logits[row])).tolist())
         assert finite == ids
-        assert np.array_equal(masked[row, sorted(ids)], logits[row, sorted(ids)])
+        assert np.array_equal(logits[row, sorted(ids)], before[row, sorted(ids)])
+    assert np.array_equal(logits[1], before[1])  # not a masked row
+
+
+def _walks(llm, structured: StructuredOutput, num: int, max_tokens: int) -> list[list[int]]:
+    """Token ids the model writes under `structured`, greedy and sampled."""
+    outputs = llm.generate(PROMPTS[:num], [constrained(structured, i, max_tokens)
+                                           for i in range(num)], use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+SHORTCUT_CASES = [
+    StructuredOutput(GuideKind.JSON_SCHEMA, json.dumps(SCHEMAS["nested"])),
+    StructuredOutput(GuideKind.JSON_SCHEMA, json.dumps(SCHEMAS["enum_array"])),
+    StructuredOutput(GuideKind.REGEX, r"[a-z_]+( [a-z_]+)*"),
+    StructuredOutput(GuideKind.CHOICE, ("alpha", "beta", "gamma delta")),
+]
+
+
+@pytest.mark.parametrize("model", ["builtin_llm", "qwen2_llm"])
+@pytest.mark.parametrize("structured", SHORTCUT_CASES, ids=lambda s: s.kind.value)
+def test_shortcuts_agree_with_the_mask(request, model, structured):
+    """Where GuidedDecoding.apply decides without a mask (nothing forced), `allows` is
+    llguidance's mask, token by token; with forced bytes the mask keeps to their canonical
+    spelling, a subset of what `allows` accepts (so apply masks those rows)."""
+    llm = request.getfixturevalue(model)
+    guided = llm.engine.guided
+    vocab = guided.vocab_size
+    num_forced = num_free = 0
+    for walk in _walks(llm, structured, 4, 40):
+        guide = guided.make_guide(structured)
+        for token in walk:
+            if guide.is_done:
+                break
+            bits = np.unpackbits(guided.fill_masks([guide])[0].view(np.uint8), count=vocab,
+                                 bitorder="little").astype(bool)
+            allows = np.array([guide.allows(t) for t in range(vocab)])
+            if guide.is_forced:
+                num_forced += 1
+                assert not (bits & ~allows).any()
+            else:
+                num_free += 1
+                assert np.array_equal(allows, bits), np.flatnonzero(allows != bits)[:8]
+            assert guide.consume(token)
+    assert num_free > 0
+    if structured.kind is GuideKind.JSON_SCHEMA:
+        assert num_forced > 0
+
+
+@pytest.mark.parametrize("structured", SHORTCUT_CASES, ids=lambda s: s.kind.value)
+def test_apply_gives_what_the_full_mask_gives(builtin_llm, structured):
+    """Greedy rows end with the argmax of the fully masked row (even when the model's best
+    tokens are all ruled out); sampled rows end fully masked."""
+    guided = builtin_llm.engine.guided
+    rng = np.random.default_rng(1)
+    for walk in _walks(builtin_llm, structured, 2, 30):
+        guides = [guided.make_guide(structured) for _ in range(4)]
+        for token in walk:
+            if guides[0].is_done:
+                break
+            logits = rng.normal(size=(5, guided.vocab_size)).astype(np.float32)
+            logits[1] = logits[0]
+            # rows 2 and 3: the model's favourites are what the constraint forbids
+            masks = guided.fill_masks(guides[:1])
+            banned = np.unpackbits(masks[0].view(np.uint8), count=guided.vocab_size,
+                                   bitorder="little") == 0
+            logits[2:4, banned] += 50.0
+            full = logits.copy()
+            apply_token_masks(full, [0, 1, 2, 3], np.repeat(masks, 4, axis=0))
+            out = logits.copy()
+            guided.apply(out, [0, 1, 2, 3], guides, [True, False, True, False])
+            assert np.array_equal(out.argmax(axis=1)[:4], full.argmax(axis=1)[:4])
+            assert np.array_equal(out[[1, 3]], full[[1, 3]])  # sampled rows: the full mask
+            assert np.array_equal(out[4], logits[4])           # not a constrained row
+            for guide in guides:
+                assert guide.consume(token)
+
+
+def test_guides_of_one_constraint_are_independent(builtin_llm):
+    """Guides are copies of one compiled matcher: advancing one leaves the others (and the
+    next new one) at the start."""
+    guided = builtin_llm.engine.guided
+    structured = StructuredOutput(GuideKind.CHOICE, ("yes", "no"))
+    first, second = guided.make_guide(structured), guided.make_guide(structured)
+    start = guided.fill_masks([second])
+    assert first.consume(builtin_llm.engine.tokenizer.encode("yes")[0])
+    assert not np.array_equal(guided.fill_masks([first]), start)
+    assert np.array_equal(guided.fill_masks([second]), start)
+    assert np.array_equal(guided.fill_masks([guided.make_guide(structured)]), start)
 
 
 def test_a_repeated_schema_compiles_once():

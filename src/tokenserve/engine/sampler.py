@@ -13,6 +13,7 @@ from tokenserve.engine.outputs import TokenLogprob
 from tokenserve.sampling import SamplingParams
 
 _CANDIDATES = 256  # top-p first tries this many tokens; it falls back to a full sort
+_SPARSE_WORDS = 8  # masks with at most this many non-zero words (256 tokens) go token by token
 
 
 class SequenceSampler:
@@ -104,8 +105,9 @@ def sample_batch(logits: np.ndarray, samplers: list[SequenceSampler]) -> list[in
     """logits: float32 [S, vocab] -> one token id per row (greedy rows in one argmax)."""
     tokens = [0] * len(samplers)
     greedy = [i for i, s in enumerate(samplers) if s.is_greedy]
-    if greedy:
-        for i, token in zip(greedy, np.argmax(logits[greedy], axis=-1)):
+    if greedy:  # all rows greedy: no row gather (a copy of the whole batch)
+        best = np.argmax(logits if len(greedy) == len(samplers) else logits[greedy], axis=-1)
+        for i, token in zip(greedy, best):
             tokens[i] = int(token)
     for i, sampler in enumerate(samplers):
         if not sampler.is_greedy:
@@ -113,13 +115,31 @@ def sample_batch(logits: np.ndarray, samplers: list[SequenceSampler]) -> list[in
     return tokens
 
 
-def apply_token_masks(logits: np.ndarray, masks: np.ndarray) -> np.ndarray:
-    """logits float [S, vocab], masks int32 [S, ceil(vocab / 32)] (bit t of a row: token t
-    allowed) -> the logits with every token not allowed at -inf (a copy)."""
-    allowed = np.unpackbits(masks.view(np.uint8), axis=1, bitorder="little")
-    # allowed: uint8 [S, 32 * words] -> [S, vocab]
-    return np.where(allowed[:, :logits.shape[1]].astype(bool), logits, -np.inf).astype(
-        logits.dtype, copy=False)
+def apply_token_masks(logits: np.ndarray, rows: list[int], masks: np.ndarray) -> None:
+    """Sets every token a row's mask does not allow to -inf, in place.
+
+    Args:
+        logits: float [S, vocab].
+        rows: the rows of `logits` the masks are for.
+        masks: int32 [len(rows), ceil(vocab / 32)]; bit t of a row (little-endian) allows
+            token t.
+    """
+    words = masks.view(np.uint32)
+    sparse = np.count_nonzero(words, axis=1) <= _SPARSE_WORDS
+    if sparse.any():  # a forced token, a digit, a key: set the few allowed ones, not the vocab
+        rows_sparse, words_sparse = np.asarray(rows)[sparse], words[sparse]
+        mask_rows, word_ids = np.nonzero(words_sparse)
+        bits = np.unpackbits(words_sparse[mask_rows, word_ids].view(np.uint8).reshape(-1, 4),
+                             axis=1, bitorder="little")  # uint8 [set words, 32]
+        set_words, bit_ids = np.nonzero(bits)
+        token_rows = rows_sparse[mask_rows[set_words]]
+        token_ids = word_ids[set_words] * 32 + bit_ids
+        kept = logits[token_rows, token_ids]
+        logits[rows_sparse] = -np.inf
+        logits[token_rows, token_ids] = kept
+    for row, mask in zip(np.asarray(rows)[~sparse], masks[~sparse]):
+        allowed = np.unpackbits(mask.view(np.uint8), count=logits.shape[1], bitorder="little")
+        np.copyto(logits[row], -np.inf, where=allowed == 0)
 
 
 def token_logprob(logits: np.ndarray, token_id: int, num_top: int) -> TokenLogprob:
