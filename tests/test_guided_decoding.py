@@ -164,9 +164,9 @@ SHORTCUT_CASES = [
 @pytest.mark.parametrize("model", ["builtin_llm", "qwen2_llm"])
 @pytest.mark.parametrize("structured", SHORTCUT_CASES, ids=lambda s: s.kind.value)
 def test_shortcuts_agree_with_the_mask(request, model, structured):
-    """Where GuidedDecoding.apply decides without a mask (nothing forced), `allows` is
-    llguidance's mask, token by token; with forced bytes the mask keeps to their canonical
-    spelling, a subset of what `allows` accepts (so apply masks those rows)."""
+    """Where GuidedDecoding.apply decides without a mask, the mask agrees: with forced bytes
+    it allows `forced_token()` alone (when there is one); with nothing forced, `allows` is the
+    mask, token by token."""
     llm = request.getfixturevalue(model)
     guided = llm.engine.guided
     vocab = guided.vocab_size
@@ -180,8 +180,11 @@ def test_shortcuts_agree_with_the_mask(request, model, structured):
                                  bitorder="little").astype(bool)
             allows = np.array([guide.allows(t) for t in range(vocab)])
             if guide.is_forced:
-                num_forced += 1
-                assert not (bits & ~allows).any()
+                forced = guide.forced_token()
+                num_forced += forced is not None
+                if forced is not None:
+                    assert np.flatnonzero(bits).tolist() == [forced]
+                assert not (bits & ~allows).any()  # the mask keeps to one spelling
             else:
                 num_free += 1
                 assert np.array_equal(allows, bits), np.flatnonzero(allows != bits)[:8]

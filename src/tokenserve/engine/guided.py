@@ -8,15 +8,22 @@ JSON schema, which tool calls need, and it depends on nothing but numpy).
 One `GuidedDecoding` per engine holds the llguidance view of the tokenizer and one compiled
 matcher per recent constraint; each constrained sequence owns a `Guide`, a copy of it (copying
 takes microseconds, compiling a schema a millisecond). Every step the engine hands the logits
-of its constrained rows to `GuidedDecoding.apply`. A greedy row needs only its best allowed
-token: when the grammar forces no bytes, its best few tokens are checked one by one (a
-fraction of a microsecond each, where a mask takes 10-30 us on the built-in vocabulary).
-Every other row (sampled, forced, or whose best few tokens are all ruled out) gets the full
-bitmask, filled for all such rows at once in Rust threads without the GIL and applied in
-place (`sampler.apply_token_masks`).
+of its constrained rows to `GuidedDecoding.apply`, which asks llguidance for as little as
+each row allows:
 
-The greedy shortcut gives the argmax the full mask gives (a test compares the two). Plain
-Python and NumPy: no TF.
+- when the grammar forces the next bytes (most of a JSON object's keys and punctuation), the
+  mask is the first token of their canonical tokenization, so the row keeps that token alone;
+- a greedy row needs only its best allowed token: when nothing is forced, its best few tokens
+  are checked one by one (a fraction of a microsecond each, where a mask takes 10-30 us on
+  the built-in vocabulary);
+- every other row (sampled, or whose best few tokens are all ruled out) gets the full
+  bitmask, filled for all such rows at once in Rust without the GIL and applied in place
+  (`sampler.apply_token_masks`).
+
+Each row ends with the argmax (greedy) or the distribution (sampled) the full mask gives;
+tests hold both shortcuts to the mask, token by token. Masks are computed after the step, not
+during it: on a 2-core machine a worker thread filling them while TensorFlow runs slowed the
+step by as much as it saved. Plain Python and NumPy: no TF.
 """
 
 from __future__ import annotations
@@ -137,9 +144,15 @@ class Guide:
     @property
     def is_forced(self) -> bool:
         """The grammar forces the next bytes (then the mask keeps to their canonical
-        tokenization, mostly a single token, which `allows` does not know). Under a
-        microsecond."""
+        tokenization, which `allows` does not know). Under a microsecond."""
         return bool(self.matcher.compute_ff_bytes())
+
+    def forced_token(self) -> int | None:
+        """When bytes are forced: the first token of their canonical tokenization, the one
+        token llguidance's mask then allows (None when no whole token is forced yet, and the
+        mask has to say). Costs about what a mask does, without one to apply."""
+        forced = self.matcher.compute_ff_tokens()
+        return forced[0] if forced else None
 
     def allows(self, token_id: int) -> bool:
         """The mask's bit for `token_id` when nothing is forced (with forced bytes, this
@@ -211,9 +224,17 @@ class GuidedDecoding:
         """
         full_rows, full_guides = [], []
         for row, guide, is_greedy in zip(rows, guides, greedy):
-            if not (is_greedy and not guide.is_forced and _restrict_greedy(logits[row], guide)):
-                full_rows.append(row)
-                full_guides.append(guide)
+            if guide.is_forced:
+                token = guide.forced_token()
+                if token is not None:  # the mask is this one token
+                    kept = logits[row, token]
+                    logits[row] = -np.inf
+                    logits[row, token] = kept
+                    continue
+            elif is_greedy and _restrict_greedy(logits[row], guide):
+                continue
+            full_rows.append(row)
+            full_guides.append(guide)
         if full_rows:
             apply_token_masks(logits, full_rows, self.fill_masks(full_guides))
 
