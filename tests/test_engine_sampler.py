@@ -103,3 +103,28 @@ def test_greedy_rows_and_sampled_rows_share_one_batch():
     again = [sampler(), sampler(temperature=1.0, seed=3)]
     first, second = sample_batch(logits, seeded), sample_batch(logits, again)
     assert first[0] == 17 and first == second  # a seed reproduces its draw
+
+
+def full_sort_pick(probs: np.ndarray, uniform: float) -> int:
+    """The reference: walk the whole distribution most likely first (ties: lower id first)."""
+    order = np.lexsort((np.arange(probs.size), -probs))
+    cumulative = np.cumsum(probs[order])
+    target = uniform * float(probs.sum())
+    return int(order[min(int(np.searchsorted(cumulative, target, side="right")),
+                         probs.size - 1)])
+
+
+@pytest.mark.parametrize("shape", ["peaked", "flat", "ties"])
+def test_whole_distribution_sampling_sorts_only_the_head_and_picks_as_a_full_sort(shape):
+    rng = np.random.default_rng(5)
+    size = 4 * _CANDIDATES
+    if shape == "peaked":    # the draw nearly always lands among the likeliest tokens
+        probs = np.exp(rng.normal(0, 4, size))
+    elif shape == "flat":    # it often lands past them: the full-sort fallback
+        probs = rng.uniform(0.9, 1.0, size)
+    else:                    # many equal values, some across the head's boundary
+        probs = rng.integers(1, 6, size).astype(np.float64)
+    probs /= probs.sum()
+    for uniform in np.concatenate([rng.random(300), [0.0, 1 - 1e-12]]):
+        assert SequenceSampler._pick_whole(probs, float(uniform)) == full_sort_pick(
+            probs, float(uniform))

@@ -9,8 +9,6 @@ from __future__ import annotations
 import time
 import uuid
 
-import numpy as np
-
 from tokenserve.config import GenerationConfig
 from tokenserve.engine.config import EngineConfig
 from tokenserve.engine.detokenizer import IncrementalDetokenizer
@@ -20,8 +18,7 @@ from tokenserve.engine.guided import GuidedDecoding
 from tokenserve.engine.outputs import (CompletionOutput, FinishReason, ModelRunnerOutput,
                                        RequestOutput)
 from tokenserve.engine.request import Request, Sequence, SequenceState
-from tokenserve.engine.sampler import (SequenceSampler, apply_token_masks, sample_batch,
-                                       token_logprob)
+from tokenserve.engine.sampler import SequenceSampler, sample_batch, token_logprob
 from tokenserve.engine.scheduler import Scheduler, SchedulerOutput
 from tokenserve.errors import InvalidRequestError, PromptTooLongError
 from tokenserve.sampling import SamplingParams
@@ -48,7 +45,6 @@ class LLMEngine:
         self.num_steps = 0
         self.guided = GuidedDecoding(tokenizer, self.config.model.vocab_size,
                                      self.config.eos_token_id)
-        self._masks = None  # (guided seqs sampling this step, Future of their token masks)
 
     @property
     def max_model_len(self) -> int:

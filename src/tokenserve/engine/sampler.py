@@ -66,6 +66,8 @@ class SequenceSampler:
             probs = np.exp(scores - scores.max())
             candidates = np.arange(scores.size)
         probs /= probs.sum()
+        if p.top_p >= 1.0 and p.min_p == 0.0:
+            return int(candidates[self._pick_whole(probs, self.rng.random())])
         order = self._sorted_nucleus(probs)
         candidates, probs = candidates[order], probs[order]
         if p.min_p > 0.0:
@@ -74,6 +76,25 @@ class SequenceSampler:
         cumulative = np.cumsum(probs)
         pick = int(np.searchsorted(cumulative, self.rng.random() * cumulative[-1], side="right"))
         return int(candidates[min(pick, len(candidates) - 1)])
+
+    @staticmethod
+    def _pick_whole(probs: np.ndarray, uniform: float) -> int:
+        """Index of the token the draw `uniform` lands on when the whole distribution is
+        walked most likely first (ties: lower id first), as with a full sort; only the most
+        likely tokens are sorted unless the draw lands past them. A full sort of a 50k-word
+        vocabulary was ~5 ms per sampled token, the default OpenAI sampling path."""
+        target = uniform * float(probs.sum())
+        if probs.size > _CANDIDATES:
+            kth = np.partition(probs, probs.size - _CANDIDATES)[probs.size - _CANDIDATES]
+            head = np.flatnonzero(probs >= kth)  # every token tied with the last one too
+            order = head[np.lexsort((head, -probs[head]))]
+            cumulative = np.cumsum(probs[order])
+            if target < cumulative[-1]:
+                return int(order[np.searchsorted(cumulative, target, side="right")])
+        order = np.lexsort((np.arange(probs.size), -probs))
+        cumulative = np.cumsum(probs[order])
+        return int(order[min(int(np.searchsorted(cumulative, target, side="right")),
+                             probs.size - 1)])
 
     def _sorted_nucleus(self, probs: np.ndarray) -> np.ndarray:
         """Indices of the top-p nucleus of `probs`, most likely first (ties: lower id first)."""
