@@ -1,6 +1,6 @@
 """The server's sampler (engine/sampler.py), directly: min-p, the three penalties, and top-p's
 candidate path (the nucleus found among the 256 likeliest tokens without a full sort) against
-the full sort. tests/test_sampling.py covers the CLI's separate `Sampler`."""
+the full sort, and whole-distribution sampling against the full sort."""
 
 from __future__ import annotations
 

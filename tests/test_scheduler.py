@@ -9,13 +9,13 @@ import pytest
 
 from tokenserve.config import GenerationConfig, preset
 from tokenserve.engine.cache_accounting import BlockAllocator
-from tokenserve.engine.config import EngineConfig, from_batching_parameters
+from tokenserve.engine.config import EngineConfig
 from tokenserve.engine.core import LLMEngine
 from tokenserve.engine.llm import LLM
 from tokenserve.engine.outputs import FinishReason
 from tokenserve.engine.request import Request, SequenceStatus
 from tokenserve.engine.scheduler import Scheduler
-from tokenserve.errors import ConfigError, PromptTooLongError, QueueFullError
+from tokenserve.errors import PromptTooLongError, QueueFullError
 from tokenserve.sampling import SamplingParams
 
 VOCAB = 512
@@ -208,17 +208,6 @@ def test_block_allocator_never_hands_out_the_padding_block():
     assert not cache.reserve(seq, 8)  # 4 blocks needed, 3 usable
     cache.free(seq)
     assert cache.num_free_blocks == 3 and seq.status is SequenceStatus.WAITING
-
-
-def test_batching_parameters_file_maps_onto_the_engine():
-    config = from_batching_parameters(
-        "max_batch_size { value: 8 }\nbatch_timeout_micros { value: 2000 }\n"
-        "max_enqueued_batches { value: 4 }\nnum_batch_threads { value: 2 }\n"
-        "allowed_batch_sizes: 4\nallowed_batch_sizes: 8\n")
-    assert (config.max_num_seqs, config.batch_wait_s, config.max_queue_requests,
-            config.batch_sizes) == (8, 0.002, 32, (4, 8))
-    with pytest.raises(ConfigError, match="cannot parse"):
-        from_batching_parameters("max_batch_size: 8")
 
 
 def test_the_scheduler_imports_no_tensorflow():

@@ -1,4 +1,5 @@
-"""Engine configuration: one typed, validated dataclass, and the TF Serving batching mapping."""
+"""Engine configuration: one typed, validated dataclass (server/config.py maps TF Serving's
+batching-parameters file onto it)."""
 
 from __future__ import annotations
 
@@ -118,74 +119,3 @@ class EngineConfig:
 
     def replace(self, **changes) -> "EngineConfig":
         return dataclasses.replace(self, **changes)
-
-
-def from_batching_parameters(text: str, base: EngineConfig = EngineConfig()) -> EngineConfig:
-    """Applies a TF Serving `--batching_parameters_file` (text BatchingParameters) to `base`.
-
-    Mapping (continuous batching has no batches to enqueue, so the limits become queue and
-    batch limits):
-      max_batch_size       -> max_num_seqs
-      batch_timeout_micros -> batch_wait_s
-      max_enqueued_batches -> max_queue_requests = max_enqueued_batches * max_batch_size
-      allowed_batch_sizes  -> batch_sizes (decode batches are padded up to one of them)
-      num_batch_threads    -> ignored: one engine loop; TensorFlow's intra-op threads do the
-                              parallel work
-    """
-    from google.protobuf import text_format
-
-    params = _batching_parameters_class()()
-    try:
-        text_format.Parse(text, params)
-    except text_format.ParseError as error:
-        raise ConfigError(f"cannot parse batching parameters: {error}") from error
-    changes: dict = {}
-    if params.HasField("max_batch_size"):
-        changes["max_num_seqs"] = params.max_batch_size.value
-    if params.HasField("batch_timeout_micros"):
-        changes["batch_wait_s"] = params.batch_timeout_micros.value / 1e6
-    if params.HasField("max_enqueued_batches"):
-        batch = changes.get("max_num_seqs", base.max_num_seqs)
-        changes["max_queue_requests"] = params.max_enqueued_batches.value * batch
-    if params.allowed_batch_sizes:
-        changes["batch_sizes"] = tuple(params.allowed_batch_sizes)
-    return base.replace(**changes)
-
-
-def _batching_parameters_class():
-    """TF Serving's BatchingParameters message, built from its schema at run time.
-
-    tensorflow-serving-api does not ship session_bundle_config.proto, so the message is
-    declared here field for field (same names, numbers and wrapper types), which lets
-    protobuf's own text_format parse the files TF Serving users already have.
-    """
-    from google.protobuf import descriptor_pb2, descriptor_pool, message_factory, wrappers_pb2
-
-    pool = descriptor_pool.DescriptorPool()
-    pool.AddSerializedFile(wrappers_pb2.DESCRIPTOR.serialized_pb)
-    file = descriptor_pb2.FileDescriptorProto(
-        name="tokenserve/batching_parameters.proto", package="tensorflow.serving",
-        dependency=["google/protobuf/wrappers.proto"], syntax="proto3")
-    message = file.message_type.add(name="BatchingParameters")
-    Field = descriptor_pb2.FieldDescriptorProto
-    fields = [("max_batch_size", 1, ".google.protobuf.Int64Value"),
-              ("batch_timeout_micros", 2, ".google.protobuf.Int64Value"),
-              ("max_enqueued_batches", 3, ".google.protobuf.Int64Value"),
-              ("num_batch_threads", 4, ".google.protobuf.Int64Value"),
-              ("thread_pool_name", 5, ".google.protobuf.StringValue"),
-              ("pad_variable_length_inputs", 7, None),
-              ("enable_large_batch_splitting", 8, ".google.protobuf.BoolValue"),
-              ("max_execution_batch_size", 9, ".google.protobuf.Int64Value"),
-              ("batch_padding_policy", 10, ".google.protobuf.StringValue")]
-    for name, number, type_name in fields:
-        if type_name is None:
-            message.field.add(name=name, number=number, type=Field.TYPE_BOOL,
-                              label=Field.LABEL_OPTIONAL)
-        else:
-            message.field.add(name=name, number=number, type=Field.TYPE_MESSAGE,
-                              type_name=type_name, label=Field.LABEL_OPTIONAL)
-    message.field.add(name="allowed_batch_sizes", number=6, type=Field.TYPE_INT64,
-                      label=Field.LABEL_REPEATED)
-    pool.Add(file)
-    return message_factory.GetMessageClass(
-        pool.FindMessageTypeByName("tensorflow.serving.BatchingParameters"))
