@@ -116,7 +116,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
 
     from tokenserve.config import GenerationConfig, preset
-    from tokenserve.engine.runner import resolve_precision
+    from tokenserve.model.precision import resolve_precision
     from tokenserve.model import build_model
 
     precision = resolve_precision(args.precision)

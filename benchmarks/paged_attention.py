@@ -24,7 +24,7 @@ Two configurations, each in its own process (the ISA caps must be set before TF 
            instructions), the op built with -mavx2 -mfma (TOKENSERVE_KERNELS_MARCH=avx2);
            float32 only: capped below bf16, oneDNN cannot create bf16 matmuls at all (TF 2.21
            segfaults in eager mode and aborts with dnnl::error in graph mode), which is why
-           the engine never picks bf16 under such a cap (runner.cpu_has_bf16)
+           the engine never picks bf16 under such a cap (model/precision.cpu_has_bf16)
 
 Output: a table per configuration and benchmarks/results/paged_attention.json.
 

@@ -612,7 +612,7 @@ def main(argv=None) -> int:
         args.hf_output_bucket = 8 if args.quick else 32
     output = args.output or RESULTS / output_name("throughput", args.model, args.quick)
 
-    from tokenserve.engine.runner import resolve_precision
+    from tokenserve.model.precision import resolve_precision
     from tokenserve.model import build_model
 
     precision = resolve_precision(args.precision)

@@ -70,12 +70,7 @@ RUNNER_DATA = ("tokenserve.engine.cache_accounting", "tokenserve.engine.config",
 """What the runner reads from the engine above it: configs, cache accounting and the
 scheduler's output (the dataclass it executes). Never the loop (core, async_engine, llm)."""
 
-ALLOWED_BACK_IMPORTS: dict[tuple[str, str], str] = {
-    ("tokenserve.export.restore", "tokenserve.engine.runner"):
-        "load_language_model asks the runner's choose_precision which dtype to build the "
-        "model in (the runner owns that choice); it goes when choose_precision moves below "
-        "the runner",
-}
+ALLOWED_BACK_IMPORTS: dict[tuple[str, str], str] = {}
 """(importer, imported) -> why this import may run up. Keep it short."""
 
 

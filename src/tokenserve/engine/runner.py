@@ -7,7 +7,6 @@ returns logits. This and tf_step.py are the engine's only TensorFlow code.
 from __future__ import annotations
 
 import logging
-import os
 from pathlib import Path
 
 import numpy as np
@@ -35,43 +34,6 @@ def _token_buckets():
     while True:
         yield size
         size += 64
-
-
-def cpu_flags() -> set[str]:
-    """The CPU's feature flags, as the kernel builds key their cache on them."""
-    from tokenserve.kernels.build import cpu_flags as flags_line
-
-    return set(flags_line().split())
-
-
-def cpu_has_bf16() -> bool:
-    """True when the CPU has AMX or AVX512-BF16, where oneDNN's bf16 matmuls pay, and
-    oneDNN is allowed to use them: ONEDNN_MAX_CPU_ISA=AVX2 (say) caps it below bf16, and
-    oneDNN then fails to create bf16 matmuls at all."""
-    cap = (os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA")
-           or "ALL").upper()
-    capped = cap not in ("ALL", "DEFAULT") and "BF16" not in cap and "AMX" not in cap \
-        and "FP16" not in cap and "AVX10" not in cap
-    return bool({"amx_bf16", "avx512_bf16"} & cpu_flags()) and not capped
-
-
-def choose_precision(precision: str, weight_format: str = "float") -> tuple[str, str]:
-    """(compute dtype, why) for an engine's `precision` setting on this CPU."""
-    if weight_format == "int8":
-        return "float32", ("int8 weights: the int8 kernel multiplies in float32 "
-                           "(bfloat16 would only add casts)")
-    if precision != "auto":
-        return precision, "set explicitly"
-    if cpu_has_bf16():
-        found = sorted({"amx_bf16", "avx512_bf16"} & cpu_flags())
-        return "bfloat16", (f"the CPU has {', '.join(found)}: oneDNN's bf16 matmuls beat "
-                            f"float32 (benchmarks/precision.py)")
-    return "float32", ("the CPU has neither AMX nor AVX512-BF16: bf16 would be emulated, so "
-                       "float32 with XLA-compiled dense layers")
-
-
-def resolve_precision(precision: str, weight_format: str = "float") -> str:
-    return choose_precision(precision, weight_format)[0]
 
 
 def split_by_context(decode: list, max_groups: int, group_cost: int,

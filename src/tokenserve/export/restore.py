@@ -40,7 +40,7 @@ def load_language_model(version_dir: str | Path, precision: str = "auto"):
     its weights restored into a fresh Keras model computing in `precision` (auto: as
     `choose_precision` decides for this CPU and the export's weight format). The engine and
     `tokenserve eval` both load through here, so eval measures what the engine serves."""
-    from tokenserve.engine.runner import choose_precision
+    from tokenserve.model.precision import choose_precision
     from tokenserve.model import build_model
 
     version_dir = resolve_version_dir(version_dir)
