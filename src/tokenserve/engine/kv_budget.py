@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tokenserve.errors import ConfigError
+from tokenserve.observability.memory import resident_bytes
 
 log = logging.getLogger(__name__)
 
@@ -112,17 +113,6 @@ def plan_kv_cache(engine_config, *, num_layers: int, kv_width: int, compute_dtyp
                           f"blocks of {block_size} tokens ({block_bytes:,} bytes each in "
                           f"{dtype}); at least one is needed")
     return KVCachePlan(dtype, num_blocks, block_size, bytes_per_token, source)
-
-
-def resident_bytes() -> int:
-    """This process's resident memory (VmRSS), in bytes; 0 where /proc is missing."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
 
 
 def memory_limit_bytes() -> int:
