@@ -13,9 +13,7 @@ Quantization modes (`TFLiteOptions.quantize`):
 from __future__ import annotations
 
 import json
-import shutil
 import tempfile
-import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -183,18 +181,11 @@ def export_tflite(model, tokenizer, config, base_path: str | Path,
     tflite.json (quantization, state mode, cache length, signatures).
     """
     from tokenserve.edge.graph import edge_module
-    from tokenserve.export.exporter import GENERATION_CONFIG_FILE, TOKENIZER_FILE, next_version
+    from tokenserve.export.exporter import GENERATION_CONFIG_FILE, TOKENIZER_FILE, staged_version
 
     module = edge_module(model, state_mode=options.state_mode)
     tflite_model = convert(module, options, tokenizer, progress)
-    base_path = Path(base_path)
-    base_path.mkdir(parents=True, exist_ok=True)
-    version = version or next_version(base_path)
-    final = base_path / str(version)
-    if final.exists():
-        raise FileExistsError(f"version {version} already exists in {base_path}")
-    staging = base_path / f".tmp-{version}-{int(time.time() * 1000)}"
-    try:
+    with staged_version(base_path, version) as (staging, final):
         (staging / "assets").mkdir(parents=True)
         (staging / TFLITE_FILE).write_bytes(tflite_model)
         tokenizer.save(staging / "assets" / TOKENIZER_FILE)
@@ -204,7 +195,4 @@ def export_tflite(model, tokenizer, config, base_path: str | Path,
                     state_shape=module.state_shape(), signatures=["prefill", "decode", "score"],
                     flex_ops=flex_ops(tflite_model))
         (staging / "assets" / TFLITE_INFO_FILE).write_text(json.dumps(info, indent=2) + "\n")
-        staging.rename(final)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
     return final

@@ -3,6 +3,7 @@ assets, assets.extra}, the layout TF Serving polls for."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import time
@@ -33,14 +34,12 @@ def next_version(base_path: Path) -> int:
     return versions[-1] + 1 if versions else 1
 
 
-def export_model(model: DecoderLM, tokenizer: Tokenizer, config: GenerationConfig,
-                 base_path: str | Path, jit_compile: bool = True, version: int | None = None,
-                 model_name: str | None = None) -> Path:
-    """Exports `model` as BASE_PATH/<version>/ and returns that directory.
-
-    The version directory appears atomically (written under a hidden name, then
-    renamed), so a server polling BASE_PATH never loads a half-written version.
-    """
+@contextlib.contextmanager
+def staged_version(base_path: str | Path, version: int | None = None):
+    """Yields (staging dir, version dir) for a new version under `base_path` (default: the
+    next number). Write the version into the staging dir (not created yet); when the block
+    ends without an error it is renamed into place, so the version directory appears
+    atomically and a server polling `base_path` never loads a half-written one."""
     base_path = Path(base_path)
     base_path.mkdir(parents=True, exist_ok=True)
     version = version or next_version(base_path)
@@ -49,6 +48,21 @@ def export_model(model: DecoderLM, tokenizer: Tokenizer, config: GenerationConfi
         raise FileExistsError(f"version {version} already exists in {base_path}")
     staging = base_path / f".tmp-{version}-{int(time.time() * 1000)}"
     try:
+        yield staging, final
+        staging.rename(final)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def export_model(model: DecoderLM, tokenizer: Tokenizer, config: GenerationConfig,
+                 base_path: str | Path, jit_compile: bool = True, version: int | None = None,
+                 model_name: str | None = None) -> Path:
+    """Exports `model` as BASE_PATH/<version>/ and returns that directory.
+
+    The version directory appears atomically (written under a hidden name, then
+    renamed), so a server polling BASE_PATH never loads a half-written version.
+    """
+    with staged_version(base_path, version) as (staging, final):
         with portable_graphs():  # loads in stock TensorFlow and TF Serving
             module = GenerationModule(model, config, jit_compile=jit_compile)
             tf.saved_model.save(module, str(staging), signatures=module.signatures())
@@ -62,7 +76,4 @@ def export_model(model: DecoderLM, tokenizer: Tokenizer, config: GenerationConfi
         prompt_buckets = [b for b in buckets(config.max_seq_len) if b <= 64]
         write_warmup(staging, warmup_records(model_name or config.name, sample_ids,
                                              prompt_buckets, config.pad_token_id))
-        staging.rename(final)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
     return final
