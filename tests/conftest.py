@@ -44,3 +44,12 @@ def exported(request, tokenizer, tmp_path_factory):
     model, config = tiny(request.param, tokenizer)
     base = tmp_path_factory.mktemp(request.param)
     return model, config, export_model(model, tokenizer, config, base)
+
+
+@pytest.fixture(scope="session")
+def tiny_gpt2_dir(tokenizer, tmp_path_factory):
+    """A tiny GPT-2 exported once for the session (read-only: engines load it)."""
+    from tokenserve.export.exporter import export_model
+
+    model, config = tiny("tiny-gpt2", tokenizer)
+    return export_model(model, tokenizer, config, tmp_path_factory.mktemp("tiny-gpt2"))

@@ -7,40 +7,23 @@ import time
 
 import pytest
 from redis_server import RedisServer, redis_server  # noqa: F401  (fixture)
+from test_prefix_cache import BLOCK, engine_config
 
-from tokenserve.engine.config import EngineConfig
 from tokenserve.engine.kv_tier import RemoteKVTier
 from tokenserve.engine.scheduler import Scheduler
 from tokenserve.sampling import SamplingParams
 
-BLOCK = 4
 PROMPT = ("def add(a, b):\n    return a + b\nclass Point:\n    def __init__(self, x, y):\n"
           "        self.x = x\n        self.y = y\n")
 MORE = "for item in items:\n    if item is None:\n"
 PARAMS = SamplingParams(max_tokens=10, ignore_eos=True)
 
 
-def engine_config(**options) -> EngineConfig:
-    defaults = dict(max_num_seqs=8, max_num_batched_tokens=64, block_size=BLOCK,
-                    precision="float32")
-    return EngineConfig(**{**defaults, **options})
-
-
 @pytest.fixture(scope="module")
-def transformer_dir(tokenizer, tmp_path_factory):
-    from conftest import tiny
-
-    from tokenserve.export.exporter import export_model
-
-    model, config = tiny("tiny-gpt2", tokenizer)
-    return export_model(model, tokenizer, config, tmp_path_factory.mktemp("tiny-gpt2"))
-
-
-@pytest.fixture(scope="module")
-def cold(transformer_dir):
+def cold(tiny_gpt2_dir):
     from tokenserve.engine.llm import LLM
 
-    llm = LLM(transformer_dir, engine_config(enable_prefix_caching=False))
+    llm = LLM(tiny_gpt2_dir, engine_config(enable_prefix_caching=False))
     return lambda prompts: [o.outputs[0].token_ids
                             for o in llm.generate(prompts, PARAMS, use_tqdm=False)]
 
@@ -60,11 +43,11 @@ def wait_for_keys(server: RedisServer, minimum: int = 1, timeout_s: float = 30.0
     raise TimeoutError("no KV blocks reached Redis")
 
 
-def test_replica_b_loads_the_blocks_replica_a_computed(transformer_dir, cold, redis_server):
+def test_replica_b_loads_the_blocks_replica_a_computed(tiny_gpt2_dir, cold, redis_server):
     from tokenserve.engine.llm import LLM
 
     config = engine_config(kv_store=redis_server.url, kv_store_ttl_s=60)
-    replica_a, replica_b = LLM(transformer_dir, config), LLM(transformer_dir, config)
+    replica_a, replica_b = LLM(tiny_gpt2_dir, config), LLM(tiny_gpt2_dir, config)
     assert generate(replica_a, [PROMPT]) == cold([PROMPT])
     num_blocks = (len(replica_a.tokenizer.encode(PROMPT)) - 1) // BLOCK
     wait_for_keys(redis_server, num_blocks)
@@ -81,17 +64,17 @@ def test_replica_b_loads_the_blocks_replica_a_computed(transformer_dir, cold, re
 
 
 def test_killing_redis_mid_run_loses_no_request_and_the_store_reconnects(
-        transformer_dir, cold, tmp_path):
+        tiny_gpt2_dir, cold, tmp_path):
     from tokenserve.engine.llm import LLM
 
     server = RedisServer(tmp_path)
     server.start()
     try:
-        llm = LLM(transformer_dir, engine_config(kv_store=server.url))
+        llm = LLM(tiny_gpt2_dir, engine_config(kv_store=server.url))
         prompts = [PROMPT + MORE, MORE + PROMPT, PROMPT]
         assert generate(llm, prompts[:1]) == cold(prompts[:1])
         server.kill()
-        fresh = LLM(transformer_dir, engine_config(kv_store=server.url))  # must look up
+        fresh = LLM(tiny_gpt2_dir, engine_config(kv_store=server.url))  # must look up
         assert generate(fresh, prompts) == cold(prompts)
         assert fresh.engine.prefix_cache_stats().num_remote_errors >= 1
         server.start()  # same port: the store reconnects by itself
@@ -119,11 +102,11 @@ class GatedStore:
         pass
 
 
-def test_a_sequence_waiting_for_its_lookup_does_not_stall_other_sequences(transformer_dir,
+def test_a_sequence_waiting_for_its_lookup_does_not_stall_other_sequences(tiny_gpt2_dir,
                                                                           cold):
     from tokenserve.engine.llm import LLM
 
-    llm = LLM(transformer_dir, engine_config())
+    llm = LLM(tiny_gpt2_dir, engine_config())
     engine = llm.engine
     store = GatedStore()
     tier = RemoteKVTier(store, engine.runner.kv_block_shape, engine.runner.kv_dtype, 60.0)

@@ -98,27 +98,17 @@ def engine_config(**options) -> EngineConfig:
     return EngineConfig(**{**defaults, **options})
 
 
-@pytest.fixture(scope="module")
-def transformer_dir(tokenizer, tmp_path_factory):
-    from conftest import tiny
-
-    from tokenserve.export.exporter import export_model
-
-    model, config = tiny("tiny-gpt2", tokenizer)
-    return export_model(model, tokenizer, config, tmp_path_factory.mktemp("tiny-gpt2"))
-
-
 SYSTEM = "def add(a, b):\n    return a + b\nclass Point:\n    def __init__(self, x, y):\n"
 TURNS = ["        self.x = x\n", "for item in items:\n", "import os\nimport sys\n"]
 
 
-def test_prefix_hits_give_exactly_the_greedy_tokens_of_a_cold_run(transformer_dir):
+def test_prefix_hits_give_exactly_the_greedy_tokens_of_a_cold_run(tiny_gpt2_dir):
     from tokenserve.engine.llm import LLM
 
     params = SamplingParams(max_tokens=12, ignore_eos=True)
     prompts = [SYSTEM + turn for turn in TURNS]
-    cold = LLM(transformer_dir, engine_config(enable_prefix_caching=False))
-    warm = LLM(transformer_dir, engine_config())
+    cold = LLM(tiny_gpt2_dir, engine_config(enable_prefix_caching=False))
+    warm = LLM(tiny_gpt2_dir, engine_config())
     expected = [o.outputs[0].token_ids for o in cold.generate(prompts, params, use_tqdm=False)]
     first = [o.outputs[0].token_ids for o in warm.generate(prompts[:1], params, use_tqdm=False)]
     again = warm.generate(prompts, params, use_tqdm=False)
@@ -136,13 +126,13 @@ def test_prefix_hits_give_exactly_the_greedy_tokens_of_a_cold_run(transformer_di
     assert cold.engine.prefix_cache_stats().num_query_tokens == 0
 
 
-def test_shared_blocks_survive_one_sharers_abort(transformer_dir):
+def test_shared_blocks_survive_one_sharers_abort(tiny_gpt2_dir):
     from tokenserve.engine.core import LLMEngine
     from tokenserve.engine.llm import LLM
 
     params = SamplingParams(max_tokens=16, ignore_eos=True)
     prompt = SYSTEM + TURNS[0]
-    llm = LLM(transformer_dir, engine_config())
+    llm = LLM(tiny_gpt2_dir, engine_config())
     expected = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
     engine: LLMEngine = llm.engine
     ids = llm.tokenizer.encode(prompt)
