@@ -571,10 +571,7 @@ class DenseOp : public OpKernel {
     ForChunks(pool, workers, chunks, [&](int64 chunk, int64 worker) {
       const int64 k0 = chunk * rows_per_chunk, k1 = std::min(g.K, k0 + rows_per_chunk);
       float* acc = partial.data() + worker * g.M * g.N;
-      if (!used[worker]) {
-        std::fill(acc, acc + g.M * g.N, 0.f);
-        used[worker] = 1;
-      }
+      used[worker] = 1;  // partial sums start at zero (the vector is value-initialized)
 #ifdef TOKENSERVE_X86
       if (avx2) {
         if (g.M == 1) {
@@ -587,7 +584,7 @@ class DenseOp : public OpKernel {
 #endif
       KnRowsScalar(g, a.x, a.w, k0, k1, acc);
     });
-    float* z = partial.data();  // worker 0 (the caller) always takes the first chunk
+    float* z = partial.data();  // worker 0's sums collect the others' (zeros if it took none)
     for (int64 w = 1; w < workers; ++w) {
       if (!used[w]) continue;
       const float* other = partial.data() + w * g.M * g.N;
