@@ -10,9 +10,10 @@ import tensorflow as tf
 from tokenserve.kernels import dense as kd
 
 # (M, K, N): empty batch, one row, more rows than one pass over the weights (8), K and N not
-# multiples of 4 or 8 (tails), GPT-2-small's MLP shape; one and two rows with K long enough
+# multiples of 4 or 8 (tails), GPT-2-small's MLP shape; one to four rows with K long enough
 # to be split between threads (an odd K: unequal parts) run the split-K path.
 CASES = [(0, 16, 8), (1, 64, 8), (3, 37, 21), (9, 100, 34), (17, 33, 18), (2, 768, 3072),
+         (3, 300, 40), (4, 768, 259), (13, 768, 259), (53, 70, 35),
          (1, 131, 21), (2, 257, 13), (1, 768, 2304)]
 
 
