@@ -97,6 +97,25 @@ def test_resource_variable_state_matches_io(tokenizer, tmp_path):
     assert list(runner.stream(prompt, GREEDY)) == expected  # a stale cache is masked out
 
 
+@pytest.mark.parametrize("state_mode", ["io", "variable"])
+def test_cached_decode_equals_full_forward_over_many_steps(state_mode, tokenizer, tmp_path):
+    """Every greedy token of a long stream (the cache nearly full) is the argmax of one full
+    forward pass over the prompt and the tokens before it; a second, shorter stream on the
+    same interpreter does not see the first one's rows."""
+    model, config = tiny("tiny-llama", tokenizer)
+    path = export_tflite(model, tokenizer, config, tmp_path / state_mode,
+                         TFLiteOptions(state_mode=state_mode))
+    runner = LiteRTModel(path)
+    assert runner.cache_io == (state_mode == "io")
+    for text, max_tokens in (("def add(a, b):\n", 110), ("import os\n", 40)):
+        prompt = tokenizer.encode(text)
+        tokens = list(runner.stream(prompt, SamplingParams(max_tokens=max_tokens,
+                                                           ignore_eos=True)))
+        assert len(tokens) == max_tokens
+        full = model(np.array([prompt + tokens[:-1]], np.int32)).numpy()[0]
+        np.testing.assert_array_equal(full[len(prompt) - 1:].argmax(-1), tokens)
+
+
 class _Determinant(tf.Module):
     """A graph with one op (MatrixDeterminant) that TFLite has no builtin for."""
 

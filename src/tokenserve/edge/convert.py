@@ -101,33 +101,45 @@ def calibration_stream(tokenizer, path: str | None) -> np.ndarray:
 def representative_dataset(module, stream: np.ndarray, options: TFLiteOptions,
                            decode_steps: int = 4):
     """A converter representative dataset: per sample, one prefill and a few decode steps
-    fed the states the float module itself produces (so cache ranges are realistic), and a
+    fed the caches the float module itself fills (so cache ranges are realistic), and a
     `score` pass."""
+    import tensorflow as tf
+
+    from tokenserve.edge.cache import cache_names, write_entries
+
     signatures = module.signatures()
     length = max(2, min(options.calibration_length, module.cache_len - decode_steps,
                         len(stream) - decode_steps - 1))
     rng = np.random.default_rng(0)
     starts = rng.integers(0, len(stream) - length - decode_steps, options.num_calibration_samples)
-    with_state = module.state_mode == "io"
     names = {kind: {spec.name for spec in function.structured_input_signature[0]}
              for kind, function in signatures.items()}
+    with_caches = "k_cache_0" in names["decode"]  # io-mode Transformer
+    with_state = "state" in names["decode"]       # LSTM
 
     def samples() -> Iterator:
         for start in starts:
             window = stream[start:start + length + decode_steps].astype(np.int32)
             state = np.zeros(module.state_shape(), np.float32)
+            caches = [np.zeros(module.layer_cache_shape(), np.float32)
+                      for _ in cache_names(module.config.num_layers)] if with_caches else []
             feed = {"token_ids": window[None, :length], "positions": np.zeros([1], np.int32)}
+            position = 0
             for step in range(decode_steps + 1):
                 if with_state:
                     feed["state"] = state
+                feed.update(zip(cache_names(module.config.num_layers), caches))
                 kind = "prefill" if step == 0 else "decode"
                 feed = {k: v for k, v in feed.items() if k in names[kind]}
                 yield kind, dict(feed)
-                out = signatures[kind](**feed)
+                out = signatures[kind](**{k: tf.constant(v) for k, v in feed.items()})
                 if with_state:
                     state = out["state"].numpy()
-                feed = {"token_ids": window[None, length + step:length + step + 1],
-                        "positions": np.array([length + step], np.int32)}
+                if with_caches:
+                    write_entries(caches, out["kv"].numpy(), position)
+                position = length + step
+                feed = {"token_ids": window[None, position:position + 1],
+                        "positions": np.array([position], np.int32)}
             yield "score", {"token_ids": window[None, :length]}
 
     return samples

@@ -8,14 +8,19 @@ reuse the layers' functional helpers. `tests/test_tflite_export.py` holds both t
 greedy tokens.
 
 Signatures (batch 1; T is dynamic, the cache length S static):
-  prefill  token_ids int32 [1, T], positions int32 [1] (, state) -> logits [1, V] (, state)
-  decode   token_ids int32 [1, 1], positions int32 [1] (, state) -> logits [1, V] (, state)
+  prefill  token_ids int32 [1, T], positions int32 [1] (, caches) -> logits [1, V] (, kv)
+  decode   token_ids int32 [1, 1], positions int32 [1] (, caches) -> logits [1, V] (, kv)
   score    token_ids int32 [1, T] -> logits [1, T, V]       (a causal full pass, for eval)
 
-A Transformer's state is the KV cache float32 [num_layers, 2, Hkv, S, Dh] (head-major, so
-attention reads it without a transpose), passed as an explicit input and output
-(`state_mode="io"`) or held in a TFLite resource variable (`state_mode="variable"`). An LSTM's
-state is (h, c) float32 [num_layers, 2, 1, hidden], always explicit (1 KiB per layer).
+A Transformer's KV cache is one float32 [Hkv, S, Dh] tensor per layer and K/V (head-major, so
+attention reads it without a transpose). With `state_mode="io"` (the default) the caches are
+inputs the call only reads (`k_cache_0`, `v_cache_0`, ...; edge/cache.py) and `kv`
+[L, 2, Hkv, T, Dh] returns the chunk's new entries for the caller to write in place: the
+chunk attends to the cache rows before `positions` and causally to itself, so no op copies
+the cache. With `state_mode="variable"` the caches are TFLite resource variables that each
+call reads and assigns. docs/optimize.md has the measurements behind the default. An LSTM's
+state is (h, c) float32 [num_layers, 2, 1, hidden], always explicit in and out (1 KiB per
+layer).
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import tensorflow as tf
 from tensorflow.compiler.tf2xla.ops import gen_xla_ops  # DYNAMIC_UPDATE_SLICE in TFLite
 
 from tokenserve.config import LSTMConfig, TransformerConfig
+from tokenserve.edge.cache import cache_names
 from tokenserve.model.layers import mlp, norm
 
 # exp(-1e4) is exactly 0 in float32, so masked keys drop out as with float32.min, while the
@@ -57,6 +63,11 @@ def token_embedding(model) -> np.ndarray:
     if getattr(model.config, "weight_format", "float") == "int8":
         return _float(model.token_embedding_q) * _float(model.token_embedding_scale)
     return _float(model.token_embedding)
+
+
+def _length(x):
+    """The leading dimension of `x`: a Python int when static, else a scalar tensor."""
+    return x.shape[0] if x.shape[0] is not None else tf.shape(x)[0]
 
 
 class _Weights(tf.Module):
@@ -105,12 +116,17 @@ class EdgeTransformer(tf.Module):
             angles = np.concatenate([angles, angles], axis=-1)
             self._cos = tf.constant(np.cos(angles), tf.float32)
             self._sin = tf.constant(np.sin(angles), tf.float32)
-        if state_mode == "variable":
-            self.cache = tf.Variable(tf.zeros(self.state_shape()), trainable=False, name="kv_cache")
+        if state_mode == "variable":  # one [Hkv, S, Dh] variable per layer and K/V
+            self.caches = [tf.Variable(tf.zeros(self.layer_cache_shape()), trainable=False,
+                                       name=name) for name in cache_names(c.num_layers)]
+
+    def layer_cache_shape(self) -> list:
+        c = self.config
+        return [c.num_kv_heads, self.cache_len, c.head_dim]
 
     def state_shape(self) -> list:
-        c = self.config
-        return [c.num_layers, 2, c.num_kv_heads, self.cache_len, c.head_dim]
+        """The whole cache as the runner holds it: [layers, 2 (K, V), Hkv, S, Dh]."""
+        return [self.config.num_layers, 2, *self.layer_cache_shape()]
 
     # -- the forward pass ------------------------------------------------------------------
     def _rope(self, x, positions):
@@ -120,12 +136,17 @@ class EdgeTransformer(tf.Module):
         x1, x2 = tf.split(x, 2, axis=-1)
         return x * cos + tf.concat([-x2, x1], axis=-1) * sin
 
-    def _attention(self, layer: int, x, positions, start, cache):
-        """x [T, D] -> ([T, D], cache). With `cache` None, attends causally within x."""
+    def _attention(self, layer: int, x, positions, start, keys, values):
+        """x [T, D] at `positions` (from `start`) -> (out [T, D], k [Hkv, T, Dh], v).
+
+        `keys`/`values` [Hkv, S, Dh] are this layer's cache, read only: its rows before
+        `start` are visible, the rest masked. The chunk's own keys are attended causally
+        beside it, so no op copies the cache. With `keys` None, only the chunk is attended.
+        """
         c = self.config
         heads, kv_heads, dim = c.num_heads, c.num_kv_heads, c.head_dim
         groups = heads // kv_heads
-        length = tf.shape(x)[0]
+        length = _length(x)  # a Python int in decode, so every shape below is static
         qkv = tf.matmul(x, self.weights.table[f"{layer}/qkv/kernel"])
         if f"{layer}/qkv/bias" in self.weights.table:
             qkv += self.weights.table[f"{layer}/qkv/bias"]
@@ -137,47 +158,50 @@ class EdgeTransformer(tf.Module):
             q, k = self._rope(q, positions), self._rope(k, positions)
         k = tf.transpose(k, [1, 0, 2])  # [Hkv, T, Dh]
         v = tf.transpose(v, [1, 0, 2])
-        if cache is None:
-            keys, values = k, v
-            key_positions = positions
-        else:
-            # cache: [L, 2, Hkv, S, Dh]; this chunk's rows go to [layer, :, :, start:start+T]
-            update = tf.stack([k, v])[None]  # [1, 2, Hkv, T, Dh]
-            zero = tf.constant(0, tf.int32)
-            cache = gen_xla_ops.xla_dynamic_update_slice(
-                cache, update, tf.stack([layer, zero, zero, start, zero]))
-            keys, values = cache[layer, 0], cache[layer, 1]  # [Hkv, S, Dh]
-            key_positions = tf.range(self.cache_len)
         # q: [T, Hkv, G, Dh] -> [Hkv, G*T, Dh]; head h = kv * G + g, as in layers.attend
         q = tf.reshape(tf.transpose(tf.reshape(q, [length, kv_heads, groups, dim]), [1, 2, 0, 3]),
-                       [kv_heads, groups * length, dim])
-        scores = tf.matmul(q, keys, transpose_b=True) * (1.0 / math.sqrt(dim))
-        scores = tf.reshape(scores, [kv_heads, groups, length, -1])  # [Hkv, G, T, S]
-        visible = key_positions[None, :] <= positions[:, None]  # [T, S]
-        scores += tf.where(visible, 0.0, MASK_BIAS)
-        probs = tf.reshape(tf.nn.softmax(scores, axis=-1), [kv_heads, groups * length, -1])
-        out = tf.reshape(tf.matmul(probs, values), [kv_heads, groups, length, dim])
+                       [kv_heads, groups * length, dim]) * (1.0 / math.sqrt(dim))
+        local = tf.reshape(tf.matmul(q, k, transpose_b=True), [kv_heads, groups, length, length])
+        causal = tf.range(length)[None, :] <= tf.range(length)[:, None]  # [T, T]
+        local += tf.where(causal, 0.0, MASK_BIAS)
+        if keys is None:
+            probs = tf.nn.softmax(local, axis=-1)
+            out = tf.matmul(tf.reshape(probs, [kv_heads, groups * length, length]), v)
+        else:
+            cached = tf.reshape(tf.matmul(q, keys, transpose_b=True),
+                                [kv_heads, groups, length, self.cache_len])  # [Hkv, G, T, S]
+            cached += tf.where(tf.range(self.cache_len) < start, 0.0, MASK_BIAS)
+            probs = tf.nn.softmax(tf.concat([cached, local], axis=-1), axis=-1)
+            probs = tf.reshape(probs, [kv_heads, groups * length, self.cache_len + length])
+            probs_cached, probs_local = tf.split(probs, [self.cache_len, length], axis=-1)
+            out = tf.matmul(probs_cached, values) + tf.matmul(probs_local, v)
+        out = tf.reshape(out, [kv_heads, groups, length, dim])
         out = tf.reshape(tf.transpose(out, [2, 0, 1, 3]), [length, heads * dim])
         out = tf.matmul(out, self.weights.table[f"{layer}/out/kernel"])
         if f"{layer}/out/bias" in self.weights.table:
             out += self.weights.table[f"{layer}/out/bias"]
-        return out, cache
+        return out, k, v
 
-    def _hidden(self, token_ids, start, cache):
-        """token_ids [1, T] from position `start` -> (hidden [T, D], cache)."""
+    def _hidden(self, token_ids, start, caches):
+        """token_ids [1, T] from position `start`, `caches` a [Hkv, S, Dh] pair per layer or
+        None -> (hidden [T, D], new entries [L, 2, Hkv, T, Dh])."""
         c = self.config
         ids = token_ids[0]
-        positions = start + tf.range(tf.shape(ids)[0])
+        positions = start + tf.range(_length(ids))
         x = tf.gather(self.weights.table["embedding"], ids)
         if c.position == "learned":
             x += tf.gather(self.weights.table["position"], positions)
+        entries = []
         for layer in range(c.num_layers):
-            h, cache = self._attention(layer, norm(x, self.weights.get(f"{layer}/attn_norm"),
-                                                   c.norm, c.norm_eps), positions, start, cache)
+            keys, values = caches[2 * layer:2 * layer + 2] if caches is not None else (None, None)
+            h, k, v = self._attention(layer, norm(x, self.weights.get(f"{layer}/attn_norm"),
+                                                  c.norm, c.norm_eps),
+                                      positions, start, keys, values)
+            entries.append(tf.stack([k, v]))
             x += h
             x += mlp(norm(x, self.weights.get(f"{layer}/mlp_norm"), c.norm, c.norm_eps),
                      self.weights.get(f"{layer}/up"), self.weights.get(f"{layer}/down"), c.mlp)
-        return norm(x, self.weights.get("final_norm"), c.norm, c.norm_eps), cache
+        return norm(x, self.weights.get("final_norm"), c.norm, c.norm_eps), tf.stack(entries)
 
     def _logits(self, hidden):
         # hidden: [N, D] -> [N, V]; a tied head is FULLY_CONNECTED on the [V, D] embedding
@@ -187,27 +211,30 @@ class EdgeTransformer(tf.Module):
                 else logits
         return tf.matmul(hidden, self.weights.table["embedding"], transpose_b=True)
 
-    def _step(self, token_ids, positions, state):
-        hidden, state = self._hidden(token_ids, positions[0], state)
-        return self._logits(hidden[-1:]), state
-
     # -- signatures --------------------------------------------------------------------------
     def signatures(self) -> dict:
         ids = tf.TensorSpec([1, None], tf.int32, name="token_ids")
         one = tf.TensorSpec([1, 1], tf.int32, name="token_ids")
         pos = tf.TensorSpec([1], tf.int32, name="positions")
-        state = tf.TensorSpec(self.state_shape(), tf.float32, name="state")
+        cache_specs = [tf.TensorSpec(self.layer_cache_shape(), tf.float32, name=name)
+                       for name in cache_names(self.config.num_layers)]
         if self.state_mode == "io":
-            def run(token_ids, positions, state):
-                logits, state = self._step(token_ids, positions, state)
-                return {"logits": logits, "state": state}
-            prefill = tf.function(run, input_signature=[ids, pos, state])
-            decode = tf.function(run, input_signature=[one, pos, state])
+            def run(token_ids, positions, *caches):
+                hidden, entries = self._hidden(token_ids, positions[0], caches)
+                return {"logits": self._logits(hidden[-1:]), "kv": entries}
+            prefill = tf.function(run, input_signature=[ids, pos, *cache_specs])
+            decode = tf.function(run, input_signature=[one, pos, *cache_specs])
         else:
             def run(token_ids, positions):
-                logits, new_state = self._step(token_ids, positions, self.cache.read_value())
-                self.cache.assign(new_state)
-                return {"logits": logits}
+                start = positions[0]
+                caches = [cache.read_value() for cache in self.caches]
+                hidden, entries = self._hidden(token_ids, start, caches)
+                zero = tf.constant(0, tf.int32)
+                for index, cache in enumerate(self.caches):  # [Hkv, T, Dh] rows at start
+                    cache.assign(gen_xla_ops.xla_dynamic_update_slice(
+                        caches[index], entries[index // 2, index % 2],
+                        tf.stack([zero, start, zero])))
+                return {"logits": self._logits(hidden[-1:])}
             prefill = tf.function(run, input_signature=[ids, pos])
             decode = tf.function(run, input_signature=[one, pos])
 

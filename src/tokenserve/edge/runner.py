@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 
 from tokenserve.config import GenerationConfig
+from tokenserve.edge.cache import cache_names, write_entries
 from tokenserve.edge.convert import TFLITE_FILE, TFLITE_INFO_FILE
 from tokenserve.errors import ModelLoadError, ModelNotFoundError, PromptTooLongError
 from tokenserve.sampling import SamplingParams
@@ -46,6 +47,14 @@ def resolve_tflite_dir(path) -> Path:
     raise ModelNotFoundError(f"{path} holds no {TFLITE_FILE}")
 
 
+def default_num_threads() -> int:
+    """The cores this process may run on, at most 4 (a cap for big hosts, where one batch-1
+    sequence cannot keep more threads busy; measured only on 2 cores)."""
+    import os
+
+    return max(1, min(4, len(os.sched_getaffinity(0))))
+
+
 class LiteRTModel:
     """A tokenserve .tflite export in a LiteRT interpreter.
 
@@ -53,6 +62,8 @@ class LiteRTModel:
     """
 
     def __init__(self, path, num_threads: int | None = None):
+        """`num_threads` None: every core this process may run on, at most 4 (XNNPACK splits
+        each matmul across them, as TensorFlow's intra-op pool does for a SavedModel)."""
         from ai_edge_litert.interpreter import Interpreter, OpResolverType
         from tokenizers import Tokenizer as HFTokenizer
 
@@ -72,7 +83,7 @@ class LiteRTModel:
                 eos_token_id=self.generation_config.eos_token_id,
                 pad_token_id=self.generation_config.pad_token_id)
             self.interpreter = Interpreter(
-                model_path=str(file), num_threads=num_threads,
+                model_path=str(file), num_threads=num_threads or default_num_threads(),
                 experimental_op_resolver_type=OpResolverType.BUILTIN)  # XNNPACK delegate on
             self._runners = {key: self.interpreter.get_signature_runner(key)
                              for key in ("prefill", "decode", "score")}
@@ -82,9 +93,14 @@ class LiteRTModel:
         self.config = self.generation_config.model
         self.file = file
         self.compute_dtype = f"tflite-{self.info.get('quantize', 'none')}"
-        self.stateful_io = "state" in self._runners["decode"].get_input_details()
+        decode_inputs = self._runners["decode"].get_input_details()
+        self.stateful_io = "state" in decode_inputs  # an LSTM's (h, c), in and out per call
+        self.cache_io = "k_cache_0" in decode_inputs  # a KV cache fed to decode in place
         self.cache_len = int(self.info["cache_len"])
         self.state_shape = list(self.info["state_shape"])
+        if self.cache_io:
+            self._decode = _InPlaceDecode(self.interpreter, self._runners["decode"],
+                                          self.config.num_layers)
 
     @property
     def max_seq_len(self) -> int:
@@ -110,13 +126,17 @@ class LiteRTModel:
         """Yields generated token ids one at a time (prefill once, then decode per token)."""
         prompt_ids = list(prompt_ids) or [self.generation_config.bos_token_id]
         self.check_fits(len(prompt_ids), params.max_tokens)
-        state = np.zeros(self.state_shape, np.float32) if self.stateful_io else None
-        logits, state = self._call("prefill", prompt_ids, 0, state)
+        if self.cache_io:
+            logits = self._decode.prefill(self._runners["prefill"], prompt_ids)
+            decode = self._decode
+        else:
+            state = np.zeros(self.state_shape, np.float32) if self.stateful_io else None
+            logits, state = self._call("prefill", prompt_ids, 0, state)
 
-        def decode(token: int, position: int) -> np.ndarray:
-            nonlocal state
-            logits, state = self._call("decode", [token], position, state)
-            return logits
+            def decode(token: int, position: int) -> np.ndarray:
+                nonlocal state
+                logits, state = self._call("decode", [token], position, state)
+                return logits
 
         yield from sample_tokens(logits, decode, params, prompt_ids,
                                  self.generation_config.model.vocab_size,
@@ -138,3 +158,49 @@ class LiteRTModel:
             nll.append(log_z - logits[np.arange(len(logits)), window[1:]])
             greedy.append(logits.argmax(-1).astype(np.int32))
         return np.stack(nll), np.stack(greedy)
+
+
+class _InPlaceDecode:
+    """Batch-1 decode with the KV cache living in the decode signature's own input tensors.
+
+    The `decode` signature reads the per-layer caches (`k_cache_i`, `v_cache_i`) and returns
+    only the new token's entries (`kv`, [L, 2, Hkv, 1, Dh]); this writes them into those
+    input buffers through numpy views, so a step copies one row per layer instead of the
+    whole cache. The views stay valid because the decode subgraph's shapes are static and
+    it is allocated once; the signature runner (which resizes and reallocates per call) is
+    not used for decode.
+    """
+
+    def __init__(self, interpreter, runner, num_layers: int):
+        self._wrapper = interpreter._interpreter  # the per-subgraph calls LiteRT's Python API wraps
+        self._subgraph = runner._subgraph_index
+        self._names = cache_names(num_layers)
+        inputs = {name: detail["index"] for name, detail in runner.get_input_details().items()}
+        outputs = {name: detail["index"] for name, detail in runner.get_output_details().items()}
+        self._wrapper.AllocateTensors(self._subgraph)
+        view = self._view
+        self._token_ids, self._positions = view(inputs["token_ids"]), view(inputs["positions"])
+        self._caches = [view(inputs[name]) for name in self._names]
+        for cache in self._caches:  # arena memory: masked rows must still be finite (0 * NaN)
+            cache.fill(0.0)
+        self._entries, self._logits = view(outputs["kv"]), outputs["logits"]
+
+    def _view(self, index: int) -> np.ndarray:
+        return self._wrapper.tensor(self._wrapper, index, self._subgraph)
+
+    def prefill(self, runner, prompt_ids: list[int]) -> np.ndarray:
+        """Runs the prompt from position 0, fills the cache, returns the last logits [V]."""
+        feed = {"token_ids": np.asarray(prompt_ids, np.int32)[None],
+                "positions": np.zeros([1], np.int32)}
+        feed.update(zip(self._names, self._caches))  # rows past position 0 are masked
+        out = runner(**feed)
+        write_entries(self._caches, out["kv"], 0)
+        return out["logits"][0]
+
+    def __call__(self, token: int, position: int) -> np.ndarray:
+        """The logits [V] after `token` at `position`; its K/V rows join the cache."""
+        self._token_ids[0, 0] = token
+        self._positions[0] = position
+        self._wrapper.Invoke(self._subgraph)
+        write_entries(self._caches, self._entries, position)
+        return self._wrapper.GetTensor(self._logits, self._subgraph)[0]
