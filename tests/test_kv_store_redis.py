@@ -128,3 +128,55 @@ def test_a_sequence_waiting_for_its_lookup_does_not_stall_other_sequences(tiny_g
     assert outputs["long"].outputs[0].token_ids == cold([PROMPT])[0]
     assert outputs["short"].outputs[0].token_ids == cold(["x"])[0]
     assert store.num_lookups == 1
+
+
+def test_blocks_of_a_still_running_sequence_are_readable_by_a_second_engine(
+        tiny_gpt2_dir, cold, redis_server):  # noqa: F811
+    """Full blocks are written as they fill, not when their sequence ends."""
+    from tokenserve.engine.llm import LLM
+
+    config = engine_config(kv_store=redis_server.url)
+    replica_a, replica_b = LLM(tiny_gpt2_dir, config), LLM(tiny_gpt2_dir, config)
+    engine = replica_a.engine
+    ids = replica_a.tokenizer.encode(PROMPT)
+    running = engine.make_request(ids, SamplingParams(max_tokens=80, ignore_eos=True), "a")
+    engine.add_request(running)
+    num_blocks = (len(ids) - 1) // BLOCK
+    while running.seqs[0].num_computed_tokens < len(ids) + BLOCK:  # the prompt and a block
+        engine.step()
+    wait_for_keys(redis_server, num_blocks)
+    assert not running.is_finished
+    assert generate(replica_b, [PROMPT]) == cold([PROMPT])
+    assert replica_b.engine.prefix_cache_stats().num_remote_hit_tokens == num_blocks * BLOCK
+    engine.abort("a")
+
+
+def test_a_sequence_whose_lookup_answered_while_it_queued_is_admitted_at_the_next_step(
+        tiny_gpt2_dir, cold, redis_server):  # noqa: F811
+    """The lookup starts when the request arrives, so the first step after its answer
+    prefills with the loaded blocks; the greedy tokens are a cold run's."""
+    from tokenserve.engine.llm import LLM
+
+    config = engine_config(kv_store=redis_server.url)
+    replica_a, replica_b = LLM(tiny_gpt2_dir, config), LLM(tiny_gpt2_dir, config)
+    generate(replica_a, [PROMPT])
+    num_blocks = (len(replica_a.tokenizer.encode(PROMPT)) - 1) // BLOCK
+    wait_for_keys(redis_server, num_blocks)
+    engine = replica_b.engine
+    request = engine.make_request(replica_b.tokenizer.encode(PROMPT + MORE), PARAMS, "b")
+    engine.add_request(request)
+    tier = engine.scheduler.kv_tier
+    deadline = time.monotonic() + 30
+    while not tier.has_finished and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert tier.has_finished
+    outputs: dict = {}
+    for delta in engine.step():
+        LLM._accumulate(outputs, delta)
+    seq = request.seqs[0]
+    assert seq.num_cached_tokens >= num_blocks * BLOCK  # admitted with the loaded blocks
+    assert seq.num_computed_tokens > seq.num_cached_tokens  # and prefilled in that step
+    while engine.has_work:
+        for delta in engine.step():
+            LLM._accumulate(outputs, delta)
+    assert outputs["b"].outputs[0].token_ids == cold([PROMPT + MORE])[0]

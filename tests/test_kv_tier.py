@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from redis_server import redis_server  # noqa: F401  (fixture)
 
 from tokenserve.engine.kv_tier import KVLoad, KVSave, RemoteKVTier
@@ -50,9 +51,39 @@ def test_a_saved_block_is_loaded_back_exactly_and_only_the_chains_leading_hits_c
     seq = Request("r", list(range(20)), SamplingParams()).seqs[0]
     found = []
     reader.on_ready = lambda: found.extend(reader.take_finished())
-    reader.start_lookup(seq, [first, missing, second], block_size=BLOCK_SHAPE[0])
+    reader.start_lookup(seq, 0, [first, missing, second], block_size=BLOCK_SHAPE[0])
     reader.close(wait=True)
-    assert [len(payloads) for _, _, payloads in found] == [1]  # `second` is past a miss
-    _, _, payloads = found[0]
-    reader.apply(target, [KVLoad([5], payloads)])
+    assert [lookup.num_found for lookup in found] == [1]  # `second` is past a miss
+    assert found[0].rows.dtype == np.float16
+    reader.apply(target, [KVLoad([5], found[0].rows)])
     np.testing.assert_array_equal(target.rows[5], source.rows[1])
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["float16", "bfloat16"])
+def test_16_bit_blocks_go_from_one_runner_through_redis_into_another_bit_exactly(
+        tiny_gpt2_dir, redis_server, kv_cache_dtype):  # noqa: F811
+    """Every 16-bit pattern survives: NaN payloads, infinities, subnormals, negative zero
+    (a round trip through float32 would canonicalize NaNs)."""
+    from test_prefix_cache import engine_config
+
+    from tokenserve.engine.llm import LLM
+
+    config = engine_config(kv_cache_dtype=kv_cache_dtype, max_cache_tokens=256)
+    source, target = (LLM(tiny_gpt2_dir, config).engine.runner for _ in range(2))
+    shape = source.kv_block_shape
+    bits = np.random.default_rng(0).integers(0, 1 << 16, (2, *shape), dtype=np.uint16)
+    bits.reshape(-1)[:6] = [0x7FC1, 0xFFFF, 0x7C00, 0x0001, 0x8000, 0x7F81]
+    source.write_kv_blocks([3, 5], bits.view(source.kv_dtype))
+    np.testing.assert_array_equal(source.read_kv_blocks([3, 5]).view(np.uint16), bits)
+    writer, reader = (RemoteKVTier(RedisKVStore(redis_server.url, ttl_s=60), shape,
+                                   source.kv_dtype, resave_after_s=30) for _ in range(2))
+    hashes = [b"\x0a" * 32, b"\x0b" * 32]
+    writer.apply(source, [KVSave(hashes, [3, 5])])
+    writer.close(wait=True)
+    found = []
+    reader.on_ready = lambda: found.extend(reader.take_finished())
+    reader.start_lookup(Request("r", list(range(40)), SamplingParams()).seqs[0], 0, hashes,
+                        block_size=shape[0])
+    reader.close(wait=True)
+    reader.apply(target, [KVLoad([7, 2], found[0].rows)])
+    np.testing.assert_array_equal(target.read_kv_blocks([7, 2]).view(np.uint16), bits)

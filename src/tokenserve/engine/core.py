@@ -159,7 +159,18 @@ class LLMEngine:
             logits = logits[live]
         outputs = self._update(scheduled, logits, duration)
         self._emit_step_stats(scheduled, duration)
+        self._save_ended()
         return outputs
+
+    def _save_ended(self) -> None:
+        """Sends the last full blocks of sequences that just ended to the remote tier now,
+        before their last output goes out (not before the next step): a next turn sent at
+        once to another replica then finds them."""
+        tier = self.scheduler.kv_tier
+        if tier is not None:
+            transfers = self.scheduler.take_transfers()
+            if transfers:
+                tier.apply(self.runner, transfers)
 
     def _update(self, scheduled: SchedulerOutput, logits, duration: float) -> list[RequestOutput]:
         now = time.time()

@@ -1,12 +1,18 @@
 """The remote KV tier: full blocks shared between replicas through a KV store. No TF.
 
-A sequence that misses the local prefix cache looks up the following blocks of its hash
-chain in the store, in one round trip on a worker thread, and waits in the tier (not in
-the scheduler's queue) meanwhile, as vLLM's KV connectors do: steps of other sequences go
-on. When the lookup returns, the scheduler gives it blocks for what was found and queues a
-`KVLoad`, and the sequence prefills only the rest. Blocks are written to the store when a
-sequence ends and when the LRU evicts them (a `KVSave`); the engine reads their rows from
-the cache between steps and the worker sends them.
+A sequence is looked up when it arrives: the blocks of its hash chain after the local
+cache's leading hits, in one round trip on a worker thread, while it waits in the queue. If
+it reaches the head of the queue before the answer, it waits in the tier (not in the queue)
+as vLLM's KV connectors do: steps of other sequences go on. When the answer is there, the
+scheduler gives it blocks for what was found and queues a `KVLoad` (rows already gathered
+into one array of the cache dtype on the worker), and the sequence prefills only the rest.
+
+A block is written to the store as soon as it is full (a `KVSave` queued when the block is
+cached), so a conversation continued on another replica finds all but, at most, the blocks
+filled by its last step; those are written when the sequence ends, before its last output
+goes out. Evicted blocks the store may lack are written too. The engine gathers the rows
+between steps (a block never changes once full); a writer thread serializes and sends them,
+in the order they were queued.
 
 The store is anything with `get_blocks(hashes) -> list[bytes | None]` (one round trip) and
 `put_blocks([(hash, payload)])`, both returning instead of raising when it is down (see
@@ -40,17 +46,26 @@ class KVSave:
 
 @dataclass(frozen=True)
 class KVLoad:
-    """Write these payloads (fetched from the store) into these blocks."""
+    """Write these rows (fetched from the store) into these blocks."""
 
     block_ids: list[int]
-    payloads: list[bytes]
+    rows: np.ndarray
+    """[len(block_ids), *block_shape] in the cache dtype."""
 
 
 @dataclass
-class _Lookup:
+class RemoteLookup:
+    """One sequence's lookup: `hashes` are blocks `first`, `first + 1`, ... of its chain."""
+
     seq: Sequence
+    first: int
     hashes: list[bytes]
-    payloads: list[bytes] | None = None
+    rows: np.ndarray | None = None
+    """The chain's leading hits, [num_found, *block_shape]; None while in flight."""
+
+    @property
+    def num_found(self) -> int:
+        return 0 if self.rows is None else len(self.rows)
 
 
 class RemoteKVTier:
@@ -69,9 +84,11 @@ class RemoteKVTier:
         self.block_shape, self.dtype = tuple(block_shape), np.dtype(dtype)
         self.block_nbytes = int(np.prod(self.block_shape)) * self.dtype.itemsize
         self.resave_after_s = resave_after_s
-        self._pool = ThreadPoolExecutor(2, thread_name_prefix="tokenserve-kv")
+        self._lookups = ThreadPoolExecutor(2, thread_name_prefix="tokenserve-kv-lookup")
+        # one writer: blocks reach the store in the order they were queued
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="tokenserve-kv-write")
         self._lock = threading.Lock()
-        self._pending: dict[int, _Lookup] = {}  # seq_id -> lookup in flight or done
+        self._pending: dict[int, RemoteLookup] = {}  # seq_id -> lookup in flight or done
         self._known: OrderedDict[bytes, float] = OrderedDict()  # hash -> when saved/loaded
         self.on_ready: Callable[[], None] = lambda: None
         """Called on the worker thread when a lookup completes (wakes the engine loop)."""
@@ -91,41 +108,54 @@ class RemoteKVTier:
     def has_finished(self) -> bool:
         """A lookup has returned and waits for the scheduler."""
         with self._lock:
-            return any(lookup.payloads is not None for lookup in self._pending.values())
+            return any(lookup.rows is not None for lookup in self._pending.values())
 
     def is_loading(self, seq: Sequence) -> bool:
         return seq.seq_id in self._pending
 
     # -- lookups --------------------------------------------------------------------------
-    def start_lookup(self, seq: Sequence, hashes: list[bytes], block_size: int) -> None:
-        """Looks up `hashes` (the blocks of `seq` after its local hits) on the worker."""
-        lookup = _Lookup(seq, hashes)
+    def start_lookup(self, seq: Sequence, first: int, hashes: list[bytes],
+                     block_size: int) -> None:
+        """Looks up `hashes`, blocks `first`... of `seq`'s chain, on a worker thread."""
+        lookup = RemoteLookup(seq, first, hashes)
         self._pending[seq.seq_id] = lookup
         self.num_query_tokens += len(hashes) * block_size
-        self._pool.submit(self._fetch, lookup)
+        self._lookups.submit(self._fetch, lookup)
 
-    def _fetch(self, lookup: _Lookup) -> None:
+    def _fetch(self, lookup: RemoteLookup) -> None:
         try:
             found = self.store.get_blocks(lookup.hashes)
         except Exception:  # noqa: BLE001 - a store bug must not strand the sequence
             log.exception("KV store lookup failed")
             found = []
-        payloads = []
+        num_found = 0
         for payload in found:  # the chain's leading hits of the right size
             if payload is None or len(payload) != self.block_nbytes:
                 break
-            payloads.append(payload)
+            num_found += 1
+        rows = np.empty((num_found,) + self.block_shape, self.dtype)
+        flat = rows.view(np.uint8).reshape(num_found, self.block_nbytes)  # bytes, as stored
+        for i in range(num_found):
+            flat[i] = np.frombuffer(found[i], np.uint8)
         with self._lock:
-            lookup.payloads = payloads
+            lookup.rows = rows
         self.on_ready()
 
-    def take_finished(self) -> list[tuple[Sequence, list[bytes], list[bytes]]]:
-        """(sequence, hashes, payloads found) of every completed lookup, once each."""
+    def take(self, seq: Sequence) -> RemoteLookup | None:
+        """The completed lookup of `seq`, once; None while it is in flight."""
         with self._lock:
-            done = [lookup for lookup in self._pending.values() if lookup.payloads is not None]
-        for lookup in done:
-            del self._pending[lookup.seq.seq_id]
-        return [(lookup.seq, lookup.hashes, lookup.payloads) for lookup in done]
+            lookup = self._pending.get(seq.seq_id)
+            if lookup is None or lookup.rows is None:
+                return None
+            return self._pending.pop(seq.seq_id)
+
+    def take_finished(self) -> list[RemoteLookup]:
+        """Every completed lookup, once each."""
+        with self._lock:
+            done = [lookup for lookup in self._pending.values() if lookup.rows is not None]
+            for lookup in done:
+                del self._pending[lookup.seq.seq_id]
+        return done
 
     def cancel(self, seq: Sequence) -> None:
         """Forgets the lookup of a sequence that ended while it was in flight."""
@@ -152,15 +182,16 @@ class RemoteKVTier:
         steps): a block evicted and then refilled is read before it is overwritten."""
         for transfer in transfers:
             if isinstance(transfer, KVLoad):
-                rows = np.stack([np.frombuffer(p, self.dtype).reshape(self.block_shape)
-                                 for p in transfer.payloads])
-                runner.write_kv_blocks(transfer.block_ids, rows)
+                runner.write_kv_blocks(transfer.block_ids, transfer.rows)
             else:
                 rows = runner.read_kv_blocks(transfer.block_ids)     # [n, *block_shape]
-                items = [(h, rows[i].tobytes()) for i, h in enumerate(transfer.hashes)]
                 self._remember(transfer.hashes)
-                self.num_saved_blocks += len(items)
-                self._pool.submit(self.store.put_blocks, items)
+                self.num_saved_blocks += len(transfer.hashes)
+                self._writer.submit(self._put, transfer.hashes, rows)
+
+    def _put(self, hashes: list[bytes], rows: np.ndarray) -> None:
+        """Sends gathered rows (writer thread): their bytes as the cache holds them."""
+        self.store.put_blocks([(h, rows[i].tobytes()) for i, h in enumerate(hashes)])
 
     def loaded(self, hashes: list[bytes]) -> None:
         """Blocks just loaded from the store are there already: no need to write them."""
@@ -168,7 +199,8 @@ class RemoteKVTier:
 
     def close(self, wait: bool = False) -> None:
         """Stops the worker and closes the store; `wait` lets queued writes finish first."""
-        self._pool.shutdown(wait=wait, cancel_futures=not wait)
+        self._lookups.shutdown(wait=wait, cancel_futures=not wait)
+        self._writer.shutdown(wait=wait, cancel_futures=not wait)
         self.store.close()
 
 

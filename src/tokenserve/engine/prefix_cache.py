@@ -167,12 +167,17 @@ class PrefixCachingAllocator(BlockAllocator):
         self.num_query_tokens += num_tokens
         self.num_hit_tokens += num_hit_tokens
 
-    def cache_computed(self, seq: Sequence) -> None:
+    def cache_computed(self, seq: Sequence) -> list[tuple[bytes, int]]:
+        """Registers `seq`'s newly full blocks under their hashes; returns them as
+        (hash, block id) pairs (the remote tier writes them out)."""
         num_full = min(seq.num_computed_tokens // self.block_size, len(seq.block_ids))
+        new = []
         for block, hash_ in zip(seq.block_ids, self.block_hashes(seq, num_full)):
             if block in self._hash_of or hash_ in self._block_of:
                 continue  # cached already, or computed twice: the first copy stays
             self._hash_of[block], self._block_of[hash_] = hash_, block
+            new.append((hash_, block))
+        return new
 
     def adopt(self, seq: Sequence, hashes: list[bytes]) -> list[tuple[int, int]] | None:
         """Appends blocks for `hashes` (the next blocks of `seq`'s chain, fetched from the

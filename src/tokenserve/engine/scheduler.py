@@ -8,9 +8,11 @@ sequence is preempted by recompute: its blocks are freed and it re-queues with i
 to be recomputed from scratch when there is room again.
 
 With prefix caching, a sequence admitted from the queue starts with the cached blocks of its
-longest cached prefix (its num_computed_tokens starts there). With a remote KV tier, one
-that has more full blocks than the local cache holds first waits in the tier for a lookup
-of the rest; the blocks found are queued as transfers that run before the step computes.
+longest cached prefix (its num_computed_tokens starts there). With a remote KV tier, a
+sequence with more full blocks than the local cache holds is looked up when it is queued;
+at admission it takes the blocks found (queued as transfers that run before the step
+computes), or, if the answer is not there yet, waits in the tier for it. Blocks are
+written to the tier as they fill.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from dataclasses import dataclass, field
 
 from tokenserve.engine.cache_accounting import BlockAllocator, SlotAllocator
 from tokenserve.engine.config import EngineConfig
-from tokenserve.engine.kv_tier import KVLoad, KVSave, RemoteKVTier
+from tokenserve.engine.kv_tier import KVLoad, KVSave, RemoteKVTier, RemoteLookup
 from tokenserve.engine.outputs import FinishReason
 from tokenserve.engine.request import Request, Sequence, SequenceStatus
 from tokenserve.errors import QueueFullError
@@ -59,7 +61,8 @@ class Scheduler:
         self.cache = cache
         self.kv_tier = kv_tier
         self._transfers: list[KVSave | KVLoad] = []  # queued for the next step
-        self._looked_up: set[int] = set()  # seq ids whose remote lookup is done
+        self._looked_up: set[int] = set()  # seq ids whose remote lookup was started
+        self._in_tier: dict[int, Sequence] = {}  # out of the queue, waiting for a lookup
         self._queried: set[int] = set()  # seq ids counted in the prefix-cache queries
         if kv_tier is not None:
             cache.on_evict = self._on_evict
@@ -75,9 +78,7 @@ class Scheduler:
                    | {seq.request.request_id for seq in self._loading()})
 
     def _loading(self) -> list[Sequence]:
-        if self.kv_tier is None or not self.kv_tier.num_loading:
-            return []
-        return [s for r in self.requests.values() for s in r.seqs if self.kv_tier.is_loading(s)]
+        return list(self._in_tier.values())
 
     @property
     def num_waiting_tokens(self) -> int:
@@ -95,6 +96,8 @@ class Scheduler:
         self.requests[request.request_id] = request
         for seq in request.seqs:
             self._enqueue(seq)
+            if self.kv_tier is not None:
+                self._look_up_remote(seq)
 
     def _enqueue(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
@@ -112,6 +115,7 @@ class Scheduler:
         if self.kv_tier is not None:
             self.kv_tier.cancel(seq)
             self._looked_up.discard(seq.seq_id)
+            self._in_tier.pop(seq.seq_id, None)
             self._save_finished(seq)
         self._queried.discard(seq.seq_id)
         self.cache.free(seq)
@@ -147,7 +151,9 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         for seq in self.running:
-            self.cache.cache_computed(seq)
+            filled = self.cache.cache_computed(seq)
+            if filled and self.kv_tier is not None:
+                self._save(filled)
         if self.kv_tier is not None:
             self._admit_looked_up()
         if self.config.preempt_for_priority:
@@ -174,9 +180,13 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0][1]
             num_hit = self.cache.match_prefix(seq) if not seq.block_ids else None
-            if num_hit is not None and self._look_up_remote(seq):
-                heapq.heappop(self.waiting)  # it waits in the tier, holding its local hits
-                continue
+            if num_hit is not None and self.kv_tier is not None and self.kv_tier.is_loading(seq):
+                lookup = self.kv_tier.take(seq)
+                if lookup is None:  # not answered yet: it waits in the tier, holding its
+                    heapq.heappop(self.waiting)  # local hits, while others are admitted
+                    self._in_tier[seq.seq_id] = seq
+                    continue
+                self._load_found(seq, lookup)
             num_new = min(seq.num_pending_tokens, budget)
             if not self.cache.reserve(seq, num_new):
                 if seq.block_ids:  # give its cached blocks back until it fits
@@ -199,49 +209,72 @@ class Scheduler:
         return out
 
     # -- remote KV tier -------------------------------------------------------------------
-    def _look_up_remote(self, seq: Sequence) -> bool:
-        """Starts a remote lookup of the blocks after `seq`'s local hits, if it has any and
-        was not looked up already; True when the sequence now waits for it."""
-        if self.kv_tier is None or seq.seq_id in self._looked_up:
-            return False
+    def _look_up_remote(self, seq: Sequence) -> None:
+        """Starts a remote lookup of the blocks after those the local cache holds now, if
+        `seq` has any and was not looked up already (it answers while `seq` queues)."""
+        if seq.seq_id in self._looked_up:
+            return
         self._looked_up.add(seq.seq_id)
-        first, end = len(seq.block_ids), self.cache.num_cacheable_blocks(seq)
-        if first >= end:
-            return False
-        hashes = self.cache.block_hashes(seq, end)[first:]
-        self.kv_tier.start_lookup(seq, hashes, self.cache.block_size)
-        return True
+        end = self.cache.num_cacheable_blocks(seq)
+        hashes = self.cache.block_hashes(seq, end)
+        first = 0
+        while first < end and self.cache.lookup(hashes[first]) is not None:
+            first += 1
+        if first < end:
+            self.kv_tier.start_lookup(seq, first, hashes[first:], self.cache.block_size)
+
+    def _load_found(self, seq: Sequence, lookup: RemoteLookup) -> None:
+        """Gives `seq` blocks for the remote hits that follow its local ones and queues
+        their rows to be written into them. The local hits may have grown or shrunk since
+        the lookup started: found blocks past a gap are of no use."""
+        skip = len(seq.block_ids) - lookup.first  # found blocks the local cache now holds
+        if skip < 0 or skip >= lookup.num_found:
+            return
+        to_fill = self.cache.adopt(seq, lookup.hashes[skip:lookup.num_found])
+        if to_fill is None:
+            return
+        if to_fill:
+            self._transfers.append(KVLoad([block for _, block in to_fill],
+                                          lookup.rows[[skip + i for i, _ in to_fill]]))
+            self.kv_tier.loaded([lookup.hashes[skip + i] for i, _ in to_fill])
+        self.kv_tier.count_hits((lookup.num_found - skip) * self.cache.block_size)
 
     def _admit_looked_up(self) -> None:
-        """Sequences whose lookup returned: blocks for what was found, back to the queue."""
-        for seq, hashes, payloads in self.kv_tier.take_finished():
-            if seq.is_finished:
+        """Sequences that waited in the tier and whose lookup has answered: blocks for what
+        was found, back to the queue (admitted in this same schedule() if there is room)."""
+        for seq in list(self._in_tier.values()):
+            lookup = self.kv_tier.take(seq)
+            if lookup is None:
                 continue
+            del self._in_tier[seq.seq_id]
             num_local = seq.num_computed_tokens
-            to_fill = self.cache.adopt(seq, hashes[:len(payloads)]) if payloads else None
-            if to_fill:
-                self._transfers.append(KVLoad([block for _, block in to_fill],
-                                              [payloads[i] for i, _ in to_fill]))
-                self.kv_tier.loaded([hashes[i] for i, _ in to_fill])
-            if to_fill is not None:
-                self.kv_tier.count_hits(len(payloads) * self.cache.block_size)
+            self._load_found(seq, lookup)
             if seq.seq_id not in self._queried:
                 self._queried.add(seq.seq_id)
                 self.cache.count_query(seq.num_tokens, num_local)
             self._enqueue(seq)
 
+    def _save(self, pairs: list[tuple[bytes, int]]) -> None:
+        """Queues a write of those (hash, block id) pairs the store may lack."""
+        pairs = [(h, b) for h, b in pairs if self.kv_tier.needs_save(h)]
+        if pairs:
+            self._transfers.append(KVSave([h for h, _ in pairs], [b for _, b in pairs]))
+
+    def take_transfers(self) -> list[KVSave | KVLoad]:
+        """Transfers queued since the last schedule(): between steps, only the saves of
+        sequences that ended, which the engine runs before their last output goes out."""
+        transfers, self._transfers = self._transfers, []
+        return transfers
+
     def _on_evict(self, hash_: bytes, block: int) -> None:
-        if self.kv_tier.needs_save(hash_):
-            self._transfers.append(KVSave([hash_], [block]))
+        self._save([(hash_, block)])
 
     def _save_finished(self, seq: Sequence) -> None:
         """Queues a save of the full blocks of an ending sequence the store may lack."""
         self.cache.cache_computed(seq)
         num_full = min(seq.num_computed_tokens // self.cache.block_size, len(seq.block_ids))
-        pairs = [(h, b) for h, b in zip(self.cache.block_hashes(seq, num_full), seq.block_ids)
-                 if self.cache.lookup(h) == b and self.kv_tier.needs_save(h)]
-        if pairs:
-            self._transfers.append(KVSave([h for h, _ in pairs], [b for _, b in pairs]))
+        self._save([(h, b) for h, b in zip(self.cache.block_hashes(seq, num_full),
+                                            seq.block_ids) if self.cache.lookup(h) == b])
 
     def _victim(self, exclude: set[int]) -> Sequence | None:
         """The running sequence to preempt first: lowest priority, then latest arrival."""
