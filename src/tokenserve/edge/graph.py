@@ -65,6 +65,15 @@ def token_embedding(model) -> np.ndarray:
     return _float(model.token_embedding)
 
 
+def int8_rows(table: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(int8 [V, D], float32 scale [V]): symmetric per-row int8, as TFLite quantizes a
+    FULLY_CONNECTED weight per output channel (each row's largest |value| becomes 127)."""
+    scale = np.maximum(np.abs(table).max(axis=1), 1e-30).astype(np.float64) / 127.0
+    scaled = table / scale[:, None]
+    rows = np.clip(np.sign(scaled) * np.floor(np.abs(scaled) + 0.5), -127, 127)
+    return rows.astype(np.int8), scale.astype(np.float32)
+
+
 def _length(x):
     """The leading dimension of `x`: a Python int when static, else a scalar tensor."""
     return x.shape[0] if x.shape[0] is not None else tf.shape(x)[0]
@@ -86,14 +95,19 @@ class _Weights(tf.Module):
 class EdgeTransformer(tf.Module):
     """A TransformerLM as TFLite-convertible tf.functions (see the module docstring)."""
 
-    def __init__(self, model, cache_len: int | None = None, state_mode: str = "io"):
+    def __init__(self, model, cache_len: int | None = None, state_mode: str = "io",
+                 int8_embedding: bool = False):
         super().__init__(name="edge_transformer")
         if state_mode not in STATE_MODES:
             raise ValueError(f"state_mode must be one of {STATE_MODES}, got {state_mode!r}")
         c: TransformerConfig = model.config
         self.config, self.state_mode = c, state_mode
         self.cache_len = min(cache_len or c.max_seq_len, c.max_seq_len)
-        arrays = {"embedding": token_embedding(model)}
+        if int8_embedding:
+            arrays = dict(zip(("embedding_q", "embedding_scale"),
+                              int8_rows(token_embedding(model))))
+        else:
+            arrays = {"embedding": token_embedding(model)}
         if c.position == "learned":
             arrays["position"] = _float(model.position_embedding)
         for i, block in enumerate(model.blocks):
@@ -188,7 +202,7 @@ class EdgeTransformer(tf.Module):
         c = self.config
         ids = token_ids[0]
         positions = start + tf.range(_length(ids))
-        x = tf.gather(self.weights.table["embedding"], ids)
+        x = self._embed(ids)
         if c.position == "learned":
             x += tf.gather(self.weights.table["position"], positions)
         entries = []
@@ -203,13 +217,27 @@ class EdgeTransformer(tf.Module):
                      self.weights.get(f"{layer}/up"), self.weights.get(f"{layer}/down"), c.mlp)
         return norm(x, self.weights.get("final_norm"), c.norm, c.norm_eps), tf.stack(entries)
 
+    def _embed(self, ids):
+        # ids: [T] -> [T, D]
+        table = self.weights.table
+        if "embedding_q" in table:  # int8 rows times their scale
+            return (tf.cast(tf.gather(table["embedding_q"], ids), tf.float32)
+                    * tf.gather(table["embedding_scale"], ids)[:, None])
+        return tf.gather(table["embedding"], ids)
+
     def _logits(self, hidden):
         # hidden: [N, D] -> [N, V]; a tied head is FULLY_CONNECTED on the [V, D] embedding
-        if "head/kernel" in self.weights.table:
-            logits = tf.matmul(hidden, self.weights.table["head/kernel"])
-            return logits + self.weights.table["head/bias"] if "head/bias" in self.weights.table \
-                else logits
-        return tf.matmul(hidden, self.weights.table["embedding"], transpose_b=True)
+        table = self.weights.table
+        if "head/kernel" in table:
+            logits = tf.matmul(hidden, table["head/kernel"])
+            return logits + table["head/bias"] if "head/bias" in table else logits
+        if "embedding_q" in table:
+            # The weights are the int8 rows as floats, so the quantizer's per-channel int8 of
+            # them is those rows again (scale 1, or the row scale if it folds the MUL in): one
+            # buffer, shared with the lookup's table once duplicates are merged.
+            return (tf.matmul(hidden, tf.cast(table["embedding_q"], tf.float32), transpose_b=True)
+                    * table["embedding_scale"])
+        return tf.matmul(hidden, table["embedding"], transpose_b=True)
 
     # -- signatures --------------------------------------------------------------------------
     def signatures(self) -> dict:
@@ -321,8 +349,13 @@ class EdgeLSTM(tf.Module):
                 "score": tf.function(score, input_signature=[ids]).get_concrete_function()}
 
 
-def edge_module(model, cache_len: int | None = None, state_mode: str = "io"):
-    """The TFLite-convertible module of `model` (a TransformerLM or an LSTMLM)."""
+def edge_module(model, cache_len: int | None = None, state_mode: str = "io",
+                int8_embedding: bool = False):
+    """The TFLite-convertible module of `model` (a TransformerLM or an LSTMLM).
+
+    `int8_embedding`: a Transformer's token embedding as int8 rows and a scale per row, the
+    lookup and a tied LM head reading the same rows (for the int8 quantization modes).
+    """
     if isinstance(model.config, TransformerConfig):
-        return EdgeTransformer(model, cache_len, state_mode)
+        return EdgeTransformer(model, cache_len, state_mode, int8_embedding)
     return EdgeLSTM(model, cache_len, state_mode)
