@@ -84,6 +84,24 @@ def test_quantized_variants_shrink_and_stay_close(name, tokenizer, tmp_path, cal
         assert abs(result.delta_percent) < 5.0, quantize  # the perplexity gate
 
 
+@pytest.mark.slow
+def test_builtin_int8_passes_the_perplexity_gate(tmp_path):
+    """Full int8 of the built-in model (default calibration on its training split) stays
+    within the 5 % perplexity gate on held-out text, at under 30 % of the float32 file."""
+    from tokenserve.evaluate import load_float_source, perplexity, stream_windows
+    from tokenserve.train.finetune import training_streams
+
+    model, tokenizer, config = load_float_source("builtin")
+    float_size = (export_tflite(model, tokenizer, config, tmp_path / "none")
+                  / TFLITE_FILE).stat().st_size
+    path = export_tflite(model, tokenizer, config, tmp_path / "int8",
+                         TFLiteOptions(quantize="int8"))
+    assert (path / TFLITE_FILE).stat().st_size < 0.3 * float_size
+    windows = stream_windows(training_streams(tokenizer)[1], 256, 2048)
+    result = perplexity(LiteRTModel(path), windows, reference=model)
+    assert abs(result.delta_percent) < 5.0, result.delta_percent
+
+
 def test_resource_variable_state_matches_io(tokenizer, tmp_path):
     model, config = tiny("tiny-llama", tokenizer)
     prompt = tokenizer.encode("for item in items:\n")
