@@ -1,7 +1,15 @@
 """The KV pool sized from a memory budget (bytes, or a fraction of the memory limit as vLLM's
-gpu_memory_utilization), its dtype choice, the flags, and the runner allocating the plan."""
+gpu_memory_utilization), its dtype choice, the flags, and the runner allocating the plan;
+what `tokenserve serve` does to its own footprint (start-up library pages, optional imports).
+"""
 
 from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
 
 import pytest
 
@@ -92,6 +100,60 @@ def test_flags_reach_the_engine_config():
     assert engine.kv_cache_dtype == "bfloat16" and engine.kv_cache_memory_bytes == 10**9
     args = build_parser().parse_args(["serve", "--kv_cache_memory_fraction", "0.8"])
     assert llm_config_from_args(args).engine.kv_cache_memory_fraction == 0.8
+    assert llm_config_from_args(args).release_file_pages
+    args = build_parser().parse_args(["serve", "--release_file_pages=false"])
+    assert not llm_config_from_args(args).release_file_pages
+
+
+def _run_python(code: str) -> dict:
+    """Runs `code` in a fresh interpreter; returns the JSON it prints last."""
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
+                          text=True, timeout=600,
+                          env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+def test_release_file_pages_keeps_anonymous_memory_and_working_code():
+    result = _run_python("""
+        import json
+        import numpy as np
+        import tensorflow as tf
+        from tokenserve.observability.memory import release_file_pages
+
+        def status():
+            fields = dict(line.split(":", 1) for line in open("/proc/self/status"))
+            return {k: int(fields[k].split()[0]) * 1024 for k in ("RssFile", "RssAnon")}
+
+        x = np.arange(64, dtype=np.float32).reshape(8, 8)
+        before_value = tf.linalg.matmul(x, x).numpy()
+        before = status()
+        released = release_file_pages()
+        after = status()
+        after_value = tf.linalg.matmul(x, x).numpy()  # TF's code pages come back on use
+        print(json.dumps({"released": released, "before": before, "after": after,
+                          "same": bool((before_value == after_value).all()),
+                          "exact": bool((after_value == x.astype(np.float64) @ x).all())}))
+    """)
+    before, after = result["before"], result["after"]
+    assert result["released"] > 100 * 2**20  # most of libtensorflow_cc.so's start-up pages
+    assert after["RssFile"] < before["RssFile"] - 100 * 2**20
+    assert abs(after["RssAnon"] - before["RssAnon"]) < 16 * 2**20  # no anonymous page goes
+    assert result["same"] and result["exact"]
+
+
+def test_cli_imports_tensorflow_without_its_optional_modules():
+    result = _run_python("""
+        import json, sys
+        from tokenserve.cli.main import OPTIONAL_TENSORFLOW_IMPORTS, _load_tensorflow
+
+        _load_tensorflow()
+        import keras  # noqa: F401 - already imported by TensorFlow
+        skipped = [name for name in OPTIONAL_TENSORFLOW_IMPORTS if name not in sys.modules]
+        import h5py, matplotlib.pyplot  # noqa: E401, F401 - still importable afterwards
+        print(json.dumps({"skipped": skipped, "names": list(OPTIONAL_TENSORFLOW_IMPORTS)}))
+    """)
+    assert result["skipped"] == result["names"] == ["matplotlib", "h5py"]
 
 
 def test_runner_allocates_the_planned_pool(tokenizer):

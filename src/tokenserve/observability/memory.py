@@ -14,6 +14,8 @@ counts. The same breakdown is logged once per version when its engine starts.
 
 from __future__ import annotations
 
+import ctypes
+import re
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -42,11 +44,63 @@ def release_freed_memory() -> None:
     reads each tensor into a temporary buffer, and glibc keeps freed buffers in its arenas,
     where they count as resident until reused. A no-op off glibc."""
     try:
-        import ctypes
-
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
         pass
+
+
+_MAPPING = re.compile(r"^([0-9a-f]+)-([0-9a-f]+) (\S{4}) \S+ \S+ \S+\s*(.*)$")
+_MADV_DONTNEED = 4
+
+
+def release_file_pages() -> int:
+    """Unmaps the pages of shared libraries that start-up touched and serving does not use.
+
+    Importing TensorFlow and loading a model run code once (op and kernel registration,
+    static initializers, Python bindings, graph building): about 390 MB of file-backed
+    pages, mostly of libtensorflow_cc.so, stay mapped and count in VmRSS although a
+    serving step touches about 60 MB of them. `madvise(MADV_DONTNEED)` drops this
+    process's page-table entries of read-only, private file mappings with no page of
+    their own (no copy-on-write page, so nothing is lost); the pages stay in the page
+    cache, and one that is used again comes back on its first access (a minor fault).
+
+    It frees no memory the kernel could not already reclaim: file pages are clean and
+    reclaimable either way. It makes RSS say what the process uses. Anonymous memory is
+    untouched.
+
+    Returns:
+        The bytes of resident file pages unmapped (0 without /proc or off Linux).
+    """
+    try:
+        madvise = ctypes.CDLL(None, use_errno=True).madvise
+        lines = Path("/proc/self/smaps").read_text().splitlines()
+    except (OSError, AttributeError):
+        return 0
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    released, mapping, sizes = 0, None, {}
+
+    def release() -> int:
+        if mapping is None or sizes.get("Rss", 0) == 0 or sizes.get("Anonymous", 1) != 0:
+            return 0
+        if sizes.get("Locked", 0) != 0:
+            return 0
+        start, end = mapping
+        return sizes["Rss"] * 1024 if madvise(start, end - start, _MADV_DONTNEED) == 0 else 0
+
+    for line in lines:
+        match = _MAPPING.match(line)
+        if match is None:
+            name, _, value = line.partition(":")
+            if mapping is not None and value.strip().endswith("kB"):
+                sizes[name] = int(value.split()[0])
+            continue
+        released += release()
+        start, end, perms, path = match.groups()
+        # read-only (no w), private (p), backed by a file on disk
+        readonly_file = "w" not in perms and perms[3] == "p" and path.startswith("/")
+        mapping = (int(start, 16), int(end, 16)) if readonly_file else None
+        sizes = {}
+    return released + release()
 
 
 def _mib(value: int) -> str:

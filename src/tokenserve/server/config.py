@@ -168,6 +168,10 @@ class LLMServeConfig:
     """redis://HOST:PORT/DB for Responses-API conversations; None: an in-process LRU."""
     ui: bool = True
     """Serve the browser playground and dashboard at / on the OpenAI port (`--noui`: off)."""
+    release_file_pages: bool = True
+    """Once an engine has warmed up, unmap the shared-library pages start-up touched
+    (observability.memory.release_file_pages): about 320 MB less VmRSS, no anonymous memory
+    freed; a page that is used again comes back on first access."""
 
 
 def engine_config_for(config: ServeConfig, base: EngineConfig) -> EngineConfig:

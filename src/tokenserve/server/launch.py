@@ -19,8 +19,8 @@ import time
 import uvicorn
 from prometheus_client import CollectorRegistry
 
-from tokenserve.observability.memory import (MemoryGauges, release_freed_memory,
-                                             resident_bytes)
+from tokenserve.observability.memory import (MemoryGauges, release_file_pages,
+                                             release_freed_memory, resident_bytes)
 from tokenserve.observability.memory import describe as describe_memory
 from tokenserve.observability.stack import Observability
 from tokenserve.server.auth import APIKeys, AsyncAPIKeyInterceptor, check_http_authorization
@@ -67,6 +67,8 @@ def run(config: ServeConfig, llm: LLMServeConfig = LLMServeConfig(), stop_event=
     from tokenserve.server.tfserving.server import build_context, serve
     from tokenserve.state.response_store import open_response_store
 
+    if llm.release_file_pages:  # TensorFlow's import-time code, before the peak of loading
+        release_file_pages()
     registry = CollectorRegistry()
     observability = Observability(llm.observability, registry)
     observability.start()
@@ -96,6 +98,8 @@ def run(config: ServeConfig, llm: LLMServeConfig = LLMServeConfig(), stop_event=
         loaded = time.monotonic()
         engine.start()  # warms up: XLA programs (from the persistent cache), one request
         release_freed_memory()  # the checkpoint's read buffers, warmup's temporaries
+        if llm.release_file_pages:  # TF's start-up code: mapped, counted in VmRSS, unused
+            log.debug("unmapped %d MiB of start-up library pages", release_file_pages() >> 20)
         # the manager adds these to the version's load and warmup latency
         engine.startup_seconds = {"load": loaded - started,
                                   "warmup": time.monotonic() - loaded}
