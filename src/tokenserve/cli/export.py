@@ -35,7 +35,8 @@ def add_parser(commands) -> None:
                    default="none",
                    help="int8: SavedModel: linear layers and the token embedding / LM head as "
                         "int8 with a float32 scale per output channel; tflite: int8 weights "
-                        "and activations, calibrated (see --calibration). float16 and "
+                        "and int8 activations into every matmul, calibrated (see "
+                        "--calibration), float32 elsewhere. float16 and "
                         "dynamic-int8 (int8 weights, activations quantized per call): tflite "
                         "only. Check the cost with `tokenserve eval BASE --reference FLOAT`")
     p.add_argument("--calibration", metavar="FILE", default=None,
@@ -45,8 +46,8 @@ def add_parser(commands) -> None:
                    help="tflite: keep ops outside the TFLite builtins as Select TF ops "
                         "instead of refusing the model")
     p.add_argument("--tflite-state", choices=["io", "variable"], default="io",
-                   help="tflite: the KV cache as explicit signature input/output (default) "
-                        "or a TFLite resource variable")
+                   help="tflite: the KV cache as signature inputs the runner updates in "
+                        "place (default, faster) or TFLite resource variables")
     p.add_argument("--output", required=True, help="model base path; versions go beneath it")
     p.add_argument("--version", type=int, default=None, help="version number (default: next)")
     p.add_argument("--no-xla", dest="xla", action="store_false",
