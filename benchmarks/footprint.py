@@ -5,6 +5,9 @@ For each configuration the script launches `tokenserve serve` on one model, poll
 OpenAI API until the model is listed (time to ready), reads the process's resident memory
 from /proc (VmRSS idle, then after 32 concurrent requests; VmHWM: the peak), scrapes the
 `tokenserve:memory_bytes{kind=...}` gauges and keeps the server's startup memory line.
+RSS is reported whole and in its two parts, anonymous (RssAnon: heap, weights, KV cache)
+and file-backed (RssFile: mapped pages of shared libraries, clean and reclaimable), and as
+PSS (smaps_rollup: shared pages divided among the processes that map them).
 
 Starts:
   first   an empty XLA persistent cache (a fresh directory): every XLA program compiles.
@@ -21,6 +24,7 @@ and <= 20 s on a first start (GPT-2-small).
 Output: a table, benchmarks/results/footprint.json.
 
 Run:  python benchmarks/footprint.py [--gpt2 /tmp/headline/gpt2-float32] [--only builtin]
+          [--serve_args="--release_file_pages=false"] [--tag nodrop]
 """
 
 from __future__ import annotations
@@ -48,7 +52,7 @@ from machine import machine_info, machine_summary  # noqa: E402
 RESULTS = Path(__file__).resolve().parent / "results"
 TOKENSERVE = str(Path(sys.executable).with_name("tokenserve"))
 NUM_REQUESTS = 32
-console = Console(width=140)
+console = Console(width=160)
 
 
 def free_port() -> int:
@@ -58,13 +62,16 @@ def free_port() -> int:
 
 
 def proc_memory(pid: int) -> dict[str, int]:
-    """VmRSS, VmHWM (peak), RssAnon and RssFile of a process, in bytes (/proc/PID/status).
-    RssFile is mostly TensorFlow's shared libraries (page cache, shared between processes)."""
+    """VmRSS, VmHWM (peak), RssAnon and RssFile (/proc/PID/status) and Pss
+    (/proc/PID/smaps_rollup) of a process, in bytes. RssFile is mostly TensorFlow's shared
+    libraries (page cache, shared between processes)."""
     values = {}
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        name, _, rest = line.partition(":")
-        if name in ("VmRSS", "VmHWM", "RssAnon", "RssFile"):
-            values[name] = int(rest.split()[0]) * 1024
+    for path, names in ((f"/proc/{pid}/status", ("VmRSS", "VmHWM", "RssAnon", "RssFile")),
+                        (f"/proc/{pid}/smaps_rollup", ("Pss",))):
+        for line in Path(path).read_text().splitlines():
+            name, _, rest = line.partition(":")
+            if name in names:
+                values[name] = int(rest.split()[0]) * 1024
     return values
 
 
@@ -112,17 +119,22 @@ def run_server(label: str, model_args: list[str], flags: list[str], xla_dir: Pat
             return httpx.post(url + "/v1/completions", timeout=900, json={
                 "model": model_id, "prompt": prompt, "max_tokens": max_tokens,
                 "ignore_eos": True}).status_code
+        burst_started = time.monotonic()
         with concurrent.futures.ThreadPoolExecutor(NUM_REQUESTS) as pool:
             codes = list(pool.map(one, range(NUM_REQUESTS)))
+        burst_s = time.monotonic() - burst_started
         loaded = proc_memory(server.pid)
         log_lines = log_path.read_text().splitlines()
         memory_lines = [line.strip() for line in log_lines if "memory:" in line]
         phase_lines = [line.strip() for line in log_lines if "ready in" in line
                        or "phases" in line]
-        return {"ready_s": ready_s, "rss_idle": idle["VmRSS"], "rss_loaded": loaded["VmRSS"],
-                "rss_peak": loaded["VmHWM"], "rss_anon_loaded": loaded["RssAnon"],
-                "rss_file_loaded": loaded["RssFile"], "gauges": gauges,
-                "requests_ok": sum(code == 200 for code in codes),
+        return {"ready_s": ready_s, "rss_idle": idle["VmRSS"], "rss_anon_idle": idle["RssAnon"],
+                "rss_file_idle": idle["RssFile"], "pss_idle": idle["Pss"],
+                "rss_loaded": loaded["VmRSS"], "rss_peak": loaded["VmHWM"],
+                "rss_anon_loaded": loaded["RssAnon"], "rss_file_loaded": loaded["RssFile"],
+                "pss_loaded": loaded["Pss"], "gauges": gauges,
+                "requests_ok": sum(code == 200 for code in codes), "burst_s": burst_s,
+                "burst_tokens_per_s": NUM_REQUESTS * max_tokens / burst_s,
                 "memory_log": memory_lines[-1] if memory_lines else None,
                 "phase_log": phase_lines[-3:], "flags": flags}
     finally:
@@ -141,6 +153,10 @@ def main() -> None:
     parser.add_argument("--only", choices=["gpt2", "builtin"], default=None)
     parser.add_argument("--kv_cache_dtype", default=None,
                         help="passed to serve (default: serve's own default)")
+    parser.add_argument("--serve_args", default="",
+                        help="more `tokenserve serve` flags, space-separated "
+                             "(e.g. --release_file_pages=false)")
+    parser.add_argument("--tag", default="", help="appended to each run's label")
     parser.add_argument("--output", default=str(RESULTS / "footprint.json"))
     args = parser.parse_args()
     console.print(machine_summary(machine_info()))
@@ -150,7 +166,8 @@ def main() -> None:
         subprocess.run([TOKENSERVE, "export", "gpt2-small", "--output", str(gpt2), "--no-xla"],
                        check=True, stdout=subprocess.DEVNULL)
     common = ["--max_num_seqs", "32"] + (
-        [f"--kv_cache_dtype={args.kv_cache_dtype}"] if args.kv_cache_dtype else [])
+        [f"--kv_cache_dtype={args.kv_cache_dtype}"] if args.kv_cache_dtype else []) + (
+        args.serve_args.split())
     models = {
         "gpt2-small": (["--model_name", "gpt2", "--model_base_path", str(gpt2)], "gpt2",
                        common + ["--kv_cache_tokens", str(32 * 1024)], 120, 16),
@@ -162,20 +179,21 @@ def main() -> None:
             continue
         xla_dir = Path(tempfile.mkdtemp(prefix=f"footprint-xla-{name}-"))
         for start in ("first", "second"):
-            label = f"{name}-{start}"
+            label = f"{name}-{start}" + (f"-{args.tag}" if args.tag else "")
             console.print(f"{label}: serving ...")
             results[label] = run_server(label, model_args, flags, xla_dir, model_id, words,
                                         max_tokens)
             console.print(results[label])
     table = Table(title="tokenserve serve: memory and time to ready")
-    for column in ("run", "ready s", "RSS idle MB", "RSS after 32 req MB", "of which anon MB",
-                   "of which file MB", "peak MB", "requests ok"):
+    for column in ("run", "ready s", "RSS idle MB", "anon idle", "file idle", "PSS idle",
+                   "RSS after 32 req MB", "anon", "file", "PSS", "peak MB", "requests ok",
+                   "burst tok/s"):
         table.add_column(column, justify="right")
     for label, r in results.items():
-        table.add_row(label, f"{r['ready_s']:.1f}", f"{r['rss_idle'] / 1e6:.0f}",
-                      f"{r['rss_loaded'] / 1e6:.0f}", f"{r['rss_anon_loaded'] / 1e6:.0f}",
-                      f"{r['rss_file_loaded'] / 1e6:.0f}", f"{r['rss_peak'] / 1e6:.0f}",
-                      f"{r['requests_ok']}/{NUM_REQUESTS}")
+        table.add_row(label, f"{r['ready_s']:.1f}", *(f"{r[key] / 1e6:.0f}" for key in (
+            "rss_idle", "rss_anon_idle", "rss_file_idle", "pss_idle", "rss_loaded",
+            "rss_anon_loaded", "rss_file_loaded", "pss_loaded", "rss_peak")),
+                      f"{r['requests_ok']}/{NUM_REQUESTS}", f"{r['burst_tokens_per_s']:.0f}")
     console.print(table)
     for label, r in results.items():
         console.print(f"{label}: {r['memory_log']}")
