@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 from redis_server import redis_server  # noqa: F401  (fixture)
@@ -54,7 +56,7 @@ def test_a_saved_block_is_loaded_back_exactly_and_only_the_chains_leading_hits_c
     reader.start_lookup(seq, 0, [first, missing, second], block_size=BLOCK_SHAPE[0])
     reader.close(wait=True)
     assert [lookup.num_found for lookup in found] == [1]  # `second` is past a miss
-    assert found[0].rows.dtype == np.float16
+    assert found[0].rows[0].dtype == np.float16
     reader.apply(target, [KVLoad([5], found[0].rows)])
     np.testing.assert_array_equal(target.rows[5], source.rows[1])
 
@@ -87,3 +89,40 @@ def test_16_bit_blocks_go_from_one_runner_through_redis_into_another_bit_exactly
     reader.close(wait=True)
     reader.apply(target, [KVLoad([7, 2], found[0].rows)])
     np.testing.assert_array_equal(target.read_kv_blocks([7, 2]).view(np.uint16), bits)
+
+
+class CountingStore(RedisKVStore):
+    """A real RedisKVStore that counts the keys asked for and holds its first lookup until
+    `gate` is set (so a second lookup starts while the first is in flight)."""
+
+    def __init__(self, url: str):
+        super().__init__(url, ttl_s=60)
+        self.gate, self.num_keys_asked = threading.Event(), 0
+
+    def get_blocks(self, hashes):
+        first = self.num_keys_asked == 0
+        self.num_keys_asked += len(hashes)
+        if first:
+            self.gate.wait(30)
+        return super().get_blocks(hashes)
+
+
+def test_concurrent_lookups_of_a_shared_prefix_fetch_it_once(redis_server):  # noqa: F811
+    source = Rows(8)
+    writer = make_tier(redis_server.url)
+    shared, own_a, own_b = [bytes([i]) * 32 for i in (1, 2, 3)], b"\x0a" * 32, b"\x0b" * 32
+    writer.apply(source, [KVSave(shared + [own_a, own_b], [1, 2, 3, 4, 5])])
+    writer.close(wait=True)
+    store = CountingStore(redis_server.url)
+    reader = RemoteKVTier(store, BLOCK_SHAPE, np.float16, resave_after_s=30)
+    seq_a, seq_b = (Request(name, list(range(24)), SamplingParams()).seqs[0]
+                    for name in ("a", "b"))
+    reader.start_lookup(seq_a, 0, shared + [own_a], block_size=BLOCK_SHAPE[0])
+    reader.start_lookup(seq_b, 0, shared + [own_b], block_size=BLOCK_SHAPE[0])
+    store.gate.set()
+    reader.close(wait=True)
+    found = {lookup.seq.seq_id: lookup for lookup in reader.take_finished()}
+    assert store.num_keys_asked == 5  # the shared three once, and each one's own block
+    for seq, last in ((seq_a, 4), (seq_b, 5)):
+        rows = np.stack(found[seq.seq_id].rows)
+        np.testing.assert_array_equal(rows, source.rows[[1, 2, 3, last]])

@@ -27,7 +27,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -49,8 +49,8 @@ class KVLoad:
     """Write these rows (fetched from the store) into these blocks."""
 
     block_ids: list[int]
-    rows: np.ndarray
-    """[len(block_ids), *block_shape] in the cache dtype."""
+    rows: list[np.ndarray] | np.ndarray
+    """One [*block_shape] array per block, in the cache dtype."""
 
 
 @dataclass
@@ -60,8 +60,11 @@ class RemoteLookup:
     seq: Sequence
     first: int
     hashes: list[bytes]
-    rows: np.ndarray | None = None
-    """The chain's leading hits, [num_found, *block_shape]; None while in flight."""
+    rows: list[np.ndarray] | None = None
+    """The chain's leading hits, one [*block_shape] array each (views of the fetched
+    bytes, in the cache dtype); None while in flight."""
+    done: threading.Event = field(default_factory=threading.Event)
+    """Set when `rows` is (lookups that share a block wait for the one fetching it)."""
 
     @property
     def num_found(self) -> int:
@@ -89,6 +92,9 @@ class RemoteKVTier:
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="tokenserve-kv-write")
         self._lock = threading.Lock()
         self._pending: dict[int, RemoteLookup] = {}  # seq_id -> lookup in flight or done
+        # hash -> (the lookup fetching it, its index there): concurrent lookups of a shared
+        # prefix (a system prompt) fetch it once
+        self._fetching: dict[bytes, tuple[RemoteLookup, int]] = {}
         self._known: OrderedDict[bytes, float] = OrderedDict()  # hash -> when saved/loaded
         self.on_ready: Callable[[], None] = lambda: None
         """Called on the worker thread when a lookup completes (wakes the engine loop)."""
@@ -120,25 +126,42 @@ class RemoteKVTier:
         lookup = RemoteLookup(seq, first, hashes)
         self._pending[seq.seq_id] = lookup
         self.num_query_tokens += len(hashes) * block_size
-        self._lookups.submit(self._fetch, lookup)
+        with self._lock:
+            borrowed = {i: self._fetching[h] for i, h in enumerate(hashes) if h in self._fetching}
+            for i, hash_ in enumerate(hashes):
+                if i not in borrowed:
+                    self._fetching[hash_] = (lookup, i)
+        # lookups run in the order they were started, so a lookup borrowed from has started
+        # (or finished) before the one that waits for it: no thread waits on a queued task
+        self._lookups.submit(self._fetch, lookup, borrowed)
 
-    def _fetch(self, lookup: RemoteLookup) -> None:
+    def _fetch(self, lookup: RemoteLookup, borrowed: dict[int, tuple[RemoteLookup, int]]
+               ) -> None:
+        own = [i for i in range(len(lookup.hashes)) if i not in borrowed]
+        rows = []
         try:
-            found = self.store.get_blocks(lookup.hashes)
+            found = dict(zip(own, self.store.get_blocks([lookup.hashes[i] for i in own])))
+            for i in range(len(lookup.hashes)):  # the chain's leading hits of the right size
+                if i in borrowed:
+                    owner, index = borrowed[i]
+                    owner.done.wait()
+                    if index >= owner.num_found:
+                        break
+                    rows.append(owner.rows[index])
+                    continue
+                payload = found.get(i)
+                if payload is None or len(payload) != self.block_nbytes:
+                    break
+                rows.append(np.frombuffer(payload, self.dtype).reshape(self.block_shape))
         except Exception:  # noqa: BLE001 - a store bug must not strand the sequence
             log.exception("KV store lookup failed")
-            found = []
-        num_found = 0
-        for payload in found:  # the chain's leading hits of the right size
-            if payload is None or len(payload) != self.block_nbytes:
-                break
-            num_found += 1
-        rows = np.empty((num_found,) + self.block_shape, self.dtype)
-        flat = rows.view(np.uint8).reshape(num_found, self.block_nbytes)  # bytes, as stored
-        for i in range(num_found):
-            flat[i] = np.frombuffer(found[i], np.uint8)
-        with self._lock:
-            lookup.rows = rows
+        finally:
+            with self._lock:
+                lookup.rows = rows
+                for i in own:
+                    if self._fetching.get(lookup.hashes[i], (None,))[0] is lookup:
+                        del self._fetching[lookup.hashes[i]]
+            lookup.done.set()
         self.on_ready()
 
     def take(self, seq: Sequence) -> RemoteLookup | None:
@@ -182,7 +205,7 @@ class RemoteKVTier:
         steps): a block evicted and then refilled is read before it is overwritten."""
         for transfer in transfers:
             if isinstance(transfer, KVLoad):
-                runner.write_kv_blocks(transfer.block_ids, transfer.rows)
+                runner.write_kv_blocks(transfer.block_ids, np.stack(transfer.rows))
             else:
                 rows = runner.read_kv_blocks(transfer.block_ids)     # [n, *block_shape]
                 self._remember(transfer.hashes)
@@ -199,7 +222,13 @@ class RemoteKVTier:
 
     def close(self, wait: bool = False) -> None:
         """Stops the worker and closes the store; `wait` lets queued writes finish first."""
+        with self._lock:  # lookups cancelled before they ran must not hold up borrowers
+            cancelled = [owner for owner, _ in self._fetching.values()]
         self._lookups.shutdown(wait=wait, cancel_futures=not wait)
+        for owner in cancelled:
+            if owner.rows is None:
+                owner.rows = []
+                owner.done.set()
         self._writer.shutdown(wait=wait, cancel_futures=not wait)
         self.store.close()
 
@@ -221,5 +250,8 @@ def setup_prefix_cache(runner, engine_config, model_name: str, version: str
 
     store = RedisKVStore(engine_config.kv_store, engine_config.kv_store_ttl_s,
                          engine_config.kv_store_timeout_s)
+    # trace the row gather and scatter now (no rows move): the first load or save of a live
+    # step would otherwise pay for tracing them (a few hundred ms)
+    runner.write_kv_blocks([], runner.read_kv_blocks([]))
     return RemoteKVTier(store, runner.kv_block_shape, runner.kv_dtype,
                         resave_after_s=engine_config.kv_store_ttl_s / 2)

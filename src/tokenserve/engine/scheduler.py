@@ -235,7 +235,7 @@ class Scheduler:
             return
         if to_fill:
             self._transfers.append(KVLoad([block for _, block in to_fill],
-                                          lookup.rows[[skip + i for i, _ in to_fill]]))
+                                          [lookup.rows[skip + i] for i, _ in to_fill]))
             self.kv_tier.loaded([lookup.hashes[skip + i] for i, _ in to_fill])
         self.kv_tier.count_hits((lookup.num_found - skip) * self.cache.block_size)
 
