@@ -1,5 +1,5 @@
 """Structured pruning: matrices shrink, GQA groups stay consistent, a pruned model equals the
-original with those heads and channels masked, and the engine serves the export."""
+original with those heads and channels masked, the engine serves the export token for token, and a distilled fine-tune brings perplexity back under the gate."""
 
 from __future__ import annotations
 
@@ -48,8 +48,9 @@ def test_llama_gqa_groups_stay_whole(tokenizer, windows):
     assert pruned.state_shape(1, 8) == [2, 2, 1, 8, 1, 16]  # the KV cache shrinks too
 
 
-@pytest.mark.parametrize("name,config", [("tiny-gpt2", PruneConfig(heads=0.25, mlp=0.5)),
-                                         ("tiny-llama", PruneConfig(heads=0.5, mlp=0.25))])
+@pytest.mark.parametrize("name,config", [
+    ("tiny-gpt2", PruneConfig(heads=0.25, mlp=0.5)),
+    ("tiny-llama", PruneConfig(heads=0.5, mlp=0.25))])
 def test_pruned_model_equals_masked_original(name, config, tokenizer, windows):
     model, _ = tiny(name, tokenizer)
     pruned, report = prune_model(model, windows, config)
@@ -107,5 +108,60 @@ def test_cli_prune_exports_what_the_engine_serves(tokenizer, tmp_path, capsys):
     prompt = [5, 6, 7, 8]
     params = SamplingParams(max_tokens=6, ignore_eos=True)
     expected = list(ExportedModel(version).stream(prompt, params))
-    served = LLM(version).generate([prompt], params, use_tqdm=False)
+    llm = LLM(version, max_num_seqs=2, max_num_batched_tokens=16, block_size=4)
+    served = llm.generate([prompt], params, use_tqdm=False)
     assert list(served[0].outputs[0].token_ids) == expected
+
+
+def _greedy(model, prompt_ids, max_tokens):
+    """Greedy decoding by full forward passes of the Keras model, no cache."""
+    ids = list(prompt_ids)
+    for _ in range(max_tokens):
+        ids.append(int(np.argmax(model(np.asarray([ids], np.int32)).numpy()[0, -1])))
+    return ids[len(prompt_ids):]
+
+
+def test_engine_serves_the_pruned_model_token_for_token(tokenizer, windows, tmp_path):
+    """GQA groups removed, MLP channels removed and a compensation bias added to a model that
+    had none: the export, the engine's paged step and its restore all follow the new shapes."""
+    import dataclasses
+
+    from tokenserve import LLM
+    from tokenserve.export.exporter import export_model
+    from tokenserve.sampling import SamplingParams
+
+    model, config = tiny("tiny-llama", tokenizer)
+    pruned, _ = prune_model(model, windows, PruneConfig(heads=0.5, mlp=0.25))
+    assert (pruned.config.num_heads, pruned.config.num_kv_heads) == (2, 1)
+    version = export_model(pruned, tokenizer, dataclasses.replace(config, model=pruned.config),
+                           tmp_path / "pruned")
+    prompt = [int(t) for t in windows[0, :6]]
+    llm = LLM(version, max_num_seqs=2, max_num_batched_tokens=16, block_size=4)
+    served = llm.generate([prompt], SamplingParams(max_tokens=8, ignore_eos=True),
+                                   use_tqdm=False)
+    assert list(served[0].outputs[0].token_ids) == _greedy(pruned, prompt, 8)
+
+
+def test_distilled_finetune_brings_a_pruned_model_under_the_gate(tokenizer, tmp_path):
+    """A tiny Llama trained on the tiny corpus loses more than the 5 % gate when half its
+    heads go, and a short distilled fine-tune brings it back under."""
+    from tokenserve.config import TrainConfig
+    from tokenserve.evaluate import perplexity, stream_windows
+    from tokenserve.optimize_variants import rejected
+    from tokenserve.train.corpus import token_stream
+    from tokenserve.train.finetune import calibration_windows, finetune
+    from tokenserve.train.trainer import Trainer
+
+    stream = token_stream(TINY_TEXT, tokenizer)
+    teacher, _ = tiny("tiny-llama", tokenizer)
+    Trainer(teacher, TrainConfig(seq_len=32, batch_size=8, num_steps=80, learning_rate=3e-3,
+                                 warmup_steps=5, weight_decay=0.0, eval_batches=1,
+                                 precision="fp32"), tmp_path / "teacher").fit(stream, stream)
+    held_out = stream_windows(stream, 32, 1024)
+    pruned, _ = prune_model(teacher, calibration_windows(stream, 8, 32), PruneConfig(heads=0.5))
+    before = perplexity(pruned, held_out, reference=teacher)
+    assert rejected(before.delta_percent)
+    finetune(pruned, stream, stream, 30, tmp_path / "student", learning_rate=3e-3,
+             seq_len=32, teacher=teacher)
+    after = perplexity(pruned, held_out, reference=teacher)
+    assert not rejected(after.delta_percent), after

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from tokenserve.train.finetune import FINETUNE_LEARNING_RATE
+
 
 def add_parser(commands) -> None:
     p = commands.add_parser(
@@ -22,14 +24,19 @@ def add_parser(commands) -> None:
                    help="fraction of MLP channels removed per layer (default 0)")
     p.add_argument("--finetune-steps", type=int, default=0, metavar="N",
                    help="AdamW steps on the training data after pruning (default 0: none)")
-    p.add_argument("--learning-rate", type=float, default=3e-4)
+    p.add_argument("--learning-rate", type=float, default=FINETUNE_LEARNING_RATE,
+                   help="peak of the fine-tune's warmup-then-cosine schedule (default 3e-4)")
+    p.add_argument("--distill", action=argparse.BooleanOptionalAction, default=True,
+                   help="fine-tune on the unpruned model's next-token distributions (KL) as "
+                        "well as the text (default on; --no-distill: the text alone)")
     p.add_argument("--data", metavar="FILE", action="append", default=None,
                    help="UTF-8 text for scoring and fine-tuning (default: the built-in "
                         "models' training split of the standard library; repeatable)")
-    p.add_argument("--calibration-windows", type=int, default=16, metavar="N",
-                   help="windows scored per head group (default 16)")
-    p.add_argument("--window", type=int, default=128, metavar="T",
-                   help="tokens per calibration window (default 128)")
+    p.add_argument("--calibration-windows", type=int, default=32, metavar="N",
+                   help="windows scored per head group (default 32; with --window, 8k tokens "
+                        "pick better heads to drop than 2k)")
+    p.add_argument("--window", type=int, default=256, metavar="T",
+                   help="tokens per calibration window (default 256)")
     p.add_argument("--version", type=int, default=None, help="version number (default: next)")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(run=run)
@@ -60,13 +67,15 @@ def run(args: argparse.Namespace) -> int:
     if args.finetune_steps:
         with tempfile.TemporaryDirectory(prefix="tokenserve-prune-") as workdir:
             finetune(pruned, train, holdout, args.finetune_steps, workdir,
-                     learning_rate=args.learning_rate, seed=args.seed)
+                     learning_rate=args.learning_rate, seed=args.seed,
+                     teacher=model if args.distill else None)
     config = dataclasses.replace(config, model=pruned.config)
     path = export_model(pruned, tokenizer, config, args.output, version=args.version)
     (path / "assets.extra").mkdir(exist_ok=True)
     (path / "assets.extra" / "prune_report.json").write_text(
         json.dumps(dict(report.to_dict(), heads=args.heads, mlp=args.mlp,
-                        finetune_steps=args.finetune_steps), indent=2) + "\n")
+                        finetune_steps=args.finetune_steps,
+                        distill=bool(args.finetune_steps and args.distill)), indent=2) + "\n")
     c = pruned.config
     print(f"pruned {config.name}: {c.num_heads} query / {c.num_kv_heads} KV heads of "
           f"{model.config.num_heads} / {model.config.num_kv_heads}, MLP "

@@ -56,23 +56,52 @@ class PruneReport:
         return dataclasses.asdict(self)
 
 
-def _loss(model, windows: np.ndarray, batch_size: int = 8) -> float:
-    import tensorflow as tf
+class _MaskedForward:
+    """The model's forward pass with each query head's output scaled by a mask, compiled
+    once: scoring every head group reuses one graph (`loss(windows, head_mask [L, H])`)."""
 
-    total = 0.0
-    for start in range(0, len(windows), batch_size):
-        chunk = windows[start:start + batch_size]
-        logits = model(chunk[:, :-1])
-        total += float(tf.reduce_sum(tf.nn.sparse_softmax_cross_entropy_with_logits(
-            labels=chunk[:, 1:], logits=logits)))
-    return total / (windows.shape[0] * (windows.shape[1] - 1))
+    def __init__(self, model):
+        import tensorflow as tf
+
+        self.model = model
+        self._loss = tf.function(self._loss_fn, reduce_retracing=True)
+        self.no_mask = np.ones([model.config.num_layers, model.config.num_heads], np.float32)
+
+    def _loss_fn(self, ids, targets, head_mask):
+        import tensorflow as tf
+
+        from tokenserve.model.layers import attend
+
+        c, model = self.model.config, self.model
+        batch, length = tf.shape(ids)[0], tf.shape(ids)[1]
+        positions = tf.broadcast_to(tf.range(length)[None], [batch, length])
+        causal = tf.range(length)[None, :] <= tf.range(length)[:, None]
+        mask = tf.broadcast_to(causal[None], [batch, length, length])
+        x = model.embed(ids, positions)
+        for layer, block in enumerate(model.blocks):
+            heads = attend(*block.attn._project(block.attn_norm(x), positions), mask)
+            heads *= tf.repeat(head_mask[layer], c.head_dim)[None, None]  # [B, T, H * Dh]
+            x = x + block.attn.out(heads)
+            x = x + block.mlp(block.mlp_norm(x))
+        return tf.reduce_sum(tf.nn.sparse_softmax_cross_entropy_with_logits(
+            labels=targets, logits=model.head_logits(x)))
+
+    def loss(self, windows: np.ndarray, head_mask=None, batch_size: int = 8) -> float:
+        """Mean next-token NLL over int32 `windows` [B, T + 1] with `head_mask` [L, H]."""
+        head_mask = self.no_mask if head_mask is None else np.asarray(head_mask, np.float32)
+        total = 0.0
+        for start in range(0, len(windows), batch_size):
+            chunk = windows[start:start + batch_size]
+            total += float(self._loss(chunk[:, :-1], chunk[:, 1:], head_mask))
+        return total / (windows.shape[0] * (windows.shape[1] - 1))
 
 
 def head_importance(model, windows: np.ndarray, progress: bool = False) -> tuple[np.ndarray, float]:
     """(loss increase when each KV group is masked [num_layers, num_kv_heads], base loss)."""
     c = model.config
-    groups, dim = c.num_heads // c.num_kv_heads, c.head_dim
-    base = _loss(model, windows)
+    per_group = c.num_heads // c.num_kv_heads
+    forward = _MaskedForward(model)
+    base = forward.loss(windows)
     scores = np.zeros([c.num_layers, c.num_kv_heads])
     pairs = [(layer, group) for layer in range(c.num_layers) for group in range(c.num_kv_heads)]
     if progress:
@@ -80,15 +109,9 @@ def head_importance(model, windows: np.ndarray, progress: bool = False) -> tuple
 
         pairs = tqdm(pairs, desc="score heads", unit="group", leave=False, dynamic_ncols=True)
     for layer, group in pairs:
-        kernel = model.blocks[layer].attn.out.kernel
-        original = kernel.numpy()
-        masked = original.copy()
-        masked[group * groups * dim:(group + 1) * groups * dim] = 0.0  # rows of its heads
-        kernel.assign(masked)
-        try:
-            scores[layer, group] = _loss(model, windows) - base
-        finally:
-            kernel.assign(original)
+        head_mask = np.ones([c.num_layers, c.num_heads], np.float32)
+        head_mask[layer, group * per_group:(group + 1) * per_group] = 0.0
+        scores[layer, group] = forward.loss(windows, head_mask) - base
     return scores, base
 
 
@@ -143,7 +166,8 @@ def prune_model(model, windows: np.ndarray, config: PruneConfig, progress: bool 
     if config.heads > 0:
         head_scores, base = head_importance(model, windows, progress)
     else:
-        head_scores, base = np.zeros([c.num_layers, c.num_kv_heads]), _loss(model, windows)
+        head_scores = np.zeros([c.num_layers, c.num_kv_heads])
+        base = _MaskedForward(model).loss(windows)
     kept_groups = _keep(head_scores, config.heads, "KV head")
     if any(len(k) == c.num_kv_heads for k in kept_groups) and config.heads > 0:
         raise ConfigError(f"--heads {config.heads} removes no KV group of {c.num_kv_heads}; "

@@ -132,3 +132,24 @@ class Trainer:
             return None
         windows = holdout_windows(holdout, c.seq_len, c.eval_batches * c.batch_size)
         return TrainResult(c.num_steps, seconds, perplexity(self.model, windows), loss)
+
+
+class DistillTrainer(Trainer):
+    """The trainer's loop on (1 - w) * cross-entropy + w * KL(teacher || student)."""
+
+    def __init__(self, model, teacher, config, checkpoint_dir, distill_weight: float):
+        self.teacher, self.distill_weight = teacher, distill_weight
+        super().__init__(model, config, checkpoint_dir)
+
+    def _step(self, inputs, targets):
+        teacher = tf.nn.log_softmax(tf.stop_gradient(self.teacher(inputs)))  # [B, T, V]
+        with tf.GradientTape() as tape:
+            logits = self.model(inputs)
+            lm = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
+                labels=targets, logits=logits))
+            kl = tf.reduce_mean(tf.reduce_sum(
+                tf.exp(teacher) * (teacher - tf.nn.log_softmax(logits)), axis=-1))
+            loss = (1.0 - self.distill_weight) * lm + self.distill_weight * kl
+        variables = self.model.trainable_variables
+        self.optimizer.apply_gradients(zip(tape.gradient(loss, variables), variables))
+        return loss
