@@ -40,11 +40,16 @@ def calibration_windows(stream, count: int, length: int, seed: int = 0) -> np.nd
 
 
 def finetune(model, stream: np.ndarray, holdout: np.ndarray, num_steps: int, workdir,
-             learning_rate: float = FINETUNE_LEARNING_RATE, batch_size: int = 8,
-             seq_len: int = 256, seed: int = 0, teacher=None,
+             learning_rate: float = FINETUNE_LEARNING_RATE, batch_size: int = 4,
+             seq_len: int = 512, seed: int = 0, teacher=None,
              distill_weight: float = DISTILL_WEIGHT, warmup_steps: int | None = None):
     """A brief AdamW fine-tune on `stream` (warmup, then cosine decay to a tenth); with
-    `teacher`, distilled from it. Returns the trainer's TrainResult."""
+    `teacher`, distilled from it. Returns the trainer's TrainResult.
+
+    Windows are as long as the model's context (up to `seq_len`): fine-tuned on 256-token
+    windows, the pruned built-in model came back to +1.9 % perplexity on 256-token held-out
+    windows but stayed +5.6 % on 512-token ones; 4 x 512 tokens a step fixes both at the same
+    cost per step."""
     from tokenserve.config import TrainConfig
     from tokenserve.train.trainer import DistillTrainer, Trainer
 
