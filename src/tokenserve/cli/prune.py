@@ -25,7 +25,7 @@ def add_parser(commands) -> None:
     p.add_argument("--finetune-steps", type=int, default=0, metavar="N",
                    help="AdamW steps on the training data after pruning (default 0: none)")
     p.add_argument("--learning-rate", type=float, default=FINETUNE_LEARNING_RATE,
-                   help="peak of the fine-tune's warmup-then-cosine schedule (default 3e-4)")
+                   help="peak of the fine-tune's warmup-then-cosine schedule (default %(default)g)")
     p.add_argument("--distill", action=argparse.BooleanOptionalAction, default=True,
                    help="fine-tune on the unpruned model's next-token distributions (KL) as "
                         "well as the text (default on; --no-distill: the text alone)")
