@@ -73,7 +73,6 @@ class ModelRunner:
         from tokenserve.engine.tf_step import LSTMStep, TransformerStep
 
         self.model, self.config, self.engine_config = model, config, engine_config
-        self._write_rows = None  # compiled on the first write of KV blocks
         self.is_transformer = isinstance(config.model, TransformerConfig)
         self.vocab_size = config.model.vocab_size
         if self.is_transformer:
@@ -262,24 +261,6 @@ class ModelRunner:
     def write_kv_blocks(self, block_ids: list[int], rows: np.ndarray) -> None:
         """Writes [n, *kv_block_shape] rows into these blocks, in the cache dtype (rows of
         another dtype are converted first): the stored bits, not a float32 round trip."""
-        if self._write_rows is None:
-            self._write_rows = _row_writer(self.step)
         values = rows.astype(self.kv_dtype, copy=False).reshape((-1,) + self.kv_block_shape[1:])
-        self._write_rows(self._block_rows(block_ids), values)
+        self.step.write_rows(self._block_rows(block_ids), values)
 
-
-def _row_writer(step):
-    """A compiled scatter of [R, layers, 2, Hkv*Dh] rows, in the cache dtype, into every
-    layer's K/V variables (sparse, as the step writes)."""
-    import tensorflow as tf
-
-    signature = [tf.TensorSpec([None], tf.int32),
-                 tf.TensorSpec([None, len(step.caches), 2, step.kv_width], step.kv_dtype)]
-
-    @tf.function(input_signature=signature)
-    def write_rows(rows, values):
-        for i, cache in enumerate(step.caches):
-            for j, variable in enumerate(cache):
-                variable.scatter_update(tf.IndexedSlices(values[:, i, j], rows))
-
-    return write_rows

@@ -93,6 +93,7 @@ class TransformerStep(tf.Module):
         self.kernel_dense = (kdense.is_compiled() and model.compute_dtype == "float32"
                              and (jit_dense or int8))
         self.fused_every_step = self.kernel_dense and int8
+        self._write_rows = None  # write_rows' traced scatter, made on first use
         self._steps: dict[tuple[int, bool, bool],
                           tf.types.experimental.PolymorphicFunction] = {}
 
@@ -300,12 +301,18 @@ class TransformerStep(tf.Module):
         return tf.stack([tf.stack([tf.gather(variable, rows) for variable in cache], 1)
                          for cache in self.caches], 1)
 
-    @tf.function(input_signature=[_spec([None]), _spec([None, None, 2, None], tf.float32)])
     def write_rows(self, rows, values):
-        """rows: [R]; values: [R, layers, 2, Hkv*Dh] float32 (exact for a 16-bit cache)."""
-        for i, cache in enumerate(self.caches):
-            for j, variable in enumerate(cache):
-                variable.scatter_update(tf.IndexedSlices(self._to_cache(values[:, i, j]), rows))
+        """rows: [R]; values: [R, layers, 2, Hkv*Dh] in the cache dtype: the stored bits are
+        scattered as they are (no float32 round trip), sparse, as the step writes."""
+        if self._write_rows is None:  # traced once, for the cache dtype of this step
+            @tf.function(input_signature=[_spec([None]), _spec([None, None, 2, None],
+                                                               self.kv_dtype)])
+            def write(rows, values):
+                for i, cache in enumerate(self.caches):
+                    for j, variable in enumerate(cache):
+                        variable.scatter_update(tf.IndexedSlices(values[:, i, j], rows))
+            self._write_rows = write
+        return self._write_rows(rows, values)
 
 
 def block_weights(block) -> dict:
