@@ -24,8 +24,9 @@ def add_parser(commands) -> None:
                    help="held-out tokens scored per variant (default 8192)")
     p.add_argument("--max-tokens", type=int, default=128, metavar="N",
                    help="tokens generated per speed run (default 128)")
-    p.add_argument("--finetune-steps", type=int, default=150, metavar="N",
-                   help="fine-tune steps of the pruned-heads25-ft variant (default 150)")
+    p.add_argument("--finetune-steps", type=int, default=300, metavar="N",
+                   help="distilled fine-tune steps of the pruned-heads25-ft variant "
+                        "(default 300)")
     p.add_argument("--no-engine", dest="engine", action="store_false",
                    help="skip the engine's tok/s for SavedModel variants")
     p.set_defaults(run=run)
