@@ -40,7 +40,14 @@ def test_optimize_runs_on_a_tiny_model(tmp_path):
     from tokenserve.cli.main import main
 
     assert main(["optimize", "tiny-gpt2", "--output", str(tmp_path), "--eval-tokens", "256",
-                 "--max-tokens", "8", "--finetune-steps", "2", "--no-engine",
-                 "--variants", "fp32,tflite-dynamic-int8,pruned-heads25"]) == 0
-    names = [v["name"] for v in json.loads((tmp_path / "optimize.json").read_text())["variants"]]
-    assert names == ["fp32", "tflite-dynamic-int8", "pruned-heads25"]
+                 "--max-tokens", "8", "--finetune-steps", "2", "--calibration-windows", "4",
+                 "--no-engine",
+                 "--variants", "fp32,tflite-dynamic-int8,pruned-heads25,pruned-heads25-ft"]) == 0
+    variants = json.loads((tmp_path / "optimize.json").read_text())["variants"]
+    assert [v["name"] for v in variants] == ["fp32", "tflite-dynamic-int8", "pruned-heads25",
+                                             "pruned-heads25-ft"]
+    pruned, tuned = variants[2:]
+    # both start from one pruning: the same heads removed, the fine-tune changes only values
+    assert tuned["note"].startswith(pruned["note"])
+    assert "2 distilled fine-tune steps" in tuned["note"]
+    assert pruned["perplexity"] != tuned["perplexity"]

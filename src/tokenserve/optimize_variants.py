@@ -96,7 +96,8 @@ class Optimizer:
     """Builds and measures the variants of one source model under `output`."""
 
     def __init__(self, source, output: Path, eval_tokens: int = 8192, max_tokens: int = 128,
-                 finetune_steps: int = 300, heads: float = 0.25, progress: bool = True,
+                 finetune_steps: int = 300, heads: float = 0.25, calibration_windows: int = 32,
+                 progress: bool = True,
                  variants=VARIANTS, engine: bool = True):
         from tokenserve.evaluate import load_float_source
 
@@ -106,8 +107,10 @@ class Optimizer:
         self.source = source or "builtin"
         self.eval_tokens, self.max_tokens = eval_tokens, max_tokens
         self.finetune_steps, self.heads = finetune_steps, heads
+        self.calibration_windows = calibration_windows
         self.progress, self.variants, self.engine = progress, variants, engine
         self._streams = None
+        self._pruning = None
 
     # -- data -------------------------------------------------------------------------------
     def streams(self):
@@ -167,15 +170,9 @@ class Optimizer:
         if name.startswith("pruned-"):
             import tempfile
 
-            from tokenserve.model.prune import PruneConfig, prune_model
-            from tokenserve.train.finetune import calibration_windows, finetune
+            from tokenserve.train.finetune import finetune
 
-            # 32 x 256 tokens: ablation scores on 8k tokens pick better heads to drop than on 2k
-            windows = calibration_windows(self.streams()[0], 32,
-                                          min(256, self.config.max_seq_len))
-            pruned, report = prune_model(self.model, windows, PruneConfig(heads=self.heads),
-                                         progress=self.progress)
-            note = f"{report.parameters_after:,} of {report.parameters_before:,} parameters"
+            pruned, note = self._pruned()
             if name.endswith("-ft"):
                 with tempfile.TemporaryDirectory() as workdir:
                     finetune(pruned, self.streams()[0], self.streams()[1], self.finetune_steps,
@@ -184,6 +181,28 @@ class Optimizer:
             config = dataclasses.replace(self.config, model=pruned.config)
             return self._export(name, pruned, config), "savedmodel", note
         raise ValueError(f"unknown variant {name!r}")
+
+    def _pruned(self):
+        """(a fresh copy of the pruned model, note). Heads are scored once per run (a forward
+        pass per KV group: the slow part on a large model); both pruned variants start from
+        the same pruning, the fine-tuned one from a copy."""
+        from tokenserve.model import build_model
+        from tokenserve.model.prune import PruneConfig, prune_model
+        from tokenserve.train.finetune import calibration_windows
+
+        if self._pruning is None:
+            # 32 x 256 tokens: ablation scores on 8k tokens pick better heads to drop than on 2k
+            windows = calibration_windows(self.streams()[0], self.calibration_windows,
+                                          min(256, self.config.max_seq_len))
+            pruned, report = prune_model(self.model, windows, PruneConfig(heads=self.heads),
+                                         progress=self.progress)
+            note = f"{report.parameters_after:,} of {report.parameters_before:,} parameters"
+            self._pruning = ({w.path: w.numpy() for w in pruned.weights}, pruned.config, note)
+        values, config, note = self._pruning
+        copy = build_model(config, dtype=self.model.compute_dtype)
+        for weight in copy.weights:
+            weight.assign(values[weight.path])
+        return copy, note
 
     # -- measuring --------------------------------------------------------------------------
     def _load(self, path: Path, fmt: str, precision: str):

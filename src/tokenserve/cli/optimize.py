@@ -27,6 +27,8 @@ def add_parser(commands) -> None:
     p.add_argument("--finetune-steps", type=int, default=300, metavar="N",
                    help="distilled fine-tune steps of the pruned-heads25-ft variant "
                         "(default 300)")
+    p.add_argument("--calibration-windows", type=int, default=32, metavar="N",
+                   help="256-token windows the pruned variants score heads on (default 32)")
     p.add_argument("--no-engine", dest="engine", action="store_false",
                    help="skip the engine's tok/s for SavedModel variants")
     p.set_defaults(run=run)
@@ -47,6 +49,7 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"unknown variants {unknown}; known: {', '.join(VARIANTS)}")
     optimizer = Optimizer(args.source, Path(args.output), eval_tokens=args.eval_tokens,
                           max_tokens=args.max_tokens, finetune_steps=args.finetune_steps,
+                          calibration_windows=args.calibration_windows,
                           progress=sys.stderr.isatty(), variants=variants, engine=args.engine)
     results = optimizer.run()
     title = f"tokenserve optimize {optimizer.source}"
@@ -56,6 +59,7 @@ def run(args: argparse.Namespace) -> int:
             "cpu_count": os.cpu_count(), "cpu_flags": cpu_flags(),
             "eval_tokens": args.eval_tokens, "max_tokens": args.max_tokens,
             "finetune_steps": args.finetune_steps,
+            "calibration_windows": args.calibration_windows,
             "description": f"Held-out perplexity over {args.eval_tokens} tokens of the "
                            f"built-in held-out split; speed: batch 1, {args.max_tokens} "
                            f"generated tokens after a 64-token prompt, best of 2."}
