@@ -51,3 +51,16 @@ def test_optimize_runs_on_a_tiny_model(tmp_path):
     assert tuned["note"].startswith(pruned["note"])
     assert "2 distilled fine-tune steps" in tuned["note"]
     assert pruned["perplexity"] != tuned["perplexity"]
+
+    # --reuse measures what the first run built instead of building it again
+    built = {v["name"]: tmp_path / v["path"] for v in variants}
+    stamps = {name: path.stat().st_mtime_ns for name, path in built.items()}
+    assert main(["optimize", "tiny-gpt2", "--output", str(tmp_path), "--eval-tokens", "256",
+                 "--max-tokens", "8", "--no-engine", "--reuse",
+                 "--variants", "fp32,pruned-heads25-ft"]) == 0
+    again = json.loads((tmp_path / "optimize.json").read_text())["variants"]
+    assert [v["name"] for v in again] == ["fp32", "pruned-heads25-ft"]
+    assert again[1]["note"] == tuned["note"]
+    assert again[1]["perplexity"] == pytest.approx(tuned["perplexity"], rel=1e-5)
+    assert {name: built[name].stat().st_mtime_ns for name in ("fp32", "pruned-heads25-ft")} \
+        == {name: stamps[name] for name in ("fp32", "pruned-heads25-ft")}

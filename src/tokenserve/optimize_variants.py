@@ -98,7 +98,7 @@ class Optimizer:
     def __init__(self, source, output: Path, eval_tokens: int = 8192, max_tokens: int = 128,
                  finetune_steps: int = 300, heads: float = 0.25, calibration_windows: int = 32,
                  progress: bool = True,
-                 variants=VARIANTS, engine: bool = True):
+                 variants=VARIANTS, engine: bool = True, reuse: bool = False):
         from tokenserve.evaluate import load_float_source
 
         self.output = Path(output)
@@ -109,6 +109,7 @@ class Optimizer:
         self.finetune_steps, self.heads = finetune_steps, heads
         self.calibration_windows = calibration_windows
         self.progress, self.variants, self.engine = progress, variants, engine
+        self.reuse = reuse
         self._streams = None
         self._pruning = None
 
@@ -233,6 +234,19 @@ class Optimizer:
             decode_tok_s=rate, ttft_ms=ttft, engine_tok_s=engine,
             rejected=rejected(delta), note=note)
 
+    def _built(self) -> dict[str, tuple[Path, str, str]]:
+        """name -> (path, format, note) of the variants an earlier run left in `output`, as its
+        optimize.json lists them: measuring again skips the minutes of building."""
+        report = self.output / "optimize.json"
+        if not report.exists():
+            return {}
+        built = {}
+        for entry in json.loads(report.read_text())["variants"]:
+            path = self.output / entry["path"]
+            if path.exists():
+                built[entry["name"]] = (path, entry["format"], entry.get("note", ""))
+        return built
+
     def run(self) -> list[VariantResult]:
         from tqdm import tqdm
 
@@ -241,8 +255,9 @@ class Optimizer:
         if "fp32" in names:  # the reference comes first
             names.remove("fp32")
         names.insert(0, "fp32")
+        built = self._built() if self.reuse else {}
         for name in tqdm(names, desc="optimize", unit="variant", disable=not self.progress):
-            path, fmt, note = self.build(name)
+            path, fmt, note = built.get(name) or self.build(name)
             results.append(self.measure(name, path, fmt, note, reference))
             if name == "fp32":
                 reference = self._load(path, fmt, "float32")

@@ -29,6 +29,9 @@ def add_parser(commands) -> None:
                         "(default 300)")
     p.add_argument("--calibration-windows", type=int, default=32, metavar="N",
                    help="256-token windows the pruned variants score heads on (default 32)")
+    p.add_argument("--reuse", action="store_true",
+                   help="measure again the variants an earlier run built in DIR (its "
+                        "optimize.json), building only the missing ones")
     p.add_argument("--no-engine", dest="engine", action="store_false",
                    help="skip the engine's tok/s for SavedModel variants")
     p.set_defaults(run=run)
@@ -50,7 +53,8 @@ def run(args: argparse.Namespace) -> int:
     optimizer = Optimizer(args.source, Path(args.output), eval_tokens=args.eval_tokens,
                           max_tokens=args.max_tokens, finetune_steps=args.finetune_steps,
                           calibration_windows=args.calibration_windows,
-                          progress=sys.stderr.isatty(), variants=variants, engine=args.engine)
+                          progress=sys.stderr.isatty(), variants=variants, engine=args.engine,
+                          reuse=args.reuse)
     results = optimizer.run()
     title = f"tokenserve optimize {optimizer.source}"
     from tokenserve.kernels.build import cpu_flags
