@@ -7,6 +7,11 @@ as vLLM's KV connectors do: steps of other sequences go on. When the answer is t
 scheduler gives it blocks for what was found and queues a `KVLoad` (rows already gathered
 into one array of the cache dtype on the worker), and the sequence prefills only the rest.
 
+A lookup that answers while the engine is idle and other lookups are still in flight
+waits for them up to `gather_s` (a timer wakes the engine then): a turn's requests arrive
+together when the replica that answered the previous turn ends them together, and a first
+step run for the first answer alone would hold up all the others by a full prefill step.
+
 A block is written to the store as soon as it is full (a `KVSave` queued when the block is
 cached), so a conversation continued on another replica finds all but, at most, the blocks
 filled by its last step; those are written when the sequence ends, before its last output
@@ -49,8 +54,8 @@ class KVLoad:
     """Write these rows (fetched from the store) into these blocks."""
 
     block_ids: list[int]
-    rows: list[np.ndarray] | np.ndarray
-    """One [*block_shape] array per block, in the cache dtype."""
+    rows: np.ndarray
+    """[len(block_ids), *block_shape], in the cache dtype."""
 
 
 @dataclass
@@ -60,11 +65,13 @@ class RemoteLookup:
     seq: Sequence
     first: int
     hashes: list[bytes]
-    rows: list[np.ndarray] | None = None
-    """The chain's leading hits, one [*block_shape] array each (views of the fetched
-    bytes, in the cache dtype); None while in flight."""
+    rows: np.ndarray | None = None
+    """The chain's leading hits, [num_found, *block_shape] in the cache dtype (copied out
+    of the fetched bytes on the worker, not on the engine thread); None while in flight."""
     done: threading.Event = field(default_factory=threading.Event)
     """Set when `rows` is (lookups that share a block wait for the one fetching it)."""
+    answered_at: float | None = None
+    """time.monotonic() when `rows` was set."""
 
     @property
     def num_found(self) -> int:
@@ -80,13 +87,16 @@ class RemoteKVTier:
         dtype: the cache dtype (numpy).
         resave_after_s: a block saved or loaded this recently is not written again
             (half the store's TTL: a live block is refreshed before it expires).
+        gather_s: how long an answered lookup waits for the others in flight before an
+            idle engine admits it (`is_gathering`).
     """
 
-    def __init__(self, store, block_shape: tuple[int, ...], dtype, resave_after_s: float):
+    def __init__(self, store, block_shape: tuple[int, ...], dtype, resave_after_s: float,
+                 gather_s: float = 0.05):
         self.store = store
         self.block_shape, self.dtype = tuple(block_shape), np.dtype(dtype)
         self.block_nbytes = int(np.prod(self.block_shape)) * self.dtype.itemsize
-        self.resave_after_s = resave_after_s
+        self.resave_after_s, self.gather_s = resave_after_s, gather_s
         self._lookups = ThreadPoolExecutor(2, thread_name_prefix="tokenserve-kv-lookup")
         # one writer: blocks reach the store in the order they were queued
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="tokenserve-kv-write")
@@ -115,6 +125,16 @@ class RemoteKVTier:
         """A lookup has returned and waits for the scheduler."""
         with self._lock:
             return any(lookup.rows is not None for lookup in self._pending.values())
+
+    @property
+    def is_gathering(self) -> bool:
+        """Lookups are in flight and the earliest answered one has waited for them less than
+        `gather_s`: an idle engine should not start a step for the answered ones yet."""
+        with self._lock:
+            answered = [lookup.answered_at for lookup in self._pending.values()
+                        if lookup.answered_at is not None]
+            in_flight = len(answered) < len(self._pending)
+        return bool(answered) and in_flight and time.monotonic() - min(answered) < self.gather_s
 
     def is_loading(self, seq: Sequence) -> bool:
         return seq.seq_id in self._pending
@@ -156,13 +176,20 @@ class RemoteKVTier:
         except Exception:  # noqa: BLE001 - a store bug must not strand the sequence
             log.exception("KV store lookup failed")
         finally:
+            rows = (np.stack(rows) if rows
+                    else np.empty((0,) + self.block_shape, self.dtype))
             with self._lock:
-                lookup.rows = rows
+                lookup.rows, lookup.answered_at = rows, time.monotonic()
+                in_flight = any(other.rows is None for other in self._pending.values())
                 for i in own:
                     if self._fetching.get(lookup.hashes[i], (None,))[0] is lookup:
                         del self._fetching[lookup.hashes[i]]
             lookup.done.set()
         self.on_ready()
+        if in_flight and self.gather_s > 0:  # wakes the engine when the wait is over
+            timer = threading.Timer(self.gather_s, self.on_ready)
+            timer.daemon = True
+            timer.start()
 
     def take(self, seq: Sequence) -> RemoteLookup | None:
         """The completed lookup of `seq`, once; None while it is in flight."""
@@ -205,7 +232,7 @@ class RemoteKVTier:
         steps): a block evicted and then refilled is read before it is overwritten."""
         for transfer in transfers:
             if isinstance(transfer, KVLoad):
-                runner.write_kv_blocks(transfer.block_ids, np.stack(transfer.rows))
+                runner.write_kv_blocks(transfer.block_ids, transfer.rows)
             else:
                 rows = runner.read_kv_blocks(transfer.block_ids)     # [n, *block_shape]
                 self._remember(transfer.hashes)
@@ -227,7 +254,7 @@ class RemoteKVTier:
         self._lookups.shutdown(wait=wait, cancel_futures=not wait)
         for owner in cancelled:
             if owner.rows is None:
-                owner.rows = []
+                owner.rows = np.empty((0,) + self.block_shape, self.dtype)
                 owner.done.set()
         self._writer.shutdown(wait=wait, cancel_futures=not wait)
         self.store.close()

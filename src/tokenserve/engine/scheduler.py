@@ -143,9 +143,11 @@ class Scheduler:
 
     @property
     def has_runnable_work(self) -> bool:
-        """has_work, less sequences that only wait for the remote tier."""
+        """has_work, less sequences that only wait for the remote tier, and less answered
+        lookups while the tier gathers the others in flight (nothing else to run)."""
         return bool(self.waiting or self.running or self._transfers
-                    or (self.kv_tier is not None and self.kv_tier.has_finished))
+                    or (self.kv_tier is not None and self.kv_tier.has_finished
+                        and not self.kv_tier.is_gathering))
 
     # -- one step -------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -234,8 +236,11 @@ class Scheduler:
         if to_fill is None:
             return
         if to_fill:
-            self._transfers.append(KVLoad([block for _, block in to_fill],
-                                          [lookup.rows[skip + i] for i, _ in to_fill]))
+            found = [skip + i for i, _ in to_fill]
+            contiguous = found == list(range(found[0], found[0] + len(found)))
+            self._transfers.append(KVLoad(  # usually a view of the fetched rows, not a copy
+                [block for _, block in to_fill],
+                lookup.rows[found[0]:found[-1] + 1] if contiguous else lookup.rows[found]))
             self.kv_tier.loaded([lookup.hashes[skip + i] for i, _ in to_fill])
         self.kv_tier.count_hits((lookup.num_found - skip) * self.cache.block_size)
 
