@@ -126,3 +126,44 @@ def test_concurrent_lookups_of_a_shared_prefix_fetch_it_once(redis_server):  # n
     for seq, last in ((seq_a, 4), (seq_b, 5)):
         rows = np.stack(found[seq.seq_id].rows)
         np.testing.assert_array_equal(rows, source.rows[[1, 2, 3, last]])
+
+
+class GatedStore:
+    """A store that finds nothing and holds lookups of `held` hashes until `gate` is set."""
+
+    num_errors = 0
+
+    def __init__(self, held: bytes):
+        self.held, self.gate = held, threading.Event()
+
+    def get_blocks(self, hashes):
+        if self.held in hashes:
+            self.gate.wait(30)
+        return [None] * len(hashes)
+
+    def close(self):
+        pass
+
+
+def test_an_answered_lookup_waits_for_those_in_flight_at_most_gather_s():
+    """An idle engine does not start a step for the first answer while other lookups of the
+    same burst are in flight, and a timer wakes it when the wait is over."""
+    slow, fast = b"\x01" * 32, b"\x02" * 32
+    store = GatedStore(held=slow)
+    tier = RemoteKVTier(store, BLOCK_SHAPE, np.float16, resave_after_s=30, gather_s=0.2)
+    woken = threading.Event()
+    tier.on_ready = woken.set
+    seq_slow, seq_fast = (Request(name, list(range(8)), SamplingParams()).seqs[0]
+                          for name in ("slow", "fast"))
+    tier.start_lookup(seq_slow, 0, [slow], block_size=BLOCK_SHAPE[0])
+    tier.start_lookup(seq_fast, 0, [fast], block_size=BLOCK_SHAPE[0])
+    assert woken.wait(5)  # the fast one answered
+    assert tier.has_finished and tier.is_gathering
+    woken.clear()
+    assert woken.wait(5)  # the timer, gather_s later
+    assert not tier.is_gathering and tier.num_loading == 2
+    store.gate.set()
+    tier.close(wait=True)
+    assert {lookup.seq.seq_id for lookup in tier.take_finished()} == {seq_slow.seq_id,
+                                                                     seq_fast.seq_id}
+    assert not tier.is_gathering
