@@ -137,6 +137,9 @@ def _add_llm_flags(p) -> None:
                    default=llm.release_file_pages, metavar="true|false",
                    help="once an engine has warmed up, unmap the shared-library pages that "
                         "start-up touched (about 320 MB less RSS; no anonymous memory)")
+    g.add_argument("--idle_trim_s", type=float, default=engine.idle_trim_s,
+                   help="once the engine has been idle this long after a step, return the "
+                        "heap its steps freed to the OS (malloc_trim); a negative value: never")
     g.add_argument("--request_timeout_s", type=float, default=llm.request_timeout_s,
                    help="deadline of each generation request")
     g.add_argument("--max_request_body_bytes", type=int, default=llm.max_body_bytes,
@@ -164,7 +167,8 @@ def llm_config_from_args(args: argparse.Namespace):
                           max_queue_tokens=args.max_queue_tokens,
                           preempt_for_priority=args.preempt_for_priority,
                           enable_prefix_caching=args.enable_prefix_caching,
-                          kv_store=args.kv_store, kv_store_ttl_s=args.kv_store_ttl_s)
+                          kv_store=args.kv_store, kv_store_ttl_s=args.kv_store_ttl_s,
+                          idle_trim_s=None if args.idle_trim_s < 0 else args.idle_trim_s)
     observability = ObservabilityConfig(otlp_traces_endpoint=args.otlp_traces_endpoint,
                                         tensorboard_logdir=args.tensorboard_logdir,
                                         log_format=args.log_format)

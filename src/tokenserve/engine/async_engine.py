@@ -26,6 +26,7 @@ from tokenserve.engine.config import EngineConfig
 from tokenserve.engine.core import LLMEngine
 from tokenserve.engine.outputs import RequestOutput
 from tokenserve.errors import EngineDeadError
+from tokenserve.observability.memory import release_freed_memory
 from tokenserve.sampling import SamplingParams
 from tokenserve.stats import StatsSink
 
@@ -190,15 +191,31 @@ class AsyncEngine:
 
     def _run(self) -> None:
         wait_s = self.engine.engine_config.batch_wait_s
+        trim_after_s = self.engine.engine_config.idle_trim_s
+        trim_pending = False  # steps ran since the heap was last trimmed
         while True:
+            trim_now = False
             with self._lock:
                 # sequences waiting only for the remote KV tier wake the loop when loaded
                 while not self._stopped and not self.engine.scheduler.has_runnable_work:
-                    self._wake.wait()
+                    if trim_pending and trim_after_s is not None:
+                        # idle trim_after_s after the last step: trim below, off the lock
+                        if not self._wake.wait(trim_after_s):
+                            trim_now = True
+                            break
+                    else:
+                        self._wake.wait()
                     if wait_s and self.engine.has_work:  # let more arrivals join the first step
                         self._wake.wait(wait_s)
                 if self._stopped:
                     return
+            if trim_now:
+                # the steps' freed temporaries, kept by malloc until reused (measured in
+                # docs/memory.md); a burst starting now waits at most for the trim itself
+                release_freed_memory()
+                trim_pending = False
+                continue
+            trim_pending = True
             try:
                 outputs = self._step()
                 self._last_step_ok = True

@@ -49,6 +49,10 @@ class EngineConfig:
     (TF Serving's batch_timeout_micros)."""
     batch_sizes: tuple[int, ...] = ()
     """Decode batch sizes the runner pads to (TF Serving's allowed_batch_sizes); () pads none."""
+    idle_trim_s: float | None = 1.0
+    """Once the engine has had nothing to run for this long after a step, hand the heap the
+    steps freed back to the OS (glibc's malloc_trim: 150-500 MiB after a burst on GPT-2-small,
+    docs/memory.md); the next step pays the page faults. None: never."""
     precision: str = "auto"
     """Compute dtype: float32, bfloat16 (oneDNN/AMX), or auto (bfloat16 when the CPU has AMX
     or AVX512-BF16, as measured in benchmarks/throughput.py; else float32)."""
@@ -110,6 +114,8 @@ class EngineConfig:
         if self.max_fused_dense_tokens < 0:
             raise ConfigError(f"max_fused_dense_tokens must be >= 0, got "
                               f"{self.max_fused_dense_tokens}")
+        if self.idle_trim_s is not None and self.idle_trim_s < 0:
+            raise ConfigError(f"idle_trim_s must be >= 0 or None, got {self.idle_trim_s}")
         if self.batch_wait_s < 0:
             raise ConfigError(f"batch_wait_s must be >= 0, got {self.batch_wait_s}")
         object.__setattr__(self, "batch_sizes", tuple(sorted(self.batch_sizes)))

@@ -7,6 +7,8 @@ returns logits. This and tf_step.py are the engine's only TensorFlow code.
 from __future__ import annotations
 
 import logging
+import os
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -184,7 +186,8 @@ class ModelRunner:
 
     def compile_buckets(self) -> int:
         """Compiles the XLA programs of every token bucket a step can use, so no live step
-        stalls on a compile (about 0.3 s each for GPT-2-small). Returns how many ran."""
+        stalls on a compile (about 0.3 s each for GPT-2-small), a thread per core. Returns
+        how many ran."""
         if not (self.is_transformer and self.step.jit_dense):
             return 0
         max_tokens = max(self.engine_config.max_num_batched_tokens,
@@ -196,9 +199,16 @@ class ModelRunner:
             sizes.append(size)
             if size >= max_tokens:
                 break
-        for size in sizes:  # padding tokens only: they write the reserved row 0
+        def compile_one(size):  # padding tokens only: they write the reserved row 0
             zeros = np.zeros([size], np.int32)
             step(zeros, zeros, zeros, [], (), zeros[:min(size, max_rows)]).numpy()
+
+        compile_one(sizes[0])  # traces the step once
+        # XLA compiles a program on one core: a first start (empty persistent cache) compiles
+        # on all of them, largest first so the longest compiles do not come last
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
+        with ThreadPoolExecutor(max(1, min(cores, 8))) as pool:
+            list(pool.map(compile_one, sorted(sizes[1:], reverse=True)))
         return len(sizes)
 
     def _bucket(self, num_tokens: int, only_decode: bool) -> int:

@@ -1,0 +1,59 @@
+"""The engine trims its heap (malloc_trim) once it has been idle a while after work: the
+steps' freed temporaries go back to the OS between bursts instead of staying resident."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from test_engine_hardening import CONFIG, collect, model_dir  # noqa: F401 - a fixture
+from tokenserve.engine.async_engine import AsyncEngine
+from tokenserve.engine.config import EngineConfig
+from tokenserve.engine.core import LLMEngine
+from tokenserve.engine.runner import ModelRunner
+from tokenserve.errors import ConfigError
+
+
+def test_an_idle_engine_trims_its_heap_once_after_work_and_not_while_busy(model_dir,
+                                                                         monkeypatch):
+    import tokenserve.engine.async_engine as async_engine
+
+    trims = []
+    monkeypatch.setattr(async_engine, "release_freed_memory", lambda: trims.append(1))
+    config = CONFIG.replace(idle_trim_s=0.2)
+    runner, tokenizer = ModelRunner.from_model_dir(model_dir, config)
+    engine = AsyncEngine(LLMEngine(runner, tokenizer, config))
+    engine.start()
+    try:
+        assert trims == []  # warmup ran on the caller's thread: no trim before any request
+        outputs = asyncio.run(asyncio.wait_for(collect(engine, max_tokens=8), 30))
+        assert outputs[-1].finished and trims == []  # within 0.2 s of the last step
+        time.sleep(1.0)
+        assert trims == [1]  # once per idle period, not every 0.2 s
+        outputs = asyncio.run(asyncio.wait_for(collect(engine), 30))
+        assert outputs[-1].outputs[0].finish_reason.value == "length"
+        time.sleep(1.0)
+        assert trims == [1, 1]
+    finally:
+        engine.shutdown()
+
+
+def test_idle_trim_s_none_never_trims_and_a_negative_one_is_refused(model_dir, monkeypatch):
+    import tokenserve.engine.async_engine as async_engine
+
+    trims = []
+    monkeypatch.setattr(async_engine, "release_freed_memory", lambda: trims.append(1))
+    config = CONFIG.replace(idle_trim_s=None)
+    runner, tokenizer = ModelRunner.from_model_dir(model_dir, config)
+    engine = AsyncEngine(LLMEngine(runner, tokenizer, config))
+    engine.start()
+    try:
+        asyncio.run(asyncio.wait_for(collect(engine), 30))
+        time.sleep(0.5)
+        assert trims == []
+    finally:
+        engine.shutdown()
+    with pytest.raises(ConfigError):
+        EngineConfig(idle_trim_s=-1.0)
