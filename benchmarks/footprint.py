@@ -3,7 +3,9 @@
 
 For each configuration the script launches `tokenserve serve` on one model, polls the
 OpenAI API until the model is listed (time to ready), reads the process's resident memory
-from /proc (VmRSS idle, then after 32 concurrent requests; VmHWM: the peak), scrapes the
+from /proc (VmRSS idle, then after 32 concurrent requests, each read 2.5 s after the
+last response, when the engine has trimmed its heap; the reading the moment the burst
+ends is kept too, "RSS at burst end"; VmHWM: the peak), scrapes the
 `tokenserve:memory_bytes{kind=...}` gauges and keeps the server's startup memory line.
 RSS is reported whole and in its two parts, anonymous (RssAnon: heap, weights, KV cache)
 and file-backed (RssFile: mapped pages of shared libraries, clean and reclaimable), and as
@@ -11,7 +13,9 @@ PSS (smaps_rollup: shared pages divided among the processes that map them).
 
 Starts:
   first   an empty XLA persistent cache (a fresh directory): every XLA program compiles.
-          The custom-op libraries stay built (scripts/setup.sh builds them at install).
+          The custom-op libraries stay built (scripts/setup.sh builds them at install; the
+          script builds them first for its environment, e.g. an ISA cap's
+          TOKENSERVE_KERNELS_MARCH, so a first start does not time g++).
   second  the same cache directory again, warm from the first start.
 
 Models: GPT-2-small (random weights, `tokenserve export gpt2-small --output DIR --no-xla`)
@@ -52,6 +56,7 @@ from machine import machine_info, machine_summary  # noqa: E402
 RESULTS = Path(__file__).resolve().parent / "results"
 TOKENSERVE = str(Path(sys.executable).with_name("tokenserve"))
 NUM_REQUESTS = 32
+SETTLE_S = 2.5  # seconds before reading memory, at idle and after the burst
 console = Console(width=160)
 
 
@@ -110,7 +115,7 @@ def run_server(label: str, model_args: list[str], flags: list[str], xla_dir: Pat
             if server.poll() is not None:
                 raise RuntimeError(f"tokenserve serve exited; see {log_path}")
             time.sleep(0.1)
-        time.sleep(2)  # let the allocator settle
+        time.sleep(SETTLE_S)  # let the allocator settle
         idle = proc_memory(server.pid)
         gauges = memory_gauges(httpx.get(url + "/metrics", timeout=10).text)
         prompt = " ".join(["the quick brown fox jumps over the lazy dog"] * (prompt_words // 9))
@@ -123,6 +128,8 @@ def run_server(label: str, model_args: list[str], flags: list[str], xla_dir: Pat
         with concurrent.futures.ThreadPoolExecutor(NUM_REQUESTS) as pool:
             codes = list(pool.map(one, range(NUM_REQUESTS)))
         burst_s = time.monotonic() - burst_started
+        just_after = proc_memory(server.pid)
+        time.sleep(SETTLE_S)  # as before the idle reading: the engine trims its heap when idle
         loaded = proc_memory(server.pid)
         log_lines = log_path.read_text().splitlines()
         memory_lines = [line.strip() for line in log_lines if "memory:" in line]
@@ -131,6 +138,8 @@ def run_server(label: str, model_args: list[str], flags: list[str], xla_dir: Pat
         return {"ready_s": ready_s, "rss_idle": idle["VmRSS"], "rss_anon_idle": idle["RssAnon"],
                 "rss_file_idle": idle["RssFile"], "pss_idle": idle["Pss"],
                 "rss_loaded": loaded["VmRSS"], "rss_peak": loaded["VmHWM"],
+                "rss_just_after": just_after["VmRSS"],
+                "rss_anon_just_after": just_after["RssAnon"],
                 "rss_anon_loaded": loaded["RssAnon"], "rss_file_loaded": loaded["RssFile"],
                 "pss_loaded": loaded["Pss"], "gauges": gauges,
                 "requests_ok": sum(code == 200 for code in codes), "burst_s": burst_s,
@@ -160,6 +169,10 @@ def main() -> None:
     parser.add_argument("--output", default=str(RESULTS / "footprint.json"))
     args = parser.parse_args()
     console.print(machine_summary(machine_info()))
+    # the custom ops for this environment's ISA (TOKENSERVE_KERNELS_MARCH), as
+    # scripts/setup.sh builds them at install: a first start measures XLA's compiles only
+    subprocess.run([sys.executable, "-m", "tokenserve.kernels.build"], check=False,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     gpt2 = Path(args.gpt2)
     if args.only != "builtin" and not gpt2.exists():
         console.print(f"exporting gpt2-small to {gpt2} ...")
@@ -186,12 +199,14 @@ def main() -> None:
             console.print(results[label])
     table = Table(title="tokenserve serve: memory and time to ready")
     for column in ("run", "ready s", "RSS idle MB", "anon idle", "file idle", "PSS idle",
-                   "RSS after 32 req MB", "anon", "file", "PSS", "peak MB", "requests ok",
+                   "RSS at burst end", "RSS after 32 req MB", "anon", "file", "PSS",
+                   "peak MB", "requests ok",
                    "burst tok/s"):
         table.add_column(column, justify="right")
     for label, r in results.items():
         table.add_row(label, f"{r['ready_s']:.1f}", *(f"{r[key] / 1e6:.0f}" for key in (
-            "rss_idle", "rss_anon_idle", "rss_file_idle", "pss_idle", "rss_loaded",
+            "rss_idle", "rss_anon_idle", "rss_file_idle", "pss_idle", "rss_just_after",
+            "rss_loaded",
             "rss_anon_loaded", "rss_file_loaded", "pss_loaded", "rss_peak")),
                       f"{r['requests_ok']}/{NUM_REQUESTS}", f"{r['burst_tokens_per_s']:.0f}")
     console.print(table)
