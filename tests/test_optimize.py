@@ -36,7 +36,7 @@ def test_report_shows_rejected_variants(tmp_path):
 
 
 @pytest.mark.slow
-def test_optimize_runs_on_a_tiny_model(tmp_path):
+def test_optimize_runs_on_a_tiny_model(tmp_path, capsys):
     from tokenserve.cli.main import main
 
     assert main(["optimize", "tiny-gpt2", "--output", str(tmp_path), "--eval-tokens", "256",
@@ -64,3 +64,7 @@ def test_optimize_runs_on_a_tiny_model(tmp_path):
     assert again[1]["perplexity"] == pytest.approx(tuned["perplexity"], rel=1e-5)
     assert {name: built[name].stat().st_mtime_ns for name in ("fp32", "pruned-heads25-ft")} \
         == {name: stamps[name] for name in ("fp32", "pruned-heads25-ft")}
+    # ...and refuses another model's variants, with the reason
+    assert main(["optimize", "tiny-llama", "--output", str(tmp_path), "--reuse", "--no-engine",
+                 "--variants", "fp32"]) == 2
+    assert "holds variants of 'tiny-gpt2', not of 'tiny-llama'" in capsys.readouterr().err

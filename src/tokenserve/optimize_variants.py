@@ -240,8 +240,14 @@ class Optimizer:
         report = self.output / "optimize.json"
         if not report.exists():
             return {}
+        from tokenserve.errors import ConfigError
+
+        earlier = json.loads(report.read_text())
+        if earlier.get("source") != self.source:
+            raise ConfigError(f"--reuse: {self.output} holds variants of "
+                              f"{earlier.get('source')!r}, not of {self.source!r}")
         built = {}
-        for entry in json.loads(report.read_text())["variants"]:
+        for entry in earlier["variants"]:
             path = self.output / entry["path"]
             if path.exists():
                 built[entry["name"]] = (path, entry["format"], entry.get("note", ""))
