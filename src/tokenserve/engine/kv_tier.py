@@ -136,6 +136,10 @@ class RemoteKVTier:
             in_flight = len(answered) < len(self._pending)
         return bool(answered) and in_flight and time.monotonic() - min(answered) < self.gather_s
 
+    def _no_rows(self) -> np.ndarray:
+        """The answer of a lookup that found nothing (or was cancelled): [0, *block_shape]."""
+        return np.empty((0,) + self.block_shape, self.dtype)
+
     def is_loading(self, seq: Sequence) -> bool:
         return seq.seq_id in self._pending
 
@@ -176,8 +180,7 @@ class RemoteKVTier:
         except Exception:  # noqa: BLE001 - a store bug must not strand the sequence
             log.exception("KV store lookup failed")
         finally:
-            rows = (np.stack(rows) if rows
-                    else np.empty((0,) + self.block_shape, self.dtype))
+            rows = np.stack(rows) if rows else self._no_rows()
             with self._lock:
                 lookup.rows, lookup.answered_at = rows, time.monotonic()
                 in_flight = any(other.rows is None for other in self._pending.values())
@@ -254,7 +257,7 @@ class RemoteKVTier:
         self._lookups.shutdown(wait=wait, cancel_futures=not wait)
         for owner in cancelled:
             if owner.rows is None:
-                owner.rows = np.empty((0,) + self.block_shape, self.dtype)
+                owner.rows = self._no_rows()
                 owner.done.set()
         self._writer.shutdown(wait=wait, cancel_futures=not wait)
         self.store.close()
