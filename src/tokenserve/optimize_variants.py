@@ -192,7 +192,8 @@ class Optimizer:
         from tokenserve.train.finetune import calibration_windows
 
         if self._pruning is None:
-            # 32 x 256 tokens: ablation scores on 8k tokens pick better heads to drop than on 2k
+            # 256-token windows, 32 by default: ablation scores on 8k tokens picked better
+            # heads to drop than on 2k (docs/optimize.md)
             windows = calibration_windows(self.streams()[0], self.calibration_windows,
                                           min(256, self.config.max_seq_len))
             pruned, report = prune_model(self.model, windows, PruneConfig(heads=self.heads),
