@@ -104,8 +104,17 @@ class EdgeTransformer(tf.Module):
         self.config, self.state_mode = c, state_mode
         self.cache_len = min(cache_len or c.max_seq_len, c.max_seq_len)
         if int8_embedding:
-            arrays = dict(zip(("embedding_q", "embedding_scale"),
-                              int8_rows(token_embedding(model))))
+            rows, scale = int8_rows(token_embedding(model))
+            arrays = {"embedding_q": rows, "embedding_scale": scale}
+            if model.head is None:
+                # The tied head's FULLY_CONNECTED weights, as float constants equal to the
+                # int8 rows times their scale: quantized per output channel they come back as
+                # those same int8 rows, and the converter's duplicate-buffer pass stores them
+                # once. Written as cast(rows) * scale instead, the converter does not fold
+                # the [V, D] cast (folding would grow the constant fourfold), so every call
+                # cast and re-quantized the whole table: GPT-2-small's int8 decode ran no
+                # faster than float32 (docs/optimize.md).
+                arrays["head_tied"] = rows.astype(np.float32) * scale[:, None]
         else:
             arrays = {"embedding": token_embedding(model)}
         if c.position == "learned":
@@ -231,12 +240,8 @@ class EdgeTransformer(tf.Module):
         if "head/kernel" in table:
             logits = tf.matmul(hidden, table["head/kernel"])
             return logits + table["head/bias"] if "head/bias" in table else logits
-        if "embedding_q" in table:
-            # The weights are the int8 rows as floats, so the quantizer's per-channel int8 of
-            # them is those rows again (scale 1, or the row scale if it folds the MUL in): one
-            # buffer, shared with the lookup's table once duplicates are merged.
-            return (tf.matmul(hidden, tf.cast(table["embedding_q"], tf.float32), transpose_b=True)
-                    * table["embedding_scale"])
+        if "head_tied" in table:  # the int8 rows times their scale (see __init__)
+            return tf.matmul(hidden, table["head_tied"], transpose_b=True)
         return tf.matmul(hidden, table["embedding"], transpose_b=True)
 
     # -- signatures --------------------------------------------------------------------------
