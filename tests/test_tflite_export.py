@@ -65,6 +65,28 @@ def test_export_layout_and_serving(family):
     assert {"prefill", "decode", "score"} <= set(servable.signature_defs)
 
 
+def table_readers(tflite_model: bytes, shape: list[int]) -> set[tuple[str, int]]:
+    """(op name, buffer index) of every op input, in any signature, shaped like `shape`."""
+    from tensorflow.lite.python import schema_py_generated as schema
+
+    names = {code: name for name, code in vars(schema.BuiltinOperator).items()
+             if not name.startswith("_")}
+    root = schema.Model.GetRootAs(tflite_model, 0)
+    codes = [root.OperatorCodes(i) for i in range(root.OperatorCodesLength())]
+    found = set()
+    for s in range(root.SubgraphsLength()):
+        graph = root.Subgraphs(s)
+        for o in range(graph.OperatorsLength()):
+            op = graph.Operators(o)
+            code = codes[op.OpcodeIndex()]
+            for index in op.InputsAsNumpy():
+                tensor = graph.Tensors(int(index)) if index >= 0 else None
+                if tensor is not None and tensor.ShapeAsNumpy().tolist() == shape:
+                    found.add((names[max(code.BuiltinCode(), code.DeprecatedBuiltinCode())],
+                               tensor.Buffer()))
+    return found
+
+
 @pytest.mark.parametrize("name", ["tiny-gpt2", "tiny-llama"])
 def test_quantized_variants_shrink_and_stay_close(name, tokenizer, tmp_path, calibration_file):
     from tokenserve.evaluate import perplexity, text_windows
@@ -78,6 +100,11 @@ def test_quantized_variants_shrink_and_stay_close(name, tokenizer, tmp_path, cal
                                 num_calibration_samples=4, calibration_length=32)
         path = export_tflite(model, tokenizer, config, tmp_path / quantize, options)
         assert (path / TFLITE_FILE).stat().st_size < 0.7 * float_size, quantize
+        if quantize != "float16" and model.head is None:  # a tied head reads the int8 rows
+            readers = table_readers((path / TFLITE_FILE).read_bytes(),
+                                    [config.model.vocab_size, config.model.hidden_size])
+            assert {op for op, _ in readers} == {"GATHER", "FULLY_CONNECTED"}, readers
+            assert len({buffer for _, buffer in readers}) == 1, readers
         result = perplexity(LiteRTModel(path), windows, reference=model)
         print(f"{name} {quantize}: Δ perplexity {result.delta_percent:+.3f} %, "
               f"greedy agreement {result.greedy_agreement:.1%}")
