@@ -1,6 +1,7 @@
 """Multi-turn chat with a shared system prompt: no prefix caching vs local prefix caching vs
-two replicas sharing a Redis KV tier (each conversation's turns alternate between them),
-with two controls of two replicas without Redis (turns alternating, or conversations sticky).
+two replicas sharing a Redis KV tier (each conversation's turns alternate between them,
+conversation i starting on replica i % 2, as a round-robin balancer spreads a burst), with
+two controls of two replicas without Redis (turns alternating, or conversations sticky).
 
 Workload: CONVERSATIONS conversations x TURNS turns, run concurrently; every conversation
 starts with the same SYSTEM-token system prompt; each turn adds a USER-token user message
@@ -129,8 +130,10 @@ async def conversation(engines, index: int, system: list[int], turns: list[list[
     history = list(system)
     params = SamplingParams(max_tokens=ANSWER_TOKENS, ignore_eos=True)
     for turn, user in enumerate(turns):
-        # alternate replicas turn by turn, or keep the conversation on one
-        replica = (index if sticky else turn) % len(engines)
+        # Alternate replicas turn by turn, starting conversations on replicas in turn, as a
+        # round-robin balancer would: each turn's burst is split between the replicas
+        # instead of landing on one while the other idles. Or keep the conversation on one.
+        replica = (index if sticky else index + turn) % len(engines)
         history += user
         started, first, answer, cached = time.perf_counter(), None, [], None
         async for output in engines[replica].generate(history, params, f"c{index}-t{turn}"):
