@@ -31,11 +31,13 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 sys.path.insert(0, str(Path(__file__).parent))
 from machine import machine_info, machine_summary  # noqa: E402
 
+from tokenserve.stats import StatsSink  # noqa: E402
+
 RESULTS = Path(__file__).parent / "results"
 
 
-class DecodeSteps:
-    """A StatsSink keeping the durations of pure decode steps of exactly `seqs` rows."""
+class DecodeSteps(StatsSink):
+    """Keeps the durations of pure decode steps of exactly `seqs` rows."""
 
     def __init__(self, seqs: int):
         self.seqs, self.durations = seqs, []
@@ -43,12 +45,6 @@ class DecodeSteps:
     def on_step(self, stats) -> None:
         if stats.num_prefill_tokens == 0 and stats.num_decode_tokens == self.seqs:
             self.durations.append(stats.duration_s)
-
-    def on_request(self, stats) -> None:
-        pass
-
-    def on_rejection(self, stats) -> None:
-        pass
 
 
 def parse_shapes(text: str) -> list[tuple[int, int]]:
@@ -85,13 +81,10 @@ def main() -> int:
     rng = np.random.default_rng(0)
     results = []
     for seqs, context in shapes:
-        capacity = seqs * (context + args.new_tokens + 16)
-        engines = {}
-        for path in args.models:
-            llm = LLM(path, EngineConfig(precision="float32", max_num_seqs=seqs,
-                                         max_cache_tokens=capacity,
-                                         enable_prefix_caching=False))
-            engines[path] = llm
+        config = EngineConfig(precision="float32", max_num_seqs=seqs,
+                              max_cache_tokens=seqs * (context + args.new_tokens + 16),
+                              enable_prefix_caching=False)
+        engines = {path: LLM(path, config) for path in args.models}
         vocab = next(iter(engines.values())).engine.config.model.vocab_size
         prompts = [rng.integers(10, vocab, context).tolist() for _ in range(seqs)]
         steps = {path: [] for path in args.models}
@@ -108,7 +101,7 @@ def main() -> int:
         if not all(steps.values()):
             raise SystemExit(f"{seqs}x{context}: no step decoded all {seqs} sequences at once; "
                              f"raise --new-tokens above the prefill's steps "
-                             f"({seqs * context // 512} here)")
+                             f"({seqs * context // config.max_num_batched_tokens} here)")
         reference = statistics.median(steps[args.models[0]])
         for path in args.models:
             median = statistics.median(steps[path])

@@ -9,7 +9,7 @@ import tensorflow as tf
 
 from conftest import TINY_TEXT, tiny
 from tokenserve.edge.convert import (TFLITE_FILE, TFLiteOptions, UnsupportedOpsError, convert,
-                                     export_tflite, flex_ops)
+                                     export_tflite, flex_ops, opcode_names)
 from tokenserve.edge.runner import LiteRTModel, is_tflite_path
 from tokenserve.export.exporter import export_model
 from tokenserve.exported_model import ExportedModel
@@ -69,21 +69,17 @@ def table_readers(tflite_model: bytes, shape: list[int]) -> set[tuple[str, int]]
     """(op name, buffer index) of every op input, in any signature, shaped like `shape`."""
     from tensorflow.lite.python import schema_py_generated as schema
 
-    names = {code: name for name, code in vars(schema.BuiltinOperator).items()
-             if not name.startswith("_")}
     root = schema.Model.GetRootAs(tflite_model, 0)
-    codes = [root.OperatorCodes(i) for i in range(root.OperatorCodesLength())]
+    names = opcode_names(root)
     found = set()
     for s in range(root.SubgraphsLength()):
         graph = root.Subgraphs(s)
         for o in range(graph.OperatorsLength()):
             op = graph.Operators(o)
-            code = codes[op.OpcodeIndex()]
             for index in op.InputsAsNumpy():
                 tensor = graph.Tensors(int(index)) if index >= 0 else None
                 if tensor is not None and tensor.ShapeAsNumpy().tolist() == shape:
-                    found.add((names[max(code.BuiltinCode(), code.DeprecatedBuiltinCode())],
-                               tensor.Buffer()))
+                    found.add((names[op.OpcodeIndex()], tensor.Buffer()))
     return found
 
 

@@ -198,18 +198,22 @@ the SwiGLU product in int8 too, the built-in model lost 171 % perplexity, and no
 type kept in float brought that under 166 % (docs/optimize.md)."""
 
 
-def op_names(tflite_model: bytes) -> list[str]:
-    """The builtin op names (`FULLY_CONNECTED`, ...) a .tflite model uses."""
+def opcode_names(root) -> list[str]:
+    """The builtin op name of each entry of a parsed .tflite model's (`schema.Model`)
+    operator-code table, in table order: what an operator's OpcodeIndex() points at."""
     from tensorflow.lite.python import schema_py_generated as schema
 
     names = {code: name for name, code in vars(schema.BuiltinOperator).items()
              if not name.startswith("_")}
-    root = schema.Model.GetRootAs(tflite_model, 0)
-    found = set()
-    for index in range(root.OperatorCodesLength()):
-        code = root.OperatorCodes(index)
-        found.add(names[max(code.BuiltinCode(), code.DeprecatedBuiltinCode())])
-    return sorted(found)
+    return [names[max(code.BuiltinCode(), code.DeprecatedBuiltinCode())]
+            for code in map(root.OperatorCodes, range(root.OperatorCodesLength()))]
+
+
+def op_names(tflite_model: bytes) -> list[str]:
+    """The builtin op names (`FULLY_CONNECTED`, ...) a .tflite model uses."""
+    from tensorflow.lite.python import schema_py_generated as schema
+
+    return sorted(set(opcode_names(schema.Model.GetRootAs(tflite_model, 0))))
 
 
 def selective_int8(calibrated: bytes) -> bytes:
