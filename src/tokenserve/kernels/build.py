@@ -83,7 +83,9 @@ def build_library(source: Path, arch: list[str]) -> Path:
     message names the source and quotes the first error line); no file is left behind then.
     """
     source = Path(source)
-    code = source.read_bytes()
+    # the source and the headers beside it that it may include (kernels/chunks.h)
+    code = b"\0".join([source.read_bytes(), *(header.read_bytes()
+                                               for header in sorted(source.parent.glob("*.h")))])
     compile_flags = ["-O3", *arch, "-std=c++17", "-shared", "-fPIC",
                      *tf.sysconfig.get_compile_flags()]
     link_flags = tf.sysconfig.get_link_flags()

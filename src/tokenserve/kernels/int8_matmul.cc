@@ -40,6 +40,7 @@
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/shape_inference.h"
 #include "tensorflow/core/platform/threadpool.h"
+#include "chunks.h"
 
 namespace tokenserve {
 namespace {
@@ -58,6 +59,7 @@ using tensorflow::shape_inference::ShapeHandle;
 constexpr int kBlock = 32;  // activation quantization block (one float scale per block)
 constexpr int kTile = 4;    // output channels per micro-kernel call
 constexpr int kPrefetchTiles = 2;  // how far ahead weights are prefetched (1..8 measured)
+constexpr int64_t kChunkCycles = 40000;  // work per chunk handed between threads, roughly
 
 // Shapes of one call and how K splits into weight groups and activation blocks.
 struct Geometry {
@@ -481,10 +483,23 @@ class Int8MatmulOp : public OpKernel {
     if (int8) QuantizeRows(g, xp, avx2_, &xq);
 
     const bool avx2 = avx2_;
-    auto work = [&](int64 begin, int64 end) {
-      std::vector<float> buf;  // float kernel's dequantized tile, one per shard
-      if (!int8) buf.resize(kTile * g.padded);
-      for (int64 tile = begin; tile < end; ++tile) {
+    // Cost of one tile in cycles, roughly (measured per core: ~16 int8 multiply-adds and
+    // ~7 weight bytes from DRAM per cycle). Chunks of about kChunkCycles each: a small call
+    // stays one chunk on the calling thread, a large one is shared with the pool.
+    const int64 cost = kTile * g.K * (g.M + 3) / 16;
+    const int64 tiles = (g.N + kTile - 1) / kTile;
+    const int64 num_chunks = std::max<int64>(1, std::min(tiles, tiles * cost / kChunkCycles));
+    const int64 tiles_per_chunk = (tiles + num_chunks - 1) / num_chunks;
+    tensorflow::thread::ThreadPool* pool = ctx->device()->tensorflow_cpu_worker_threads()->workers;
+    const int64 workers = std::max(1, pool->NumThreads());
+    // float kernel's dequantized tile, one per worker
+    std::vector<std::vector<float>> bufs(int8 ? 0 : workers);
+    RunChunks(pool, workers, (tiles + tiles_per_chunk - 1) / tiles_per_chunk,
+              [&](int64 chunk, int64 worker) {
+      std::vector<float>* buf = int8 ? nullptr : &bufs[worker];
+      if (buf && buf->empty()) buf->resize(kTile * g.padded);
+      const int64 end = std::min(tiles, (chunk + 1) * tiles_per_chunk);
+      for (int64 tile = chunk * tiles_per_chunk; tile < end; ++tile) {
         const int64 n0 = tile * kTile;
         // Software prefetch of the weights kPrefetchTiles tiles ahead: with the hardware
         // prefetcher alone a core streamed about half the bandwidth oneDNN's float32 matmul
@@ -499,17 +514,10 @@ class Int8MatmulOp : public OpKernel {
         if (int8) {
           Int8Tile(g, xq, t, avx2, y);
         } else {
-          FloatTile(g, xp, t, avx2, buf.data(), y);
+          FloatTile(g, xp, t, avx2, buf->data(), y);
         }
       }
-    };
-    // Cost of one tile in cycles, roughly (measured per core: ~16 int8 multiply-adds and
-    // ~7 weight bytes from DRAM per cycle): Eigen's cost model then keeps small calls on
-    // the calling thread and splits large ones into shards of ~40k cycles.
-    const int64 cost = kTile * g.K * (g.M + 3) / 16;
-    const int64 tiles = (g.N + kTile - 1) / kTile;
-    ctx->device()->tensorflow_cpu_worker_threads()->workers->ParallelFor(
-        tiles, tensorflow::thread::ThreadPool::SchedulingParams::Adaptive(cost), work);
+    });
   }
 
  private:
