@@ -153,9 +153,10 @@ def dense_only_ms(runner, num_tokens: int) -> float:
 
     @tf.function
     def chain(x):
-        q, k, v = step._enter(x, positions, weights[0])
+        rotary = step.rotary(positions)
+        q, k, v = step._enter(x, rotary, weights[0])
         for i in range(len(weights) - 1):
-            x, q, k, v = step._between(x, attn, positions, weights[i], weights[i + 1])
+            x, q, k, v = step._between(x, attn, rotary, weights[i], weights[i + 1])
         return step._head(step._exit(x, attn, weights[-1]))
 
     chain(x).numpy()

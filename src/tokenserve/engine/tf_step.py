@@ -36,7 +36,7 @@ import tensorflow as tf
 from tokenserve.kernels import dense as kdense
 from tokenserve.kernels import paged_attention
 from tokenserve.kernels.int8_matmul import int8_matmul
-from tokenserve.model.layers import attend, linear, mlp, norm, rope
+from tokenserve.model.layers import apply_rope, attend, linear, mlp, norm, rope_angles
 from tokenserve.model.lstm import LSTMLM
 from tokenserve.model.transformer import TransformerLM
 
@@ -98,21 +98,29 @@ class TransformerStep(tf.Module):
                           tf.types.experimental.PolymorphicFunction] = {}
 
     # -- the dense half, XLA-compiled when jit_dense ------------------------------------------
-    def _qkv(self, x, positions, w):
+    def _qkv(self, x, rotary, w):
         """x: [N, D] -> q [N, H, Dh], k, v [N, Hkv*Dh] (RoPE applied)."""
         c = self.model.config
         qkv = linear(norm(x, w["attn_norm"], c.norm, c.norm_eps), w["qkv"])
-        return self._split_qkv(qkv, positions)
+        return self._split_qkv(qkv, rotary)
 
-    def _split_qkv(self, qkv, positions):
+    def rotary(self, positions):
+        """The step's rotary cos and sin ([1, N, 1, Dh] each), computed once for every layer,
+        or None for a model without RoPE."""
         c = self.model.config
-        num_tokens = tf.shape(qkv)[0]
+        if c.position != "rope":
+            return None
+        return rope_angles(positions[None], c.head_dim, c.rope_theta, self.model.compute_dtype)
+
+    def _split_qkv(self, qkv, rotary):
+        c = self.model.config
+        # static shapes with -1 for the tokens: no Shape/StridedSlice/Pack ops per layer
         q, k, v = tf.split(qkv, [c.num_heads * c.head_dim, self.kv_width, self.kv_width], -1)
-        q = tf.reshape(q, [num_tokens, c.num_heads, c.head_dim])
-        if c.position == "rope":
-            q = rope(q[None], positions[None], c.rope_theta)[0]
-            k = tf.reshape(rope(tf.reshape(k, [1, num_tokens, c.num_kv_heads, c.head_dim]),
-                                positions[None], c.rope_theta), [num_tokens, self.kv_width])
+        q = tf.reshape(q, [-1, c.num_heads, c.head_dim])
+        if rotary is not None:
+            q = apply_rope(q[None], *rotary)[0]
+            k = tf.reshape(apply_rope(tf.reshape(k, [1, -1, c.num_kv_heads, c.head_dim]),
+                                      *rotary), [-1, self.kv_width])
         return q, k, v
 
     def _finish_block(self, x, attn, w):
@@ -120,12 +128,12 @@ class TransformerStep(tf.Module):
         x = x + linear(attn, w["out"])
         return x + mlp(norm(x, w["mlp_norm"], c.norm, c.norm_eps), w["up"], w["down"], c.mlp)
 
-    def _enter_fn(self, x, positions, w):
-        return self._qkv(x, positions, w)
+    def _enter_fn(self, x, rotary, w):
+        return self._qkv(x, rotary, w)
 
-    def _between_fn(self, x, attn, positions, w, w_next):
+    def _between_fn(self, x, attn, rotary, w, w_next):
         x = self._finish_block(x, attn, w)
-        return (x, *self._qkv(x, positions, w_next))
+        return (x, *self._qkv(x, rotary, w_next))
 
     def _exit_fn(self, x, attn, w):
         return self._finish_block(x, attn, w)
@@ -141,9 +149,9 @@ class TransformerStep(tf.Module):
                                    activation)
         return kdense.dense(x, w["kernel"], w.get("bias"), residual, activation=activation)
 
-    def _qkv_k(self, x, positions, w):
+    def _qkv_k(self, x, rotary, w):
         return self._split_qkv(self._linear_k(self._norm_k(x, w["attn_norm"]), w["qkv"]),
-                               positions)
+                               rotary)
 
     def _finish_block_k(self, x, attn, w):
         act = "swiglu" if self.model.config.mlp == "swiglu" else "gelu_tanh"
@@ -151,12 +159,12 @@ class TransformerStep(tf.Module):
         h = self._linear_k(self._norm_k(x, w["mlp_norm"]), w["up"], activation=act)
         return self._linear_k(h, w["down"], residual=x)
 
-    def _enter_k(self, x, positions, w):
-        return self._qkv_k(x, positions, w)
+    def _enter_k(self, x, rotary, w):
+        return self._qkv_k(x, rotary, w)
 
-    def _between_k(self, x, attn, positions, w, w_next):
+    def _between_k(self, x, attn, rotary, w, w_next):
         x = self._finish_block_k(x, attn, w)
-        return (x, *self._qkv_k(x, positions, w_next))
+        return (x, *self._qkv_k(x, rotary, w_next))
 
     def _exit_k(self, x, attn, w):
         return self._finish_block_k(x, attn, w)
@@ -216,13 +224,27 @@ class TransformerStep(tf.Module):
         return attend(tf.gather(q, index), tf.reshape(keys, shape), tf.reshape(values, shape),
                       mask)
 
-    def _layer_attention(self, q, decode_groups, biases, prefill, cache, num_tokens):
+    def _attention_layout(self, decode_groups, prefill, num_tokens):
+        """Where each part of the packed tokens goes, the same for every layer, so it is built
+        once per step rather than once per layer (each op in the step costs several
+        microseconds of executor time): q's split sizes (one per decode group, then the rest)
+        and the zero rows that stand for the bucket padding."""
+        sizes = [tf.shape(rows)[0] for rows, _ in decode_groups]
+        num_decode = tf.add_n(sizes) if sizes else tf.constant(0)
+        split_sizes = tf.stack(sizes + [num_tokens - num_decode])
+        if prefill is not None:
+            num_decode += tf.shape(prefill[3])[0]  # the unpack index: one per prefill token
+        c = self.model.config
+        padding = tf.zeros([num_tokens - num_decode, c.num_heads * c.head_dim],
+                           self.model.compute_dtype)
+        return split_sizes, padding
+
+    def _layer_attention(self, q, decode_groups, biases, prefill, cache, layout):
         """q: [N, H, Dh] in packed order -> attention output [N, H*Dh]."""
         c = self.model.config
         width = c.num_heads * c.head_dim
-        sizes = [tf.shape(rows)[0] for rows, _ in decode_groups]
-        num_decode = tf.add_n(sizes) if sizes else tf.constant(0)
-        pieces = tf.split(q, sizes + [num_tokens - num_decode])
+        split_sizes, padding = layout
+        pieces = tf.split(q, split_sizes, num=len(decode_groups) + 1)
         outputs = [self._decode_attention(piece, rows, bias, cache)
                    for piece, (rows, _), bias in zip(pieces, decode_groups, biases)]
         if prefill is not None:
@@ -231,8 +253,7 @@ class TransformerStep(tf.Module):
             q_prefill = tf.concat([pieces[-1][:num_prefill], tf.zeros_like(q[:1])], 0)
             prefilled = self._prefill_attention(q_prefill, index, rows, mask, cache)
             outputs.append(tf.gather(tf.reshape(prefilled, [-1, width]), unpack))
-            num_decode += num_prefill
-        outputs.append(tf.zeros([num_tokens - num_decode, width], q.dtype))  # bucket padding
+        outputs.append(padding)  # bucket padding
         return tf.concat(outputs, 0)
 
     # -- the step -------------------------------------------------------------------------
@@ -282,15 +303,17 @@ class TransformerStep(tf.Module):
             prefill = (index, rows, mask, unpack)
         else:
             prefill = None
+        layout = self._attention_layout(decode_groups, prefill, num_tokens)
         x = m.embed(token_ids, positions)                                  # [N, D]
         weights = self.layer_weights
-        q, k, v = enter(x, positions, weights[0])
+        rotary = self.rotary(positions)
+        q, k, v = enter(x, rotary, weights[0])
         for i, cache in enumerate(self.caches):
             for variable, new_rows in zip(cache, (k, v)):
                 variable.scatter_update(tf.IndexedSlices(self._to_cache(new_rows), write_rows))
-            attn = self._layer_attention(q, decode_groups, biases, prefill, cache, num_tokens)
+            attn = self._layer_attention(q, decode_groups, biases, prefill, cache, layout)
             if i + 1 < len(self.caches):
-                x, q, k, v = between(x, attn, positions, weights[i], weights[i + 1])
+                x, q, k, v = between(x, attn, rotary, weights[i], weights[i + 1])
         x = exit_(x, attn, weights[-1])
         return head(tf.gather(x, last_tokens))                             # [S, vocab] f32
 

@@ -116,11 +116,20 @@ def rope(x, positions, theta: float):
 
     x: [B, T, H, Dh]; positions: int32 [B, T].
     """
-    head_dim = x.shape[-1]
+    return apply_rope(x, *rope_angles(positions, x.shape[-1], theta, x.dtype))
+
+
+def rope_angles(positions, head_dim: int, theta: float, dtype):
+    """cos and sin of the rotary angles, [B, T, 1, Dh] each for positions [B, T]: the same for
+    every layer and for q and k, so a step can compute them once."""
     inv_freq = 1.0 / (theta ** (tf.range(0, head_dim, 2, dtype=tf.float32) / head_dim))
     angles = tf.cast(positions, tf.float32)[..., None] * inv_freq  # [B, T, Dh/2]
     angles = tf.concat([angles, angles], axis=-1)[:, :, None, :]  # [B, T, 1, Dh]
-    cos, sin = tf.cast(tf.cos(angles), x.dtype), tf.cast(tf.sin(angles), x.dtype)
+    return tf.cast(tf.cos(angles), dtype), tf.cast(tf.sin(angles), dtype)
+
+
+def apply_rope(x, cos, sin):
+    """x: [B, T, H, Dh] rotated by the angles of rope_angles."""
     x1, x2 = tf.split(x, 2, axis=-1)
     return x * cos + tf.concat([-x2, x1], axis=-1) * sin
 
