@@ -229,29 +229,29 @@ class TransformerStep(tf.Module):
     def _attention_layout(self, decode_groups, prefill, num_tokens):
         """Where each part of the packed tokens goes, the same for every layer, so it is built
         once per step rather than once per layer (each op in the step costs several
-        microseconds of executor time): q's split sizes (one per decode group, then the rest)
-        and the zero rows that stand for the bucket padding."""
+        microseconds of executor time): q's split sizes (one per decode group, then the rest),
+        the number of prefill tokens (0 without prefill) and the zero rows that stand for the
+        bucket padding."""
         sizes = [tf.shape(rows)[0] for rows, _ in decode_groups]
         num_decode = tf.add_n(sizes) if sizes else tf.constant(0)
         split_sizes = tf.stack(sizes + [num_tokens - num_decode])
-        if prefill is not None:
-            num_decode += tf.shape(prefill[3])[0]  # the unpack index: one per prefill token
+        # the unpack index: one entry per prefill token
+        num_prefill = tf.shape(prefill[3])[0] if prefill is not None else tf.constant(0)
         c = self.model.config
-        padding = tf.zeros([num_tokens - num_decode, c.num_heads * c.head_dim],
+        padding = tf.zeros([num_tokens - num_decode - num_prefill, c.num_heads * c.head_dim],
                            self.model.compute_dtype)
-        return split_sizes, padding
+        return split_sizes, num_prefill, padding
 
     def _layer_attention(self, q, decode_groups, biases, prefill, cache, layout):
         """q: [N, H, Dh] in packed order -> attention output [N, H*Dh]."""
         c = self.model.config
         width = c.num_heads * c.head_dim
-        split_sizes, padding = layout
+        split_sizes, num_prefill, padding = layout
         pieces = tf.split(q, split_sizes, num=len(decode_groups) + 1)
         outputs = [self._decode_attention(piece, rows, bias, cache)
                    for piece, (rows, _), bias in zip(pieces, decode_groups, biases)]
         if prefill is not None:
             index, rows, mask, unpack = prefill
-            num_prefill = tf.shape(unpack)[0]
             q_prefill = tf.concat([pieces[-1][:num_prefill], tf.zeros_like(q[:1])], 0)
             prefilled = self._prefill_attention(q_prefill, index, rows, mask, cache)
             outputs.append(tf.gather(tf.reshape(prefilled, [-1, width]), unpack))

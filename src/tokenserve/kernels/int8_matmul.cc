@@ -488,14 +488,14 @@ class Int8MatmulOp : public OpKernel {
     // stays one chunk on the calling thread, a large one is shared with the pool.
     const int64 cost = kTile * g.K * (g.M + 3) / 16;
     const int64 tiles = (g.N + kTile - 1) / kTile;
-    const int64 num_chunks = std::max<int64>(1, std::min(tiles, tiles * cost / kChunkCycles));
-    const int64 tiles_per_chunk = (tiles + num_chunks - 1) / num_chunks;
+    const int64 wanted = std::max<int64>(1, std::min(tiles, tiles * cost / kChunkCycles));
+    const int64 tiles_per_chunk = (tiles + wanted - 1) / wanted;
+    const int64 num_chunks = (tiles + tiles_per_chunk - 1) / tiles_per_chunk;  // <= wanted
     tensorflow::thread::ThreadPool* pool = ctx->device()->tensorflow_cpu_worker_threads()->workers;
     const int64 workers = std::max(1, pool->NumThreads());
     // float kernel's dequantized tile, one per worker
     std::vector<std::vector<float>> bufs(int8 ? 0 : workers);
-    RunChunks(pool, workers, (tiles + tiles_per_chunk - 1) / tiles_per_chunk,
-              [&](int64 chunk, int64 worker) {
+    RunChunks(pool, workers, num_chunks, [&](int64 chunk, int64 worker) {
       std::vector<float>* buf = int8 ? nullptr : &bufs[worker];
       if (buf && buf->empty()) buf->resize(kTile * g.padded);
       const int64 end = std::min(tiles, (chunk + 1) * tiles_per_chunk);

@@ -111,17 +111,10 @@ def mlp(x, up: dict, down: dict, kind: str):
     return linear(h, down)
 
 
-def rope(x, positions, theta: float):
-    """Rotary position embedding, Hugging Face's rotate-half convention.
-
-    x: [B, T, H, Dh]; positions: int32 [B, T].
-    """
-    return apply_rope(x, *rope_angles(positions, x.shape[-1], theta, x.dtype))
-
-
 def rope_angles(positions, head_dim: int, theta: float, dtype):
-    """cos and sin of the rotary angles, [B, T, 1, Dh] each for positions [B, T]: the same for
-    every layer and for q and k, so a step can compute them once."""
+    """Rotary position embedding (Hugging Face's rotate-half convention), first half: cos and
+    sin of the angles, [B, T, 1, Dh] each for int32 positions [B, T]. They are the same for q
+    and k and for every layer, so they are computed once and applied with apply_rope."""
     inv_freq = 1.0 / (theta ** (tf.range(0, head_dim, 2, dtype=tf.float32) / head_dim))
     angles = tf.cast(positions, tf.float32)[..., None] * inv_freq  # [B, T, Dh/2]
     angles = tf.concat([angles, angles], axis=-1)[:, :, None, :]  # [B, T, 1, Dh]
@@ -129,7 +122,7 @@ def rope_angles(positions, head_dim: int, theta: float, dtype):
 
 
 def apply_rope(x, cos, sin):
-    """x: [B, T, H, Dh] rotated by the angles of rope_angles."""
+    """x: [B, T, H, Dh] rotated by the angles of rope_angles (second half)."""
     x1, x2 = tf.split(x, 2, axis=-1)
     return x * cos + tf.concat([-x2, x1], axis=-1) * sin
 
@@ -211,7 +204,8 @@ class Attention(keras.layers.Layer):
         k = tf.reshape(k, [batch, length, c.num_kv_heads, c.head_dim])
         v = tf.reshape(v, [batch, length, c.num_kv_heads, c.head_dim])
         if c.position == "rope":
-            q, k = rope(q, positions, c.rope_theta), rope(k, positions, c.rope_theta)
+            cos, sin = rope_angles(positions, c.head_dim, c.rope_theta, q.dtype)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         return q, k, v
 
     def call(self, x, positions, mask):
