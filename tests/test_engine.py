@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 
 import numpy as np
 import pytest
@@ -19,7 +20,9 @@ PROMPTS = ["def add(a, b):", "import os", "class Point:\n    def", "for item in 
 
 
 def engine_config(**options) -> EngineConfig:
-    defaults = dict(max_num_seqs=8, max_num_batched_tokens=24, block_size=4, precision="float32")
+    # the fused dense ops' share pinned, so the same steps take each path on every CPU
+    defaults = dict(max_num_seqs=8, max_num_batched_tokens=24, block_size=4, precision="float32",
+                    max_fused_dense_tokens=4)
     return EngineConfig(**{**defaults, **options})
 
 
@@ -208,6 +211,22 @@ def test_fused_dense_ops_give_the_xla_paths_greedy_tokens(exported, llms):
     assert not any(key[2] for key in xla_only.engine.runner.step._steps)
 
 
+def test_auto_fused_dense_share_is_this_cpus_choice_and_logged(exported, caplog):
+    """Left on auto, the runner takes the CPU's choice (tests/test_cpu_choices.py), says so,
+    and compiles XLA programs only for steps larger than the fused ops take."""
+    from tokenserve.model.precision import choose_fused_dense_tokens
+
+    with caplog.at_level(logging.INFO, logger="tokenserve.engine.runner"):
+        llm = LLM(exported[2], engine_config(max_fused_dense_tokens=None))
+    runner = llm.engine.runner
+    if not runner.is_transformer:
+        pytest.skip("the LSTM has no dense blocks to fuse")
+    chosen, why = choose_fused_dense_tokens(None)
+    assert runner.max_fused_dense_tokens == chosen
+    assert f"fused ops for steps of up to {chosen} tokens, XLA above ({why})" in caplog.text
+    assert all(tokens > chosen for tokens, _ in runner.xla_programs())
+
+
 def test_the_step_does_not_retrace_for_new_shapes(llms):
     _, llm, _ = llms
     step = llm.engine.runner.step
@@ -237,8 +256,12 @@ def test_xla_dense_layers_compile_once_per_token_bucket(llms):
     traces = [fn.experimental_get_tracing_count() for fn in dense]
     llm.generate(PROMPTS, SamplingParams(max_tokens=9), use_tqdm=False)
     assert [fn.experimental_get_tracing_count() for fn in dense] == traces == [1, 1, 1, 1]
-    # and the XLA programs of every token bucket compile ahead of the first request
-    assert llm.engine.runner.compile_buckets() == 6  # 1, 2, 4, 8, 16, 32 >= 24 tokens
+    # and the XLA programs a step can run compile ahead of the first request: each token
+    # bucket above the fused ops' 4 tokens, up to 32 >= 24 tokens, with its LM head on up to
+    # 8 rows (max_num_seqs), then the head's other row buckets
+    runner = llm.engine.runner
+    assert runner.xla_programs() == [(8, 8), (16, 8), (32, 8), (8, 1), (8, 2), (8, 4)]
+    assert runner.compile_buckets() == 6
 
 
 def test_async_engine_streams_deltas_and_a_cancelled_stream_frees_its_capacity(exported):

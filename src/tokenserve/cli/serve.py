@@ -107,6 +107,9 @@ def _add_llm_flags(p) -> None:
     g.add_argument("--precision", default=engine.precision,
                    choices=["auto", "float32", "bfloat16"],
                    help="engine compute dtype; auto = bfloat16 on AMX/AVX512-BF16 CPUs")
+    g.add_argument("--max_fused_dense_tokens", type=int, default=engine.max_fused_dense_tokens,
+                   help="float32 steps of at most this many tokens run fused dense ops instead "
+                        "of XLA programs; default: chosen for this CPU (logged), 0: never")
     g.add_argument("--max_queue_requests", type=int, default=engine.max_queue_requests,
                    help="waiting requests beyond this get HTTP 429 / RESOURCE_EXHAUSTED")
     g.add_argument("--max_queue_tokens", type=int, default=engine.max_queue_tokens,
@@ -163,6 +166,7 @@ def llm_config_from_args(args: argparse.Namespace):
                           kv_cache_dtype=args.kv_cache_dtype,
                           kv_cache_memory_bytes=args.kv_cache_memory_bytes,
                           kv_cache_memory_fraction=args.kv_cache_memory_fraction,
+                          max_fused_dense_tokens=args.max_fused_dense_tokens,
                           max_queue_requests=args.max_queue_requests,
                           max_queue_tokens=args.max_queue_tokens,
                           preempt_for_priority=args.preempt_for_priority,

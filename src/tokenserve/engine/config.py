@@ -56,10 +56,11 @@ class EngineConfig:
     precision: str = "auto"
     """Compute dtype: float32, bfloat16 (oneDNN/AMX), or auto (bfloat16 when the CPU has AMX
     or AVX512-BF16, as measured in benchmarks/throughput.py; else float32)."""
-    max_fused_dense_tokens: int = 4
+    max_fused_dense_tokens: int | None = None
     """Steps of at most this many tokens (float32 weights) run the dense half as fused ops
-    (kernels/dense.py) instead of XLA programs: on GPT-2-small (AVX2) a decode step takes
-    12 % less time at 1 sequence and 14 % less at 4; XLA catches up by 8. 0 turns it off."""
+    (kernels/dense.py) instead of XLA programs; 0 turns them off. None (auto): 32 on a CPU
+    without AVX-512, where XLA's dots are AVX2 as the ops are and the ops measured faster up to
+    16-32 tokens; 4 with AVX-512, where XLA caught up by 8 (docs/engine.md)."""
     context_pad: int = 32
     """Decode context lengths are padded to a multiple of this: fewer distinct shapes, at the
     cost of reading up to this many padding rows per sequence."""
@@ -111,7 +112,7 @@ class EngineConfig:
             raise ConfigError(f"kv_store must be a redis:// URL, got {self.kv_store!r}")
         if self.kv_store_ttl_s <= 0 or self.kv_store_timeout_s <= 0:
             raise ConfigError("kv_store_ttl_s and kv_store_timeout_s must be positive")
-        if self.max_fused_dense_tokens < 0:
+        if self.max_fused_dense_tokens is not None and self.max_fused_dense_tokens < 0:
             raise ConfigError(f"max_fused_dense_tokens must be >= 0, got "
                               f"{self.max_fused_dense_tokens}")
         if self.idle_trim_s is not None and self.idle_trim_s < 0:

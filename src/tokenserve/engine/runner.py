@@ -6,6 +6,7 @@ returns logits. This and tf_step.py are the engine's only TensorFlow code.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 from concurrent.futures import ThreadPoolExecutor
@@ -36,6 +37,10 @@ def _token_buckets():
     while True:
         yield size
         size += 64
+
+
+def _token_buckets_upto(limit: int) -> list[int]:
+    return [b for b in itertools.takewhile(lambda b: b <= limit, _token_buckets())]
 
 
 def split_by_context(decode: list, max_groups: int, group_cost: int,
@@ -94,6 +99,14 @@ class ModelRunner:
                 model, num_blocks * block_size,
                 jit_dense=model.compute_dtype == "float32"
                 and config.model.weight_format == "float", kv_dtype=self.kv_plan.dtype)
+            self.max_fused_dense_tokens = 0
+            if self.step.kernel_dense and not self.step.fused_every_step:
+                from tokenserve.model.precision import choose_fused_dense_tokens
+
+                self.max_fused_dense_tokens, why = choose_fused_dense_tokens(
+                    engine_config.max_fused_dense_tokens)
+                log.info("dense layers: fused ops for steps of up to %d tokens, XLA above (%s)",
+                         self.max_fused_dense_tokens, why)
             if config.model.weight_format == "int8":
                 from tokenserve.kernels.int8_matmul import kernel_status
 
@@ -144,7 +157,12 @@ class ModelRunner:
             write_rows.extend(rows[start:start + count])
             last[index] = len(token_ids) - 1
         num_tokens = len(token_ids)
-        num_padded = self._bucket(num_tokens, only_decode=not prefill)
+        # a step of a few tokens runs the dense half as fused ops, which take any number of
+        # rows: only XLA's programs need the tokens padded to a bucket
+        fused = self.step.kernel_dense and (self.step.fused_every_step
+                                            or num_tokens <= self.max_fused_dense_tokens)
+        xla = self.step.jit_dense and not fused
+        num_padded = self._bucket(num_tokens, only_decode=not prefill, xla=xla)
         padding = [0] * (num_padded - num_tokens)  # token 0 at position 0, written to row 0
 
         def context(group):
@@ -169,13 +187,8 @@ class ModelRunner:
                 unpack.extend(range(i * chunk, i * chunk + count))
                 first += count
             prefill_inputs = (index, context(prefill), pos, np.asarray(unpack, np.int32))
-        # a step of a few tokens runs the dense half as fused ops (no XLA shapes to match)
-        fused = self.step.kernel_dense and (
-            self.step.fused_every_step
-            or num_padded <= self.engine_config.max_fused_dense_tokens)
         # the XLA LM head runs on one row per sequence: padded too, so XLA sees few shapes
-        num_rows = (self._bucket(len(last), only_decode=False)
-                    if self.step.jit_dense and not fused else len(last))
+        num_rows = self._bucket(len(last), only_decode=False, xla=xla)
         last = np.concatenate([last, np.zeros([num_rows - len(last)], np.int32)])
         step = self.step.step_function(len(decode_groups), bool(prefill), fused)
         logits = step(np.asarray(token_ids + padding, np.int32),
@@ -184,42 +197,60 @@ class ModelRunner:
                       prefill_inputs, last)
         return logits.numpy()[:len(out.scheduled)]
 
-    def compile_buckets(self) -> int:
-        """Compiles the XLA programs of every token bucket a step can use, so no live step
-        stalls on a compile (about 0.3 s each for GPT-2-small), a thread per core. Returns
-        how many ran."""
+    def xla_programs(self) -> list[tuple[int, int]]:
+        """The (tokens, LM-head rows) shapes whose XLA programs the steps can run: every token
+        bucket above what the fused dense ops take, and the head's bucket of rows for each
+        number of sequences such a step can have. Steps the fused ops take need none."""
         if not (self.is_transformer and self.step.jit_dense):
-            return 0
-        max_tokens = max(self.engine_config.max_num_batched_tokens,
-                         self.engine_config.max_num_seqs)
-        max_rows = self._bucket(self.engine_config.max_num_seqs, only_decode=False)
-        step = self.step.step_function(0, False)
+            return []
+        knobs = self.engine_config
+        max_tokens = max(knobs.max_num_batched_tokens, knobs.max_num_seqs)
+        max_rows = self._bucket(knobs.max_num_seqs, only_decode=False, xla=True)
         sizes = []
         for size in _token_buckets():
-            sizes.append(size)
+            if size > self.max_fused_dense_tokens:
+                sizes.append(size)
             if size >= max_tokens:
                 break
-        def compile_one(size):  # padding tokens only: they write the reserved row 0
-            zeros = np.zeros([size], np.int32)
-            step(zeros, zeros, zeros, [], (), zeros[:min(size, max_rows)]).numpy()
+        if not sizes:
+            return []
+        shapes = [(size, min(size, max_rows)) for size in sizes]
+        heads = {rows for _, rows in shapes}
+        # the other head sizes ride along with the smallest token bucket's (compiled first)
+        shapes += [(sizes[0], rows) for rows in _token_buckets_upto(max_rows)
+                   if rows not in heads]
+        return shapes
 
-        compile_one(sizes[0])  # traces the step once
+    def compile_buckets(self) -> int:
+        """Compiles the XLA programs of xla_programs(), so no live step stalls on a compile
+        (about 0.3 s each for GPT-2-small), a thread per core. Returns how many shapes ran."""
+        shapes = self.xla_programs()
+        if not shapes:
+            return 0
+        step = self.step.step_function(0, False)
+
+        def compile_one(shape):  # padding tokens only: they write the reserved row 0
+            tokens, rows = shape
+            zeros = np.zeros([tokens], np.int32)
+            step(zeros, zeros, zeros, [], (), np.zeros([rows], np.int32)).numpy()
+
+        compile_one(shapes[0])  # traces the step once, and the smallest bucket's programs
         # XLA compiles a program on one core: a first start (empty persistent cache) compiles
         # on all of them, largest first so the longest compiles do not come last
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
         with ThreadPoolExecutor(max(1, min(cores, 8))) as pool:
-            list(pool.map(compile_one, sorted(sizes[1:], reverse=True)))
-        return len(sizes)
+            list(pool.map(compile_one, sorted(shapes[1:], reverse=True)))
+        return len(shapes)
 
-    def _bucket(self, num_tokens: int, only_decode: bool) -> int:
-        """How many tokens the step computes for `num_tokens` real ones.
+    def _bucket(self, num_tokens: int, only_decode: bool, xla: bool) -> int:
+        """How many tokens (or head rows) the step computes for `num_tokens` real ones.
 
         TF Serving's allowed_batch_sizes pad decode batches; XLA compiles one program per
-        shape, so with XLA dense layers every step is padded to a few bucket sizes."""
+        shape, so a step through XLA is padded to a few bucket sizes."""
         sizes = self.engine_config.batch_sizes
         if only_decode and sizes:
             return next((s for s in sizes if s >= num_tokens), num_tokens)
-        if self.step.jit_dense:
+        if xla:
             return next(b for b in _token_buckets() if b >= num_tokens)
         return num_tokens
 
