@@ -14,10 +14,10 @@ def flags(monkeypatch):
     return set_flags
 
 
-def test_without_avx512_the_fused_ops_take_steps_of_up_to_32_tokens(flags):
+def test_without_avx512_the_fused_ops_take_steps_of_up_to_16_tokens(flags):
     flags("avx2", "fma", "f16c")
     tokens, why = precision.choose_fused_dense_tokens(None)
-    assert tokens == 32 and "no AVX-512" in why
+    assert tokens == 16 and "no AVX-512" in why
 
 
 def test_with_avx512_xla_takes_steps_above_4_tokens(flags):

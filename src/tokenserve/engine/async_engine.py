@@ -150,7 +150,7 @@ class AsyncEngine:
         started = time.perf_counter()
         num_compiled = self.engine.runner.compile_buckets()
         if num_compiled:
-            log.info("compiled %d XLA step sizes in %.2fs", num_compiled,
+            log.info("compiled %d XLA step shapes in %.2fs", num_compiled,
                      time.perf_counter() - started)
         request = self.engine.make_request([self.config.bos_token_id] * 3,
                                            SamplingParams(max_tokens=2, ignore_eos=True),

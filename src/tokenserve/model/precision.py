@@ -46,13 +46,14 @@ def resolve_precision(precision: str, weight_format: str = "float") -> str:
 def choose_fused_dense_tokens(setting: int | None) -> tuple[int, str]:
     """(most tokens a float32 step runs through the fused dense ops rather than XLA, why).
 
-    XLA's CPU dots use AVX-512 where the CPU has it; the fused ops are AVX2 code. Measured on
-    GPT-2-small (docs/engine.md): on an AVX2-only CPU the ops beat XLA's programs by 20-40 %
-    from 1 to 16 tokens and tie at 24-32; on an AVX-512 CPU with XLA capped at AVX2, XLA
-    caught up by 8 tokens."""
+    XLA's CPU dots use AVX-512 where the CPU has it; the fused ops are AVX2 code. Measured
+    with benchmarks/fused_dense.py (docs/engine.md): on an AVX2-only CPU the ops beat XLA's
+    programs from 1 to 16 tokens (GPT-2-small decoding 8 sequences 0.63x the step time), but
+    decoding 32 sequences of GPT-2-small they were 8 % slower; on an AVX-512 CPU with XLA
+    capped at AVX2, XLA caught up by 8 tokens."""
     if setting is not None:
         return setting, "set explicitly"
     if "avx512f" in cpu_flags():
         return 4, "the CPU has AVX-512: XLA's dot code catches up with the fused ops by 8 tokens"
-    return 32, ("the CPU has no AVX-512: the fused ops beat XLA's AVX2 programs up to 16 tokens "
-                "and tie at 32")
+    return 16, ("the CPU has no AVX-512: the fused ops beat XLA's AVX2 programs up to 16 "
+                "tokens")
