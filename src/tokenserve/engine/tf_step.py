@@ -80,7 +80,8 @@ class TransformerStep(tf.Module):
         # The dense half of each block (norms, projections, MLP) as functions of explicit
         # weights, so one XLA program per token bucket serves every layer. The KV cache never
         # enters them: XLA would copy the cache variables in and out on every call.
-        dense = (lambda fn: tf.function(fn, jit_compile=True)) if jit_dense else (lambda fn: fn)
+        dense = ((lambda fn: tf.function(fn, jit_compile=True, autograph=False)) if jit_dense
+                 else (lambda fn: fn))
         self._enter, self._between, self._exit, self._head = (
             dense(self._enter_fn), dense(self._between_fn), dense(self._exit_fn),
             dense(self.model.head_logits))  # the head on one row per sequence: its own bucket
@@ -285,7 +286,10 @@ class TransformerStep(tf.Module):
             def step(token_ids, positions, write_rows, decode_groups, prefill, last_tokens):
                 return self._step(dense, token_ids, positions, write_rows, decode_groups,
                                   prefill, last_tokens)
-            self._steps[key] = tf.function(step, input_signature=signature)
+            # No AutoGraph: the step's loops and branches are over Python values (layers, the
+            # config), and converting them cost 2.4 s of the first trace on a 2-core VM
+            # (0.5 s without), and about a fifth of every later one.
+            self._steps[key] = tf.function(step, input_signature=signature, autograph=False)
             # Steps call the concrete function: the tf.function's own call (matching the
             # arguments against its signature on every call) measured 0.3-0.75 ms more per
             # call on a 2-core VM, for the same graph.
@@ -324,7 +328,7 @@ class TransformerStep(tf.Module):
         return head(tf.gather(x, last_tokens))                             # [S, vocab] f32
 
     # -- KV rows in and out (prefix caching's remote tier): sparse, as the step ------------
-    @tf.function(input_signature=[_spec([None])])
+    @tf.function(input_signature=[_spec([None])], autograph=False)
     def read_rows(self, rows):
         """rows: [R] -> [R, layers, 2, Hkv*Dh]: a gather, never a dense read of the cache."""
         return tf.stack([tf.stack([tf.gather(variable, rows) for variable in cache], 1)
@@ -335,7 +339,8 @@ class TransformerStep(tf.Module):
         scattered as they are (no float32 round trip), sparse, as the step writes."""
         if self._write_rows is None:  # traced once, for the cache dtype of this step
             @tf.function(input_signature=[_spec([None]), _spec([None, None, 2, None],
-                                                               self.kv_dtype)])
+                                                               self.kv_dtype)],
+                         autograph=False)
             def write(rows, values):
                 for i, cache in enumerate(self.caches):
                     for j, variable in enumerate(cache):
