@@ -42,6 +42,7 @@ def load_language_model(version_dir: str | Path, precision: str = "auto"):
     `tokenserve eval` both load through here, so eval measures what the engine serves."""
     from tokenserve.model.precision import choose_precision
     from tokenserve.model import build_model
+    from tokenserve.model.layers import restoring_weights
 
     version_dir = resolve_version_dir(version_dir)
     assets = version_dir / "assets"
@@ -58,7 +59,8 @@ def load_language_model(version_dir: str | Path, precision: str = "auto"):
     weight_format = getattr(config.model, "weight_format", "float")
     dtype, why = choose_precision(precision, weight_format)
     log.info("%s: computing in %s (precision=%s: %s)", version_dir, dtype, precision, why)
-    model = build_model(config.model, dtype=dtype)
+    with restoring_weights():  # every weight is overwritten below (or the load fails)
+        model = build_model(config.model, dtype=dtype)
     restore_weights(model, version_dir)
     return model, tokenizer, config, version_dir
 
@@ -90,4 +92,4 @@ def restore_weights(model, version_dir: str | Path) -> None:
         if tuple(value.shape) != tuple(weight.shape):
             raise ModelLoadError(f"weight {weight.path} has shape {value.shape} in "
                                  f"{version_dir}, the config expects {tuple(weight.shape)}")
-        weight.assign(tf.cast(value, weight.dtype))
+        weight.assign(value if value.dtype == weight.dtype else tf.cast(value, weight.dtype))

@@ -12,15 +12,33 @@ import contextlib
 import contextvars
 import math
 
+import contextlib
+import contextvars
+
 import keras
 import tensorflow as tf
 
 from tokenserve.config import TransformerConfig
 
 _INIT_STD = 0.02  # GPT-2 / Llama initializer range
+_RESTORING = contextvars.ContextVar("restoring_weights", default=False)
+
+
+@contextlib.contextmanager
+def restoring_weights():
+    """Models built inside start with zeros where they would draw normal samples: their
+    weights are about to be restored, and drawing GPT-2-small's 124M samples took 2 s of a
+    4 s load on a 2-core VM."""
+    token = _RESTORING.set(True)
+    try:
+        yield
+    finally:
+        _RESTORING.reset(token)
 
 
 def _normal(std: float = _INIT_STD):
+    if _RESTORING.get():
+        return "zeros"
     return keras.initializers.RandomNormal(stddev=std)
 
 
