@@ -12,9 +12,6 @@ import contextlib
 import contextvars
 import math
 
-import contextlib
-import contextvars
-
 import keras
 import tensorflow as tf
 
