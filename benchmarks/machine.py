@@ -125,6 +125,24 @@ def machine_summary(info: dict) -> str:
     return f"CPU: {info.get('cpu_model') or 'unknown'}, {count}, {flags} ({capped})"
 
 
+def write_result(path, **fields) -> dict:
+    """Writes a benchmark's result JSON to `path`: the command that ran it, this machine
+    (machine_info), the time it finished, then `fields`. Returns the machine info, for the
+    summary line."""
+    import json
+    import sys
+    import time
+    from pathlib import Path
+
+    info = machine_info()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"command": " ".join(sys.argv), "machine": info,
+                                "finished": time.strftime("%Y-%m-%d %H:%M:%S"), **fields},
+                               indent=1) + "\n")
+    return info
+
+
 if __name__ == "__main__":
     import json
 

@@ -20,16 +20,14 @@ writes benchmarks/results/pruning-step[-NAME].json with the CPU flags.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 sys.path.insert(0, str(Path(__file__).parent))
-from machine import machine_info, machine_summary  # noqa: E402
+from machine import machine_summary, write_result  # noqa: E402
 
 from tokenserve.stats import StatsSink  # noqa: E402
 
@@ -122,14 +120,9 @@ def main() -> int:
                       f"{r['ratio_to_reference']:.2f}x")
     console = Console()
     console.print(table)
-    info = machine_info()
-    console.print(machine_summary(info))
-    RESULTS.mkdir(exist_ok=True)
     out = RESULTS / f"pruning-step{'-' + args.name if args.name else ''}.json"
-    out.write_text(json.dumps({"command": " ".join(sys.argv), "machine": info,
-                               "new_tokens": args.new_tokens, "rounds": args.rounds,
-                               "finished": time.strftime("%Y-%m-%d %H:%M:%S"),
-                               "results": results}, indent=1) + "\n")
+    info = write_result(out, new_tokens=args.new_tokens, rounds=args.rounds, results=results)
+    console.print(machine_summary(info))
     console.print(f"wrote {out}")
     return 0
 
