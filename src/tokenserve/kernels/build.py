@@ -32,6 +32,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from functools import cache
 from pathlib import Path
 
 import tensorflow as tf
@@ -61,7 +62,27 @@ def arch_flags(*march_envs: str) -> list[str]:
     (default: -march=native)."""
     march = next((os.environ[name].strip() for name in (*march_envs, MARCH_ENV)
                   if os.environ.get(name, "").strip()), "native")
-    return ["-mavx2", "-mfma"] if march == "avx2" else [f"-march={march}"]
+    if march == "avx2":
+        return ["-mavx2", "-mfma"]
+    # TF's bundled Eigen has AVX512-FP16 packet code (Eigen/src/Core/arch/AVX512/
+    # PacketMathFP16.h) that g++ 12 rejects ("expected initializer before '<'"), so on a CPU
+    # with avx512_fp16 (Sapphire Rapids and later) -march=native failed every build and every
+    # op fell back to pure TF. No op computes in half precision: turn the extension off.
+    return [f"-march={march}", *_no_avx512fp16()]
+
+
+@cache
+def _no_avx512fp16() -> tuple[str, ...]:
+    """("-mno-avx512fp16",) when g++ knows the flag (g++ 12 and later), else ()."""
+    compiler = shutil.which("g++")
+    if compiler is None:
+        return ()
+    try:
+        probe = subprocess.run([compiler, "-mno-avx512fp16", "-E", "-x", "c++", os.devnull],
+                               capture_output=True, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return ()
+    return ("-mno-avx512fp16",) if probe.returncode == 0 else ()
 
 
 def cpu_flags() -> str:
