@@ -2,6 +2,7 @@
 
 import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -53,3 +54,26 @@ def test_builtin_transformer_writes_an_indented_function_body():
     text = tokenizer.decode(ids)
     assert text.startswith(prompt)
     assert text[len(prompt):].startswith("\n    "), text  # a new line, then an indented body
+
+
+def test_serve_exports_the_builtin_model_in_a_child_process(monkeypatch, tmp_path):
+    """A first `serve` makes the built-in export in a child process, so the server's heap
+    never holds the export's graphs: here the in-process exporter is broken, and the export
+    still appears, complete, under a fresh cache."""
+    from tokenserve.export import cached_exports
+    from tokenserve.export.exporter import version_dirs
+    from tokenserve.server.config import ServeConfig
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+
+    def in_process_export(*args, **kwargs):
+        raise AssertionError("serve exported the built-in model in its own process")
+
+    monkeypatch.setattr(cached_exports, "export_model", in_process_export)
+    (spec,) = ServeConfig().model_specs()
+    base = Path(spec.base_path)
+    assert base.is_relative_to(tmp_path)
+    (version,) = version_dirs(base)
+    assert (base / str(version) / "saved_model.pb").is_file()
+    # a second start finds it without exporting again
+    assert ServeConfig().model_specs()[0].base_path == spec.base_path

