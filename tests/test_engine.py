@@ -262,6 +262,47 @@ def test_xla_dense_layers_compile_once_per_token_bucket(llms):
     runner = llm.engine.runner
     assert runner.xla_programs() == [(8, 8), (16, 8), (32, 8), (8, 1), (8, 2), (8, 4)]
     assert runner.compile_buckets() == 6
+    # compiling runs them from a one-layer graph that reuses the step's traces
+    assert [fn.experimental_get_tracing_count() for fn in dense] == [1, 1, 1, 1]
+
+
+COMPILE_THEN_SERVE = """
+import json, os, sys
+cache, model_dir = sys.argv[1], sys.argv[2]
+os.environ["TF_XLA_FLAGS"] = f"--tf_xla_persistent_cache_directory={cache}"
+from tokenserve.engine.config import EngineConfig
+from tokenserve.engine.llm import LLM
+from tokenserve.sampling import SamplingParams
+
+llm = LLM(model_dir, EngineConfig(max_num_seqs=8, max_num_batched_tokens=24, block_size=4,
+                                  precision="float32", max_fused_dense_tokens=4))
+shapes = llm.engine.runner.compile_buckets()
+compiled = set(os.listdir(cache))
+prompts = [[5 + i] * n for i, n in enumerate([3, 9, 17, 24, 1, 6, 12, 2])]
+llm.generate(prompts, SamplingParams(max_tokens=6, ignore_eos=True), use_tqdm=False)
+print(json.dumps({"shapes": shapes, "compiled": len(compiled),
+                  "new": sorted(set(os.listdir(cache)) - compiled)}))
+"""
+
+
+def test_compiled_buckets_leave_nothing_for_live_steps_to_compile(tiny_gpt2_dir, tmp_path):
+    """compile_buckets compiles the very programs the steps then run: with XLA's persistent
+    cache on, steps of every bucket (prefill chunks of 5-24 tokens, 1-8 sequences) add no
+    program to it. A program compiled some other way (an eager call of the dense functions
+    was measured to be one) would not be found by the step, and would be compiled again
+    under a request."""
+    import json
+    import subprocess
+    import sys
+
+    cache = tmp_path / "xla"
+    cache.mkdir()
+    done = subprocess.run([sys.executable, "-c", COMPILE_THEN_SERVE, str(cache),
+                           str(tiny_gpt2_dir)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["shapes"] == 6 and report["compiled"] >= 6
+    assert report["new"] == []
 
 
 def test_async_engine_streams_deltas_and_a_cancelled_stream_frees_its_capacity(exported):

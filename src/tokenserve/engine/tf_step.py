@@ -95,6 +95,7 @@ class TransformerStep(tf.Module):
                              and (jit_dense or int8))
         self.fused_every_step = self.kernel_dense and int8
         self._write_rows = None  # write_rows' traced scatter, made on first use
+        self._dense_programs = None  # dense_programs' graph, made on first use
         self._steps: dict[tuple[int, bool, bool],
                           tf.types.experimental.PolymorphicFunction] = {}
         self._concrete: dict[tuple[int, bool, bool],
@@ -326,6 +327,35 @@ class TransformerStep(tf.Module):
                 x, q, k, v = between(x, attn, rotary, weights[i], weights[i + 1])
         x = exit_(x, attn, weights[-1])
         return head(tf.gather(x, last_tokens))                             # [S, vocab] f32
+
+    def dense_programs(self):
+        """A graph that calls each XLA dense function once, on one layer's weights:
+        (token_ids [N], positions [N], head_rows [R]) -> a scalar. Running it at a shape
+        compiles the XLA programs a step of that shape runs, at a twelfth of a 12-layer
+        step's compute: a call from any graph finds the programs another graph's call
+        compiled, as long as both call the same traced function (an eager call does not,
+        measured). So the step is traced first and this graph calls the dense functions
+        with the step's argument types: they reuse the step's traces (tests check that each
+        is traced once)."""
+        if self._dense_programs is None:
+            self.step_function(0, False)
+            weights, c = self.layer_weights, self.model.config
+
+            @tf.function(input_signature=[_spec([None]), _spec([None]), _spec([None])],
+                         autograph=False)
+            def run(token_ids, positions, head_rows):
+                x = self.model.embed(token_ids, positions)                     # [N, D]
+                rotary = self.rotary(positions)
+                q, _, _ = self._enter(x, rotary, weights[0])
+                attn = tf.reshape(q, [-1, c.num_heads * c.head_dim])           # [N, H*Dh]
+                outputs = [self._exit(x, attn, weights[-1])]
+                if len(weights) > 1:
+                    outputs.append(self._between(x, attn, rotary, weights[0], weights[1])[0])
+                logits = self._head(tf.gather(outputs[0], head_rows))
+                return tf.add_n([tf.reduce_sum(tf.cast(t, tf.float32))
+                                 for t in (*outputs, logits)])
+            self._dense_programs = run.get_concrete_function()
+        return self._dense_programs
 
     # -- KV rows in and out (prefix caching's remote tier): sparse, as the step ------------
     @tf.function(input_signature=[_spec([None])], autograph=False)
