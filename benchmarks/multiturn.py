@@ -13,12 +13,12 @@ hold six turns after a 1,000-token system prompt; the per-token cost is GPT-2 sm
     python benchmarks/multiturn.py            # 16 x 6, as specified
     python benchmarks/multiturn.py --quick    # 4 x 3: minutes on a 2-core machine
 
-Prints a table, writes benchmarks/results/multiturn[-quick].json (rewritten after every
-mode, so a run cut short keeps what it measured) and a PNG of TTFT by turn. The replicas
-run in this process (two engines, each with its own KV cache), against a redis-server the
-script starts on a free loopback port in a temporary directory. Every engine is warmed up
-(its step traced for prefill and for several decode groups) on unrelated prompts before
-it is timed, and the counters below exclude the warm-up.
+Prints a table, writes benchmarks/results/multiturn[-quick].json (`--name` names another
+file; rewritten after every mode, so a run cut short keeps what it measured) and a PNG of
+TTFT by turn. The replicas run in this process (two engines, each with its own KV cache),
+against a redis-server the script starts on a free loopback port in a temporary directory.
+Every engine is warmed up (its step traced for prefill and for several decode groups) on
+unrelated prompts before it is timed, and the counters below exclude the warm-up.
 """
 
 from __future__ import annotations
@@ -316,6 +316,9 @@ def main() -> int:
                                                    / "tokenserve-bench" / "gpt2-small-2k"),
                         help="base path of a GPT-2-small export with >= 2,048 positions "
                              "(exported there if it holds none)")
+    parser.add_argument("--name", default=None,
+                        help="result file stem under benchmarks/results (default: multiturn, "
+                             "or multiturn-quick with --quick)")
     parser.add_argument("--note", default=None,
                         help="a remark stored in the JSON (e.g. why the workload was reduced)")
     args = parser.parse_args()
@@ -343,7 +346,7 @@ def main() -> int:
                                              text=True).stdout.strip(),
               "command": " ".join(["python", "benchmarks/multiturn.py"] + sys.argv[1:]),
               "machine": machine, "goals": GOALS, "complete": False, "modes": []}
-    name = "multiturn-quick" if args.quick else "multiturn"
+    name = args.name or ("multiturn-quick" if args.quick else "multiturn")
     tmp = Path(tempfile.mkdtemp(prefix="multiturn-redis-"))
     redis_process, redis_url = start_redis(tmp)
     started = time.perf_counter()
