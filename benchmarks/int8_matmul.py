@@ -5,7 +5,10 @@ For each weight shape K x N (768x2304 attention QKV, 768x768 attention out, 768x
 3072x768 MLP down, 768x50257 LM head) and batch M = 1, 8, 32, the median time of one matmul:
   f32         tf.matmul, float32 weights, graph-mode tf.function (oneDNN)
   f32 XLA     the same with jit_compile=True
-  int8 op     tokenserve's compiled op (int8 activations per 32-block, the default)
+  int8 op     tokenserve's compiled op (int8 activations per 32-block, the default; its
+              AVX512-VNNI path where the CPU has one)
+  int8 avx2   the same op held to its AVX2 path (isa="avx2"; the same as "int8 op" on a CPU
+              without AVX512-VNNI)
   int8 op fa  the compiled op with float activations (exact, kept as an option)
   fallback    the pure-TF int8 path (cast + scale + tf.matmul), graph mode
 plus the int8 op's weight bandwidth (GB/s of int8 weight bytes) and its speedup over f32 XLA.
@@ -51,7 +54,7 @@ CONFIGS = {
     "avx2": {"ONEDNN_MAX_CPU_ISA": "AVX2", "XLA_FLAGS": "--xla_cpu_max_isa=AVX2",
              "TOKENSERVE_INT8_KERNEL_MARCH": "avx2"},
 }
-METHODS = ["f32", "f32 XLA", "int8 op", "int8 op fa", "fallback"]
+METHODS = ["f32", "f32 XLA", "int8 op", "int8 avx2", "int8 op fa", "fallback"]
 
 
 def measure(shapes, batches, reps: int) -> list[dict]:
@@ -75,6 +78,7 @@ def measure(shapes, batches, reps: int) -> list[dict]:
             "f32": lambda x, i: tf.matmul(x, f32[i]),
             "f32 XLA": lambda x, i: tf.matmul(x, f32[i]),
             "int8 op": lambda x, i: im.compiled_int8_matmul(x, int8[i], scale),
+            "int8 avx2": lambda x, i: im.compiled_int8_matmul(x, int8[i], scale, isa="avx2"),
             "int8 op fa": lambda x, i: im.compiled_int8_matmul(x, int8[i], scale,
                                                                activations="float"),
             "fallback": lambda x, i: im.int8_matmul_fallback(x, int8[i], scale),

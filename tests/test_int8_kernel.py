@@ -1,5 +1,6 @@
-"""The int8-weight matmul: quantization, the compiled op (AVX2 and scalar paths, int8 and float
-activations) and the pure-TF fallback against NumPy references, graph mode, bad shapes."""
+"""The int8-weight matmul: quantization, the compiled op (AVX512-VNNI where the CPU has it,
+AVX2 and scalar paths, int8 and float activations) and the pure-TF fallback against NumPy
+references, graph mode, bad shapes."""
 
 from __future__ import annotations
 
@@ -94,7 +95,7 @@ def test_quantize_rejects_group_size_not_dividing_k():
 # The compiled op
 
 
-@pytest.mark.parametrize("isa", ["auto", "scalar"])
+@pytest.mark.parametrize("isa", ["auto", "avx2", "scalar"])
 @pytest.mark.parametrize("m,k,n,g", CASES)
 def test_compiled_int8_activations(compiled, m, k, n, g, isa):
     x, q, scale = make(m, k, n, g)
@@ -111,7 +112,7 @@ def test_compiled_int8_activations(compiled, m, k, n, g, isa):
     assert relative_error(y, reference(x, q, scale)) < 3e-2
 
 
-@pytest.mark.parametrize("isa", ["auto", "scalar"])
+@pytest.mark.parametrize("isa", ["auto", "avx2", "scalar"])
 @pytest.mark.parametrize("m,k,n,g", CASES)
 def test_compiled_float_activations(compiled, m, k, n, g, isa):
     x, q, scale = make(m, k, n, g)
@@ -234,7 +235,7 @@ def test_integer_x_is_rejected():
 
 
 @pytest.mark.parametrize("activations", ["int8", "float"])
-@pytest.mark.parametrize("isa", ["auto", "scalar"])
+@pytest.mark.parametrize("isa", ["auto", "avx2", "scalar"])
 def test_compiled_non_finite_x_gives_nan(compiled, activations, isa):
     x, q, scale = make(3, 96, 8, 1)
     x[0, 5], x[1, 70] = np.nan, np.inf

@@ -127,7 +127,8 @@ def compiled_int8_matmul(x, q, scale, activations: str = "int8", isa: str = "aut
     """The compiled op with its kernel choices exposed (tests and benchmarks).
 
     activations: "int8" (default; x quantized per 32-block) or "float" (exact, slower).
-    isa: "auto" (AVX2+FMA where the CPU has it) or "scalar" (the portable path).
+    isa: "auto" (AVX512-VNNI for the int8 kernel where the CPU has it, else AVX2+FMA where
+        it has that), "avx2" (at most AVX2+FMA) or "scalar" (the portable path).
     Raises RuntimeError if the op is unavailable.
     """
     loaded = _load()
