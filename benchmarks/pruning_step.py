@@ -63,6 +63,9 @@ def main() -> int:
     parser.add_argument("--new-tokens", type=int, default=64,
                         help="tokens per sequence; must outlast the prefill's steps")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--precision", default="float32",
+                        help="the engines' precision (default float32; auto: what serve picks "
+                             "for this CPU)")
     args = parser.parse_args()
 
     import numpy as np
@@ -79,10 +82,11 @@ def main() -> int:
     rng = np.random.default_rng(0)
     results = []
     for seqs, context in shapes:
-        config = EngineConfig(precision="float32", max_num_seqs=seqs,
+        config = EngineConfig(precision=args.precision, max_num_seqs=seqs,
                               max_cache_tokens=seqs * (context + args.new_tokens + 16),
                               enable_prefix_caching=False)
         engines = {path: LLM(path, config) for path in args.models}
+        computes_in = next(iter(engines.values())).engine.runner.precision
         vocab = next(iter(engines.values())).engine.config.model.vocab_size
         prompts = [rng.integers(10, vocab, context).tolist() for _ in range(seqs)]
         steps = {path: [] for path in args.models}
@@ -109,7 +113,7 @@ def main() -> int:
                             "step_ms_p90": 1e3 * float(np.percentile(steps[path], 90)),
                             "ratio_to_reference": median / reference})
 
-    table = Table(title="engine decode step, float32")
+    table = Table(title=f"engine decode step, {computes_in}")
     for column in ("model", "seqs x context", "steps", "median ms", "p10-p90 ms", "vs first"):
         table.add_column(column, justify="left" if column == "model" else "right")
     for r in results:
@@ -121,7 +125,8 @@ def main() -> int:
     console = Console()
     console.print(table)
     out = RESULTS / f"pruning-step{'-' + args.name if args.name else ''}.json"
-    info = write_result(out, new_tokens=args.new_tokens, rounds=args.rounds, results=results)
+    info = write_result(out, new_tokens=args.new_tokens, rounds=args.rounds,
+                        precision=computes_in, results=results)
     console.print(machine_summary(info))
     console.print(f"wrote {out}")
     return 0
