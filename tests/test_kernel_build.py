@@ -10,8 +10,7 @@ import shutil
 
 import pytest
 
-from tokenserve.kernels import build
-from tokenserve.kernels import dense, int8_matmul, paged_attention
+from tokenserve.kernels import build, dense, int8_matmul, paged_attention
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="no g++ on this machine")
 

@@ -331,10 +331,10 @@ class TransformerStep(tf.Module):
     def dense_programs(self):
         """A graph that calls each XLA dense function once, on one layer's weights:
         (token_ids [N], positions [N], head_rows [R]) -> a scalar. Running it at a shape
-        compiles the XLA programs a step of that shape runs, at a twelfth of a 12-layer
-        step's compute: a call from any graph finds the programs another graph's call
-        compiled, as long as both call the same traced function (an eager call does not,
-        measured). So the step is traced first and this graph calls the dense functions
+        compiles the XLA programs a step of that shape runs, for about two layers' compute
+        instead of every layer's: a call from any graph finds the programs another graph's
+        call compiled, as long as both call the same traced function (an eager call does
+        not, measured). So the step is traced first and this graph calls the dense functions
         with the step's argument types: they reuse the step's traces (tests check that each
         is traced once)."""
         if self._dense_programs is None:
