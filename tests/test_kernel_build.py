@@ -31,3 +31,10 @@ def test_native_build_turns_avx512fp16_off_when_gxx_knows_it(monkeypatch):
     assert set(flags[1:]) <= {"-mno-avx512fp16"}
     monkeypatch.setenv(build.MARCH_ENV, "avx2")
     assert build.arch_flags() == ["-mavx2", "-mfma"]
+
+
+def test_native_build_on_a_cpu_without_avx512fp16_needs_no_probe(monkeypatch):
+    monkeypatch.delenv(build.MARCH_ENV, raising=False)
+    monkeypatch.setattr(build, "cpu_flags", lambda: "fpu sse2 avx2 fma avx512f avx512bw")
+    monkeypatch.setattr(build, "_no_avx512fp16", lambda: pytest.fail("g++ was probed"))
+    assert build.arch_flags() == ["-march=native"]

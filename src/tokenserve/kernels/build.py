@@ -67,7 +67,11 @@ def arch_flags(*march_envs: str) -> list[str]:
     # TF's bundled Eigen has AVX512-FP16 packet code (Eigen/src/Core/arch/AVX512/
     # PacketMathFP16.h) that g++ 12 rejects ("expected initializer before '<'"), so on a CPU
     # with avx512_fp16 (Sapphire Rapids and later) -march=native failed every build and every
-    # op fell back to pure TF. No op computes in half precision: turn the extension off.
+    # op fell back to pure TF. No op computes in half precision: turn the extension off. The
+    # g++ probe is only needed where the target can include it (an explicit -march, or a CPU
+    # that has it), so other CPUs start no compiler process for it.
+    if march == "native" and "avx512_fp16" not in cpu_flags().split():
+        return ["-march=native"]
     return [f"-march={march}", *_no_avx512fp16()]
 
 
