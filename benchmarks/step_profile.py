@@ -193,7 +193,7 @@ def main(argv=None) -> int:
         run_point(engine, timed, num_seqs, 4, profile=False)
         point = run_point(engine, timed, num_seqs, args.max_tokens, args.profile)
         point["dense_only_ms"] = dense_only_ms(engine.runner,
-                                               engine.runner._bucket(num_seqs, True))
+                                               engine.runner._bucket(num_seqs, True, True))
         points.append(point)
 
     table = Table(title=f"engine decode step, {Path(str(model_dir)).name} "

@@ -47,6 +47,28 @@ def _spec(shape, dtype=I32):
     return tf.TensorSpec(shape, dtype)
 
 
+class FlatCall:
+    """Calls a traced step's concrete function with its inputs already flat.
+
+    A concrete function's own call binds the nested arguments (lists of tuples of arrays)
+    to its signature and casts each against its TensorSpec: 0.3-0.8 ms a step on a 2-core
+    VM, measured against this call with the same inputs (about 6 % of an int8 GPT-2-small
+    step at batch 1). Every step input is int32, built by the runner, so the binding checks
+    nothing the graph would not. Without `_call_flat` (a TensorFlow that renamed it), it
+    falls back to the public call."""
+
+    def __init__(self, concrete):
+        self.concrete = concrete
+        self._call_flat = getattr(concrete, "_call_flat", None)
+        self._captured = concrete.captured_inputs if self._call_flat else None
+
+    def __call__(self, *args):
+        if self._call_flat is None:
+            return self.concrete(*args)
+        inputs = [tf.constant(x, I32) for x in tf.nest.flatten(args)]
+        return self._call_flat(inputs, self._captured)
+
+
 class TransformerStep(tf.Module):
     """Paged-attention step for a TransformerLM over a block-pooled KV cache.
 
@@ -98,8 +120,7 @@ class TransformerStep(tf.Module):
         self._dense_programs = None  # dense_programs' graph, made on first use
         self._steps: dict[tuple[int, bool, bool],
                           tf.types.experimental.PolymorphicFunction] = {}
-        self._concrete: dict[tuple[int, bool, bool],
-                             tf.types.experimental.ConcreteFunction] = {}
+        self._concrete: dict[tuple[int, bool, bool], FlatCall] = {}
 
     # -- the dense half, XLA-compiled when jit_dense ------------------------------------------
     def _qkv(self, x, rotary, w):
@@ -294,7 +315,7 @@ class TransformerStep(tf.Module):
             # Steps call the concrete function: the tf.function's own call (matching the
             # arguments against its signature on every call) measured 0.3-0.75 ms more per
             # call on a 2-core VM, for the same graph.
-            self._concrete[key] = self._steps[key].get_concrete_function()
+            self._concrete[key] = FlatCall(self._steps[key].get_concrete_function())
         return self._concrete[key]
 
     def _step(self, dense, token_ids, positions, write_rows, decode_groups, prefill,
