@@ -371,3 +371,31 @@ def test_the_start_up_warmup_request_reaches_no_stats(exported):
         assert recorder.steps
     finally:
         engine.shutdown()
+
+
+def test_flat_step_call_matches_the_structured_call():
+    """The step is called with its inputs flattened (skipping the signature binding); the
+    result must be the public call's, and inputs that fit another step are refused."""
+    import tensorflow as tf
+
+    from tokenserve.engine.tf_step import FlatCall, _spec
+
+    @tf.function(input_signature=[_spec([None]), [(_spec([None, None]), _spec([None]))] * 2,
+                                  (_spec([None]),), _spec([None])], autograph=False)
+    def step(token_ids, groups, prefill, last):
+        # every input feeds the result, each with its own weight, so a swap would show
+        return (token_ids * 1000 + tf.reduce_sum(groups[0][0]) * 100
+                + tf.reduce_sum(groups[1][1]) * 10 + tf.reduce_sum(prefill[0])
+                - tf.reduce_sum(last) * 7 + tf.reduce_sum(groups[1][0]) * 3)
+
+    concrete = step.get_concrete_function()
+    rng = np.random.default_rng(0)
+    args = (rng.integers(0, 9, 3, dtype=np.int32),
+            [(rng.integers(0, 9, [2, 4], dtype=np.int32), rng.integers(0, 9, 2, dtype=np.int32)),
+             (rng.integers(0, 9, [1, 5], dtype=np.int32), rng.integers(0, 9, 1, dtype=np.int32))],
+            (rng.integers(0, 9, 6, dtype=np.int32),), rng.integers(0, 9, 2, dtype=np.int32))
+    flat = FlatCall(concrete)
+    assert flat._call_flat is not None  # the fast path, on the pinned TensorFlow
+    np.testing.assert_array_equal(flat(*args).numpy(), concrete(*args).numpy())
+    with pytest.raises(ValueError, match="traced for 7"):
+        flat(args[0], args[1][:1], args[2], args[3])

@@ -61,11 +61,15 @@ class FlatCall:
         self.concrete = concrete
         self._call_flat = getattr(concrete, "_call_flat", None)
         self._captured = concrete.captured_inputs if self._call_flat else None
+        self._num_inputs = len(tf.nest.flatten(concrete.structured_input_signature))
 
     def __call__(self, *args):
         if self._call_flat is None:
             return self.concrete(*args)
         inputs = [tf.constant(x, I32) for x in tf.nest.flatten(args)]
+        if len(inputs) != self._num_inputs:  # the runner picked the wrong step: say so
+            raise ValueError(f"step called with {len(inputs)} inputs, traced for "
+                             f"{self._num_inputs}")
         return self._call_flat(inputs, self._captured)
 
 
