@@ -242,3 +242,89 @@ def test_compiled_non_finite_x_gives_nan(compiled, activations, isa):
     y = im.compiled_int8_matmul(x, q, scale, activations=activations, isa=isa).numpy()
     assert not np.isfinite(y[:2]).any()  # as in float math: not silently finite
     assert relative_error(y[2:], reference(x[2:], q, scale)) < 3e-2  # other rows unharmed
+
+
+def _block_weights(d, f, activation, norm_bias, seed, group=None):
+    """Random int8 weights of a block's second half: out [D, D], up [F, D], down [D, F or F/2]
+    (biases for GPT-2-style blocks, none for Llama-style ones), and its MLP norm."""
+    rng = np.random.default_rng(seed)
+    biased = activation == "gelu_tanh"
+
+    def layer(k, n):
+        q, scale = im.quantize_weight(rng.standard_normal((k, n)).astype(np.float32) * 0.05,
+                                      group)
+        weights = {"q": tf.constant(q), "scale": tf.constant(scale)}
+        if biased:
+            weights["bias"] = tf.constant(rng.standard_normal(n).astype(np.float32) * 0.1)
+        return weights
+
+    inner = f // 2 if activation == "swiglu" else f
+    norm = {"scale": tf.constant(rng.standard_normal(d).astype(np.float32))}
+    if norm_bias:
+        norm["bias"] = tf.constant(rng.standard_normal(d).astype(np.float32))
+    return layer(d, d), norm, layer(d, f), layer(inner, d)
+
+
+@pytest.mark.parametrize("isa", ["auto", "scalar"])
+@pytest.mark.parametrize("activation,norm_bias,m,d,f,group", [
+    ("gelu_tanh", True, 1, 64, 256, None),   # GPT-2: LayerNorm, biases, one scale per row
+    ("gelu_tanh", True, 5, 96, 200, None),   # several rows, widths not a multiple of 32
+    ("swiglu", False, 3, 64, 256, 32),       # Llama: RMSNorm, no biases, grouped scales
+    ("swiglu", False, 1, 40, 344, None)])    # widths not a multiple of 8 (scalar tails)
+def test_finish_block_equals_the_separate_ops(compiled, isa, activation, norm_bias, m, d, f,
+                                              group):
+    """The fused block is the separate int8 matmuls, epilogues and norm, bit for bit: the same
+    kernels (rowops.h is shared with the dense library) in the same order."""
+    from tokenserve.kernels import dense as kdense
+
+    if not kdense.is_compiled():
+        pytest.skip("the dense library (epilogue, norm) is not compiled here")
+    out, norm, up, down = _block_weights(d, f, activation, norm_bias, seed=m + d, group=group)
+    rng = np.random.default_rng(1)
+    attn = tf.constant(rng.standard_normal((m, d)).astype(np.float32))
+    x = tf.constant(rng.standard_normal((m, d)).astype(np.float32) * 3)
+    fused = im.int8_finish_block(attn, x, out, norm, up, down, activation, 1e-5, isa=isa)
+
+    def matmul(a, w):
+        return im.compiled_int8_matmul(a, w["q"], w["scale"], isa=isa)
+
+    x1 = kdense.epilogue(matmul(attn, out), out.get("bias"), x, isa=isa)
+    h = kdense.layer_norm(x1, norm["scale"], norm.get("bias"), 1e-5, isa=isa)
+    u = kdense.epilogue(matmul(h, up), up.get("bias"), None, activation, isa=isa)
+    separate = kdense.epilogue(matmul(u, down), down.get("bias"), x1, isa=isa)
+    np.testing.assert_array_equal(fused.numpy(), separate.numpy())
+    # and it is the block's math: against float64 with the dequantized weights (the op's
+    # int8 activations cost up to 1/254 of a block's absmax per value)
+    np.testing.assert_allclose(fused.numpy(), _block_reference(attn, x, out, norm, up, down,
+                                                               activation), rtol=0.05, atol=0.05)
+
+
+def _block_reference(attn, x, out, norm, up, down, activation):
+    def lin(a, w):
+        y = a @ im.dequantize_weight(w["q"].numpy(), w["scale"].numpy()).astype(np.float64).T
+        return y + (w["bias"].numpy() if "bias" in w else 0)
+
+    x1 = lin(attn.numpy().astype(np.float64), out) + x.numpy()
+    mean = x1.mean(-1, keepdims=True) if "bias" in norm else 0
+    var = ((x1 - mean) ** 2).mean(-1, keepdims=True)
+    h = (x1 - mean) / np.sqrt(var + 1e-5) * norm["scale"].numpy() + (
+        norm["bias"].numpy() if "bias" in norm else 0)
+    z = lin(h, up)
+    if activation == "swiglu":
+        gate, value = np.split(z, 2, axis=-1)
+        u = gate / (1 + np.exp(-gate)) * value
+    else:
+        u = 0.5 * z * (1 + np.tanh(np.sqrt(2 / np.pi) * (z + 0.044715 * z ** 3)))
+    return lin(u, down) + x1
+
+
+def test_finish_block_refuses_weights_that_do_not_fit(compiled):
+    out, norm, up, down = _block_weights(64, 256, "gelu_tanh", True, seed=0)
+    attn = x = tf.zeros([2, 64])
+    bad_down = {**down, "q": down["q"][:, :128], "scale": down["scale"]}
+    with pytest.raises(tf.errors.InvalidArgumentError, match="down: x is .M, K. with K = 256"):
+        im.int8_finish_block(attn, x, out, norm, up, bad_down)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="x must be .M, D. = .2, 64."):
+        im.int8_finish_block(attn, tf.zeros([3, 64]), out, norm, up, down)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="norm_bias must be"):
+        im.int8_finish_block(attn, x, out, {**norm, "bias": tf.zeros([63])}, up, down)

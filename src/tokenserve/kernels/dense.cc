@@ -44,6 +44,7 @@
 #include "tensorflow/core/framework/shape_inference.h"
 #include "tensorflow/core/platform/threadpool.h"
 #include "chunks.h"
+#include "rowops.h"
 
 namespace tokenserve {
 namespace {
@@ -67,7 +68,8 @@ constexpr int64 kChunksPerWorker = 4;  // "kn" split-K chunks per thread (late t
 constexpr int64 kSplitKMaxRows = 4;  // "kn" with at most this many rows of x splits K instead
 constexpr int64 kSplitKMinRows = 64;  // weight rows per thread at least, when K is split
 
-enum class Activation { kNone, kGeluTanh, kSwiglu };
+using rowops::Activation;
+using rowops::FinishRow;
 
 struct Geometry {
   int64 M, K, N;  // x [M, K]; z = x @ W: [M, N]
@@ -92,73 +94,8 @@ bool CpuHasAvx2Fma() {
 #endif
 }
 
-// ---- activations (scalar) ---------------------------------------------------------------
-inline float Sigmoid(float v) { return 1.f / (1.f + std::exp(-v)); }
-// GPT-2's tanh GELU: 0.5 v (1 + tanh(c (v + 0.044715 v^3))) == v * sigmoid(2 c (...))
-inline float GeluTanh(float v) {
-  return v * Sigmoid(1.5957691216057308f * (v + 0.044715f * v * v * v));
-}
-
-// Epilogue of `out` values of a finished row z (already + bias), written to y_row; swiglu
-// multiplies by the up half, `up` (z + N / 2).
-void FinishRowScalar(int64 out, Activation act, const float* z, const float* up,
-                     const float* res, float* y_row) {
-  for (int64 j = 0; j < out; ++j) {
-    float v = z[j];
-    if (act == Activation::kGeluTanh) v = GeluTanh(v);
-    if (act == Activation::kSwiglu) v = v * Sigmoid(v) * up[j];
-    if (res) v += res[j];
-    y_row[j] = v;
-  }
-}
-
 #ifdef TOKENSERVE_X86
 #define AVX2_FN __attribute__((target("avx2,fma")))
-
-// exp(x), Cephes' polynomial (relative error ~1e-7; inputs clamped to +-88).
-AVX2_FN inline __m256 Exp(__m256 x) {
-  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
-  __m256 fx = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f),
-                                              _mm256_set1_ps(0.5f)));
-  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
-  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, x, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, x, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, x, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, x, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, x, _mm256_set1_ps(5.0000001201e-1f));
-  p = _mm256_fmadd_ps(p, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.f)));
-  const __m256i n = _mm256_slli_epi32(
-      _mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(n));
-}
-
-AVX2_FN inline __m256 Sigmoid8(__m256 v) {
-  const __m256 one = _mm256_set1_ps(1.f);
-  return _mm256_div_ps(one, _mm256_add_ps(one, Exp(_mm256_sub_ps(_mm256_setzero_ps(), v))));
-}
-
-AVX2_FN void FinishRowAvx2(int64 out, Activation act, const float* z, const float* up,
-                           const float* res, float* y_row) {
-  int64 j = 0;
-  for (; j + 8 <= out; j += 8) {
-    __m256 v = _mm256_loadu_ps(z + j);
-    if (act == Activation::kGeluTanh) {
-      const __m256 cube = _mm256_mul_ps(_mm256_mul_ps(v, v), v);
-      const __m256 inner = _mm256_fmadd_ps(cube, _mm256_set1_ps(0.044715f), v);
-      v = _mm256_mul_ps(v, Sigmoid8(_mm256_mul_ps(inner, _mm256_set1_ps(1.5957691216057308f))));
-    } else if (act == Activation::kSwiglu) {
-      v = _mm256_mul_ps(_mm256_mul_ps(v, Sigmoid8(v)), _mm256_loadu_ps(up + j));
-    }
-    if (res) v = _mm256_add_ps(v, _mm256_loadu_ps(res + j));
-    _mm256_storeu_ps(y_row + j, v);
-  }
-  if (j < out) {  // the tail, through the scalar code
-    FinishRowScalar(out - j, act, z + j, up ? up + j : nullptr, res ? res + j : nullptr,
-                    y_row + j);
-  }
-}
 
 // "kn": acc[r, 0 .. width) = x[r, :] @ W[:, j0 .. j0 + width) for rows r of one pass.
 // Four weight rows per iteration: each accumulator is loaded and stored once per four FMAs.
@@ -297,36 +234,6 @@ AVX2_FN void NkTileAvx2(const Geometry& g, const float* x, const float* w, int64
   }
 }
 
-// Norm of one row: LayerNorm (bias != nullptr or layernorm) or RMSNorm.
-AVX2_FN void NormRowAvx2(int64 d, const float* x, const float* scale, const float* bias,
-                         bool layernorm, float eps, float* y) {
-  const int64 vec = d / 8 * 8;
-  __m256 s = _mm256_setzero_ps(), ss = s;
-  int64 j = 0;
-  for (; j < vec; j += 8) {
-    const __m256 v = _mm256_loadu_ps(x + j);
-    s = _mm256_add_ps(s, v);
-    ss = _mm256_fmadd_ps(v, v, ss);
-  }
-  double sum = HorizontalSum(s), sumsq = HorizontalSum(ss);
-  for (; j < d; ++j) {
-    sum += x[j];
-    sumsq += static_cast<double>(x[j]) * x[j];
-  }
-  const double mean = layernorm ? sum / d : 0.0;
-  const double var = sumsq / d - mean * mean;
-  const float inv = static_cast<float>(1.0 / std::sqrt(std::max(var, 0.0) + eps));
-  const __m256 mv = _mm256_set1_ps(static_cast<float>(mean)), iv = _mm256_set1_ps(inv);
-  for (j = 0; j < vec; j += 8) {
-    __m256 v = _mm256_mul_ps(_mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(x + j), mv), iv),
-                             _mm256_loadu_ps(scale + j));
-    if (bias) v = _mm256_add_ps(v, _mm256_loadu_ps(bias + j));
-    _mm256_storeu_ps(y + j, v);
-  }
-  for (; j < d; ++j) {
-    y[j] = (x[j] - static_cast<float>(mean)) * inv * scale[j] + (bias ? bias[j] : 0.f);
-  }
-}
 #undef AVX2_FN
 #endif  // TOKENSERVE_X86
 
@@ -364,28 +271,6 @@ void NkTileScalar(const Geometry& g, const float* x, const float* w, int64 n0, i
       z[r * g.N + n] = sum;
     }
   }
-}
-
-void NormRowScalar(int64 d, const float* x, const float* scale, const float* bias,
-                   bool layernorm, float eps, float* y) {
-  double sum = 0.0, sumsq = 0.0;
-  for (int64 j = 0; j < d; ++j) {
-    sum += x[j];
-    sumsq += static_cast<double>(x[j]) * x[j];
-  }
-  const double mean = layernorm ? sum / d : 0.0;
-  const float inv = static_cast<float>(1.0 / std::sqrt(std::max(sumsq / d - mean * mean, 0.0) + eps));
-  for (int64 j = 0; j < d; ++j) {
-    y[j] = (x[j] - static_cast<float>(mean)) * inv * scale[j] + (bias ? bias[j] : 0.f);
-  }
-}
-
-void FinishRow(bool avx2, int64 out, Activation act, const float* z, const float* up,
-               const float* res, float* y_row) {
-#ifdef TOKENSERVE_X86
-  if (avx2) return FinishRowAvx2(out, act, z, up, res, y_row);
-#endif
-  FinishRowScalar(out, act, z, up, res, y_row);
 }
 
 }  // namespace
@@ -727,7 +612,7 @@ class NormOp : public OpKernel {
     const int64 m = x.dim_size(0), d = x.dim_size(1);
     OP_REQUIRES(ctx, scale.dims() == 1 && scale.dim_size(0) == d,
                 InvalidArgument("scale must be [D] = [", d, "], got ", scale.shape().DebugString()));
-    const bool layernorm = bias.NumElements() > 0;
+    const bool layernorm = bias.NumElements() > 0;  // else RMSNorm
     OP_REQUIRES(ctx, !layernorm || (bias.dims() == 1 && bias.dim_size(0) == d),
                 InvalidArgument("bias must be [D] = [", d, "] or empty, got ",
                                 bias.shape().DebugString()));
@@ -738,13 +623,7 @@ class NormOp : public OpKernel {
     const float* bp = layernorm ? bias.flat<float>().data() : nullptr;
     float* yp = y->flat<float>().data();
     for (int64 r = 0; r < m; ++r) {  // a few rows of ~1k values: not worth a thread handoff
-#ifdef TOKENSERVE_X86
-      if (avx2_) {
-        NormRowAvx2(d, xp + r * d, sp, bp, layernorm, eps_, yp + r * d);
-        continue;
-      }
-#endif
-      NormRowScalar(d, xp + r * d, sp, bp, layernorm, eps_, yp + r * d);
+      rowops::NormRow(avx2_, d, xp + r * d, sp, bp, eps_, yp + r * d);
     }
   }
 

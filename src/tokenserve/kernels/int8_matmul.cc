@@ -23,6 +23,10 @@
 // the two halves of one float vector. Same integer dot products per block, so it differs
 // from the AVX2 path only in float summation order.
 //
+// TokenserveInt8FinishBlock runs a transformer block's second half (output projection,
+// residual, MLP norm, MLP up and activation, MLP down, residual) through the same kernel in
+// one op, so those three matrices stream back to back (see the op's class below).
+//
 // Scales: scale[n, g] applies to q[n, g*K/G : (g+1)*K/G]. Activation blocks never straddle a
 // weight group (they restart at each group boundary), so any K and any group size work; a
 // block shorter than 32 is zero-padded. q must lie in [-127, 127] (symmetric quantization,
@@ -51,6 +55,7 @@
 #include "tensorflow/core/framework/shape_inference.h"
 #include "tensorflow/core/platform/threadpool.h"
 #include "chunks.h"
+#include "rowops.h"
 
 namespace tokenserve {
 namespace {
@@ -557,6 +562,33 @@ REGISTER_OP("TokenserveInt8Matmul")
     })
     .Doc("y = x @ (q * scale expanded over K / G columns per group).T; int8 weights.");
 
+REGISTER_OP("TokenserveInt8FinishBlock")
+    .Input("attn: float")        // [M, Da] attention output
+    .Input("x: float")           // [M, D] the residual stream
+    .Input("out_q: int8")        // [D, Da]
+    .Input("out_scale: float")   // [D, G]
+    .Input("out_bias: float")    // [D] or [0]
+    .Input("norm_scale: float")  // [D]
+    .Input("norm_bias: float")   // [D] (LayerNorm) or [0] (RMSNorm)
+    .Input("up_q: int8")         // [F, D]
+    .Input("up_scale: float")    // [F, G]
+    .Input("up_bias: float")     // [F] or [0]
+    .Input("down_q: int8")       // [D, F] (F / 2 for swiglu)
+    .Input("down_scale: float")  // [D, G]
+    .Input("down_bias: float")   // [D] or [0]
+    .Output("y: float")          // [M, D]
+    .Attr("activation: {'gelu_tanh', 'swiglu'} = 'gelu_tanh'")
+    .Attr("eps: float = 1e-5")
+    .Attr("isa: {'auto', 'avx2', 'scalar'} = 'auto'")
+    .SetShapeFn([](InferenceContext* c) {
+      ShapeHandle x;
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(1), 2, &x));
+      c->set_output(0, x);
+      return absl::OkStatus();
+    })
+    .Doc("x1 = attn @ dequant(out).T + out_bias + x; "
+         "y = dequant(down) applied to act(norm(x1) @ dequant(up).T + up_bias), + down_bias + x1.");
+
 REGISTER_OP("TokenserveInt8MatmulInfo")
     .Output("info: string")
     .SetShapeFn([](InferenceContext* c) {
@@ -564,6 +596,87 @@ REGISTER_OP("TokenserveInt8MatmulInfo")
       return absl::OkStatus();
     })
     .Doc("Which instruction set the TokenserveInt8Matmul kernel uses on this CPU.");
+
+// Checks q [N, K] and scale [N, G] against x's [M, K] (`what` names the weights in
+// errors) and fills g; false (with the error set on ctx) when they do not fit.
+bool CheckInt8Args(OpKernelContext* ctx, const char* what, int64 M, int64 K, const Tensor& q,
+                   const Tensor& scale, Geometry* g) {
+  auto fail = [ctx](const absl::Status& status) {
+    ctx->CtxFailure(__FILE__, __LINE__, status);
+    return false;
+  };
+  if (q.dims() != 2) {
+    return fail(InvalidArgument(what, ": q must be [N, K], got shape ", q.shape().DebugString()));
+  }
+  if (scale.dims() != 2) {
+    return fail(InvalidArgument(what, ": scale must be [N, G], got shape ",
+                                scale.shape().DebugString()));
+  }
+  g->M = M;
+  g->K = K;
+  g->N = q.dim_size(0);
+  g->G = scale.dim_size(1);
+  if (q.dim_size(1) != g->K) {
+    return fail(InvalidArgument(what, ": x is [M, K] with K = ", g->K, " but q is ",
+                                q.shape().DebugString(), ", expected [N, K]"));
+  }
+  if (scale.dim_size(0) != g->N) {
+    return fail(InvalidArgument(what, ": q has N = ", g->N, " rows but scale is ",
+                                scale.shape().DebugString(), ", expected [N, G]"));
+  }
+  if (g->G < 1 || g->K % g->G != 0) {
+    return fail(InvalidArgument(what, ": scale's group count G = ", g->G,
+                                " must be >= 1 and divide K = ", g->K));
+  }
+  g->group = g->K / g->G;
+  g->blocks = (g->group + kBlock - 1) / kBlock;
+  g->tail = g->group - (g->blocks - 1) * kBlock;
+  g->padded = (g->K + 7) / 8 * 8;
+  return true;
+}
+
+// y[M, N] = x @ dequant(q).T for a checked geometry with M, N, K > 0; tiles of output
+// channels spread over the pool's threads.
+void Int8MatmulRows(tensorflow::thread::ThreadPool* pool, const Geometry& g, const float* xp,
+                    const int8_t* qp, const float* sp, bool int8, Isa isa, bool avx2, float* y) {
+  QuantizedRows xq;
+  // Once per call, before the parallel loop: every tile reuses the quantized rows.
+  if (int8) QuantizeRows(g, xp, avx2, &xq);
+  // Cost of one tile in cycles, roughly (measured per core: ~16 int8 multiply-adds and
+  // ~7 weight bytes from DRAM per cycle). Chunks of about kChunkCycles each: a small call
+  // stays one chunk on the calling thread, a large one is shared with the pool.
+  const int64 cost = kTile * g.K * (g.M + 3) / 16;
+  const int64 tiles = (g.N + kTile - 1) / kTile;
+  const int64 wanted = std::max<int64>(1, std::min(tiles, tiles * cost / kChunkCycles));
+  const int64 tiles_per_chunk = (tiles + wanted - 1) / wanted;
+  const int64 num_chunks = (tiles + tiles_per_chunk - 1) / tiles_per_chunk;  // <= wanted
+  const int64 workers = std::max(1, pool->NumThreads());
+  // float kernel's dequantized tile, one per worker
+  std::vector<std::vector<float>> bufs(int8 ? 0 : workers);
+  RunChunks(pool, workers, num_chunks, [&](int64 chunk, int64 worker) {
+    std::vector<float>* buf = int8 ? nullptr : &bufs[worker];
+    if (buf && buf->empty()) buf->resize(kTile * g.padded);
+    const int64 end = std::min(tiles, (chunk + 1) * tiles_per_chunk);
+    for (int64 tile = chunk * tiles_per_chunk; tile < end; ++tile) {
+      const int64 n0 = tile * kTile;
+      // Software prefetch of the weights kPrefetchTiles tiles ahead: with the hardware
+      // prefetcher alone a core streamed about half the bandwidth oneDNN's float32 matmul
+      // reaches (measured 14 vs 25 GB/s on the LM head at M = 1, and M = 8 was 1.8x slower).
+      const int64 ahead = n0 + kPrefetchTiles * kTile;
+      if (ahead < g.N) {
+        const char* p = reinterpret_cast<const char*>(qp + ahead * g.K);
+        const int64 bytes = std::min<int64>(kTile, g.N - ahead) * g.K;
+        for (int64 off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, 0, 3);
+      }
+      const Tile t{qp + n0 * g.K, sp + n0 * g.G, n0, std::min<int64>(kTile, g.N - n0)};
+      if (int8) {
+        Int8Tile(g, xq, t, isa, y);
+      } else {
+        FloatTile(g, xp, t, avx2, buf->data(), y);
+      }
+    }
+  });
+}
 
 class Int8MatmulOp : public OpKernel {
  public:
@@ -577,29 +690,13 @@ class Int8MatmulOp : public OpKernel {
 
   void Compute(OpKernelContext* ctx) override {
     const Tensor& x = ctx->input(0);
-    const Tensor& q = ctx->input(1);
-    const Tensor& scale = ctx->input(2);
     OP_REQUIRES(ctx, x.dims() == 2,
                 InvalidArgument("x must be [M, K], got shape ", x.shape().DebugString()));
-    OP_REQUIRES(ctx, q.dims() == 2,
-                InvalidArgument("q must be [N, K], got shape ", q.shape().DebugString()));
-    OP_REQUIRES(ctx, scale.dims() == 2,
-                InvalidArgument("scale must be [N, G], got shape ", scale.shape().DebugString()));
     Geometry g;
-    g.M = x.dim_size(0);
-    g.K = x.dim_size(1);
-    g.N = q.dim_size(0);
-    g.G = scale.dim_size(1);
-    OP_REQUIRES(ctx, q.dim_size(1) == g.K,
-                InvalidArgument("x is [M, K] with K = ", g.K, " but q is ",
-                                q.shape().DebugString(), ", expected [N, K]"));
-    OP_REQUIRES(ctx, scale.dim_size(0) == g.N,
-                InvalidArgument("q has N = ", g.N, " rows but scale is ",
-                                scale.shape().DebugString(), ", expected [N, G]"));
-    OP_REQUIRES(ctx, g.G >= 1 && g.K % g.G == 0,
-                InvalidArgument("scale's group count G = ", g.G, " must be >= 1 and divide K = ",
-                                g.K));
-
+    if (!CheckInt8Args(ctx, "matmul", x.dim_size(0), x.dim_size(1), ctx->input(1), ctx->input(2),
+                       &g)) {
+      return;
+    }
     Tensor* y_tensor = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({g.M, g.N}), &y_tensor));
     float* y = y_tensor->flat<float>().data();
@@ -608,60 +705,135 @@ class Int8MatmulOp : public OpKernel {
       std::fill(y, y + g.M * g.N, 0.f);
       return;
     }
-    g.group = g.K / g.G;
-    g.blocks = (g.group + kBlock - 1) / kBlock;
-    g.tail = g.group - (g.blocks - 1) * kBlock;
-    g.padded = (g.K + 7) / 8 * 8;
-
-    const float* xp = x.flat<float>().data();
-    const int8_t* qp = q.flat<int8_t>().data();
-    const float* sp = scale.flat<float>().data();
-    const bool int8 = activations_ == "int8";
-    QuantizedRows xq;
-    // Once per call, before the parallel loop: every tile reuses the quantized rows.
-    if (int8) QuantizeRows(g, xp, avx2_, &xq);
-
-    const bool avx2 = avx2_;
-    const Isa isa = isa_;
-    // Cost of one tile in cycles, roughly (measured per core: ~16 int8 multiply-adds and
-    // ~7 weight bytes from DRAM per cycle). Chunks of about kChunkCycles each: a small call
-    // stays one chunk on the calling thread, a large one is shared with the pool.
-    const int64 cost = kTile * g.K * (g.M + 3) / 16;
-    const int64 tiles = (g.N + kTile - 1) / kTile;
-    const int64 wanted = std::max<int64>(1, std::min(tiles, tiles * cost / kChunkCycles));
-    const int64 tiles_per_chunk = (tiles + wanted - 1) / wanted;
-    const int64 num_chunks = (tiles + tiles_per_chunk - 1) / tiles_per_chunk;  // <= wanted
-    tensorflow::thread::ThreadPool* pool = ctx->device()->tensorflow_cpu_worker_threads()->workers;
-    const int64 workers = std::max(1, pool->NumThreads());
-    // float kernel's dequantized tile, one per worker
-    std::vector<std::vector<float>> bufs(int8 ? 0 : workers);
-    RunChunks(pool, workers, num_chunks, [&](int64 chunk, int64 worker) {
-      std::vector<float>* buf = int8 ? nullptr : &bufs[worker];
-      if (buf && buf->empty()) buf->resize(kTile * g.padded);
-      const int64 end = std::min(tiles, (chunk + 1) * tiles_per_chunk);
-      for (int64 tile = chunk * tiles_per_chunk; tile < end; ++tile) {
-        const int64 n0 = tile * kTile;
-        // Software prefetch of the weights kPrefetchTiles tiles ahead: with the hardware
-        // prefetcher alone a core streamed about half the bandwidth oneDNN's float32 matmul
-        // reaches (measured 14 vs 25 GB/s on the LM head at M = 1, and M = 8 was 1.8x slower).
-        const int64 ahead = n0 + kPrefetchTiles * kTile;
-        if (ahead < g.N) {
-          const char* p = reinterpret_cast<const char*>(qp + ahead * g.K);
-          const int64 bytes = std::min<int64>(kTile, g.N - ahead) * g.K;
-          for (int64 off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, 0, 3);
-        }
-        const Tile t{qp + n0 * g.K, sp + n0 * g.G, n0, std::min<int64>(kTile, g.N - n0)};
-        if (int8) {
-          Int8Tile(g, xq, t, isa, y);
-        } else {
-          FloatTile(g, xp, t, avx2, buf->data(), y);
-        }
-      }
-    });
+    Int8MatmulRows(ctx->device()->tensorflow_cpu_worker_threads()->workers, g,
+                   x.flat<float>().data(), ctx->input(1).flat<int8_t>().data(),
+                   ctx->input(2).flat<float>().data(), activations_ == "int8", isa_, avx2_, y);
   }
 
  private:
   std::string activations_;
+  Isa isa_ = Isa::kScalar;
+  bool avx2_ = false;
+};
+
+// The second half of a transformer block with int8 weights, in one op:
+//   x1 = attn @ out.T + out_bias + x
+//   y  = down(act(norm(x1) @ up.T + up_bias)) + down_bias + x1
+// the same arithmetic as TokenserveInt8Matmul followed by dense.cc's TokenserveEpilogue and
+// TokenserveNorm (rowops.h), so the result is the separate ops' bit for bit. Why: at batch 1
+// the three matrices then stream back to back. Between separate ops a decode step spends
+// 30-100 us on other work, and after such a pause the weights' stream restarts slowly (on a
+// 2-core VM, two threads read GPT-2-small's block matrices at 26-32 GB/s back to back and at
+// 10-15 with 100 us between them; docs/performance.md), and the step runs four fewer ops a
+// layer.
+class Int8FinishBlockOp : public OpKernel {
+ public:
+  explicit Int8FinishBlockOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    std::string isa, activation;
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("activation", &activation));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("eps", &eps_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("isa", &isa));
+    act_ = activation == "swiglu" ? rowops::Activation::kSwiglu : rowops::Activation::kGeluTanh;
+    isa_ = ChooseIsa(isa);
+    avx2_ = isa_ != Isa::kScalar;
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    const Tensor& attn = ctx->input(0);
+    const Tensor& x = ctx->input(1);
+    OP_REQUIRES(ctx, attn.dims() == 2,
+                InvalidArgument("attn must be [M, Da], got ", attn.shape().DebugString()));
+    Geometry out, up, down;
+    if (!CheckInt8Args(ctx, "out", attn.dim_size(0), attn.dim_size(1), ctx->input(2),
+                       ctx->input(3), &out)) {
+      return;
+    }
+    OP_REQUIRES(ctx, x.dims() == 2 && x.dim_size(0) == out.M && x.dim_size(1) == out.N,
+                InvalidArgument("x must be [M, D] = [", out.M, ", ", out.N, "], got ",
+                                x.shape().DebugString()));
+    const int64 m = out.M, d = out.N;
+    const Tensor& out_bias = ctx->input(4);
+    const Tensor& norm_scale = ctx->input(5);
+    const Tensor& norm_bias = ctx->input(6);
+    OP_REQUIRES(ctx, IsVectorOrEmpty(out_bias, d),
+                InvalidArgument("out_bias must be [", d, "] or empty, got ",
+                                out_bias.shape().DebugString()));
+    OP_REQUIRES(ctx, norm_scale.dims() == 1 && norm_scale.dim_size(0) == d,
+                InvalidArgument("norm_scale must be [", d, "], got ",
+                                norm_scale.shape().DebugString()));
+    OP_REQUIRES(ctx, IsVectorOrEmpty(norm_bias, d),
+                InvalidArgument("norm_bias must be [", d, "] or empty (RMSNorm), got ",
+                                norm_bias.shape().DebugString()));
+    if (!CheckInt8Args(ctx, "up", m, d, ctx->input(7), ctx->input(8), &up)) return;
+    const Tensor& up_bias = ctx->input(9);
+    OP_REQUIRES(ctx, IsVectorOrEmpty(up_bias, up.N),
+                InvalidArgument("up_bias must be [", up.N, "] or empty, got ",
+                                up_bias.shape().DebugString()));
+    const bool swiglu = act_ == rowops::Activation::kSwiglu;
+    OP_REQUIRES(ctx, !swiglu || up.N % 2 == 0,
+                InvalidArgument("swiglu needs an even up width, got ", up.N));
+    const int64 inner = swiglu ? up.N / 2 : up.N;
+    if (!CheckInt8Args(ctx, "down", m, inner, ctx->input(10), ctx->input(11), &down)) return;
+    OP_REQUIRES(ctx, down.N == d,
+                InvalidArgument("down must have D = ", d, " rows, got ",
+                                ctx->input(10).shape().DebugString()));
+    const Tensor& down_bias = ctx->input(12);
+    OP_REQUIRES(ctx, IsVectorOrEmpty(down_bias, d),
+                InvalidArgument("down_bias must be [", d, "] or empty, got ",
+                                down_bias.shape().DebugString()));
+    Tensor* y_tensor = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({m, d}), &y_tensor));
+    if (m == 0 || d == 0) return;
+    OP_REQUIRES(ctx, out.K > 0 && up.N > 0 && inner > 0,
+                InvalidArgument("out's K and up's width must be positive"));
+
+    auto* pool = ctx->device()->tensorflow_cpu_worker_threads()->workers;
+    const bool int8 = true;
+    float* y = y_tensor->flat<float>().data();
+    const float* xp = x.flat<float>().data();
+    std::vector<float> z(m * std::max(d, up.N)), x1(m * d), h(m * d), u(m * inner);
+    // x1 = attn @ out.T + out_bias + x
+    Int8MatmulRows(pool, out, attn.flat<float>().data(), ctx->input(2).flat<int8_t>().data(),
+                   ctx->input(3).flat<float>().data(), int8, isa_, avx2_, z.data());
+    Finish(m, d, d, rowops::Activation::kNone, z.data(), Data(out_bias), xp, x1.data());
+    // h = norm(x1)
+    for (int64 r = 0; r < m; ++r) {
+      rowops::NormRow(avx2_, d, x1.data() + r * d, norm_scale.flat<float>().data(),
+                      Data(norm_bias), eps_, h.data() + r * d);
+    }
+    // u = act(h @ up.T + up_bias)
+    Int8MatmulRows(pool, up, h.data(), ctx->input(7).flat<int8_t>().data(),
+                   ctx->input(8).flat<float>().data(), int8, isa_, avx2_, z.data());
+    Finish(m, up.N, inner, act_, z.data(), Data(up_bias), nullptr, u.data());
+    // y = u @ down.T + down_bias + x1
+    Int8MatmulRows(pool, down, u.data(), ctx->input(10).flat<int8_t>().data(),
+                   ctx->input(11).flat<float>().data(), int8, isa_, avx2_, z.data());
+    Finish(m, d, d, rowops::Activation::kNone, z.data(), Data(down_bias), x1.data(), y);
+  }
+
+ private:
+  static bool IsVectorOrEmpty(const Tensor& t, int64 n) {
+    return t.NumElements() == 0 || (t.dims() == 1 && t.dim_size(0) == n);
+  }
+  static const float* Data(const Tensor& t) {
+    return t.NumElements() ? t.flat<float>().data() : nullptr;
+  }
+
+  // TokenserveEpilogue's arithmetic: z [M, n] (+ bias, in place) -> act -> + residual [M, out].
+  void Finish(int64 m, int64 n, int64 width, rowops::Activation act, float* z,
+              const float* bias, const float* residual, float* y) const {
+    for (int64 r = 0; r < m; ++r) {
+      float* zr = z + r * n;
+      if (bias) {
+        for (int64 j = 0; j < n; ++j) zr[j] += bias[j];
+      }
+      rowops::FinishRow(avx2_, width, act, zr, zr + width,
+                        residual ? residual + r * width : nullptr, y + r * width);
+    }
+  }
+
+  rowops::Activation act_ = rowops::Activation::kGeluTanh;
+  float eps_ = 1e-5f;
   Isa isa_ = Isa::kScalar;
   bool avx2_ = false;
 };
@@ -680,5 +852,7 @@ REGISTER_KERNEL_BUILDER(Name("TokenserveInt8Matmul").Device(tensorflow::DEVICE_C
                         Int8MatmulOp);
 REGISTER_KERNEL_BUILDER(Name("TokenserveInt8MatmulInfo").Device(tensorflow::DEVICE_CPU),
                         Int8MatmulInfoOp);
+REGISTER_KERNEL_BUILDER(Name("TokenserveInt8FinishBlock").Device(tensorflow::DEVICE_CPU),
+                        Int8FinishBlockOp);
 
 }  // namespace tokenserve

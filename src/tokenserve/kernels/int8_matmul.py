@@ -10,6 +10,7 @@ TOKENSERVE_INT8_KERNEL=fallback, a pure-TF fallback computes nearly the same num
 
     q, scale = quantize_weight(dense.kernel.numpy())      # [N, K] int8, [N, G] float32
     y = int8_matmul(x, q, scale)                           # x [M, K] -> y [M, N]
+    y = int8_finish_block(attn, x, out, norm, up, down)    # a block's second half, one op
 
 Environment (building and loading are shared with the other ops: tokenserve.kernels.build):
   TOKENSERVE_INT8_KERNEL=fallback   use the pure-TF path (read each time a graph is traced);
@@ -121,6 +122,34 @@ def int8_matmul_fallback(x, q, scale) -> tf.Tensor:
     tf.debugging.assert_equal(k % g, 0, message="scale's group count G must divide K")
     w = tf.reshape(tf.reshape(w, [n, g, k // g]) * scale[:, :, None], [n, k])
     return tf.matmul(x, w, transpose_b=True)
+
+
+def int8_finish_block(attn, x, out, norm, up, down, activation: str = "gelu_tanh",
+                      eps: float = 1e-5, isa: str = "auto"):
+    """The second half of a transformer block with int8 weights, as one compiled op:
+
+        x1 = attn @ out.T + out_bias + x
+        y  = act(norm(x1) @ up.T + up_bias) @ down.T + down_bias + x1
+
+    out, up, down: dicts with "q" and "scale" (and "bias" when the layer has one); norm: a
+    dict with "scale" (and "bias" for LayerNorm; without it RMSNorm). activation:
+    "gelu_tanh" or "swiglu" (up's output is [gate, up] halves). The same arithmetic as
+    int8_matmul followed by dense.epilogue and dense.layer_norm, in one op so the three
+    matrices stream back to back (docs/performance.md). Returns None when the compiled op
+    is unavailable: the caller composes the separate ops then.
+    """
+    op = _op_module()
+    if op is None:
+        return None
+    empty = tf.zeros([0], tf.float32)
+
+    def bias(w):
+        return w["bias"] if w.get("bias") is not None else empty
+
+    return op.tokenserve_int8_finish_block(
+        attn, x, out["q"], out["scale"], bias(out), norm["scale"], bias(norm),
+        up["q"], up["scale"], bias(up), down["q"], down["scale"], bias(down),
+        activation=activation, eps=eps, isa=isa)
 
 
 def compiled_int8_matmul(x, q, scale, activations: str = "int8", isa: str = "auto"):
