@@ -35,7 +35,7 @@ import tensorflow as tf
 
 from tokenserve.kernels import dense as kdense
 from tokenserve.kernels import paged_attention
-from tokenserve.kernels.int8_matmul import int8_matmul
+from tokenserve.kernels.int8_matmul import int8_finish_block, int8_matmul
 from tokenserve.model.layers import apply_rope, attend, linear, mlp, norm, rope_angles
 from tokenserve.model.lstm import LSTMLM
 from tokenserve.model.transformer import TransformerLM
@@ -184,6 +184,12 @@ class TransformerStep(tf.Module):
 
     def _finish_block_k(self, x, attn, w):
         act = "swiglu" if self.model.config.mlp == "swiglu" else "gelu_tanh"
+        if "q" in w["out"] and "q" in w["up"] and "q" in w["down"]:
+            # int8: the block's three matmuls as one op, back to back (None: not compiled)
+            y = int8_finish_block(attn, x, w["out"], w["mlp_norm"], w["up"], w["down"], act,
+                                  self.model.config.norm_eps)
+            if y is not None:
+                return y
         x = self._linear_k(attn, w["out"], residual=x)
         h = self._linear_k(self._norm_k(x, w["mlp_norm"]), w["up"], activation=act)
         return self._linear_k(h, w["down"], residual=x)
