@@ -724,7 +724,7 @@ class Int8MatmulOp : public OpKernel {
 // the three matrices then stream back to back. Between separate ops a decode step spends
 // 30-100 us on other work, and after such a pause the weights' stream restarts slowly (on a
 // 2-core VM, two threads read GPT-2-small's block matrices at 26-32 GB/s back to back and at
-// 10-15 with 100 us between them; docs/performance.md), and the step runs four fewer ops a
+// 10-15 with 100 us between them; docs/performance.md), and the step runs six fewer ops a
 // layer.
 class Int8FinishBlockOp : public OpKernel {
  public:
