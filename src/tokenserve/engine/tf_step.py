@@ -51,7 +51,7 @@ class FlatCall:
     """Calls a traced step's concrete function with its inputs already flat.
 
     A concrete function's own call binds the nested arguments (lists of tuples of arrays)
-    to its signature and casts each against its TensorSpec: 0.3-0.8 ms a step on a 2-core
+    to its signature and casts each against its TensorSpec: 0.2-0.8 ms a step on a 2-core
     VM, measured against this call with the same inputs (about 6 % of an int8 GPT-2-small
     step at batch 1). Every step input is int32, built by the runner, so the binding checks
     nothing the graph would not. Without `_call_flat` (a TensorFlow that renamed it), it
