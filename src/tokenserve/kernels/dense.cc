@@ -487,14 +487,7 @@ class DenseOp : public OpKernel {
       const float* other = partial.data() + w * g.M * g.N;
       for (int64 i = 0; i < g.M * g.N; ++i) z[i] += other[i];
     }
-    for (int64 r = 0; r < g.M; ++r) {
-      float* zr = z + r * g.N;
-      if (a.bias) {
-        for (int64 j = 0; j < g.N; ++j) zr[j] += a.bias[j];
-      }
-      FinishRow(avx2, g.out, a.act, zr, a.act == Activation::kSwiglu ? zr + g.out : nullptr,
-                a.residual ? a.residual + r * g.out : nullptr, a.y + r * g.out);
-    }
+    rowops::FinishRows(avx2, g.M, g.N, g.out, a.act, z, a.bias, a.residual, a.y);
   }
 
   void ComputeNk(OpKernelContext* ctx, const Geometry& g, const Args& a,
@@ -519,14 +512,7 @@ class DenseOp : public OpKernel {
       NkTileScalar(g, a.x, a.w, n0, n1, zp);
     });
     if (direct) return;
-    for (int64 r = 0; r < g.M; ++r) {
-      float* zr = zp + r * g.N;
-      if (a.bias) {
-        for (int64 j = 0; j < g.N; ++j) zr[j] += a.bias[j];
-      }
-      FinishRow(avx2, g.out, a.act, zr, zr + g.out,
-                a.residual ? a.residual + r * g.out : nullptr, a.y + r * g.out);
-    }
+    rowops::FinishRows(avx2, g.M, g.N, g.out, a.act, zp, a.bias, a.residual, a.y);
   }
 
   bool kn_ = true;

@@ -795,7 +795,8 @@ class Int8FinishBlockOp : public OpKernel {
     // x1 = attn @ out.T + out_bias + x
     Int8MatmulRows(pool, out, attn.flat<float>().data(), ctx->input(2).flat<int8_t>().data(),
                    ctx->input(3).flat<float>().data(), int8, isa_, avx2_, z.data());
-    Finish(m, d, d, rowops::Activation::kNone, z.data(), Data(out_bias), xp, x1.data());
+    rowops::FinishRows(avx2_, m, d, d, rowops::Activation::kNone, z.data(), Data(out_bias), xp,
+                       x1.data());
     // h = norm(x1)
     for (int64 r = 0; r < m; ++r) {
       rowops::NormRow(avx2_, d, x1.data() + r * d, norm_scale.flat<float>().data(),
@@ -804,11 +805,12 @@ class Int8FinishBlockOp : public OpKernel {
     // u = act(h @ up.T + up_bias)
     Int8MatmulRows(pool, up, h.data(), ctx->input(7).flat<int8_t>().data(),
                    ctx->input(8).flat<float>().data(), int8, isa_, avx2_, z.data());
-    Finish(m, up.N, inner, act_, z.data(), Data(up_bias), nullptr, u.data());
+    rowops::FinishRows(avx2_, m, up.N, inner, act_, z.data(), Data(up_bias), nullptr, u.data());
     // y = u @ down.T + down_bias + x1
     Int8MatmulRows(pool, down, u.data(), ctx->input(10).flat<int8_t>().data(),
                    ctx->input(11).flat<float>().data(), int8, isa_, avx2_, z.data());
-    Finish(m, d, d, rowops::Activation::kNone, z.data(), Data(down_bias), x1.data(), y);
+    rowops::FinishRows(avx2_, m, d, d, rowops::Activation::kNone, z.data(), Data(down_bias),
+                       x1.data(), y);
   }
 
  private:
@@ -817,19 +819,6 @@ class Int8FinishBlockOp : public OpKernel {
   }
   static const float* Data(const Tensor& t) {
     return t.NumElements() ? t.flat<float>().data() : nullptr;
-  }
-
-  // TokenserveEpilogue's arithmetic: z [M, n] (+ bias, in place) -> act -> + residual [M, out].
-  void Finish(int64 m, int64 n, int64 width, rowops::Activation act, float* z,
-              const float* bias, const float* residual, float* y) const {
-    for (int64 r = 0; r < m; ++r) {
-      float* zr = z + r * n;
-      if (bias) {
-        for (int64 j = 0; j < n; ++j) zr[j] += bias[j];
-      }
-      rowops::FinishRow(avx2_, width, act, zr, zr + width,
-                        residual ? residual + r * width : nullptr, y + r * width);
-    }
   }
 
   rowops::Activation act_ = rowops::Activation::kGeluTanh;

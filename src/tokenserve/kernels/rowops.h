@@ -157,6 +157,20 @@ inline void FinishRow(bool avx2, int64 out, Activation act, const float* z, cons
   FinishRowScalar(out, act, z, up, res, y_row);
 }
 
+// The epilogue of m finished rows z [m, n]: bias [n] (or nullptr) is added to z in place,
+// then each row's epilogue goes to y [m, out]; residual: [m, out] or nullptr.
+inline void FinishRows(bool avx2, int64 m, int64 n, int64 out, Activation act, float* z,
+                       const float* bias, const float* residual, float* y) {
+  for (int64 r = 0; r < m; ++r) {
+    float* zr = z + r * n;
+    if (bias) {
+      for (int64 j = 0; j < n; ++j) zr[j] += bias[j];
+    }
+    FinishRow(avx2, out, act, zr, zr + out, residual ? residual + r * out : nullptr,
+              y + r * out);
+  }
+}
+
 // LayerNorm of one row (bias given) or RMSNorm (bias nullptr).
 inline void NormRow(bool avx2, int64 d, const float* x, const float* scale, const float* bias,
                     float eps, float* y) {
