@@ -56,6 +56,31 @@ def test_greedy_engine_output_equals_full_forward_passes(llms):
                                                             llm.engine.config.eos_token_id)
 
 
+def test_an_abort_while_the_step_computes_leaves_that_step_and_the_others_intact(llms):
+    """The async engine computes a step without its lock, so a client that leaves can free
+    its sequence's blocks between schedule() and execute(). The step must compute what was
+    scheduled (before, it read the emptied block list: an attention op failed on a context of
+    no rows, and with no running request left to blame, the engine stopped)."""
+    model, llm, _ = llms
+    engine = llm.engine
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    prompts = [llm.tokenizer.encode(p) for p in PROMPTS[:2]]
+    requests = [engine.make_request(ids, params, f"leaves-{i}")
+                for i, ids in enumerate(prompts)]
+    for request in requests:
+        engine.add_request(request)
+    engine.step()  # both prompts' prefill: both decode from here
+    _, scheduled = engine.schedule()
+    assert len(scheduled.scheduled) == 2
+    engine.abort("leaves-0")
+    assert requests[0].seqs[0].block_ids == []  # what the step used to read
+    engine.update(scheduled, engine.execute(scheduled))
+    while engine.has_work:
+        engine.step()
+    assert requests[0].seqs[0].num_output_tokens == 1
+    assert requests[1].seqs[0].output_ids == reference_greedy(model, prompts[1], 6, -1)
+
+
 def test_greedy_output_is_the_same_alone_and_in_a_busy_mixed_batch(llms):
     _, llm, _ = llms
     params = SamplingParams(max_tokens=16, ignore_eos=True)

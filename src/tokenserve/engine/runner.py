@@ -137,10 +137,11 @@ class ModelRunner:
         block_size = self.cache.block_size
         offsets = np.arange(block_size)
         decode, prefill = [], []  # (scheduled index, context rows, start position, count)
+        # the copies taken when the step was scheduled, never the live sequences: an abort
+        # may free their blocks while this runs (ScheduledSeq)
         for index, scheduled in enumerate(out.scheduled):
-            seq, count = scheduled.seq, scheduled.num_new_tokens
-            start = seq.num_computed_tokens
-            rows = (np.asarray(seq.block_ids)[:, None] * block_size + offsets).ravel()
+            start, count = scheduled.start, scheduled.num_new_tokens
+            rows = (np.asarray(scheduled.block_ids)[:, None] * block_size + offsets).ravel()
             (decode if count == 1 else prefill).append((index, rows[:start + count], start, count))
         knobs = self.engine_config
         groups = split_by_context(decode, knobs.max_decode_groups, knobs.decode_group_cost_rows,
@@ -151,8 +152,7 @@ class ModelRunner:
         last = np.zeros([len(out.scheduled)], np.int32)
         for item in [g for group in groups for g in group] + prefill:
             index, rows, start, count = item
-            seq = out.scheduled[index].seq
-            token_ids.extend(seq.token_ids[start:start + count])
+            token_ids.extend(out.scheduled[index].token_ids)
             positions.extend(range(start, start + count))
             write_rows.extend(rows[start:start + count])
             last[index] = len(token_ids) - 1
@@ -265,10 +265,9 @@ class ModelRunner:
         slots = np.zeros([len(out.scheduled)], np.int32)
         fresh = np.zeros([len(out.scheduled)], bool)
         for i, scheduled in enumerate(out.scheduled):
-            seq, start = scheduled.seq, scheduled.seq.num_computed_tokens
-            token_ids[i, :scheduled.num_new_tokens] = seq.token_ids[
-                start:start + scheduled.num_new_tokens]
-            num_tokens[i], slots[i], fresh[i] = scheduled.num_new_tokens, seq.block_ids[0], start == 0
+            token_ids[i, :scheduled.num_new_tokens] = scheduled.token_ids
+            num_tokens[i], slots[i] = scheduled.num_new_tokens, scheduled.block_ids[0]
+            fresh[i] = scheduled.start == 0
         return self.step.step(token_ids, num_tokens, slots, fresh).numpy()
 
     def memory_bytes(self) -> dict[str, int]:

@@ -31,9 +31,25 @@ from tokenserve.errors import QueueFullError
 
 @dataclass(frozen=True)
 class ScheduledSeq:
+    """One sequence's share of a step, with what the runner reads of it copied when it is
+    scheduled: the runner computes without the engine's lock, and an abort in the meantime
+    frees the sequence's blocks (its block_ids become []), which a step built from the live
+    sequence would then read as an empty context."""
+
     seq: Sequence
     num_new_tokens: int
-    """Tokens computed this step, starting at the sequence's num_computed_tokens."""
+    """Tokens computed this step, starting at `start`."""
+    start: int
+    """The sequence's num_computed_tokens when it was scheduled."""
+    block_ids: tuple[int, ...]
+    token_ids: tuple[int, ...]
+    """The tokens computed this step: the sequence's token_ids[start:start + num_new]."""
+
+    @classmethod
+    def of(cls, seq: Sequence, num_new_tokens: int) -> "ScheduledSeq":
+        start = seq.num_computed_tokens
+        return cls(seq, num_new_tokens, start, tuple(seq.block_ids),
+                   tuple(seq.token_ids[start:start + num_new_tokens]))
 
 
 @dataclass
@@ -174,7 +190,7 @@ class Scheduler:
                     break
                 self._preempt(victim, out)
             else:
-                out.scheduled.append(ScheduledSeq(seq, num_new))
+                out.scheduled.append(ScheduledSeq.of(seq, num_new))
                 scheduled.add(seq.seq_id)
                 budget -= num_new
                 continue
@@ -205,7 +221,7 @@ class Scheduler:
             self.running.append(seq)
             if seq.request.scheduled_time is None:
                 seq.request.scheduled_time = time.time()
-            out.scheduled.append(ScheduledSeq(seq, num_new))
+            out.scheduled.append(ScheduledSeq.of(seq, num_new))
             budget -= num_new
         out.kv_transfers, self._transfers = self._transfers, []
         return out
