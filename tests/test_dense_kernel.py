@@ -137,3 +137,71 @@ def test_forced_fallback(monkeypatch):
     x, w, bias = make(2, 16, 8)
     np.testing.assert_allclose(kd.dense(x, w, bias, activation="gelu_tanh").numpy(),
                                reference(x, w, bias, None, "gelu_tanh"), rtol=1e-4, atol=1e-4)
+
+
+def _block_weights(d, f, activation, norm_bias, seed):
+    """A block's second half in float32: out [d, d], norm, up [d, f], down [f or f/2, d]."""
+    rng = np.random.default_rng(seed)
+
+    def dense(k, n, bias):
+        w = {"kernel": tf.constant((rng.standard_normal((k, n)) / np.sqrt(k)).astype(np.float32))}
+        if bias:
+            w["bias"] = tf.constant(rng.standard_normal(n).astype(np.float32) * 0.1)
+        return w
+
+    norm = {"scale": tf.constant(1 + 0.1 * rng.standard_normal(d).astype(np.float32))}
+    if norm_bias:
+        norm["bias"] = tf.constant(0.1 * rng.standard_normal(d).astype(np.float32))
+    inner = f // 2 if activation == "swiglu" else f
+    return dense(d, d, norm_bias), norm, dense(d, f, norm_bias), dense(inner, d, norm_bias)
+
+
+@pytest.mark.parametrize("isa", ["auto", "scalar"])
+@pytest.mark.parametrize("activation,norm_bias,m,d,f", [
+    ("gelu_tanh", True, 1, 64, 256),    # GPT-2: LayerNorm, biases, one decode row (split K)
+    ("gelu_tanh", True, 6, 96, 200),    # more rows than split K takes, widths not x 32
+    ("swiglu", False, 3, 64, 256),      # Llama: RMSNorm, no biases
+    ("swiglu", False, 1, 40, 344)])     # widths not a multiple of 8 (scalar tails)
+def test_finish_block_equals_the_separate_ops(compiled, isa, activation, norm_bias, m, d, f):
+    """The fused block runs the separate ops' kernels in the same order. Split K sums each
+    thread's share in the order threads took them, so two calls of one op already differ in
+    the last bits: close to float rounding, not bit for bit."""
+    out, norm, up, down = _block_weights(d, f, activation, norm_bias, seed=m + d)
+    rng = np.random.default_rng(1)
+    attn = tf.constant(rng.standard_normal((m, d)).astype(np.float32))
+    x = tf.constant(rng.standard_normal((m, d)).astype(np.float32) * 3)
+    fused = kd.finish_block(attn, x, out, norm, up, down, activation, 1e-5, isa=isa).numpy()
+
+    x1 = kd.dense(attn, out["kernel"], out.get("bias"), x, isa=isa)
+    h = kd.layer_norm(x1, norm["scale"], norm.get("bias"), 1e-5, isa=isa)
+    u = kd.dense(h, up["kernel"], up.get("bias"), activation=activation, isa=isa)
+    separate = kd.dense(u, down["kernel"], down.get("bias"), x1, isa=isa).numpy()
+    np.testing.assert_allclose(fused, separate, rtol=1e-5, atol=1e-5)
+
+    # and it is the block's math, in float64
+    x1 = attn.numpy() @ out["kernel"].numpy().astype(np.float64) + x.numpy()
+    x1 = x1 + (out["bias"].numpy() if "bias" in out else 0)
+    mean = x1.mean(-1, keepdims=True) if norm_bias else 0
+    var = ((x1 - mean) ** 2).mean(-1, keepdims=True)
+    h = (x1 - mean) / np.sqrt(var + 1e-5) * norm["scale"].numpy() + (
+        norm["bias"].numpy() if norm_bias else 0)
+    u = reference(h, up["kernel"].numpy(), up["bias"].numpy() if "bias" in up else 0, None,
+                  activation)
+    expected = reference(u, down["kernel"].numpy(),
+                         down["bias"].numpy() if "bias" in down else 0, x1, "none")
+    np.testing.assert_allclose(fused, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_finish_block_refuses_weights_that_do_not_fit(compiled):
+    out, norm, up, down = _block_weights(64, 256, "gelu_tanh", True, seed=0)
+    attn = x = tf.zeros([2, 64])
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"down_w must be \[256, 64\]"):
+        kd.finish_block(attn, x, out, norm, up, {**down, "kernel": down["kernel"][:128]})
+    with pytest.raises(tf.errors.InvalidArgumentError, match="attn and x must be"):
+        kd.finish_block(attn, tf.zeros([3, 64]), out, norm, up, down)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="norm_bias must be"):
+        kd.finish_block(attn, x, out, {**norm, "bias": tf.zeros([63])}, up, down)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="swiglu needs an even up width"):
+        kd.finish_block(attn, x, out, norm, {"kernel": tf.zeros([64, 255])}, down, "swiglu")
+    with pytest.raises(ValueError, match="activation must be"):
+        kd.finish_block(attn, x, out, norm, up, down, "relu")

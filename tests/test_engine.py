@@ -233,6 +233,10 @@ def test_fused_dense_ops_give_the_xla_paths_greedy_tokens(exported, llms):
         assert got == want
     used = {key[2] for key in runner.step._steps} | {key[2] for key in all_fused.engine.runner.step._steps}
     assert used == {True, False}  # both paths really ran
+    # a block's second half is one op (its float32 kernels: test_dense_kernel.py)
+    graph = next(c.concrete.graph for key, c in all_fused.engine.runner.step._concrete.items()
+                 if key[2])
+    assert "TokenserveFinishBlock" in {op.type for op in graph.get_operations()}
     assert not any(key[2] for key in xla_only.engine.runner.step._steps)
 
 

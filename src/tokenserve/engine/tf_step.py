@@ -190,6 +190,12 @@ class TransformerStep(tf.Module):
                                   self.model.config.norm_eps)
             if y is not None:
                 return y
+        elif all("kernel" in w[name] for name in ("out", "up", "down")):
+            # float32: the same, through the dense op's kernels (None: not compiled)
+            y = kdense.finish_block(attn, x, w["out"], w["mlp_norm"], w["up"], w["down"], act,
+                                    self.model.config.norm_eps)
+            if y is not None:
+                return y
         x = self._linear_k(attn, w["out"], residual=x)
         h = self._linear_k(self._norm_k(x, w["mlp_norm"]), w["up"], activation=act)
         return self._linear_k(h, w["down"], residual=x)

@@ -7,6 +7,9 @@
 //   (gate and up fused in one kernel, the output is N / 2 wide).
 // TokenserveEpilogue  the same epilogue on a finished product z [M, N] (int8 weights' matmul).
 // TokenserveNorm      LayerNorm (scale, bias) or RMSNorm (scale) over the last axis of [M, D].
+// TokenserveFinishBlock  a transformer block's second half (output projection, residual,
+//   MLP norm, MLP up and activation, MLP down, residual) in one op: the dense and norm code
+//   above, called in turn, so the three matrices stream back to back.
 //
 // Why these exist: a batch-1 decode step of GPT-2-small reads 498 MB of float32 weights.
 // This machine streams about 45 GB/s with two cores, so the floor is about 11 ms, and the
@@ -333,6 +336,30 @@ REGISTER_OP("TokenserveNorm")
     })
     .Doc("LayerNorm (bias given) or RMSNorm (bias empty) over the last axis, float32.");
 
+REGISTER_OP("TokenserveFinishBlock")
+    .Input("attn: float")        // [M, Da] attention output
+    .Input("x: float")           // [M, D] the residual stream
+    .Input("out_w: float")       // [Da, D]
+    .Input("out_bias: float")    // [D] or [0]
+    .Input("norm_scale: float")  // [D]
+    .Input("norm_bias: float")   // [D] (LayerNorm) or [0] (RMSNorm)
+    .Input("up_w: float")        // [D, F]
+    .Input("up_bias: float")     // [F] or [0]
+    .Input("down_w: float")      // [F, D] (F / 2 rows for swiglu)
+    .Input("down_bias: float")   // [D] or [0]
+    .Output("y: float")          // [M, D]
+    .Attr("activation: {'gelu_tanh', 'swiglu'} = 'gelu_tanh'")
+    .Attr("eps: float = 1e-5")
+    .Attr("isa: {'auto', 'scalar'} = 'auto'")
+    .SetShapeFn([](InferenceContext* c) {
+      ShapeHandle x;
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(1), 2, &x));
+      c->set_output(0, x);
+      return absl::OkStatus();
+    })
+    .Doc("x1 = attn @ out_w + out_bias + x; "
+         "y = act(norm(x1) @ up_w + up_bias) @ down_w + down_bias + x1. Float32, small M.");
+
 REGISTER_OP("TokenserveDenseInfo")
     .Output("info: string")
     .SetShapeFn([](InferenceContext* c) {
@@ -340,6 +367,138 @@ REGISTER_OP("TokenserveDenseInfo")
       return absl::OkStatus();
     })
     .Doc("Which instruction set the TokenserveDense and TokenserveNorm kernels use here.");
+
+namespace {
+
+// Column ranges of W, 2 per thread (at most kMaxRange wide, a multiple of 8 where possible);
+// each range runs its own epilogue, except swiglu, whose halves live in different ranges.
+void ComputeKn(const Geometry& g, const Args& a, tensorflow::thread::ThreadPool* pool,
+               bool avx2) {
+  const bool swiglu = a.act == Activation::kSwiglu;
+  const int64 threads = std::max(1, pool->NumThreads());
+  int64 items = std::max<int64>(2 * threads, (g.N + kMaxRange - 1) / kMaxRange);
+  int64 width = (g.N + items - 1) / items;
+  width = std::max<int64>(8, (width + 7) / 8 * 8);
+  items = (g.N + width - 1) / width;
+  std::vector<float> z;  // the whole of x @ W + bias (swiglu only: pairs cross ranges)
+  if (swiglu) z.resize(g.M * g.N);
+    std::vector<std::vector<float>> accs(threads);  // one per worker
+  RunChunks(pool, threads, items, [&](int64 item, int64 worker) {
+    std::vector<float>& acc = accs[worker];
+    if (acc.empty()) acc.resize(kRowsPerPass * width);
+    const int64 j0 = item * width, cols = std::min(width, g.N - j0);
+    for (int64 r0 = 0; r0 < g.M; r0 += kRowsPerPass) {
+      const int64 rows = std::min(kRowsPerPass, g.M - r0);
+#ifdef TOKENSERVE_X86
+      if (avx2) {
+        KnRangeAvx2(g, a.x + r0 * g.K, rows, a.w, j0, cols, acc.data());
+      } else
+#endif
+      {
+        KnRangeScalar(g, a.x + r0 * g.K, rows, a.w, j0, cols, acc.data());
+      }
+      for (int64 r = 0; r < rows; ++r) {
+        float* zr = acc.data() + r * cols;
+        if (a.bias) {
+          for (int64 j = 0; j < cols; ++j) zr[j] += a.bias[j0 + j];
+        }
+        if (swiglu) {
+          std::memcpy(z.data() + (r0 + r) * g.N + j0, zr, cols * sizeof(float));
+          continue;
+        }
+        const float* res = a.residual ? a.residual + (r0 + r) * g.out + j0 : nullptr;
+        FinishRow(avx2, cols, a.act, zr, nullptr, res, a.y + (r0 + r) * g.out + j0);
+      }
+    }
+  });
+  if (swiglu) {
+    for (int64 r = 0; r < g.M; ++r) {
+      const float* zr = z.data() + r * g.N;
+      FinishRow(avx2, g.out, a.act, zr, zr + g.out,
+                a.residual ? a.residual + r * g.out : nullptr, a.y + r * g.out);
+    }
+  }
+}
+
+// Up to 4 rows of x (a decode step of up to 4 sequences): K is cut into chunks of
+// whole weight rows, each read front to back as one sequential stream (the prefetcher
+// follows one stream far better than several strided ones: 43-45 GB/s for the pair of
+// threads on this kind of VM, where column ranges walked row by row reached 31-34), into
+// per-worker partial sums that the epilogue adds up. In the GPT-2-small engine step this
+// beat the column ranges below by ~10 % at 3 rows and ~6 % at 4 (each partial sum is loaded
+// and stored once per FMA, which stops paying from 5-6 rows, where XLA is faster anyway).
+void ComputeKnSplitK(const Geometry& g, const Args& a, tensorflow::thread::ThreadPool* pool,
+                     bool avx2) {
+  const int64 workers = std::max(1, pool->NumThreads());
+  const int64 chunks = std::max<int64>(1, std::min(kChunksPerWorker * workers,
+                                                   g.K / kSplitKMinRows));
+  const int64 rows_per_chunk = (g.K + chunks - 1) / chunks;
+  std::vector<float> partial(workers * g.M * g.N);
+  std::vector<char> used(workers, 0);
+    RunChunks(pool, workers, chunks, [&](int64 chunk, int64 worker) {
+    const int64 k0 = chunk * rows_per_chunk, k1 = std::min(g.K, k0 + rows_per_chunk);
+    float* acc = partial.data() + worker * g.M * g.N;
+    used[worker] = 1;  // partial sums start at zero (the vector is value-initialized)
+#ifdef TOKENSERVE_X86
+    if (avx2) {
+      switch (g.M) {
+        case 1: KnRowsAvx2<1>(g, a.x, a.w, k0, k1, acc); break;
+        case 2: KnRowsAvx2<2>(g, a.x, a.w, k0, k1, acc); break;
+        case 3: KnRowsAvx2<3>(g, a.x, a.w, k0, k1, acc); break;
+        default: KnRowsAvx2<4>(g, a.x, a.w, k0, k1, acc); break;
+      }
+      return;
+    }
+#endif
+    KnRowsScalar(g, a.x, a.w, k0, k1, acc);
+  });
+  float* z = partial.data();  // worker 0's sums collect the others' (zeros if it took none)
+  for (int64 w = 1; w < workers; ++w) {
+    if (!used[w]) continue;
+    const float* other = partial.data() + w * g.M * g.N;
+    for (int64 i = 0; i < g.M * g.N; ++i) z[i] += other[i];
+  }
+  rowops::FinishRows(avx2, g.M, g.N, g.out, a.act, z, a.bias, a.residual, a.y);
+}
+
+void ComputeNk(const Geometry& g, const Args& a, tensorflow::thread::ThreadPool* pool,
+               bool avx2) {
+  const bool direct = a.act == Activation::kNone && !a.bias && !a.residual;
+  std::vector<float> z;
+  float* zp = a.y;
+  if (!direct) {
+    z.resize(g.M * g.N);
+    zp = z.data();
+  }
+  const int64 tiles = (g.N + kTileRows - 1) / kTileRows;
+  RunChunks(pool, std::max(1, pool->NumThreads()), tiles, [&](int64 tile, int64) {
+    const int64 n0 = tile * kTileRows, n1 = std::min(g.N, n0 + kTileRows);
+#ifdef TOKENSERVE_X86
+    if (avx2) {
+      NkTileAvx2(g, a.x, a.w, n0, n1, zp);
+      return;
+    }
+#endif
+    NkTileScalar(g, a.x, a.w, n0, n1, zp);
+  });
+  if (direct) return;
+  rowops::FinishRows(avx2, g.M, g.N, g.out, a.act, zp, a.bias, a.residual, a.y);
+}
+
+// x @ W and its epilogue for one TokenserveDense call (or one matrix of
+// TokenserveFinishBlock): the work split by layout and number of rows (top of this file).
+void ComputeDense(const Geometry& g, const Args& a, bool kn, tensorflow::thread::ThreadPool* pool,
+                  bool avx2) {
+  if (kn && g.M <= kSplitKMaxRows && g.K >= 2 * kSplitKMinRows) {
+    ComputeKnSplitK(g, a, pool, avx2);
+  } else if (kn) {
+    ComputeKn(g, a, pool, avx2);
+  } else {
+    ComputeNk(g, a, pool, avx2);
+  }
+}
+
+}  // namespace
 
 class DenseOp : public OpKernel {
  public:
@@ -388,135 +547,103 @@ class DenseOp : public OpKernel {
            bias.NumElements() ? bias.flat<float>().data() : nullptr,
            residual.NumElements() ? residual.flat<float>().data() : nullptr,
            y_tensor->flat<float>().data(), act_};
-    auto* pool = ctx->device()->tensorflow_cpu_worker_threads()->workers;
-    if (kn_ && g.M <= kSplitKMaxRows && g.K >= 2 * kSplitKMinRows) {
-      ComputeKnSplitK(g, a, pool);
-    } else if (kn_) {
-      ComputeKn(g, a, pool);
-    } else {
-      ComputeNk(ctx, g, a, pool);
-    }
+    ComputeDense(g, a, kn_, ctx->device()->tensorflow_cpu_worker_threads()->workers, avx2_);
   }
 
  private:
-  // Column ranges of W, 2 per thread (at most kMaxRange wide, a multiple of 8 where possible);
-  // each range runs its own epilogue, except swiglu, whose halves live in different ranges.
-  void ComputeKn(const Geometry& g, const Args& a, tensorflow::thread::ThreadPool* pool) {
-    const bool swiglu = a.act == Activation::kSwiglu;
-    const int64 threads = std::max(1, pool->NumThreads());
-    int64 items = std::max<int64>(2 * threads, (g.N + kMaxRange - 1) / kMaxRange);
-    int64 width = (g.N + items - 1) / items;
-    width = std::max<int64>(8, (width + 7) / 8 * 8);
-    items = (g.N + width - 1) / width;
-    std::vector<float> z;  // the whole of x @ W + bias (swiglu only: pairs cross ranges)
-    if (swiglu) z.resize(g.M * g.N);
-    const bool avx2 = avx2_;
-    std::vector<std::vector<float>> accs(threads);  // one per worker
-    RunChunks(pool, threads, items, [&](int64 item, int64 worker) {
-      std::vector<float>& acc = accs[worker];
-      if (acc.empty()) acc.resize(kRowsPerPass * width);
-      const int64 j0 = item * width, cols = std::min(width, g.N - j0);
-      for (int64 r0 = 0; r0 < g.M; r0 += kRowsPerPass) {
-        const int64 rows = std::min(kRowsPerPass, g.M - r0);
-#ifdef TOKENSERVE_X86
-        if (avx2) {
-          KnRangeAvx2(g, a.x + r0 * g.K, rows, a.w, j0, cols, acc.data());
-        } else
-#endif
-        {
-          KnRangeScalar(g, a.x + r0 * g.K, rows, a.w, j0, cols, acc.data());
-        }
-        for (int64 r = 0; r < rows; ++r) {
-          float* zr = acc.data() + r * cols;
-          if (a.bias) {
-            for (int64 j = 0; j < cols; ++j) zr[j] += a.bias[j0 + j];
-          }
-          if (swiglu) {
-            std::memcpy(z.data() + (r0 + r) * g.N + j0, zr, cols * sizeof(float));
-            continue;
-          }
-          const float* res = a.residual ? a.residual + (r0 + r) * g.out + j0 : nullptr;
-          FinishRow(avx2, cols, a.act, zr, nullptr, res, a.y + (r0 + r) * g.out + j0);
-        }
-      }
-    });
-    if (swiglu) {
-      for (int64 r = 0; r < g.M; ++r) {
-        const float* zr = z.data() + r * g.N;
-        FinishRow(avx2, g.out, a.act, zr, zr + g.out,
-                  a.residual ? a.residual + r * g.out : nullptr, a.y + r * g.out);
-      }
-    }
-  }
-
-  // Up to 4 rows of x (a decode step of up to 4 sequences): K is cut into chunks of
-  // whole weight rows, each read front to back as one sequential stream (the prefetcher
-  // follows one stream far better than several strided ones: 43-45 GB/s for the pair of
-  // threads on this kind of VM, where column ranges walked row by row reached 31-34), into
-  // per-worker partial sums that the epilogue adds up. In the GPT-2-small engine step this
-  // beat the column ranges below by ~10 % at 3 rows and ~6 % at 4 (each partial sum is loaded
-  // and stored once per FMA, which stops paying from 5-6 rows, where XLA is faster anyway).
-  void ComputeKnSplitK(const Geometry& g, const Args& a, tensorflow::thread::ThreadPool* pool) {
-    const int64 workers = std::max(1, pool->NumThreads());
-    const int64 chunks = std::max<int64>(1, std::min(kChunksPerWorker * workers,
-                                                     g.K / kSplitKMinRows));
-    const int64 rows_per_chunk = (g.K + chunks - 1) / chunks;
-    std::vector<float> partial(workers * g.M * g.N);
-    std::vector<char> used(workers, 0);
-    const bool avx2 = avx2_;
-    RunChunks(pool, workers, chunks, [&](int64 chunk, int64 worker) {
-      const int64 k0 = chunk * rows_per_chunk, k1 = std::min(g.K, k0 + rows_per_chunk);
-      float* acc = partial.data() + worker * g.M * g.N;
-      used[worker] = 1;  // partial sums start at zero (the vector is value-initialized)
-#ifdef TOKENSERVE_X86
-      if (avx2) {
-        switch (g.M) {
-          case 1: KnRowsAvx2<1>(g, a.x, a.w, k0, k1, acc); break;
-          case 2: KnRowsAvx2<2>(g, a.x, a.w, k0, k1, acc); break;
-          case 3: KnRowsAvx2<3>(g, a.x, a.w, k0, k1, acc); break;
-          default: KnRowsAvx2<4>(g, a.x, a.w, k0, k1, acc); break;
-        }
-        return;
-      }
-#endif
-      KnRowsScalar(g, a.x, a.w, k0, k1, acc);
-    });
-    float* z = partial.data();  // worker 0's sums collect the others' (zeros if it took none)
-    for (int64 w = 1; w < workers; ++w) {
-      if (!used[w]) continue;
-      const float* other = partial.data() + w * g.M * g.N;
-      for (int64 i = 0; i < g.M * g.N; ++i) z[i] += other[i];
-    }
-    rowops::FinishRows(avx2, g.M, g.N, g.out, a.act, z, a.bias, a.residual, a.y);
-  }
-
-  void ComputeNk(OpKernelContext* ctx, const Geometry& g, const Args& a,
-                 tensorflow::thread::ThreadPool* pool) {
-    const bool direct = a.act == Activation::kNone && !a.bias && !a.residual;
-    std::vector<float> z;
-    float* zp = a.y;
-    if (!direct) {
-      z.resize(g.M * g.N);
-      zp = z.data();
-    }
-    const bool avx2 = avx2_;
-    const int64 tiles = (g.N + kTileRows - 1) / kTileRows;
-    RunChunks(pool, std::max(1, pool->NumThreads()), tiles, [&](int64 tile, int64) {
-      const int64 n0 = tile * kTileRows, n1 = std::min(g.N, n0 + kTileRows);
-#ifdef TOKENSERVE_X86
-      if (avx2) {
-        NkTileAvx2(g, a.x, a.w, n0, n1, zp);
-        return;
-      }
-#endif
-      NkTileScalar(g, a.x, a.w, n0, n1, zp);
-    });
-    if (direct) return;
-    rowops::FinishRows(avx2, g.M, g.N, g.out, a.act, zp, a.bias, a.residual, a.y);
-  }
-
   bool kn_ = true;
   Activation act_ = Activation::kNone;
+  bool avx2_ = false;
+};
+
+// A transformer block's second half (output projection and residual, MLP norm, MLP up and
+// activation, MLP down and residual) as one op: the same ComputeDense and NormRow calls as
+// three TokenserveDense ops and a TokenserveNorm, so the three matrices stream back to back
+// instead of with the executor's gaps between them (docs/performance.md, "Between the ops"),
+// and a layer runs three fewer ops. int8_matmul.cc has the int8 weights' twin.
+class FinishBlockOp : public OpKernel {
+ public:
+  explicit FinishBlockOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    std::string activation, isa;
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("activation", &activation));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("eps", &eps_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("isa", &isa));
+    act_ = activation == "swiglu" ? Activation::kSwiglu : Activation::kGeluTanh;
+    avx2_ = isa == "auto" && CpuHasAvx2Fma();
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    const Tensor& attn = ctx->input(0);
+    const Tensor& x = ctx->input(1);
+    const Tensor& out_w = ctx->input(2);
+    const Tensor& norm_scale = ctx->input(4);
+    const Tensor& up_w = ctx->input(6);
+    const Tensor& down_w = ctx->input(8);
+    OP_REQUIRES(ctx, attn.dims() == 2 && x.dims() == 2 && attn.dim_size(0) == x.dim_size(0),
+                InvalidArgument("attn and x must be [M, Da] and [M, D], got ",
+                                attn.shape().DebugString(), " and ", x.shape().DebugString()));
+    const int64 m = x.dim_size(0), d = x.dim_size(1), da = attn.dim_size(1);
+    OP_REQUIRES(ctx, IsMatrix(out_w, da, d),
+                InvalidArgument("out_w must be [Da, D] = [", da, ", ", d, "], got ",
+                                out_w.shape().DebugString()));
+    OP_REQUIRES(ctx, norm_scale.dims() == 1 && norm_scale.dim_size(0) == d,
+                InvalidArgument("norm_scale must be [", d, "], got ",
+                                norm_scale.shape().DebugString()));
+    OP_REQUIRES(ctx, up_w.dims() == 2 && up_w.dim_size(0) == d && up_w.dim_size(1) > 0,
+                InvalidArgument("up_w must be [D, F] with D = ", d, ", got ",
+                                up_w.shape().DebugString()));
+    const int64 f = up_w.dim_size(1);
+    const bool swiglu = act_ == Activation::kSwiglu;
+    OP_REQUIRES(ctx, !swiglu || f % 2 == 0,
+                InvalidArgument("swiglu needs an even up width, got ", f));
+    const int64 inner = swiglu ? f / 2 : f;
+    OP_REQUIRES(ctx, IsMatrix(down_w, inner, d),
+                InvalidArgument("down_w must be [", inner, ", ", d, "], got ",
+                                down_w.shape().DebugString()));
+    const int64 widths[] = {d, d, f, d};  // out_bias, norm_bias, up_bias, down_bias
+    const char* names[] = {"out_bias", "norm_bias", "up_bias", "down_bias"};
+    for (int i = 0; i < 4; ++i) {
+      const Tensor& t = ctx->input(3 + 2 * i);
+      OP_REQUIRES(ctx, t.NumElements() == 0 || (t.dims() == 1 && t.dim_size(0) == widths[i]),
+                  InvalidArgument(names[i], " must be [", widths[i], "] or empty, got ",
+                                  t.shape().DebugString()));
+    }
+    Tensor* y_tensor = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({m, d}), &y_tensor));
+    if (m == 0 || d == 0) return;
+
+    auto* pool = ctx->device()->tensorflow_cpu_worker_threads()->workers;
+    std::vector<float> x1(m * d), h(m * d), u(m * inner);
+    // x1 = attn @ out_w + out_bias + x
+    ComputeDense({m, da, d, d}, {attn.flat<float>().data(), out_w.flat<float>().data(),
+                                 Data(ctx->input(3)), x.flat<float>().data(), x1.data(),
+                                 Activation::kNone},
+                 true, pool, avx2_);
+    // h = norm(x1)
+    for (int64 r = 0; r < m; ++r) {
+      rowops::NormRow(avx2_, d, x1.data() + r * d, norm_scale.flat<float>().data(),
+                      Data(ctx->input(5)), eps_, h.data() + r * d);
+    }
+    // u = act(h @ up_w + up_bias)
+    ComputeDense({m, d, f, inner}, {h.data(), up_w.flat<float>().data(), Data(ctx->input(7)),
+                                    nullptr, u.data(), act_},
+                 true, pool, avx2_);
+    // y = u @ down_w + down_bias + x1
+    ComputeDense({m, inner, d, d}, {u.data(), down_w.flat<float>().data(), Data(ctx->input(9)),
+                                    x1.data(), y_tensor->flat<float>().data(), Activation::kNone},
+                 true, pool, avx2_);
+  }
+
+ private:
+  static bool IsMatrix(const Tensor& t, int64 rows, int64 cols) {
+    return t.dims() == 2 && t.dim_size(0) == rows && t.dim_size(1) == cols;
+  }
+  static const float* Data(const Tensor& t) {
+    return t.NumElements() ? t.flat<float>().data() : nullptr;
+  }
+
+  Activation act_ = Activation::kGeluTanh;
+  float eps_ = 1e-5f;
   bool avx2_ = false;
 };
 
@@ -631,6 +758,7 @@ class DenseInfoOp : public OpKernel {
 REGISTER_KERNEL_BUILDER(Name("TokenserveDense").Device(DEVICE_CPU), DenseOp);
 REGISTER_KERNEL_BUILDER(Name("TokenserveEpilogue").Device(DEVICE_CPU), EpilogueOp);
 REGISTER_KERNEL_BUILDER(Name("TokenserveNorm").Device(DEVICE_CPU), NormOp);
+REGISTER_KERNEL_BUILDER(Name("TokenserveFinishBlock").Device(DEVICE_CPU), FinishBlockOp);
 REGISTER_KERNEL_BUILDER(Name("TokenserveDenseInfo").Device(DEVICE_CPU), DenseInfoOp);
 
 }  // namespace tokenserve

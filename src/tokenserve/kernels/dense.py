@@ -10,6 +10,7 @@ op; the engine uses them for steps of a few tokens (docs/engine.md, "The step").
     y = dense(x, kernel, bias, residual=x0, activation="gelu_tanh")   # x [M, K] -> [M, N]
     logits = dense(h, embedding, layout="nk")                          # tied LM head
     h = layer_norm(x, scale, bias, eps=1e-5)
+    y = finish_block(attn, x, out, norm, up, down)   # a block's second half, one op
 
 Each function uses the compiled op when it is available, else the same math in stock TF ops
 (also forced with TOKENSERVE_DENSE_KERNEL=fallback or TOKENSERVE_KERNELS=fallback). The op
@@ -100,6 +101,35 @@ def layer_norm_fallback(x, scale, bias=None, eps: float = 1e-5) -> tf.Tensor:
         return x * tf.math.rsqrt(tf.reduce_mean(tf.square(x), -1, keepdims=True) + eps) * scale
     mean, var = tf.nn.moments(x, axes=[-1], keepdims=True)
     return (x - mean) * tf.math.rsqrt(var + eps) * scale + bias
+
+
+def finish_block(attn, x, out, norm, up, down, activation: str = "gelu_tanh",
+                 eps: float = 1e-5, isa: str = "auto"):
+    """The second half of a transformer block with float32 weights, as one compiled op:
+
+        x1 = attn @ out_kernel + out_bias + x
+        y  = act(norm(x1) @ up_kernel + up_bias) @ down_kernel + down_bias + x1
+
+    out, up, down: dicts with "kernel" ([in, out]) and "bias" where the layer has one; norm:
+    a dict with "scale" (and "bias" for LayerNorm; without it RMSNorm). activation:
+    "gelu_tanh" or "swiglu" (up's output is [gate, up] halves). The same kernels as three
+    `dense` calls and a `layer_norm`, in one op so the three matrices stream back to back
+    (docs/performance.md). Returns None when the compiled op is unavailable: the caller
+    composes the separate functions then.
+    """
+    if activation not in ("gelu_tanh", "swiglu"):
+        raise ValueError(f"activation must be gelu_tanh or swiglu, got {activation!r}")
+    op = LIBRARY.module()
+    if op is None:
+        return None
+    empty = tf.zeros([0], tf.float32)
+
+    def bias(w):
+        return w["bias"] if w.get("bias") is not None else empty
+
+    return op.tokenserve_finish_block(
+        attn, x, out["kernel"], bias(out), norm["scale"], bias(norm), up["kernel"], bias(up),
+        down["kernel"], bias(down), activation=activation, eps=eps, isa=isa)
 
 
 def is_compiled() -> bool:
