@@ -67,6 +67,7 @@ using int64 = int64_t;
 constexpr int64 kRowsPerPass = 8;   // rows of x sharing one pass over the weights ("kn")
 constexpr int64 kMaxRange = 1024;   // columns per work item at most ("kn"): 4 KB per row
 constexpr int64 kTileRows = 256;    // weight rows per work item ("nk")
+constexpr int64 kNkPrefetchRows = 8;  // "nk": how many weight rows ahead to prefetch
 constexpr int64 kChunksPerWorker = 4;  // "kn" split-K chunks per thread (late threads take fewer)
 constexpr int64 kSplitKMaxRows = 4;  // "kn" with at most this many rows of x splits K instead
 constexpr int64 kSplitKMinRows = 64;  // weight rows per thread at least, when K is split
@@ -215,22 +216,58 @@ AVX2_FN inline float HorizontalSum(__m256 v) {
 }
 
 // "nk": z[r, n] = W[n, :] . x[r, :] for weight rows [n0, n1) and every row r of x.
+// Four weight rows at a time, each with its own accumulator, sharing every load of x, and
+// the rows 8 ahead software-prefetched. GPT-2-small's tied LM head [50257, 768] at M = 1 on a
+// 2-core AMX Xeon (AVX2 cap), 30 alternating rounds in one process, median: one row at a
+// time 6.44 ms; four rows 5.51; four rows with the rows 4, 8 or 12 ahead prefetched 4.75,
+// 4.68, 5.02 (numpy's sgemv: 3.9-4.7 in other runs of the same hour).
 AVX2_FN void NkTileAvx2(const Geometry& g, const float* x, const float* w, int64 n0, int64 n1,
                         float* z) {
-  const int64 vec = g.K / 32 * 32;
-  for (int64 n = n0; n < n1; ++n) {
-    const float* wn = w + n * g.K;
+  const int64 vec = g.K / 8 * 8;
+  const int64 ahead = kNkPrefetchRows * g.K;  // floats
+  int64 n = n0;
+  for (; n + 4 <= n1; n += 4) {
+    const float* w0 = w + n * g.K;
+    const float* w1 = w0 + g.K;
+    const float* w2 = w1 + g.K;
+    const float* w3 = w2 + g.K;
     for (int64 r = 0; r < g.M; ++r) {
       const float* xr = x + r * g.K;
       __m256 s0 = _mm256_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
       int64 k = 0;
-      for (; k < vec; k += 32) {
-        s0 = _mm256_fmadd_ps(_mm256_loadu_ps(wn + k), _mm256_loadu_ps(xr + k), s0);
-        s1 = _mm256_fmadd_ps(_mm256_loadu_ps(wn + k + 8), _mm256_loadu_ps(xr + k + 8), s1);
-        s2 = _mm256_fmadd_ps(_mm256_loadu_ps(wn + k + 16), _mm256_loadu_ps(xr + k + 16), s2);
-        s3 = _mm256_fmadd_ps(_mm256_loadu_ps(wn + k + 24), _mm256_loadu_ps(xr + k + 24), s3);
+      for (; k < vec; k += 8) {
+        const __m256 xv = _mm256_loadu_ps(xr + k);
+        if ((k & 15) == 0) {  // a cache line of each row kNkPrefetchRows ahead (past the
+          // tile's or W's end too: a prefetch never faults)
+          _mm_prefetch(reinterpret_cast<const char*>(w0 + ahead + k), _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(w1 + ahead + k), _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(w2 + ahead + k), _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(w3 + ahead + k), _MM_HINT_T0);
+        }
+        s0 = _mm256_fmadd_ps(_mm256_loadu_ps(w0 + k), xv, s0);
+        s1 = _mm256_fmadd_ps(_mm256_loadu_ps(w1 + k), xv, s1);
+        s2 = _mm256_fmadd_ps(_mm256_loadu_ps(w2 + k), xv, s2);
+        s3 = _mm256_fmadd_ps(_mm256_loadu_ps(w3 + k), xv, s3);
       }
-      float sum = HorizontalSum(_mm256_add_ps(_mm256_add_ps(s0, s1), _mm256_add_ps(s2, s3)));
+      float sums[4] = {HorizontalSum(s0), HorizontalSum(s1), HorizontalSum(s2),
+                       HorizontalSum(s3)};
+      for (; k < g.K; ++k) {
+        sums[0] += w0[k] * xr[k];
+        sums[1] += w1[k] * xr[k];
+        sums[2] += w2[k] * xr[k];
+        sums[3] += w3[k] * xr[k];
+      }
+      std::memcpy(z + r * g.N + n, sums, sizeof(sums));
+    }
+  }
+  for (; n < n1; ++n) {  // the tile's last rows, one at a time
+    const float* wn = w + n * g.K;
+    for (int64 r = 0; r < g.M; ++r) {
+      const float* xr = x + r * g.K;
+      __m256 s = _mm256_setzero_ps();
+      int64 k = 0;
+      for (; k < vec; k += 8) s = _mm256_fmadd_ps(_mm256_loadu_ps(wn + k), _mm256_loadu_ps(xr + k), s);
+      float sum = HorizontalSum(s);
       for (; k < g.K; ++k) sum += wn[k] * xr[k];
       z[r * g.N + n] = sum;
     }
