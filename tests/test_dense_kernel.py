@@ -177,6 +177,14 @@ def test_finish_block_equals_the_separate_ops(compiled, isa, activation, norm_bi
     u = kd.dense(h, up["kernel"], up.get("bias"), activation=activation, isa=isa)
     separate = kd.dense(u, down["kernel"], down.get("bias"), x1, isa=isa).numpy()
     np.testing.assert_allclose(fused, separate, rtol=1e-5, atol=1e-5)
+    # with the next block's norm and QKV projection in the same op
+    _, next_norm, next_qkv, _ = _block_weights(d, 3 * d, activation, norm_bias, seed=7)
+    y, following = kd.finish_block(attn, x, out, norm, up, down, activation, 1e-5, isa=isa,
+                                   next_norm=next_norm, next_qkv=next_qkv)
+    np.testing.assert_allclose(y.numpy(), fused, rtol=1e-5, atol=1e-5)
+    h = kd.layer_norm(y, next_norm["scale"], next_norm.get("bias"), 1e-5, isa=isa)
+    np.testing.assert_allclose(following.numpy(), kd.dense(
+        h, next_qkv["kernel"], next_qkv.get("bias"), isa=isa).numpy(), rtol=1e-5, atol=1e-5)
 
     # and it is the block's math, in float64
     x1 = attn.numpy() @ out["kernel"].numpy().astype(np.float64) + x.numpy()
@@ -205,3 +213,8 @@ def test_finish_block_refuses_weights_that_do_not_fit(compiled):
         kd.finish_block(attn, x, out, norm, {"kernel": tf.zeros([64, 255])}, down, "swiglu")
     with pytest.raises(ValueError, match="activation must be"):
         kd.finish_block(attn, x, out, norm, up, down, "relu")
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"next_w must be \[D, Nq\]"):
+        kd.finish_block(attn, x, out, norm, up, down, next_norm=norm, next_qkv=down)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="next_bias must be"):
+        kd.finish_block(attn, x, out, norm, up, down, next_norm=norm,
+                        next_qkv={"kernel": up["kernel"], "bias": tf.zeros([5])})

@@ -236,7 +236,11 @@ def test_fused_dense_ops_give_the_xla_paths_greedy_tokens(exported, llms):
     # a block's second half is one op (its float32 kernels: test_dense_kernel.py)
     graph = next(c.concrete.graph for key, c in all_fused.engine.runner.step._concrete.items()
                  if key[2])
-    assert "TokenserveFinishBlock" in {op.type for op in graph.get_operations()}
+    types = [op.type for op in graph.get_operations()]
+    assert types.count("TokenserveFinishBlock") == runner.model.config.num_layers
+    # and each block but the last carries the next one's norm and QKV: the first block's
+    # attention norm and the final norm are the only norms left
+    assert types.count("TokenserveNorm") == 2
     assert not any(key[2] for key in xla_only.engine.runner.step._steps)
 
 

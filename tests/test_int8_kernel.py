@@ -293,6 +293,16 @@ def test_finish_block_equals_the_separate_ops(compiled, isa, activation, norm_bi
     u = kdense.epilogue(matmul(h, up), up.get("bias"), None, activation, isa=isa)
     separate = kdense.epilogue(matmul(u, down), down.get("bias"), x1, isa=isa)
     np.testing.assert_array_equal(fused.numpy(), separate.numpy())
+    # with the next block's norm and QKV projection in the same op: the same y, and the
+    # projection the separate norm, matmul and epilogue give
+    _, next_norm, next_qkv, _ = _block_weights(d, 3 * d, activation, norm_bias, seed=7,
+                                               group=group)
+    y, following = im.int8_finish_block(attn, x, out, norm, up, down, activation, 1e-5, isa=isa,
+                                        next_norm=next_norm, next_qkv=next_qkv)
+    np.testing.assert_array_equal(y.numpy(), fused.numpy())
+    h = kdense.layer_norm(y, next_norm["scale"], next_norm.get("bias"), 1e-5, isa=isa)
+    np.testing.assert_array_equal(following.numpy(), kdense.epilogue(
+        matmul(h, next_qkv), next_qkv.get("bias"), None, isa=isa).numpy())
     # and it is the block's math: against float64 with the dequantized weights (the op's
     # int8 activations cost up to 1/254 of a block's absmax per value)
     np.testing.assert_allclose(fused.numpy(), _block_reference(attn, x, out, norm, up, down,
@@ -328,3 +338,8 @@ def test_finish_block_refuses_weights_that_do_not_fit(compiled):
         im.int8_finish_block(attn, tf.zeros([3, 64]), out, norm, up, down)
     with pytest.raises(tf.errors.InvalidArgumentError, match="norm_bias must be"):
         im.int8_finish_block(attn, x, out, {**norm, "bias": tf.zeros([63])}, up, down)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="next: x is .M, K. with K = 64"):
+        im.int8_finish_block(attn, x, out, norm, up, down, next_norm=norm, next_qkv=down)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="next_norm_scale must be .64."):
+        im.int8_finish_block(attn, x, out, norm, up, down, next_norm={"scale": tf.zeros([3])},
+                             next_qkv=up)

@@ -182,33 +182,39 @@ class TransformerStep(tf.Module):
         return self._split_qkv(self._linear_k(self._norm_k(x, w["attn_norm"]), w["qkv"]),
                                rotary)
 
-    def _finish_block_k(self, x, attn, w):
+    def _finish_block_k(self, x, attn, w, w_next=None):
+        """The block's second half -> (x, the next block's QKV projection or None).
+
+        With one weight format throughout, a single op takes the block's three matrices and,
+        given w_next, the next block's norm and QKV matrix too, back to back; else the
+        separate ops (None: the caller projects the next block's QKV itself)."""
         act = "swiglu" if self.model.config.mlp == "swiglu" else "gelu_tanh"
-        if "q" in w["out"] and "q" in w["up"] and "q" in w["down"]:
-            # int8: the block's three matmuls as one op, back to back (None: not compiled)
-            y = int8_finish_block(attn, x, w["out"], w["mlp_norm"], w["up"], w["down"], act,
-                                  self.model.config.norm_eps)
+        eps = self.model.config.norm_eps
+        for key, fused in (("q", int8_finish_block), ("kernel", kdense.finish_block)):
+            if not all(key in w[name] for name in ("out", "up", "down")):
+                continue
+            following = {}
+            if w_next is not None and key in w_next["qkv"]:
+                following = dict(next_norm=w_next["attn_norm"], next_qkv=w_next["qkv"])
+            y = fused(attn, x, w["out"], w["mlp_norm"], w["up"], w["down"], act, eps,
+                      **following)  # None: the op is not compiled
             if y is not None:
-                return y
-        elif all("kernel" in w[name] for name in ("out", "up", "down")):
-            # float32: the same, through the dense op's kernels (None: not compiled)
-            y = kdense.finish_block(attn, x, w["out"], w["mlp_norm"], w["up"], w["down"], act,
-                                    self.model.config.norm_eps)
-            if y is not None:
-                return y
+                return y if following else (y, None)
         x = self._linear_k(attn, w["out"], residual=x)
         h = self._linear_k(self._norm_k(x, w["mlp_norm"]), w["up"], activation=act)
-        return self._linear_k(h, w["down"], residual=x)
+        return self._linear_k(h, w["down"], residual=x), None
 
     def _enter_k(self, x, rotary, w):
         return self._qkv_k(x, rotary, w)
 
     def _between_k(self, x, attn, rotary, w, w_next):
-        x = self._finish_block_k(x, attn, w)
-        return (x, *self._qkv_k(x, rotary, w_next))
+        x, qkv = self._finish_block_k(x, attn, w, w_next)
+        if qkv is None:
+            return (x, *self._qkv_k(x, rotary, w_next))
+        return (x, *self._split_qkv(qkv, rotary))
 
     def _exit_k(self, x, attn, w):
-        return self._finish_block_k(x, attn, w)
+        return self._finish_block_k(x, attn, w)[0]
 
     def _head_k(self, x):
         m = self.model

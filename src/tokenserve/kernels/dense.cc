@@ -8,8 +8,9 @@
 // TokenserveEpilogue  the same epilogue on a finished product z [M, N] (int8 weights' matmul).
 // TokenserveNorm      LayerNorm (scale, bias) or RMSNorm (scale) over the last axis of [M, D].
 // TokenserveFinishBlock  a transformer block's second half (output projection, residual,
-//   MLP norm, MLP up and activation, MLP down, residual) in one op: the dense and norm code
-//   above, called in turn, so the three matrices stream back to back.
+//   MLP norm, MLP up and activation, MLP down, residual) in one op, optionally with the next
+//   block's norm and QKV projection: the dense and norm code above, called in turn, so the
+//   matrices stream back to back.
 //
 // Why these exist: a batch-1 decode step of GPT-2-small reads 498 MB of float32 weights.
 // This machine streams about 45 GB/s with two cores, so the floor is about 11 ms, and the
@@ -384,18 +385,27 @@ REGISTER_OP("TokenserveFinishBlock")
     .Input("up_bias: float")     // [F] or [0]
     .Input("down_w: float")      // [F, D] (F / 2 rows for swiglu)
     .Input("down_bias: float")   // [D] or [0]
+    // the next block's first half, optional (all empty: none): its norm and QKV projection
+    .Input("next_norm_scale: float")  // [D] or [0]
+    .Input("next_norm_bias: float")   // [D] (LayerNorm), or [0] (RMSNorm, or no next)
+    .Input("next_w: float")           // [D, Nq] or [0, 0]
+    .Input("next_bias: float")        // [Nq] or [0]
     .Output("y: float")          // [M, D]
+    .Output("next: float")       // [M, Nq], or [M, 0] without a next block
     .Attr("activation: {'gelu_tanh', 'swiglu'} = 'gelu_tanh'")
     .Attr("eps: float = 1e-5")
     .Attr("isa: {'auto', 'scalar'} = 'auto'")
     .SetShapeFn([](InferenceContext* c) {
-      ShapeHandle x;
+      ShapeHandle x, next_w;
       TF_RETURN_IF_ERROR(c->WithRank(c->input(1), 2, &x));
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(12), 2, &next_w));
       c->set_output(0, x);
+      c->set_output(1, c->Matrix(c->Dim(x, 0), c->Dim(next_w, 1)));
       return absl::OkStatus();
     })
     .Doc("x1 = attn @ out_w + out_bias + x; "
-         "y = act(norm(x1) @ up_w + up_bias) @ down_w + down_bias + x1. Float32, small M.");
+         "y = act(norm(x1) @ up_w + up_bias) @ down_w + down_bias + x1; "
+         "next = next_norm(y) @ next_w + next_bias. Float32, small M.");
 
 REGISTER_OP("TokenserveDenseInfo")
     .Output("info: string")
@@ -597,7 +607,9 @@ class DenseOp : public OpKernel {
 // activation, MLP down and residual) as one op: the same ComputeDense and NormRow calls as
 // three TokenserveDense ops and a TokenserveNorm, so the three matrices stream back to back
 // instead of with the executor's gaps between them (docs/performance.md, "Between the ops"),
-// and a layer runs three fewer ops. int8_matmul.cc has the int8 weights' twin.
+// and a layer runs three fewer ops. With next_w given, the next block's norm and QKV
+// projection follow in the same op (next = next_norm(y) @ next_w + next_bias): four
+// matrices back to back, two ops fewer. int8_matmul.cc has the int8 weights' twin.
 class FinishBlockOp : public OpKernel {
  public:
   explicit FinishBlockOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
@@ -645,8 +657,35 @@ class FinishBlockOp : public OpKernel {
                   InvalidArgument(names[i], " must be [", widths[i], "] or empty, got ",
                                   t.shape().DebugString()));
     }
+    // the next block's norm and QKV: all given, or all empty
+    const Tensor& next_norm_scale = ctx->input(10);
+    const Tensor& next_w = ctx->input(12);
+    const bool has_next = next_w.NumElements() > 0;
+    const int64 nq = has_next ? next_w.dim_size(1) : 0;
+    if (has_next) {
+      OP_REQUIRES(ctx, next_w.dims() == 2 && next_w.dim_size(0) == d,
+                  InvalidArgument("next_w must be [D, Nq] with D = ", d, ", got ",
+                                  next_w.shape().DebugString()));
+      OP_REQUIRES(ctx, next_norm_scale.dims() == 1 && next_norm_scale.dim_size(0) == d,
+                  InvalidArgument("next_norm_scale must be [", d, "] with next_w given, got ",
+                                  next_norm_scale.shape().DebugString()));
+    }
+    const int64 next_widths[] = {has_next ? d : 0, has_next ? nq : 0};
+    const char* next_names[] = {"next_norm_bias", "next_bias"};
+    for (int i = 0; i < 2; ++i) {
+      const Tensor& t = ctx->input(11 + 2 * i);
+      OP_REQUIRES(ctx, t.NumElements() == 0 ||
+                           (t.dims() == 1 && t.dim_size(0) == next_widths[i] && has_next),
+                  InvalidArgument(next_names[i], " must be [", next_widths[i],
+                                  "] or empty (and empty without next_w), got ",
+                                  t.shape().DebugString()));
+    }
+    OP_REQUIRES(ctx, has_next || next_norm_scale.NumElements() == 0,
+                InvalidArgument("next_norm_scale needs next_w"));
     Tensor* y_tensor = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({m, d}), &y_tensor));
+    Tensor* next_tensor = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(1, TensorShape({m, nq}), &next_tensor));
     if (m == 0 || d == 0) return;
 
     auto* pool = ctx->device()->tensorflow_cpu_worker_threads()->workers;
@@ -666,8 +705,18 @@ class FinishBlockOp : public OpKernel {
                                     nullptr, u.data(), act_},
                  true, pool, avx2_);
     // y = u @ down_w + down_bias + x1
+    float* y = y_tensor->flat<float>().data();
     ComputeDense({m, inner, d, d}, {u.data(), down_w.flat<float>().data(), Data(ctx->input(9)),
-                                    x1.data(), y_tensor->flat<float>().data(), Activation::kNone},
+                                    x1.data(), y, Activation::kNone},
+                 true, pool, avx2_);
+    if (!has_next) return;
+    // next = next_norm(y) @ next_w + next_bias (the norm's rows reuse h)
+    for (int64 r = 0; r < m; ++r) {
+      rowops::NormRow(avx2_, d, y + r * d, next_norm_scale.flat<float>().data(),
+                      Data(ctx->input(11)), eps_, h.data() + r * d);
+    }
+    ComputeDense({m, d, nq, nq}, {h.data(), next_w.flat<float>().data(), Data(ctx->input(13)),
+                                  nullptr, next_tensor->flat<float>().data(), Activation::kNone},
                  true, pool, avx2_);
   }
 

@@ -104,7 +104,7 @@ def layer_norm_fallback(x, scale, bias=None, eps: float = 1e-5) -> tf.Tensor:
 
 
 def finish_block(attn, x, out, norm, up, down, activation: str = "gelu_tanh",
-                 eps: float = 1e-5, isa: str = "auto"):
+                 eps: float = 1e-5, isa: str = "auto", next_norm=None, next_qkv=None):
     """The second half of a transformer block with float32 weights, as one compiled op:
 
         x1 = attn @ out_kernel + out_bias + x
@@ -114,8 +114,12 @@ def finish_block(attn, x, out, norm, up, down, activation: str = "gelu_tanh",
     a dict with "scale" (and "bias" for LayerNorm; without it RMSNorm). activation:
     "gelu_tanh" or "swiglu" (up's output is [gate, up] halves). The same kernels as three
     `dense` calls and a `layer_norm`, in one op so the three matrices stream back to back
-    (docs/performance.md). Returns None when the compiled op is unavailable: the caller
-    composes the separate functions then.
+    (docs/performance.md). Returns y, or None when the compiled op is unavailable: the
+    caller composes the separate functions then.
+
+    With next_norm and next_qkv (the next block's attention norm and QKV projection, dicts
+    as above), the op goes on with `next = next_norm(y) @ next_qkv + bias` and returns
+    (y, next).
     """
     if activation not in ("gelu_tanh", "swiglu"):
         raise ValueError(f"activation must be gelu_tanh or swiglu, got {activation!r}")
@@ -127,9 +131,14 @@ def finish_block(attn, x, out, norm, up, down, activation: str = "gelu_tanh",
     def bias(w):
         return w["bias"] if w.get("bias") is not None else empty
 
-    return op.tokenserve_finish_block(
+    if next_qkv is None:
+        following = (empty, empty, tf.zeros([0, 0], tf.float32), empty)
+    else:
+        following = (next_norm["scale"], bias(next_norm), next_qkv["kernel"], bias(next_qkv))
+    y, following = op.tokenserve_finish_block(
         attn, x, out["kernel"], bias(out), norm["scale"], bias(norm), up["kernel"], bias(up),
-        down["kernel"], bias(down), activation=activation, eps=eps, isa=isa)
+        down["kernel"], bias(down), *following, activation=activation, eps=eps, isa=isa)
+    return y if next_qkv is None else (y, following)
 
 
 def is_compiled() -> bool:

@@ -25,7 +25,8 @@
 //
 // TokenserveInt8FinishBlock runs a transformer block's second half (output projection,
 // residual, MLP norm, MLP up and activation, MLP down, residual) through the same kernel in
-// one op, so those three matrices stream back to back (see the op's class below).
+// one op, and optionally the next block's norm and QKV projection, so those three or four
+// matrices stream back to back (see the op's class below).
 //
 // Scales: scale[n, g] applies to q[n, g*K/G : (g+1)*K/G]. Activation blocks never straddle a
 // weight group (they restart at each group boundary), so any K and any group size work; a
@@ -576,18 +577,28 @@ REGISTER_OP("TokenserveInt8FinishBlock")
     .Input("down_q: int8")       // [D, F] (F / 2 for swiglu)
     .Input("down_scale: float")  // [D, G]
     .Input("down_bias: float")   // [D] or [0]
+    // the next block's first half, optional (all empty: none): its norm and QKV projection
+    .Input("next_norm_scale: float")  // [D] or [0]
+    .Input("next_norm_bias: float")   // [D] (LayerNorm), or [0] (RMSNorm, or no next)
+    .Input("next_q: int8")            // [Nq, D] or [0, 0]
+    .Input("next_scale: float")       // [Nq, G] or [0, 0]
+    .Input("next_bias: float")        // [Nq] or [0]
     .Output("y: float")          // [M, D]
+    .Output("next: float")       // [M, Nq], or [M, 0] without a next block
     .Attr("activation: {'gelu_tanh', 'swiglu'} = 'gelu_tanh'")
     .Attr("eps: float = 1e-5")
     .Attr("isa: {'auto', 'avx2', 'scalar'} = 'auto'")
     .SetShapeFn([](InferenceContext* c) {
-      ShapeHandle x;
+      ShapeHandle x, next_q;
       TF_RETURN_IF_ERROR(c->WithRank(c->input(1), 2, &x));
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(15), 2, &next_q));
       c->set_output(0, x);
+      c->set_output(1, c->Matrix(c->Dim(x, 0), c->Dim(next_q, 0)));
       return absl::OkStatus();
     })
     .Doc("x1 = attn @ dequant(out).T + out_bias + x; "
-         "y = dequant(down) applied to act(norm(x1) @ dequant(up).T + up_bias), + down_bias + x1.");
+         "y = dequant(down) applied to act(norm(x1) @ dequant(up).T + up_bias), + down_bias + x1; "
+         "next = next_norm(y) @ dequant(next_q).T + next_bias.");
 
 REGISTER_OP("TokenserveInt8MatmulInfo")
     .Output("info: string")
@@ -725,7 +736,9 @@ class Int8MatmulOp : public OpKernel {
 // 30-100 us on other work, and after such a pause the weights' stream restarts slowly (on a
 // 2-core VM, two threads read GPT-2-small's block matrices at 26-32 GB/s back to back and at
 // 10-15 with 100 us between them; docs/performance.md), and the step runs six fewer ops a
-// layer.
+// layer. With next_q given, the next block's norm and QKV projection follow in the same op
+//   next = next_norm(y) @ next_q.T + next_bias
+// (again the separate ops' arithmetic): four matrices back to back, three ops fewer.
 class Int8FinishBlockOp : public OpKernel {
  public:
   explicit Int8FinishBlockOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
@@ -781,8 +794,33 @@ class Int8FinishBlockOp : public OpKernel {
     OP_REQUIRES(ctx, IsVectorOrEmpty(down_bias, d),
                 InvalidArgument("down_bias must be [", d, "] or empty, got ",
                                 down_bias.shape().DebugString()));
+    // the next block's norm and QKV: all given, or all empty
+    const Tensor& next_norm_scale = ctx->input(13);
+    const Tensor& next_norm_bias = ctx->input(14);
+    const Tensor& next_bias = ctx->input(17);
+    const bool has_next = ctx->input(15).NumElements() > 0;
+    Geometry next{};
+    if (has_next) {
+      OP_REQUIRES(ctx, next_norm_scale.dims() == 1 && next_norm_scale.dim_size(0) == d,
+                  InvalidArgument("next_norm_scale must be [", d, "] with next_q given, got ",
+                                  next_norm_scale.shape().DebugString()));
+      OP_REQUIRES(ctx, IsVectorOrEmpty(next_norm_bias, d),
+                  InvalidArgument("next_norm_bias must be [", d, "] or empty, got ",
+                                  next_norm_bias.shape().DebugString()));
+      if (!CheckInt8Args(ctx, "next", m, d, ctx->input(15), ctx->input(16), &next)) return;
+      OP_REQUIRES(ctx, IsVectorOrEmpty(next_bias, next.N),
+                  InvalidArgument("next_bias must be [", next.N, "] or empty, got ",
+                                  next_bias.shape().DebugString()));
+    } else {
+      OP_REQUIRES(ctx, next_norm_scale.NumElements() == 0 && next_norm_bias.NumElements() == 0 &&
+                           next_bias.NumElements() == 0,
+                  InvalidArgument("next_norm_scale, next_norm_bias and next_bias need next_q"));
+    }
     Tensor* y_tensor = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({m, d}), &y_tensor));
+    Tensor* next_tensor = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(1, TensorShape({m, has_next ? next.N : 0}),
+                                             &next_tensor));
     if (m == 0 || d == 0) return;
     OP_REQUIRES(ctx, out.K > 0 && up.N > 0 && inner > 0,
                 InvalidArgument("out's K and up's width must be positive"));
@@ -811,6 +849,17 @@ class Int8FinishBlockOp : public OpKernel {
                    ctx->input(11).flat<float>().data(), int8, isa_, avx2_, z.data());
     rowops::FinishRows(avx2_, m, d, d, rowops::Activation::kNone, z.data(), Data(down_bias),
                        x1.data(), y);
+    if (has_next) {  // next = next_norm(y) @ next_q.T + next_bias, into h as the norm's rows
+      for (int64 r = 0; r < m; ++r) {
+        rowops::NormRow(avx2_, d, y + r * d, next_norm_scale.flat<float>().data(),
+                        Data(next_norm_bias), eps_, h.data() + r * d);
+      }
+      z.resize(m * next.N);
+      Int8MatmulRows(pool, next, h.data(), ctx->input(15).flat<int8_t>().data(),
+                     ctx->input(16).flat<float>().data(), int8, isa_, avx2_, z.data());
+      rowops::FinishRows(avx2_, m, next.N, next.N, rowops::Activation::kNone, z.data(),
+                         Data(next_bias), nullptr, next_tensor->flat<float>().data());
+    }
   }
 
  private:

@@ -125,7 +125,7 @@ def int8_matmul_fallback(x, q, scale) -> tf.Tensor:
 
 
 def int8_finish_block(attn, x, out, norm, up, down, activation: str = "gelu_tanh",
-                      eps: float = 1e-5, isa: str = "auto"):
+                      eps: float = 1e-5, isa: str = "auto", next_norm=None, next_qkv=None):
     """The second half of a transformer block with int8 weights, as one compiled op:
 
         x1 = attn @ out.T + out_bias + x
@@ -135,8 +135,12 @@ def int8_finish_block(attn, x, out, norm, up, down, activation: str = "gelu_tanh
     dict with "scale" (and "bias" for LayerNorm; without it RMSNorm). activation:
     "gelu_tanh" or "swiglu" (up's output is [gate, up] halves). The same arithmetic as
     int8_matmul followed by dense.epilogue and dense.layer_norm, in one op so the three
-    matrices stream back to back (docs/performance.md). Returns None when the compiled op
-    is unavailable: the caller composes the separate ops then.
+    matrices stream back to back (docs/performance.md). Returns y, or None when the
+    compiled op is unavailable: the caller composes the separate ops then.
+
+    With next_norm and next_qkv (the next block's attention norm and int8 QKV projection,
+    dicts as above), the op goes on with `next = next_norm(y) @ next_qkv.T + bias` and
+    returns (y, next).
     """
     op = _op_module()
     if op is None:
@@ -146,10 +150,17 @@ def int8_finish_block(attn, x, out, norm, up, down, activation: str = "gelu_tanh
     def bias(w):
         return w["bias"] if w.get("bias") is not None else empty
 
-    return op.tokenserve_int8_finish_block(
+    if next_qkv is None:
+        following = (empty, empty, tf.zeros([0, 0], tf.int8), tf.zeros([0, 0], tf.float32),
+                     empty)
+    else:
+        following = (next_norm["scale"], bias(next_norm), next_qkv["q"], next_qkv["scale"],
+                     bias(next_qkv))
+    y, following = op.tokenserve_int8_finish_block(
         attn, x, out["q"], out["scale"], bias(out), norm["scale"], bias(norm),
-        up["q"], up["scale"], bias(up), down["q"], down["scale"], bias(down),
+        up["q"], up["scale"], bias(up), down["q"], down["scale"], bias(down), *following,
         activation=activation, eps=eps, isa=isa)
+    return y if next_qkv is None else (y, following)
 
 
 def compiled_int8_matmul(x, q, scale, activations: str = "int8", isa: str = "auto"):
