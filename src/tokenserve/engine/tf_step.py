@@ -48,14 +48,24 @@ def _spec(shape, dtype=I32):
 
 
 class FlatCall:
-    """Calls a traced step's concrete function with its inputs already flat.
+    """Calls a traced step's concrete function with its inputs already flat, on TF's
+    single-threaded executor.
 
     A concrete function's own call binds the nested arguments (lists of tuples of arrays)
     to its signature and casts each against its TensorSpec: 0.2-0.8 ms a step on a 2-core
     VM, measured against this call with the same inputs (about 6 % of an int8 GPT-2-small
     step at batch 1). Every step input is int32, built by the runner, so the binding checks
     nothing the graph would not. Without `_call_flat` (a TensorFlow that renamed it), it
-    falls back to the public call."""
+    falls back to the public call.
+
+    The executor: TF's default one hands ready nodes between threads and keeps per-node
+    bookkeeping for that; a step is a chain of 500-800 nodes with no control flow (no
+    AutoGraph), each op already parallel inside, so SINGLE_THREADED_EXECUTOR runs it in
+    order on the calling thread. Two LLMs on one GPT-2-small export in one process,
+    alternating (AVX2 cap): int8 one stream 1.17x, 4 prompts 1.08x; float32 1.11x and 1.11x;
+    the same greedy tokens (docs/performance.md)."""
+
+    EXECUTOR = "SINGLE_THREADED_EXECUTOR"
 
     def __init__(self, concrete):
         self.concrete = concrete
@@ -64,13 +74,14 @@ class FlatCall:
         self._num_inputs = len(tf.nest.flatten(concrete.structured_input_signature))
 
     def __call__(self, *args):
-        if self._call_flat is None:
-            return self.concrete(*args)
-        inputs = [tf.constant(x, I32) for x in tf.nest.flatten(args)]
-        if len(inputs) != self._num_inputs:  # the runner picked the wrong step: say so
-            raise ValueError(f"step called with {len(inputs)} inputs, traced for "
-                             f"{self._num_inputs}")
-        return self._call_flat(inputs, self._captured)
+        with tf.experimental.function_executor_type(self.EXECUTOR):
+            if self._call_flat is None:
+                return self.concrete(*args)
+            inputs = [tf.constant(x, I32) for x in tf.nest.flatten(args)]
+            if len(inputs) != self._num_inputs:  # the runner picked the wrong step: say so
+                raise ValueError(f"step called with {len(inputs)} inputs, traced for "
+                                 f"{self._num_inputs}")
+            return self._call_flat(inputs, self._captured)
 
 
 class TransformerStep(tf.Module):
