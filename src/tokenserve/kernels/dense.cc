@@ -653,13 +653,15 @@ class FinishBlockOp : public OpKernel {
     const char* names[] = {"out_bias", "norm_bias", "up_bias", "down_bias"};
     for (int i = 0; i < 4; ++i) {
       const Tensor& t = ctx->input(3 + 2 * i);
-      OP_REQUIRES(ctx, t.NumElements() == 0 || (t.dims() == 1 && t.dim_size(0) == widths[i]),
+      OP_REQUIRES(ctx, IsVectorOrEmpty(t, widths[i]),
                   InvalidArgument(names[i], " must be [", widths[i], "] or empty, got ",
                                   t.shape().DebugString()));
     }
     // the next block's norm and QKV: all given, or all empty
     const Tensor& next_norm_scale = ctx->input(10);
+    const Tensor& next_norm_bias = ctx->input(11);
     const Tensor& next_w = ctx->input(12);
+    const Tensor& next_bias = ctx->input(13);
     const bool has_next = next_w.NumElements() > 0;
     const int64 nq = has_next ? next_w.dim_size(1) : 0;
     if (has_next) {
@@ -669,19 +671,17 @@ class FinishBlockOp : public OpKernel {
       OP_REQUIRES(ctx, next_norm_scale.dims() == 1 && next_norm_scale.dim_size(0) == d,
                   InvalidArgument("next_norm_scale must be [", d, "] with next_w given, got ",
                                   next_norm_scale.shape().DebugString()));
+      OP_REQUIRES(ctx, IsVectorOrEmpty(next_norm_bias, d),
+                  InvalidArgument("next_norm_bias must be [", d, "] or empty, got ",
+                                  next_norm_bias.shape().DebugString()));
+      OP_REQUIRES(ctx, IsVectorOrEmpty(next_bias, nq),
+                  InvalidArgument("next_bias must be [", nq, "] or empty, got ",
+                                  next_bias.shape().DebugString()));
+    } else {
+      OP_REQUIRES(ctx, next_norm_scale.NumElements() == 0 && next_norm_bias.NumElements() == 0 &&
+                           next_bias.NumElements() == 0,
+                  InvalidArgument("next_norm_scale, next_norm_bias and next_bias need next_w"));
     }
-    const int64 next_widths[] = {has_next ? d : 0, has_next ? nq : 0};
-    const char* next_names[] = {"next_norm_bias", "next_bias"};
-    for (int i = 0; i < 2; ++i) {
-      const Tensor& t = ctx->input(11 + 2 * i);
-      OP_REQUIRES(ctx, t.NumElements() == 0 ||
-                           (t.dims() == 1 && t.dim_size(0) == next_widths[i] && has_next),
-                  InvalidArgument(next_names[i], " must be [", next_widths[i],
-                                  "] or empty (and empty without next_w), got ",
-                                  t.shape().DebugString()));
-    }
-    OP_REQUIRES(ctx, has_next || next_norm_scale.NumElements() == 0,
-                InvalidArgument("next_norm_scale needs next_w"));
     Tensor* y_tensor = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({m, d}), &y_tensor));
     Tensor* next_tensor = nullptr;
@@ -713,9 +713,9 @@ class FinishBlockOp : public OpKernel {
     // next = next_norm(y) @ next_w + next_bias (the norm's rows reuse h)
     for (int64 r = 0; r < m; ++r) {
       rowops::NormRow(avx2_, d, y + r * d, next_norm_scale.flat<float>().data(),
-                      Data(ctx->input(11)), eps_, h.data() + r * d);
+                      Data(next_norm_bias), eps_, h.data() + r * d);
     }
-    ComputeDense({m, d, nq, nq}, {h.data(), next_w.flat<float>().data(), Data(ctx->input(13)),
+    ComputeDense({m, d, nq, nq}, {h.data(), next_w.flat<float>().data(), Data(next_bias),
                                   nullptr, next_tensor->flat<float>().data(), Activation::kNone},
                  true, pool, avx2_);
   }
@@ -723,6 +723,9 @@ class FinishBlockOp : public OpKernel {
  private:
   static bool IsMatrix(const Tensor& t, int64 rows, int64 cols) {
     return t.dims() == 2 && t.dim_size(0) == rows && t.dim_size(1) == cols;
+  }
+  static bool IsVectorOrEmpty(const Tensor& t, int64 n) {
+    return t.NumElements() == 0 || (t.dims() == 1 && t.dim_size(0) == n);
   }
   static const float* Data(const Tensor& t) {
     return t.NumElements() ? t.flat<float>().data() : nullptr;
