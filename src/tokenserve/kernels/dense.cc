@@ -217,50 +217,65 @@ AVX2_FN inline float HorizontalSum(__m256 v) {
 }
 
 // "nk": z[r, n] = W[n, :] . x[r, :] for weight rows [n0, n1) and every row r of x.
-// Four weight rows at a time, each with its own accumulator, sharing every load of x, and
-// the rows 8 ahead software-prefetched. GPT-2-small's tied LM head [50257, 768] at M = 1 on a
-// 2-core AMX Xeon (AVX2 cap), 30 alternating rounds in one process, median: one row at a
-// time 6.44 ms; four rows 5.51; four rows with the rows 4, 8 or 12 ahead prefetched 4.75,
-// 4.68, 5.02 (numpy's sgemv: 3.9-4.7 in other runs of the same hour).
-AVX2_FN void NkTileAvx2(const Geometry& g, const float* x, const float* w, int64 n0, int64 n1,
-                        float* z) {
+// Four weight rows at a time, each with its own accumulator per row of x, and up to three
+// rows of x per pass, so each load of x feeds four FMAs and each load of W up to three; the
+// first pass over the four rows software-prefetches the rows 8 ahead. GPT-2-small's tied LM
+// head [50257, 768] on a 2-core AMX Xeon (AVX2 cap), in process, median: at M = 1, one row
+// at a time 6.44 ms; four rows 5.51; four rows with the rows 4, 8 or 12 ahead prefetched
+// 4.75, 4.68, 5.02 (numpy's sgemv: 3.9-4.7 in other runs of the same hour). At M = 8 and 16,
+// one row of x per pass 12.4 and 18.4 ms, three 10.2 and 14.6.
+template <int R, bool kPrefetch>
+AVX2_FN inline void NkQuadAvx2(const Geometry& g, const float* x, const float* w0, float* z) {
   const int64 vec = g.K / 8 * 8;
   const int64 ahead = kNkPrefetchRows * g.K;  // floats
+  const float* ws[4] = {w0, w0 + g.K, w0 + 2 * g.K, w0 + 3 * g.K};
+  __m256 s[R][4];
+  for (int r = 0; r < R; ++r) {
+    for (int i = 0; i < 4; ++i) s[r][i] = _mm256_setzero_ps();
+  }
+  int64 k = 0;
+  for (; k < vec; k += 8) {
+    if (kPrefetch && (k & 15) == 0) {  // a cache line of each row kNkPrefetchRows ahead (past
+      // the tile's or W's end too: a prefetch never faults)
+      for (int i = 0; i < 4; ++i) {
+        _mm_prefetch(reinterpret_cast<const char*>(ws[i] + ahead + k), _MM_HINT_T0);
+      }
+    }
+    __m256 xv[R];
+    for (int r = 0; r < R; ++r) xv[r] = _mm256_loadu_ps(x + r * g.K + k);
+    for (int i = 0; i < 4; ++i) {
+      const __m256 wv = _mm256_loadu_ps(ws[i] + k);
+      for (int r = 0; r < R; ++r) s[r][i] = _mm256_fmadd_ps(wv, xv[r], s[r][i]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    const float* xr = x + r * g.K;
+    float sums[4];
+    for (int i = 0; i < 4; ++i) {
+      sums[i] = HorizontalSum(s[r][i]);
+      for (int64 kk = k; kk < g.K; ++kk) sums[i] += ws[i][kk] * xr[kk];
+    }
+    std::memcpy(z + r * g.N, sums, sizeof(sums));
+  }
+}
+
+AVX2_FN void NkTileAvx2(const Geometry& g, const float* x, const float* w, int64 n0, int64 n1,
+                        float* z) {
   int64 n = n0;
   for (; n + 4 <= n1; n += 4) {
     const float* w0 = w + n * g.K;
-    const float* w1 = w0 + g.K;
-    const float* w2 = w1 + g.K;
-    const float* w3 = w2 + g.K;
-    for (int64 r = 0; r < g.M; ++r) {
+    for (int64 r = 0; r < g.M; r += 3) {
       const float* xr = x + r * g.K;
-      __m256 s0 = _mm256_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
-      int64 k = 0;
-      for (; k < vec; k += 8) {
-        const __m256 xv = _mm256_loadu_ps(xr + k);
-        if ((k & 15) == 0) {  // a cache line of each row kNkPrefetchRows ahead (past the
-          // tile's or W's end too: a prefetch never faults)
-          _mm_prefetch(reinterpret_cast<const char*>(w0 + ahead + k), _MM_HINT_T0);
-          _mm_prefetch(reinterpret_cast<const char*>(w1 + ahead + k), _MM_HINT_T0);
-          _mm_prefetch(reinterpret_cast<const char*>(w2 + ahead + k), _MM_HINT_T0);
-          _mm_prefetch(reinterpret_cast<const char*>(w3 + ahead + k), _MM_HINT_T0);
-        }
-        s0 = _mm256_fmadd_ps(_mm256_loadu_ps(w0 + k), xv, s0);
-        s1 = _mm256_fmadd_ps(_mm256_loadu_ps(w1 + k), xv, s1);
-        s2 = _mm256_fmadd_ps(_mm256_loadu_ps(w2 + k), xv, s2);
-        s3 = _mm256_fmadd_ps(_mm256_loadu_ps(w3 + k), xv, s3);
+      float* zr = z + r * g.N + n;
+      const bool first = r == 0;  // reads the four rows from memory: prefetch ahead
+      switch (std::min<int64>(3, g.M - r)) {
+        case 1: first ? NkQuadAvx2<1, true>(g, xr, w0, zr) : NkQuadAvx2<1, false>(g, xr, w0, zr); break;
+        case 2: first ? NkQuadAvx2<2, true>(g, xr, w0, zr) : NkQuadAvx2<2, false>(g, xr, w0, zr); break;
+        default: first ? NkQuadAvx2<3, true>(g, xr, w0, zr) : NkQuadAvx2<3, false>(g, xr, w0, zr); break;
       }
-      float sums[4] = {HorizontalSum(s0), HorizontalSum(s1), HorizontalSum(s2),
-                       HorizontalSum(s3)};
-      for (; k < g.K; ++k) {
-        sums[0] += w0[k] * xr[k];
-        sums[1] += w1[k] * xr[k];
-        sums[2] += w2[k] * xr[k];
-        sums[3] += w3[k] * xr[k];
-      }
-      std::memcpy(z + r * g.N + n, sums, sizeof(sums));
     }
   }
+  const int64 vec = g.K / 8 * 8;
   for (; n < n1; ++n) {  // the tile's last rows, one at a time
     const float* wn = w + n * g.K;
     for (int64 r = 0; r < g.M; ++r) {
