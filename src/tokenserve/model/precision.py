@@ -4,6 +4,7 @@ where the engine's float32 dense half runs (fused ops or XLA). Imports no Tensor
 from __future__ import annotations
 
 import os
+import re
 
 
 def cpu_flags() -> set[str]:
@@ -43,17 +44,27 @@ def resolve_precision(precision: str, weight_format: str = "float") -> str:
     return choose_precision(precision, weight_format)[0]
 
 
+def xla_has_avx512() -> bool:
+    """True when XLA's CPU code may use AVX-512 here: the CPU has it and XLA_FLAGS does not cap
+    XLA below it (--xla_cpu_max_isa=AVX2, as when standing in for an AVX2-only CPU)."""
+    if "avx512f" not in cpu_flags():
+        return False
+    caps = re.findall(r"--xla_cpu_max_isa=(\S+)", os.environ.get("XLA_FLAGS", ""))
+    return not caps or caps[-1].upper() not in ("SSE4_2", "AVX", "AVX2")
+
+
 def choose_fused_dense_tokens(setting: int | None) -> tuple[int, str]:
     """(most tokens a float32 step runs through the fused dense ops rather than XLA, why).
 
-    XLA's CPU dots use AVX-512 where the CPU has it; the fused ops are AVX2 code. Measured
-    with benchmarks/fused_dense.py (docs/engine.md): on an AVX2-only CPU the ops beat XLA's
-    programs from 1 to 16 tokens (GPT-2-small decoding 8 sequences 0.63x the step time), but
-    decoding 32 sequences of GPT-2-small they were 8 % slower; on an AVX-512 CPU with XLA
-    capped at AVX2, XLA caught up by 8 tokens."""
+    XLA's CPU dots use AVX-512 where the CPU has it and XLA is not capped below it; the fused
+    ops are AVX2 code. Measured with benchmarks/fused_dense.py on GPT-2-small (docs/engine.md):
+    with XLA on AVX2 (an AVX2-only EPYC, and a Sapphire Rapids Xeon with XLA capped at AVX2)
+    the ops beat XLA's programs from 1 to 16 tokens (decoding 8 sequences 0.57-0.63x the step
+    time, 16 sequences 0.77x) and lose at 32; with XLA on AVX-512 (the same Xeon uncapped)
+    they win up to 8 (0.77x) and tie at 16."""
     if setting is not None:
         return setting, "set explicitly"
-    if "avx512f" in cpu_flags():
-        return 4, "the CPU has AVX-512: XLA's dot code catches up with the fused ops by 8 tokens"
-    return 16, ("the CPU has no AVX-512: the fused ops beat XLA's AVX2 programs up to 16 "
+    if xla_has_avx512():
+        return 8, "XLA may use AVX-512 here: its dot code catches up with the fused ops by 16 tokens"
+    return 16, ("XLA has no AVX-512 here: the fused ops beat XLA's AVX2 programs up to 16 "
                 "tokens")
