@@ -406,6 +406,39 @@ def test_the_start_up_warmup_request_reaches_no_stats(exported):
         engine.shutdown()
 
 
+def test_the_warmup_traces_what_a_first_long_prompt_and_a_second_arrival_need(exported):
+    """A prompt longer than the fused dense ops take, alone and then while another decodes,
+    runs step graphs the warmup traced already (a trace in a user's request costs its TTFT),
+    and the warmup leaves no block in the prefix cache."""
+    from tokenserve.engine.async_engine import AsyncEngine
+
+    _, _, version_dir = exported
+    engine = AsyncEngine.from_model_dir(version_dir, engine_config(enable_prefix_caching=True))
+    try:
+        runner = engine.engine.runner
+        if not runner.is_transformer:
+            pytest.skip("the LSTM has one step graph")
+        traced = set(runner.step._steps)
+        fused = runner.max_fused_dense_tokens
+        assert (0, True, False) in traced and (1, True, False) in traced, traced
+        assert engine.engine.scheduler.cache.num_cached_blocks == 0
+
+        async def two():
+            params = SamplingParams(max_tokens=4, ignore_eos=True)
+            first = engine.generate(list(range(10, 11 + fused)), params, "a")
+            await first.__anext__()  # its prompt ran alone; now one arrives as it decodes
+            second = engine.generate(list(range(40, 41 + fused)), params, "b")
+            async for _ in second:
+                pass
+            async for _ in first:
+                pass
+
+        asyncio.run(two())
+        assert set(runner.step._steps) == traced
+    finally:
+        engine.shutdown()
+
+
 def test_flat_step_call_matches_the_structured_call():
     """The step is called with its inputs flattened (skipping the signature binding); the
     result must be the public call's, and inputs that fit another step are refused."""

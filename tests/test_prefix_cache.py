@@ -41,6 +41,23 @@ def test_a_finished_prefix_is_found_again_but_the_last_token_is_always_computed(
     assert cache.match_prefix(other) == 0  # the chain covers every earlier token
 
 
+def test_a_reset_forgets_unused_blocks_and_keeps_those_in_use():
+    cache = allocator()
+    done = computed(cache, list(range(10))).seqs[0]
+    running = computed(cache, list(range(50, 59))).seqs[0]  # two full blocks, still in use
+    cache.free(done)
+    free_before = cache.num_free_blocks
+    assert cache.reset_prefix_cache() == 2  # done's two full blocks; its partial one was free
+    assert cache.num_free_blocks == free_before  # cached-but-unused blocks counted as free
+    assert cache.num_cached_blocks == 2  # running's blocks keep their hashes
+    assert cache.match_prefix(Request("x", list(range(10)), SamplingParams()).seqs[0]) == 0
+    assert cache.match_prefix(Request("y", list(range(50, 60)), SamplingParams()).seqs[0]) == 8
+    evicted = []
+    cache.on_evict = lambda hash_, block: evicted.append(block)
+    others = [computed(cache, [1000 + i] * 4).seqs[0] for i in range(cache.num_free_blocks)]
+    assert len(others) == 16 - 1 - 3 and evicted == []  # forgotten blocks were plain free
+
+
 def test_namespaces_never_share_blocks():
     int8 = PrefixCachingAllocator(16, BLOCK, hash_namespace("m", "1", "int8", "float32"))
     f32 = PrefixCachingAllocator(16, BLOCK, hash_namespace("m", "1", "float", "float32"))

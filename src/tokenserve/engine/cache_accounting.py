@@ -64,6 +64,10 @@ class BlockAllocator:
     def count_query(self, num_tokens: int, num_hit_tokens: int) -> None:
         """Counts an admitted sequence's prompt tokens and how many were cached."""
 
+    def reset_prefix_cache(self) -> int:
+        """Forgets every cached block no sequence uses; returns how many."""
+        return 0
+
 
 class SlotAllocator(BlockAllocator):
     """One recurrent-state slot per sequence (the LSTM family): a block so large that one

@@ -162,6 +162,16 @@ class PrefixCachingAllocator(BlockAllocator):
         seq.num_computed_tokens = len(hits) * self.block_size
         return seq.num_computed_tokens
 
+    def reset_prefix_cache(self) -> int:
+        """Forgets every cached block no sequence uses (as vLLM's reset_prefix_cache): they
+        go back to the free list unsaved. Returns how many. Blocks in use keep their hashes."""
+        blocks = list(self._lru)
+        for block in blocks:
+            del self._block_of[self._hash_of.pop(block)]
+        self._lru.clear()
+        self._free.extend(blocks)
+        return len(blocks)
+
     def count_query(self, num_tokens: int, num_hit_tokens: int) -> None:
         """Counts one admitted sequence's prompt and its locally cached tokens."""
         self.num_query_tokens += num_tokens
