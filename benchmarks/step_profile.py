@@ -10,8 +10,9 @@ times each full-batch decode step in four parts:
   tf step     the traced step: XLA dense programs, graph-mode attention and cache ops
   update      sampling, detokenizing, stop checks, stats (plain Python)
 
-and, with TF's profiler over 20 of those steps, splits the TF step's graph-mode ops by type
-(einsum, gathers, softmax, ...). Time not covered by graph ops is XLA's dense code plus the
+and, with TF's profiler over 20 more of those steps (not timed, and run on TF's default
+executor: the profiler records no op of the single-threaded one the engine calls the step
+on), splits the TF step's graph-mode ops by type (einsum, gathers, softmax, ...). Time not covered by graph ops is XLA's dense code plus the
 executor's own overhead; `--dense-only` times the dense XLA chain alone for comparison.
 
 Results: a rich table on stdout and JSON in benchmarks/results/step_profile.json (or
@@ -97,7 +98,10 @@ def profile_ops(logdir: str, num_steps: int) -> dict[str, float]:
 def run_point(engine, timed: Timed, num_seqs: int, max_tokens: int, profile: bool) -> dict:
     import tensorflow as tf
 
+    from tokenserve.engine.tf_step import FlatCall
     from tokenserve.sampling import SamplingParams
+
+    executor = FlatCall.EXECUTOR
 
     rng = np.random.default_rng(num_seqs)
     vocab = engine.config.model.vocab_size
@@ -107,14 +111,19 @@ def run_point(engine, timed: Timed, num_seqs: int, max_tokens: int, profile: boo
                                                                    ignore_eos=True)))
     parts = collections.defaultdict(list)
     logdir, profiled = tempfile.mkdtemp(prefix="step-profile-"), 0
+    num_full = 0  # full-batch decode steps so far; 10-29 are profiled and not timed
     while engine.has_work:
         started = time.perf_counter()
         _, scheduled = engine.schedule()
         scheduled_at = time.perf_counter()
         full = (len(scheduled.scheduled) == num_seqs
                 and all(s.num_new_tokens == 1 for s in scheduled.scheduled))
-        tracing = profile and full and 10 <= len(parts["tf"]) < 30
+        tracing = profile and full and 10 <= num_full < 30
+        num_full += full
         if tracing and profiled == 0:
+            # TF's profiler sees no graph op run by the single-threaded executor the engine
+            # uses (tf_step.FlatCall), so the profiled steps run on the default one
+            FlatCall.EXECUTOR = ""
             tf.profiler.experimental.start(logdir)
         output = engine.execute(scheduled)
         executed = time.perf_counter()
@@ -124,13 +133,15 @@ def run_point(engine, timed: Timed, num_seqs: int, max_tokens: int, profile: boo
             profiled += 1
             if profiled == 20:
                 tf.profiler.experimental.stop()
-        if full:
+                FlatCall.EXECUTOR = executor
+        if full and not tracing:
             parts["schedule"].append(scheduled_at - started)
             parts["prepare"].append(executed - scheduled_at - timed.tf_s)
             parts["tf"].append(timed.tf_s)
             parts["update"].append(updated - executed)
     if 0 < profiled < 20:
         tf.profiler.experimental.stop()
+    FlatCall.EXECUTOR = executor
     medians = {k: float(np.median(v)) * 1e3 for k, v in parts.items()}
     medians["total"] = sum(medians.values())
     ops = profile_ops(logdir, profiled) if profiled else {}
