@@ -439,6 +439,21 @@ def test_the_warmup_traces_what_a_first_long_prompt_and_a_second_arrival_need(ex
         engine.shutdown()
 
 
+def test_the_warmup_fits_a_queue_limit_below_its_prompts(exported):
+    """An engine whose queue admits 3 prompt tokens still starts: the warm-up's prompts
+    shrink to what the queue takes, and the second is skipped when it does not fit."""
+    from tokenserve.engine.async_engine import AsyncEngine
+
+    _, _, version_dir = exported
+    engine = AsyncEngine.from_model_dir(version_dir, engine_config(max_num_seqs=1,
+                                                                   max_queue_tokens=3))
+    try:
+        assert engine.is_ready() and engine.engine.num_steps > 0
+        assert engine.engine.scheduler.num_waiting_requests == 0
+    finally:
+        engine.shutdown()
+
+
 def test_flat_step_call_matches_the_structured_call():
     """The step is called with its inputs flattened (skipping the signature binding); the
     result must be the public call's, and inputs that fit another step are refused."""

@@ -25,7 +25,7 @@ from pathlib import Path
 from tokenserve.engine.config import EngineConfig
 from tokenserve.engine.core import LLMEngine
 from tokenserve.engine.outputs import RequestOutput
-from tokenserve.errors import EngineDeadError
+from tokenserve.errors import EngineDeadError, QueueFullError
 from tokenserve.observability.memory import release_freed_memory
 from tokenserve.sampling import SamplingParams
 from tokenserve.stats import StatsSink
@@ -171,7 +171,10 @@ class AsyncEngine:
         try:
             self.engine.add_request(first)
             self.engine.step()
-            self.engine.add_request(second)
+            try:
+                self.engine.add_request(second)
+            except QueueFullError:  # a queue limit below two prompts: the first one only
+                pass
             while self.engine.has_work:
                 self.engine.step()
         finally:
@@ -184,14 +187,16 @@ class AsyncEngine:
                  time.perf_counter() - started, length)
 
     def _warmup_prompt_len(self) -> int:
-        """3 tokens, or one more than the fused dense ops take where larger steps run XLA."""
+        """3 tokens, or one more than the fused dense ops take where larger steps run XLA;
+        at most what the queue admits (`max_queue_tokens`)."""
         runner, engine_config = self.engine.runner, self.engine.engine_config
         step = getattr(runner, "step", None)
         fused = getattr(runner, "max_fused_dense_tokens", 0)
-        if step is None or not getattr(step, "jit_dense", False) or not fused:
-            return 3
-        return max(3, min(fused + 1, engine_config.max_num_batched_tokens,
-                          self.engine.max_model_len - 3))
+        length = 3
+        if step is not None and getattr(step, "jit_dense", False) and fused:
+            length = max(3, min(fused + 1, engine_config.max_num_batched_tokens,
+                                self.engine.max_model_len - 3))
+        return min(length, engine_config.max_queue_tokens)  # the queue must take it
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stops the loop; unfinished requests end with finish_reason ABORT."""
