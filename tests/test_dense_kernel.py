@@ -218,3 +218,13 @@ def test_finish_block_refuses_weights_that_do_not_fit(compiled):
     with pytest.raises(tf.errors.InvalidArgumentError, match="next_bias must be"):
         kd.finish_block(attn, x, out, norm, up, down, next_norm=norm,
                         next_qkv={"kernel": up["kernel"], "bias": tf.zeros([5])})
+    qkv = {"kernel": tf.zeros([64, 192])}
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"next_norm_scale must be \[64\]"):
+        kd.finish_block(attn, x, out, norm, up, down, next_norm={"scale": tf.zeros([3])},
+                        next_qkv=qkv)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="next_norm_bias must be"):
+        kd.finish_block(attn, x, out, norm, up, down,
+                        next_norm={**norm, "bias": tf.zeros([63])}, next_qkv=qkv)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="next_bias need next_w"):
+        kd.finish_block(attn, x, out, norm, up, down, next_norm=norm,
+                        next_qkv={"kernel": tf.zeros([0, 0])})

@@ -343,3 +343,10 @@ def test_finish_block_refuses_weights_that_do_not_fit(compiled):
     with pytest.raises(tf.errors.InvalidArgumentError, match="next_norm_scale must be .64."):
         im.int8_finish_block(attn, x, out, norm, up, down, next_norm={"scale": tf.zeros([3])},
                              next_qkv=up)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="next_norm_bias must be"):
+        im.int8_finish_block(attn, x, out, norm, up, down,
+                             next_norm={**norm, "bias": tf.zeros([63])}, next_qkv=up)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="next_bias need next_q"):
+        im.int8_finish_block(attn, x, out, norm, up, down, next_norm=norm,
+                             next_qkv={"q": tf.zeros([0, 0], tf.int8),
+                                       "scale": tf.zeros([0, 0])})

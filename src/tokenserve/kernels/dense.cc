@@ -49,6 +49,7 @@
 #include "tensorflow/core/platform/threadpool.h"
 #include "chunks.h"
 #include "rowops.h"
+#include "tensor_args.h"
 
 namespace tokenserve {
 namespace {
@@ -74,6 +75,9 @@ constexpr int64 kSplitKMaxRows = 4;  // "kn" with at most this many rows of x sp
 constexpr int64 kSplitKMinRows = 64;  // weight rows per thread at least, when K is split
 
 using rowops::Activation;
+using tensor_args::CheckNextNorm;
+using tensor_args::Data;
+using tensor_args::IsVectorOrEmpty;
 using rowops::FinishRow;
 
 struct Geometry {
@@ -683,20 +687,13 @@ class FinishBlockOp : public OpKernel {
       OP_REQUIRES(ctx, next_w.dims() == 2 && next_w.dim_size(0) == d,
                   InvalidArgument("next_w must be [D, Nq] with D = ", d, ", got ",
                                   next_w.shape().DebugString()));
-      OP_REQUIRES(ctx, next_norm_scale.dims() == 1 && next_norm_scale.dim_size(0) == d,
-                  InvalidArgument("next_norm_scale must be [", d, "] with next_w given, got ",
-                                  next_norm_scale.shape().DebugString()));
-      OP_REQUIRES(ctx, IsVectorOrEmpty(next_norm_bias, d),
-                  InvalidArgument("next_norm_bias must be [", d, "] or empty, got ",
-                                  next_norm_bias.shape().DebugString()));
-      OP_REQUIRES(ctx, IsVectorOrEmpty(next_bias, nq),
-                  InvalidArgument("next_bias must be [", nq, "] or empty, got ",
-                                  next_bias.shape().DebugString()));
-    } else {
-      OP_REQUIRES(ctx, next_norm_scale.NumElements() == 0 && next_norm_bias.NumElements() == 0 &&
-                           next_bias.NumElements() == 0,
-                  InvalidArgument("next_norm_scale, next_norm_bias and next_bias need next_w"));
     }
+    if (!CheckNextNorm(ctx, has_next, "next_w", d, next_norm_scale, next_norm_bias, next_bias)) {
+      return;
+    }
+    OP_REQUIRES(ctx, IsVectorOrEmpty(next_bias, nq),
+                InvalidArgument("next_bias must be [", nq, "] or empty, got ",
+                                next_bias.shape().DebugString()));
     Tensor* y_tensor = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({m, d}), &y_tensor));
     Tensor* next_tensor = nullptr;
@@ -738,12 +735,6 @@ class FinishBlockOp : public OpKernel {
  private:
   static bool IsMatrix(const Tensor& t, int64 rows, int64 cols) {
     return t.dims() == 2 && t.dim_size(0) == rows && t.dim_size(1) == cols;
-  }
-  static bool IsVectorOrEmpty(const Tensor& t, int64 n) {
-    return t.NumElements() == 0 || (t.dims() == 1 && t.dim_size(0) == n);
-  }
-  static const float* Data(const Tensor& t) {
-    return t.NumElements() ? t.flat<float>().data() : nullptr;
   }
 
   Activation act_ = Activation::kGeluTanh;

@@ -57,6 +57,7 @@
 #include "tensorflow/core/platform/threadpool.h"
 #include "chunks.h"
 #include "rowops.h"
+#include "tensor_args.h"
 
 namespace tokenserve {
 namespace {
@@ -71,6 +72,9 @@ using tensorflow::errors::InvalidArgument;
 using tensorflow::shape_inference::DimensionHandle;
 using tensorflow::shape_inference::InferenceContext;
 using tensorflow::shape_inference::ShapeHandle;
+using tensor_args::CheckNextNorm;
+using tensor_args::Data;
+using tensor_args::IsVectorOrEmpty;
 
 constexpr int kBlock = 32;  // activation quantization block (one float scale per block)
 constexpr int kTile = 4;    // output channels per micro-kernel call
@@ -800,21 +804,14 @@ class Int8FinishBlockOp : public OpKernel {
     const Tensor& next_bias = ctx->input(17);
     const bool has_next = ctx->input(15).NumElements() > 0;
     Geometry next{};
+    if (!CheckNextNorm(ctx, has_next, "next_q", d, next_norm_scale, next_norm_bias, next_bias)) {
+      return;
+    }
     if (has_next) {
-      OP_REQUIRES(ctx, next_norm_scale.dims() == 1 && next_norm_scale.dim_size(0) == d,
-                  InvalidArgument("next_norm_scale must be [", d, "] with next_q given, got ",
-                                  next_norm_scale.shape().DebugString()));
-      OP_REQUIRES(ctx, IsVectorOrEmpty(next_norm_bias, d),
-                  InvalidArgument("next_norm_bias must be [", d, "] or empty, got ",
-                                  next_norm_bias.shape().DebugString()));
       if (!CheckInt8Args(ctx, "next", m, d, ctx->input(15), ctx->input(16), &next)) return;
       OP_REQUIRES(ctx, IsVectorOrEmpty(next_bias, next.N),
                   InvalidArgument("next_bias must be [", next.N, "] or empty, got ",
                                   next_bias.shape().DebugString()));
-    } else {
-      OP_REQUIRES(ctx, next_norm_scale.NumElements() == 0 && next_norm_bias.NumElements() == 0 &&
-                           next_bias.NumElements() == 0,
-                  InvalidArgument("next_norm_scale, next_norm_bias and next_bias need next_q"));
     }
     Tensor* y_tensor = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({m, d}), &y_tensor));
@@ -863,12 +860,6 @@ class Int8FinishBlockOp : public OpKernel {
   }
 
  private:
-  static bool IsVectorOrEmpty(const Tensor& t, int64 n) {
-    return t.NumElements() == 0 || (t.dims() == 1 && t.dim_size(0) == n);
-  }
-  static const float* Data(const Tensor& t) {
-    return t.NumElements() ? t.flat<float>().data() : nullptr;
-  }
 
   rowops::Activation act_ = rowops::Activation::kGeluTanh;
   float eps_ = 1e-5f;
