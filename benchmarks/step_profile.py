@@ -12,8 +12,9 @@ times each full-batch decode step in four parts:
 
 and, with TF's profiler over 20 more of those steps (not timed, and run on TF's default
 executor: the profiler records no op of the single-threaded one the engine calls the step
-on), splits the TF step's graph-mode ops by type (einsum, gathers, softmax, ...). Time not covered by graph ops is XLA's dense code plus the
-executor's own overhead; `--dense-only` times the dense XLA chain alone for comparison.
+on), splits the TF step's graph-mode ops by type (einsum, gathers, softmax, ...). Time not
+covered by graph ops is XLA's dense code plus the executor's own overhead; `--dense-only`
+times the dense XLA chain alone for comparison.
 
 Results: a rich table on stdout and JSON in benchmarks/results/step_profile.json (or
 --output), with the machine's CPU flags and ISA caps.

@@ -190,10 +190,9 @@ class AsyncEngine:
         """3 tokens, or one more than the fused dense ops take where larger steps run XLA;
         at most what the queue admits (`max_queue_tokens`)."""
         runner, engine_config = self.engine.runner, self.engine.engine_config
-        step = getattr(runner, "step", None)
-        fused = getattr(runner, "max_fused_dense_tokens", 0)
+        fused = getattr(runner, "max_fused_dense_tokens", 0)  # transformers only
         length = 3
-        if step is not None and getattr(step, "jit_dense", False) and fused:
+        if fused and runner.step.jit_dense:
             length = max(3, min(fused + 1, engine_config.max_num_batched_tokens,
                                 self.engine.max_model_len - 3))
         return min(length, engine_config.max_queue_tokens)  # the queue must take it

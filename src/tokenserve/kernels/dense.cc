@@ -263,6 +263,12 @@ AVX2_FN inline void NkQuadAvx2(const Geometry& g, const float* x, const float* w
   }
 }
 
+template <int R>
+AVX2_FN inline void NkRowsAvx2(bool prefetch, const Geometry& g, const float* x, const float* w0,
+                               float* z) {
+  prefetch ? NkQuadAvx2<R, true>(g, x, w0, z) : NkQuadAvx2<R, false>(g, x, w0, z);
+}
+
 AVX2_FN void NkTileAvx2(const Geometry& g, const float* x, const float* w, int64 n0, int64 n1,
                         float* z) {
   int64 n = n0;
@@ -273,9 +279,9 @@ AVX2_FN void NkTileAvx2(const Geometry& g, const float* x, const float* w, int64
       float* zr = z + r * g.N + n;
       const bool first = r == 0;  // reads the four rows from memory: prefetch ahead
       switch (std::min<int64>(3, g.M - r)) {
-        case 1: first ? NkQuadAvx2<1, true>(g, xr, w0, zr) : NkQuadAvx2<1, false>(g, xr, w0, zr); break;
-        case 2: first ? NkQuadAvx2<2, true>(g, xr, w0, zr) : NkQuadAvx2<2, false>(g, xr, w0, zr); break;
-        default: first ? NkQuadAvx2<3, true>(g, xr, w0, zr) : NkQuadAvx2<3, false>(g, xr, w0, zr); break;
+        case 1: NkRowsAvx2<1>(first, g, xr, w0, zr); break;
+        case 2: NkRowsAvx2<2>(first, g, xr, w0, zr); break;
+        default: NkRowsAvx2<3>(first, g, xr, w0, zr); break;
       }
     }
   }

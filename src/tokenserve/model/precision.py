@@ -65,6 +65,7 @@ def choose_fused_dense_tokens(setting: int | None) -> tuple[int, str]:
     if setting is not None:
         return setting, "set explicitly"
     if xla_has_avx512():
-        return 8, "XLA may use AVX-512 here: its dot code catches up with the fused ops by 16 tokens"
+        return 8, ("XLA may use AVX-512 here: its dot code catches up with the fused ops by "
+                   "16 tokens")
     return 16, ("XLA has no AVX-512 here: the fused ops beat XLA's AVX2 programs up to 16 "
                 "tokens")
