@@ -13,7 +13,9 @@ from tokenserve.kernels import int8_matmul as im
 # (M, K, N, G): empty batch, decode sizes, K not a multiple of 32 (the built-in model's 688),
 # groups shorter than a 32-block (100 / 5 = 20), exactly one block (768 / 24), N % 4 != 0.
 CASES = [(0, 64, 8, 1), (1, 64, 8, 1), (1, 768, 36, 1), (7, 688, 13, 1), (33, 256, 9, 1),
-         (5, 100, 10, 5), (3, 768, 17, 24), (8, 1536, 12, 12), (2, 40, 6, 1)]
+         (5, 100, 10, 5), (3, 768, 17, 24), (8, 1536, 12, 12), (2, 40, 6, 1),
+         # one or two rows (the AVX2 row kernel): groups, short blocks, blocks not in fours
+         (1, 300, 5, 1), (2, 100, 10, 5), (1, 768, 17, 24), (2, 1536, 12, 12), (1, 200, 9, 2)]
 
 
 @pytest.fixture(scope="module")

@@ -11,6 +11,9 @@
 //     int8 in blocks of 32 with one float scale per block, then 32-wide integer dot products
 //     (_mm256_maddubs_epi16 + _mm256_madd_epi16) are scaled by the block scale. About half
 //     the instructions per multiply-add of the float kernel; error ~1/254 of the block absmax.
+//     With one or two rows of x (decode of one or two sequences) the AVX2 path reads one
+//     weight row at a time, a single sequential stream; with more it sweeps every row of x
+//     over a tile of four weight rows held in L1.
 //   * float activations: a tile of weights is dequantized (scale folded in) into a small
 //     float buffer once, then plain FMA dot products for every row of x. Exact up to float
 //     rounding.
@@ -79,6 +82,12 @@ using tensor_args::IsVectorOrEmpty;
 constexpr int kBlock = 32;  // activation quantization block (one float scale per block)
 constexpr int kTile = 4;    // output channels per micro-kernel call
 constexpr int kPrefetchTiles = 2;  // how far ahead weights are prefetched (1..8 measured)
+// Up to this many rows of x, the AVX2 int8 kernel reads one weight row at a time (one
+// sequential stream, Int8RowsAvx2); with more, the tile kernel's reuse of each x block across
+// four weight rows wins. On a 2-core AVX2-only EPYC, alternating in one process, the row
+// kernel took the LM head at M = 1 in 0.77-0.82x the time, the block matrices 0.86-0.95x,
+// M = 2 0.94x, M = 4 a tie and M = 8 1.1-1.2x; engine decode of one sequence 1.07x tok/s.
+constexpr int64_t kRowKernelMaxRows = 2;
 constexpr int64_t kChunkCycles = 40000;  // work per chunk handed between threads, roughly
 
 // Shapes of one call and how K splits into weight groups and activation blocks.
@@ -96,6 +105,7 @@ struct Geometry {
 // (zero-padded) and its scale at d[m*RowBlocks + b]; x ~= q * d.
 struct QuantizedRows {
   std::vector<int8_t> q;
+  std::vector<int8_t> a;  // |q| (the AVX2 row kernel's unsigned operand), filled for AVX2
   std::vector<float> d;
 };
 
@@ -305,6 +315,71 @@ AVX2_FN void Int8TileAvx2(const Geometry& g, const QuantizedRows& xq, const Tile
   }
 }
 
+// One 32-value activation block against the same block of one weight row, added to acc:
+// acc += d * (8 partial int32 sums of x . w). ax is |x| (maddubs takes it as unsigned).
+AVX2_FN __attribute__((always_inline)) inline __m256 Int8DotAvx2(const int8_t* x,
+                                                                const int8_t* ax, float d,
+                                                                const int8_t* w, __m256 acc) {
+  const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+  const __m256i av = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ax));
+  const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
+  const __m256i pairs = _mm256_maddubs_epi16(av, _mm256_sign_epi8(wv, xv));
+  const __m256i sums = _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
+  return _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_set1_ps(d), acc);
+}
+
+// The tile's output channels one at a time, each weight row read front to back against every
+// row of x, with four accumulators over consecutive blocks (so the FMA latency does not chain
+// them). The weights are then one sequential stream through memory, which the hardware
+// prefetcher follows at full bandwidth: sweeping four rows at once (Int8TileAvx2, four
+// streams 768 bytes apart that each end after a dozen cache lines) needed software prefetch
+// and still streamed ~1.3-1.5x slower on a 2-core AVX2-only EPYC (docs/performance.md).
+AVX2_FN void Int8RowsAvx2(const Geometry& g, const QuantizedRows& xq, const Tile& t, float* y) {
+  const int64 K = g.K, G = g.G, group = g.group, blocks = g.blocks, tail = g.tail;
+  const int64 row_blocks = g.RowBlocks();
+  const int64 full = tail == kBlock ? blocks : blocks - 1;
+  alignas(32) int8_t padded[kBlock] = {};  // a short last block's weights, zero-padded
+  for (int64 r = 0; r < t.count; ++r) {
+    const int8_t* w = t.q + r * K;
+    const float* scale = t.scale + r * G;
+    for (int64 m = 0; m < g.M; ++m) {
+      const int8_t* xrow = xq.q.data() + m * row_blocks * kBlock;
+      const int8_t* arow = xq.a.data() + m * row_blocks * kBlock;
+      const float* drow = xq.d.data() + m * row_blocks;
+      __m256 total = _mm256_setzero_ps();
+      for (int64 grp = 0; grp < G; ++grp) {
+        const int64 b0 = grp * blocks;  // the group's first activation block
+        const int8_t* xg = xrow + b0 * kBlock;
+        const int8_t* ag = arow + b0 * kBlock;
+        const float* dg = drow + b0;
+        const int8_t* wg = w + grp * group;
+        __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
+                         _mm256_setzero_ps()};
+        int64 j = 0;
+        for (; j + 4 <= full; j += 4) {
+          for (int i = 0; i < 4; ++i) {
+            const int64 o = (j + i) * kBlock;
+            acc[i] = Int8DotAvx2(xg + o, ag + o, dg[j + i], wg + o, acc[i]);
+          }
+        }
+        for (; j < full; ++j) {
+          const int64 o = j * kBlock;
+          acc[j & 3] = Int8DotAvx2(xg + o, ag + o, dg[j], wg + o, acc[j & 3]);
+        }
+        if (full < blocks) {  // copy rather than read past the end of q
+          std::memcpy(padded, wg + full * kBlock, tail);
+          const int64 o = full * kBlock;
+          acc[0] = Int8DotAvx2(xg + o, ag + o, dg[full], padded, acc[0]);
+        }
+        const __m256 sum = _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]),
+                                         _mm256_add_ps(acc[2], acc[3]));
+        total = G == 1 ? sum : _mm256_fmadd_ps(sum, _mm256_set1_ps(scale[grp]), total);
+      }
+      y[m * g.N + t.n0 + r] = HorizontalSum(total) * (G == 1 ? scale[0] : 1.f);
+    }
+  }
+}
+
 AVX2_FN void DequantizeTileAvx2(const Geometry& g, const Tile& t, float* buf) {
   for (int64 r = 0; r < t.count; ++r) {
     const int8_t* w = t.q + r * g.K;
@@ -507,6 +582,10 @@ void QuantizeRows(const Geometry& g, const float* x, bool avx2, QuantizedRows* o
       }
     }
   }
+  if (avx2) {
+    out->a.resize(out->q.size());
+    for (size_t i = 0; i < out->q.size(); ++i) out->a[i] = static_cast<int8_t>(std::abs(out->q[i]));
+  }
 }
 
 void Int8Tile(const Geometry& g, const QuantizedRows& xq, const Tile& t, Isa isa, float* y) {
@@ -521,6 +600,7 @@ void Int8Tile(const Geometry& g, const QuantizedRows& xq, const Tile& t, Isa isa
 #endif
 #ifdef TOKENSERVE_X86
   if (isa != Isa::kScalar) {
+    if (g.M <= kRowKernelMaxRows) return Int8RowsAvx2(g, xq, t, y);
     if (t.count == kTile) return Int8TileAvx2<kTile>(g, xq, t, y);
     for (int64 r = 0; r < t.count; ++r) {  // N % kTile leftovers, one channel at a time
       Int8TileAvx2<1>(g, xq, Tile{t.q + r * g.K, t.scale + r * g.G, t.n0 + r, 1}, y);
@@ -666,6 +746,7 @@ void Int8MatmulRows(tensorflow::thread::ThreadPool* pool, const Geometry& g, con
   const int64 tiles_per_chunk = (tiles + wanted - 1) / wanted;
   const int64 num_chunks = (tiles + tiles_per_chunk - 1) / tiles_per_chunk;  // <= wanted
   const int64 workers = std::max(1, pool->NumThreads());
+  const bool row_kernel = int8 && isa == Isa::kAvx2 && g.M <= kRowKernelMaxRows;
   // float kernel's dequantized tile, one per worker
   std::vector<std::vector<float>> bufs(int8 ? 0 : workers);
   RunChunks(pool, workers, num_chunks, [&](int64 chunk, int64 worker) {
@@ -677,8 +758,9 @@ void Int8MatmulRows(tensorflow::thread::ThreadPool* pool, const Geometry& g, con
       // Software prefetch of the weights kPrefetchTiles tiles ahead: with the hardware
       // prefetcher alone a core streamed about half the bandwidth oneDNN's float32 matmul
       // reaches (measured 14 vs 25 GB/s on the LM head at M = 1, and M = 8 was 1.8x slower).
+      // Not for the AVX2 row kernel, whose single stream the hardware prefetcher follows.
       const int64 ahead = n0 + kPrefetchTiles * kTile;
-      if (ahead < g.N) {
+      if (ahead < g.N && !row_kernel) {
         const char* p = reinterpret_cast<const char*>(qp + ahead * g.K);
         const int64 bytes = std::min<int64>(kTile, g.N - ahead) * g.K;
         for (int64 off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, 0, 3);
