@@ -15,6 +15,7 @@ counts. The same breakdown is logged once per version when its engine starts.
 from __future__ import annotations
 
 import ctypes
+import gc
 import re
 import threading
 from collections.abc import Callable
@@ -47,6 +48,27 @@ def release_freed_memory() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
         pass
+
+
+def freeze_python_heap() -> None:
+    """Collects garbage once, then moves every object Python's cycle collector tracks into
+    its permanent generation (`gc.freeze`), so later collections skip them.
+
+    A loaded model leaves a few hundred thousand long-lived objects (traced step graphs,
+    Keras layers, the web stack): a full collection walks all of them, 220 ms in process
+    for GPT-2-small on a 2-core EPYC and about 400 ms in the server, and it runs whenever
+    enough new objects have survived, which start-up leaves due for the first request (its
+    TTFT was 600-700 ms against 150-200 after it). vLLM freezes its heap after start-up for
+    the same reason. Objects stay freed by reference counting; only cycles among frozen
+    objects wait for `thaw_python_heap`."""
+    gc.collect()
+    gc.freeze()
+
+
+def thaw_python_heap() -> None:
+    """Returns frozen objects to the collector (an unloaded version's cycles among them);
+    the next `freeze_python_heap` collects them."""
+    gc.unfreeze()
 
 
 _MAPPING = re.compile(r"^([0-9a-f]+)-([0-9a-f]+) (\S{4}) \S+ \S+ \S+\s*(.*)$")

@@ -1,0 +1,34 @@
+"""A started engine moves start-up's objects out of the cycle collector's way (gc.freeze),
+so no full collection over them falls due on the first requests; shutting it down hands
+them back, so an unloaded version's cycles can be collected."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+
+from test_engine_hardening import CONFIG, collect, model_dir  # noqa: F401 - a fixture
+from tokenserve.engine.async_engine import AsyncEngine
+from tokenserve.engine.core import LLMEngine
+from tokenserve.engine.runner import ModelRunner
+
+
+def _tracked(obj) -> bool:
+    """Whether the collector still walks `obj` (frozen objects are in no generation)."""
+    return any(o is obj for o in gc.get_objects())
+
+
+def test_start_freezes_the_heap_and_shutdown_thaws_it(model_dir):
+    gc.unfreeze()
+    runner, tokenizer = ModelRunner.from_model_dir(model_dir, CONFIG)
+    engine = AsyncEngine(LLMEngine(runner, tokenizer, CONFIG))
+    assert gc.get_freeze_count() == 0 and _tracked(runner)
+    engine.start()
+    try:
+        assert gc.get_freeze_count() > 0
+        assert not _tracked(runner)  # the step's runner and its traced graphs are frozen
+        outputs = asyncio.run(asyncio.wait_for(collect(engine, max_tokens=4), 30))
+        assert outputs[-1].finished  # serving works on a frozen heap
+    finally:
+        engine.shutdown()
+    assert gc.get_freeze_count() == 0 and _tracked(runner)
