@@ -408,8 +408,8 @@ def test_the_start_up_warmup_request_reaches_no_stats(exported):
 
 def test_the_warmup_traces_what_a_first_long_prompt_and_a_second_arrival_need(exported):
     """A prompt longer than the fused dense ops take, alone and then while another decodes,
-    runs step graphs the warmup traced already (a trace in a user's request costs its TTFT),
-    and the warmup leaves no block in the prefix cache."""
+    and a short prompt alone, run step graphs the warmup traced already (a trace in a user's
+    request costs its TTFT), and the warmup leaves no block in the prefix cache."""
     from tokenserve.engine.async_engine import AsyncEngine
 
     _, _, version_dir = exported
@@ -421,9 +421,10 @@ def test_the_warmup_traces_what_a_first_long_prompt_and_a_second_arrival_need(ex
         traced = set(runner.step._steps)
         fused = runner.max_fused_dense_tokens
         assert (0, True, False) in traced and (1, True, False) in traced, traced
+        assert (0, True, True) in traced, traced
         assert engine.engine.scheduler.cache.num_cached_blocks == 0
 
-        async def two():
+        async def three():
             params = SamplingParams(max_tokens=4, ignore_eos=True)
             first = engine.generate(list(range(10, 11 + fused)), params, "a")
             await first.__anext__()  # its prompt ran alone; now one arrives as it decodes
@@ -432,8 +433,10 @@ def test_the_warmup_traces_what_a_first_long_prompt_and_a_second_arrival_need(ex
                 pass
             async for _ in first:
                 pass
+            async for _ in engine.generate([7, 8], params, "c"):  # short, alone
+                pass
 
-        asyncio.run(two())
+        asyncio.run(three())
         assert set(runner.step._steps) == traced
     finally:
         engine.shutdown()
