@@ -584,7 +584,9 @@ void QuantizeRows(const Geometry& g, const float* x, bool avx2, QuantizedRows* o
   }
   if (avx2) {
     out->a.resize(out->q.size());
-    for (size_t i = 0; i < out->q.size(); ++i) out->a[i] = static_cast<int8_t>(std::abs(out->q[i]));
+    for (size_t i = 0; i < out->q.size(); ++i) {
+      out->a[i] = static_cast<int8_t>(std::abs(out->q[i]));  // |q| <= 127: fits
+    }
   }
 }
 
