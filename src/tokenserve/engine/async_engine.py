@@ -209,8 +209,9 @@ class AsyncEngine:
         fused = getattr(runner, "max_fused_dense_tokens", 0)  # transformers only
         length = _SHORT_WARMUP_PROMPT
         if fused and runner.step.jit_dense:
-            length = max(3, min(fused + 1, engine_config.max_num_batched_tokens,
-                                self.engine.max_model_len - 3))
+            longest = min(fused + 1, engine_config.max_num_batched_tokens,
+                          self.engine.max_model_len - 3)
+            length = max(_SHORT_WARMUP_PROMPT, longest)
         return min(length, engine_config.max_queue_tokens)  # the queue must take it
 
     def shutdown(self, timeout: float = 10.0) -> None:

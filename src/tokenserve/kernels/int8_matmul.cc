@@ -105,7 +105,7 @@ struct Geometry {
 // (zero-padded) and its scale at d[m*RowBlocks + b]; x ~= q * d.
 struct QuantizedRows {
   std::vector<int8_t> q;
-  std::vector<int8_t> a;  // |q| (the AVX2 row kernel's unsigned operand), filled for AVX2
+  std::vector<int8_t> a;  // |q| (the AVX2 row kernel's unsigned operand), only for it
   std::vector<float> d;
 };
 
@@ -562,7 +562,15 @@ const char* IsaName(Isa isa) {
 // ---------------------------------------------------------------------------------------
 // Dispatch over ISA and kernel variant.
 
-void QuantizeRows(const Geometry& g, const float* x, bool avx2, QuantizedRows* out) {
+// Whether the int8 kernel takes weight rows one at a time here (Int8RowsAvx2), which also
+// needs |q| of the quantized rows.
+bool UsesRowKernel(const Geometry& g, Isa isa) {
+  return isa == Isa::kAvx2 && g.M <= kRowKernelMaxRows;
+}
+
+// with_abs: also fill out->a (|q|) for the row kernel.
+void QuantizeRows(const Geometry& g, const float* x, bool avx2, bool with_abs,
+                  QuantizedRows* out) {
   const int64 nb = g.RowBlocks();
   out->q.resize(g.M * nb * kBlock);
   out->d.resize(g.M * nb);
@@ -582,7 +590,7 @@ void QuantizeRows(const Geometry& g, const float* x, bool avx2, QuantizedRows* o
       }
     }
   }
-  if (avx2) {
+  if (with_abs) {
     out->a.resize(out->q.size());
     for (size_t i = 0; i < out->q.size(); ++i) {
       out->a[i] = static_cast<int8_t>(std::abs(out->q[i]));  // |q| <= 127: fits
@@ -602,7 +610,7 @@ void Int8Tile(const Geometry& g, const QuantizedRows& xq, const Tile& t, Isa isa
 #endif
 #ifdef TOKENSERVE_X86
   if (isa != Isa::kScalar) {
-    if (g.M <= kRowKernelMaxRows) return Int8RowsAvx2(g, xq, t, y);
+    if (UsesRowKernel(g, isa)) return Int8RowsAvx2(g, xq, t, y);
     if (t.count == kTile) return Int8TileAvx2<kTile>(g, xq, t, y);
     for (int64 r = 0; r < t.count; ++r) {  // N % kTile leftovers, one channel at a time
       Int8TileAvx2<1>(g, xq, Tile{t.q + r * g.K, t.scale + r * g.G, t.n0 + r, 1}, y);
@@ -736,9 +744,10 @@ bool CheckInt8Args(OpKernelContext* ctx, const char* what, int64 M, int64 K, con
 // channels spread over the pool's threads.
 void Int8MatmulRows(tensorflow::thread::ThreadPool* pool, const Geometry& g, const float* xp,
                     const int8_t* qp, const float* sp, bool int8, Isa isa, bool avx2, float* y) {
+  const bool row_kernel = int8 && UsesRowKernel(g, isa);
   QuantizedRows xq;
   // Once per call, before the parallel loop: every tile reuses the quantized rows.
-  if (int8) QuantizeRows(g, xp, avx2, &xq);
+  if (int8) QuantizeRows(g, xp, avx2, row_kernel, &xq);
   // Cost of one tile in cycles, roughly (measured per core: ~16 int8 multiply-adds and
   // ~7 weight bytes from DRAM per cycle). Chunks of about kChunkCycles each: a small call
   // stays one chunk on the calling thread, a large one is shared with the pool.
@@ -748,7 +757,6 @@ void Int8MatmulRows(tensorflow::thread::ThreadPool* pool, const Geometry& g, con
   const int64 tiles_per_chunk = (tiles + wanted - 1) / wanted;
   const int64 num_chunks = (tiles + tiles_per_chunk - 1) / tiles_per_chunk;  // <= wanted
   const int64 workers = std::max(1, pool->NumThreads());
-  const bool row_kernel = int8 && isa == Isa::kAvx2 && g.M <= kRowKernelMaxRows;
   // float kernel's dequantized tile, one per worker
   std::vector<std::vector<float>> bufs(int8 ? 0 : workers);
   RunChunks(pool, workers, num_chunks, [&](int64 chunk, int64 worker) {
