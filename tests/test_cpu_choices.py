@@ -14,11 +14,11 @@ def flags(monkeypatch):
     return set_flags
 
 
-def test_without_avx512_the_fused_ops_take_steps_of_up_to_16_tokens(flags, monkeypatch):
+def test_without_avx512_the_fused_ops_take_steps_of_up_to_32_tokens(flags, monkeypatch):
     monkeypatch.delenv("XLA_FLAGS", raising=False)
     flags("avx2", "fma", "f16c")
     tokens, why = precision.choose_fused_dense_tokens(None)
-    assert tokens == 16 and "no AVX-512" in why
+    assert tokens == 32 and "no AVX-512" in why
 
 
 def test_with_avx512_xla_takes_steps_above_8_tokens(flags, monkeypatch):
@@ -28,7 +28,7 @@ def test_with_avx512_xla_takes_steps_above_8_tokens(flags, monkeypatch):
     assert tokens == 8 and "AVX-512" in why
 
 
-@pytest.mark.parametrize("cap,tokens", [("AVX2", 16), ("avx", 16), ("AVX512", 8)])
+@pytest.mark.parametrize("cap,tokens", [("AVX2", 32), ("avx", 32), ("AVX512", 8)])
 def test_an_xla_isa_cap_counts_as_the_cpu_xla_has(flags, monkeypatch, cap, tokens):
     """Capped with --xla_cpu_max_isa=AVX2 (standing in for an AVX2-only CPU), XLA's dots are
     AVX2 code, so the choice is an AVX2-only CPU's."""

@@ -58,9 +58,9 @@ class EngineConfig:
     or AVX512-BF16, as measured in benchmarks/throughput.py; else float32)."""
     max_fused_dense_tokens: int | None = None
     """Steps of at most this many tokens (float32 weights) run the dense half as fused ops
-    (kernels/dense.py) instead of XLA programs; 0 turns them off. None (auto): 16 on a CPU
+    (kernels/dense.py) instead of XLA programs; 0 turns them off. None (auto): 32 on a CPU
     without AVX-512, where XLA's dots are AVX2 as the ops are and the ops measured faster up to
-    16 tokens; 4 with AVX-512, where XLA caught up by 8 (benchmarks/fused_dense.py)."""
+    32 tokens; 8 with AVX-512, where XLA caught up by 16 (benchmarks/fused_dense.py)."""
     context_pad: int = 32
     """Decode context lengths are padded to a multiple of this: fewer distinct shapes, at the
     cost of reading up to this many padding rows per sequence."""

@@ -58,14 +58,15 @@ def choose_fused_dense_tokens(setting: int | None) -> tuple[int, str]:
 
     XLA's CPU dots use AVX-512 where the CPU has it and XLA is not capped below it; the fused
     ops are AVX2 code. Measured with benchmarks/fused_dense.py on GPT-2-small (docs/engine.md):
-    with XLA on AVX2 (an AVX2-only EPYC, and a Sapphire Rapids Xeon with XLA capped at AVX2)
-    the ops beat XLA's programs from 1 to 16 tokens (decoding 8 sequences 0.57-0.63x the step
-    time, 16 sequences 0.77x) and lose at 32; with XLA on AVX-512 (the same Xeon uncapped)
-    they win up to 8 (0.77x) and tie at 16."""
+    with XLA on AVX2 (an AVX2-only EPYC) the ops, with their packed register-tiled kernel
+    from 8 rows, beat XLA's programs up to 32 tokens (decoding 32 sequences 0.69-0.75x the
+    step time, prefilling 32 tokens 0.59-0.63x) and lose at 64 (0.92-1.13x); with XLA on
+    AVX-512 (a Sapphire Rapids Xeon uncapped, before that kernel) they won up to 8 (0.77x)
+    and tied at 16."""
     if setting is not None:
         return setting, "set explicitly"
     if xla_has_avx512():
         return 8, ("XLA may use AVX-512 here: its dot code catches up with the fused ops by "
                    "16 tokens")
-    return 16, ("XLA has no AVX-512 here: the fused ops beat XLA's AVX2 programs up to 16 "
+    return 32, ("XLA has no AVX-512 here: the fused ops beat XLA's AVX2 programs up to 32 "
                 "tokens")
