@@ -26,8 +26,9 @@
 // scalar) it splits N into 2 x threads column ranges, each walked row by row over K into
 // float accumulators for up to 8 rows of x at a time, which stay in L1/L2; "nk" splits N
 // into tiles of rows, each row a dot product with every row of x, or from 24 rows with AVX2
-// into blocks of 64 rows transposed into the same register tiles (NkPackedAvx2). Accumulation is float32, in a different order from
-// XLA's, so results match it to float rounding, not bit for bit.
+// into blocks of 64 rows transposed into the same register tiles (NkPackedAvx2).
+// Accumulation is float32, in a different order from XLA's, so results match it to float
+// rounding, not bit for bit.
 //
 // Two inner paths with the same math: AVX2+FMA (functions with target attributes, chosen at
 // run time) and portable scalar C++ (also forced with isa="scalar" for tests).
@@ -221,9 +222,9 @@ AVX2_FN void KnRowsAvx2(const Geometry& g, const float* x, const float* w, int64
 
 // "kn" for more rows of x (prefill, decode of many sequences): a register-tiled product
 // over packed weight rows. The column-range walk (KnRangeAvx2) loads and stores its
-// accumulators in memory once per four FMAs, and reads W a 4 KB page apart per row. Here
-// K is cut into chunks of kPackDepth weight rows, the work items: a chunk is read front to
-// back, one sequential stream as in the split-K path, into panels of kPanel columns, each
+// accumulators in memory once per four FMAs, and reads W a 4 KB page apart per row. Here a
+// work item is kPackDepth weight rows by up to kPackWidth columns: its rows' slices (up to
+// 4 KB each, front to back) are copied into panels of kPanel columns, each
 // [kPackDepth, kPanel] contiguous (4 KB, in L1), and every panel then feeds kTileRowsX x
 // kPanel accumulators held in registers, added into the worker's partial sums [M, N]. A
 // standalone test on a 2-core AVX2-only EPYC, GPT-2-small's MLP matrices at 32 rows read
