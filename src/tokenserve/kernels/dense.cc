@@ -240,6 +240,14 @@ constexpr int64 kPackWidth = 1024;  // columns per work item at most
 // apart); panel [depth, kPanel] contiguous. Twelve accumulators, two panel loads and six
 // broadcasts per twelve FMAs: 15 of the 16 ymm registers. They are named, not an array:
 // GCC kept a __m256 c[R][2] on the stack and stored it every iteration.
+// lo += x * b0, hi += x * b1: one row of x in a register tile.
+AVX2_FN __attribute__((always_inline)) inline void FmaRow(const float* x, __m256 b0, __m256 b1,
+                                                          __m256& lo, __m256& hi) {
+  const __m256 a = _mm256_broadcast_ss(x);
+  lo = _mm256_fmadd_ps(a, b0, lo);
+  hi = _mm256_fmadd_ps(a, b1, hi);
+}
+
 template <int R>
 AVX2_FN void PanelTileAvx2(int64 depth, const float* x, int64 ldx, const float* panel,
                            int64 cols, bool first, float* out, int64 ldo) {
@@ -250,34 +258,12 @@ AVX2_FN void PanelTileAvx2(int64 depth, const float* x, int64 ldx, const float* 
   for (int64 k = 0; k < depth; ++k, p += kPanel) {
     const __m256 b0 = _mm256_loadu_ps(p), b1 = _mm256_loadu_ps(p + 8);
     const float* xk = x + k;
-    __m256 a = _mm256_broadcast_ss(xk);
-    c00 = _mm256_fmadd_ps(a, b0, c00);
-    c01 = _mm256_fmadd_ps(a, b1, c01);
-    if constexpr (R > 1) {
-      a = _mm256_broadcast_ss(xk + ldx);
-      c10 = _mm256_fmadd_ps(a, b0, c10);
-      c11 = _mm256_fmadd_ps(a, b1, c11);
-    }
-    if constexpr (R > 2) {
-      a = _mm256_broadcast_ss(xk + 2 * ldx);
-      c20 = _mm256_fmadd_ps(a, b0, c20);
-      c21 = _mm256_fmadd_ps(a, b1, c21);
-    }
-    if constexpr (R > 3) {
-      a = _mm256_broadcast_ss(xk + 3 * ldx);
-      c30 = _mm256_fmadd_ps(a, b0, c30);
-      c31 = _mm256_fmadd_ps(a, b1, c31);
-    }
-    if constexpr (R > 4) {
-      a = _mm256_broadcast_ss(xk + 4 * ldx);
-      c40 = _mm256_fmadd_ps(a, b0, c40);
-      c41 = _mm256_fmadd_ps(a, b1, c41);
-    }
-    if constexpr (R > 5) {
-      a = _mm256_broadcast_ss(xk + 5 * ldx);
-      c50 = _mm256_fmadd_ps(a, b0, c50);
-      c51 = _mm256_fmadd_ps(a, b1, c51);
-    }
+    FmaRow(xk, b0, b1, c00, c01);
+    if constexpr (R > 1) FmaRow(xk + ldx, b0, b1, c10, c11);
+    if constexpr (R > 2) FmaRow(xk + 2 * ldx, b0, b1, c20, c21);
+    if constexpr (R > 3) FmaRow(xk + 3 * ldx, b0, b1, c30, c31);
+    if constexpr (R > 4) FmaRow(xk + 4 * ldx, b0, b1, c40, c41);
+    if constexpr (R > 5) FmaRow(xk + 5 * ldx, b0, b1, c50, c51);
   }
   const __m256 rows[6][2] = {{c00, c01}, {c10, c11}, {c20, c21},
                              {c30, c31}, {c40, c41}, {c50, c51}};
@@ -297,6 +283,26 @@ AVX2_FN void PanelTileAvx2(int64 depth, const float* x, int64 ldx, const float* 
       _mm256_store_ps(tile + 8, v1);
       for (int64 j = 0; j < cols; ++j) o[j] = first ? tile[j] : o[j] + tile[j];
     }
+  }
+}
+
+// out[r, 0 .. cols) (= or +=, `first`) x[r, 0 .. depth) @ panel for all m rows of x: tiles
+// of kTileRowsX rows, then one tile of the rows left.
+AVX2_FN void PanelRowsAvx2(int64 m, int64 depth, const float* x, int64 ldx, const float* panel,
+                           int64 cols, bool first, float* out, int64 ldo) {
+  int64 r = 0;
+  for (; r + kTileRowsX <= m; r += kTileRowsX) {
+    PanelTileAvx2<kTileRowsX>(depth, x + r * ldx, ldx, panel, cols, first, out + r * ldo, ldo);
+  }
+  x += r * ldx;
+  out += r * ldo;
+  switch (m - r) {
+    case 1: PanelTileAvx2<1>(depth, x, ldx, panel, cols, first, out, ldo); break;
+    case 2: PanelTileAvx2<2>(depth, x, ldx, panel, cols, first, out, ldo); break;
+    case 3: PanelTileAvx2<3>(depth, x, ldx, panel, cols, first, out, ldo); break;
+    case 4: PanelTileAvx2<4>(depth, x, ldx, panel, cols, first, out, ldo); break;
+    case 5: PanelTileAvx2<5>(depth, x, ldx, panel, cols, first, out, ldo); break;
+    default: break;
   }
 }
 
@@ -322,22 +328,7 @@ AVX2_FN void KnPackedAvx2(const Geometry& g, const float* x, const float* w, int
   for (int64 p = 0; p < panels; ++p) {
     const float* panel = pack + p * depth * kPanel;
     const int64 cols = std::min(kPanel, width - p * kPanel);
-    float* out = acc + j0 + p * kPanel;
-    int64 r = 0;
-    for (; r + kTileRowsX <= g.M; r += kTileRowsX) {
-      PanelTileAvx2<kTileRowsX>(depth, x + r * g.K + k0, g.K, panel, cols, first,
-                                out + r * g.N, g.N);
-    }
-    const float* xr = x + r * g.K + k0;
-    float* o = out + r * g.N;
-    switch (g.M - r) {
-      case 1: PanelTileAvx2<1>(depth, xr, g.K, panel, cols, first, o, g.N); break;
-      case 2: PanelTileAvx2<2>(depth, xr, g.K, panel, cols, first, o, g.N); break;
-      case 3: PanelTileAvx2<3>(depth, xr, g.K, panel, cols, first, o, g.N); break;
-      case 4: PanelTileAvx2<4>(depth, xr, g.K, panel, cols, first, o, g.N); break;
-      case 5: PanelTileAvx2<5>(depth, xr, g.K, panel, cols, first, o, g.N); break;
-      default: break;
-    }
+    PanelRowsAvx2(g.M, depth, x + k0, g.K, panel, cols, first, acc + j0 + p * kPanel, g.N);
   }
 }
 
@@ -398,21 +389,7 @@ AVX2_FN void NkPackedAvx2(const Geometry& g, const float* x, const float* w, int
         }
       }
     }
-    float* out = z + n;
-    int64 r = 0;
-    for (; r + kTileRowsX <= g.M; r += kTileRowsX) {
-      PanelTileAvx2<kTileRowsX>(g.K, x + r * g.K, g.K, panel, cols, true, out + r * g.N, g.N);
-    }
-    const float* xr = x + r * g.K;
-    float* o = out + r * g.N;
-    switch (g.M - r) {
-      case 1: PanelTileAvx2<1>(g.K, xr, g.K, panel, cols, true, o, g.N); break;
-      case 2: PanelTileAvx2<2>(g.K, xr, g.K, panel, cols, true, o, g.N); break;
-      case 3: PanelTileAvx2<3>(g.K, xr, g.K, panel, cols, true, o, g.N); break;
-      case 4: PanelTileAvx2<4>(g.K, xr, g.K, panel, cols, true, o, g.N); break;
-      case 5: PanelTileAvx2<5>(g.K, xr, g.K, panel, cols, true, o, g.N); break;
-      default: break;
-    }
+    PanelRowsAvx2(g.M, g.K, x, g.K, panel, cols, true, z + n, g.N);
   }
 }
 
