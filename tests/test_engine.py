@@ -244,6 +244,28 @@ def test_fused_dense_ops_give_the_xla_paths_greedy_tokens(exported, llms):
     assert not any(key[2] for key in xla_only.engine.runner.step._steps)
 
 
+def test_with_few_sequences_xla_steps_run_the_fused_head_and_compile_no_head(exported):
+    """With no more sequences than the fused ops take, steps through XLA (prefill chunks
+    above the fused share) run the LM head as the fused op: the same greedy tokens as the
+    XLA head, and no head program to compile, per row bucket or per token bucket."""
+    xla_only = LLM(exported[2], engine_config(max_fused_dense_tokens=0))
+    if not xla_only.engine.runner.is_transformer:
+        pytest.skip("the LSTM has no dense blocks to fuse")
+    llm = LLM(exported[2], engine_config(max_num_seqs=4, max_fused_dense_tokens=4))
+    runner = llm.engine.runner
+    assert runner.step.fused_head and not xla_only.engine.runner.step.fused_head
+    assert runner.xla_programs() == [(8, 0), (16, 0), (32, 0)]
+    assert runner.compile_buckets() == 3
+    assert runner.step._head.experimental_get_tracing_count() == 0  # never traced
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    prompts = [p * 3 for p in PROMPTS[:4]]  # prefills above 4 tokens: XLA steps
+    want = [o.outputs[0].token_ids for o in xla_only.generate(prompts, params, use_tqdm=False)]
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert got == want
+    assert any(not key[2] for key in runner.step._steps)  # XLA steps really ran
+    assert runner.step._head.experimental_get_tracing_count() == 0
+
+
 def test_auto_fused_dense_share_is_this_cpus_choice_and_logged(exported, caplog):
     """Left on auto, the runner takes the CPU's choice (tests/test_cpu_choices.py), says so,
     and compiles XLA programs only for steps larger than the fused ops take."""

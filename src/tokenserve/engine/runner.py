@@ -105,8 +105,12 @@ class ModelRunner:
 
                 self.max_fused_dense_tokens, why = choose_fused_dense_tokens(
                     engine_config.max_fused_dense_tokens)
-                log.info("dense layers: fused ops for steps of up to %d tokens, XLA above (%s)",
-                         self.max_fused_dense_tokens, why)
+                # one head row per sequence: with no more sequences than the fused ops take,
+                # steps through XLA run the head as the fused op too, and need no head programs
+                self.step.fused_head = engine_config.max_num_seqs <= self.max_fused_dense_tokens
+                log.info("dense layers: fused ops for steps of up to %d tokens, XLA above (%s)%s",
+                         self.max_fused_dense_tokens, why,
+                         "; the LM head always fused" if self.step.fused_head else "")
             if config.model.weight_format == "int8":
                 from tokenserve.kernels.int8_matmul import kernel_status
 
@@ -188,7 +192,7 @@ class ModelRunner:
                 first += count
             prefill_inputs = (index, context(prefill), pos, np.asarray(unpack, np.int32))
         # the XLA LM head runs on one row per sequence: padded too, so XLA sees few shapes
-        num_rows = self._bucket(len(last), only_decode=False, xla=xla)
+        num_rows = self._bucket(len(last), only_decode=False, xla=xla and not self.step.fused_head)
         last = np.concatenate([last, np.zeros([num_rows - len(last)], np.int32)])
         step = self.step.step_function(len(decode_groups), bool(prefill), fused)
         logits = step(np.asarray(token_ids + padding, np.int32),
@@ -200,7 +204,8 @@ class ModelRunner:
     def xla_programs(self) -> list[tuple[int, int]]:
         """The (tokens, LM-head rows) shapes whose XLA programs the steps can run: every token
         bucket above what the fused dense ops take, and the head's bucket of rows for each
-        number of sequences such a step can have. Steps the fused ops take need none."""
+        number of sequences such a step can have (rows 0: no head program, where the head
+        is always fused). Steps the fused ops take need none."""
         if not (self.is_transformer and self.step.jit_dense):
             return []
         knobs = self.engine_config
@@ -214,6 +219,8 @@ class ModelRunner:
                 break
         if not sizes:
             return []
+        if self.step.fused_head:
+            return [(size, 0) for size in sizes]
         shapes = [(size, min(size, max_rows)) for size in sizes]
         heads = {rows for _, rows in shapes}
         # the other head sizes ride along with the smallest token bucket's (compiled first)

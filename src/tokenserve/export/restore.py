@@ -87,9 +87,18 @@ def restore_weights(model, version_dir: str | Path) -> None:
     if missing:
         raise ModelLoadError(f"{version_dir} lacks weights {missing[:3]} "
                              f"({len(missing)} missing); was it exported by tokenserve?")
+    shapes, dtypes = reader.get_variable_to_shape_map(), reader.get_variable_to_dtype_map()
     for weight in model.weights:
-        value = reader.get_tensor(keys[weight.path])
-        if tuple(value.shape) != tuple(weight.shape):
-            raise ModelLoadError(f"weight {weight.path} has shape {value.shape} in "
+        shape = tuple(shapes[keys[weight.path]])
+        if shape != tuple(weight.shape):
+            raise ModelLoadError(f"weight {weight.path} has shape {shape} in "
                                  f"{version_dir}, the config expects {tuple(weight.shape)}")
+    # One RestoreV2 op reads every tensor into TF's own buffers, which the assignments take:
+    # reading each through the reader's numpy copy, then converting that to a tensor, took
+    # 1.1 s of GPT-2-small's load on a 2-core VM (0.5 s this way).
+    names = [keys[weight.path] for weight in model.weights]
+    values = tf.raw_ops.RestoreV2(prefix=prefix, tensor_names=names,
+                                  shape_and_slices=[""] * len(names),
+                                  dtypes=[dtypes[name] for name in names])
+    for weight, value in zip(model.weights, values):
         weight.assign(value if value.dtype == weight.dtype else tf.cast(value, weight.dtype))
