@@ -430,8 +430,9 @@ def test_the_start_up_warmup_request_reaches_no_stats(exported):
 
 def test_the_warmup_traces_what_a_first_long_prompt_and_a_second_arrival_need(exported):
     """A prompt longer than the fused dense ops take, alone and then while another decodes,
-    and a short prompt alone, run step graphs the warmup traced already (a trace in a user's
-    request costs its TTFT), and the warmup leaves no block in the prefix cache."""
+    and a short prompt alone and then while another decodes, run step graphs the warmup
+    traced already (a trace in a user's request costs its TTFT), and the warmup leaves no
+    block in the prefix cache."""
     from tokenserve.engine.async_engine import AsyncEngine
 
     _, _, version_dir = exported
@@ -443,7 +444,7 @@ def test_the_warmup_traces_what_a_first_long_prompt_and_a_second_arrival_need(ex
         traced = set(runner.step._steps)
         fused = runner.max_fused_dense_tokens
         assert (0, True, False) in traced and (1, True, False) in traced, traced
-        assert (0, True, True) in traced, traced
+        assert (0, True, True) in traced and (1, True, True) in traced, traced
         assert engine.engine.scheduler.cache.num_cached_blocks == 0
 
         async def three():
@@ -456,6 +457,12 @@ def test_the_warmup_traces_what_a_first_long_prompt_and_a_second_arrival_need(ex
             async for _ in first:
                 pass
             async for _ in engine.generate([7, 8], params, "c"):  # short, alone
+                pass
+            third = engine.generate([9, 10], params, "d")
+            await third.__anext__()  # a short one alone, now another while it decodes
+            async for _ in engine.generate([11, 12], params, "e"):
+                pass
+            async for _ in third:
                 pass
 
         asyncio.run(three())

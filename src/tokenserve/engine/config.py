@@ -66,7 +66,9 @@ class EngineConfig:
     cost of reading up to this many padding rows per sequence."""
     max_decode_groups: int = 6
     """Decode rows are attended in at most this many groups of similar context length (one
-    group would pad every sequence to the longest context in the batch)."""
+    group would pad every sequence to the longest context in the batch). The graph attention
+    path only: the fused attention op reads each sequence's own length, so with it all decode
+    rows are one group."""
     decode_group_cost_rows: int = 128
     """A decode group's fixed cost (a gather, two matmuls per layer) in context rows read,
     which the split into groups weighs against padding."""

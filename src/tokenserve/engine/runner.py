@@ -148,7 +148,11 @@ class ModelRunner:
             rows = (np.asarray(scheduled.block_ids)[:, None] * block_size + offsets).ravel()
             (decode if count == 1 else prefill).append((index, rows[:start + count], start, count))
         knobs = self.engine_config
-        groups = split_by_context(decode, knobs.max_decode_groups, knobs.decode_group_cost_rows,
+        # The fused attention op reads each sequence's own context length, never the
+        # padding of its row table: all decode rows are one group (one op per layer, one step
+        # graph per kind). The graph path pads every row to its group's longest context.
+        max_groups = 1 if self.step.fused_attention else knobs.max_decode_groups
+        groups = split_by_context(decode, max_groups, knobs.decode_group_cost_rows,
                                   knobs.context_pad) if decode else []
 
         # packed order: decode tokens group by group, then prefill tokens, then bucket padding
