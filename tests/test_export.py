@@ -233,3 +233,39 @@ for position in (3, 4, 5, 6):
                             env=env, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     assert len(list(cache.iterdir())) == 2  # one prefill program, one decode program
+
+
+def test_restored_weights_equal_the_exported_model_and_bad_files_fail_clearly(tiny_gpt2_dir,
+                                                                              tmp_path):
+    """load_language_model reads every weight back bit for bit (one RestoreV2 op); a
+    truncated variables file or a config whose shapes disagree is a ModelLoadError, never a
+    raw TensorFlow error."""
+    import shutil
+
+    from tokenserve.errors import ModelLoadError
+    from tokenserve.export.restore import load_language_model
+
+    model, _, _, _ = load_language_model(tiny_gpt2_dir, precision="float32")
+    reader = tf.train.load_checkpoint(str(Path(tiny_gpt2_dir) / "variables" / "variables"))
+    restored = {w.path: w.numpy() for w in model.weights}
+    # the export's own copy of a weight, found by value: every restored weight matches one
+    stored = [reader.get_tensor(key) for key in reader.get_variable_to_shape_map()
+              if key != "_CHECKPOINTABLE_OBJECT_GRAPH"]
+    for path, value in restored.items():
+        assert any(s.shape == value.shape and np.array_equal(s, value) for s in stored), path
+
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_gpt2_dir, broken)
+    data = next((broken / "variables").glob("variables.data-*"))
+    data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
+    with pytest.raises(ModelLoadError, match="cannot read weights"):
+        load_language_model(broken, precision="float32")
+
+    wider = tmp_path / "wider"
+    shutil.copytree(tiny_gpt2_dir, wider)
+    config_file = wider / "assets" / "generation_config.json"
+    config = json.loads(config_file.read_text())
+    config["model"]["hidden_size"] *= 2
+    config_file.write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match="has shape"):
+        load_language_model(wider, precision="float32")

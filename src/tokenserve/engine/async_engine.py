@@ -157,10 +157,10 @@ class AsyncEngine:
         met by a user costs that request its trace (0.5 s for GPT-2-small's 32-token prompt
         on a 2-core VM, measured as its TTFT), and a third, short prompt then runs alone,
         as a short question or a prompt whose prefix is cached does (its first one had
-        cost 0.8 s of TTFT against 0.06 s after), joined by a fourth while it decodes. Their blocks stay out of the remote KV tier
-        and are forgotten afterwards, and their stats go nowhere, so metrics count only
-        users' requests (as in TF Serving, where warmup records never reach the request
-        counters)."""
+        cost 0.8 s of TTFT against 0.06 s after), joined by a fourth while it decodes.
+        Their blocks stay out of the remote KV tier and are forgotten afterwards, and their
+        stats go nowhere, so metrics count only users' requests (as in TF Serving, where
+        warmup records never reach the request counters)."""
         started = time.perf_counter()
         num_compiled = self.engine.runner.compile_buckets()
         if num_compiled:

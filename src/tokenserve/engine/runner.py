@@ -196,7 +196,8 @@ class ModelRunner:
                 first += count
             prefill_inputs = (index, context(prefill), pos, np.asarray(unpack, np.int32))
         # the XLA LM head runs on one row per sequence: padded too, so XLA sees few shapes
-        num_rows = self._bucket(len(last), only_decode=False, xla=xla and not self.step.fused_head)
+        num_rows = self._bucket(len(last), only_decode=False,
+                                xla=xla and not self.step.fused_head)
         last = np.concatenate([last, np.zeros([num_rows - len(last)], np.int32)])
         step = self.step.step_function(len(decode_groups), bool(prefill), fused)
         logits = step(np.asarray(token_ids + padding, np.int32),

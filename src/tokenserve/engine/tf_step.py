@@ -23,9 +23,10 @@ group by group, then prefill tokens, then padding to a bucket size. Attention ru
 decode group (sequences of similar context length, so a short context is not padded to a
 long one; one query each) and for the prefill chunks. One graph is traced per (number of
 decode groups, prefill or not), so a batch-1 decode step runs one group's attention and no
-prefill ops. With the fused attention op (kernels/paged_attention.py) each prefill token is
-one more decode query, over its own sequence's rows up to its position, so a layer's
-prefill attention is one op too. The graph path, where the op cannot be built, gathers the
+prefill ops; with the fused attention op (kernels/paged_attention.py), which reads each
+sequence's own length, the runner makes one group of all decode rows. With that op each
+prefill token is one more decode query, over its own sequence's rows up to its position, so
+a layer's prefill attention is one op too. The graph path, where the op cannot be built, gathers the
 rows: decode attention reads them in their stored layout with no transposes (each head's
 query spread over the kv-head columns, zero elsewhere; two batched matmuls give scores
 [S, H, L] and outputs), prefill attention runs a masked attention per chunk.
@@ -392,8 +393,9 @@ class TransformerStep(tf.Module):
             # position: a decode query with that context. Each token's context rows and
             # length, built once per step, make every layer's prefill attention one op
             # reading the rows in place, where the gathered path below runs about 50 ops
-            # per layer on widened copies: 1.6-3x faster per layer for chunks of 32 to 512
-            # tokens (GPT-2-small, 2-core EPYC; docs/engine.md), and traces in half the time.
+            # per layer on widened copies: 1.4-3.8x faster per layer for chunks of 32 to 512
+            # tokens (benchmarks/prefill_attention.py, GPT-2-small sizes, 2-core EPYC), and
+            # the step traces in half the time.
             index, rows, pos, unpack = prefill
             sequence = unpack // tf.shape(index)[1]                          # [Np]
             prefill = PagedPrefill(rows=tf.gather(rows, sequence),           # [Np, Lp]

@@ -97,8 +97,11 @@ def restore_weights(model, version_dir: str | Path) -> None:
     # reading each through the reader's numpy copy, then converting that to a tensor, took
     # 1.1 s of GPT-2-small's load on a 2-core VM (0.5 s this way).
     names = [keys[weight.path] for weight in model.weights]
-    values = tf.raw_ops.RestoreV2(prefix=prefix, tensor_names=names,
-                                  shape_and_slices=[""] * len(names),
-                                  dtypes=[dtypes[name] for name in names])
+    try:
+        values = tf.raw_ops.RestoreV2(prefix=prefix, tensor_names=names,
+                                      shape_and_slices=[""] * len(names),
+                                      dtypes=[dtypes[name] for name in names])
+    except tf.errors.OpError as error:  # a truncated or corrupt variables file
+        raise ModelLoadError(f"cannot read weights of {version_dir}: {error.message}") from error
     for weight, value in zip(model.weights, values):
         weight.assign(value if value.dtype == weight.dtype else tf.cast(value, weight.dtype))
