@@ -11,6 +11,11 @@ greedy, ignore_eos. Same machine, same run, each system in its own process:
   llm-<fmt>      `tokenserve.LLM` in-process: one prompt, then 32 prompts at once.
   hf-tf-xla      Hugging Face transformers' TF GPT-2, `generate` compiled with XLA, batch 1
                  and static batch 8 (its own venv: bash benchmarks/peers/setup_hf_tf.sh).
+  llamacpp-<t>   llama.cpp through llama-cpp-python's OpenAI server, on the same weights
+                 written as GGUF (benchmarks/peers/gpt2_gguf.py; t = f32 or q8_0, its 8-bit
+                 format), 2 threads, measured with the same client at 1 stream. That server
+                 runs one request at a time, so it has no 32-stream figure (its own venv:
+                 bash benchmarks/peers/setup_llama_cpp.sh).
 
 Everything is float32 unless the row says int8. Prints a table, writes
 benchmarks/results/headline.json (or --output) with the machine's CPU flags and ISA caps.
@@ -147,12 +152,64 @@ def bench_hf(venv: Path, batch_sizes: list[int]) -> dict:
     return results
 
 
+def bench_llama_cpp(venv: Path, export_dir: Path, workdir: Path, qtype: str) -> dict:
+    """llama-cpp-python's server on the GGUF of `export_dir`'s weights, at 1 stream."""
+    python = venv / "bin" / "python"
+    if not python.exists():
+        return {"skipped": f"no {venv}: run bash benchmarks/peers/setup_llama_cpp.sh"}
+    gguf_path = workdir / f"gpt2-{qtype}.gguf"
+    if not gguf_path.exists():
+        subprocess.run([PYTHON, str(HERE / "peers" / "gpt2_gguf.py"), str(export_dir),
+                        "--output-dir", str(workdir), "--types", qtype], check=True)
+    port = free_port()
+    threads = str(len(os.sched_getaffinity(0)))
+    log = open(Path(tempfile.gettempdir()) / f"headline-llamacpp-{qtype}.log", "w")
+    server = subprocess.Popen(
+        [str(python), "-m", "llama_cpp.server", "--model", str(gguf_path),
+         "--model_alias", "gpt2", "--n_ctx", "1024", "--n_threads", threads,
+         "--n_threads_batch", threads, "--host", "127.0.0.1", "--port", str(port)],
+        stdout=log, stderr=log)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(url + "/v1/models", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if server.poll() is not None:
+                raise RuntimeError(f"llama_cpp.server exited; see {log.name}")
+            time.sleep(1)
+        out = Path(tempfile.mkdtemp(prefix="headline-"))
+        subprocess.run(
+            [TOKENSERVE, "bench", "--base-url", url, "--model", "gpt2", "--num-prompts", "8",
+             "--max-concurrency", "1", "--random-input-len", str(PROMPT_LEN),
+             "--random-output-len", str(NEW_TOKENS), "--ignore-eos", "--disable-tqdm",
+             "--result-dir", str(out)], check=True, stdout=subprocess.DEVNULL)
+        run = json.loads((out / "results.json").read_text())["runs"][0]
+        shutil.rmtree(out, ignore_errors=True)
+        version = subprocess.run([str(python), "-c", "import llama_cpp; "
+                                  "print(llama_cpp.__version__)"],
+                                 capture_output=True, text=True).stdout.strip()
+        return {"points": {1: {k: run[k] for k in (
+                    "output_throughput", "p50_ttft_ms", "p99_ttft_ms", "p50_itl_ms",
+                    "p99_itl_ms", "p50_tpot_ms", "completed", "failed", "total_output_tokens")
+                    if k in run}},
+                "llama_cpp_python": version, "threads": int(threads)}
+    finally:
+        server.terminate()
+        server.wait(60)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()) / "headline")
     parser.add_argument("--hf-venv", type=Path, default=HERE / ".venv-hf-tf")
+    parser.add_argument("--llama-cpp-venv", type=Path, default=HERE / ".venv-llama-cpp")
     parser.add_argument("--systems", nargs="+",
-                        default=["serve-float32", "serve-int8", "llm-float32", "llm-int8", "hf"])
+                        default=["serve-float32", "serve-int8", "llm-float32", "llm-int8", "hf",
+                                 "llamacpp-f32", "llamacpp-q8_0"])
     parser.add_argument("--output", type=Path, default=RESULTS / "headline.json")
     parser.add_argument("--append", action="store_true",
                         help="keep the systems already in --output (run them one at a time)")
@@ -168,7 +225,7 @@ def main(argv=None) -> int:
     if args.append and args.output.exists():
         report["systems"] = json.loads(args.output.read_text())["systems"]
         for name, result in report["systems"].items():  # JSON made the int keys strings
-            if name.startswith("serve"):
+            if name.startswith(("serve", "llamacpp")) and "points" in result:
                 result["points"] = {int(k): v for k, v in result["points"].items()}
             elif name.startswith("hf") and "skipped" not in result:
                 report["systems"][name] = {int(k): v for k, v in result.items()}
@@ -176,6 +233,10 @@ def main(argv=None) -> int:
         console.print(f"[bold]{system}[/bold] ...")
         if system == "hf":
             report["systems"]["hf-tf-xla"] = bench_hf(args.hf_venv, [1, 8])
+        elif system.startswith("llamacpp-"):
+            report["systems"][system] = bench_llama_cpp(
+                args.llama_cpp_venv, export(models["float32"], "none"), args.workdir,
+                system.split("-")[1])
         else:
             kind, fmt = system.split("-")
             base = export(models[fmt], "none" if fmt == "float32" else "int8")
@@ -197,6 +258,12 @@ def main(argv=None) -> int:
                           f"{one['p50_ttft_ms']:.0f}", f"{one['p50_itl_ms']:.1f}",
                           f"{many['output_throughput']:.1f}", f"{many['p50_itl_ms']:.1f}",
                           (result["precision_log"] or "").split("computing in ")[-1][:60])
+        elif name.startswith("llamacpp") and "points" in result:
+            one = result["points"][1]
+            table.add_row(f"llama.cpp server ({name[9:]})", f"{one['output_throughput']:.1f}",
+                          f"{one['p50_ttft_ms']:.0f}", f"{one['p50_itl_ms']:.1f}", "", "",
+                          f"llama-cpp-python {result['llama_cpp_python']}, "
+                          f"{result['threads']} threads, one request at a time")
         elif name.startswith("llm"):
             table.add_row(f"tokenserve.LLM ({name[4:]})", f"{result['1']:.1f}", "", "",
                           f"{result['32']:.1f}", "", "in-process, 32 prompts at once")

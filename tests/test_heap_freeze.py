@@ -32,3 +32,24 @@ def test_start_freezes_the_heap_and_shutdown_thaws_it(model_dir):
     finally:
         engine.shutdown()
     assert gc.get_freeze_count() == 0 and _tracked(runner)
+
+
+def test_collector_paused_freezes_what_the_block_made_and_restores_the_collector():
+    from tokenserve.python_heap import collector_paused
+
+    gc.unfreeze()
+    assert gc.isenabled()
+    with collector_paused():
+        assert not gc.isenabled()
+        made = [[i] for i in range(1000)]  # imports' long-lived objects stand-in
+    try:
+        assert gc.isenabled() and gc.get_freeze_count() >= len(made)
+        assert not _tracked(made[0])
+        gc.disable()  # a caller that had the collector off keeps it off
+        with collector_paused():
+            pass
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+        gc.unfreeze()
+    assert _tracked(made[0])

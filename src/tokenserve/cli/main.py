@@ -8,6 +8,7 @@ import logging
 import os
 import sys
 
+from tokenserve.python_heap import collector_paused
 from tokenserve.user_cache import cache_dir
 from tokenserve.errors import TokenserveError
 
@@ -30,7 +31,7 @@ def _load_tensorflow(verbose: bool = False) -> None:
     """
     _persistent_xla_cache()
     if verbose:
-        with _without_optional_modules():
+        with _without_optional_modules(), collector_paused():
             import tensorflow  # noqa: F401 - with every notice
         return
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
@@ -40,7 +41,7 @@ def _load_tensorflow(verbose: bool = False) -> None:
     devnull = os.open(os.devnull, os.O_WRONLY)
     try:
         os.dup2(devnull, 2)
-        with _without_optional_modules():
+        with _without_optional_modules(), collector_paused():
             import tensorflow as tf
 
         tf.config.list_physical_devices()

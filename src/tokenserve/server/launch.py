@@ -23,6 +23,7 @@ from tokenserve.observability.memory import (MemoryGauges, release_file_pages,
                                              release_freed_memory, resident_bytes)
 from tokenserve.observability.memory import describe as describe_memory
 from tokenserve.observability.stack import Observability
+from tokenserve.python_heap import collector_paused
 from tokenserve.server.auth import APIKeys, AsyncAPIKeyInterceptor, check_http_authorization
 from tokenserve.server.config import LLMServeConfig, ServeConfig, engine_config_for
 from tokenserve.server.status import http_status
@@ -58,14 +59,15 @@ def start_http(app, host: str, port: int, tls: SSLConfig | None = None,
 
 def run(config: ServeConfig, llm: LLMServeConfig = LLMServeConfig(), stop_event=None) -> None:
     """Serves until SIGTERM/SIGINT (or `stop_event`); see `tfserving.server.serve`."""
-    from tokenserve.engine.async_engine import AsyncEngine
-    from tokenserve.export.exporter import GENERATION_CONFIG_FILE
-    from tokenserve.observability.profiler import add_profiler_service
-    from tokenserve.server.grpc_generate import add_generation_service
-    from tokenserve.server.openai import OpenAIServerConfig, build_openai_app
-    from tokenserve.server.openai.managed_models import ManagedModels
-    from tokenserve.server.tfserving.server import build_context, serve
-    from tokenserve.state.response_store import open_response_store
+    with collector_paused():  # imports only: nothing here is garbage (python_heap.py)
+        from tokenserve.engine.async_engine import AsyncEngine
+        from tokenserve.export.exporter import GENERATION_CONFIG_FILE
+        from tokenserve.observability.profiler import add_profiler_service
+        from tokenserve.server.grpc_generate import add_generation_service
+        from tokenserve.server.openai import OpenAIServerConfig, build_openai_app
+        from tokenserve.server.openai.managed_models import ManagedModels
+        from tokenserve.server.tfserving.server import build_context, serve
+        from tokenserve.state.response_store import open_response_store
 
     if llm.release_file_pages:  # TensorFlow's import-time code, before the peak of loading
         release_file_pages()
