@@ -17,6 +17,12 @@ greedy, ignore_eos. Same machine, same run, each system in its own process:
                  runs one request at a time, so it has no 32-stream figure (its own venv:
                  bash benchmarks/peers/setup_llama_cpp.sh).
 
+"1 stream unstreamed": 8 more requests one at a time without streaming, tokens counted from
+each answer's usage over the wall time (tokenserve and llama.cpp alike). llama.cpp's server
+streams no usage and renders the random model's tokens past the tokenizer's 8,192 as empty
+text, so the streaming client cannot count its tokens: this column is the like-for-like one
+for one stream; its TTFT and ITL come from the streaming client as tokenserve's do.
+
 Everything is float32 unless the row says int8. Prints a table, writes
 benchmarks/results/headline.json (or --output) with the machine's CPU flags and ISA caps.
 To approximate an AVX2-only CPU on a bigger one:
@@ -103,6 +109,8 @@ def bench_serve(base: Path, label: str, points: list[tuple[int, int]]) -> dict:
                 "output_throughput", "p50_ttft_ms", "p99_ttft_ms", "p50_itl_ms", "p99_itl_ms",
                 "p50_tpot_ms", "completed", "failed")}
             shutil.rmtree(out, ignore_errors=True)
+        # one stream again without streaming, measured as the llama.cpp peer is
+        results[1]["unstreamed"] = count_tokens_unstreamed(url, 8, base)
         chose = [line.strip() for line in open(log.name) if "computing in" in line]
         return {"points": results, "precision_log": chose[-1] if chose else None}
     finally:
@@ -152,6 +160,26 @@ def bench_hf(venv: Path, batch_sizes: list[int]) -> dict:
     return results
 
 
+def count_tokens_unstreamed(url: str, num_requests: int, export_dir: Path) -> dict:
+    """Sends `num_requests` random 32-token prompts one at a time without streaming;
+    {"output_throughput": completion tokens per second of wall time, "tokens": per request}."""
+    import numpy as np
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(next(export_dir.glob("*/assets/tokenizer.json"))))
+    rng = np.random.default_rng(1)
+    tokens, started = [], time.perf_counter()
+    for _ in range(num_requests):
+        ids = rng.integers(300, tokenizer.get_vocab_size(), PROMPT_LEN).tolist()
+        answer = httpx.post(url + "/v1/completions", timeout=300, json={
+            "model": "gpt2", "prompt": tokenizer.decode(ids), "max_tokens": NEW_TOKENS,
+            "temperature": 0, "ignore_eos": True})
+        answer.raise_for_status()
+        tokens.append(answer.json()["usage"]["completion_tokens"])
+    return {"output_throughput": sum(tokens) / (time.perf_counter() - started),
+            "tokens": tokens}
+
+
 def bench_llama_cpp(venv: Path, export_dir: Path, workdir: Path, qtype: str) -> dict:
     """llama-cpp-python's server on the GGUF of `export_dir`'s weights, at 1 stream."""
     python = venv / "bin" / "python"
@@ -189,13 +217,17 @@ def bench_llama_cpp(venv: Path, export_dir: Path, workdir: Path, qtype: str) -> 
              "--result-dir", str(out)], check=True, stdout=subprocess.DEVNULL)
         run = json.loads((out / "results.json").read_text())["runs"][0]
         shutil.rmtree(out, ignore_errors=True)
+        # The server streams no usage, and the random model's tokens past the tokenizer's
+        # 8,192 render as empty text, so the client cannot count streamed tokens: output
+        # tok/s comes from the same requests sent without streaming, whose usage is exact
+        # (tokens / wall time, one request at a time, as the client's throughput is).
+        counted = count_tokens_unstreamed(url, 8, export_dir)
         version = subprocess.run([str(python), "-c", "import llama_cpp; "
                                   "print(llama_cpp.__version__)"],
                                  capture_output=True, text=True).stdout.strip()
-        return {"points": {1: {k: run[k] for k in (
-                    "output_throughput", "p50_ttft_ms", "p99_ttft_ms", "p50_itl_ms",
-                    "p99_itl_ms", "p50_tpot_ms", "completed", "failed", "total_output_tokens")
-                    if k in run}},
+        return {"points": {1: {**{k: run[k] for k in (
+                    "p50_ttft_ms", "p99_ttft_ms", "p50_itl_ms", "p99_itl_ms", "completed",
+                    "failed")}, "unstreamed": counted}},
                 "llama_cpp_python": version, "threads": int(threads)}
     finally:
         server.terminate()
@@ -248,29 +280,31 @@ def main(argv=None) -> int:
         args.output.write_text(json.dumps(report, indent=2) + "\n")  # partial results survive
 
     table = Table(title="GPT-2 small, 32-token prompt, 128 new tokens, greedy (output tok/s)")
-    for column in ("system", "1 stream", "TTFT p50 ms", "ITL p50 ms", "32 streams",
-                   "ITL p50 ms @32", "notes"):
+    for column in ("system", "1 stream", "1 stream unstreamed", "TTFT p50 ms", "ITL p50 ms",
+                   "32 streams", "ITL p50 ms @32", "notes"):
         table.add_column(column, justify="left" if column in ("system", "notes") else "right")
     for name, result in report["systems"].items():
         if name.startswith("serve"):
             one, many = result["points"][1], result["points"][32]
+            unstreamed = one.get("unstreamed", {}).get("output_throughput")
             table.add_row(f"tokenserve serve ({name[6:]})", f"{one['output_throughput']:.1f}",
-                          f"{one['p50_ttft_ms']:.0f}", f"{one['p50_itl_ms']:.1f}",
+                          f"{unstreamed:.1f}" if unstreamed else "", f"{one['p50_ttft_ms']:.0f}", f"{one['p50_itl_ms']:.1f}",
                           f"{many['output_throughput']:.1f}", f"{many['p50_itl_ms']:.1f}",
                           (result["precision_log"] or "").split("computing in ")[-1][:60])
         elif name.startswith("llamacpp") and "points" in result:
             one = result["points"][1]
-            table.add_row(f"llama.cpp server ({name[9:]})", f"{one['output_throughput']:.1f}",
+            table.add_row(f"llama.cpp server ({name[9:]})", "",
+                          f"{one['unstreamed']['output_throughput']:.1f}",
                           f"{one['p50_ttft_ms']:.0f}", f"{one['p50_itl_ms']:.1f}", "", "",
                           f"llama-cpp-python {result['llama_cpp_python']}, "
                           f"{result['threads']} threads, one request at a time")
         elif name.startswith("llm"):
-            table.add_row(f"tokenserve.LLM ({name[4:]})", f"{result['1']:.1f}", "", "",
+            table.add_row(f"tokenserve.LLM ({name[4:]})", f"{result['1']:.1f}", "", "", "",
                           f"{result['32']:.1f}", "", "in-process, 32 prompts at once")
         elif "skipped" in result:
-            table.add_row(name, "", "", "", "", "", result["skipped"])
+            table.add_row(name, "", "", "", "", "", "", result["skipped"])
         else:
-            table.add_row("HF TF + XLA generate", f"{result[1]['tok_s']:.1f}",
+            table.add_row("HF TF + XLA generate", f"{result[1]['tok_s']:.1f}", "",
                           f"~{result[1]['ttft_est_ms']:.0f}", "", f"{result[8]['tok_s']:.1f}",
                           "", "batch 1 / static batch 8; TTFT estimated")
     console.print(table)
