@@ -74,6 +74,37 @@ def export(base: Path, quantize: str) -> Path:
     return base
 
 
+def wait_until_serving(url: str, server: subprocess.Popen, what: str, log_name: str,
+                       timeout_s: float) -> None:
+    """Returns once `url`/v1/models answers 200; raises if `server` exits first."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url + "/v1/models", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if server.poll() is not None:
+            raise RuntimeError(f"{what} exited; see {log_name}")
+        time.sleep(1)
+    raise RuntimeError(f"{what} did not answer within {timeout_s:.0f} s; see {log_name}")
+
+
+def client_run(url: str, concurrency: int, num_requests: int) -> dict:
+    """One `tokenserve bench` run (the OpenAI streaming client) against `url`: its result."""
+    out = Path(tempfile.mkdtemp(prefix="headline-"))
+    try:
+        subprocess.run(
+            [TOKENSERVE, "bench", "--base-url", url, "--model", "gpt2",
+             "--num-prompts", str(num_requests), "--max-concurrency", str(concurrency),
+             "--random-input-len", str(PROMPT_LEN), "--random-output-len", str(NEW_TOKENS),
+             "--ignore-eos", "--disable-tqdm", "--result-dir", str(out)],
+            check=True, stdout=subprocess.DEVNULL)
+        return json.loads((out / "results.json").read_text())["runs"][0]
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
+
+
 def bench_serve(base: Path, label: str, points: list[tuple[int, int]]) -> dict:
     """Starts `tokenserve serve` on `base`, runs `tokenserve bench` for each
     (concurrency, requests) point, stops the server."""
@@ -85,30 +116,13 @@ def bench_serve(base: Path, label: str, points: list[tuple[int, int]]) -> dict:
          *[str(x) for kv in ports.items() for x in kv]], stdout=log, stderr=log)
     url = f"http://127.0.0.1:{ports['--openai_port']}"
     try:
-        deadline = time.monotonic() + 600
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(url + "/v1/models", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if server.poll() is not None:
-                raise RuntimeError(f"tokenserve serve exited; see {log.name}")
-            time.sleep(1)
+        wait_until_serving(url, server, "tokenserve serve", log.name, timeout_s=600)
         results = {}
         for concurrency, num_requests in points:
-            out = Path(tempfile.mkdtemp(prefix="headline-"))
-            subprocess.run(
-                [TOKENSERVE, "bench", "--base-url", url, "--model", "gpt2",
-                 "--num-prompts", str(num_requests), "--max-concurrency", str(concurrency),
-                 "--random-input-len", str(PROMPT_LEN), "--random-output-len", str(NEW_TOKENS),
-                 "--ignore-eos", "--disable-tqdm", "--result-dir", str(out)],
-                check=True, stdout=subprocess.DEVNULL)
-            run = json.loads((out / "results.json").read_text())["runs"][0]
+            run = client_run(url, concurrency, num_requests)
             results[concurrency] = {k: run[k] for k in (
                 "output_throughput", "p50_ttft_ms", "p99_ttft_ms", "p50_itl_ms", "p99_itl_ms",
                 "p50_tpot_ms", "completed", "failed")}
-            shutil.rmtree(out, ignore_errors=True)
         # one stream again without streaming, measured as the llama.cpp peer is
         results[1]["unstreamed"] = count_tokens_unstreamed(url, 8, base)
         chose = [line.strip() for line in open(log.name) if "computing in" in line]
@@ -199,24 +213,8 @@ def bench_llama_cpp(venv: Path, export_dir: Path, workdir: Path, qtype: str) -> 
         stdout=log, stderr=log)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(url + "/v1/models", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if server.poll() is not None:
-                raise RuntimeError(f"llama_cpp.server exited; see {log.name}")
-            time.sleep(1)
-        out = Path(tempfile.mkdtemp(prefix="headline-"))
-        subprocess.run(
-            [TOKENSERVE, "bench", "--base-url", url, "--model", "gpt2", "--num-prompts", "8",
-             "--max-concurrency", "1", "--random-input-len", str(PROMPT_LEN),
-             "--random-output-len", str(NEW_TOKENS), "--ignore-eos", "--disable-tqdm",
-             "--result-dir", str(out)], check=True, stdout=subprocess.DEVNULL)
-        run = json.loads((out / "results.json").read_text())["runs"][0]
-        shutil.rmtree(out, ignore_errors=True)
+        wait_until_serving(url, server, "llama_cpp.server", log.name, timeout_s=300)
+        run = client_run(url, 1, 8)
         # The server streams no usage, and the random model's tokens past the tokenizer's
         # 8,192 render as empty text, so the client cannot count streamed tokens: output
         # tok/s comes from the same requests sent without streaming, whose usage is exact

@@ -183,23 +183,9 @@ class AsyncEngine:
         stats, self.engine.stats = self.engine.stats, StatsSink()
         tier, scheduler.kv_tier = scheduler.kv_tier, None
         try:
-            self.engine.add_request(first)
-            self.engine.step()
-            try:
-                self.engine.add_request(second)
-            except QueueFullError:  # a queue limit below two prompts: the first one only
-                pass
-            while self.engine.has_work:
-                self.engine.step()
+            self._run_alone_then_joined(first, second)
             if shorts:
-                self.engine.add_request(shorts[0])
-                self.engine.step()
-                try:
-                    self.engine.add_request(shorts[1])
-                except QueueFullError:
-                    pass
-                while self.engine.has_work:
-                    self.engine.step()
+                self._run_alone_then_joined(*shorts)
         finally:
             scheduler.kv_tier = tier
             self.engine.stats = stats
@@ -208,6 +194,17 @@ class AsyncEngine:
         self._ready = True
         log.info("engine warmed up in %.2fs (prompts of %d tokens)",
                  time.perf_counter() - started, length)
+
+    def _run_alone_then_joined(self, first, second) -> None:
+        """Steps `first` alone once, adds `second` while it decodes, runs both to the end."""
+        self.engine.add_request(first)
+        self.engine.step()
+        try:
+            self.engine.add_request(second)
+        except QueueFullError:  # a queue limit below two prompts: the first one only
+            pass
+        while self.engine.has_work:
+            self.engine.step()
 
     def _warmup_prompt_len(self) -> int:
         """3 tokens, or one more than the fused dense ops take where larger steps run XLA;
