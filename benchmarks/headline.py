@@ -24,7 +24,8 @@ text, so the streaming client cannot count its tokens: this column is the like-f
 for one stream; its TTFT and ITL come from the streaming client as tokenserve's do.
 
 Everything is float32 unless the row says int8. Prints a table, writes
-benchmarks/results/headline.json (or --output) with the machine's CPU flags and ISA caps.
+benchmarks/results/headline.json (or --output) with the machine's CPU flags and ISA caps,
+and the memory read rate of the hour (read_bandwidth.py): one float32 stream's ceiling.
 To approximate an AVX2-only CPU on a bigger one:
 
     ONEDNN_MAX_CPU_ISA=AVX2 XLA_FLAGS=--xla_cpu_max_isa=AVX2 TOKENSERVE_KERNELS_MARCH=avx2 \\
@@ -51,6 +52,7 @@ from rich.table import Table
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from machine import machine_info, machine_summary  # noqa: E402
+from read_bandwidth import read_bandwidth  # noqa: E402
 
 ROOT = HERE.parent
 RESULTS = HERE / "results"
@@ -247,6 +249,10 @@ def main(argv=None) -> int:
 
     machine = machine_info()
     console.print(machine_summary(machine))
+    # the hour's memory read rate: one float32 stream cannot beat it (read_bandwidth.py)
+    machine["read_bandwidth"] = read_bandwidth(reps=5)
+    console.print("read bandwidth: {one_thread_gb_s:.1f} GB/s one thread, {all_threads_gb_s:.1f} "
+                  "GB/s {threads} threads".format(**machine["read_bandwidth"]))
     args.workdir.mkdir(parents=True, exist_ok=True)
     models = {fmt: args.workdir / f"gpt2-{fmt}" for fmt in ("float32", "int8")}
     report = {"workload": {"model": "gpt2-small random", "prompt_tokens": PROMPT_LEN,
