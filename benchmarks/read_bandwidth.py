@@ -15,7 +15,6 @@ benchmark's figures from the same hour (benchmarks/headline.py records its resul
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import threading
@@ -24,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from machine import machine_info, machine_summary
+from machine import machine_info, machine_summary, write_result
 
 RESULTS = Path(__file__).resolve().parent / "results"
 ARRAY_BYTES = 256 * 1024 * 1024
@@ -67,8 +66,7 @@ def main() -> None:
     result = read_bandwidth(args.reps)
     print(f"read bandwidth, median of {args.reps}: one thread {result['one_thread_gb_s']:.1f} "
           f"GB/s, {result['threads']} threads {result['all_threads_gb_s']:.1f} GB/s")
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps({"machine": machine, **result}, indent=2) + "\n")
+    write_result(args.output, **result)
     print(f"wrote {args.output}")
 
 
