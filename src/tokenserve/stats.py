@@ -64,6 +64,10 @@ class StepStats:
     """Fraction of KV-cache blocks (or LSTM state slots) in use, 0..1."""
     num_preemptions: int = 0
     """Sequences preempted (by recompute) during this step's scheduling."""
+    num_draft_tokens: int = 0
+    """Drafted tokens this step checked (speculative decoding)."""
+    num_accepted_tokens: int = 0
+    """Of those, the ones the model agreed with (kept in the output)."""
 
 
 @dataclass(frozen=True)

@@ -110,6 +110,14 @@ def _add_llm_flags(p) -> None:
     g.add_argument("--max_fused_dense_tokens", type=int, default=engine.max_fused_dense_tokens,
                    help="float32 steps of at most this many tokens run fused dense ops instead "
                         "of XLA programs; default: chosen for this CPU (logged), 0: never")
+    g.add_argument("--num_speculative_tokens", type=int, default=engine.num_speculative_tokens,
+                   help="speculative decoding: greedy requests check up to this many tokens "
+                        "copied from their own earlier text per step (n-gram drafts; the same "
+                        "output, fewer steps where text repeats); 0: off")
+    g.add_argument("--speculative_ngram_max", type=int, default=engine.speculative_ngram_max,
+                   help="longest tail looked up for n-gram drafts")
+    g.add_argument("--speculative_max_seqs", type=int, default=engine.speculative_max_seqs,
+                   help="draft only while at most this many sequences run")
     g.add_argument("--max_queue_requests", type=int, default=engine.max_queue_requests,
                    help="waiting requests beyond this get HTTP 429 / RESOURCE_EXHAUSTED")
     g.add_argument("--max_queue_tokens", type=int, default=engine.max_queue_tokens,
@@ -167,6 +175,9 @@ def llm_config_from_args(args: argparse.Namespace):
                           kv_cache_memory_bytes=args.kv_cache_memory_bytes,
                           kv_cache_memory_fraction=args.kv_cache_memory_fraction,
                           max_fused_dense_tokens=args.max_fused_dense_tokens,
+                          num_speculative_tokens=args.num_speculative_tokens,
+                          speculative_ngram_max=args.speculative_ngram_max,
+                          speculative_max_seqs=args.speculative_max_seqs,
                           max_queue_requests=args.max_queue_requests,
                           max_queue_tokens=args.max_queue_tokens,
                           preempt_for_priority=args.preempt_for_priority,

@@ -81,6 +81,19 @@ class EngineConfig:
     """Lifetime of a block written to the KV store, refreshed when it is written again."""
     kv_store_timeout_s: float = 1.0
     """Longest wait for one KV-store call; a slower store counts as down (recompute)."""
+    num_speculative_tokens: int = 0
+    """Speculative decoding with n-gram drafts (engine/ngram.py, vLLM's "ngram" method): a
+    greedy sequence checks up to this many tokens copied from its own earlier text in each
+    step, and keeps those the model agrees with, plus the model's next one. The output is
+    the same tokens as without it. 0: off."""
+    speculative_ngram_min: int = 1
+    """Shortest tail (in tokens) looked up in the sequence's earlier text for drafts."""
+    speculative_ngram_max: int = 3
+    """Longest tail looked up for drafts; the longest one found wins."""
+    speculative_max_seqs: int = 4
+    """Draft only while at most this many sequences run: a step of a few sequences reads
+    the weights once whatever its tokens, a full batch computes every drafted token (as
+    vLLM's disable_by_batch_size)."""
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size",
@@ -117,6 +130,13 @@ class EngineConfig:
         if self.max_fused_dense_tokens is not None and self.max_fused_dense_tokens < 0:
             raise ConfigError(f"max_fused_dense_tokens must be >= 0, got "
                               f"{self.max_fused_dense_tokens}")
+        if self.num_speculative_tokens < 0 or self.speculative_max_seqs < 1:
+            raise ConfigError(f"num_speculative_tokens must be >= 0 and speculative_max_seqs "
+                              f">= 1, got {self.num_speculative_tokens}, "
+                              f"{self.speculative_max_seqs}")
+        if not 1 <= self.speculative_ngram_min <= self.speculative_ngram_max:
+            raise ConfigError(f"need 1 <= speculative_ngram_min <= speculative_ngram_max, got "
+                              f"{self.speculative_ngram_min}, {self.speculative_ngram_max}")
         if self.idle_trim_s is not None and self.idle_trim_s < 0:
             raise ConfigError(f"idle_trim_s must be >= 0 or None, got {self.idle_trim_s}")
         if self.batch_wait_s < 0:
@@ -125,6 +145,14 @@ class EngineConfig:
         if self.batch_sizes and self.batch_sizes[-1] < self.max_num_seqs:
             raise ConfigError(f"the largest allowed batch size {self.batch_sizes[-1]} is below "
                               f"max_num_seqs {self.max_num_seqs}")
+
+    @property
+    def max_logit_rows(self) -> int:
+        """Most rows of logits a step returns: one per sequence, or a drafting sequence's
+        tokens (each is checked)."""
+        drafting = min(self.speculative_max_seqs, self.max_num_seqs) * (
+            self.num_speculative_tokens + 1) if self.num_speculative_tokens else 0
+        return max(self.max_num_seqs, drafting)
 
     def replace(self, **changes) -> "EngineConfig":
         return dataclasses.replace(self, **changes)

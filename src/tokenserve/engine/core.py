@@ -9,6 +9,8 @@ from __future__ import annotations
 import time
 import uuid
 
+import numpy as np
+
 from tokenserve.config import GenerationConfig
 from tokenserve.engine.config import EngineConfig
 from tokenserve.engine.detokenizer import IncrementalDetokenizer
@@ -18,8 +20,9 @@ from tokenserve.engine.guided import GuidedDecoding
 from tokenserve.engine.outputs import (CompletionOutput, FinishReason, ModelRunnerOutput,
                                        RequestOutput)
 from tokenserve.engine.request import Request, Sequence, SequenceState
+from tokenserve.engine.ngram import NgramDrafter
 from tokenserve.engine.sampler import SequenceSampler, sample_batch, token_logprob
-from tokenserve.engine.scheduler import Scheduler, SchedulerOutput
+from tokenserve.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from tokenserve.errors import InvalidRequestError, PromptTooLongError
 from tokenserve.sampling import SamplingParams
 from tokenserve.stats import RequestStats, StatsSink, StepStats
@@ -27,6 +30,17 @@ from tokenserve.stats import RequestStats, StatsSink, StepStats
 
 def _cached_tokens(request: Request) -> int:
     return request.seqs[0].num_cached_tokens or 0
+
+
+def _joined(deltas: list[CompletionOutput]) -> CompletionOutput:
+    """One sequence's deltas of one step (several tokens: accepted drafts) as one."""
+    if len(deltas) == 1:
+        return deltas[0]
+    last = deltas[-1]
+    logprobs = None if last.logprobs is None else [p for d in deltas for p in d.logprobs]
+    return CompletionOutput(last.index, "".join(d.text for d in deltas),
+                            [t for d in deltas for t in d.token_ids], logprobs,
+                            last.finish_reason, last.stop_reason)
 
 
 class LLMEngine:
@@ -41,8 +55,18 @@ class LLMEngine:
         self.stats = stats or StatsSink()
         self.model_name, self.version = model_name or self.config.name, version
         kv_tier = setup_prefix_cache(runner, engine_config, self.model_name, version)
-        self.scheduler = Scheduler(engine_config, runner.cache, kv_tier)
+        # drafts need a KV cache that a step can write ahead into and then ignore: not an
+        # LSTM's state, which every token overwrites
+        self.speculative = (engine_config.num_speculative_tokens > 0
+                            and getattr(runner, "is_transformer", False))
+        self.scheduler = Scheduler(engine_config, runner.cache, kv_tier,
+                                   drafter=self._drafts if self.speculative else None)
         self.num_steps = 0
+        self.num_draft_tokens = 0
+        """Drafted tokens checked so far (speculative decoding)."""
+        self.num_accepted_tokens = 0
+        """Drafted tokens the model agreed with so far."""
+        self._step_drafts = [0, 0]  # this step's drafted and accepted tokens
         self.guided = GuidedDecoding(tokenizer, self.config.model.vocab_size,
                                      self.config.eos_token_id)
 
@@ -77,9 +101,31 @@ class LLMEngine:
         for seq in request.seqs:  # an invalid constraint raises here, before taking a slot
             guide = None if params.structured is None else self.guided.make_guide(
                 params.structured)
-            seq.state = SequenceState(SequenceSampler(params, seq.index, vocab, prompt_ids, guide),
-                                  IncrementalDetokenizer(self.tokenizer, params.stop))
+            sampler = SequenceSampler(params, seq.index, vocab, prompt_ids, guide)
+            seq.state = SequenceState(sampler, IncrementalDetokenizer(self.tokenizer, params.stop),
+                                      drafter=self._make_drafter(sampler))
         return request
+
+    def _make_drafter(self, sampler: SequenceSampler) -> NgramDrafter | None:
+        """An n-gram drafter for a greedy, unconstrained sequence when speculative decoding
+        is on. Greedy only: accepting a draft is then exact (the model's argmax equals it),
+        so the output is the same tokens as without drafts; sampled sequences would need
+        rejection sampling, which changes which random draws a seed gives."""
+        knobs = self.engine_config
+        if not self.speculative or not sampler.is_greedy or sampler.guide is not None:
+            return None
+        return NgramDrafter(knobs.num_speculative_tokens, knobs.speculative_ngram_min,
+                            knobs.speculative_ngram_max)
+
+    def _drafts(self, seq: Sequence, most: int) -> list[int]:
+        """Drafts for a decoding sequence's next step: at most `most`, and never past its
+        max_tokens or the context (the step also yields one token of the model's own)."""
+        drafter = seq.state.drafter if seq.state is not None else None
+        if drafter is None:
+            return []
+        room = min(seq.request.params.max_tokens - seq.num_output_tokens,
+                   self.max_model_len - seq.num_tokens) - 1
+        return drafter.propose(seq.token_ids, min(most, room))
 
     def add_request(self, request: Request) -> None:
         """Queues a request made by make_request (QueueFullError when the queue is full)."""
@@ -153,10 +199,14 @@ class LLMEngine:
         if not scheduled.scheduled:  # the step only moved KV blocks
             return []
         logits, duration = output.logits, output.duration_s
-        live = [i for i, s in enumerate(scheduled.scheduled) if not s.seq.is_finished]
+        live = [s for s in scheduled.scheduled if not s.seq.is_finished]
         if len(live) < len(scheduled.scheduled):
-            scheduled.scheduled = [scheduled.scheduled[i] for i in live]
-            logits = logits[live]
+            rows, first = [], 0
+            for item in scheduled.scheduled:
+                if not item.seq.is_finished:
+                    rows.extend(range(first, first + item.num_logits))
+                first += item.num_logits
+            scheduled.scheduled, logits = live, logits[rows]
         outputs = self._update(scheduled, logits, duration)
         self._emit_step_stats(scheduled, duration)
         self._save_ended()
@@ -174,9 +224,18 @@ class LLMEngine:
 
     def _update(self, scheduled: SchedulerOutput, logits, duration: float) -> list[RequestOutput]:
         now = time.time()
-        sampling, rows = [], []
-        for row, item in enumerate(scheduled.scheduled):
+        self._step_drafts = [0, 0]
+        sampling, rows, drafting = [], [], []
+        row = 0
+        for item in scheduled.scheduled:
             seq = item.seq
+            row += item.num_logits
+            if item.draft_ids:  # its last token; the drafts count once they are checked
+                seq.num_computed_tokens += 1
+                seq.request.decode_time_s += duration
+                drafting.append((item, row - item.num_logits))
+                continue
+            row_of_last = row - 1
             seq.num_computed_tokens += item.num_new_tokens
             in_prefill = seq.num_computed_tokens <= seq.num_prompt_tokens and seq.num_output_tokens == 0
             if in_prefill:
@@ -185,18 +244,23 @@ class LLMEngine:
                 seq.request.decode_time_s += duration
             if seq.num_pending_tokens == 0:
                 sampling.append(seq)
-                rows.append(row)
-        if not sampling:
-            return []
-        tokens = sample_batch(self._masked(logits[rows], sampling),
-                              [seq.state.sampler for seq in sampling])
+                rows.append(row_of_last)
         deltas: dict[str, list[CompletionOutput]] = {}
-        for seq, row, token in zip(sampling, rows, tokens):
-            deltas.setdefault(seq.request.request_id, []).append(
-                self._append(seq, token, logits[row], now))
+        requests: dict[str, Request] = {}
+        if sampling:
+            tokens = sample_batch(self._masked(logits[rows], sampling),
+                                  [seq.state.sampler for seq in sampling])
+            for seq, row, token in zip(sampling, rows, tokens):
+                deltas.setdefault(seq.request.request_id, []).append(
+                    self._append(seq, token, logits[row], now))
+                requests[seq.request.request_id] = seq.request
+        for item, first in drafting:
+            deltas.setdefault(item.seq.request.request_id, []).append(
+                self._accept_drafts(item, logits[first:first + item.num_logits], now))
+            requests[item.seq.request.request_id] = item.seq.request
         outputs = []
         for request_id, completions in deltas.items():
-            request = self._request_of(request_id, sampling)
+            request = requests[request_id]
             if request.is_finished:
                 outputs.append(self._final(request, completions))
             else:
@@ -215,9 +279,30 @@ class LLMEngine:
                               [s.is_greedy for s in samplers])
         return logits
 
-    @staticmethod
-    def _request_of(request_id: str, seqs: list[Sequence]) -> Request:
-        return next(s.request for s in seqs if s.request.request_id == request_id)
+    def _accept_drafts(self, item: ScheduledSeq, logits, now: float) -> CompletionOutput:
+        """Keeps the drafts the model agrees with (greedy: its argmax after each token is the
+        next draft), then appends the model's own token after them: 1 to len(drafts) + 1
+        tokens, as one delta. logits: [num_logits, vocab], row i after the step's token i.
+
+        The kept drafts' keys and values are in the cache already (the step computed them);
+        the rows of those rejected are past num_computed_tokens, so the next step writes
+        over them."""
+        seq, drafts = item.seq, item.draft_ids
+        best = np.argmax(logits, axis=-1)
+        accepted = 0
+        while accepted < len(drafts) and best[accepted] == drafts[accepted]:
+            accepted += 1
+        self.num_draft_tokens += len(drafts)
+        self.num_accepted_tokens += accepted
+        self._step_drafts[0] += len(drafts)
+        self._step_drafts[1] += accepted
+        deltas = []
+        for i, token in enumerate([*drafts[:accepted], int(best[accepted])]):
+            deltas.append(self._append(seq, token, logits[i], now))
+            if seq.is_finished:
+                return _joined(deltas)
+        seq.num_computed_tokens += accepted
+        return _joined(deltas)
 
     def _append(self, seq: Sequence, token: int, logits, now: float) -> CompletionOutput:
         params, state = seq.request.params, seq.state
@@ -278,12 +363,13 @@ class LLMEngine:
 
     def _emit_step_stats(self, scheduled: SchedulerOutput, duration: float) -> None:
         self.num_steps += 1
-        num_decode = sum(1 for s in scheduled.scheduled if s.seq.num_output_tokens > 0
-                         and s.num_new_tokens == 1)
+        num_decode = sum(s.num_new_tokens for s in scheduled.scheduled
+                         if s.seq.num_output_tokens > 0 and (s.num_new_tokens == 1 or s.draft_ids))
         self.stats.on_step(StepStats(
             model=self.model_name, version=self.version, time=time.time(), duration_s=duration,
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
             num_batched_tokens=scheduled.num_batched_tokens,
             num_prefill_tokens=scheduled.num_batched_tokens - num_decode,
             num_decode_tokens=num_decode, cache_usage=self.scheduler.cache.usage,
-            num_preemptions=len(scheduled.preempted)))
+            num_preemptions=len(scheduled.preempted), num_draft_tokens=self._step_drafts[0],
+            num_accepted_tokens=self._step_drafts[1]))

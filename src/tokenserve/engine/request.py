@@ -13,6 +13,7 @@ from tokenserve.sampling import SamplingParams
 
 if TYPE_CHECKING:
     from tokenserve.engine.detokenizer import IncrementalDetokenizer
+    from tokenserve.engine.ngram import NgramDrafter
     from tokenserve.engine.sampler import SequenceSampler
 
 _seq_ids = itertools.count()
@@ -32,6 +33,8 @@ class SequenceState:
     detokenizer: IncrementalDetokenizer
     finish_reported: bool = False
     """Its final CompletionOutput (with the finish reason) was emitted."""
+    drafter: NgramDrafter | None = None
+    """Proposes the drafts it checks when speculative decoding is on (greedy sequences)."""
 
 
 @dataclass(eq=False)

@@ -105,9 +105,10 @@ class ModelRunner:
 
                 self.max_fused_dense_tokens, why = choose_fused_dense_tokens(
                     engine_config.max_fused_dense_tokens)
-                # one head row per sequence: with no more sequences than the fused ops take,
-                # steps through XLA run the head as the fused op too, and need no head programs
-                self.step.fused_head = engine_config.max_num_seqs <= self.max_fused_dense_tokens
+                # one head row per sequence (or drafted token): with no more rows than the fused
+                # ops take, steps through XLA run the head as the fused op too, and need no
+                # head programs
+                self.step.fused_head = engine_config.max_logit_rows <= self.max_fused_dense_tokens
                 log.info("dense layers: fused ops for steps of up to %d tokens, XLA above (%s)%s",
                          self.max_fused_dense_tokens, why,
                          "; the LM head always fused" if self.step.fused_head else "")
@@ -132,7 +133,9 @@ class ModelRunner:
         return self.model.compute_dtype
 
     def execute(self, out: SchedulerOutput) -> np.ndarray:
-        """Computes the scheduled tokens; float32 logits [len(out.scheduled), vocab]."""
+        """Computes the scheduled tokens; float32 logits, a row per scheduled sequence (its
+        last token's) or, for one checking drafts, a row per token: [sum of num_logits,
+        vocab] in scheduled order."""
         if self.is_transformer:
             return self._execute_transformer(out)
         return self._execute_lstm(out)
@@ -157,13 +160,19 @@ class ModelRunner:
 
         # packed order: decode tokens group by group, then prefill tokens, then bucket padding
         token_ids, positions, write_rows = [], [], []
-        last = np.zeros([len(out.scheduled)], np.int32)
+        # logits rows, in scheduled order: each sequence's last token, or all of them where
+        # it checks drafts
+        num_logits = [scheduled.num_logits for scheduled in out.scheduled]
+        first_row = np.cumsum([0] + num_logits[:-1])
+        last = np.zeros([sum(num_logits)], np.int32)
         for item in [g for group in groups for g in group] + prefill:
             index, rows, start, count = item
             token_ids.extend(out.scheduled[index].token_ids)
             positions.extend(range(start, start + count))
             write_rows.extend(rows[start:start + count])
-            last[index] = len(token_ids) - 1
+            wanted = num_logits[index]
+            last[first_row[index]:first_row[index] + wanted] = np.arange(
+                len(token_ids) - wanted, len(token_ids))
         num_tokens = len(token_ids)
         # a step of a few tokens runs the dense half as fused ops, which take any number of
         # rows: only XLA's programs need the tokens padded to a bucket
@@ -196,15 +205,16 @@ class ModelRunner:
                 first += count
             prefill_inputs = (index, context(prefill), pos, np.asarray(unpack, np.int32))
         # the XLA LM head runs on one row per sequence: padded too, so XLA sees few shapes
-        num_rows = self._bucket(len(last), only_decode=False,
+        num_wanted = len(last)
+        num_rows = self._bucket(num_wanted, only_decode=False,
                                 xla=xla and not self.step.fused_head)
-        last = np.concatenate([last, np.zeros([num_rows - len(last)], np.int32)])
+        last = np.concatenate([last, np.zeros([num_rows - num_wanted], np.int32)])
         step = self.step.step_function(len(decode_groups), bool(prefill), fused)
         logits = step(np.asarray(token_ids + padding, np.int32),
                       np.asarray(positions + padding, np.int32),
                       np.asarray(write_rows + padding, np.int32), decode_groups,
                       prefill_inputs, last)
-        return logits.numpy()[:len(out.scheduled)]
+        return logits.numpy()[:num_wanted]
 
     def xla_programs(self) -> list[tuple[int, int]]:
         """The (tokens, LM-head rows) shapes whose XLA programs the steps can run: every token
@@ -215,7 +225,7 @@ class ModelRunner:
             return []
         knobs = self.engine_config
         max_tokens = max(knobs.max_num_batched_tokens, knobs.max_num_seqs)
-        max_rows = self._bucket(knobs.max_num_seqs, only_decode=False, xla=True)
+        max_rows = self._bucket(knobs.max_logit_rows, only_decode=False, xla=True)
         sizes = []
         for size in _token_buckets():
             if size > self.max_fused_dense_tokens:

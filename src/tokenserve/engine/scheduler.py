@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import heapq
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from tokenserve.engine.cache_accounting import BlockAllocator, SlotAllocator
@@ -43,13 +44,28 @@ class ScheduledSeq:
     """The sequence's num_computed_tokens when it was scheduled."""
     block_ids: tuple[int, ...]
     token_ids: tuple[int, ...]
-    """The tokens computed this step: the sequence's token_ids[start:start + num_new]."""
+    """The tokens computed this step: the sequence's token_ids[start:start + num_new], or
+    with drafts, its last token and the drafts."""
+    draft_ids: tuple[int, ...] = ()
+    """Drafted tokens checked this step (speculative decoding): the step returns logits for
+    each of its tokens, not only the last."""
 
     @classmethod
     def of(cls, seq: Sequence, num_new_tokens: int) -> "ScheduledSeq":
         start = seq.num_computed_tokens
         return cls(seq, num_new_tokens, start, tuple(seq.block_ids),
                    tuple(seq.token_ids[start:start + num_new_tokens]))
+
+    @classmethod
+    def drafting(cls, seq: Sequence, draft_ids: list[int]) -> "ScheduledSeq":
+        """A decoding sequence's last token followed by drafts to check."""
+        return cls(seq, 1 + len(draft_ids), seq.num_computed_tokens, tuple(seq.block_ids),
+                   (seq.token_ids[-1], *draft_ids), tuple(draft_ids))
+
+    @property
+    def num_logits(self) -> int:
+        """Rows of logits the step returns for this sequence."""
+        return 1 + len(self.draft_ids)
 
 
 @dataclass
@@ -72,8 +88,12 @@ class Scheduler:
     """Waiting queue, running batch and cache accounting for one engine."""
 
     def __init__(self, config: EngineConfig, cache: BlockAllocator | SlotAllocator,
-                 kv_tier: RemoteKVTier | None = None):
+                 kv_tier: RemoteKVTier | None = None,
+                 drafter: Callable[[Sequence, int], list[int]] | None = None):
         self.config = config
+        self.drafter = drafter
+        """(decoding sequence, most drafts) -> drafts to check with its next token, or None:
+        no speculative decoding."""
         self.cache = cache
         self.kv_tier = kv_tier
         self._transfers: list[KVSave | KVLoad] = []  # queued for the next step
@@ -184,13 +204,21 @@ class Scheduler:
             num_new = min(seq.num_pending_tokens, budget)
             if num_new == 0:
                 continue
+            drafts = []
+            if (self.drafter is not None and seq.num_pending_tokens == 1 and budget > 1
+                    and len(self.running) <= self.config.speculative_max_seqs):
+                drafts = self.drafter(seq, budget - 1)
+                if drafts and not self.cache.reserve(seq, 1 + len(drafts)):
+                    drafts = []  # drafts never preempt anyone: room for its one token only
+                num_new += len(drafts)
             while not self.cache.reserve(seq, num_new):
                 victim = self._victim(exclude=scheduled | {seq.seq_id})
                 if victim is None:
                     break
                 self._preempt(victim, out)
             else:
-                out.scheduled.append(ScheduledSeq.of(seq, num_new))
+                out.scheduled.append(ScheduledSeq.drafting(seq, drafts) if drafts
+                                     else ScheduledSeq.of(seq, num_new))
                 scheduled.add(seq.seq_id)
                 budget -= num_new
                 continue

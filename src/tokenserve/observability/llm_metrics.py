@@ -131,6 +131,10 @@ class LLMMetrics(StatsSink):
                                     "KV-cache usage. 1 means 100 percent usage.")
         self.num_preemptions = counter("vllm:num_preemptions",
                                        "Cumulative number of preemption from the engine.")
+        self.spec_decode_draft_tokens = counter(
+            "vllm:spec_decode_num_draft_tokens", "Number of draft tokens checked.")
+        self.spec_decode_accepted_tokens = counter(
+            "vllm:spec_decode_num_accepted_tokens", "Number of accepted draft tokens.")
         self.iteration_tokens = histogram("vllm:iteration_tokens_total",
                                           "Histogram of number of tokens per engine_step.",
                                           ITERATION_TOKEN_BUCKETS)
@@ -213,6 +217,9 @@ class LLMMetrics(StatsSink):
         self.num_requests_waiting.labels(*labels).set(stats.num_waiting)
         self.kv_cache_usage.labels(*labels).set(stats.cache_usage)
         self.num_preemptions.labels(*labels).inc(stats.num_preemptions)
+        if stats.num_draft_tokens:
+            self.spec_decode_draft_tokens.labels(*labels).inc(stats.num_draft_tokens)
+            self.spec_decode_accepted_tokens.labels(*labels).inc(stats.num_accepted_tokens)
         self.step_duration.labels(*labels).observe(stats.duration_s)
         if stats.num_batched_tokens > 0:
             self.iteration_tokens.labels(*labels).observe(stats.num_batched_tokens)
