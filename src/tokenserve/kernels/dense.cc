@@ -19,12 +19,13 @@
 // op. Here each dense layer is one op with its bias, activation and residual fused, and a
 // norm is one op, so a transformer block is about a dozen ops.
 //
-// Work split: "kn" with up to 4 rows of x (decode at batch 1-4) splits K, one contiguous
-// range of weight rows per thread read front to back, into per-thread partial sums; from 8
-// rows with AVX2 it also splits K, into chunks of 64 weight rows by up to 1,024 columns,
-// each packed and multiplied in register tiles (KnPackedAvx2); otherwise (5-7 rows, or
-// scalar) it splits N into 2 x threads column ranges, each walked row by row over K into
-// float accumulators for up to 8 rows of x at a time, which stay in L1/L2; "nk" splits N
+// Work split: "kn" with up to 8 rows of x (decode at batch 1-8, a sequence checking up to 7
+// drafts) splits K, one contiguous range of weight rows per thread read front to back, into
+// per-thread partial sums; from 9 rows with AVX2 it also splits K, into chunks of 64 weight
+// rows by up to 1,024 columns, each packed and multiplied in register tiles
+// (KnPackedAvx2); otherwise (scalar, or K too short to split) it splits N into 2 x threads
+// column ranges, each walked row by row over K into float accumulators for up to 8 rows of
+// x at a time, which stay in L1/L2; "nk" splits N
 // into tiles of rows, each row a dot product with every row of x, or from 24 rows with AVX2
 // into blocks of 64 rows transposed into the same register tiles (NkPackedAvx2).
 // Accumulation is float32, in a different order from XLA's, so results match it to float
@@ -75,10 +76,14 @@ constexpr int64 kMaxRange = 1024;   // columns per work item at most ("kn"): 4 K
 constexpr int64 kTileRows = 256;    // weight rows per work item ("nk")
 constexpr int64 kNkPrefetchRows = 8;  // "nk": how many weight rows ahead to prefetch
 constexpr int64 kChunksPerWorker = 4;  // "kn" split-K chunks per thread (late threads take fewer)
-constexpr int64 kSplitKMaxRows = 4;  // "kn" with at most this many rows of x splits K instead
+// "kn" with at most this many rows of x splits K instead. GPT-2-small's float32 engine step
+// on a 2-core AVX2-only EPYC, one sequence checking drafts (5 / 8 rows): 23.3 / 31.1 ms with
+// K split, against 29.7 ms for the column-range walk at 5 and 39.0 packed at 8.
+constexpr int64 kSplitKMaxRows = 8;
 constexpr int64 kSplitKMinRows = 64;  // weight rows per thread at least, when K is split
-// "kn" with AVX2 and at least this many rows of x: packed chunks (in GPT-2-small's engine
-// step the column-range walk was 9 % faster at 6 rows, the same at 8, slower from 16)
+// "kn" with AVX2 and at least this many rows of x (and more than split K takes): packed
+// chunks (in GPT-2-small's engine step the column-range walk was 9 % faster at 6 rows, the
+// same at 8, slower from 16)
 constexpr int64 kPackedMinRows = 8;
 
 using rowops::Activation;
@@ -161,7 +166,7 @@ AVX2_FN void KnRangeAvx2(const Geometry& g, const float* x, int64 rows, const fl
   }
 }
 
-// "kn" for up to 4 rows of x: acc[r, :] += x[r, k0 .. k1) @ W[k0 .. k1, :] with the whole
+// "kn" for up to 8 rows of x: acc[r, :] += x[r, k0 .. k1) @ W[k0 .. k1, :] with the whole
 // width of W per weight row, so the rows [k0, k1) are read front to back. Four weight rows
 // per pass: each accumulator is loaded and stored once per four FMAs, not once per FMA. On a
 // 2-core AVX2-only EPYC a standalone test of GPT-2-small's block matrices at batch 1 streamed
@@ -728,13 +733,13 @@ void ComputeKn(const Geometry& g, const Args& a, tensorflow::thread::ThreadPool*
   }
 }
 
-// Up to 4 rows of x (a decode step of up to 4 sequences): K is cut into chunks of
-// whole weight rows, each read front to back as one sequential stream (the prefetcher
-// follows one stream far better than several strided ones: 43-45 GB/s for the pair of
-// threads on this kind of VM, where column ranges walked row by row reached 31-34), into
-// per-worker partial sums that the epilogue adds up. In the GPT-2-small engine step this
-// beat the column ranges below by ~10 % at 3 rows and ~6 % at 4 (each partial sum is loaded
-// and stored once per FMA, which stops paying from 5-6 rows, where XLA is faster anyway).
+// Up to 8 rows of x (a decode step of up to 8 sequences, or one checking drafts): K is cut
+// into chunks of whole weight rows, each read front to back as one sequential stream (the
+// prefetcher follows one stream far better than several strided ones: 43-45 GB/s for the
+// pair of threads on this kind of VM, where column ranges walked row by row reached 31-34),
+// into per-worker partial sums that the epilogue adds up. In the GPT-2-small engine step this
+// beat the column ranges below by ~10 % at 3 rows and ~6 % at 4, and by 21 % at 5 rows
+// (measured when drafts made 5-8-row steps common; see kSplitKMaxRows).
 void ComputeKnSplitK(const Geometry& g, const Args& a, tensorflow::thread::ThreadPool* pool,
                      bool avx2) {
   const int64 workers = std::max(1, pool->NumThreads());
@@ -753,7 +758,11 @@ void ComputeKnSplitK(const Geometry& g, const Args& a, tensorflow::thread::Threa
         case 1: KnRowsAvx2<1>(g, a.x, a.w, k0, k1, acc); break;
         case 2: KnRowsAvx2<2>(g, a.x, a.w, k0, k1, acc); break;
         case 3: KnRowsAvx2<3>(g, a.x, a.w, k0, k1, acc); break;
-        default: KnRowsAvx2<4>(g, a.x, a.w, k0, k1, acc); break;
+        case 4: KnRowsAvx2<4>(g, a.x, a.w, k0, k1, acc); break;
+        case 5: KnRowsAvx2<5>(g, a.x, a.w, k0, k1, acc); break;
+        case 6: KnRowsAvx2<6>(g, a.x, a.w, k0, k1, acc); break;
+        case 7: KnRowsAvx2<7>(g, a.x, a.w, k0, k1, acc); break;
+        default: KnRowsAvx2<8>(g, a.x, a.w, k0, k1, acc); break;
       }
       return;
     }
