@@ -79,8 +79,11 @@ def test_step_gauges_batch_size_and_preemptions():
         metrics.on_step(StepStats(model="m", version="1", time=1.0, duration_s=0.02,
                                   num_running=running, num_waiting=4, num_batched_tokens=40,
                                   num_prefill_tokens=35, num_decode_tokens=5,
-                                  cache_usage=0.25, num_preemptions=preempted))
+                                  cache_usage=0.25, num_preemptions=preempted,
+                                  num_draft_tokens=preempted * 4, num_accepted_tokens=preempted))
     assert value(registry, "vllm:num_requests_running") == 5
+    assert value(registry, "vllm:spec_decode_num_draft_tokens_total") == 8
+    assert value(registry, "vllm:spec_decode_num_accepted_tokens_total") == 2
     assert value(registry, "vllm:num_requests_waiting") == 4
     assert value(registry, "vllm:kv_cache_usage_perc") == 0.25
     assert value(registry, "vllm:num_preemptions_total") == 2
