@@ -38,6 +38,24 @@ def test_a_draft_is_what_followed_the_tails_first_occurrence():
         NgramDrafter(2, min_n=3, max_n=2)
 
 
+def test_the_draft_length_follows_what_the_model_keeps():
+    drafter = NgramDrafter(5)
+    tokens = [7] * 12
+    assert len(drafter.propose(tokens)) == 5
+    drafter.observe(5, 2)
+    assert len(drafter.propose(tokens)) == 4
+    for _ in range(6):
+        drafter.observe(4, 0)
+    assert len(drafter.propose(tokens)) == 1  # never below one
+    drafter.observe(1, 1)
+    assert len(drafter.propose(tokens)) == 3
+    drafter.observe(3, 3)
+    drafter.observe(5, 5)
+    assert len(drafter.propose(tokens)) == 5  # never above num_tokens
+    drafter.observe(0, 0)  # nothing proposed: nothing learned
+    assert len(drafter.propose(tokens)) == 5
+
+
 def test_a_drafter_kept_up_to_date_proposes_what_a_fresh_one_does():
     rng = np.random.default_rng(0)
     tokens = [int(t) for t in rng.integers(0, 6, 300)]  # a small alphabet: many repeats

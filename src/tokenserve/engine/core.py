@@ -292,6 +292,7 @@ class LLMEngine:
         accepted = 0
         while accepted < len(drafts) and best[accepted] == drafts[accepted]:
             accepted += 1
+        seq.state.drafter.observe(len(drafts), accepted)
         self.num_draft_tokens += len(drafts)
         self.num_accepted_tokens += accepted
         self._step_drafts[0] += len(drafts)
