@@ -215,3 +215,28 @@ def test_streamed_deltas_of_several_tokens_add_up_to_the_output(exported, pair):
     assert deltas[-1].finished and deltas[-1].num_generated_tokens == 32
     if engine.engine.runner.is_transformer:
         assert len(deltas) < 32  # some steps gave several tokens
+
+
+def test_int8_weights_draft_too_and_say_what_it_costs(tokenizer, tmp_path, caplog):
+    """int8 steps check drafts through the int8 op (every step runs the fused ops): the same
+    tokens as plain decoding of that export, and a warning about the cost."""
+    import dataclasses
+    import logging
+
+    from conftest import tiny
+    from tokenserve.export.exporter import export_model
+    from tokenserve.model.quantize import quantize_model
+
+    model, config = tiny("tiny-gpt2", tokenizer)
+    int8 = quantize_model(model)
+    version_dir = export_model(int8, tokenizer, dataclasses.replace(config, model=int8.config),
+                               tmp_path / "int8")
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    want = LLM(version_dir, engine_config()).generate(PROMPTS, params, use_tqdm=False)
+    with caplog.at_level(logging.WARNING, logger="tokenserve.engine.core"):
+        llm = LLM(version_dir, engine_config(num_speculative_tokens=DRAFTS,
+                                             speculative_max_seqs=8))
+    assert any("int8" in r.getMessage() for r in caplog.records)
+    got = llm.generate(PROMPTS, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    assert llm.engine.num_accepted_tokens > 0
