@@ -17,6 +17,10 @@ Acceptance comes from the server's vllm:spec_decode_* counters.
     python benchmarks/speculative.py                          # smollm2 and builtin
     python benchmarks/speculative.py --gpt2 /tmp/headline/gpt2-float32 --models gpt2
 
+What a check costs: `--check-cost EXPORT [--check-drafts 0 1 2 4 8]` times one sequence's
+steps in-process (`tokenserve.LLM`) with drafts that are always refused, so every step
+checks the same number; ms per step, best of 3 runs of 64 tokens each.
+
 Prints a table; writes benchmarks/results/speculative.json (or --output) with the CPU flags.
 """
 
@@ -133,16 +137,54 @@ def serve_and_run(model: str, export: Path | None, drafts: int,
         server.wait(60)
 
 
+def check_cost(export: Path, drafts: list[int]) -> dict:
+    """ms per step of one sequence checking `d` always-refused drafts, for each d."""
+    from tokenserve import LLM, SamplingParams
+
+    llm = LLM(export, max_num_seqs=8, num_speculative_tokens=max(drafts + [1]))
+    engine, params = llm.engine, SamplingParams(max_tokens=64, ignore_eos=True)
+    prompt = llm.tokenizer.encode("def read_config(path):\n    with open(path) as f:\n")
+    vocab = llm.engine.config.model.vocab_size
+
+    def refused(d):  # a draft the model never predicts: the token after its own argmax
+        def drafter(seq, most):
+            room = seq.request.params.max_tokens - seq.num_output_tokens - 1
+            return [(seq.token_ids[-1] + 1) % vocab] * min(d, most, room)
+        return drafter
+
+    results = {}
+    for d in drafts:
+        engine.scheduler.drafter = refused(d) if d else None
+        llm.generate([prompt], params, use_tqdm=False)
+        times = []
+        for _ in range(3):
+            steps, started = engine.num_steps, time.perf_counter()
+            llm.generate([prompt], params, use_tqdm=False)
+            times.append((time.perf_counter() - started) / (engine.num_steps - steps) * 1e3)
+        results[d] = min(times)
+        console.print(f"{d} drafts: {results[d]:.2f} ms a step "
+                      f"({results[d] / results[drafts[0]]:.2f}x)")
+    return results
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", nargs="+", default=["smollm2", "builtin"],
                         choices=["smollm2", "builtin", "gpt2"])
     parser.add_argument("--gpt2", type=Path, help="a GPT-2-small export (for --models gpt2)")
     parser.add_argument("--drafts", type=int, default=4, help="--num_speculative_tokens")
+    parser.add_argument("--check-cost", type=Path, metavar="EXPORT",
+                        help="only time steps checking always-refused drafts on EXPORT")
+    parser.add_argument("--check-drafts", type=int, nargs="+", default=[0, 1, 2, 3, 4, 6, 8])
     parser.add_argument("--output", type=Path,
                         default=Path(__file__).resolve().parent / "results" / "speculative.json")
     args = parser.parse_args(argv)
     console.print(machine_summary(machine_info()))
+    if args.check_cost:
+        cost = check_cost(args.check_cost, args.check_drafts)
+        write_result(args.output, export=str(args.check_cost), step_ms_by_drafts=cost)
+        console.print(f"wrote {args.output}")
+        return 0
     results = {}
     for model in args.models:
         export = args.gpt2 if model == "gpt2" else None

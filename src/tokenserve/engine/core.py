@@ -65,11 +65,11 @@ class LLMEngine:
         self.scheduler = Scheduler(engine_config, runner.cache, kv_tier,
                                    drafter=self._drafts if self.speculative else None)
         if engine_config.num_speculative_tokens and not self.speculative:
-            log.warning("speculative decoding is off for %s: an LSTM's state cannot be "
-                        "written ahead and ignored", self.model_name)
+            log.warning("speculative decoding is off for %s: only transformers draft (a "
+                        "recurrent state cannot be written ahead and ignored)", self.model_name)
         elif self.speculative and self.config.model.weight_format == "int8":
             # benchmarks: GPT-2-small int8 on a 2-core AVX2-only EPYC, one draft 1.35x a
-            # plain step, two 1.9x, four 2.5x (float32: 1.09x, 1.13x, 1.30x)
+            # plain step, two 1.9x, four 2.6x (float32: 1.1x, 1.2x, 1.3-1.5x)
             log.warning("speculative decoding with int8 weights: the int8 kernel's cost grows "
                         "with every drafted token (about one plain step per token on AVX2 "
                         "without VNNI), so drafts pay only where most are kept")

@@ -25,8 +25,8 @@ class NgramDrafter:
     How many it proposes adapts to how many the model kept (`observe`), as transformers'
     assisted generation does: two more after a check that kept them all, one fewer (at least
     one) after one that did not. A step checking drafts costs more the more it checks
-    (GPT-2-small on a 2-core AVX2-only EPYC: 1.09x a plain step for one draft, 1.13x for
-    two, 1.30x for four), so text the drafts do not predict falls back to cheap checks.
+    (GPT-2-small on a 2-core AVX2-only EPYC: 1.1x a plain step for one draft, 1.1-1.2x for
+    two, 1.3-1.5x for four), so text the drafts do not predict falls back to cheap checks.
 
     Example:
         >>> drafter = NgramDrafter(num_tokens=3, min_n=1, max_n=2)
