@@ -102,11 +102,11 @@ def spec_counters(url: str) -> dict[str, float]:
 
 
 def serve_and_run(model: str, export: Path | None, drafts: int,
-                  requests: list[tuple[str, dict]]) -> dict:
+                  requests: list[tuple[str, dict]], extra: list[str] = ()) -> dict:
     port = free_port()
     command = [TOKENSERVE, "serve", "--model_name", model, "--openai_port", str(port),
                "--port", str(free_port()), "--rest_api_port", str(free_port()),
-               "--num_speculative_tokens", str(drafts)]
+               "--num_speculative_tokens", str(drafts), *(extra if drafts else ())]
     if export is not None:
         command += ["--model_base_path", str(export)]
     log = open(Path(tempfile.gettempdir()) / f"speculative-{model}-{drafts}.log", "w")
@@ -173,6 +173,7 @@ def main(argv=None) -> int:
                         choices=["smollm2", "builtin", "gpt2"])
     parser.add_argument("--gpt2", type=Path, help="a GPT-2-small export (for --models gpt2)")
     parser.add_argument("--drafts", type=int, default=4, help="--num_speculative_tokens")
+    parser.add_argument("--ngram-min", type=int, default=1, help="--speculative_ngram_min")
     parser.add_argument("--check-cost", type=Path, metavar="EXPORT",
                         help="only time steps checking always-refused drafts on EXPORT")
     parser.add_argument("--check-drafts", type=int, nargs="+", default=[0, 1, 2, 3, 4, 6, 8])
@@ -194,7 +195,8 @@ def main(argv=None) -> int:
         result = {}
         for drafts in (0, args.drafts):
             console.print(f"{model}: serving with --num_speculative_tokens {drafts} ...")
-            result[drafts] = serve_and_run(model, export, drafts, requests)
+            result[drafts] = serve_and_run(model, export, drafts, requests,
+                                           ["--speculative_ngram_min", str(args.ngram_min)])
         plain, drafted = result[0], result[args.drafts]
         same = [a["text"] == b["text"] for a, b in zip(plain["runs"], drafted["runs"])]
         results[model] = {"plain": plain, "speculative": drafted, "same_text": same,
@@ -215,6 +217,7 @@ def main(argv=None) -> int:
                       f"{sum(r['same_text'])}/{len(r['same_text'])}")
     console.print(table)
     write_result(args.output, workload={"new_tokens": NEW_TOKENS, "drafts": args.drafts,
+                                        "ngram_min": args.ngram_min,
                                         "greedy": True, "streams": 1}, models=results)
     console.print(f"wrote {args.output}")
     return 0

@@ -114,6 +114,8 @@ def _add_llm_flags(p) -> None:
                    help="speculative decoding: greedy requests check up to this many tokens "
                         "copied from their own earlier text per step (n-gram drafts; the same "
                         "output, fewer steps where text repeats); 0: off")
+    g.add_argument("--speculative_ngram_min", type=int, default=engine.speculative_ngram_min,
+                   help="shortest tail looked up for n-gram drafts")
     g.add_argument("--speculative_ngram_max", type=int, default=engine.speculative_ngram_max,
                    help="longest tail looked up for n-gram drafts")
     g.add_argument("--speculative_max_seqs", type=int, default=engine.speculative_max_seqs,
@@ -176,6 +178,7 @@ def llm_config_from_args(args: argparse.Namespace):
                           kv_cache_memory_fraction=args.kv_cache_memory_fraction,
                           max_fused_dense_tokens=args.max_fused_dense_tokens,
                           num_speculative_tokens=args.num_speculative_tokens,
+                          speculative_ngram_min=args.speculative_ngram_min,
                           speculative_ngram_max=args.speculative_ngram_max,
                           speculative_max_seqs=args.speculative_max_seqs,
                           max_queue_requests=args.max_queue_requests,
