@@ -17,6 +17,10 @@ Acceptance comes from the server's vllm:spec_decode_* counters.
     python benchmarks/speculative.py                          # smollm2 and builtin
     python benchmarks/speculative.py --gpt2 /tmp/headline/gpt2-float32 --models gpt2
 
+Several streams: `--streams MODEL [--stream-counts 1 2 4 8]` runs 1, 2, 4, 8 held-out
+code prompts at once in-process (`tokenserve.LLM`, greedy, 128 tokens), plain and with
+drafts (the server's defaults otherwise), and reports total tok/s, best of 2.
+
 What a check costs: `--check-cost EXPORT [--check-drafts 0 1 2 4 8]` times one sequence's
 steps in-process (`tokenserve.LLM`) with drafts that are always refused, so every step
 checks the same number; ms per step, best of 3 runs of 64 tokens each.
@@ -167,6 +171,34 @@ def check_cost(export: Path, drafts: list[int]) -> dict:
     return results
 
 
+def streams_in_process(model: str, counts: list[int], drafts: int) -> dict:
+    """Total tok/s of `n` held-out code prompts at once, plain and drafting, for each n."""
+    from tokenserve import LLM, SamplingParams
+    from tokenserve.evaluate import heldout_texts, resolve_model_path
+
+    path = resolve_model_path(model)
+    prompts = [t[:600] for t in heldout_texts() if len(t) > 2000][:max(counts)]
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0)
+    llms = {k: LLM(path, max_num_seqs=32, num_speculative_tokens=k) for k in (0, drafts)}
+    results = {}
+    for n in counts:
+        rates = {}
+        for k, llm in llms.items():
+            llm.generate(prompts[:n], params, use_tqdm=False)
+            best = 0.0
+            for _ in range(2):
+                started = time.perf_counter()
+                outs = llm.generate(prompts[:n], params, use_tqdm=False)
+                tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+                best = max(best, tokens / (time.perf_counter() - started))
+            rates[k] = best
+        results[n] = {"plain_tok_s": rates[0], "drafting_tok_s": rates[drafts],
+                      "speedup": rates[drafts] / rates[0]}
+        console.print(f"{model}, {n} streams: plain {rates[0]:.1f}, drafts {rates[drafts]:.1f} "
+                      f"tok/s ({rates[drafts] / rates[0]:.2f}x)")
+    return results
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", nargs="+", default=["smollm2", "builtin"],
@@ -177,6 +209,9 @@ def main(argv=None) -> int:
     parser.add_argument("--check-cost", type=Path, metavar="EXPORT",
                         help="only time steps checking always-refused drafts on EXPORT")
     parser.add_argument("--check-drafts", type=int, nargs="+", default=[0, 1, 2, 3, 4, 6, 8])
+    parser.add_argument("--streams", choices=["smollm2", "builtin"],
+                        help="only run several streams at once in-process on this model")
+    parser.add_argument("--stream-counts", type=int, nargs="+", default=[1, 2, 4, 8])
     parser.add_argument("--output", type=Path,
                         default=Path(__file__).resolve().parent / "results" / "speculative.json")
     args = parser.parse_args(argv)
@@ -184,6 +219,11 @@ def main(argv=None) -> int:
     if args.check_cost:
         cost = check_cost(args.check_cost, args.check_drafts)
         write_result(args.output, export=str(args.check_cost), step_ms_by_drafts=cost)
+        console.print(f"wrote {args.output}")
+        return 0
+    if args.streams:
+        streams = streams_in_process(args.streams, args.stream_counts, args.drafts)
+        write_result(args.output, model=args.streams, drafts=args.drafts, streams=streams)
         console.print(f"wrote {args.output}")
         return 0
     results = {}

@@ -71,8 +71,12 @@ def test_speculative_settings_are_checked():
                                                     speculative_ngram_max=2)):
         with pytest.raises(ConfigError):
             EngineConfig(**bad)
-    config = EngineConfig(max_num_seqs=2, num_speculative_tokens=4, speculative_max_seqs=4)
+    config = EngineConfig(max_num_seqs=2, num_speculative_tokens=4, speculative_max_seqs=4,
+                          speculative_max_step_tokens=16)
     assert config.max_logit_rows == 2 * 5  # a drafting step's rows: its tokens, not its seqs
+    assert config.replace(speculative_max_step_tokens=8).max_logit_rows == 8
+    with pytest.raises(ConfigError):
+        EngineConfig(speculative_max_step_tokens=0)
     assert EngineConfig(max_num_seqs=8).max_logit_rows == 8
 
 
@@ -83,7 +87,8 @@ def pair(exported):
     model, _, version_dir = exported
     plain = LLM(version_dir, engine_config())
     drafting = LLM(version_dir, engine_config(num_speculative_tokens=DRAFTS,
-                                              speculative_max_seqs=8))
+                                              speculative_max_seqs=8,
+                                              speculative_max_step_tokens=64))
     return model, plain, drafting
 
 
@@ -178,7 +183,8 @@ def test_cached_blocks_written_while_drafting_hold_the_right_keys(pair):
 def test_a_tight_cache_preempts_and_recomputes_drafting_sequences_exactly(exported):
     model, _, version_dir = exported
     llm = LLM(version_dir, engine_config(max_cache_tokens=96, num_speculative_tokens=DRAFTS,
-                                         speculative_max_seqs=8))
+                                         speculative_max_seqs=8,
+                                         speculative_max_step_tokens=64))
     params = SamplingParams(max_tokens=20, ignore_eos=True)
     outputs = llm.generate(PROMPTS, params, use_tqdm=False)
     for prompt, out in zip(PROMPTS, outputs):
@@ -186,6 +192,27 @@ def test_a_tight_cache_preempts_and_recomputes_drafting_sequences_exactly(export
             model, llm.tokenizer.encode(prompt), 20, eos=-1)
     if llm.engine.runner.is_transformer:
         assert llm.engine.scheduler.num_preemptions > 0
+
+
+def test_drafts_stop_at_the_step_token_cap(exported):
+    _, _, version_dir = exported
+    llm = LLM(version_dir, engine_config(num_speculative_tokens=4, speculative_max_seqs=8,
+                                         speculative_max_step_tokens=5))
+    if not llm.engine.speculative:
+        pytest.skip("the LSTM does not draft")
+    steps = []
+    schedule = llm.engine.scheduler.schedule
+
+    def recording():
+        out = schedule()
+        steps.append([(s.num_new_tokens, len(s.draft_ids)) for s in out.scheduled])
+        return out
+    llm.engine.scheduler.schedule = recording
+    llm.generate(PROMPTS[:2], SamplingParams(max_tokens=24, ignore_eos=True), use_tqdm=False)
+    drafting = [step for step in steps if any(d for _, d in step)]
+    assert drafting  # two sequences, room for three drafts between them
+    for step in drafting:
+        assert sum(n for n, _ in step) <= 5
 
 
 def test_no_drafts_above_speculative_max_seqs(exported):

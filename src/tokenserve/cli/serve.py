@@ -120,6 +120,10 @@ def _add_llm_flags(p) -> None:
                    help="longest tail looked up for n-gram drafts")
     g.add_argument("--speculative_max_seqs", type=int, default=engine.speculative_max_seqs,
                    help="draft only while at most this many sequences run")
+    g.add_argument("--speculative_max_step_tokens", type=int,
+                   default=engine.speculative_max_step_tokens,
+                   help="no more drafts once a step's sequences and drafts reach this many "
+                        "tokens")
     g.add_argument("--max_queue_requests", type=int, default=engine.max_queue_requests,
                    help="waiting requests beyond this get HTTP 429 / RESOURCE_EXHAUSTED")
     g.add_argument("--max_queue_tokens", type=int, default=engine.max_queue_tokens,
@@ -181,6 +185,7 @@ def llm_config_from_args(args: argparse.Namespace):
                           speculative_ngram_min=args.speculative_ngram_min,
                           speculative_ngram_max=args.speculative_ngram_max,
                           speculative_max_seqs=args.speculative_max_seqs,
+                          speculative_max_step_tokens=args.speculative_max_step_tokens,
                           max_queue_requests=args.max_queue_requests,
                           max_queue_tokens=args.max_queue_tokens,
                           preempt_for_priority=args.preempt_for_priority,

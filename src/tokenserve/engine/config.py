@@ -90,10 +90,16 @@ class EngineConfig:
     """Shortest tail (in tokens) looked up in the sequence's earlier text for drafts."""
     speculative_ngram_max: int = 3
     """Longest tail looked up for drafts; the longest one found wins."""
-    speculative_max_seqs: int = 4
+    speculative_max_seqs: int = 2
     """Draft only while at most this many sequences run: a step of a few sequences reads
     the weights once whatever its tokens, a full batch computes every drafted token (as
-    vLLM's disable_by_batch_size)."""
+    vLLM's disable_by_batch_size). In-process on a 2-core AVX2-only EPYC, 4 drafts: SmolLM2
+    1.5x at 1-2 streams, 0.87-0.98x at 4; the built-in model 1.4-1.7x, and 1.13x at 4."""
+    speculative_max_step_tokens: int = 8
+    """Drafts stop where the running sequences' tokens and drafts would pass this many in
+    one step: the fused dense op streams the weights once for up to 8 rows, and a larger
+    step costs more than its drafts bring (SmolLM2 at 4 streams with 4 drafts each and no
+    cap: 0.88x of plain decoding; docs/performance.md)."""
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size",
@@ -130,6 +136,9 @@ class EngineConfig:
         if self.max_fused_dense_tokens is not None and self.max_fused_dense_tokens < 0:
             raise ConfigError(f"max_fused_dense_tokens must be >= 0, got "
                               f"{self.max_fused_dense_tokens}")
+        if self.speculative_max_step_tokens < 1:
+            raise ConfigError(f"speculative_max_step_tokens must be >= 1, got "
+                              f"{self.speculative_max_step_tokens}")
         if self.num_speculative_tokens < 0 or self.speculative_max_seqs < 1:
             raise ConfigError(f"num_speculative_tokens must be >= 0 and speculative_max_seqs "
                               f">= 1, got {self.num_speculative_tokens}, "
@@ -150,8 +159,9 @@ class EngineConfig:
     def max_logit_rows(self) -> int:
         """Most rows of logits a step returns: one per sequence, or a drafting sequence's
         tokens (each is checked)."""
-        drafting = min(self.speculative_max_seqs, self.max_num_seqs) * (
-            self.num_speculative_tokens + 1) if self.num_speculative_tokens else 0
+        drafting = min(min(self.speculative_max_seqs, self.max_num_seqs) * (
+            self.num_speculative_tokens + 1), self.speculative_max_step_tokens
+        ) if self.num_speculative_tokens else 0
         return max(self.max_num_seqs, drafting)
 
     def replace(self, **changes) -> "EngineConfig":

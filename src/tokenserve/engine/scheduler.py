@@ -198,6 +198,8 @@ class Scheduler:
             self._preempt_for_waiting(out)
         budget = self.config.max_num_batched_tokens
         scheduled: set[int] = set()
+        # drafts for the first sequences, as long as the step stays within its token cap
+        draft_room = self.config.speculative_max_step_tokens - len(self.running)
         for seq in sorted(self.running, key=Sequence.sort_key):
             if seq.status is not SequenceStatus.RUNNING or budget == 0:
                 continue
@@ -206,11 +208,13 @@ class Scheduler:
                 continue
             drafts = []
             if (self.drafter is not None and seq.num_pending_tokens == 1 and budget > 1
+                    and draft_room > 0
                     and len(self.running) <= self.config.speculative_max_seqs):
-                drafts = self.drafter(seq, budget - 1)
+                drafts = self.drafter(seq, min(budget - 1, draft_room))
                 if drafts and not self.cache.reserve(seq, 1 + len(drafts)):
                     drafts = []  # drafts never preempt anyone: room for its one token only
                 num_new += len(drafts)
+                draft_room -= len(drafts)
             while not self.cache.reserve(seq, num_new):
                 victim = self._victim(exclude=scheduled | {seq.seq_id})
                 if victim is None:
