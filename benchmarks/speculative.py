@@ -150,7 +150,7 @@ def check_cost(export: Path, drafts: list[int]) -> dict:
     prompt = llm.tokenizer.encode("def read_config(path):\n    with open(path) as f:\n")
     vocab = llm.engine.config.model.vocab_size
 
-    def refused(d):  # a draft the model never predicts: the token after its own argmax
+    def refused(d):  # the last token's id + 1, repeated: drafts the model almost never keeps
         def drafter(seq, most):
             room = seq.request.params.max_tokens - seq.num_output_tokens - 1
             return [(seq.token_ids[-1] + 1) % vocab] * min(d, most, room)
@@ -248,11 +248,11 @@ def main(argv=None) -> int:
         table.add_column(column, justify="left" if column == "model" else "right")
     for model, r in results.items():
         s = r["speculative"]
-        steps = sum(x["tokens"] for x in s["runs"])  # tokens, less those drafts gave free
-        steps -= s["accepted_tokens"]
+        tokens = sum(x["tokens"] for x in s["runs"])
+        steps = tokens - s["accepted_tokens"]  # one step per token the drafts did not give
         table.add_row(model, f"{r['plain']['median_tok_s']:.1f}",
                       f"{s['median_tok_s']:.1f}", f"{r['speedup']:.2f}x",
-                      f"{sum(x['tokens'] for x in s['runs']) / max(steps, 1):.2f}",
+                      f"{tokens / max(steps, 1):.2f}",
                       f"{s['accepted_tokens'] / max(s['draft_tokens'], 1):.0%}",
                       f"{sum(r['same_text'])}/{len(r['same_text'])}")
     console.print(table)

@@ -159,9 +159,11 @@ class EngineConfig:
     def max_logit_rows(self) -> int:
         """Most rows of logits a step returns: one per sequence, or a drafting sequence's
         tokens (each is checked)."""
-        drafting = min(min(self.speculative_max_seqs, self.max_num_seqs) * (
-            self.num_speculative_tokens + 1), self.speculative_max_step_tokens
-        ) if self.num_speculative_tokens else 0
+        if not self.num_speculative_tokens:
+            return self.max_num_seqs
+        drafting_seqs = min(self.speculative_max_seqs, self.max_num_seqs)
+        drafting = min(drafting_seqs * (self.num_speculative_tokens + 1),
+                       self.speculative_max_step_tokens)
         return max(self.max_num_seqs, drafting)
 
     def replace(self, **changes) -> "EngineConfig":

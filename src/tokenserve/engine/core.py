@@ -78,7 +78,6 @@ class LLMEngine:
         """Drafted tokens checked so far (speculative decoding)."""
         self.num_accepted_tokens = 0
         """Drafted tokens the model agreed with so far."""
-        self._step_drafts = [0, 0]  # this step's drafted and accepted tokens
         self.guided = GuidedDecoding(tokenizer, self.config.model.vocab_size,
                                      self.config.eos_token_id)
 
@@ -219,8 +218,9 @@ class LLMEngine:
                     rows.extend(range(first, first + item.num_logits))
                 first += item.num_logits
             scheduled.scheduled, logits = live, logits[rows]
+        accepted_before = self.num_accepted_tokens
         outputs = self._update(scheduled, logits, duration)
-        self._emit_step_stats(scheduled, duration)
+        self._emit_step_stats(scheduled, duration, self.num_accepted_tokens - accepted_before)
         self._save_ended()
         return outputs
 
@@ -236,7 +236,6 @@ class LLMEngine:
 
     def _update(self, scheduled: SchedulerOutput, logits, duration: float) -> list[RequestOutput]:
         now = time.time()
-        self._step_drafts = [0, 0]
         sampling, rows, drafting = [], [], []
         row = 0
         for item in scheduled.scheduled:
@@ -307,8 +306,6 @@ class LLMEngine:
         seq.state.drafter.observe(len(drafts), accepted)
         self.num_draft_tokens += len(drafts)
         self.num_accepted_tokens += accepted
-        self._step_drafts[0] += len(drafts)
-        self._step_drafts[1] += accepted
         deltas = []
         for i, token in enumerate([*drafts[:accepted], int(best[accepted])]):
             deltas.append(self._append(seq, token, logits[i], now))
@@ -374,7 +371,8 @@ class LLMEngine:
         return RequestOutput(request.request_id, request.prompt_ids, completions, True,
                              request.num_generated_tokens, metrics, _cached_tokens(request))
 
-    def _emit_step_stats(self, scheduled: SchedulerOutput, duration: float) -> None:
+    def _emit_step_stats(self, scheduled: SchedulerOutput, duration: float,
+                         num_accepted: int) -> None:
         self.num_steps += 1
         num_decode = sum(s.num_new_tokens for s in scheduled.scheduled
                          if s.seq.num_output_tokens > 0 and (s.num_new_tokens == 1 or s.draft_ids))
@@ -384,5 +382,6 @@ class LLMEngine:
             num_batched_tokens=scheduled.num_batched_tokens,
             num_prefill_tokens=scheduled.num_batched_tokens - num_decode,
             num_decode_tokens=num_decode, cache_usage=self.scheduler.cache.usage,
-            num_preemptions=len(scheduled.preempted), num_draft_tokens=self._step_drafts[0],
-            num_accepted_tokens=self._step_drafts[1]))
+            num_preemptions=len(scheduled.preempted),
+            num_draft_tokens=sum(len(s.draft_ids) for s in scheduled.scheduled),
+            num_accepted_tokens=num_accepted))
