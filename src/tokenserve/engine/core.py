@@ -68,11 +68,11 @@ class LLMEngine:
             log.warning("speculative decoding is off for %s: only transformers draft (a "
                         "recurrent state cannot be written ahead and ignored)", self.model_name)
         elif self.speculative and self.config.model.weight_format == "int8":
-            # benchmarks: GPT-2-small int8 on a 2-core AVX2-only EPYC, one draft 1.35x a
-            # plain step, two 1.9x, four 2.6x (float32: 1.1x, 1.2x, 1.3-1.5x)
+            # benchmarks: GPT-2-small int8 on a 2-core AVX2-only EPYC, one draft 1.3x a
+            # plain step, two 1.45x, four 2.1x (float32: 1.1x, 1.2x, 1.3-1.5x)
             log.warning("speculative decoding with int8 weights: the int8 kernel's cost grows "
-                        "with every drafted token (about one plain step per token on AVX2 "
-                        "without VNNI), so drafts pay only where most are kept")
+                        "with every drafted token (a quarter to a third of a plain step per "
+                        "token on AVX2 without VNNI), so drafts pay only where most are kept")
         self.num_steps = 0
         self.num_draft_tokens = 0
         """Drafted tokens checked so far (speculative decoding)."""

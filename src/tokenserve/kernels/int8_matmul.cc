@@ -11,9 +11,10 @@
 //     int8 in blocks of 32 with one float scale per block, then 32-wide integer dot products
 //     (_mm256_maddubs_epi16 + _mm256_madd_epi16) are scaled by the block scale. About half
 //     the instructions per multiply-add of the float kernel; error ~1/254 of the block absmax.
-//     With one or two rows of x (decode of one or two sequences) the AVX2 path reads one
-//     weight row at a time, a single sequential stream; with more it sweeps every row of x
-//     over a tile of four weight rows held in L1.
+//     With up to 8 rows of x (decode of a few sequences, or one checking drafts) the AVX2
+//     path reads one weight row at a time, a single sequential stream, each block of it
+//     loaded once for four rows of x; with more it sweeps every row of x over a tile of
+//     four weight rows held in L1.
 //   * float activations: a tile of weights is dequantized (scale folded in) into a small
 //     float buffer once, then plain FMA dot products for every row of x. Exact up to float
 //     rounding.
@@ -83,11 +84,14 @@ constexpr int kBlock = 32;  // activation quantization block (one float scale pe
 constexpr int kTile = 4;    // output channels per micro-kernel call
 constexpr int kPrefetchTiles = 2;  // how far ahead weights are prefetched (1..8 measured)
 // Up to this many rows of x, the AVX2 int8 kernel reads one weight row at a time (one
-// sequential stream, Int8RowsAvx2); with more, the tile kernel's reuse of each x block across
-// four weight rows wins. On a 2-core AVX2-only EPYC, alternating in one process, the row
-// kernel took the LM head at M = 1 in 0.77-0.82x the time, the block matrices 0.86-0.95x,
-// M = 2 0.94x, M = 4 a tie and M = 8 1.1-1.2x; engine decode of one sequence 1.07x tok/s.
-constexpr int64_t kRowKernelMaxRows = 2;
+// sequential stream: Int8RowsAvx2 for one row of x, Int8RowsManyAvx2 for 2..8); with more,
+// the tile kernel's reuse of each x block across four weight rows wins. On a 2-core
+// AVX2-only EPYC, alternating in one process: the row kernel took the LM head at M = 1 in
+// 0.77-0.82x the tile kernel's time, the block matrices 0.86-0.95x; a GPT-2-small's int8
+// matrices at M = 2 / 3 / 8 took 9.2 / 10.8 / 21.3-25.1 ms with Int8RowsManyAvx2 against the
+// tile kernel's 9.6 / 14.9 / 25.2-25.7 (M = 2 then used the one-row kernel per row of x);
+// at M = 12 they tied and at M = 24 the tile kernel was 1.1x faster (x no longer fits L1).
+constexpr int64_t kRowKernelMaxRows = 8;
 constexpr int64_t kChunkCycles = 40000;  // work per chunk handed between threads, roughly
 
 // Shapes of one call and how K splits into weight groups and activation blocks.
@@ -380,6 +384,83 @@ AVX2_FN void Int8RowsAvx2(const Geometry& g, const QuantizedRows& xq, const Tile
   }
 }
 
+// Rows m0 .. m0 + R - 1 of x against one weight row w (output channel n), written to y. Each
+// 32-byte block of w is loaded once for all R rows, and the R accumulators are independent
+// chains. Measured and not kept: two weight rows at a time, sharing each block of x too (ran
+// out of registers, 1.1-1.6x slower); two accumulators per row of x when R < 3, and groups
+// of 3 + 2 rather than 4 + 1 (both ties or 1-10 % slower).
+template <int R>
+AVX2_FN __attribute__((always_inline)) inline void Int8RowGroupAvx2(
+    const Geometry& g, const QuantizedRows& xq, int64 m0, const int8_t* w, const float* scale,
+    int64 n, float* y) {
+  const int64 G = g.G, group = g.group, blocks = g.blocks, tail = g.tail;
+  const int64 row_blocks = g.RowBlocks();
+  const int64 full = tail == kBlock ? blocks : blocks - 1;
+  const __m256i ones = _mm256_set1_epi16(1);
+  alignas(32) int8_t padded[kBlock] = {};  // a short last block's weights, zero-padded
+  const int8_t* xrow[R];
+  const int8_t* arow[R];
+  const float* drow[R];
+  __m256 total[R];
+  for (int i = 0; i < R; ++i) {
+    xrow[i] = xq.q.data() + (m0 + i) * row_blocks * kBlock;
+    arow[i] = xq.a.data() + (m0 + i) * row_blocks * kBlock;
+    drow[i] = xq.d.data() + (m0 + i) * row_blocks;
+    total[i] = _mm256_setzero_ps();
+  }
+  // acc[i] += d * (x_i . w) over activation block b, whose weights start at wb
+  auto block = [&](const int8_t* wb, int64 b, __m256* acc) AVX2_FN {
+    const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb));
+    for (int i = 0; i < R; ++i) {
+      const __m256i xv =
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xrow[i] + b * kBlock));
+      const __m256i av =
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(arow[i] + b * kBlock));
+      const __m256i pairs = _mm256_maddubs_epi16(av, _mm256_sign_epi8(wv, xv));
+      const __m256i sums = _mm256_madd_epi16(pairs, ones);
+      acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_broadcast_ss(drow[i] + b),
+                               acc[i]);
+    }
+  };
+  for (int64 grp = 0; grp < G; ++grp) {
+    const int64 b0 = grp * blocks;
+    const int8_t* wg = w + grp * group;
+    __m256 acc[R];
+    for (int i = 0; i < R; ++i) acc[i] = _mm256_setzero_ps();
+    for (int64 j = 0; j < full; ++j) block(wg + j * kBlock, b0 + j, acc);
+    if (full < blocks) {  // copy rather than read past the end of q
+      std::memcpy(padded, wg + full * kBlock, tail);
+      block(padded, b0 + full, acc);
+    }
+    for (int i = 0; i < R; ++i) {
+      total[i] = G == 1 ? acc[i] : _mm256_fmadd_ps(acc[i], _mm256_set1_ps(scale[grp]), total[i]);
+    }
+  }
+  for (int i = 0; i < R; ++i) {
+    y[(m0 + i) * g.N + n] = HorizontalSum(total[i]) * (G == 1 ? scale[0] : 1.f);
+  }
+}
+
+// The tile's output channels one at a time, as Int8RowsAvx2 (one sequential weight stream),
+// each weight row against the rows of x four at a time: the weight row's blocks are loaded
+// once per four rows of x, and while the row is in L1 every group of rows sweeps it.
+AVX2_FN void Int8RowsManyAvx2(const Geometry& g, const QuantizedRows& xq, const Tile& t,
+                              float* y) {
+  for (int64 r = 0; r < t.count; ++r) {
+    const int8_t* w = t.q + r * g.K;
+    const float* scale = t.scale + r * g.G;
+    const int64 n = t.n0 + r;
+    int64 m = 0;
+    for (; m + 4 <= g.M; m += 4) Int8RowGroupAvx2<4>(g, xq, m, w, scale, n, y);
+    switch (g.M - m) {
+      case 3: Int8RowGroupAvx2<3>(g, xq, m, w, scale, n, y); break;
+      case 2: Int8RowGroupAvx2<2>(g, xq, m, w, scale, n, y); break;
+      case 1: Int8RowGroupAvx2<1>(g, xq, m, w, scale, n, y); break;
+      default: break;
+    }
+  }
+}
+
 AVX2_FN void DequantizeTileAvx2(const Geometry& g, const Tile& t, float* buf) {
   for (int64 r = 0; r < t.count; ++r) {
     const int8_t* w = t.q + r * g.K;
@@ -562,8 +643,8 @@ const char* IsaName(Isa isa) {
 // ---------------------------------------------------------------------------------------
 // Dispatch over ISA and kernel variant.
 
-// Whether the int8 kernel takes weight rows one at a time here (Int8RowsAvx2), which also
-// needs |q| of the quantized rows.
+// Whether the int8 kernel takes weight rows one at a time here (Int8RowsAvx2 or
+// Int8RowsManyAvx2), which also needs |q| of the quantized rows.
 bool UsesRowKernel(const Geometry& g, Isa isa) {
   return isa == Isa::kAvx2 && g.M <= kRowKernelMaxRows;
 }
@@ -610,7 +691,9 @@ void Int8Tile(const Geometry& g, const QuantizedRows& xq, const Tile& t, Isa isa
 #endif
 #ifdef TOKENSERVE_X86
   if (isa != Isa::kScalar) {
-    if (UsesRowKernel(g, isa)) return Int8RowsAvx2(g, xq, t, y);
+    if (UsesRowKernel(g, isa)) {
+      return g.M == 1 ? Int8RowsAvx2(g, xq, t, y) : Int8RowsManyAvx2(g, xq, t, y);
+    }
     if (t.count == kTile) return Int8TileAvx2<kTile>(g, xq, t, y);
     for (int64 r = 0; r < t.count; ++r) {  // N % kTile leftovers, one channel at a time
       Int8TileAvx2<1>(g, xq, Tile{t.q + r * g.K, t.scale + r * g.G, t.n0 + r, 1}, y);
