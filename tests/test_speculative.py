@@ -13,6 +13,7 @@ from tokenserve.engine.async_engine import AsyncEngine
 from tokenserve.engine.config import EngineConfig
 from tokenserve.engine.llm import LLM
 from tokenserve.engine.ngram import NgramDrafter
+from tokenserve.engine.sampler import SequenceSampler
 from tokenserve.errors import ConfigError
 from tokenserve.sampling import SamplingParams
 
@@ -78,6 +79,65 @@ def test_speculative_settings_are_checked():
     with pytest.raises(ConfigError):
         EngineConfig(speculative_max_step_tokens=0)
     assert EngineConfig(max_num_seqs=8).max_logit_rows == 8
+
+
+# -- checking a draft of a sampled sequence -----------------------------------------------------
+LOGITS = np.array([2.0, 1.6, 1.5, 0.9, 0.4, 0.2, -0.3, -0.8, -1.0, -1.6, -2.5, -3.0])
+PROMPT_IDS = [1, 4]
+
+
+def target_distribution(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0,
+                        repetition_penalty=1.0) -> np.ndarray:
+    """What sampling draws from, written out plainly for LOGITS (a tiny vocabulary)."""
+    scores = LOGITS.copy()
+    seen = np.isin(np.arange(scores.size), PROMPT_IDS)
+    scores[seen] = np.where(scores[seen] > 0, scores[seen] / repetition_penalty,
+                            scores[seen] * repetition_penalty)
+    probs = np.exp(scores / temperature)
+    probs /= probs.sum()
+    order = np.argsort(-probs, kind="stable")
+    keep = np.zeros(probs.size, bool)
+    if top_k:
+        keep[order[:top_k]] = True
+    else:
+        keep[:] = True
+    kept = probs * keep
+    kept /= kept.sum()
+    before = np.cumsum(kept[order]) - kept[order]  # mass of the more likely tokens
+    keep[order[before >= top_p]] = False
+    keep &= probs >= min_p * probs.max()
+    kept = probs * keep
+    return kept / kept.sum()
+
+
+@pytest.mark.parametrize("knobs", [dict(), dict(temperature=0.6, top_k=5),
+                                   dict(temperature=1.4, top_p=0.8), dict(min_p=0.3),
+                                   dict(repetition_penalty=1.8)])
+@pytest.mark.parametrize("draft", [0, 3, 10])
+def test_a_checked_draft_leaves_the_sampling_distribution_as_it_was(knobs, draft):
+    """Keeping a draft with probability p(draft) and otherwise drawing from the rest gives
+    every token exactly its probability: likely, unlikely and cut-off drafts alike."""
+    want = target_distribution(**knobs)
+    params = SamplingParams(temperature=knobs.pop("temperature", 1.0), seed=0, **knobs)
+    sampler = SequenceSampler(params, 0, LOGITS.size, PROMPT_IDS)
+    draws = 20000
+    got = np.bincount([sampler.verify(LOGITS, draft) for _ in range(draws)],
+                      minlength=LOGITS.size) / draws
+    if want[draft] == 0:
+        assert got[draft] == 0  # outside top-k / top-p / min-p: never kept
+    # 20,000 draws: each frequency within ~4 standard deviations, the total off by < 3 %
+    assert np.all(np.abs(got - want) <= 4 * np.sqrt(want * (1 - want) / draws) + 1e-3), (got, want)
+    assert 0.5 * np.abs(got - want).sum() < 0.03
+    # sample() draws from the same distribution (the reference is right)
+    plain = np.bincount([sampler.sample(LOGITS) for _ in range(draws)],
+                        minlength=LOGITS.size) / draws
+    assert 0.5 * np.abs(plain - want).sum() < 0.03
+
+
+def test_a_greedy_check_is_the_models_choice_penalties_included():
+    sampler = SequenceSampler(SamplingParams(repetition_penalty=2.0), 0, LOGITS.size, [0])
+    # token 0's logit halves to 1.0 once it was seen: token 1 (1.6) is the choice
+    assert sampler.verify(LOGITS, 0) == 1 and sampler.verify(LOGITS, 1) == 1
 
 
 # -- the engine -------------------------------------------------------------------------------
@@ -160,6 +220,45 @@ def test_a_mixed_batch_keeps_every_request_exact(pair):
                  for p, params in zip(prompts, order)]
         for got, want in zip(llm.generate(prompts, order, use_tqdm=False), wants):
             assert [c.token_ids for c in got.outputs] == [c.token_ids for c in want.outputs]
+
+
+def test_penalized_greedy_requests_draft_and_keep_their_tokens(pair):
+    """Penalties change the model's choice token by token: drafts are checked one row at a
+    time after the tokens kept before them, so the output is plain decoding's."""
+    _, plain, llm = pair
+    if not llm.engine.speculative:
+        pytest.skip("the LSTM does not draft")
+    # mild: strong ones keep a tiny random model off every token it has seen, and then no
+    # tail recurs to draft from
+    params = SamplingParams(max_tokens=32, ignore_eos=True, repetition_penalty=1.05,
+                            frequency_penalty=0.05)
+    before = drafts_checked(llm)
+    for prompt in PROMPTS[:3]:
+        want = plain.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+        got = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+        assert got.token_ids == want.token_ids and got.text == want.text
+    assert drafts_checked(llm)[0] > before[0]
+
+
+def test_sampled_requests_draft_unless_seeded(pair):
+    """A seeded sampled request keeps its tokens whatever runs beside it, so it never drafts
+    (whether a step drafts depends on the batch); an unseeded one drafts."""
+    _, plain, llm = pair
+    if not llm.engine.speculative:
+        pytest.skip("the LSTM does not draft")
+    seeded = SamplingParams(max_tokens=24, ignore_eos=True, temperature=0.9, seed=11)
+    before = drafts_checked(llm)
+    got = llm.generate(PROMPTS[:2], seeded, use_tqdm=False)
+    assert drafts_checked(llm) == before
+    want = plain.generate(PROMPTS[:2], seeded, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    unseeded = SamplingParams(max_tokens=24, ignore_eos=True, temperature=0.3, logprobs=1)
+    outputs = llm.generate(PROMPTS[:3], unseeded, use_tqdm=False)
+    assert drafts_checked(llm)[0] > before[0]
+    for out in outputs:
+        completion = out.outputs[0]
+        assert len(completion.token_ids) == 24
+        assert [lp.token_id for lp in completion.logprobs] == completion.token_ids
 
 
 def test_cached_blocks_written_while_drafting_hold_the_right_keys(pair):

@@ -111,9 +111,10 @@ def _add_llm_flags(p) -> None:
                    help="float32 steps of at most this many tokens run fused dense ops instead "
                         "of XLA programs; default: chosen for this CPU (logged), 0: never")
     g.add_argument("--num_speculative_tokens", type=int, default=engine.num_speculative_tokens,
-                   help="speculative decoding: greedy requests check up to this many tokens "
-                        "copied from their own earlier text per step (n-gram drafts; the same "
-                        "output, fewer steps where text repeats); 0: off")
+                   help="speculative decoding: requests check up to this many tokens copied "
+                        "from their own earlier text per step (n-gram drafts; greedy output "
+                        "unchanged, sampled output the same distribution; fewer steps where "
+                        "text repeats); 0: off")
     g.add_argument("--speculative_ngram_min", type=int, default=engine.speculative_ngram_min,
                    help="shortest tail looked up for n-gram drafts")
     g.add_argument("--speculative_ngram_max", type=int, default=engine.speculative_ngram_max,

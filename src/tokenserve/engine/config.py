@@ -83,9 +83,10 @@ class EngineConfig:
     """Longest wait for one KV-store call; a slower store counts as down (recompute)."""
     num_speculative_tokens: int = 0
     """Speculative decoding with n-gram drafts (engine/ngram.py, vLLM's "ngram" method): a
-    greedy sequence checks up to this many tokens copied from its own earlier text in each
-    step, and keeps those the model agrees with, plus the model's next one. The output is
-    the same tokens as without it. 0: off."""
+    sequence checks up to this many tokens copied from its own earlier text in each step, and
+    keeps those the model agrees with (sampled: each with its probability), plus one of the
+    model's own. Greedy output is the same tokens as without it, sampled output the same
+    distribution; seeded sampled requests do not draft. 0: off."""
     speculative_ngram_min: int = 1
     """Shortest tail (in tokens) looked up in the sequence's earlier text for drafts."""
     speculative_ngram_max: int = 3

@@ -118,12 +118,17 @@ class LLMEngine:
         return request
 
     def _make_drafter(self, sampler: SequenceSampler) -> NgramDrafter | None:
-        """An n-gram drafter for a greedy, unconstrained sequence when speculative decoding
-        is on. Greedy only: accepting a draft is then exact (the model's argmax equals it),
-        so the output is the same tokens as without drafts; sampled sequences would need
-        rejection sampling, which changes which random draws a seed gives."""
+        """An n-gram drafter for an unconstrained sequence when speculative decoding is on.
+        Greedy sequences (penalized ones too) keep the tokens they would have had: a draft
+        is kept only where it is the model's choice. Sampled ones keep their distribution
+        (SequenceSampler.verify), but not their random draws, and whether a step drafts
+        depends on what else runs (--speculative_max_seqs): so a seeded sampled request
+        does not draft, and gives the same tokens whatever shares its batch."""
         knobs = self.engine_config
-        if not self.speculative or not sampler.is_greedy or sampler.guide is not None:
+        params = sampler.params
+        if not self.speculative or sampler.guide is not None:
+            return None
+        if params.temperature > 0.0 and params.seed is not None:
             return None
         return NgramDrafter(knobs.num_speculative_tokens, knobs.speculative_ngram_min,
                             knobs.speculative_ngram_max)
@@ -291,27 +296,39 @@ class LLMEngine:
         return logits
 
     def _accept_drafts(self, item: ScheduledSeq, logits, now: float) -> CompletionOutput:
-        """Keeps the drafts the model agrees with (greedy: its argmax after each token is the
-        next draft), then appends the model's own token after them: 1 to len(drafts) + 1
-        tokens, as one delta. logits: [num_logits, vocab], row i after the step's token i.
+        """Keeps the drafts the sequence's sampler takes (SequenceSampler.verify: greedy, its
+        argmax after each token is the next draft), then appends the token it takes where it
+        refused one, or its own next token after all of them: 1 to len(drafts) + 1 tokens, as
+        one delta. logits: [num_logits, vocab], row i after the step's token i.
 
         The kept drafts' keys and values are in the cache already (the step computed them);
-        the rows of those rejected are past num_computed_tokens, so the next step writes
-        over them."""
+        the rows of those refused are past num_computed_tokens, so the next step writes over
+        them."""
         seq, drafts = item.seq, item.draft_ids
-        best = np.argmax(logits, axis=-1)
-        accepted = 0
-        while accepted < len(drafts) and best[accepted] == drafts[accepted]:
+        sampler = seq.state.sampler
+        # greedy: every row's choice at once; otherwise row by row, so that penalties see the
+        # tokens kept before
+        best = np.argmax(logits, axis=-1) if sampler.is_greedy else None
+        deltas, accepted = [], 0
+        for i in range(len(drafts) + 1):
+            if best is not None:
+                token = int(best[i])
+            elif i < len(drafts):
+                token = sampler.verify(logits[i], drafts[i])
+            else:
+                token = sampler.sample(logits[i])
+            deltas.append(self._append(seq, token, logits[i], now))
+            if i == len(drafts) or token != drafts[i]:
+                break
             accepted += 1
-        seq.state.drafter.observe(len(drafts), accepted)
+            if seq.is_finished:
+                break
+        if seq.state.drafter is not None:
+            seq.state.drafter.observe(len(drafts), accepted)
         self.num_draft_tokens += len(drafts)
         self.num_accepted_tokens += accepted
-        deltas = []
-        for i, token in enumerate([*drafts[:accepted], int(best[accepted])]):
-            deltas.append(self._append(seq, token, logits[i], now))
-            if seq.is_finished:
-                return _joined(deltas)
-        seq.num_computed_tokens += accepted
+        if not seq.is_finished:
+            seq.num_computed_tokens += accepted
         return _joined(deltas)
 
     def _append(self, seq: Sequence, token: int, logits, now: float) -> CompletionOutput:

@@ -50,32 +50,70 @@ class SequenceSampler:
     def sample(self, logits: np.ndarray) -> int:
         """logits: float [vocab] -> the chosen token id."""
         p = self.params
-        scores = logits.astype(np.float64)
-        if self.counts is not None:
-            scores = self._penalize(scores)
+        scores = self._scores(logits)
         if p.temperature == 0.0:
             return int(np.argmax(scores))
-        scores /= p.temperature
-        if p.top_k > 0 and p.top_k < scores.size:
-            candidates = np.argpartition(-scores, p.top_k - 1)[:p.top_k]
-        else:
-            candidates = None
-        if candidates is not None:
-            probs = np.exp(scores[candidates] - scores[candidates].max())
-        else:
-            probs = np.exp(scores - scores.max())
-            candidates = np.arange(scores.size)
-        probs /= probs.sum()
+        candidates, probs = self._softmax(scores)
         if p.top_p >= 1.0 and p.min_p == 0.0:
             return int(candidates[self._pick_whole(probs, self.rng.random())])
-        order = self._sorted_nucleus(probs)
-        candidates, probs = candidates[order], probs[order]
-        if p.min_p > 0.0:
-            keep = probs >= p.min_p * probs[0]
-            candidates, probs = candidates[keep], probs[keep]
+        candidates, probs = self._nucleus(candidates, probs)
         cumulative = np.cumsum(probs)
         pick = int(np.searchsorted(cumulative, self.rng.random() * cumulative[-1], side="right"))
         return int(candidates[min(pick, len(candidates) - 1)])
+
+    def verify(self, logits: np.ndarray, draft: int) -> int:
+        """The token this sequence takes where `draft` was proposed (speculative decoding):
+        greedy, the model's own choice (the draft is kept when they agree); sampled, the
+        draft with probability p(draft) under this sequence's distribution (temperature,
+        top-k, top-p, min-p and penalties applied), else a token drawn from that distribution
+        without the draft, renormalized. A draft proposed with certainty (an n-gram lookup)
+        is the speculative-sampling rule's simplest case: the token follows exactly the
+        distribution sample() draws from, though from other random draws."""
+        p = self.params
+        scores = self._scores(logits)
+        if p.temperature == 0.0:
+            return int(np.argmax(scores))
+        candidates, probs = self._softmax(scores)
+        if p.top_p < 1.0 or p.min_p > 0.0:
+            candidates, probs = self._nucleus(candidates, probs)
+        probs = probs / probs.sum()
+        at = np.flatnonzero(candidates == draft)
+        if at.size and self.rng.random() < probs[at[0]]:
+            return int(draft)
+        probs[at] = 0.0
+        cumulative = np.cumsum(probs)
+        if cumulative[-1] <= 0.0:  # p(draft) was 1 within rounding: nothing else to draw
+            return int(draft)
+        pick = int(np.searchsorted(cumulative, self.rng.random() * cumulative[-1], side="right"))
+        return int(candidates[min(pick, len(candidates) - 1)])
+
+    def _scores(self, logits: np.ndarray) -> np.ndarray:
+        """float64 scores with this sequence's penalties applied."""
+        scores = logits.astype(np.float64)
+        return self._penalize(scores) if self.counts is not None else scores
+
+    def _softmax(self, scores: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(candidate ids, their probabilities) after temperature and top-k."""
+        p = self.params
+        scores = scores / p.temperature
+        if p.top_k > 0 and p.top_k < scores.size:
+            candidates = np.argpartition(-scores, p.top_k - 1)[:p.top_k]
+            probs = np.exp(scores[candidates] - scores[candidates].max())
+        else:
+            candidates = np.arange(scores.size)
+            probs = np.exp(scores - scores.max())
+        return candidates, probs / probs.sum()
+
+    def _nucleus(self, candidates: np.ndarray, probs: np.ndarray
+                 ) -> tuple[np.ndarray, np.ndarray]:
+        """The top-p nucleus with the min-p cut, most likely first (ties: lower id first);
+        probs stay as given (not renormalized)."""
+        order = self._sorted_nucleus(probs)
+        candidates, probs = candidates[order], probs[order]
+        if self.params.min_p > 0.0:
+            keep = probs >= self.params.min_p * probs[0]
+            candidates, probs = candidates[keep], probs[keep]
+        return candidates, probs
 
     @staticmethod
     def _pick_whole(probs: np.ndarray, uniform: float) -> int:
