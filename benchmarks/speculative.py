@@ -14,8 +14,12 @@ completion tokens over its wall time, quoted as the median over the requests. Th
 with and without drafts are compared: speculative decoding must not change a token.
 Acceptance comes from the server's vllm:spec_decode_* counters.
 
+With `--temperature T` the requests sample instead (no seed, so they draft; each request
+`--repeats` times): the answers differ run to run, so only speeds and acceptance compare.
+
     python benchmarks/speculative.py                          # smollm2 and builtin
     python benchmarks/speculative.py --gpt2 /tmp/headline/gpt2-float32 --models gpt2
+    python benchmarks/speculative.py --temperature 0.7 --repeats 3
 
 Several streams: `--streams MODEL [--stream-counts 1 2 4 8]` runs 1, 2, 4, 8 held-out
 code prompts at once in-process (`tokenserve.LLM`, greedy, 128 tokens), plain and with
@@ -74,9 +78,10 @@ CHATS = [
 ]
 
 
-def requests_for(model: str, export: Path | None) -> list[tuple[str, dict]]:
+def requests_for(model: str, export: Path | None, temperature: float = 0.0
+                 ) -> list[tuple[str, dict]]:
     """(endpoint, body) of each request for `model`."""
-    greedy = {"max_tokens": NEW_TOKENS, "temperature": 0}
+    greedy = {"max_tokens": NEW_TOKENS, "temperature": temperature}
     if model == "smollm2":
         return [("/v1/chat/completions",
                  {"messages": [{"role": "user", "content": c}], **greedy}) for c in CHATS]
@@ -206,6 +211,9 @@ def main(argv=None) -> int:
     parser.add_argument("--gpt2", type=Path, help="a GPT-2-small export (for --models gpt2)")
     parser.add_argument("--drafts", type=int, default=4, help="--num_speculative_tokens")
     parser.add_argument("--ngram-min", type=int, default=1, help="--speculative_ngram_min")
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="sample at this temperature (unseeded) instead of greedy")
+    parser.add_argument("--repeats", type=int, default=1, help="runs of each request")
     parser.add_argument("--check-cost", type=Path, metavar="EXPORT",
                         help="only time steps checking always-refused drafts on EXPORT")
     parser.add_argument("--check-drafts", type=int, nargs="+", default=[0, 1, 2, 3, 4, 6, 8])
@@ -231,17 +239,19 @@ def main(argv=None) -> int:
         export = args.gpt2 if model == "gpt2" else None
         if model == "gpt2" and export is None:
             parser.error("--models gpt2 needs --gpt2 EXPORT")
-        requests = requests_for(model, export)
+        requests = requests_for(model, export, args.temperature) * args.repeats
         result = {}
         for drafts in (0, args.drafts):
             console.print(f"{model}: serving with --num_speculative_tokens {drafts} ...")
             result[drafts] = serve_and_run(model, export, drafts, requests,
                                            ["--speculative_ngram_min", str(args.ngram_min)])
         plain, drafted = result[0], result[args.drafts]
-        same = [a["text"] == b["text"] for a, b in zip(plain["runs"], drafted["runs"])]
+        same = ([a["text"] == b["text"] for a, b in zip(plain["runs"], drafted["runs"])]
+                if args.temperature == 0 else [])
         results[model] = {"plain": plain, "speculative": drafted, "same_text": same,
                           "speedup": drafted["median_tok_s"] / plain["median_tok_s"]}
-    table = Table(title=f"One stream, greedy, up to {NEW_TOKENS} new tokens, through "
+    how = "greedy" if args.temperature == 0 else f"temperature {args.temperature:g}"
+    table = Table(title=f"One stream, {how}, up to {NEW_TOKENS} new tokens, through "
                         f"tokenserve serve (tok/s, median over requests)")
     for column in ("model", "plain", f"drafts {args.drafts}", "speedup",
                    "tokens per step", "drafts kept", "same text"):
@@ -254,11 +264,14 @@ def main(argv=None) -> int:
                       f"{s['median_tok_s']:.1f}", f"{r['speedup']:.2f}x",
                       f"{tokens / max(steps, 1):.2f}",
                       f"{s['accepted_tokens'] / max(s['draft_tokens'], 1):.0%}",
-                      f"{sum(r['same_text'])}/{len(r['same_text'])}")
+                      f"{sum(r['same_text'])}/{len(r['same_text'])}" if r["same_text"]
+                      else "(sampled)")
     console.print(table)
     write_result(args.output, workload={"new_tokens": NEW_TOKENS, "drafts": args.drafts,
                                         "ngram_min": args.ngram_min,
-                                        "greedy": True, "streams": 1}, models=results)
+                                        "temperature": args.temperature,
+                                        "repeats": args.repeats, "streams": 1},
+                 models=results)
     console.print(f"wrote {args.output}")
     return 0
 
