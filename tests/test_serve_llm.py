@@ -89,14 +89,48 @@ def test_drafting_server_streams_plain_decodings_greedy_tokens(server):
         stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
     assert "".join(c.choices[0].text for c in chunks if c.choices) == plain.outputs[0].text
     assert chunks[-1].usage.completion_tokens == max_tokens
-    metrics = httpx.get(server["openai"] + "/metrics", headers=AUTH).text
+    drafted, accepted = spec_counters(server)
+    assert drafted >= accepted > 0
+
+
+def spec_counters(server) -> tuple[float, float]:
+    """The server's (drafted, accepted) token counters."""
     drafted = accepted = 0.0
-    for line in metrics.splitlines():
+    for line in httpx.get(server["openai"] + "/metrics", headers=AUTH).text.splitlines():
         if line.startswith("vllm:spec_decode_num_draft_tokens_total{"):
             drafted += float(line.rsplit(" ", 1)[1])
         if line.startswith("vllm:spec_decode_num_accepted_tokens_total{"):
             accepted += float(line.rsplit(" ", 1)[1])
-    assert drafted >= accepted > 0
+    return drafted, accepted
+
+
+def test_drafting_server_samples_seeded_requests_as_without_drafts(server):
+    """Sampled requests draft only without a seed: a seeded stream is the seeded offline
+    decoding's text, and unseeded ones (n = 2, logprobs) stream whole answers while the
+    server checks drafts for them."""
+    from tokenserve import LLM, SamplingParams
+
+    prompt, max_tokens = "for i in range(10):\n    for j in range(10):\n        ", 40
+    client = openai_client(server)
+    offline = LLM(server["base"] / "1", precision="float32", max_num_seqs=4).generate(
+        prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.8,
+                               seed=7), use_tqdm=False)[0]
+    before = spec_counters(server)
+    chunks = list(client.completions.create(
+        model="tiny", prompt=prompt, max_tokens=max_tokens, stream=True, temperature=0.8,
+        seed=7, extra_body={"ignore_eos": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == offline.outputs[0].text
+    assert spec_counters(server) == before
+    chunks = list(client.completions.create(
+        model="tiny", prompt=prompt, max_tokens=max_tokens, stream=True, temperature=0.2,
+        n=2, logprobs=1, stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True}))
+    assert chunks[-1].usage.completion_tokens == 2 * max_tokens
+    for index in (0, 1):
+        tokens = [t for c in chunks for choice in c.choices if choice.index == index
+                  for t in choice.logprobs.tokens]
+        assert len(tokens) == max_tokens
+    assert spec_counters(server)[0] > before[0]
 
 
 def test_every_frontend_requires_the_key_and_health_stays_open(server):
