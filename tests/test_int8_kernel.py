@@ -16,9 +16,10 @@ CASES = [(0, 64, 8, 1), (1, 64, 8, 1), (1, 768, 36, 1), (7, 688, 13, 1), (33, 25
          (5, 100, 10, 5), (3, 768, 17, 24), (8, 1536, 12, 12), (2, 40, 6, 1),
          # one or two rows (the AVX2 row kernel): groups, short blocks, blocks not in fours
          (1, 300, 5, 1), (2, 100, 10, 5), (1, 768, 17, 24), (2, 1536, 12, 12), (1, 200, 9, 2),
-         # 3-8 rows (rows of x in fours against one weight row): every remainder of 4, with
+         # 3-8 rows (rows of x in fours, or five, against one weight row): every remainder of 4, with
          # short blocks and groups; and 9 rows, the tile kernel again
-         (4, 40, 5, 1), (6, 300, 7, 1), (6, 200, 9, 2), (3, 100, 3, 5), (9, 64, 8, 1)]
+         (4, 40, 5, 1), (6, 300, 7, 1), (6, 200, 9, 2), (3, 100, 3, 5), (9, 64, 8, 1),
+         (5, 300, 7, 1), (5, 768, 6, 24)]  # five rows: one group
 
 
 @pytest.fixture(scope="module")

@@ -461,7 +461,9 @@ AVX2_FN __attribute__((always_inline)) inline void Int8RowGroupAvx2(
 
 // The tile's output channels one at a time, as Int8RowsAvx2 (one sequential weight stream),
 // each weight row against the rows of x four at a time: the weight row's blocks are loaded
-// once per four rows of x, and while the row is in L1 every group of rows sweeps it.
+// once per four rows of x, and while the row is in L1 every group of rows sweeps it. Five
+// rows go as one group (GPT-2-small's int8 matrices, alternating in one process: 20.1 ->
+// 18.5 ms against 4 + 1, whose one-row pass is a single FMA chain).
 AVX2_FN void Int8RowsManyAvx2(const Geometry& g, const QuantizedRows& xq, const Tile& t,
                               float* y) {
   for (int64 r = 0; r < t.count; ++r) {
@@ -469,6 +471,10 @@ AVX2_FN void Int8RowsManyAvx2(const Geometry& g, const QuantizedRows& xq, const 
     const float* scale = t.scale + r * g.G;
     const int64 n = t.n0 + r;
     int64 m = 0;
+    if (g.M == 5) {  // one sequence checking four drafts: one group of five, not 4 + 1
+      Int8RowGroupAvx2<5>(g, xq, 0, w, scale, n, y);
+      continue;
+    }
     for (; m + 4 <= g.M; m += 4) Int8RowGroupAvx2<4>(g, xq, m, w, scale, n, y);
     switch (g.M - m) {
       case 3: Int8RowGroupAvx2<3>(g, xq, m, w, scale, n, y); break;
