@@ -13,7 +13,7 @@
 //     the instructions per multiply-add of the float kernel; error ~1/254 of the block absmax.
 //     With up to 8 rows of x (decode of a few sequences, or one checking drafts) the AVX2
 //     path reads one weight row at a time, a single sequential stream, each block of it
-//     loaded once for four rows of x; with more it sweeps every row of x over a tile of
+//     loaded once for four (or five) rows of x; with more it sweeps every row of x over a tile of
 //     four weight rows held in L1.
 //   * float activations: a tile of weights is dequantized (scale folded in) into a small
 //     float buffer once, then plain FMA dot products for every row of x. Exact up to float
