@@ -117,6 +117,7 @@ def target_distribution(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0,
 def test_a_checked_draft_leaves_the_sampling_distribution_as_it_was(knobs, draft):
     """Keeping a draft with probability p(draft) and otherwise drawing from the rest gives
     every token exactly its probability: likely, unlikely and cut-off drafts alike."""
+    knobs = dict(knobs)  # (pytest shares the parameter's dict between the drafts' cases)
     want = target_distribution(**knobs)
     params = SamplingParams(temperature=knobs.pop("temperature", 1.0), seed=0, **knobs)
     sampler = SequenceSampler(params, 0, LOGITS.size, PROMPT_IDS)
