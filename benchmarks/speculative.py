@@ -81,22 +81,22 @@ CHATS = [
 def requests_for(model: str, export: Path | None, temperature: float = 0.0
                  ) -> list[tuple[str, dict]]:
     """(endpoint, body) of each request for `model`."""
-    greedy = {"max_tokens": NEW_TOKENS, "temperature": temperature}
+    sampling = {"max_tokens": NEW_TOKENS, "temperature": temperature}
     if model == "smollm2":
         return [("/v1/chat/completions",
-                 {"messages": [{"role": "user", "content": c}], **greedy}) for c in CHATS]
+                 {"messages": [{"role": "user", "content": c}], **sampling}) for c in CHATS]
     if model == "builtin":
         from tokenserve.evaluate import heldout_texts
 
         texts = [t for t in heldout_texts() if len(t) > 2000][:6]
-        return [("/v1/completions", {"prompt": t[:600], **greedy}) for t in texts]
+        return [("/v1/completions", {"prompt": t[:600], **sampling}) for t in texts]
     import numpy as np
     from tokenizers import Tokenizer
 
     tokenizer = Tokenizer.from_file(str(next(export.glob("*/assets/tokenizer.json"))))
     rng = np.random.default_rng(1)
     return [("/v1/completions", {"prompt": tokenizer.decode(rng.integers(
-        300, tokenizer.get_vocab_size(), 32).tolist()), "ignore_eos": True, **greedy})
+        300, tokenizer.get_vocab_size(), 32).tolist()), "ignore_eos": True, **sampling})
         for _ in range(6)]
 
 

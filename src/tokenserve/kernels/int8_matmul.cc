@@ -421,7 +421,9 @@ AVX2_FN __attribute__((always_inline)) inline void Int8RowGroupAvx2(
     drow[i] = xq.d.data() + (m0 + i) * row_blocks;
     total[i] = _mm256_setzero_ps();
   }
-  // acc[i] += d * (x_i . w) over activation block b, whose weights start at wb
+  // acc[i] += d * (x_i . w) over activation block b, whose weights start at wb. Written out
+  // rather than calling Int8DotAvx2 per row: that loads wb per row, and at five rows it
+  // measured 1.5x slower (23.5-24.7 against 14.9-16.1 ms over GPT-2-small's matrices).
   auto block = [&](const int8_t* wb, int64 b, __m256* acc) AVX2_FN {
     const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb));
     for (int i = 0; i < R; ++i) {
