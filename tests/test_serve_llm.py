@@ -121,15 +121,20 @@ def test_drafting_server_samples_seeded_requests_as_without_drafts(server):
         seed=7, extra_body={"ignore_eos": True}))
     assert "".join(c.choices[0].text for c in chunks if c.choices) == offline.outputs[0].text
     assert spec_counters(server) == before
+    # top_k=1: a tiny random model's distribution is nearly flat, so at any real
+    # temperature whether a drawn word recurs (and a draft is made) would be chance
     chunks = list(client.completions.create(
         model="tiny", prompt=prompt, max_tokens=max_tokens, stream=True, temperature=0.2,
         n=2, logprobs=1, stream_options={"include_usage": True},
-        extra_body={"ignore_eos": True}))
+        extra_body={"ignore_eos": True, "top_k": 1}))
     assert chunks[-1].usage.completion_tokens == 2 * max_tokens
+    greedy = client.completions.create(model="tiny", prompt=prompt, max_tokens=max_tokens,
+                                       temperature=0.0, extra_body={"ignore_eos": True})
     for index in (0, 1):
         tokens = [t for c in chunks for choice in c.choices if choice.index == index
                   for t in choice.logprobs.tokens]
         assert len(tokens) == max_tokens
+        assert "".join(tokens) == greedy.choices[0].text
     assert spec_counters(server)[0] > before[0]
 
 
