@@ -1,12 +1,17 @@
 #!/usr/bin/env python
-"""The LM head of an exported float32 model: XLA's program against the fused dense op, by rows.
+"""The LM head of an exported float32 model: XLA's program, the fused dense op and the int8
+screen, by rows.
 
 The engine's steps run the head on one row per sequence. Steps through XLA ran it as an XLA
 program per row bucket; where no step can have more sequences than the fused ops take, they
-run the fused op instead (TransformerStep.fused_head). This measures both on the same final
-norm + head (GPT-2-small's is tied: [50257, 768]), each a graph-mode tf.function called with
-[rows, D] float32 inputs, alternating calls, medians of `--reps`; and the largest difference
-between their logits.
+run the fused op instead (TransformerStep.fused_head); greedy steps of a few rows run the
+int8 screen, which recomputes in float32 only the entries that could be a row's argmax
+(engine/screened_head.py). This measures the three on the same final norm + head
+(GPT-2-small's is tied: [50257, 768]), each a graph-mode tf.function called with [rows, D]
+float32 inputs, alternating calls, medians of `--reps`; the largest difference between the
+XLA and fused logits, whether the screen's argmax is the fused head's, and how many entries
+per row it recomputed. The inputs are random hidden states (the engine's own counts its candidates on
+real ones: benchmarks/screened_head.py).
 
 Output: a table and benchmarks/results/lm-head[-NAME].json with the machine's flags.
 
@@ -57,6 +62,8 @@ def main() -> None:
         sys.exit("needs float32 weights with XLA dense layers and the fused dense op built")
     heads = {"xla": tf.function(step._head, autograph=False),
              "fused": tf.function(step._head_k, autograph=False)}
+    if step.screened_head is not None:
+        heads["screened"] = tf.function(step._head_screened, autograph=False)
     width = runner.model.config.hidden_size
     rng = np.random.default_rng(0)
     results = []
@@ -70,26 +77,56 @@ def main() -> None:
                 fn(x).numpy()
                 times[name].append(time.perf_counter() - started)
         medians = {name: statistics.median(t) * 1e3 for name, t in times.items()}
-        results.append({"rows": rows, "xla_ms": medians["xla"], "fused_ms": medians["fused"],
-                        "max_abs_diff": float(np.abs(logits["xla"] - logits["fused"]).max()),
-                        "xla_samples_ms": [t * 1e3 for t in times["xla"]],
-                        "fused_samples_ms": [t * 1e3 for t in times["fused"]]})
-        print(f"{rows} rows: xla {medians['xla']:.2f} ms, fused {medians['fused']:.2f} ms",
+        result = {"rows": rows, "xla_ms": medians["xla"], "fused_ms": medians["fused"],
+                  "max_abs_diff": float(np.abs(logits["xla"] - logits["fused"]).max()),
+                  "xla_samples_ms": [t * 1e3 for t in times["xla"]],
+                  "fused_samples_ms": [t * 1e3 for t in times["fused"]]}
+        if "screened" in heads:
+            result.update(
+                screened_ms=medians["screened"],
+                screened_samples_ms=[t * 1e3 for t in times["screened"]],
+                screened_same_argmax=bool((logits["screened"].argmax(-1)
+                                           == logits["fused"].argmax(-1)).all()),
+                screened_candidates=_candidates(step, x))
+        results.append(result)
+        print(f"{rows} rows: " + ", ".join(f"{name} {ms:.2f} ms" for name, ms in medians.items()),
               flush=True)
 
     machine = machine_info()
     table = Table(title=f"LM head of {args.model}", caption=machine_summary(machine))
-    for column in ("rows", "XLA ms", "fused ms", "XLA / fused", "max |diff|"):
+    screened = "screened_ms" in results[0]
+    columns = ["rows", "XLA ms", "fused ms", "XLA / fused", "max |diff|"]
+    if screened:
+        columns += ["screened ms", "fused / screened", "same argmax", "candidates / row"]
+    for column in columns:
         table.add_column(column, justify="right")
     for r in results:
-        table.add_row(str(r["rows"]), f"{r['xla_ms']:.2f}", f"{r['fused_ms']:.2f}",
-                      f"{r['xla_ms'] / r['fused_ms']:.2f}x", f"{r['max_abs_diff']:.1e}")
+        cells = [str(r["rows"]), f"{r['xla_ms']:.2f}", f"{r['fused_ms']:.2f}",
+                 f"{r['xla_ms'] / r['fused_ms']:.2f}x", f"{r['max_abs_diff']:.1e}"]
+        if screened:
+            cells += [f"{r['screened_ms']:.2f}", f"{r['fused_ms'] / r['screened_ms']:.2f}x",
+                      "yes" if r["screened_same_argmax"] else "NO",
+                      f"{statistics.median(r['screened_candidates']):.0f}"]
+        table.add_row(*cells)
     Console().print(table)
     RESULTS.mkdir(exist_ok=True)
     path = RESULTS / f"lm-head{'-' + args.name if args.name else ''}.json"
     path.write_text(json.dumps({"machine": machine, "model": str(args.model),
                                 "reps": args.reps, "results": results}, indent=1))
     print(f"wrote {path}")
+
+
+def _candidates(step, x) -> list[int]:
+    """How many entries of each row the screen recomputes in float32."""
+    import tensorflow as tf
+
+    from tokenserve.model.layers import norm
+
+    c = step.model.config
+    normed = norm(x, step.model.final_norm.weights_dict(), c.norm, c.norm_eps)
+    approx, bound = step.screened_head.bounds(normed)
+    floor = tf.reduce_max(approx - bound, axis=-1, keepdims=True)
+    return [int(n) for n in tf.reduce_sum(tf.cast(approx + bound >= floor, tf.int32), -1)]
 
 
 if __name__ == "__main__":

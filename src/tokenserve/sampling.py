@@ -128,3 +128,11 @@ class SamplingParams:
     def needs_penalties(self) -> bool:
         return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
                 or self.frequency_penalty != 0.0)
+
+    @property
+    def needs_only_argmax(self) -> bool:
+        """Each token is the argmax of the model's logits as they are: greedy, with no
+        penalties, logprobs or structured output (the engine may then compute only what
+        decides the argmax)."""
+        return (self.temperature == 0.0 and not self.needs_penalties and self.logprobs is None
+                and self.structured is None)

@@ -186,6 +186,7 @@ class AsyncEngine:
             self._run_alone_then_joined(first, second)
             if shorts:
                 self._run_alone_then_joined(*shorts)
+            self.engine.runner.warm_up_heads()  # the heads greedy requests did not run
         finally:
             scheduler.kv_tier = tier
             self.engine.stats = stats

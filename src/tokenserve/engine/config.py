@@ -61,6 +61,12 @@ class EngineConfig:
     (kernels/dense.py) instead of XLA programs; 0 turns them off. None (auto): 32 on a CPU
     without AVX-512, where XLA's dots are AVX2 as the ops are and the ops measured faster up to
     32 tokens; 8 with AVX-512, where XLA caught up by 16 (benchmarks/fused_dense.py)."""
+    max_screened_head_rows: int = 8
+    """Float32 weights: greedy steps with at most this many rows of logits run the LM head
+    on a float16 copy of it and recompute in float32 only the entries that could be a row's
+    argmax (engine/screened_head.py): the same tokens, half the head's bytes. Steps
+    with a row that needs its distribution (sampling, penalties, logprobs, structured
+    output) read the float32 head. 0: off."""
     context_pad: int = 32
     """Decode context lengths are padded to a multiple of this: fewer distinct shapes, at the
     cost of reading up to this many padding rows per sequence."""
@@ -137,6 +143,9 @@ class EngineConfig:
         if self.max_fused_dense_tokens is not None and self.max_fused_dense_tokens < 0:
             raise ConfigError(f"max_fused_dense_tokens must be >= 0, got "
                               f"{self.max_fused_dense_tokens}")
+        if self.max_screened_head_rows < 0:
+            raise ConfigError(f"max_screened_head_rows must be >= 0, got "
+                              f"{self.max_screened_head_rows}")
         if self.speculative_max_step_tokens < 1:
             raise ConfigError(f"speculative_max_step_tokens must be >= 1, got "
                               f"{self.speculative_max_step_tokens}")

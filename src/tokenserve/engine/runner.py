@@ -1,7 +1,7 @@
 """The model runner: owns the model, its cache tensors and the compiled step.
 
 It turns a SchedulerOutput (plain Python) into the step's index arrays, runs the step and
-returns logits. This and tf_step.py are the engine's only TensorFlow code.
+returns logits. This, tf_step.py and screened_head.py are the engine's only TensorFlow code.
 """
 
 from __future__ import annotations
@@ -41,6 +41,12 @@ def _token_buckets():
 
 def _token_buckets_upto(limit: int) -> list[int]:
     return [b for b in itertools.takewhile(lambda b: b <= limit, _token_buckets())]
+
+
+def _as_compute_dtype(values: np.ndarray, dtype: str):
+    import tensorflow as tf
+
+    return tf.cast(tf.constant(values), dtype)
 
 
 def split_by_context(decode: list, max_groups: int, group_cost: int,
@@ -112,6 +118,8 @@ class ModelRunner:
                 log.info("dense layers: fused ops for steps of up to %d tokens, XLA above (%s)%s",
                          self.max_fused_dense_tokens, why,
                          "; the LM head always fused" if self.step.fused_head else "")
+            self.step.screened_head = self._screened_head(engine_config)
+            self.num_screened_steps = 0  # steps whose LM head ran the float16 screen
             if config.model.weight_format == "int8":
                 from tokenserve.kernels.int8_matmul import kernel_status
 
@@ -119,6 +127,30 @@ class ModelRunner:
         else:
             self.cache = SlotAllocator(engine_config.max_num_seqs)
             self.step = LSTMStep(model, engine_config.max_num_seqs + 1)
+
+    def _screened_head(self, engine_config: EngineConfig):
+        """The float16 screen of a float32 LM head for greedy steps, or None (other weights,
+        max_screened_head_rows 0, or no compiled float16 matmul op)."""
+        model = self.model
+        if (not engine_config.max_screened_head_rows or model.compute_dtype != "float32"
+                or self.config.model.weight_format != "float"):
+            return None
+        from tokenserve.engine.screened_head import ScreenedHead
+        from tokenserve.kernels import half_matmul
+
+        if not half_matmul.is_compiled():  # its fallback writes a float32 copy: no gain
+            log.info("LM head: no float16 screen (%s)", half_matmul.kernel_status())
+            return None
+
+        if model.head is None:  # tied: the token embedding [vocab, D]
+            head = ScreenedHead(model.token_embedding, "nk")
+        else:
+            weights = model.head.weights_dict()
+            head = ScreenedHead(weights["kernel"], "kn", weights.get("bias"))
+        log.info("LM head: greedy steps of up to %d rows screen it in float16 (%.1f MB "
+                 "more), then compute in float32 only the entries that could be a row's argmax",
+                 engine_config.max_screened_head_rows, head.nbytes / 1e6)
+        return head
 
     @classmethod
     def from_model_dir(cls, version_dir: str | Path, engine_config: EngineConfig):
@@ -209,12 +241,31 @@ class ModelRunner:
         num_rows = self._bucket(num_wanted, only_decode=False,
                                 xla=xla and not self.step.fused_head)
         last = np.concatenate([last, np.zeros([num_rows - num_wanted], np.int32)])
+        # greedy rows need only each row's argmax: the head's float16 screen gives it exactly
+        screened = (self.step.screened_head is not None
+                    and num_wanted <= knobs.max_screened_head_rows
+                    and all(s.seq.request.params.needs_only_argmax for s in out.scheduled))
+        self.num_screened_steps += screened
         step = self.step.step_function(len(decode_groups), bool(prefill), fused)
-        logits = step(np.asarray(token_ids + padding, np.int32),
+        hidden = step(np.asarray(token_ids + padding, np.int32),
                       np.asarray(positions + padding, np.int32),
                       np.asarray(write_rows + padding, np.int32), decode_groups,
                       prefill_inputs, last)
+        logits = self.step.head_function(fused, screened)(hidden)
         return logits.numpy()[:num_wanted]
+
+    def warm_up_heads(self) -> None:
+        """Traces and runs once every LM head a step can end in (TransformerStep.
+        head_function), so the first request whose rows need another head than the
+        warmup's (a sampled one after greedy warmup requests) pays no trace."""
+        if not self.is_transformer:
+            return
+        width = self.config.model.hidden_size
+        hidden = np.ones([1, width], np.float32)
+        for fused in {False, self.step.kernel_dense}:
+            for screened in {False, self.step.screened_head is not None}:
+                self.step.head_function(fused, screened)(
+                    _as_compute_dtype(hidden, self.model.compute_dtype)).numpy()
 
     def xla_programs(self) -> list[tuple[int, int]]:
         """The (tokens, LM-head rows) shapes whose XLA programs the steps can run: every token

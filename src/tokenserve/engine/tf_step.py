@@ -80,8 +80,9 @@ class FlatCall:
 
     EXECUTOR = "SINGLE_THREADED_EXECUTOR"
 
-    def __init__(self, concrete):
+    def __init__(self, concrete, int32_inputs: bool = True):
         self.concrete = concrete
+        self.int32_inputs = int32_inputs  # False: the inputs are tensors already
         self._call_flat = getattr(concrete, "_call_flat", None)
         self._captured = concrete.captured_inputs if self._call_flat else None
         self._num_inputs = len(tf.nest.flatten(concrete.structured_input_signature))
@@ -90,7 +91,9 @@ class FlatCall:
         with tf.experimental.function_executor_type(self.EXECUTOR):
             if self._call_flat is None:
                 return self.concrete(*args)
-            inputs = [tf.constant(x, I32) for x in tf.nest.flatten(args)]
+            inputs = tf.nest.flatten(args)
+            if self.int32_inputs:
+                inputs = [tf.constant(x, I32) for x in inputs]
             if len(inputs) != self._num_inputs:  # the runner picked the wrong step: say so
                 raise ValueError(f"step called with {len(inputs)} inputs, traced for "
                                  f"{self._num_inputs}")
@@ -154,11 +157,15 @@ class TransformerStep(tf.Module):
         # (one per sequence) than the fused ops take as fast as XLA. Then no head program
         # is compiled, per token bucket or per row bucket.
         self.fused_head = False
+        # The LM head through a float16 screen (engine/screened_head.py) for steps whose rows
+        # are all greedy: set by the runner before any step is traced, float32 weights only.
+        self.screened_head = None
         self._write_rows = None  # write_rows' traced scatter, made on first use
         self._dense_programs = None  # dense_programs' graph, made on first use
         self._steps: dict[tuple[int, bool, bool],
                           tf.types.experimental.PolymorphicFunction] = {}
         self._concrete: dict[tuple[int, bool, bool], FlatCall] = {}
+        self._heads: dict[str, FlatCall] = {}  # head_function's, by kind
 
     # -- the dense half, XLA-compiled when jit_dense ------------------------------------------
     def _qkv(self, x, rotary, w):
@@ -258,6 +265,15 @@ class TransformerStep(tf.Module):
         if m.config.weight_format == "int8":  # tied: the token embedding [vocab, D]
             return int8_matmul(x, m.token_embedding_q, m.token_embedding_scale)
         return kdense.dense(x, m.token_embedding, layout="nk")
+
+    def _head_screened(self, x):
+        m = self.model
+        if self.kernel_dense:
+            x = self._norm_k(x, m.final_norm.weights_dict())
+        else:
+            c = m.config
+            x = norm(x, m.final_norm.weights_dict(), c.norm, c.norm_eps)
+        return self.screened_head(x)
 
     # -- attention over the paged cache (graph mode, never XLA) ------------------------------
     def _to_cache(self, rows):
@@ -359,9 +375,8 @@ class TransformerStep(tf.Module):
                  _spec([None])) if with_prefill else (),  # unpack [Np] into [Sp * Tp]
                 _spec([None]),          # last_tokens [S] packed index whose logits we need
             ]
-            dense = ((self._enter_k, self._between_k, self._exit_k, self._head_k) if fused_dense
-                     else (self._enter, self._between, self._exit,
-                           self._head_k if self.fused_head and self.kernel_dense else self._head))
+            dense = ((self._enter_k, self._between_k, self._exit_k) if fused_dense
+                     else (self._enter, self._between, self._exit))
 
             def step(token_ids, positions, write_rows, decode_groups, prefill, last_tokens):
                 return self._step(dense, token_ids, positions, write_rows, decode_groups,
@@ -376,9 +391,29 @@ class TransformerStep(tf.Module):
             self._concrete[key] = FlatCall(self._steps[key].get_concrete_function())
         return self._concrete[key]
 
+    def head_function(self, fused_dense: bool, screened: bool = False):
+        """The LM head a step's hidden rows go through: [S, D] -> float32 logits [S, vocab].
+
+        A function of its own, called after the step on its output (a tensor, never a
+        NumPy copy): the head depends on the rows' sampling, not on the step's kind, so
+        one trace per head serves every step graph, where a head inside each step would
+        trace every step kind twice. `fused_dense`: the step ran the fused dense ops (the
+        head does too); else the XLA head, or the fused one where `fused_head`.
+        `screened`: greedy rows only, through `screened_head` where it is set."""
+        fused = self.kernel_dense and (fused_dense or self.fused_head)
+        kind = ("screened" if screened and self.screened_head is not None
+                else "fused" if fused else "xla")
+        if kind not in self._heads:
+            head = {"screened": self._head_screened, "fused": self._head_k,
+                    "xla": self._head}[kind]
+            spec = tf.TensorSpec([None, self.model.config.hidden_size], self.model.compute_dtype)
+            traced = tf.function(head, input_signature=[spec], autograph=False)
+            self._heads[kind] = FlatCall(traced.get_concrete_function(), int32_inputs=False)
+        return self._heads[kind]
+
     def _step(self, dense, token_ids, positions, write_rows, decode_groups, prefill,
               last_tokens):
-        enter, between, exit_, head = dense
+        enter, between, exit_ = dense
         m = self.model
         num_tokens = tf.shape(token_ids)[0]
         # masks are shared by all layers: build them once
@@ -417,8 +452,7 @@ class TransformerStep(tf.Module):
             attn = self._layer_attention(q, decode_groups, biases, prefill, cache, layout)
             if i + 1 < len(self.caches):
                 x, q, k, v = between(x, attn, rotary, weights[i], weights[i + 1])
-        x = exit_(x, attn, weights[-1])
-        return head(tf.gather(x, last_tokens))                             # [S, vocab] f32
+        return tf.gather(exit_(x, attn, weights[-1]), last_tokens)        # [S, D]
 
     def dense_programs(self):
         """A graph that calls each XLA dense function once, on one layer's weights:

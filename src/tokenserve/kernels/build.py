@@ -1,7 +1,7 @@
 """Building and loading tokenserve's custom TensorFlow ops (shared by every op module).
 
 Each op is one C++ file next to this one (`int8_matmul.cc`, `paged_attention.cc`,
-`dense.cc`), compiled
+`dense.cc`, `half_matmul.cc`), compiled
 on first use with the local g++ and TensorFlow's own compile flags into
 `tokenserve.user_cache.cache_dir("kernels")` as `<stem>-<hash>.so`. The hash covers the source,
 the TF version, the compile and link flags and the CPU's feature flags, so a cached build is
@@ -17,7 +17,7 @@ Environment:
                                     benchmark that on an AVX-512 one) or any -march value
   per op (read first):  TOKENSERVE_INT8_KERNEL=fallback, TOKENSERVE_INT8_KERNEL_MARCH=...,
                         TOKENSERVE_PAGED_ATTENTION_KERNEL=fallback,
-                        TOKENSERVE_DENSE_KERNEL=fallback
+                        TOKENSERVE_DENSE_KERNEL=fallback, TOKENSERVE_HALF_KERNEL=fallback
 
 `python -m tokenserve.kernels.build` builds every op and prints each one's status.
 """
@@ -203,11 +203,11 @@ class OpLibrary:
 def main() -> int:
     """Builds every op; prints one status line each. Exit status 1 if any is unavailable
     (forced fallbacks count as fine)."""
-    from tokenserve.kernels import dense, int8_matmul, paged_attention
+    from tokenserve.kernels import dense, half_matmul, int8_matmul, paged_attention
 
     ok = True
     for name, module in (("int8_matmul", int8_matmul), ("paged_attention", paged_attention),
-                         ("dense", dense)):
+                         ("dense", dense), ("half_matmul", half_matmul)):
         status = module.kernel_status()
         print(f"{name}: {status}")
         ok = ok and (status.startswith("compiled") or "=fallback" in status)

@@ -1,0 +1,43 @@
+"""The float16-weight matmul op (kernels/half_matmul.cc) against NumPy, both its paths."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+tf = pytest.importorskip("tensorflow")
+
+from tokenserve.kernels import half_matmul as hm  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    if not hm.is_compiled():
+        pytest.skip(f"the op is not built here: {hm.kernel_status()}")
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 9])
+@pytest.mark.parametrize("k", [8, 37, 96, 768])
+@pytest.mark.parametrize("isa", ["auto", "scalar"])
+def test_products_match_numpy(compiled, m, k, isa):
+    rng = np.random.default_rng(m * 1000 + k)
+    n = 517  # two tiles of 256 and a few rows over: the last rows of a tile, fewer than four
+    w = rng.standard_normal((n, k)).astype(np.float16)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    want = x.astype(np.float64) @ w.astype(np.float64).T
+    got = hm.half_matmul(tf.constant(x), tf.constant(w), isa=isa).numpy()
+    assert got.shape == (m, n)
+    np.testing.assert_allclose(got, want, rtol=0, atol=4 * k * 2.0 ** -24 * np.abs(want).max()
+                               + 1e-6)
+
+
+def test_the_fallback_and_the_op_agree_and_shapes_are_checked(compiled):
+    rng = np.random.default_rng(0)
+    w = tf.constant(rng.standard_normal((40, 24)).astype(np.float16))
+    x = tf.constant(rng.standard_normal((3, 24)).astype(np.float32))
+    np.testing.assert_allclose(hm.half_matmul(x, w).numpy(),
+                               hm.half_matmul_fallback(x, w).numpy(), rtol=1e-5, atol=1e-5)
+    assert hm.half_matmul(tf.zeros([0, 24]), w).shape == (0, 40)
+    with pytest.raises((tf.errors.InvalidArgumentError, ValueError)):
+        hm.half_matmul(tf.zeros([2, 23]), w)
+    assert "float16 matmul op" in hm.kernel_status()
