@@ -153,3 +153,33 @@ def test_only_plain_greedy_requests_need_only_the_argmax():
                        dict(presence_penalty=0.5), dict(frequency_penalty=0.5),
                        dict(structured=StructuredOutput(GuideKind.CHOICE, ("a", "b")))):
         assert not SamplingParams(**needs_more).needs_only_argmax, needs_more
+
+
+def test_the_warmup_traces_every_head_a_request_can_need(exported):
+    """The warmup's requests are greedy: the heads sampled rows need are traced too, so a
+    first sampled request pays no trace (the step graphs' part: test_engine.py)."""
+    import asyncio
+
+    from tokenserve.engine.async_engine import AsyncEngine
+
+    model, _, version_dir = exported
+    if type(model).__name__ != "TransformerLM":
+        pytest.skip("the LSTM's step has no separate LM head")
+    engine = AsyncEngine.from_model_dir(version_dir, engine_config(max_screened_head_rows=8))
+    try:
+        step = engine.engine.runner.step
+        traced = set(step._heads)
+        assert "screened" in traced and len(traced) >= 2, traced
+
+        async def requests():
+            for params in (SamplingParams(max_tokens=3, temperature=0.7, seed=1),
+                           SamplingParams(max_tokens=3, logprobs=1),
+                           SamplingParams(max_tokens=3)):
+                async for _ in engine.generate([5, 6, 7], params, f"r{params.temperature}"
+                                               f"{params.logprobs}"):
+                    pass
+
+        asyncio.run(requests())
+        assert set(step._heads) == traced
+    finally:
+        engine.shutdown()

@@ -130,7 +130,7 @@ class KVCacheScorer:
 
         if num_rows not in self._steps:  # one cache per batch shape (one, plus a last batch)
             step = TransformerStep(self.model, num_rows, kv_dtype=self.kv_dtype)
-            self._steps[num_rows] = (step.step_function(0, True), step.head_function(False))
+            self._steps[num_rows] = step.step_function(0, True)
         return self._steps[num_rows]
 
     def score_windows(self, windows):
@@ -142,9 +142,9 @@ class KVCacheScorer:
         rows = (1 + np.arange(batch * length, dtype=np.int32)).reshape(batch, length)  # row 0:
         index = np.arange(batch * length, dtype=np.int32).reshape(batch, length)   # padding
         prefill = (index, rows, positions.reshape(batch, length), index.ravel())
-        step, head = self._step(batch * length + 1)
-        logits = head(step(windows[:, :-1].ravel().astype(np.int32), positions, rows.ravel(),
-                           [], prefill, index.ravel()))                            # [B*T, V]
+        logits = self._step(batch * length + 1)(
+            windows[:, :-1].ravel().astype(np.int32), positions, rows.ravel(), [], prefill,
+            index.ravel())                                                          # [B*T, V]
         logits = tf.cast(tf.reshape(logits, [batch, length, -1]), tf.float32)
         nll = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=windows[:, 1:],
                                                              logits=logits)

@@ -43,12 +43,6 @@ def _token_buckets_upto(limit: int) -> list[int]:
     return [b for b in itertools.takewhile(lambda b: b <= limit, _token_buckets())]
 
 
-def _as_compute_dtype(values: np.ndarray, dtype: str):
-    import tensorflow as tf
-
-    return tf.cast(tf.constant(values), dtype)
-
-
 def split_by_context(decode: list, max_groups: int, group_cost: int,
                      pad: int = EngineConfig.context_pad) -> list[list]:
     """Splits decode rows into at most `max_groups` groups of similar context length.
@@ -247,25 +241,24 @@ class ModelRunner:
                     and all(s.seq.request.params.needs_only_argmax for s in out.scheduled))
         self.num_screened_steps += screened
         step = self.step.step_function(len(decode_groups), bool(prefill), fused)
-        hidden = step(np.asarray(token_ids + padding, np.int32),
-                      np.asarray(positions + padding, np.int32),
-                      np.asarray(write_rows + padding, np.int32), decode_groups,
-                      prefill_inputs, last)
-        logits = self.step.head_function(fused, screened)(hidden)
-        return logits.numpy()[:num_wanted]
+        out = step(np.asarray(token_ids + padding, np.int32),
+                   np.asarray(positions + padding, np.int32),
+                   np.asarray(write_rows + padding, np.int32), decode_groups,
+                   prefill_inputs, last)
+        return self.step.logits(out, fused, screened).numpy()[:num_wanted]
 
     def warm_up_heads(self) -> None:
         """Traces and runs once every LM head a step can end in (TransformerStep.
         head_function), so the first request whose rows need another head than the
         warmup's (a sampled one after greedy warmup requests) pays no trace."""
-        if not self.is_transformer:
-            return
-        width = self.config.model.hidden_size
-        hidden = np.ones([1, width], np.float32)
+        if not self.is_transformer or self.step.screened_head is None:
+            return  # every step runs its own head
+        import tensorflow as tf
+
+        hidden = tf.ones([1, self.config.model.hidden_size])  # a screen means float32
         for fused in {False, self.step.kernel_dense}:
-            for screened in {False, self.step.screened_head is not None}:
-                self.step.head_function(fused, screened)(
-                    _as_compute_dtype(hidden, self.model.compute_dtype)).numpy()
+            for screened in (False, True):
+                self.step.head_function(fused, screened)(hidden).numpy()
 
     def xla_programs(self) -> list[tuple[int, int]]:
         """The (tokens, LM-head rows) shapes whose XLA programs the steps can run: every token

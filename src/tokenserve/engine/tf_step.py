@@ -377,6 +377,10 @@ class TransformerStep(tf.Module):
             ]
             dense = ((self._enter_k, self._between_k, self._exit_k) if fused_dense
                      else (self._enter, self._between, self._exit))
+            # without a screen there is one head per step kind: inside the step, no second
+            # call (head_function)
+            head = None if self.screened_head is not None else self._head_fn(fused_dense)
+            dense = (*dense, head)
 
             def step(token_ids, positions, write_rows, decode_groups, prefill, last_tokens):
                 return self._step(dense, token_ids, positions, write_rows, decode_groups,
@@ -391,21 +395,32 @@ class TransformerStep(tf.Module):
             self._concrete[key] = FlatCall(self._steps[key].get_concrete_function())
         return self._concrete[key]
 
+    def _head_fn(self, fused_dense: bool):
+        """The unscreened LM head after a step with or without the fused dense ops: the
+        fused op there, else XLA's program (or the fused op where `fused_head`)."""
+        fused = self.kernel_dense and (fused_dense or self.fused_head)
+        return self._head_k if fused else self._head
+
+    def logits(self, step_output, fused_dense: bool, screened: bool = False):
+        """A step's output as float32 logits [S, vocab]: the step's own where it ran its
+        head, else its hidden rows through head_function."""
+        if self.screened_head is None:
+            return step_output
+        return self.head_function(fused_dense, screened)(step_output)
+
     def head_function(self, fused_dense: bool, screened: bool = False):
-        """The LM head a step's hidden rows go through: [S, D] -> float32 logits [S, vocab].
+        """With a screen, the LM head a step's hidden rows go through: [S, D] -> float32
+        logits [S, vocab].
 
         A function of its own, called after the step on its output (a tensor, never a
-        NumPy copy): the head depends on the rows' sampling, not on the step's kind, so
-        one trace per head serves every step graph, where a head inside each step would
-        trace every step kind twice. `fused_dense`: the step ran the fused dense ops (the
-        head does too); else the XLA head, or the fused one where `fused_head`.
-        `screened`: greedy rows only, through `screened_head` where it is set."""
-        fused = self.kernel_dense and (fused_dense or self.fused_head)
+        NumPy copy): which head runs depends on the rows' sampling, not on the step's
+        kind, so one trace per head serves every step graph, where heads inside the step
+        would trace every step kind twice. `screened`: greedy rows only, through
+        `screened_head`."""
         kind = ("screened" if screened and self.screened_head is not None
-                else "fused" if fused else "xla")
+                else "fused" if self._head_fn(fused_dense) == self._head_k else "xla")
         if kind not in self._heads:
-            head = {"screened": self._head_screened, "fused": self._head_k,
-                    "xla": self._head}[kind]
+            head = self._head_screened if kind == "screened" else self._head_fn(fused_dense)
             spec = tf.TensorSpec([None, self.model.config.hidden_size], self.model.compute_dtype)
             traced = tf.function(head, input_signature=[spec], autograph=False)
             self._heads[kind] = FlatCall(traced.get_concrete_function(), int32_inputs=False)
@@ -413,7 +428,7 @@ class TransformerStep(tf.Module):
 
     def _step(self, dense, token_ids, positions, write_rows, decode_groups, prefill,
               last_tokens):
-        enter, between, exit_ = dense
+        enter, between, exit_, head = dense
         m = self.model
         num_tokens = tf.shape(token_ids)[0]
         # masks are shared by all layers: build them once
@@ -452,7 +467,8 @@ class TransformerStep(tf.Module):
             attn = self._layer_attention(q, decode_groups, biases, prefill, cache, layout)
             if i + 1 < len(self.caches):
                 x, q, k, v = between(x, attn, rotary, weights[i], weights[i + 1])
-        return tf.gather(exit_(x, attn, weights[-1]), last_tokens)        # [S, D]
+        x = tf.gather(exit_(x, attn, weights[-1]), last_tokens)            # [S, D]
+        return x if head is None else head(x)                              # [S, vocab] f32
 
     def dense_programs(self):
         """A graph that calls each XLA dense function once, on one layer's weights:

@@ -1,0 +1,134 @@
+#!/usr/bin/env python
+"""The LM head's float16 screen in the engine: greedy decode with it and without.
+
+For each exported float32 model, two in-process engines (`tokenserve.LLM`) on the same
+export, one screening greedy steps of up to 8 rows (`max_screened_head_rows=8`, the
+default) and one never (`0`), decode the same prompts (32 random tokens each, greedy,
+`ignore_eos`), alternating in one process, `--rounds` times per batch size. Reported:
+median output tok/s of each and their ratio, whether every answer was the same tokens, and
+how many vocabulary entries per row the screen had to compute again in float32 (recorded
+in the screened steps' graph; a few means the screen ruled out all but a few).
+
+Output: a table and benchmarks/results/screened-head[-NAME].json with the machine's flags.
+
+    python benchmarks/screened_head.py /tmp/headline/gpt2-float32 [MORE_EXPORTS...] \
+        [--seqs 1 2 4 8] [--rounds 3] [--tokens 64] [--name NAME]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+from machine import machine_info, machine_summary  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+CANDIDATES: list[int] = []  # per screened row, appended from inside the step's head
+
+
+def record_candidates() -> None:
+    """Wraps ScreenedHead.__call__ so each traced head also reports its candidate counts."""
+    import numpy as np
+    import tensorflow as tf
+
+    from tokenserve.engine import screened_head
+
+    original = screened_head.ScreenedHead.__call__
+
+    def counting(self, x):
+        approx, bound = self.bounds(x)
+        floor = tf.reduce_max(approx - bound, axis=-1, keepdims=True)
+        counts = tf.reduce_sum(tf.cast(approx + bound >= floor, tf.int32), -1)
+        logged = tf.numpy_function(lambda c: (CANDIDATES.extend(int(n) for n in c),
+                                              np.int32(0))[1], [counts], tf.int32)
+        with tf.control_dependencies([logged]):
+            return original(self, tf.identity(x))
+
+    screened_head.ScreenedHead.__call__ = counting
+
+
+def bench_model(path: str, seqs: list[int], rounds: int, tokens: int) -> dict:
+    import numpy as np
+
+    from tokenserve import LLM, SamplingParams
+
+    engines = {"screened": LLM(path, precision="float32", max_num_seqs=max(seqs)),
+               "plain": LLM(path, precision="float32", max_num_seqs=max(seqs),
+                            max_screened_head_rows=0)}
+    vocab = engines["plain"].engine.runner.vocab_size
+    rng = np.random.default_rng(0)
+    params = SamplingParams(max_tokens=tokens, ignore_eos=True)
+    rows = []
+    for num_seqs in seqs:
+        rates = {name: [] for name in engines}
+        same = True
+        CANDIDATES.clear()
+        for _ in range(rounds):
+            prompts = [[int(t) for t in rng.integers(100, vocab - 100, 32)]
+                       for _ in range(num_seqs)]
+            answers = {}
+            for name, llm in engines.items():
+                started = time.perf_counter()
+                outputs = llm.generate(prompts, params, use_tqdm=False)
+                rates[name].append(num_seqs * tokens / (time.perf_counter() - started))
+                answers[name] = [o.outputs[0].token_ids for o in outputs]
+            same = same and answers["screened"] == answers["plain"]
+        row = {"seqs": num_seqs, "same_tokens": same,
+               "candidates": {"median": statistics.median(CANDIDATES) if CANDIDATES else None,
+                              "p90": float(np.percentile(CANDIDATES, 90)) if CANDIDATES else None,
+                              "max": max(CANDIDATES, default=None), "rows": len(CANDIDATES)},
+               **{f"{name}_tok_s": statistics.median(r) for name, r in rates.items()},
+               **{f"{name}_runs": r for name, r in rates.items()}}
+        row["ratio"] = row["screened_tok_s"] / row["plain_tok_s"]
+        rows.append(row)
+        print(f"{Path(path).name} {num_seqs} seqs: screened {row['screened_tok_s']:.1f}, "
+              f"plain {row['plain_tok_s']:.1f} tok/s ({row['ratio']:.2f}x)", flush=True)
+    return {"model": path, "rows": rows}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("models", nargs="+", help="exported float32 models")
+    parser.add_argument("--seqs", type=int, nargs="+", default=[1, 2, 4, 8])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--name", default="", help="suffix of the results file")
+    args = parser.parse_args()
+
+    from rich.console import Console
+    from rich.table import Table
+
+    record_candidates()
+    results = [bench_model(m, args.seqs, args.rounds, args.tokens) for m in args.models]
+    machine = machine_info()
+    table = Table(title="greedy decode, LM head screened in float16 or not (in-process)",
+                  caption=machine_summary(machine))
+    for column in ("model", "seqs", "plain tok/s", "screened tok/s", "speedup", "same tokens",
+                   "candidates / row (median, p90, max)"):
+        table.add_column(column, justify="right")
+    for result in results:
+        for r in result["rows"]:
+            c = r["candidates"]
+            table.add_row(Path(result["model"]).name, str(r["seqs"]), f"{r['plain_tok_s']:.1f}",
+                          f"{r['screened_tok_s']:.1f}", f"{r['ratio']:.2f}x",
+                          "yes" if r["same_tokens"] else "NO",
+                          f"{c['median']:.0f}, {c['p90']:.0f}, {c['max']}" if c["rows"] else "-")
+    Console().print(table)
+    RESULTS.mkdir(exist_ok=True)
+    path = RESULTS / f"screened-head{'-' + args.name if args.name else ''}.json"
+    path.write_text(json.dumps({"machine": machine, "rounds": args.rounds,
+                                "tokens": args.tokens, "results": results}, indent=1))
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
