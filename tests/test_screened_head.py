@@ -104,6 +104,10 @@ def test_greedy_steps_take_the_screen_and_keep_their_tokens(screened_and_plain):
     screened, plain = screened_and_plain
     runner = screened.engine.runner
     assert runner.step.screened_head is not None and plain.engine.runner.step.screened_head is None
+    # the float16 copy is reported beside the weights
+    vocab, width = runner.vocab_size, runner.config.model.hidden_size
+    assert runner.memory_bytes()["head_screen"] == vocab * width * 2 + vocab * 4
+    assert "head_screen" not in plain.engine.runner.memory_bytes()
     params = SamplingParams(max_tokens=16, ignore_eos=True)
     before = runner.num_screened_steps
     got = screened.generate(PROMPTS, params, use_tqdm=False)

@@ -338,7 +338,8 @@ class ModelRunner:
 
     def memory_bytes(self) -> dict[str, int]:
         """Bytes the runner allocated: {"weights": the model's variables, "kv_cache": the
-        KV pool (an LSTM: its state slots)}. Exact sizes, not resident-memory estimates."""
+        KV pool (an LSTM: its state slots)}, and "head_screen": the LM head's float16 copy
+        where greedy steps screen it. Exact sizes, not resident-memory estimates."""
         import tensorflow as tf
 
         def size(variable) -> int:
@@ -346,8 +347,12 @@ class ModelRunner:
 
         caches = ([v for pair in self.step.caches for v in pair] if self.is_transformer
                   else [self.step.states])
-        return {"weights": sum(size(w) for w in self.model.weights),
-                "kv_cache": sum(size(v) for v in caches)}
+        parts = {"weights": sum(size(w) for w in self.model.weights),
+                 "kv_cache": sum(size(v) for v in caches)}
+        screen = getattr(self.step, "screened_head", None)
+        if screen is not None:
+            parts["head_screen"] = screen.nbytes
+        return parts
 
     # -- KV blocks in and out (the remote tier) ---------------------------------------------
     @property
