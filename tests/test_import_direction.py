@@ -47,6 +47,7 @@ GROUPS: dict[str, str] = {
     "tokenserve.engine": "engine",
     "tokenserve.engine.runner": "runner",
     "tokenserve.engine.tf_step": "runner",
+    "tokenserve.engine.screened_head": "runner",
     "tokenserve.lifecycle": "lifecycle",
     "tokenserve.export": "export",
     "tokenserve.model": "model",
