@@ -58,8 +58,8 @@ def main() -> None:
     from tokenserve.kernels import paged_attention as pa
     from tokenserve.model.layers import attend
 
-    if isinstance(pa._load(), str):
-        sys.exit(f"the paged attention op is unavailable: {pa._load()}")
+    if not pa.is_compiled():
+        sys.exit(f"the paged attention op is unavailable: {pa.kernel_status()}")
     width = HEADS * HEAD_DIM
     caches = []
     for _ in range(2):

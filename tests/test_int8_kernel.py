@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from tokenserve.kernels import build as kbuild
 from tokenserve.kernels import int8_matmul as im
 
 # (M, K, N, G): empty batch, decode sizes, K not a multiple of 32 (the built-in model's 688),
@@ -25,7 +26,7 @@ CASES = [(0, 64, 8, 1), (1, 64, 8, 1), (1, 768, 36, 1), (7, 688, 13, 1), (33, 25
 @pytest.fixture(scope="module")
 def compiled():
     """Builds the op once (cached across runs); skips where it cannot be built."""
-    loaded = im._load()
+    loaded = im.LIBRARY.load()
     if isinstance(loaded, str):
         pytest.skip(f"compiled int8 op unavailable ({loaded}); the fallback tests still run")
     return loaded[0]
@@ -130,7 +131,7 @@ def test_compiled_float_activations(compiled, m, k, n, g, isa):
 
 def test_int8_matmul_uses_the_compiled_op(compiled, monkeypatch):
     monkeypatch.delenv(im.MODE_ENV, raising=False)
-    assert im.kernel_status().startswith("compiled int8 op")
+    assert im.kernel_status().startswith("compiled int8 matmul op")
     x, q, scale = make(4, 256, 12, 1)
     y = im.int8_matmul(x, q, scale).numpy()
     np.testing.assert_allclose(y, reference_int8_activations(x, q, scale), rtol=1e-4, atol=1e-4)
@@ -205,22 +206,22 @@ def test_fallback_graph_mode(monkeypatch):
 def test_missing_compiler_falls_back(monkeypatch, tmp_path):
     monkeypatch.delenv(im.MODE_ENV, raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # nothing built before
-    monkeypatch.setattr(im, "_loaded", None)  # a fresh process, as far as loading goes
-    monkeypatch.setattr(im.shutil, "which", lambda name: None)
+    monkeypatch.setattr(im.LIBRARY, "_loaded", None)  # a fresh process, as far as loading goes
+    monkeypatch.setattr(kbuild.shutil, "which", lambda name: None)
     assert im.kernel_status() == "pure-TF fallback: g++ not found"
     x, q, scale = make(2, 64, 4, 1)
     assert relative_error(im.int8_matmul(x, q, scale).numpy(), reference(x, q, scale)) < 1e-6
 
 
 def test_failed_build_falls_back(monkeypatch, tmp_path):
-    if im.shutil.which("g++") is None:
+    if kbuild.shutil.which("g++") is None:
         pytest.skip("g++ not found")
     bad = tmp_path / "int8_matmul.cc"
     bad.write_text("this is not C++\n")
     monkeypatch.delenv(im.MODE_ENV, raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    monkeypatch.setattr(im, "_loaded", None)
-    monkeypatch.setattr(im, "SOURCE", bad)
+    monkeypatch.setattr(im.LIBRARY, "_loaded", None)
+    monkeypatch.setattr(im.LIBRARY, "source", bad)
     assert im.kernel_status().startswith("pure-TF fallback: compiling int8_matmul.cc failed")
     assert list((tmp_path / "cache" / "tokenserve" / "kernels").iterdir()) == []  # no debris
     x, q, scale = make(2, 64, 4, 1)

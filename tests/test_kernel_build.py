@@ -10,13 +10,14 @@ import shutil
 
 import pytest
 
-from tokenserve.kernels import build, dense, int8_matmul, paged_attention
+from tokenserve.kernels import build, dense, half_matmul, int8_matmul, paged_attention
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="no g++ on this machine")
 
 
-@pytest.mark.parametrize("source", [dense.LIBRARY.source, int8_matmul.SOURCE,
-                                    paged_attention.SOURCE], ids=lambda path: path.stem)
+@pytest.mark.parametrize("source", [dense.LIBRARY.source, int8_matmul.LIBRARY.source,
+                                    paged_attention.LIBRARY.source, half_matmul.LIBRARY.source],
+                         ids=lambda path: path.stem)
 def test_op_builds_with_the_default_flags(source, monkeypatch):
     monkeypatch.delenv(build.MARCH_ENV, raising=False)
     loaded = build.load_library(source, build.arch_flags(), source.stem)

@@ -21,7 +21,7 @@ TOLERANCE = {tf.float32: 1e-5, tf.bfloat16: 2e-2}
 @pytest.fixture(scope="module")
 def compiled():
     """Builds the op once (cached across runs); skips where it cannot be built."""
-    loaded = pa._load()
+    loaded = pa.LIBRARY.load()
     if isinstance(loaded, str):
         pytest.skip(f"compiled paged attention op unavailable ({loaded}); fallback tests run")
     return loaded[0]
@@ -295,7 +295,7 @@ def test_missing_compiler_falls_back(monkeypatch, tmp_path):
     monkeypatch.delenv(pa.MODE_ENV, raising=False)
     monkeypatch.delenv(kbuild.KERNELS_ENV, raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # nothing built before
-    monkeypatch.setattr(pa, "_loaded", None)  # a fresh process, as far as loading goes
+    monkeypatch.setattr(pa.LIBRARY, "_loaded", None)  # a fresh process, as far as loading goes
     monkeypatch.setattr(kbuild.shutil, "which", lambda name: None)
     assert pa.kernel_status() == "pure-TF fallback: g++ not found"
     q, keys, values, rows, lengths, kv, vv = make(4, 2, 32, length=8, num_rows=40)

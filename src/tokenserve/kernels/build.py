@@ -108,7 +108,7 @@ def build_library(source: Path, arch: list[str]) -> Path:
     message names the source and quotes the first error line); no file is left behind then.
     """
     source = Path(source)
-    # the source and the headers beside it that it may include (kernels/chunks.h)
+    # the source and the headers beside it that it may include (chunks.h, cpu.h, ...)
     code = b"\0".join([source.read_bytes(), *(header.read_bytes()
                                                for header in sorted(source.parent.glob("*.h")))])
     compile_flags = ["-O3", *arch, "-std=c++17", "-shared", "-fPIC",
@@ -166,6 +166,8 @@ class OpLibrary:
         >>> LIBRARY = OpLibrary(Path(__file__).with_name("dense.cc"), "dense op",
         ...                     mode_env="TOKENSERVE_DENSE_KERNEL")
         >>> op = LIBRARY.module()   # None: take the pure-TF fallback
+        >>> LIBRARY.status("tokenserve_dense_info")
+        'compiled dense op (AVX2+FMA; built with -march=native)'
     """
 
     def __init__(self, source: Path, what: str, mode_env: str, march_env: str | None = None):
@@ -193,6 +195,26 @@ class OpLibrary:
             return None
         loaded = self.load()
         return None if isinstance(loaded, str) else loaded[0]
+
+    def is_compiled(self) -> bool:
+        """True when the compiled op is loaded and not forced off (builds it if needed)."""
+        return self.module() is not None
+
+    def status(self, info_op: str, detail: str = "") -> str:
+        """One line: which path the op takes here, and why (builds it if needed).
+
+        info_op: the library's op that reports the ISA its kernels were compiled for.
+        detail: added after that ISA (what the compiled kernels do differently).
+        """
+        forced = self.forced_fallback()
+        if forced:
+            return f"pure-TF fallback: {forced}=fallback"
+        loaded = self.load()
+        if isinstance(loaded, str):
+            return f"pure-TF fallback: {loaded}"
+        op, flags = loaded
+        isa = getattr(op, info_op)().numpy().decode()
+        return f"compiled {self.what} ({isa}{detail}; built with {flags})"
 
     def reset(self) -> None:
         """Forgets the outcome, as a fresh process would (tests)."""

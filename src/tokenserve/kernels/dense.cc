@@ -53,6 +53,7 @@
 #include "tensorflow/core/framework/shape_inference.h"
 #include "tensorflow/core/platform/threadpool.h"
 #include "chunks.h"
+#include "cpu.h"
 #include "rowops.h"
 #include "tensor_args.h"
 
@@ -105,15 +106,6 @@ struct Args {
   float* y;               // [M, out]
   Activation act;
 };
-
-bool CpuHasAvx2Fma() {
-#ifdef TOKENSERVE_X86
-  static const bool has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  return has;
-#else
-  return false;
-#endif
-}
 
 #ifdef TOKENSERVE_X86
 #define AVX2_FN __attribute__((target("avx2,fma")))
@@ -398,13 +390,6 @@ AVX2_FN void NkPackedAvx2(const Geometry& g, const float* x, const float* w, int
   }
 }
 
-AVX2_FN inline float HorizontalSum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
 // "nk": z[r, n] = W[n, :] . x[r, :] for weight rows [n0, n1) and every row r of x.
 // Four weight rows at a time, each with its own accumulator per row of x, and up to three
 // rows of x per pass, so each load of x feeds four FMAs and each load of W up to three; the
@@ -441,7 +426,7 @@ AVX2_FN inline void NkQuadAvx2(const Geometry& g, const float* x, const float* w
     const float* xr = x + r * g.K;
     float sums[4];
     for (int i = 0; i < 4; ++i) {
-      sums[i] = HorizontalSum(s[r][i]);
+      sums[i] = cpu::HorizontalSum(s[r][i]);
       for (int64 kk = k; kk < g.K; ++kk) sums[i] += ws[i][kk] * xr[kk];
     }
     std::memcpy(z + r * g.N, sums, sizeof(sums));
@@ -478,7 +463,7 @@ AVX2_FN void NkTileAvx2(const Geometry& g, const float* x, const float* w, int64
       __m256 s = _mm256_setzero_ps();
       int64 k = 0;
       for (; k < vec; k += 8) s = _mm256_fmadd_ps(_mm256_loadu_ps(wn + k), _mm256_loadu_ps(xr + k), s);
-      float sum = HorizontalSum(s);
+      float sum = cpu::HorizontalSum(s);
       for (; k < g.K; ++k) sum += wn[k] * xr[k];
       z[r * g.N + n] = sum;
     }
@@ -846,7 +831,7 @@ class DenseOp : public OpKernel {
     act_ = activation == "gelu_tanh" ? Activation::kGeluTanh
          : activation == "swiglu"    ? Activation::kSwiglu
                                      : Activation::kNone;
-    avx2_ = isa == "auto" && CpuHasAvx2Fma();
+    avx2_ = isa == "auto" && cpu::HasAvx2Fma();
   }
 
   void Compute(OpKernelContext* ctx) override {
@@ -906,7 +891,7 @@ class FinishBlockOp : public OpKernel {
     OP_REQUIRES_OK(ctx, ctx->GetAttr("eps", &eps_));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("isa", &isa));
     act_ = activation == "swiglu" ? Activation::kSwiglu : Activation::kGeluTanh;
-    avx2_ = isa == "auto" && CpuHasAvx2Fma();
+    avx2_ = isa == "auto" && cpu::HasAvx2Fma();
   }
 
   void Compute(OpKernelContext* ctx) override {
@@ -1020,7 +1005,7 @@ class EpilogueOp : public OpKernel {
     act_ = activation == "gelu_tanh" ? Activation::kGeluTanh
          : activation == "swiglu"    ? Activation::kSwiglu
                                      : Activation::kNone;
-    avx2_ = isa == "auto" && CpuHasAvx2Fma();
+    avx2_ = isa == "auto" && cpu::HasAvx2Fma();
   }
 
   void Compute(OpKernelContext* ctx) override {
@@ -1077,7 +1062,7 @@ class NormOp : public OpKernel {
     std::string isa;
     OP_REQUIRES_OK(ctx, ctx->GetAttr("eps", &eps_));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("isa", &isa));
-    avx2_ = isa == "auto" && CpuHasAvx2Fma();
+    avx2_ = isa == "auto" && cpu::HasAvx2Fma();
   }
 
   void Compute(OpKernelContext* ctx) override {
@@ -1115,7 +1100,7 @@ class DenseInfoOp : public OpKernel {
   void Compute(OpKernelContext* ctx) override {
     Tensor* out = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({}), &out));
-    out->scalar<tensorflow::tstring>()() = CpuHasAvx2Fma() ? "AVX2+FMA" : "scalar (no AVX2+FMA)";
+    out->scalar<tensorflow::tstring>()() = cpu::HasAvx2Fma() ? "AVX2+FMA" : "scalar (no AVX2+FMA)";
   }
 };
 

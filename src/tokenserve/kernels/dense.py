@@ -143,20 +143,12 @@ def finish_block(attn, x, out, norm, up, down, activation: str = "gelu_tanh",
 
 def is_compiled() -> bool:
     """True when the compiled op is loaded and not forced off."""
-    return LIBRARY.module() is not None
+    return LIBRARY.is_compiled()
 
 
 def kernel_status() -> str:
     """One line: which path the dense functions take here, and why (builds the op if needed)."""
-    forced = LIBRARY.forced_fallback()
-    if forced:
-        return f"pure-TF fallback: {forced}=fallback"
-    loaded = LIBRARY.load()
-    if isinstance(loaded, str):
-        return f"pure-TF fallback: {loaded}"
-    op, flags = loaded
-    isa = op.tokenserve_dense_info().numpy().decode()
-    return f"compiled dense op ({isa}; built with {flags})"
+    return LIBRARY.status("tokenserve_dense_info")
 
 
 if __name__ == "__main__":

@@ -31,6 +31,7 @@
 #include "tensorflow/core/framework/shape_inference.h"
 #include "tensorflow/core/platform/threadpool.h"
 #include "chunks.h"
+#include "cpu.h"
 
 namespace tokenserve {
 namespace {
@@ -54,16 +55,6 @@ struct Geometry {
   int64 M, K, N;  // x [M, K], w [N, K], y [M, N]
 };
 
-bool CpuHasAvx2FmaF16c() {
-#ifdef TOKENSERVE_X86
-  static const bool has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-                          __builtin_cpu_supports("f16c");
-  return has;
-#else
-  return false;
-#endif
-}
-
 void TileScalar(const Geometry& g, const float* x, const Half* w, int64 n0, int64 n1,
                 float* y) {
   for (int64 n = n0; n < n1; ++n) {
@@ -79,13 +70,6 @@ void TileScalar(const Geometry& g, const float* x, const Half* w, int64 n0, int6
 
 #ifdef TOKENSERVE_X86
 #define AVX2_FN __attribute__((target("avx2,fma,f16c")))
-
-AVX2_FN inline float HorizontalSum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
 
 AVX2_FN inline __m256 Load8(const Half* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
@@ -122,7 +106,7 @@ AVX2_FN inline void RowAvx2(const Geometry& g, const float* x, const Half* wn, f
   for (int r = 0; r < R; ++r) {
     __m256 total = s[r][0];
     for (int u = 1; u < U; ++u) total = _mm256_add_ps(total, s[r][u]);
-    float sum = HorizontalSum(total);
+    float sum = cpu::HorizontalSum(total);
     for (int64 kk = k; kk < g.K; ++kk) sum += static_cast<float>(wn[kk]) * x[r * g.K + kk];
     y[r * g.N] = sum;
   }
@@ -177,7 +161,7 @@ class HalfMatmulOp : public OpKernel {
   explicit HalfMatmulOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
     std::string isa;
     OP_REQUIRES_OK(ctx, ctx->GetAttr("isa", &isa));
-    avx2_ = isa == "auto" && CpuHasAvx2FmaF16c();
+    avx2_ = isa == "auto" && cpu::HasAvx2FmaF16c();
   }
 
   void Compute(OpKernelContext* ctx) override {
@@ -226,7 +210,7 @@ class HalfMatmulInfoOp : public OpKernel {
     Tensor* out = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({}), &out));
     out->scalar<tensorflow::tstring>()() =
-        CpuHasAvx2FmaF16c() ? "AVX2+FMA+F16C" : "scalar (no AVX2+FMA+F16C)";
+        cpu::HasAvx2FmaF16c() ? "AVX2+FMA+F16C" : "scalar (no AVX2+FMA+F16C)";
   }
 };
 

@@ -40,20 +40,12 @@ def half_matmul_fallback(x, w) -> tf.Tensor:
 
 def is_compiled() -> bool:
     """True when the compiled op is loaded and not forced off."""
-    return LIBRARY.module() is not None
+    return LIBRARY.is_compiled()
 
 
 def kernel_status() -> str:
     """One line: which path half_matmul takes here, and why (builds the op if needed)."""
-    forced = LIBRARY.forced_fallback()
-    if forced:
-        return f"pure-TF fallback: {forced}=fallback"
-    loaded = LIBRARY.load()
-    if isinstance(loaded, str):
-        return f"pure-TF fallback: {loaded}"
-    op, flags = loaded
-    isa = op.tokenserve_half_matmul_info().numpy().decode()
-    return f"compiled float16 matmul op ({isa}; built with {flags})"
+    return LIBRARY.status("tokenserve_half_matmul_info")
 
 
 if __name__ == "__main__":

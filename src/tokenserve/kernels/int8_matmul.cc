@@ -60,6 +60,7 @@
 #include "tensorflow/core/framework/shape_inference.h"
 #include "tensorflow/core/platform/threadpool.h"
 #include "chunks.h"
+#include "cpu.h"
 #include "rowops.h"
 #include "tensor_args.h"
 
@@ -209,20 +210,6 @@ void FloatTileScalar(const Geometry& g, const float* x, const Tile& t, float* bu
 #ifdef TOKENSERVE_X86
 #define AVX2_FN __attribute__((target("avx2,fma")))
 
-AVX2_FN inline float HorizontalSum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
-AVX2_FN inline float HorizontalMax(__m256 v) {
-  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_max_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
 AVX2_FN float QuantizeBlockAvx2(const float* x, int64 len, int8_t* q) {
   alignas(32) float padded[kBlock];
   if (len < kBlock) {  // rare: the last block of a group whose size is not a multiple of 32
@@ -245,7 +232,7 @@ AVX2_FN float QuantizeBlockAvx2(const float* x, int64 len, int8_t* q) {
     std::memset(q, 0, kBlock);
     return NAN;
   }
-  const float max_abs = HorizontalMax(amax);
+  const float max_abs = cpu::HorizontalMax(amax);
   const __m256 inv = _mm256_set1_ps(max_abs > 0.f ? 127.f / max_abs : 0.f);
   __m256i i32[4];
   for (int i = 0; i < 4; ++i) {
@@ -322,7 +309,7 @@ AVX2_FN void Int8TileAvx2(const Geometry& g, const QuantizedRows& xq, const Tile
     }
     // Per-channel scale (G == 1) applied once, after the sum.
     for (int r = 0; r < NT; ++r) {
-      y[m * g.N + t.n0 + r] = HorizontalSum(total[r]) * (G == 1 ? t.scale[r] : 1.f);
+      y[m * g.N + t.n0 + r] = cpu::HorizontalSum(total[r]) * (G == 1 ? t.scale[r] : 1.f);
     }
   }
 }
@@ -392,7 +379,7 @@ AVX2_FN void Int8RowsAvx2(const Geometry& g, const QuantizedRows& xq, const Tile
                                          _mm256_add_ps(acc[2], acc[3]));
         total = G == 1 ? sum : _mm256_fmadd_ps(sum, _mm256_set1_ps(scale[grp]), total);
       }
-      y[m * g.N + t.n0 + r] = HorizontalSum(total) * (G == 1 ? scale[0] : 1.f);
+      y[m * g.N + t.n0 + r] = cpu::HorizontalSum(total) * (G == 1 ? scale[0] : 1.f);
     }
   }
 }
@@ -457,7 +444,7 @@ AVX2_FN __attribute__((always_inline)) inline void Int8RowGroupAvx2(
     }
   }
   for (int i = 0; i < R; ++i) {
-    y[(m0 + i) * g.N + n] = HorizontalSum(total[i]) * (G == 1 ? scale[0] : 1.f);
+    y[(m0 + i) * g.N + n] = cpu::HorizontalSum(total[i]) * (G == 1 ? scale[0] : 1.f);
   }
 }
 
@@ -532,7 +519,7 @@ AVX2_FN void FloatTileAvx2(const Geometry& g, const float* x, const Tile& t, flo
         acc[r] = _mm256_fmadd_ps(xv, _mm256_loadu_ps(buf + r * padded + full), acc[r]);
       }
     }
-    for (int r = 0; r < NT; ++r) y[m * g.N + t.n0 + r] = HorizontalSum(acc[r]);
+    for (int r = 0; r < NT; ++r) y[m * g.N + t.n0 + r] = cpu::HorizontalSum(acc[r]);
   }
 }
 #undef AVX2_FN
@@ -628,18 +615,9 @@ VNNI_FN void Int8TileVnni(const Geometry& g, const QuantizedRows& xq, const Tile
 #undef VNNI_FN
 #endif  // TOKENSERVE_VNNI
 
-bool CpuHasAvx2Fma() {
-#ifdef TOKENSERVE_X86
-  static const bool has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  return has;
-#else
-  return false;
-#endif
-}
-
 bool CpuHasAvx512Vnni() {
 #ifdef TOKENSERVE_VNNI
-  static const bool has = CpuHasAvx2Fma() && __builtin_cpu_supports("avx512f") &&
+  static const bool has = cpu::HasAvx2Fma() && __builtin_cpu_supports("avx512f") &&
                           __builtin_cpu_supports("avx512bw") &&
                           __builtin_cpu_supports("avx512vl") &&
                           __builtin_cpu_supports("avx512vnni");
@@ -653,7 +631,7 @@ bool CpuHasAvx512Vnni() {
 enum class Isa { kScalar, kAvx2, kAvx512Vnni };
 
 Isa ChooseIsa(const std::string& attr) {
-  if (attr == "scalar" || !CpuHasAvx2Fma()) return Isa::kScalar;
+  if (attr == "scalar" || !cpu::HasAvx2Fma()) return Isa::kScalar;
   if (attr == "avx2" || !CpuHasAvx512Vnni()) return Isa::kAvx2;
   return Isa::kAvx512Vnni;
 }

@@ -26,8 +26,6 @@ Environment (building and loading are shared with the other ops: tokenserve.kern
 from __future__ import annotations
 
 import logging
-import shutil  # noqa: F401  (kept as a module attribute: tests patch im.shutil.which)
-import threading
 from pathlib import Path
 
 import numpy as np
@@ -37,14 +35,11 @@ from tokenserve.kernels import build as kbuild
 
 log = logging.getLogger("tokenserve.kernels")
 
-SOURCE = Path(__file__).with_name("int8_matmul.cc")
 MODE_ENV = "TOKENSERVE_INT8_KERNEL"
 MARCH_ENV = "TOKENSERVE_INT8_KERNEL_MARCH"
 
-_lock = threading.Lock()
-# The op library once loaded (its module and build flags), or why it is unavailable (str).
-# One per process: a second build of the same ops would not register again.
-_loaded: tuple[object, str] | str | None = None
+LIBRARY = kbuild.OpLibrary(Path(__file__).with_name("int8_matmul.cc"), "int8 matmul op",
+                           mode_env=MODE_ENV, march_env=MARCH_ENV)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -102,7 +97,7 @@ def int8_matmul(x, q, scale) -> tf.Tensor:
         return tf.cast(int8_matmul(tf.cast(x, tf.float32), q, scale), x.dtype)
     if x.dtype != tf.float32:
         raise TypeError(f"int8_matmul needs float32 (or bfloat16/float16) x, got {x.dtype.name}")
-    op = _op_module()
+    op = LIBRARY.module()
     if op is None:
         return int8_matmul_fallback(x, q, scale)
     return op.tokenserve_int8_matmul(x, q, scale)
@@ -142,7 +137,7 @@ def int8_finish_block(attn, x, out, norm, up, down, activation: str = "gelu_tanh
     dicts as above), the op goes on with `next = next_norm(y) @ next_qkv.T + bias` and
     returns (y, next).
     """
-    op = _op_module()
+    op = LIBRARY.module()
     if op is None:
         return None
     empty = tf.zeros([0], tf.float32)
@@ -171,7 +166,7 @@ def compiled_int8_matmul(x, q, scale, activations: str = "int8", isa: str = "aut
         it has that), "avx2" (at most AVX2+FMA) or "scalar" (the portable path).
     Raises RuntimeError if the op is unavailable.
     """
-    loaded = _load()
+    loaded = LIBRARY.load()
     if isinstance(loaded, str):
         raise RuntimeError(f"int8 op unavailable: {loaded}")
     return loaded[0].tokenserve_int8_matmul(x, q, scale, activations=activations, isa=isa)
@@ -179,55 +174,7 @@ def compiled_int8_matmul(x, q, scale, activations: str = "int8", isa: str = "aut
 
 def kernel_status() -> str:
     """One line: which path int8_matmul takes here, and why (builds the op if needed)."""
-    forced = kbuild.forced_fallback(MODE_ENV)
-    if forced:
-        return f"pure-TF fallback: {forced}=fallback"
-    loaded = _load()
-    if isinstance(loaded, str):
-        return f"pure-TF fallback: {loaded}"
-    op, flags = loaded
-    isa = op.tokenserve_int8_matmul_info().numpy().decode()
-    return f"compiled int8 op ({isa}, int8 activations per 32-block; built with {flags})"
-
-
-# ---------------------------------------------------------------------------------------------
-# Building and loading (the shared machinery is in tokenserve.kernels.build)
-
-
-def _forced_fallback() -> bool:
-    return kbuild.forced_fallback(MODE_ENV) is not None
-
-
-def _arch_flags() -> list[str]:
-    return kbuild.arch_flags(MARCH_ENV)
-
-
-def _op_module():
-    """The loaded op module, or None when the fallback is to be used."""
-    if _forced_fallback():
-        return None
-    loaded = _load()
-    return None if isinstance(loaded, str) else loaded[0]
-
-
-def _load():
-    """Builds (if needed) and loads the op once per process: (module, build flags), or the
-    reason it is unavailable (str; logged once as a warning)."""
-    global _loaded
-    with _lock:
-        if _loaded is None:
-            _loaded = kbuild.load_library(SOURCE, _arch_flags(), "int8 matmul op")
-        return _loaded
-
-
-def build() -> Path:
-    """Compiles int8_matmul.cc (if not cached) and returns the .so path.
-
-    The file name hashes the source, the TF version and flags, the target and the CPU's
-    flags. Compiles to a temporary file and renames it, so concurrent builders are safe.
-    Raises RuntimeError when it is not cached and g++ is missing or the build fails.
-    """
-    return kbuild.build_library(SOURCE, _arch_flags())
+    return LIBRARY.status("tokenserve_int8_matmul_info", ", int8 activations per 32-block")
 
 
 if __name__ == "__main__":

@@ -50,7 +50,6 @@
 #include <vector>
 
 #if defined(__x86_64__) || defined(__i386__)
-#include <cpuid.h>
 #include <immintrin.h>
 #define TOKENSERVE_X86 1
 #endif
@@ -63,6 +62,7 @@
 #include "tensorflow/core/framework/types.h"
 #include "tensorflow/core/platform/mutex.h"
 #include "tensorflow/core/platform/threadpool.h"
+#include "cpu.h"
 
 namespace tokenserve {
 namespace {
@@ -204,20 +204,6 @@ AVX2_FN inline __m256 Load8(const Half* p) {  // F16C: exact
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 
-AVX2_FN inline float HorizontalSum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
-AVX2_FN inline float HorizontalMax(__m256 v) {
-  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_max_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
 // The sums of four vectors as one [a, b, c, d] vector.
 AVX2_FN inline __m128 HorizontalSum4(__m256 a, __m256 b, __m256 c, __m256 d) {
   const __m256 ab = _mm256_hadd_ps(a, b);      // a01 a23 b01 b23 | a45 a67 b45 b67
@@ -254,7 +240,7 @@ AVX2_FN float SoftmaxAvx2(float* s, int64 len) {
   int64 l = 0;
   __m256 mv = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
   for (; l + 8 <= len; l += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(s + l));
-  float mx = HorizontalMax(mv);
+  float mx = cpu::HorizontalMax(mv);
   for (; l < len; ++l) mx = std::max(mx, s[l]);
   const __m256 mb = _mm256_set1_ps(mx);
   __m256 sv = _mm256_setzero_ps();
@@ -264,7 +250,7 @@ AVX2_FN float SoftmaxAvx2(float* s, int64 len) {
     _mm256_storeu_ps(s + l, e);
     sv = _mm256_add_ps(sv, e);
   }
-  float sum = HorizontalSum(sv);
+  float sum = cpu::HorizontalSum(sv);
   for (; l < len; ++l) {
     s[l] = _mm256_cvtss_f32(Exp(_mm256_set1_ps(s[l] - mx)));
     sum += s[l];
@@ -292,7 +278,7 @@ AVX2_FN __attribute__((always_inline)) inline void ScoreRows(const Geometry& g, 
     if constexpr (R == 4) {
       _mm_storeu_ps(scores + h * len + l, HorizontalSum4(a[0], a[1], a[2], a[3]));
     } else {
-      scores[h * len + l] = HorizontalSum(a[0]);
+      scores[h * len + l] = cpu::HorizontalSum(a[0]);
     }
   }
 }
@@ -378,26 +364,6 @@ AVX2_FN void AttendAvx2(const Geometry& g, const T* qs, const C* kc, const C* vc
 #undef AVX2_FN
 #endif  // TOKENSERVE_X86
 
-bool CpuHasF16c() {
-#ifdef TOKENSERVE_X86
-  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
-  return __get_cpuid(1, &eax, &ebx, &ecx, &edx) && (ecx & bit_F16C);
-#else
-  return false;
-#endif
-}
-
-// The AVX2 path also needs F16C (float16 caches); every AVX2 CPU made has it.
-bool CpuHasAvx2Fma() {
-#ifdef TOKENSERVE_X86
-  static const bool has =
-      __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && CpuHasF16c();
-  return has;
-#else
-  return false;
-#endif
-}
-
 // One item, dispatched over ISA and Dh.
 template <typename T, typename C>
 void Attend(const Geometry& g, bool avx2, const T* qs, const C* kc, const C* vc,
@@ -473,7 +439,7 @@ class PagedDecodeAttentionOp : public OpKernel {
     OP_REQUIRES_OK(ctx, ctx->GetAttr("isa", &isa));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("kv_heads_per_item", &span_));
     OP_REQUIRES(ctx, span_ >= 0, InvalidArgument("kv_heads_per_item must be >= 0"));
-    avx2_ = isa == "auto" && CpuHasAvx2Fma();
+    avx2_ = isa == "auto" && cpu::HasAvx2FmaF16c();
   }
 
   void Compute(OpKernelContext* ctx) override {
@@ -621,7 +587,7 @@ class PagedDecodeAttentionInfoOp : public OpKernel {
   void Compute(OpKernelContext* ctx) override {
     Tensor* out = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({}), &out));
-    out->scalar<tensorflow::tstring>()() = CpuHasAvx2Fma() ? "AVX2+FMA" : "scalar (no AVX2+FMA)";
+    out->scalar<tensorflow::tstring>()() = cpu::HasAvx2FmaF16c() ? "AVX2+FMA" : "scalar (no AVX2+FMA)";
   }
 };
 

@@ -40,7 +40,6 @@ fallback with the same semantics runs (ResourceGather + matmuls + masked softmax
 from __future__ import annotations
 
 import logging
-import threading
 from pathlib import Path
 
 import tensorflow as tf
@@ -49,13 +48,11 @@ from tokenserve.kernels import build as kbuild
 
 log = logging.getLogger("tokenserve.kernels")
 
-SOURCE = Path(__file__).with_name("paged_attention.cc")
 MODE_ENV = "TOKENSERVE_PAGED_ATTENTION_KERNEL"
 OP_TYPE = "TokenservePagedDecodeAttention"
 
-_lock = threading.Lock()
-# The op library once loaded (its module and build flags), or why it is unavailable (str).
-_loaded: tuple[object, str] | str | None = None
+LIBRARY = kbuild.OpLibrary(Path(__file__).with_name("paged_attention.cc"), "paged attention op",
+                           mode_env=MODE_ENV)
 
 try:  # a read, not a write, for tf.function's automatic control dependencies (private API)
     from tensorflow.python.framework import auto_control_deps_utils as _acd
@@ -80,7 +77,7 @@ def paged_decode_attention(q, key_cache, value_cache, rows, lengths, scale: floa
     Uses the compiled op when it is available, else `paged_decode_attention_fallback`. Works
     eagerly and inside tf.function (the choice is made when the graph is traced).
     """
-    op = _op_module()
+    op = LIBRARY.module()
     if op is None:
         return paged_decode_attention_fallback(q, key_cache, value_cache, rows, lengths, scale,
                                                cache_dtype)
@@ -99,7 +96,7 @@ def compiled_paged_decode_attention(q, key_cache, value_cache, rows, lengths, sc
     that leaves fewer than 4 items per intra-op thread. Must divide Hkv.
     Raises RuntimeError if the op is unavailable.
     """
-    loaded = _load()
+    loaded = LIBRARY.load()
     if isinstance(loaded, str):
         raise RuntimeError(f"paged attention op unavailable: {loaded}")
     return _call(loaded[0], q, key_cache, value_cache, rows, lengths, scale, isa,
@@ -201,44 +198,12 @@ def paged_decode_attention_fallback(q, key_cache, value_cache, rows, lengths,
 def kernel_status() -> str:
     """One line: which path paged_decode_attention takes here, and why (builds the op if
     needed)."""
-    forced = kbuild.forced_fallback(MODE_ENV)
-    if forced:
-        return f"pure-TF fallback: {forced}=fallback"
-    loaded = _load()
-    if isinstance(loaded, str):
-        return f"pure-TF fallback: {loaded}"
-    op, flags = loaded
-    isa = op.tokenserve_paged_decode_attention_info().numpy().decode()
-    return f"compiled paged attention op ({isa}; built with {flags})"
+    return LIBRARY.status("tokenserve_paged_decode_attention_info")
 
 
 def is_compiled() -> bool:
     """True when paged_decode_attention runs the compiled op here (builds it if needed)."""
-    return _op_module() is not None
-
-
-def _op_module():
-    """The loaded op module, or None when the fallback is to be used."""
-    if kbuild.forced_fallback(MODE_ENV):
-        return None
-    loaded = _load()
-    return None if isinstance(loaded, str) else loaded[0]
-
-
-def _load():
-    """Builds (if needed) and loads the op once per process: (module, build flags), or the
-    reason it is unavailable (str; logged once as a warning)."""
-    global _loaded
-    with _lock:
-        if _loaded is None:
-            _loaded = kbuild.load_library(SOURCE, kbuild.arch_flags(), "paged attention op")
-        return _loaded
-
-
-def build() -> Path:
-    """Compiles paged_attention.cc (if not cached) and returns the .so path (RuntimeError
-    without g++ or on a failed build)."""
-    return kbuild.build_library(SOURCE, kbuild.arch_flags())
+    return LIBRARY.is_compiled()
 
 
 if __name__ == "__main__":
