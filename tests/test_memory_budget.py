@@ -63,6 +63,11 @@ def test_capacity_from_a_memory_fraction():
     assert plan.num_bytes <= budget
     with pytest.raises(ConfigError, match="at least one"):  # nothing left for the pool
         plan_kv_cache(config, **GPT2, used_bytes=5 * gib, limit_bytes=8 * gib)
+    # memory the runner allocates after sizing the pool counts as in use
+    head_copy = 77 * 2**20
+    later = plan_kv_cache(config, **GPT2, used_bytes=1 * gib, limit_bytes=8 * gib,
+                          reserved_bytes=head_copy)
+    assert later.num_blocks == (budget - head_copy) // (16 * F16_TOKEN)
 
 
 def test_explicit_tokens_win_and_sizes_exclude_each_other():
@@ -171,3 +176,30 @@ def test_runner_allocates_the_planned_pool(tokenizer):
     assert {v.dtype.name for v in caches} == {"float16"}
     allocated = sum(v.shape.num_elements() * v.dtype.size for v in caches)
     assert allocated == runner.kv_plan.num_bytes <= budget
+
+
+@pytest.mark.parametrize("screen_rows", [8, 0])
+def test_a_memory_fraction_counts_the_lm_heads_float16_copy(tokenizer, monkeypatch,
+                                                            screen_rows):
+    from conftest import tiny
+    from tokenserve.engine import kv_budget
+    from tokenserve.engine.runner import ModelRunner
+    from tokenserve.kernels import half_matmul
+
+    if screen_rows and not half_matmul.is_compiled():
+        pytest.skip(f"no screen without the op: {half_matmul.kernel_status()}")
+    model, config = tiny("tiny-llama", tokenizer)
+    c = config.model
+    block_bytes = 4 * c.num_layers * 2 * c.num_kv_heads * c.head_dim * 2
+    gib = 2**30
+    monkeypatch.setattr(kv_budget, "resident_bytes", lambda: gib)
+    monkeypatch.setattr(kv_budget, "memory_limit_bytes", lambda: 2 * gib)
+    runner = ModelRunner(model, config, EngineConfig(
+        block_size=4, precision="float32", kv_cache_memory_fraction=0.5 + 2e-4,
+        max_screened_head_rows=screen_rows))
+    budget = int((0.5 + 2e-4) * 2 * gib) - gib  # about 430 kB
+    screen = runner.step.screened_head
+    assert (screen is not None) == bool(screen_rows)
+    held = screen.nbytes if screen else 0
+    assert held == (2 * c.vocab_size * c.hidden_size + 4 * c.vocab_size if screen else 0)
+    assert runner.kv_plan.num_blocks == (budget - held) // block_bytes

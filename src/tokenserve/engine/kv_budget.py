@@ -76,7 +76,7 @@ class KVCachePlan:
 
 def plan_kv_cache(engine_config, *, num_layers: int, kv_width: int, compute_dtype: str,
                   max_seq_len: int, used_bytes: int | None = None,
-                  limit_bytes: int | None = None) -> KVCachePlan:
+                  limit_bytes: int | None = None, reserved_bytes: int = 0) -> KVCachePlan:
     """Sizes the pool from, in order: max_cache_tokens, kv_cache_memory_bytes,
     kv_cache_memory_fraction, else max_num_seqs * max_seq_len tokens.
 
@@ -84,6 +84,8 @@ def plan_kv_cache(engine_config, *, num_layers: int, kv_width: int, compute_dtyp
         num_layers, kv_width: the model's layers and Hkv * Dh (one K or V row).
         used_bytes, limit_bytes: the process's resident memory now and the memory it may
             use; read from /proc and the cgroup when None (only the fraction needs them).
+        reserved_bytes: what the runner allocates after the pool is sized (the LM head's
+            float16 copy), counted as in use by the fraction.
     """
     dtype = resolve_kv_dtype(engine_config.kv_cache_dtype, compute_dtype)
     bytes_per_token = num_layers * 2 * kv_width * _ITEMSIZE[dtype]
@@ -99,7 +101,7 @@ def plan_kv_cache(engine_config, *, num_layers: int, kv_width: int, compute_dtyp
     elif engine_config.kv_cache_memory_fraction is not None:
         fraction = engine_config.kv_cache_memory_fraction
         limit = memory_limit_bytes() if limit_bytes is None else limit_bytes
-        used = resident_bytes() if used_bytes is None else used_bytes
+        used = (resident_bytes() if used_bytes is None else used_bytes) + reserved_bytes
         budget = int(fraction * limit) - used
         num_blocks = max(budget, 0) // block_bytes
         source = (f"kv_cache_memory_fraction={fraction}: {fraction} x {limit / 2**30:.2f} GiB "

@@ -77,6 +77,7 @@ class ModelRunner:
     """Runs scheduled tokens through a DecoderLM over a paged KV cache or LSTM state slots."""
 
     def __init__(self, model, config: GenerationConfig, engine_config: EngineConfig):
+        from tokenserve.engine.screened_head import ScreenedHead
         from tokenserve.engine.tf_step import LSTMStep, TransformerStep
 
         self.model, self.config, self.engine_config = model, config, engine_config
@@ -84,9 +85,13 @@ class ModelRunner:
         self.vocab_size = config.model.vocab_size
         if self.is_transformer:
             c = config.model
+            # the LM head's float16 copy is made after the pool is sized: a fraction counts it
+            screen = self._screen_weights(engine_config)
+            reserved = ScreenedHead.bytes_for(screen[0].shape, screen[1]) if screen else 0
             self.kv_plan = plan_kv_cache(
                 engine_config, num_layers=c.num_layers, kv_width=c.num_kv_heads * c.head_dim,
-                compute_dtype=model.compute_dtype, max_seq_len=config.max_seq_len)
+                compute_dtype=model.compute_dtype, max_seq_len=config.max_seq_len,
+                reserved_bytes=reserved)
             log.info("%s", self.kv_plan.describe(config.max_seq_len))
             num_blocks, block_size = self.kv_plan.num_blocks, self.kv_plan.block_size
             if engine_config.enable_prefix_caching:  # its hash namespace is set by the engine
@@ -112,7 +117,7 @@ class ModelRunner:
                 log.info("dense layers: fused ops for steps of up to %d tokens, XLA above (%s)%s",
                          self.max_fused_dense_tokens, why,
                          "; the LM head always fused" if self.step.fused_head else "")
-            self.step.screened_head = self._screened_head(engine_config)
+            self.step.screened_head = self._screened_head(engine_config, screen)
             self.num_screened_steps = 0  # steps whose LM head ran the float16 screen
             if config.model.weight_format == "int8":
                 from tokenserve.kernels.int8_matmul import kernel_status
@@ -122,25 +127,31 @@ class ModelRunner:
             self.cache = SlotAllocator(engine_config.max_num_seqs)
             self.step = LSTMStep(model, engine_config.max_num_seqs + 1)
 
-    def _screened_head(self, engine_config: EngineConfig):
-        """The float16 screen of a float32 LM head for greedy steps, or None (other weights,
-        max_screened_head_rows 0, or no compiled float16 matmul op)."""
+    def _screen_weights(self, engine_config: EngineConfig):
+        """(weight, layout, bias) of a float32 LM head that greedy steps screen in float16,
+        or None (other weights, max_screened_head_rows 0, or no compiled float16 matmul op).
+        Read before the KV pool is sized, so a memory fraction counts the float16 copy."""
         model = self.model
         if (not engine_config.max_screened_head_rows or model.compute_dtype != "float32"
                 or self.config.model.weight_format != "float"):
             return None
-        from tokenserve.engine.screened_head import ScreenedHead
         from tokenserve.kernels import half_matmul
 
         if not half_matmul.is_compiled():  # its fallback writes a float32 copy: no gain
             log.info("LM head: no float16 screen (%s)", half_matmul.kernel_status())
             return None
-
         if model.head is None:  # tied: the token embedding [vocab, D]
-            head = ScreenedHead(model.token_embedding, "nk")
-        else:
-            weights = model.head.weights_dict()
-            head = ScreenedHead(weights["kernel"], "kn", weights.get("bias"))
+            return model.token_embedding, "nk", None
+        weights = model.head.weights_dict()
+        return weights["kernel"], "kn", weights.get("bias")
+
+    def _screened_head(self, engine_config: EngineConfig, screen):
+        """The float16 screen of the head `_screen_weights` chose, or None."""
+        from tokenserve.engine.screened_head import ScreenedHead
+
+        if screen is None:
+            return None
+        head = ScreenedHead(*screen)
         log.info("LM head: greedy steps of up to %d rows screen it in float16 (%.1f MB "
                  "more), then compute in float32 only the entries that could be a row's argmax",
                  engine_config.max_screened_head_rows, head.nbytes / 1e6)
