@@ -37,6 +37,11 @@ Modes (one JSON line on stdout; logs go to stderr):
                     when the first token exists; generate() delivers nothing before the batch
                     ends).
 
+  rounds            for a driver that interleaves systems (benchmarks/one_stream.py): after
+                    compiling the batch-1 N-token call it prints {"ready": true}, then runs
+                    one N-token generate of a new random prompt per line read on stdin and
+                    prints {"wall_s", "tok_s", "generated"} for each, until stdin ends.
+
 TTFT estimate: decode.py times a separate 1-new-token call for one-call systems, but HF's TF
 XLA generate cannot make 1 token (max_new_tokens=1 fails to trace: its XLA cache padding
 becomes negative). So the estimate is the wall time t2 of a 2-new-token generate of the same
@@ -78,7 +83,7 @@ def parse_spec(argv: list[str] | None) -> dict:
         description="HF transformers TF GPT-2, XLA generate (see the module docstring).")
     parser.add_argument("--spec", default=None,
                         help="JSON spec file, or - for stdin; flags given override it")
-    parser.add_argument("--mode", choices=("decode", "jobs"), default=None)
+    parser.add_argument("--mode", choices=("decode", "jobs", "rounds"), default=None)
     parser.add_argument("--batch-size", type=int, default=None)
     parser.add_argument("--prompt-len", type=int, default=None)
     parser.add_argument("--new-tokens", type=int, default=None)
@@ -229,6 +234,30 @@ def run_decode(spec: dict, model, config, gen: XlaGenerator) -> dict:
     }
 
 
+def run_rounds(spec: dict, config, gen: XlaGenerator, out) -> None:
+    """One timed N-token generate per line of stdin, each answered with a JSON line on `out`
+    (prompts of the same length, so nothing compiles after the first call)."""
+    import numpy as np
+
+    new = int(spec["new_tokens"])
+    rng = np.random.default_rng(int(spec["prompt_seed"]))
+
+    def prompt():
+        ids = rng.integers(3, config.vocab_size - 1, size=int(spec["prompt_len"])).tolist()
+        return left_pad([ids], 1, len(ids), gen.pad)
+
+    gen(*prompt(), new)  # compiles
+    print(json.dumps({"ready": True}), file=out, flush=True)
+    for _ in sys.stdin:
+        ids, mask = prompt()
+        start = time.perf_counter()
+        generated = gen(ids, mask, new)
+        wall = time.perf_counter() - start
+        count = min(gen.count(generated))
+        print(json.dumps({"wall_s": wall, "tok_s": count / wall, "generated": count}),
+              file=out, flush=True)
+
+
 def run_jobs(spec: dict, model, config, gen: XlaGenerator) -> dict:
     batch_size = int(spec["batch_size"])
     p_bucket, o_bucket = int(spec["prompt_bucket"]), int(spec["output_bucket"])
@@ -325,6 +354,9 @@ def main(argv: list[str] | None = None) -> int:
         log(f"GPT-2 {config.n_layer} layers, width {config.n_embd}, {config.n_head} heads, "
             f"vocab {config.vocab_size}, context {config.n_positions}: "
             f"{model.count_params():,} params; mode {spec['mode']}, batch {spec['batch_size']}")
+        if spec["mode"] == "rounds":
+            run_rounds(spec, config, gen, real_stdout)
+            return 0
         result = (run_jobs if spec["mode"] == "jobs" else run_decode)(spec, model, config, gen)
         result.update({
             "system": "hf-tf-xla", "mode": spec["mode"],

@@ -1,0 +1,263 @@
+#!/usr/bin/env python
+"""One stream, every system at once: interleaved rounds, so a slow minute hits all alike.
+
+On these shared 2-core VMs the memory read rate drifts by up to 1.7x within an hour, and one
+decode stream is bound by it. headline.py measures each system in turn over ~12 minutes, so
+its ratios carry that drift. Here every system is started first and stays up (idle ones use
+no CPU), then each round sends the same kind of request to each of them, one after another,
+in an order that rotates by round; the ratios are taken round by round (the same minutes)
+and their median is reported, with their spread.
+
+Workload as headline.py's: GPT-2 small (random weights), a random 32-token prompt (sent as
+text, as the headline's unstreamed column), 128 new tokens, greedy, eos ignored.
+
+  serve-<fmt>     `tokenserve serve` on the float32 and the int8 export
+  llamacpp-<t>    llama.cpp's OpenAI server (llama-cpp-python) on the same weights as GGUF
+                  f32 and q8_0, 2 threads (its own venv: bash benchmarks/peers/setup_llama_cpp.sh)
+  hf              HF transformers' TF GPT-2, XLA `generate`, batch 1, in a worker that keeps
+                  its compiled function (its own venv: bash benchmarks/peers/setup_hf_tf.sh)
+
+A server's figure is completion tokens (from each answer's usage) over the wall time of
+`--requests` requests sent one at a time; HF's is generated tokens over `generate`'s time.
+Prints a table, writes benchmarks/results/one-stream.json (or --output) with the CPU flags
+and the read rate at the start and the end, and a PNG of tok/s by round beside it.
+
+    .venv/bin/python benchmarks/one_stream.py --rounds 6
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+from rich.console import Console
+from rich.table import Table
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from headline import (  # noqa: E402
+    NEW_TOKENS, PROMPT_LEN, TOKENSERVE, export, free_port, wait_until_serving)
+from machine import machine_info, machine_summary  # noqa: E402
+from read_bandwidth import read_bandwidth  # noqa: E402
+
+RESULTS = HERE / "results"
+console = Console(width=None if sys.stdout.isatty() else 150)
+RATIOS = [("serve-float32", "hf"), ("serve-float32", "llamacpp-f32"),
+          ("serve-int8", "llamacpp-q8_0"), ("serve-int8", "hf")]
+
+
+class Server:
+    """An OpenAI-compatible server in its own process, asked for unstreamed completions."""
+
+    def __init__(self, name: str, command: list[str], port: int, texts):
+        self.name, self.texts = name, texts
+        self.url = f"http://127.0.0.1:{port}"
+        self.log = open(Path(tempfile.gettempdir()) / f"one-stream-{name}.log", "w")
+        self.process = subprocess.Popen(command, stdout=self.log, stderr=self.log)
+
+    def ready(self) -> None:
+        wait_until_serving(self.url, self.process, self.name, self.log.name, timeout_s=600)
+        self.measure(1)  # the first request of a process pays one-time costs
+
+    def measure(self, requests: int) -> dict:
+        tokens, started = 0, time.perf_counter()
+        for _ in range(requests):
+            answer = httpx.post(self.url + "/v1/completions", timeout=300, json={
+                "model": "gpt2", "prompt": next(self.texts), "max_tokens": NEW_TOKENS,
+                "temperature": 0, "ignore_eos": True})
+            answer.raise_for_status()
+            tokens += answer.json()["usage"]["completion_tokens"]
+        wall = time.perf_counter() - started
+        return {"tok_s": tokens / wall, "tokens": tokens, "wall_s": wall}
+
+    def stop(self) -> None:
+        self.process.terminate()
+        self.process.wait(60)
+
+
+class HFWorker:
+    """hf_tf_xla.py in rounds mode: one compiled batch-1 generate per request."""
+
+    def __init__(self, python: Path):
+        self.name = "hf"
+        self.log = open(Path(tempfile.gettempdir()) / "one-stream-hf.log", "w")
+        self.process = subprocess.Popen(
+            [str(python), str(HERE / "peers" / "hf_tf_xla.py"), "--mode", "rounds",
+             "--prompt-len", str(PROMPT_LEN), "--new-tokens", str(NEW_TOKENS)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True)
+
+    def _read(self) -> dict:
+        line = self.process.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the HF worker exited; see {self.log.name}")
+        return json.loads(line)
+
+    def ready(self) -> None:
+        assert self._read().get("ready")
+
+    def measure(self, requests: int) -> dict:
+        tokens, wall = 0, 0.0
+        for _ in range(requests):
+            self.process.stdin.write("go\n")
+            self.process.stdin.flush()
+            run = self._read()
+            tokens, wall = tokens + run["generated"], wall + run["wall_s"]
+        return {"tok_s": tokens / wall, "tokens": tokens, "wall_s": wall}
+
+    def stop(self) -> None:
+        self.process.stdin.close()
+        self.process.wait(60)
+
+
+def prompt_texts(export_dir: Path):
+    """Endless random 32-token prompts, as text (headline.py's unstreamed prompts)."""
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(next(export_dir.glob("*/assets/tokenizer.json"))))
+    rng = np.random.default_rng(1)
+    while True:
+        yield tokenizer.decode(rng.integers(300, tokenizer.get_vocab_size(), PROMPT_LEN).tolist())
+
+
+def start_systems(names: list[str], workdir: Path, hf_venv: Path, llama_venv: Path) -> list:
+    models = {fmt: export(workdir / f"gpt2-{fmt}", "none" if fmt == "float32" else fmt)
+              for fmt in ("float32", "int8")}
+    systems = []
+    for name in names:
+        texts = prompt_texts(models["float32"])
+        if name.startswith("serve-"):
+            ports = [free_port() for _ in range(3)]
+            systems.append(Server(name, [
+                TOKENSERVE, "serve", "--model_name", "gpt2", "--model_base_path",
+                str(models[name.removeprefix("serve-")]), "--port", str(ports[0]),
+                "--rest_api_port", str(ports[1]), "--openai_port", str(ports[2])],
+                ports[2], texts))
+        elif name.startswith("llamacpp-"):
+            qtype = name.removeprefix("llamacpp-")
+            python = llama_venv / "bin" / "python"
+            if not python.exists():
+                console.print(f"skipping {name}: run bash benchmarks/peers/setup_llama_cpp.sh")
+                continue
+            gguf = workdir / f"gpt2-{qtype}.gguf"
+            if not gguf.exists():
+                subprocess.run([sys.executable, str(HERE / "peers" / "gpt2_gguf.py"),
+                                str(models["float32"]), "--output-dir", str(workdir),
+                                "--types", qtype], check=True)
+            port = free_port()
+            systems.append(Server(name, [
+                str(python), "-m", "llama_cpp.server", "--model", str(gguf), "--model_alias",
+                "gpt2", "--n_ctx", "1024", "--n_threads", "2", "--n_threads_batch", "2",
+                "--host", "127.0.0.1", "--port", str(port)], port, texts))
+        elif name == "hf":
+            python = hf_venv / "bin" / "python"
+            if not python.exists():
+                console.print("skipping hf: run bash benchmarks/peers/setup_hf_tf.sh")
+                continue
+            systems.append(HFWorker(python))
+    return systems
+
+
+def spread(values: list[float]) -> dict:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def plot(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for name, rounds in report["rounds"].items():
+        ax.plot(range(1, len(rounds) + 1), [r["tok_s"] for r in rounds], marker="o",
+                label=name)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_xlabel("round")
+    ax.set_ylabel("output tok/s, one stream")
+    ax.set_title("GPT-2 small, 32-token prompt, 128 new tokens, greedy: interleaved rounds")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--systems", nargs="+",
+                        default=["serve-float32", "serve-int8", "hf", "llamacpp-f32",
+                                 "llamacpp-q8_0"])
+    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--requests", type=int, default=2,
+                        help="requests per system per round (default 2)")
+    parser.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()) / "headline")
+    parser.add_argument("--hf-venv", type=Path, default=HERE / ".venv-hf-tf")
+    parser.add_argument("--llama-cpp-venv", type=Path, default=HERE / ".venv-llama-cpp")
+    parser.add_argument("--output", type=Path, default=RESULTS / "one-stream.json")
+    args = parser.parse_args(argv)
+
+    machine = machine_info()
+    console.print(machine_summary(machine))
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    systems = start_systems(args.systems, args.workdir, args.hf_venv, args.llama_cpp_venv)
+    report = {"workload": {"model": "gpt2-small random", "prompt_tokens": PROMPT_LEN,
+                           "new_tokens": NEW_TOKENS, "greedy": True, "ignore_eos": True,
+                           "requests_per_round": args.requests},
+              "machine": machine, "rounds": {s.name: [] for s in systems}}
+    try:
+        for system in systems:
+            console.print(f"starting {system.name} ...")
+            system.ready()
+        # idle servers take no CPU, so the read rate is measured with all of them up
+        machine["read_bandwidth_start"] = read_bandwidth(reps=5)
+        for r in range(args.rounds):
+            order = systems[r % len(systems):] + systems[:r % len(systems)]
+            for system in order:
+                report["rounds"][system.name].append(system.measure(args.requests))
+            console.print(f"round {r + 1}/{args.rounds}: " + ", ".join(
+                f"{s.name} {report['rounds'][s.name][-1]['tok_s']:.1f}" for s in systems))
+        machine["read_bandwidth_end"] = read_bandwidth(reps=5)
+    finally:
+        for system in systems:
+            system.stop()
+
+    rounds = report["rounds"]
+    report["tok_s"] = {name: spread([r["tok_s"] for r in runs]) for name, runs in rounds.items()}
+    report["ratios"] = {
+        f"{a} / {b}": spread([x["tok_s"] / y["tok_s"] for x, y in zip(rounds[a], rounds[b])])
+        for a, b in RATIOS if a in rounds and b in rounds}
+
+    bandwidth = " -> ".join(f"{machine[k]['all_threads_gb_s']:.1f}"
+                            for k in ("read_bandwidth_start", "read_bandwidth_end"))
+    table = Table(title=f"one stream, {args.rounds} interleaved rounds of {args.requests} "
+                        f"requests (two threads read {bandwidth} GB/s)")
+    for column in ("system", "median tok/s", "min", "max"):
+        table.add_column(column, justify="left" if column == "system" else "right")
+    for name, s in report["tok_s"].items():
+        table.add_row(name, f"{s['median']:.1f}", f"{s['min']:.1f}", f"{s['max']:.1f}")
+    console.print(table)
+    table = Table(title="ratios taken round by round")
+    for column in ("ratio", "median", "min", "max"):
+        table.add_column(column, justify="left" if column == "ratio" else "right")
+    for name, s in report["ratios"].items():
+        table.add_row(name, f"{s['median']:.2f}x", f"{s['min']:.2f}x", f"{s['max']:.2f}x")
+    console.print(table)
+
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(json.dumps(report, indent=2) + "\n")
+    plot(report, args.output.with_suffix(".png"))
+    console.print(f"wrote {args.output} and {args.output.with_suffix('.png')}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
