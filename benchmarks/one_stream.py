@@ -19,6 +19,9 @@ text, as the headline's unstreamed column), 128 new tokens, greedy, eos ignored.
 
 A server's figure is completion tokens (from each answer's usage) over the wall time of
 `--requests` requests sent one at a time; HF's is generated tokens over `generate`'s time.
+ITL: a server's is the median gap between the chunks of one more request, streamed; HF's
+(it streams nothing) is one decode step of its `generate`, (N-token call - 2-token call) /
+(N - 2).
 Prints a table, writes benchmarks/results/one-stream.json (or --output) with the CPU flags
 and the read rate at the start and the end, and a PNG of tok/s by round beside it.
 
@@ -78,6 +81,20 @@ class Server:
         wall = time.perf_counter() - started
         return {"tok_s": tokens / wall, "tokens": tokens, "wall_s": wall}
 
+    def itl_ms(self) -> float:
+        """The median gap between streamed chunks of one more request, in ms (one token a
+        chunk, as the OpenAI streaming client measures ITL)."""
+        arrivals = []
+        with httpx.stream("POST", self.url + "/v1/completions", timeout=300, json={
+                "model": "gpt2", "prompt": next(self.texts), "max_tokens": NEW_TOKENS,
+                "temperature": 0, "ignore_eos": True, "stream": True}) as answer:
+            answer.raise_for_status()
+            for line in answer.iter_lines():
+                if line.startswith("data:") and line.strip() != "data: [DONE]":
+                    arrivals.append(time.perf_counter())
+        gaps = np.diff(arrivals[1:])  # from the second chunk: the first carries prefill
+        return float(np.median(gaps)) * 1e3
+
     def stop(self) -> None:
         self.process.terminate()
         self.process.wait(60)
@@ -104,13 +121,17 @@ class HFWorker:
         assert self._read().get("ready")
 
     def measure(self, requests: int) -> dict:
-        tokens, wall = 0, 0.0
+        tokens, wall, steps = 0, 0.0, []
         for _ in range(requests):
             self.process.stdin.write("go\n")
             self.process.stdin.flush()
             run = self._read()
             tokens, wall = tokens + run["generated"], wall + run["wall_s"]
-        return {"tok_s": tokens / wall, "tokens": tokens, "wall_s": wall}
+            steps.append(run["step_s"])
+        # HF streams nothing: its ITL is one decode step of generate, (N-token call - 2-token
+        # call) / (N - 2), as hf_tf_xla.py estimates it
+        return {"tok_s": tokens / wall, "tokens": tokens, "wall_s": wall,
+                "itl_ms": statistics.median(steps) * 1e3}
 
     def stop(self) -> None:
         self.process.stdin.close()
@@ -222,7 +243,10 @@ def main(argv=None) -> int:
         for r in range(args.rounds):
             order = systems[r % len(systems):] + systems[:r % len(systems)]
             for system in order:
-                report["rounds"][system.name].append(system.measure(args.requests))
+                run = system.measure(args.requests)
+                if isinstance(system, Server):
+                    run["itl_ms"] = system.itl_ms()
+                report["rounds"][system.name].append(run)
             console.print(f"round {r + 1}/{args.rounds}: " + ", ".join(
                 f"{s.name} {report['rounds'][s.name][-1]['tok_s']:.1f}" for s in systems))
         machine["read_bandwidth_end"] = read_bandwidth(reps=5)
@@ -232,24 +256,33 @@ def main(argv=None) -> int:
 
     rounds = report["rounds"]
     report["tok_s"] = {name: spread([r["tok_s"] for r in runs]) for name, runs in rounds.items()}
+    report["itl_ms"] = {name: spread([r["itl_ms"] for r in runs]) for name, runs in rounds.items()}
     report["ratios"] = {
         f"{a} / {b}": spread([x["tok_s"] / y["tok_s"] for x, y in zip(rounds[a], rounds[b])])
+        for a, b in RATIOS if a in rounds and b in rounds}
+    report["itl_ratios"] = {
+        f"{a} / {b}": spread([x["itl_ms"] / y["itl_ms"] for x, y in zip(rounds[a], rounds[b])])
         for a, b in RATIOS if a in rounds and b in rounds}
 
     bandwidth = " -> ".join(f"{machine[k]['all_threads_gb_s']:.1f}"
                             for k in ("read_bandwidth_start", "read_bandwidth_end"))
     table = Table(title=f"one stream, {args.rounds} interleaved rounds of {args.requests} "
                         f"requests (two threads read {bandwidth} GB/s)")
-    for column in ("system", "median tok/s", "min", "max"):
+    for column in ("system", "median tok/s", "min", "max", "ITL p50 ms, median", "min",
+                   "max"):
         table.add_column(column, justify="left" if column == "system" else "right")
     for name, s in report["tok_s"].items():
-        table.add_row(name, f"{s['median']:.1f}", f"{s['min']:.1f}", f"{s['max']:.1f}")
+        itl = report["itl_ms"][name]
+        table.add_row(name, f"{s['median']:.1f}", f"{s['min']:.1f}", f"{s['max']:.1f}",
+                      f"{itl['median']:.1f}", f"{itl['min']:.1f}", f"{itl['max']:.1f}")
     console.print(table)
-    table = Table(title="ratios taken round by round")
-    for column in ("ratio", "median", "min", "max"):
+    table = Table(title="ratios taken round by round (HF's ITL: one step of generate)")
+    for column in ("ratio", "tok/s median", "min", "max", "ITL median", "min", "max"):
         table.add_column(column, justify="left" if column == "ratio" else "right")
     for name, s in report["ratios"].items():
-        table.add_row(name, f"{s['median']:.2f}x", f"{s['min']:.2f}x", f"{s['max']:.2f}x")
+        itl = report["itl_ratios"][name]
+        table.add_row(name, *[f"{v:.2f}x" for v in (s["median"], s["min"], s["max"],
+                                                     itl["median"], itl["min"], itl["max"])])
     console.print(table)
 
     args.output.parent.mkdir(parents=True, exist_ok=True)

@@ -38,9 +38,11 @@ Modes (one JSON line on stdout; logs go to stderr):
                     ends).
 
   rounds            for a driver that interleaves systems (benchmarks/one_stream.py): after
-                    compiling the batch-1 N-token call it prints {"ready": true}, then runs
-                    one N-token generate of a new random prompt per line read on stdin and
-                    prints {"wall_s", "tok_s", "generated"} for each, until stdin ends.
+                    compiling the batch-1 N-token and 2-token calls it prints
+                    {"ready": true}, then for each line read on stdin runs one N-token and
+                    one 2-token generate of a new random prompt and prints {"wall_s",
+                    "tok_s", "generated", "two_token_call_s", "step_s"}, step_s being one
+                    decode step, (wall - 2-token call) / (N - 2), until stdin ends.
 
 TTFT estimate: decode.py times a separate 1-new-token call for one-call systems, but HF's TF
 XLA generate cannot make 1 token (max_new_tokens=1 fails to trace: its XLA cache padding
@@ -247,14 +249,19 @@ def run_rounds(spec: dict, config, gen: XlaGenerator, out) -> None:
         return left_pad([ids], 1, len(ids), gen.pad)
 
     gen(*prompt(), new)  # compiles
+    gen(*prompt(), 2)
     print(json.dumps({"ready": True}), file=out, flush=True)
     for _ in sys.stdin:
         ids, mask = prompt()
         start = time.perf_counter()
         generated = gen(ids, mask, new)
         wall = time.perf_counter() - start
+        start = time.perf_counter()
+        gen(ids, mask, 2)
+        t2 = time.perf_counter() - start
         count = min(gen.count(generated))
-        print(json.dumps({"wall_s": wall, "tok_s": count / wall, "generated": count}),
+        print(json.dumps({"wall_s": wall, "tok_s": count / wall, "generated": count,
+                          "two_token_call_s": t2, "step_s": (wall - t2) / max(new - 2, 1)}),
               file=out, flush=True)
 
 
