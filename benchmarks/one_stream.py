@@ -47,7 +47,7 @@ from rich.table import Table
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from headline import (  # noqa: E402
-    NEW_TOKENS, PROMPT_LEN, TOKENSERVE, export, free_port, wait_until_serving)
+    NEW_TOKENS, PROMPT_LEN, TOKENSERVE, export, free_port, prompt_texts, wait_until_serving)
 from machine import machine_info, machine_summary  # noqa: E402
 from read_bandwidth import read_bandwidth  # noqa: E402
 
@@ -138,16 +138,6 @@ class HFWorker:
         self.process.wait(60)
 
 
-def prompt_texts(export_dir: Path):
-    """Endless random 32-token prompts, as text (headline.py's unstreamed prompts)."""
-    from tokenizers import Tokenizer
-
-    tokenizer = Tokenizer.from_file(str(next(export_dir.glob("*/assets/tokenizer.json"))))
-    rng = np.random.default_rng(1)
-    while True:
-        yield tokenizer.decode(rng.integers(300, tokenizer.get_vocab_size(), PROMPT_LEN).tolist())
-
-
 def start_systems(names: list[str], workdir: Path, hf_venv: Path, llama_venv: Path) -> list:
     models = {fmt: export(workdir / f"gpt2-{fmt}", "none" if fmt == "float32" else fmt)
               for fmt in ("float32", "int8")}
@@ -188,6 +178,12 @@ def start_systems(names: list[str], workdir: Path, hf_venv: Path, llama_venv: Pa
 
 def spread(values: list[float]) -> dict:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def round_ratios(rounds: dict, key: str) -> dict:
+    """For each pair of RATIOS that ran: the spread of a/b of `key`, taken round by round."""
+    return {f"{a} / {b}": spread([x[key] / y[key] for x, y in zip(rounds[a], rounds[b])])
+            for a, b in RATIOS if a in rounds and b in rounds}
 
 
 def plot(report: dict, path: Path) -> None:
@@ -257,12 +253,8 @@ def main(argv=None) -> int:
     rounds = report["rounds"]
     report["tok_s"] = {name: spread([r["tok_s"] for r in runs]) for name, runs in rounds.items()}
     report["itl_ms"] = {name: spread([r["itl_ms"] for r in runs]) for name, runs in rounds.items()}
-    report["ratios"] = {
-        f"{a} / {b}": spread([x["tok_s"] / y["tok_s"] for x, y in zip(rounds[a], rounds[b])])
-        for a, b in RATIOS if a in rounds and b in rounds}
-    report["itl_ratios"] = {
-        f"{a} / {b}": spread([x["itl_ms"] / y["itl_ms"] for x, y in zip(rounds[a], rounds[b])])
-        for a, b in RATIOS if a in rounds and b in rounds}
+    report["ratios"] = round_ratios(rounds, "tok_s")
+    report["itl_ratios"] = round_ratios(rounds, "itl_ms")
 
     bandwidth = " -> ".join(f"{machine[k]['all_threads_gb_s']:.1f}"
                             for k in ("read_bandwidth_start", "read_bandwidth_end"))

@@ -52,7 +52,12 @@ __m256i Pairs(const int8_t* w, const int8_t* x, const int8_t* ax) {
                            _mm256_set1_epi16(1));
 }
 
-void Rows(const int8_t* q, int64 n0, int64 n1, int64 K, const X& x, float* y) {
+// The op's one-row loop: one weight row at a time, prefetched kPrefetch bytes ahead, four
+// accumulators over consecutive blocks; `dot` turns one 32-block of the row and of x into
+// its 8 int32 partial sums.
+template <typename BlockDot>
+void OneRowAtATime(const int8_t* q, int64 n0, int64 n1, int64 K, const X& x, float* y,
+                   BlockDot dot) {
   for (int64 n = n0; n < n1; ++n) {
     const int8_t* w = q + n * K;
     __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
@@ -63,13 +68,19 @@ void Rows(const int8_t* q, int64 n0, int64 n1, int64 K, const X& x, float* y) {
       _mm_prefetch(ahead + 64, _MM_HINT_T0);
       for (int i = 0; i < 4; ++i) {
         const int64 o = (j + i) * kBlock;
-        acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(Pairs(w + o, &x.q[o], &x.abs_q[o])),
+        acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot(w + o, o)),
                                  _mm256_set1_ps(x.d[j + i]), acc[i]);
       }
     }
     y[n] = HorizontalSum(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]),
                                        _mm256_add_ps(acc[2], acc[3])));
   }
+}
+
+void Rows(const int8_t* q, int64 n0, int64 n1, int64 K, const X& x, float* y) {
+  OneRowAtATime(q, n0, n1, K, x, y, [&x](const int8_t* w, int64 o) {
+    return Pairs(w, &x.q[o], &x.abs_q[o]);
+  });
 }
 
 void TwoRows(const int8_t* q, int64 n0, int64 n1, int64 K, const X& x, float* y) {
@@ -95,27 +106,13 @@ void TwoRows(const int8_t* q, int64 n0, int64 n1, int64 K, const X& x, float* y)
 }
 
 void Int16(const int8_t* q, int64 n0, int64 n1, int64 K, const X& x, float* y) {
-  for (int64 n = n0; n < n1; ++n) {
-    const int8_t* w = q + n * K;
-    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
-                     _mm256_setzero_ps()};
-    for (int64 j = 0; j + 4 <= K / kBlock; j += 4) {
-      const char* ahead = reinterpret_cast<const char*>(w + j * kBlock) + kPrefetch;
-      _mm_prefetch(ahead, _MM_HINT_T0);
-      _mm_prefetch(ahead + 64, _MM_HINT_T0);
-      for (int i = 0; i < 4; ++i) {
-        const int64 o = (j + i) * kBlock;
-        const __m256i lo = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(w + o)));
-        const __m256i hi = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(w + o + 16)));
-        const __m256i s = _mm256_add_epi32(
-            _mm256_madd_epi16(lo, _mm256_loadu_si256((const __m256i*)&x.wide[o])),
-            _mm256_madd_epi16(hi, _mm256_loadu_si256((const __m256i*)&x.wide[o + 16])));
-        acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(x.d[j + i]), acc[i]);
-      }
-    }
-    y[n] = HorizontalSum(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]),
-                                       _mm256_add_ps(acc[2], acc[3])));
-  }
+  OneRowAtATime(q, n0, n1, K, x, y, [&x](const int8_t* w, int64 o) {
+    const __m256i lo = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)w));
+    const __m256i hi = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(w + 16)));
+    return _mm256_add_epi32(
+        _mm256_madd_epi16(lo, _mm256_loadu_si256((const __m256i*)&x.wide[o])),
+        _mm256_madd_epi16(hi, _mm256_loadu_si256((const __m256i*)&x.wide[o + 16])));
+  });
 }
 
 void Read(const int8_t* q, int64 n0, int64 n1, int64 K, const X&, float* y) {

@@ -170,12 +170,27 @@ class XlaGenerator:
         return [int(np.argmin(row)) if not row.all() else int(row.size) for row in produced]
 
 
+def decode_step(t2: float, t_n: float, new_tokens: int) -> float:
+    """One decode step of the N-token call: (N-token call - 2-token call) / (N - 2)."""
+    return (t_n - t2) / (new_tokens - 2)
+
+
 def ttft_estimate(t2: float, t_n: float, new_tokens: int) -> float:
     """Prefill + first token: a 2-token call minus one decode step of the N-token call."""
     if new_tokens <= 2:
         return t2
-    step = (t_n - t2) / (new_tokens - 2)
-    return min(t2, max(0.0, t2 - step))
+    return min(t2, max(0.0, t2 - decode_step(t2, t_n, new_tokens)))
+
+
+def timed_pair(gen, ids, mask, new_tokens: int):
+    """One N-token generate, then one 2-token generate of the same inputs (compiled
+    before): (the N-token call's output, its seconds, the 2-token call's seconds)."""
+    start = time.perf_counter()
+    out = gen(ids, mask, new_tokens)
+    wall = time.perf_counter() - start
+    start = time.perf_counter()
+    gen(ids, mask, 2)
+    return out, wall, time.perf_counter() - start
 
 
 def left_pad(prompts: list[list[int]], rows: int, length: int, pad: int):
@@ -210,12 +225,7 @@ def run_decode(spec: dict, model, config, gen: XlaGenerator) -> dict:
     warmup_s = time.perf_counter() - start
     runs = []
     for rep in range(int(spec["repeats"])):
-        start = time.perf_counter()
-        out = gen(ids, mask, new)
-        wall = time.perf_counter() - start
-        start = time.perf_counter()
-        gen(ids, mask, 2)
-        t2 = time.perf_counter() - start
+        out, wall, t2 = timed_pair(gen, ids, mask, new)
         ttft = ttft_estimate(t2, wall, new)
         counts = gen.count(out)
         runs.append({"wall_s": wall, "ttft_est_s": ttft, "two_token_call_s": t2,
@@ -242,6 +252,9 @@ def run_rounds(spec: dict, config, gen: XlaGenerator, out) -> None:
     import numpy as np
 
     new = int(spec["new_tokens"])
+    if new <= 2:
+        raise SystemExit("rounds mode times one decode step from an N-token and a 2-token "
+                         "call: --new-tokens must be > 2")
     rng = np.random.default_rng(int(spec["prompt_seed"]))
 
     def prompt():
@@ -252,16 +265,10 @@ def run_rounds(spec: dict, config, gen: XlaGenerator, out) -> None:
     gen(*prompt(), 2)
     print(json.dumps({"ready": True}), file=out, flush=True)
     for _ in sys.stdin:
-        ids, mask = prompt()
-        start = time.perf_counter()
-        generated = gen(ids, mask, new)
-        wall = time.perf_counter() - start
-        start = time.perf_counter()
-        gen(ids, mask, 2)
-        t2 = time.perf_counter() - start
+        generated, wall, t2 = timed_pair(gen, *prompt(), new)
         count = min(gen.count(generated))
         print(json.dumps({"wall_s": wall, "tok_s": count / wall, "generated": count,
-                          "two_token_call_s": t2, "step_s": (wall - t2) / max(new - 2, 1)}),
+                          "two_token_call_s": t2, "step_s": decode_step(t2, wall, new)}),
               file=out, flush=True)
 
 
