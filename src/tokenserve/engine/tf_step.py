@@ -417,10 +417,12 @@ class TransformerStep(tf.Module):
         kind, so one trace per head serves every step graph, where heads inside the step
         would trace every step kind twice. `screened`: greedy rows only, through
         `screened_head`."""
-        kind = ("screened" if screened and self.screened_head is not None
-                else "fused" if self._head_fn(fused_dense) == self._head_k else "xla")
+        if screened and self.screened_head is not None:
+            kind, head = "screened", self._head_screened
+        else:
+            head = self._head_fn(fused_dense)
+            kind = "fused" if head == self._head_k else "xla"
         if kind not in self._heads:
-            head = self._head_screened if kind == "screened" else self._head_fn(fused_dense)
             spec = tf.TensorSpec([None, self.model.config.hidden_size], self.model.compute_dtype)
             traced = tf.function(head, input_signature=[spec], autograph=False)
             self._heads[kind] = FlatCall(traced.get_concrete_function(), int32_inputs=False)
