@@ -12,8 +12,6 @@ Workload as headline.py's: GPT-2 small (random weights), a random 32-token promp
 text, as the headline's unstreamed column), 128 new tokens, greedy, eos ignored.
 
   serve-<fmt>     `tokenserve serve` on the float32 and the int8 export
-  serve-<fmt>-4k  the same with --nohuge_pages: its weights stay on 4 KiB pages (an
-                  ablation, not in the default set)
   llamacpp-<t>    llama.cpp's OpenAI server (llama-cpp-python) on the same weights as GGUF
                   f32 and q8_0, 2 threads (its own venv: bash benchmarks/peers/setup_llama_cpp.sh)
   hf              HF transformers' TF GPT-2, XLA `generate`, batch 1, in a worker that keeps
@@ -56,8 +54,7 @@ from read_bandwidth import read_bandwidth  # noqa: E402
 RESULTS = HERE / "results"
 console = Console(width=None if sys.stdout.isatty() else 150)
 RATIOS = [("serve-float32", "hf"), ("serve-float32", "llamacpp-f32"),
-          ("serve-int8", "llamacpp-q8_0"), ("serve-int8", "hf"),
-          ("serve-int8", "serve-int8-4k"), ("serve-float32", "serve-float32-4k")]
+          ("serve-int8", "llamacpp-q8_0"), ("serve-int8", "hf")]
 
 
 class Server:
@@ -149,12 +146,11 @@ def start_systems(names: list[str], workdir: Path, hf_venv: Path, llama_venv: Pa
         texts = prompt_texts(models["float32"])
         if name.startswith("serve-"):
             ports = [free_port() for _ in range(3)]
-            fmt = name.removeprefix("serve-").removesuffix("-4k")
             systems.append(Server(name, [
                 TOKENSERVE, "serve", "--model_name", "gpt2", "--model_base_path",
-                str(models[fmt]), "--port", str(ports[0]),
-                "--rest_api_port", str(ports[1]), "--openai_port", str(ports[2]),
-                *(["--nohuge_pages"] if name.endswith("-4k") else [])], ports[2], texts))
+                str(models[name.removeprefix("serve-")]), "--port", str(ports[0]),
+                "--rest_api_port", str(ports[1]), "--openai_port", str(ports[2])],
+                ports[2], texts))
         elif name.startswith("llamacpp-"):
             qtype = name.removeprefix("llamacpp-")
             python = llama_venv / "bin" / "python"

@@ -142,12 +142,6 @@ def _add_llm_flags(p) -> None:
                         "--noenable_prefix_caching turns it off)")
     g.add_argument("--noenable_prefix_caching", dest="enable_prefix_caching",
                    action="store_false", help=argparse.SUPPRESS)
-    g.add_argument("--huge_pages", type=parse_bool, nargs="?", const=True,
-                   default=engine.huge_pages, metavar="true|false",
-                   help="put the weights on 2 MiB pages once loaded "
-                        "(default on; --nohuge_pages keeps 4 KiB pages)")
-    g.add_argument("--nohuge_pages", dest="huge_pages", action="store_false",
-                   help=argparse.SUPPRESS)
     g.add_argument("--kv_store", default=None, metavar="redis://HOST:PORT/DB",
                    help="share full KV blocks between replicas through this Redis")
     g.add_argument("--kv_store_ttl_s", type=float, default=engine.kv_store_ttl_s,
@@ -202,7 +196,6 @@ def llm_config_from_args(args: argparse.Namespace):
                           max_queue_tokens=args.max_queue_tokens,
                           preempt_for_priority=args.preempt_for_priority,
                           enable_prefix_caching=args.enable_prefix_caching,
-                          huge_pages=args.huge_pages,
                           kv_store=args.kv_store, kv_store_ttl_s=args.kv_store_ttl_s,
                           idle_trim_s=None if args.idle_trim_s < 0 else args.idle_trim_s)
     observability = ObservabilityConfig(otlp_traces_endpoint=args.otlp_traces_endpoint,

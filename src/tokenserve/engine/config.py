@@ -53,11 +53,6 @@ class EngineConfig:
     """Once the engine has had nothing to run for this long after a step, hand the heap the
     steps freed back to the OS (glibc's malloc_trim: 150-500 MiB after a burst on GPT-2-small,
     docs/memory.md); the next step pays the page faults. None: never."""
-    huge_pages: bool = True
-    """Put the weights on 2 MiB pages once they are loaded (huge_pages.py):
-    one TLB entry per 2 MiB instead of per 4 KiB where a step streams the weights (int8
-    GPT-2-small at batch 1: about 10 % faster on a 2-core EPYC). A kernel without
-    transparent huge pages keeps 4 KiB pages."""
     precision: str = "auto"
     """Compute dtype: float32, bfloat16 (oneDNN/AMX), or auto (bfloat16 when the CPU has AMX
     or AVX512-BF16, as measured in benchmarks/throughput.py; else float32)."""

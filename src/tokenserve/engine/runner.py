@@ -6,7 +6,6 @@ returns logits. This, tf_step.py and screened_head.py are the engine's only Tens
 
 from __future__ import annotations
 
-import ctypes
 import itertools
 import logging
 import os
@@ -23,35 +22,6 @@ from tokenserve.engine.prefix_cache import PrefixCachingAllocator
 from tokenserve.engine.scheduler import SchedulerOutput
 
 log = logging.getLogger(__name__)
-
-class _DLTensor(ctypes.Structure):
-    """The head of DLPack's DLTensor (dlpack.h, a stable C ABI): where a tensor's bytes are."""
-    _fields_ = [("data", ctypes.c_void_p), ("device_type", ctypes.c_int32),
-                ("device_id", ctypes.c_int32), ("ndim", ctypes.c_int32),
-                ("dtype_code", ctypes.c_uint8), ("dtype_bits", ctypes.c_uint8),
-                ("dtype_lanes", ctypes.c_uint16), ("shape", ctypes.c_void_p),
-                ("strides", ctypes.c_void_p), ("byte_offset", ctypes.c_uint64)]
-
-
-def buffer_span(tensor) -> tuple[int, int] | None:
-    """[start, end) address of an eager CPU tensor's buffer, or None (not on the CPU, or a
-    dtype DLPack cannot describe). Read through DLPack, which shares the buffer: `.numpy()`
-    would copy it. The capsule is never consumed, so dropping it releases the reference."""
-    import tensorflow as tf
-
-    try:
-        capsule = tf.experimental.dlpack.to_dlpack(tensor)
-    except Exception:  # noqa: BLE001 - TF raises several types for unsupported tensors
-        return None
-    get_pointer = ctypes.pythonapi.PyCapsule_GetPointer
-    get_pointer.restype, get_pointer.argtypes = ctypes.c_void_p, [ctypes.py_object,
-                                                                  ctypes.c_char_p]
-    head = _DLTensor.from_address(get_pointer(capsule, b"dltensor"))
-    if head.device_type != 1 or not head.data:  # kDLCPU
-        return None
-    start = head.data + head.byte_offset
-    return start, start + int(np.prod(tensor.shape)) * tensor.dtype.size
-
 
 def _round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
@@ -156,26 +126,6 @@ class ModelRunner:
         else:
             self.cache = SlotAllocator(engine_config.max_num_seqs)
             self.step = LSTMStep(model, engine_config.max_num_seqs + 1)
-        self.huge_pages = self._use_huge_pages() if engine_config.huge_pages else None
-
-    def _use_huge_pages(self):
-        """Collapses the weights (and the LM head's float16 screen) onto 2 MiB pages
-        (huge_pages.py) -> its HugePageReport. The KV pool stays on 4 KiB pages: on
-        GPT-2-small int8 at batch 1, collapsing its 1.15 GB as well took 1.7 s more at
-        start-up and made no measurable difference to a token (8.8-9.5 ms against 8.7-9.2
-        for the weights alone, 9.3-10.1 with neither)."""
-        import tensorflow as tf
-
-        from tokenserve.huge_pages import back_with_huge_pages
-
-        tensors = [tf.convert_to_tensor(w) for w in self.model.weights]
-        if self.is_transformer:
-            tensors += tf.nest.flatten(self.step.layer_weights)
-            if self.step.screened_head is not None:
-                tensors.append(self.step.screened_head.halves)
-        report = back_with_huge_pages({span for span in map(buffer_span, tensors) if span})
-        log.info("weights: %s", report.describe())
-        return report
 
     def _screen_weights(self, engine_config: EngineConfig):
         """(weight, layout, bias) of a float32 LM head that greedy steps screen in float16,
