@@ -53,6 +53,10 @@ HTTP_ROWS = [
     ("response-format-bad-schema", CHAT, {"model": MODEL, "messages": HI, "response_format": {
         "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}},
      None, 400, "invalid JSON schema: Invalid type: nope"),
+    ("response-format-not-an-object", C, body(response_format="json_object"), None, 400,
+     "response_format: Input should be a valid dictionary or instance of ResponseFormat"),
+    ("response-format-unknown-type", C, body(response_format={"type": "xml"}), None, 400,
+     "response_format.type: Input should be 'text', 'json_object' or 'json_schema'"),
     ("unsupported-logit-bias", C, body(logit_bias={"1": 5}), None, 400,
      "'logit_bias' is not supported"),
     ("unsupported-suffix", C, body(suffix="end"), None, 400, "'suffix' is not supported"),

@@ -59,6 +59,21 @@ def test_json_object_mode_gives_an_object(client):
     assert out.choices[0].message.content.startswith("{")
 
 
+def test_response_format_on_completions(client):
+    out = client.completions.create(
+        model=MODEL, prompt="A city:", max_tokens=80, temperature=1.0, seed=0,
+        extra_body={"response_format": {"type": "json_schema",
+                                        "json_schema": {"name": "city", "schema": SCHEMA}}})
+    assert out.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(out.choices[0].text), SCHEMA)
+    out = client.completions.create(model=MODEL, prompt="A city:", max_tokens=8,
+                                    extra_body={"response_format": {"type": "json_object"}})
+    assert out.choices[0].text.startswith("{")
+    out = client.completions.create(model=MODEL, prompt="A city:", max_tokens=3, seed=0,
+                                    extra_body={"response_format": {"type": "text"}})
+    assert out.choices[0].finish_reason == "length"  # unconstrained
+
+
 class Weather(BaseModel):
     city: str = Field(max_length=8)
     celsius: int = Field(ge=-50, le=60)

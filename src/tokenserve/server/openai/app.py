@@ -15,6 +15,7 @@ body whose status comes from server/status.py.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 from fastapi import FastAPI, Request
@@ -39,6 +40,8 @@ from .routes_responses import responses_router
 from .routes_tokens import tokens_router
 from .schemas import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                       TokenizeRequest)
+
+log = logging.getLogger(__name__)
 
 _REJECTION_REASONS = [(QueueFullError, "queue_full"), (PromptTooLongError, "too_long"),
                       (PayloadTooLargeError, "too_large"), (InvalidRequestError, "invalid"),
@@ -73,6 +76,38 @@ class _RequireKey:
                 await error_response(error)(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+class _AnswerUnexpected:
+    """ASGI middleware: an exception no handler took becomes a 500 OpenAI error body here,
+    logged once, and the connection stays open.
+
+    Starlette answers a handler for `Exception` from its outermost middleware and then
+    raises the exception again, so the server logs it a second time and closes the
+    connection: a client's next request on that keep-alive connection was reset. A response
+    that has already started (a stream) cannot be answered; that exception goes on up."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def tracked(message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracked)
+        except Exception as error:
+            if started:
+                raise
+            log.exception("%s %s failed", scope.get("method"), scope.get("path"))
+            await error_response(error)(scope, receive, send)
 
 
 class _RejectionRecorder:
@@ -144,6 +179,7 @@ def build_openai_app(models: ModelResolver, config: OpenAIServerConfig | None = 
     record_rejection = _RejectionRecorder(models, stats)
     app.add_middleware(_RequireKey, config=config,
                        on_rejected=lambda error: record_rejection(None, error))
+    app.add_middleware(_AnswerUnexpected)  # added last: the outermost of ours
     _install_error_handlers(app, record_rejection)
     for router in (health_router(models, config), models_router(models),
                    generation_router(models, config), tokens_router(models, config),

@@ -220,7 +220,7 @@ JSON_OBJECT_SCHEMA = '{"type": "object"}'
 
 def structured_output(request: CompletionRequest | ChatCompletionRequest
                       ) -> StructuredOutput | None:
-    """The request's output constraint from `guided_*` or chat's `response_format`, checked.
+    """The request's output constraint from `guided_*` or `response_format`, checked.
 
     Raises:
         InvalidRequestError: more than one constraint, or one that is invalid (a 400 naming
@@ -239,7 +239,7 @@ def structured_output(request: CompletionRequest | ChatCompletionRequest
     if request.guided_grammar is not None:
         found.append(("guided_grammar", StructuredOutput(GuideKind.GRAMMAR,
                                                          request.guided_grammar)))
-    response_format = getattr(request, "response_format", None)
+    response_format = request.response_format
     if response_format is not None and response_format.type != "text":
         if response_format.type == "json_object":
             text = JSON_OBJECT_SCHEMA

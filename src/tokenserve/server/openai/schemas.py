@@ -66,6 +66,20 @@ PROMPT_SCHEMA = {"anyOf": [
 """The `prompt` forms, for the OpenAPI schema (validation itself is in params.py)."""
 
 
+class JsonSchemaFormat(_Request):
+    name: str
+    description: str | None = None
+    schema_: dict | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Request):
+    """`{"type": "text" | "json_object" | "json_schema", "json_schema": {...}}`."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
 class CompletionRequest(_Sampling):
     """POST /v1/completions."""
 
@@ -78,6 +92,9 @@ class CompletionRequest(_Sampling):
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
+    response_format: ResponseFormat | None = None
+    """As in chat completions (vLLM takes it here too): json_object or json_schema constrains
+    the completion to JSON."""
 
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -115,20 +132,6 @@ class NamedFunction(_Request):
 class NamedToolChoice(_Request):
     type: Literal["function"]
     function: NamedFunction
-
-
-class JsonSchemaFormat(_Request):
-    name: str
-    description: str | None = None
-    schema_: dict | None = Field(default=None, alias="schema")
-    strict: bool | None = None
-
-
-class ResponseFormat(_Request):
-    """`{"type": "text" | "json_object" | "json_schema", "json_schema": {...}}`."""
-
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: JsonSchemaFormat | None = None
 
 
 class ContentPart(_Request):
