@@ -135,7 +135,8 @@ class _RejectionRecorder:
 
 def _install_error_handlers(app: FastAPI, record_rejection: _RejectionRecorder) -> None:
     """Every error, from any route, becomes an OpenAI error body (status from
-    server/status.py); validation errors are 400, never FastAPI's 422."""
+    server/status.py); validation errors are 400, never FastAPI's 422. Exceptions no
+    handler here maps are answered by the _AnswerUnexpected middleware."""
     @app.exception_handler(TokenserveError)
     async def on_tokenserve_error(request: Request, error: TokenserveError) -> JSONResponse:
         record_rejection(getattr(request.state, "model", None), error)
@@ -150,10 +151,6 @@ def _install_error_handlers(app: FastAPI, record_rejection: _RejectionRecorder) 
     @app.exception_handler(RequestValidationError)
     async def on_validation_error(request: Request, error: RequestValidationError):
         return JSONResponse(error_body(400, str(error)), status_code=400)
-
-    @app.exception_handler(Exception)
-    async def on_unexpected(request: Request, error: Exception) -> JSONResponse:
-        return error_response(error)
 
 
 def build_openai_app(models: ModelResolver, config: OpenAIServerConfig | None = None,
