@@ -37,6 +37,16 @@ def test_an_xla_isa_cap_counts_as_the_cpu_xla_has(flags, monkeypatch, cap, token
     assert precision.choose_fused_dense_tokens(None)[0] == tokens
 
 
+def test_bfloat16_weights_take_the_fused_ops_up_to_8_tokens_on_any_cpu(flags):
+    """bfloat16 steps above the fused share run oneDNN's bf16 matmuls, not XLA, so the
+    choice does not depend on XLA's instruction set."""
+    for cpu in (("avx2",), ("avx2", "avx512f", "avx512_bf16")):
+        flags(*cpu)
+        tokens, why = precision.choose_fused_dense_tokens(None, "bfloat16")
+        assert tokens == precision.BF16_FUSED_TOKENS == 8 and "bfloat16" in why
+        assert precision.choose_fused_dense_tokens(3, "bfloat16") == (3, "set explicitly")
+
+
 @pytest.mark.parametrize("setting", [0, 4, 1024])
 def test_an_explicit_setting_is_kept_on_any_cpu(flags, setting):
     for cpu in (("avx2",), ("avx2", "avx512f")):

@@ -236,3 +236,63 @@ def test_finish_block_refuses_weights_that_do_not_fit(compiled):
     with pytest.raises(tf.errors.InvalidArgumentError, match="next_bias need next_w"):
         kd.finish_block(attn, x, out, norm, up, down, next_norm=norm,
                         next_qkv={"kernel": tf.zeros([0, 0])})
+
+
+def _to_bf16(w: np.ndarray) -> tuple[tf.Tensor, np.ndarray]:
+    """w rounded to bfloat16 by TF, and the float32 values the rounded weights stand for."""
+    rounded = tf.cast(tf.constant(w), tf.bfloat16)
+    return rounded, tf.cast(rounded, tf.float32).numpy()
+
+
+# bfloat16 weights take the same work splits: one row (split K), a few rows with tails,
+# packed chunks from 9 rows ("kn") and transposed panels from 24 ("nk")
+BF16_CASES = [(1, 64, 8), (3, 37, 21), (1, 768, 2304), (5, 257, 37), (8, 200, 2100),
+              (13, 768, 259), (32, 130, 48)]
+
+
+@pytest.mark.parametrize("isa", ["auto", "scalar"])
+@pytest.mark.parametrize("layout", ["kn", "nk"])
+@pytest.mark.parametrize("m,k,n", BF16_CASES)
+def test_bfloat16_weights_are_widened_exactly(compiled, m, k, n, layout, isa):
+    """bfloat16 weights give float32 x @ W of the rounded weights: the op widens each weight
+    exactly (its bits are a float32's upper half) and multiplies in float32. A kernel that
+    read the 16-bit words as anything else would be far off."""
+    x, w, bias = make(m, k, n, seed=k + n)
+    rounded, widened = _to_bf16(w if layout == "kn" else np.ascontiguousarray(w.T))
+    want_w = widened if layout == "kn" else widened.T
+    residual = np.random.default_rng(2).standard_normal((m, n)).astype(np.float32)
+    got = kd.dense(x, rounded, bias, residual, layout, "gelu_tanh", isa=isa).numpy()
+    np.testing.assert_allclose(got, reference(x, want_w, bias, residual, "gelu_tanh"),
+                               rtol=1e-4, atol=1e-4)
+    assert np.abs(widened - (w if layout == "kn" else w.T)).max() > 0  # the rounding is real
+    # the stock-TF fallback computes the same
+    np.testing.assert_allclose(kd.dense_fallback(x, rounded, bias, residual, layout,
+                                                 "gelu_tanh").numpy(), got, rtol=1e-4,
+                               atol=1e-4)
+
+
+@pytest.mark.parametrize("activation,m", [("gelu_tanh", 1), ("swiglu", 3), ("gelu_tanh", 20)])
+def test_finish_block_with_bfloat16_weights(compiled, activation, m):
+    """The fused block with bfloat16 matrices equals the block with those weights widened to
+    float32 (biases and norms stay float32), the next block's QKV included."""
+    d, f = 64, 256
+    out, norm, up, down = _block_weights(d, f, activation, activation == "gelu_tanh", seed=m)
+    _, next_norm, next_qkv, _ = _block_weights(d, 3 * d, activation, True, seed=9)
+
+    def split(w):
+        rounded, widened = _to_bf16(w["kernel"].numpy())
+        return {**w, "kernel": rounded}, {**w, "kernel": tf.constant(widened)}
+
+    (out16, out32), (up16, up32), (down16, down32), (qkv16, qkv32) = map(
+        split, (out, up, down, next_qkv))
+    rng = np.random.default_rng(3)
+    attn = tf.constant(rng.standard_normal((m, d)).astype(np.float32))
+    x = tf.constant(rng.standard_normal((m, d)).astype(np.float32))
+    y16, next16 = kd.finish_block(attn, x, out16, norm, up16, down16, activation,
+                                  next_norm=next_norm, next_qkv=qkv16)
+    y32, next32 = kd.finish_block(attn, x, out32, norm, up32, down32, activation,
+                                  next_norm=next_norm, next_qkv=qkv32)
+    np.testing.assert_allclose(y16.numpy(), y32.numpy(), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(next16.numpy(), next32.numpy(), rtol=1e-5, atol=1e-5)
+    alone = kd.finish_block(attn, x, out16, norm, up16, down16, activation)
+    np.testing.assert_allclose(alone.numpy(), y32.numpy(), rtol=1e-5, atol=1e-5)

@@ -108,8 +108,9 @@ def _add_llm_flags(p) -> None:
                    choices=["auto", "float32", "bfloat16"],
                    help="engine compute dtype; auto = bfloat16 on AMX/AVX512-BF16 CPUs")
     g.add_argument("--max_fused_dense_tokens", type=int, default=engine.max_fused_dense_tokens,
-                   help="float32 steps of at most this many tokens run fused dense ops instead "
-                        "of XLA programs; default: chosen for this CPU (logged), 0: never")
+                   help="steps of at most this many tokens run fused dense ops instead of XLA "
+                        "programs (float32) or oneDNN's bf16 matmuls (bfloat16); default: "
+                        "chosen for this CPU and dtype (logged), 0: never")
     g.add_argument("--max_screened_head_rows", type=int, default=engine.max_screened_head_rows,
                    help="float32 weights: greedy steps of at most this many sequences run the "
                         "LM head on a float16 copy and recompute in float32 only the tokens that "

@@ -208,12 +208,13 @@ class AsyncEngine:
             self.engine.step()
 
     def _warmup_prompt_len(self) -> int:
-        """3 tokens, or one more than the fused dense ops take where larger steps run XLA;
+        """3 tokens, or one more than the fused dense ops take where larger steps run another
+        path (XLA for float32, oneDNN for bfloat16);
         at most what the queue admits (`max_queue_tokens`)."""
         runner, engine_config = self.engine.runner, self.engine.engine_config
         fused = getattr(runner, "max_fused_dense_tokens", 0)  # transformers only
         length = _SHORT_WARMUP_PROMPT
-        if fused and runner.step.jit_dense:
+        if fused:  # larger steps run another path (XLA, or oneDNN for bfloat16)
             longest = min(fused + 1, engine_config.max_num_batched_tokens,
                           self.engine.max_model_len - 3)
             length = max(_SHORT_WARMUP_PROMPT, longest)

@@ -57,10 +57,11 @@ class EngineConfig:
     """Compute dtype: float32, bfloat16 (oneDNN/AMX), or auto (bfloat16 when the CPU has AMX
     or AVX512-BF16, as measured in benchmarks/throughput.py; else float32)."""
     max_fused_dense_tokens: int | None = None
-    """Steps of at most this many tokens (float32 weights) run the dense half as fused ops
-    (kernels/dense.py) instead of XLA programs; 0 turns them off. None (auto): 32 on a CPU
-    without AVX-512, where XLA's dots are AVX2 as the ops are and the ops measured faster up to
-    32 tokens; 8 with AVX-512, where XLA caught up by 16 (benchmarks/fused_dense.py)."""
+    """Steps of at most this many tokens run the dense half as fused ops (kernels/dense.py)
+    instead of XLA programs (float32 weights) or oneDNN's bf16 matmuls (bfloat16); 0 turns
+    them off. None (auto): float32, 32 on a CPU without AVX-512, where XLA's dots are AVX2 as
+    the ops are and the ops measured faster up to 32 tokens, 8 with AVX-512, where XLA caught
+    up by 16 (benchmarks/fused_dense.py); bfloat16, 8 (docs/engine.md)."""
     max_screened_head_rows: int = 8
     """Float32 weights: greedy steps with at most this many rows of logits run the LM head
     on a float16 copy of it and recompute in float32 only the entries that could be a row's

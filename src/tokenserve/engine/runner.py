@@ -109,13 +109,15 @@ class ModelRunner:
                 from tokenserve.model.precision import choose_fused_dense_tokens
 
                 self.max_fused_dense_tokens, why = choose_fused_dense_tokens(
-                    engine_config.max_fused_dense_tokens)
+                    engine_config.max_fused_dense_tokens, model.compute_dtype)
                 # one head row per sequence (or drafted token): with no more rows than the fused
                 # ops take, steps through XLA run the head as the fused op too, and need no
-                # head programs
-                self.step.fused_head = engine_config.max_logit_rows <= self.max_fused_dense_tokens
-                log.info("dense layers: fused ops for steps of up to %d tokens, XLA above (%s)%s",
-                         self.max_fused_dense_tokens, why,
+                # head programs (bfloat16 steps above them have bfloat16 rows: their own head)
+                self.step.fused_head = (self.step.jit_dense and engine_config.max_logit_rows
+                                        <= self.max_fused_dense_tokens)
+                log.info("dense layers: fused ops for steps of up to %d tokens, %s above (%s)%s",
+                         self.max_fused_dense_tokens,
+                         "XLA" if self.step.jit_dense else "oneDNN's bf16 matmuls", why,
                          "; the LM head always fused" if self.step.fused_head else "")
             self.step.screened_head = self._screened_head(engine_config, screen)
             self.num_screened_steps = 0  # steps whose LM head ran the float16 screen

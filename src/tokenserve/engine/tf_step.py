@@ -131,10 +131,10 @@ class TransformerStep(tf.Module):
         # variable's buffer (no copy), and nothing assigns to serving weights afterwards.
         self.layer_weights = [tf.nest.map_structure(tf.convert_to_tensor, block_weights(block))
                               for block in model.blocks]
-        self.jit_dense = jit_dense
         # the fused op reads K/V rows in place (no gathered copies, one op per layer); the
         # graph path below does the same math where the op could not be built
         self.fused_attention = paged_attention.is_compiled()
+        self.jit_dense = jit_dense
         # The dense half of each block (norms, projections, MLP) as functions of explicit
         # weights, so one XLA program per token bucket serves every layer. The KV cache never
         # enters them: XLA would copy the cache variables in and out on every call.
@@ -148,10 +148,29 @@ class TransformerStep(tf.Module):
         # run them instead of the XLA programs (XLA's matmuls are as fast, but its runtime
         # spends milliseconds a step between the small fusions around them); int8 weights,
         # which XLA cannot take, run them at every size.
+        # bfloat16 weights run them too, for steps of a few tokens: the ops widen each weight
+        # as they read it and compute in float32, so a batch-1 step streams half of float32's
+        # bytes, where oneDNN's bf16 matmuls at one row read far below the memory's rate.
+        # Their activations are float32 (the KV cache stays bfloat16, which the attention op
+        # reads under a float32 query), so a fused bfloat16 step needs that op too.
         int8 = model.config.weight_format == "int8"
-        self.kernel_dense = (kdense.is_compiled() and model.compute_dtype == "float32"
-                             and (jit_dense or int8))
+        bf16 = (model.compute_dtype == "bfloat16" and model.config.weight_format == "float"
+                and self.fused_attention)
+        self.kernel_dense = kdense.is_compiled() and (
+            model.compute_dtype == "float32" and (jit_dense or int8) or bf16)
         self.fused_every_step = self.kernel_dense and int8
+        # the fused steps' weights: the matrices as stored, the vectors (norms, biases) in
+        # float32, cast once here rather than in every step
+        self.fused_weights = self.layer_weights
+        self._fused_final_norm = model.final_norm.weights_dict()
+        self._fused_head = model.head.weights_dict() if model.head is not None else None
+        if self.kernel_dense and model.compute_dtype != "float32":
+            self.fused_weights = [tf.nest.map_structure(_float32_vector, w)
+                                  for w in self.layer_weights]
+            self._fused_final_norm = tf.nest.map_structure(_float32_vector,
+                                                           self._fused_final_norm)
+            if self._fused_head is not None:
+                self._fused_head = tf.nest.map_structure(_float32_vector, self._fused_head)
         # Whether steps through XLA's dense programs run the LM head as the fused op: set
         # by the runner, before any step is traced, where the head never gets more rows
         # (one per sequence) than the fused ops take as fast as XLA. Then no head program
@@ -174,13 +193,14 @@ class TransformerStep(tf.Module):
         qkv = linear(norm(x, w["attn_norm"], c.norm, c.norm_eps), w["qkv"])
         return self._split_qkv(qkv, rotary)
 
-    def rotary(self, positions):
-        """The step's rotary cos and sin ([1, N, 1, Dh] each), computed once for every layer,
-        or None for a model without RoPE."""
+    def rotary(self, positions, dtype=None):
+        """The step's rotary cos and sin ([1, N, 1, Dh] each, in `dtype`, default the compute
+        dtype), computed once for every layer, or None for a model without RoPE."""
         c = self.model.config
         if c.position != "rope":
             return None
-        return rope_angles(positions[None], c.head_dim, c.rope_theta, self.model.compute_dtype)
+        return rope_angles(positions[None], c.head_dim, c.rope_theta,
+                           dtype or self.model.compute_dtype)
 
     def _split_qkv(self, qkv, rotary):
         c = self.model.config
@@ -259,9 +279,9 @@ class TransformerStep(tf.Module):
 
     def _head_k(self, x):
         m = self.model
-        x = self._norm_k(x, m.final_norm.weights_dict())
+        x = self._norm_k(x, self._fused_final_norm)
         if m.head is not None:
-            return self._linear_k(x, m.head.weights_dict())
+            return self._linear_k(x, self._fused_head)
         if m.config.weight_format == "int8":  # tied: the token embedding [vocab, D]
             return int8_matmul(x, m.token_embedding_q, m.token_embedding_scale)
         return kdense.dense(x, m.token_embedding, layout="nk")
@@ -321,7 +341,7 @@ class TransformerStep(tf.Module):
         return attend(tf.gather(q, index), tf.reshape(keys, shape), tf.reshape(values, shape),
                       mask)
 
-    def _attention_layout(self, decode_groups, num_prefill, num_tokens):
+    def _attention_layout(self, decode_groups, num_prefill, num_tokens, dtype):
         """Where each part of the packed tokens goes, the same for every layer, so it is built
         once per step rather than once per layer (each op in the step costs several
         microseconds of executor time): q's split sizes (one per decode group, then the rest),
@@ -332,7 +352,7 @@ class TransformerStep(tf.Module):
         split_sizes = tf.stack(sizes + [num_tokens - num_decode])
         c = self.model.config
         padding = tf.zeros([num_tokens - num_decode - num_prefill, c.num_heads * c.head_dim],
-                           self.model.compute_dtype)
+                           dtype)
         return split_sizes, num_prefill, padding
 
     def _layer_attention(self, q, decode_groups, biases, prefill, cache, layout):
@@ -458,10 +478,13 @@ class TransformerStep(tf.Module):
             prefill = (index, rows, mask, unpack)
         else:
             prefill = None
-        layout = self._attention_layout(decode_groups, num_prefill, num_tokens)
-        x = m.embed(token_ids, positions)                                  # [N, D]
-        weights = self.layer_weights
-        rotary = self.rotary(positions)
+        fused = enter == self._enter_k
+        # the fused ops' activations are float32 whatever the weights' dtype
+        dtype = tf.float32 if fused else m.compute_dtype
+        layout = self._attention_layout(decode_groups, num_prefill, num_tokens, dtype)
+        x = m.embed(token_ids, positions, dtype)                           # [N, D]
+        weights = self.fused_weights if fused else self.layer_weights
+        rotary = self.rotary(positions, dtype)
         q, k, v = enter(x, rotary, weights[0])
         for i, cache in enumerate(self.caches):
             for variable, new_rows in zip(cache, (k, v)):
@@ -523,6 +546,11 @@ class TransformerStep(tf.Module):
                         variable.scatter_update(tf.IndexedSlices(values[:, i, j], rows))
             self._write_rows = write
         return self._write_rows(rows, values)
+
+
+def _float32_vector(t):
+    """A norm's or bias's vector in float32 (what the fused ops take); matrices as they are."""
+    return tf.cast(t, tf.float32) if t.shape.rank == 1 else t
 
 
 def block_weights(block) -> dict:

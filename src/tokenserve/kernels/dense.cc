@@ -82,6 +82,12 @@ constexpr int64 kChunksPerWorker = 4;  // "kn" split-K chunks per thread (late t
 // K split, against 29.7 ms for the column-range walk at 5 and 39.0 packed at 8.
 constexpr int64 kSplitKMaxRows = 8;
 constexpr int64 kSplitKMinRows = 64;  // weight rows per thread at least, when K is split
+// "kn" with bfloat16 weights and up to 8 rows of x: each of the four weight rows read at once
+// is prefetched this many weights (2 KB) ahead. The float32 rows need no software prefetch,
+// but the bfloat16 ones did: forty GPT-2-small MLP matrices [768, 3072] at one row of x on a
+// 2-core Zen 5 EPYC, alternating processes, took 9.5-10.7 ms without it, 8.3 at 512 weights
+// ahead, 7.2-8.0 at 1,024, 6.7-7.8 at 1,536 and 7.8-7.9 at 2,048 (float32: 10.3-13.4 ms).
+constexpr int64 kBf16Ahead = 1024;
 // "kn" with AVX2 and at least this many rows of x (and more than split K takes): packed
 // chunks (in GPT-2-small's engine step the column-range walk was 9 % faster at 6 rows, the
 // same at 8, slower from 16)
@@ -98,9 +104,23 @@ struct Geometry {
   int64 out;      // y's width: N, or N / 2 for swiglu
 };
 
+// A bfloat16 weight: the upper 16 bits of a float32 (TF's DT_BFLOAT16 layout).
+struct Bf16 {
+  uint16_t bits;
+};
+inline float ToFloat(float v) { return v; }
+inline float ToFloat(Bf16 v) {
+  const uint32_t wide = static_cast<uint32_t>(v.bits) << 16;
+  float f;
+  std::memcpy(&f, &wide, sizeof(f));
+  return f;
+}
+
+// One call's operands; W: float or Bf16 (the weights' storage; x, sums and y are float32).
+template <typename W>
 struct Args {
   const float* x;
-  const float* w;
+  const W* w;
   const float* bias;      // nullptr: none
   const float* residual;  // nullptr: none; [M, out]
   float* y;               // [M, out]
@@ -110,20 +130,29 @@ struct Args {
 #ifdef TOKENSERVE_X86
 #define AVX2_FN __attribute__((target("avx2,fma")))
 
+// Eight weights as floats: float32 as they are, bfloat16 widened (its bits are a float32's
+// upper half, so the shift is exact). A bfloat16 weight matrix streams half the bytes.
+AVX2_FN inline __m256 Load8(const float* p) { return _mm256_loadu_ps(p); }
+AVX2_FN inline __m256 Load8(const Bf16* p) {
+  const __m128i half = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
+}
+
 // "kn": acc[r, 0 .. width) = x[r, :] @ W[:, j0 .. j0 + width) for rows r of one pass.
 // Four weight rows per iteration: each accumulator is loaded and stored once per four FMAs.
-AVX2_FN void KnRangeAvx2(const Geometry& g, const float* x, int64 rows, const float* w,
+template <typename W>
+AVX2_FN void KnRangeAvx2(const Geometry& g, const float* x, int64 rows, const W* w,
                          int64 j0, int64 width, float* acc) {
   std::fill(acc, acc + rows * width, 0.f);
   const int64 vec = width / 8 * 8;
   int64 k = 0;
   for (; k + 4 <= g.K; k += 4) {
-    const float* w0 = w + k * g.N + j0;
-    const float* w1 = w0 + g.N;
-    const float* w2 = w1 + g.N;
-    const float* w3 = w2 + g.N;
+    const W* w0 = w + k * g.N + j0;
+    const W* w1 = w0 + g.N;
+    const W* w2 = w1 + g.N;
+    const W* w3 = w2 + g.N;
     if (k + 8 < g.K) {  // the rows after next: one line per 16 floats of the range
-      const float* ahead = w0 + 8 * g.N;
+      const W* ahead = w0 + 8 * g.N;
       for (int64 j = 0; j < width; j += 16) {
         _mm_prefetch(reinterpret_cast<const char*>(ahead + j), _MM_HINT_T0);
         _mm_prefetch(reinterpret_cast<const char*>(ahead + g.N + j), _MM_HINT_T0);
@@ -139,21 +168,21 @@ AVX2_FN void KnRangeAvx2(const Geometry& g, const float* x, int64 rows, const fl
       int64 j = 0;
       for (; j < vec; j += 8) {
         __m256 s = _mm256_loadu_ps(a + j);
-        s = _mm256_fmadd_ps(x0, _mm256_loadu_ps(w0 + j), s);
-        s = _mm256_fmadd_ps(x1, _mm256_loadu_ps(w1 + j), s);
-        s = _mm256_fmadd_ps(x2, _mm256_loadu_ps(w2 + j), s);
-        s = _mm256_fmadd_ps(x3, _mm256_loadu_ps(w3 + j), s);
+        s = _mm256_fmadd_ps(x0, Load8(w0 + j), s);
+        s = _mm256_fmadd_ps(x1, Load8(w1 + j), s);
+        s = _mm256_fmadd_ps(x2, Load8(w2 + j), s);
+        s = _mm256_fmadd_ps(x3, Load8(w3 + j), s);
         _mm256_storeu_ps(a + j, s);
       }
-      for (; j < width; ++j) a[j] += xr[0] * w0[j] + xr[1] * w1[j] + xr[2] * w2[j] + xr[3] * w3[j];
+      for (; j < width; ++j) a[j] += xr[0] * ToFloat(w0[j]) + xr[1] * ToFloat(w1[j]) + xr[2] * ToFloat(w2[j]) + xr[3] * ToFloat(w3[j]);
     }
   }
   for (; k < g.K; ++k) {
-    const float* wk = w + k * g.N + j0;
+    const W* wk = w + k * g.N + j0;
     for (int64 r = 0; r < rows; ++r) {
       const float xv = x[r * g.K + k];
       float* a = acc + r * width;
-      for (int64 j = 0; j < width; ++j) a[j] += xv * wk[j];
+      for (int64 j = 0; j < width; ++j) a[j] += xv * ToFloat(wk[j]);
     }
   }
 }
@@ -166,24 +195,32 @@ AVX2_FN void KnRangeAvx2(const Geometry& g, const float* x, int64 rows, const fl
 // 25-33 GB/s). The FMAs into one accumulator run in k order either way, so the sums are
 // the same bits. The hardware prefetcher follows the four streams; a software prefetch
 // measured no better.
-template <int M>
-AVX2_FN void KnRowsAvx2(const Geometry& g, const float* x, const float* w, int64 k0, int64 k1,
+template <int M, typename W>
+AVX2_FN void KnRowsAvx2(const Geometry& g, const float* x, const W* w, int64 k0, int64 k1,
                         float* acc) {
   const int64 vec = g.N / 8 * 8;
   int64 k = k0;
   for (; k + 4 <= k1; k += 4) {
-    const float* w0 = w + k * g.N;
-    const float* w1 = w0 + g.N;
-    const float* w2 = w1 + g.N;
-    const float* w3 = w2 + g.N;
+    const W* w0 = w + k * g.N;
+    const W* w1 = w0 + g.N;
+    const W* w2 = w1 + g.N;
+    const W* w3 = w2 + g.N;
     __m256 xs[M][4];
     for (int r = 0; r < M; ++r) {
       for (int i = 0; i < 4; ++i) xs[r][i] = _mm256_set1_ps(x[r * g.K + k + i]);
     }
     int64 j = 0;
     for (; j < vec; j += 8) {
-      const __m256 v0 = _mm256_loadu_ps(w0 + j), v1 = _mm256_loadu_ps(w1 + j);
-      const __m256 v2 = _mm256_loadu_ps(w2 + j), v3 = _mm256_loadu_ps(w3 + j);
+      if constexpr (sizeof(W) == 2) {  // a line of each row, kBf16Ahead weights ahead
+        if ((j & 31) == 0) {
+          _mm_prefetch(reinterpret_cast<const char*>(w0 + j + kBf16Ahead), _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(w1 + j + kBf16Ahead), _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(w2 + j + kBf16Ahead), _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(w3 + j + kBf16Ahead), _MM_HINT_T0);
+        }
+      }
+      const __m256 v0 = Load8(w0 + j), v1 = Load8(w1 + j);
+      const __m256 v2 = Load8(w2 + j), v3 = Load8(w3 + j);
       for (int r = 0; r < M; ++r) {
         float* a = acc + r * g.N + j;
         __m256 s = _mm256_fmadd_ps(xs[r][0], v0, _mm256_loadu_ps(a));
@@ -196,23 +233,23 @@ AVX2_FN void KnRowsAvx2(const Geometry& g, const float* x, const float* w, int64
       for (int r = 0; r < M; ++r) {
         const float* xr = x + r * g.K + k;
         float s = acc[r * g.N + j];
-        s = std::fma(xr[0], w0[j], s);
-        s = std::fma(xr[1], w1[j], s);
-        s = std::fma(xr[2], w2[j], s);
-        acc[r * g.N + j] = std::fma(xr[3], w3[j], s);
+        s = std::fma(xr[0], ToFloat(w0[j]), s);
+        s = std::fma(xr[1], ToFloat(w1[j]), s);
+        s = std::fma(xr[2], ToFloat(w2[j]), s);
+        acc[r * g.N + j] = std::fma(xr[3], ToFloat(w3[j]), s);
       }
     }
   }
   for (; k < k1; ++k) {
-    const float* wk = w + k * g.N;
+    const W* wk = w + k * g.N;
     for (int r = 0; r < M; ++r) {
       const __m256 xv = _mm256_set1_ps(x[r * g.K + k]);
       float* a = acc + r * g.N;
       int64 j = 0;
       for (; j < vec; j += 8) {
-        _mm256_storeu_ps(a + j, _mm256_fmadd_ps(xv, _mm256_loadu_ps(wk + j), _mm256_loadu_ps(a + j)));
+        _mm256_storeu_ps(a + j, _mm256_fmadd_ps(xv, Load8(wk + j), _mm256_loadu_ps(a + j)));
       }
-      for (; j < g.N; ++j) a[j] = std::fma(x[r * g.K + k], wk[j], a[j]);
+      for (; j < g.N; ++j) a[j] = std::fma(x[r * g.K + k], ToFloat(wk[j]), a[j]);
     }
   }
 }
@@ -305,20 +342,21 @@ AVX2_FN void PanelRowsAvx2(int64 m, int64 depth, const float* x, int64 ldx, cons
 
 // acc[:, j0 .. j1) (= or +=, `first`) x[:, k0 .. k1) @ W[k0 .. k1, j0 .. j1); acc is
 // [M, N]. pack: round_up(j1 - j0, kPanel) * kPackDepth floats of scratch.
-AVX2_FN void KnPackedAvx2(const Geometry& g, const float* x, const float* w, int64 k0,
+template <typename W>
+AVX2_FN void KnPackedAvx2(const Geometry& g, const float* x, const W* w, int64 k0,
                           int64 k1, int64 j0, int64 j1, bool first, float* pack, float* acc) {
   const int64 depth = k1 - k0, width = j1 - j0, panels = (width + kPanel - 1) / kPanel;
   for (int64 k = k0; k < k1; ++k) {  // the chunk's weight rows, front to back
-    const float* src = w + k * g.N + j0;
+    const W* src = w + k * g.N + j0;
     float* dst = pack + (k - k0) * kPanel;
     int64 p = 0;
     for (; (p + 1) * kPanel <= width; ++p, dst += depth * kPanel) {
-      _mm256_storeu_ps(dst, _mm256_loadu_ps(src + p * kPanel));
-      _mm256_storeu_ps(dst + 8, _mm256_loadu_ps(src + p * kPanel + 8));
+      _mm256_storeu_ps(dst, Load8(src + p * kPanel));
+      _mm256_storeu_ps(dst + 8, Load8(src + p * kPanel + 8));
     }
     if (p < panels) {  // the range's last columns, zero-padded to a panel
       const int64 n = width - p * kPanel;
-      std::memcpy(dst, src + p * kPanel, n * sizeof(float));
+      for (int64 j = 0; j < n; ++j) dst[j] = ToFloat(src[p * kPanel + j]);
       std::fill(dst + n, dst + kPanel, 0.f);
     }
   }
@@ -341,9 +379,10 @@ constexpr int64 kNkPackRows = 64;  // rows of W per work item ("nk", packed)
 constexpr int64 kNkPackedMinRows = 24;  // rows of x from which "nk" packs
 
 // dst[i * ld + j] = src[j * lds + i] for an 8x8 block of floats.
-AVX2_FN inline void Transpose8x8(const float* src, int64 lds, float* dst, int64 ld) {
+template <typename W>
+AVX2_FN inline void Transpose8x8(const W* src, int64 lds, float* dst, int64 ld) {
   __m256 r[8], t[8];
-  for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(src + i * lds);
+  for (int i = 0; i < 8; ++i) r[i] = Load8(src + i * lds);
   for (int i = 0; i < 4; ++i) {
     t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
     t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
@@ -361,14 +400,15 @@ AVX2_FN inline void Transpose8x8(const float* src, int64 lds, float* dst, int64 
 }
 
 // z[:, n0 .. n1) = x @ W[n0 .. n1, :]^T (z is [M, N]); panel: K * kPanel floats of scratch.
-AVX2_FN void NkPackedAvx2(const Geometry& g, const float* x, const float* w, int64 n0,
+template <typename W>
+AVX2_FN void NkPackedAvx2(const Geometry& g, const float* x, const W* w, int64 n0,
                           int64 n1, float* panel, float* z) {
   const int64 k8 = g.K / 8 * 8;
   for (int64 n = n0; n < n1; n += kPanel) {
     const int64 cols = std::min(kPanel, n1 - n);
     for (int64 half = 0; half < kPanel; half += 8) {  // panel columns [half, half + 8)
       const int64 rows = std::max<int64>(0, std::min<int64>(8, cols - half));
-      const float* src = w + (n + half) * g.K;
+      const W* src = w + (n + half) * g.K;
       if (rows == 8) {
         for (int64 k = 0; k < k8; k += 8) {
           Transpose8x8(src + k, g.K, panel + k * kPanel + half, kPanel);
@@ -376,13 +416,13 @@ AVX2_FN void NkPackedAvx2(const Geometry& g, const float* x, const float* w, int
       } else {  // W's last rows: the panel's missing columns are zeros
         for (int64 k = 0; k < k8; ++k) {
           for (int64 j = 0; j < 8; ++j) {
-            panel[k * kPanel + half + j] = j < rows ? src[j * g.K + k] : 0.f;
+            panel[k * kPanel + half + j] = j < rows ? ToFloat(src[j * g.K + k]) : 0.f;
           }
         }
       }
       for (int64 k = k8; k < g.K; ++k) {  // K's tail
         for (int64 j = 0; j < 8; ++j) {
-          panel[k * kPanel + half + j] = j < rows ? src[j * g.K + k] : 0.f;
+          panel[k * kPanel + half + j] = j < rows ? ToFloat(src[j * g.K + k]) : 0.f;
         }
       }
     }
@@ -398,11 +438,11 @@ AVX2_FN void NkPackedAvx2(const Geometry& g, const float* x, const float* w, int
 // at a time 6.44 ms; four rows 5.51; four rows with the rows 4, 8 or 12 ahead prefetched
 // 4.75, 4.68, 5.02 (numpy's sgemv: 3.9-4.7 in other runs of the same hour). At M = 8 and 16,
 // one row of x per pass 12.4 and 18.4 ms, three 10.2 and 14.6.
-template <int R, bool kPrefetch>
-AVX2_FN inline void NkQuadAvx2(const Geometry& g, const float* x, const float* w0, float* z) {
+template <int R, bool kPrefetch, typename W>
+AVX2_FN inline void NkQuadAvx2(const Geometry& g, const float* x, const W* w0, float* z) {
   const int64 vec = g.K / 8 * 8;
   const int64 ahead = kNkPrefetchRows * g.K;  // floats
-  const float* ws[4] = {w0, w0 + g.K, w0 + 2 * g.K, w0 + 3 * g.K};
+  const W* ws[4] = {w0, w0 + g.K, w0 + 2 * g.K, w0 + 3 * g.K};
   __m256 s[R][4];
   for (int r = 0; r < R; ++r) {
     for (int i = 0; i < 4; ++i) s[r][i] = _mm256_setzero_ps();
@@ -418,7 +458,7 @@ AVX2_FN inline void NkQuadAvx2(const Geometry& g, const float* x, const float* w
     __m256 xv[R];
     for (int r = 0; r < R; ++r) xv[r] = _mm256_loadu_ps(x + r * g.K + k);
     for (int i = 0; i < 4; ++i) {
-      const __m256 wv = _mm256_loadu_ps(ws[i] + k);
+      const __m256 wv = Load8(ws[i] + k);
       for (int r = 0; r < R; ++r) s[r][i] = _mm256_fmadd_ps(wv, xv[r], s[r][i]);
     }
   }
@@ -427,23 +467,24 @@ AVX2_FN inline void NkQuadAvx2(const Geometry& g, const float* x, const float* w
     float sums[4];
     for (int i = 0; i < 4; ++i) {
       sums[i] = cpu::HorizontalSum(s[r][i]);
-      for (int64 kk = k; kk < g.K; ++kk) sums[i] += ws[i][kk] * xr[kk];
+      for (int64 kk = k; kk < g.K; ++kk) sums[i] += ToFloat(ws[i][kk]) * xr[kk];
     }
     std::memcpy(z + r * g.N, sums, sizeof(sums));
   }
 }
 
-template <int R>
-AVX2_FN inline void NkRowsAvx2(bool prefetch, const Geometry& g, const float* x, const float* w0,
+template <int R, typename W>
+AVX2_FN inline void NkRowsAvx2(bool prefetch, const Geometry& g, const float* x, const W* w0,
                                float* z) {
   prefetch ? NkQuadAvx2<R, true>(g, x, w0, z) : NkQuadAvx2<R, false>(g, x, w0, z);
 }
 
-AVX2_FN void NkTileAvx2(const Geometry& g, const float* x, const float* w, int64 n0, int64 n1,
+template <typename W>
+AVX2_FN void NkTileAvx2(const Geometry& g, const float* x, const W* w, int64 n0, int64 n1,
                         float* z) {
   int64 n = n0;
   for (; n + 4 <= n1; n += 4) {
-    const float* w0 = w + n * g.K;
+    const W* w0 = w + n * g.K;
     for (int64 r = 0; r < g.M; r += 3) {
       const float* xr = x + r * g.K;
       float* zr = z + r * g.N + n;
@@ -457,14 +498,14 @@ AVX2_FN void NkTileAvx2(const Geometry& g, const float* x, const float* w, int64
   }
   const int64 vec = g.K / 8 * 8;
   for (; n < n1; ++n) {  // the tile's last rows, one at a time
-    const float* wn = w + n * g.K;
+    const W* wn = w + n * g.K;
     for (int64 r = 0; r < g.M; ++r) {
       const float* xr = x + r * g.K;
       __m256 s = _mm256_setzero_ps();
       int64 k = 0;
-      for (; k < vec; k += 8) s = _mm256_fmadd_ps(_mm256_loadu_ps(wn + k), _mm256_loadu_ps(xr + k), s);
+      for (; k < vec; k += 8) s = _mm256_fmadd_ps(Load8(wn + k), _mm256_loadu_ps(xr + k), s);
       float sum = cpu::HorizontalSum(s);
-      for (; k < g.K; ++k) sum += wn[k] * xr[k];
+      for (; k < g.K; ++k) sum += ToFloat(wn[k]) * xr[k];
       z[r * g.N + n] = sum;
     }
   }
@@ -473,37 +514,40 @@ AVX2_FN void NkTileAvx2(const Geometry& g, const float* x, const float* w, int64
 #undef AVX2_FN
 #endif  // TOKENSERVE_X86
 
-void KnRangeScalar(const Geometry& g, const float* x, int64 rows, const float* w, int64 j0,
+template <typename W>
+void KnRangeScalar(const Geometry& g, const float* x, int64 rows, const W* w, int64 j0,
                    int64 width, float* acc) {
   std::fill(acc, acc + rows * width, 0.f);
   for (int64 k = 0; k < g.K; ++k) {
-    const float* wk = w + k * g.N + j0;
+    const W* wk = w + k * g.N + j0;
     for (int64 r = 0; r < rows; ++r) {
       const float xv = x[r * g.K + k];
       float* a = acc + r * width;
-      for (int64 j = 0; j < width; ++j) a[j] += xv * wk[j];
+      for (int64 j = 0; j < width; ++j) a[j] += xv * ToFloat(wk[j]);
     }
   }
 }
 
-void KnRowsScalar(const Geometry& g, const float* x, const float* w, int64 k0, int64 k1,
+template <typename W>
+void KnRowsScalar(const Geometry& g, const float* x, const W* w, int64 k0, int64 k1,
                   float* acc) {
   for (int64 k = k0; k < k1; ++k) {
-    const float* wk = w + k * g.N;
+    const W* wk = w + k * g.N;
     for (int64 r = 0; r < g.M; ++r) {
       const float xv = x[r * g.K + k];
       float* a = acc + r * g.N;
-      for (int64 j = 0; j < g.N; ++j) a[j] += xv * wk[j];
+      for (int64 j = 0; j < g.N; ++j) a[j] += xv * ToFloat(wk[j]);
     }
   }
 }
 
-void NkTileScalar(const Geometry& g, const float* x, const float* w, int64 n0, int64 n1,
+template <typename W>
+void NkTileScalar(const Geometry& g, const float* x, const W* w, int64 n0, int64 n1,
                   float* z) {
   for (int64 n = n0; n < n1; ++n) {
     for (int64 r = 0; r < g.M; ++r) {
       float sum = 0.f;
-      for (int64 k = 0; k < g.K; ++k) sum += w[n * g.K + k] * x[r * g.K + k];
+      for (int64 k = 0; k < g.K; ++k) sum += ToFloat(w[n * g.K + k]) * x[r * g.K + k];
       z[r * g.N + n] = sum;
     }
   }
@@ -513,11 +557,12 @@ void NkTileScalar(const Geometry& g, const float* x, const float* w, int64 n0, i
 
 REGISTER_OP("TokenserveDense")
     .Input("x: float")         // [M, K]
-    .Input("w: float")         // [K, N] ("kn") or [N, K] ("nk")
+    .Input("w: T")             // [K, N] ("kn") or [N, K] ("nk"); float32 or bfloat16
     .Input("bias: float")      // [N] or [0]
     .Input("residual: float")  // [M, out] or [0, 0]
     .Output("y: float")        // [M, out]; out = N, or N / 2 for swiglu
     .Attr("layout: {'kn', 'nk'} = 'kn'")
+    .Attr("T: {float, bfloat16} = DT_FLOAT")
     .Attr("activation: {'none', 'gelu_tanh', 'swiglu'} = 'none'")
     .Attr("isa: {'auto', 'scalar'} = 'auto'")
     .SetShapeFn([](InferenceContext* c) {
@@ -572,22 +617,23 @@ REGISTER_OP("TokenserveNorm")
 REGISTER_OP("TokenserveFinishBlock")
     .Input("attn: float")        // [M, Da] attention output
     .Input("x: float")           // [M, D] the residual stream
-    .Input("out_w: float")       // [Da, D]
+    .Input("out_w: T")           // [Da, D]
     .Input("out_bias: float")    // [D] or [0]
     .Input("norm_scale: float")  // [D]
     .Input("norm_bias: float")   // [D] (LayerNorm) or [0] (RMSNorm)
-    .Input("up_w: float")        // [D, F]
+    .Input("up_w: T")            // [D, F]
     .Input("up_bias: float")     // [F] or [0]
-    .Input("down_w: float")      // [F, D] (F / 2 rows for swiglu)
+    .Input("down_w: T")          // [F, D] (F / 2 rows for swiglu)
     .Input("down_bias: float")   // [D] or [0]
     // the next block's first half, optional (all empty: none): its norm and QKV projection
     .Input("next_norm_scale: float")  // [D] or [0]
     .Input("next_norm_bias: float")   // [D] (LayerNorm), or [0] (RMSNorm, or no next)
-    .Input("next_w: float")           // [D, Nq] or [0, 0]
+    .Input("next_w: T")               // [D, Nq] or [0, 0]
     .Input("next_bias: float")        // [Nq] or [0]
     .Output("y: float")          // [M, D]
     .Output("next: float")       // [M, Nq], or [M, 0] without a next block
     .Attr("activation: {'gelu_tanh', 'swiglu'} = 'gelu_tanh'")
+    .Attr("T: {float, bfloat16} = DT_FLOAT")  // the four matrices' dtype
     .Attr("eps: float = 1e-5")
     .Attr("isa: {'auto', 'scalar'} = 'auto'")
     .SetShapeFn([](InferenceContext* c) {
@@ -617,7 +663,8 @@ namespace {
 // columns (KnPackedAvx2), into per-worker partial sums that the epilogue adds up (as
 // ComputeKnSplitK below). A whole row of a wide W (3072 columns) made a 768 KB pack that,
 // with the partial sums, overflowed L2.
-void ComputeKnPacked(const Geometry& g, const Args& a, tensorflow::thread::ThreadPool* pool) {
+template <typename W>
+void ComputeKnPacked(const Geometry& g, const Args<W>& a, tensorflow::thread::ThreadPool* pool) {
   const int64 workers = std::max(1, pool->NumThreads());
   const int64 chunks = (g.K + kPackDepth - 1) / kPackDepth;
   const int64 blocks = (g.N + kPackWidth - 1) / kPackWidth;
@@ -670,7 +717,8 @@ void ComputeKnPacked(const Geometry& g, const Args& a, tensorflow::thread::Threa
 
 // Column ranges of W, 2 per thread (at most kMaxRange wide, a multiple of 8 where possible);
 // each range runs its own epilogue, except swiglu, whose halves live in different ranges.
-void ComputeKn(const Geometry& g, const Args& a, tensorflow::thread::ThreadPool* pool,
+template <typename W>
+void ComputeKn(const Geometry& g, const Args<W>& a, tensorflow::thread::ThreadPool* pool,
                bool avx2) {
   const bool swiglu = a.act == Activation::kSwiglu;
   const int64 threads = std::max(1, pool->NumThreads());
@@ -725,7 +773,8 @@ void ComputeKn(const Geometry& g, const Args& a, tensorflow::thread::ThreadPool*
 // into per-worker partial sums that the epilogue adds up. In the GPT-2-small engine step this
 // beat the column ranges below by ~10 % at 3 rows and ~6 % at 4, and by 21 % at 5 rows
 // (measured when drafts made 5-8-row steps common; see kSplitKMaxRows).
-void ComputeKnSplitK(const Geometry& g, const Args& a, tensorflow::thread::ThreadPool* pool,
+template <typename W>
+void ComputeKnSplitK(const Geometry& g, const Args<W>& a, tensorflow::thread::ThreadPool* pool,
                      bool avx2) {
   const int64 workers = std::max(1, pool->NumThreads());
   const int64 chunks = std::max<int64>(1, std::min(kChunksPerWorker * workers,
@@ -763,7 +812,8 @@ void ComputeKnSplitK(const Geometry& g, const Args& a, tensorflow::thread::Threa
   rowops::FinishRows(avx2, g.M, g.N, g.out, a.act, z, a.bias, a.residual, a.y);
 }
 
-void ComputeNk(const Geometry& g, const Args& a, tensorflow::thread::ThreadPool* pool,
+template <typename W>
+void ComputeNk(const Geometry& g, const Args<W>& a, tensorflow::thread::ThreadPool* pool,
                bool avx2) {
   const bool direct = a.act == Activation::kNone && !a.bias && !a.residual;
   std::vector<float> z;
@@ -803,7 +853,8 @@ void ComputeNk(const Geometry& g, const Args& a, tensorflow::thread::ThreadPool*
 
 // x @ W and its epilogue for one TokenserveDense call (or one matrix of
 // TokenserveFinishBlock): the work split by layout and number of rows (top of this file).
-void ComputeDense(const Geometry& g, const Args& a, bool kn, tensorflow::thread::ThreadPool* pool,
+template <typename W>
+void ComputeDense(const Geometry& g, const Args<W>& a, bool kn, tensorflow::thread::ThreadPool* pool,
                   bool avx2) {
   if (kn && g.M <= kSplitKMaxRows && g.K >= 2 * kSplitKMinRows) {
     ComputeKnSplitK(g, a, pool, avx2);
@@ -816,6 +867,19 @@ void ComputeDense(const Geometry& g, const Args& a, bool kn, tensorflow::thread:
   } else {
     ComputeNk(g, a, pool, avx2);
   }
+}
+
+// A weight tensor's data as W (float32, or bfloat16 as Bf16: the same 16 bits).
+template <typename W>
+const W* Weights(const Tensor& t);
+template <>
+const float* Weights<float>(const Tensor& t) {
+  return t.flat<float>().data();
+}
+template <>
+const Bf16* Weights<Bf16>(const Tensor& t) {
+  static_assert(sizeof(Bf16) == sizeof(tensorflow::bfloat16), "bfloat16 is 16 bits");
+  return reinterpret_cast<const Bf16*>(t.flat<tensorflow::bfloat16>().data());
 }
 
 }  // namespace
@@ -863,11 +927,17 @@ class DenseOp : public OpKernel {
     Tensor* y_tensor = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({g.M, g.out}), &y_tensor));
     if (g.M == 0 || g.out == 0) return;
-    Args a{x.flat<float>().data(), w.flat<float>().data(),
-           bias.NumElements() ? bias.flat<float>().data() : nullptr,
-           residual.NumElements() ? residual.flat<float>().data() : nullptr,
-           y_tensor->flat<float>().data(), act_};
-    ComputeDense(g, a, kn_, ctx->device()->tensorflow_cpu_worker_threads()->workers, avx2_);
+    auto* pool = ctx->device()->tensorflow_cpu_worker_threads()->workers;
+    const float* b = bias.NumElements() ? bias.flat<float>().data() : nullptr;
+    const float* res = residual.NumElements() ? residual.flat<float>().data() : nullptr;
+    float* y = y_tensor->flat<float>().data();
+    if (w.dtype() == tensorflow::DT_BFLOAT16) {
+      ComputeDense<Bf16>(g, {x.flat<float>().data(), Weights<Bf16>(w), b, res, y, act_}, kn_,
+                         pool, avx2_);
+    } else {
+      ComputeDense<float>(g, {x.flat<float>().data(), Weights<float>(w), b, res, y, act_}, kn_,
+                          pool, avx2_);
+    }
   }
 
  private:
@@ -954,36 +1024,47 @@ class FinishBlockOp : public OpKernel {
     OP_REQUIRES_OK(ctx, ctx->allocate_output(1, TensorShape({m, nq}), &next_tensor));
     if (m == 0 || d == 0) return;
 
+    if (out_w.dtype() == tensorflow::DT_BFLOAT16) {
+      Run<Bf16>(ctx, m, d, da, f, inner, nq, has_next, y_tensor, next_tensor);
+    } else {
+      Run<float>(ctx, m, d, da, f, inner, nq, has_next, y_tensor, next_tensor);
+    }
+  }
+
+  // The op's arithmetic, once the shapes are checked: W is the matrices' storage type.
+  template <typename W>
+  void Run(OpKernelContext* ctx, int64 m, int64 d, int64 da, int64 f, int64 inner, int64 nq,
+           bool has_next, Tensor* y_tensor, Tensor* next_tensor) {
     auto* pool = ctx->device()->tensorflow_cpu_worker_threads()->workers;
+    auto in = [ctx](int i) { return ctx->input(i).flat<float>().data(); };
     std::vector<float> x1(m * d), h(m * d), u(m * inner);
     // x1 = attn @ out_w + out_bias + x
-    ComputeDense({m, da, d, d}, {attn.flat<float>().data(), out_w.flat<float>().data(),
-                                 Data(ctx->input(3)), x.flat<float>().data(), x1.data(),
-                                 Activation::kNone},
-                 true, pool, avx2_);
+    ComputeDense<W>({m, da, d, d}, {in(0), Weights<W>(ctx->input(2)), Data(ctx->input(3)), in(1),
+                                    x1.data(), Activation::kNone},
+                    true, pool, avx2_);
     // h = norm(x1)
     for (int64 r = 0; r < m; ++r) {
-      rowops::NormRow(avx2_, d, x1.data() + r * d, norm_scale.flat<float>().data(),
-                      Data(ctx->input(5)), eps_, h.data() + r * d);
+      rowops::NormRow(avx2_, d, x1.data() + r * d, in(4), Data(ctx->input(5)), eps_,
+                      h.data() + r * d);
     }
     // u = act(h @ up_w + up_bias)
-    ComputeDense({m, d, f, inner}, {h.data(), up_w.flat<float>().data(), Data(ctx->input(7)),
-                                    nullptr, u.data(), act_},
-                 true, pool, avx2_);
+    ComputeDense<W>({m, d, f, inner}, {h.data(), Weights<W>(ctx->input(6)), Data(ctx->input(7)),
+                                       nullptr, u.data(), act_},
+                    true, pool, avx2_);
     // y = u @ down_w + down_bias + x1
     float* y = y_tensor->flat<float>().data();
-    ComputeDense({m, inner, d, d}, {u.data(), down_w.flat<float>().data(), Data(ctx->input(9)),
-                                    x1.data(), y, Activation::kNone},
-                 true, pool, avx2_);
+    ComputeDense<W>({m, inner, d, d}, {u.data(), Weights<W>(ctx->input(8)), Data(ctx->input(9)),
+                                       x1.data(), y, Activation::kNone},
+                    true, pool, avx2_);
     if (!has_next) return;
     // next = next_norm(y) @ next_w + next_bias (the norm's rows reuse h)
     for (int64 r = 0; r < m; ++r) {
-      rowops::NormRow(avx2_, d, y + r * d, next_norm_scale.flat<float>().data(),
-                      Data(next_norm_bias), eps_, h.data() + r * d);
+      rowops::NormRow(avx2_, d, y + r * d, in(10), Data(ctx->input(11)), eps_, h.data() + r * d);
     }
-    ComputeDense({m, d, nq, nq}, {h.data(), next_w.flat<float>().data(), Data(next_bias),
-                                  nullptr, next_tensor->flat<float>().data(), Activation::kNone},
-                 true, pool, avx2_);
+    ComputeDense<W>({m, d, nq, nq}, {h.data(), Weights<W>(ctx->input(12)), Data(ctx->input(13)),
+                                     nullptr, next_tensor->flat<float>().data(),
+                                     Activation::kNone},
+                    true, pool, avx2_);
   }
 
  private:

@@ -1,4 +1,5 @@
-"""Float32 dense layers and norms for small decode batches, in graph mode (no XLA).
+"""Dense layers and norms for small decode batches, in graph mode (no XLA): float32
+activations, float32 or bfloat16 weights.
 
 A batch-1 decode step is bound by reading the weights (GPT-2-small: 498 MB of float32 per
 token). XLA's matmuls stream them near the machine's bandwidth, but its CPU runtime spends
@@ -38,7 +39,8 @@ def dense(x, w, bias=None, residual=None, layout: str = "kn", activation: str = 
           isa: str = "auto") -> tf.Tensor:
     """activation(x @ W + bias) + residual for float32 x [M, K].
 
-    w: [K, N] (layout "kn") or [N, K] ("nk"). bias: [N] or None. residual: [M, out] or None.
+    w: [K, N] (layout "kn") or [N, K] ("nk"), float32 or bfloat16 (widened to float32 as it
+    is read: half the bytes to stream, float32 arithmetic). bias: [N] or None. residual: [M, out] or None.
     activation: "none", "gelu_tanh" or "swiglu" (out = N / 2: silu(z[:, :N/2]) * z[:, N/2:]).
     isa: "auto" or "scalar" (the op's portable path; tests).
     """
@@ -56,6 +58,9 @@ def dense(x, w, bias=None, residual=None, layout: str = "kn", activation: str = 
 def dense_fallback(x, w, bias=None, residual=None, layout: str = "kn",
                    activation: str = "none") -> tf.Tensor:
     """`dense` in stock TF ops."""
+    w = tf.convert_to_tensor(w)
+    if w.dtype != tf.float32:  # bfloat16 weights: float32 arithmetic, as the op does
+        w = tf.cast(w, tf.float32)
     return epilogue_fallback(tf.matmul(x, w, transpose_b=layout == "nk"), bias, residual,
                              activation)
 
@@ -105,7 +110,8 @@ def layer_norm_fallback(x, scale, bias=None, eps: float = 1e-5) -> tf.Tensor:
 
 def finish_block(attn, x, out, norm, up, down, activation: str = "gelu_tanh",
                  eps: float = 1e-5, isa: str = "auto", next_norm=None, next_qkv=None):
-    """The second half of a transformer block with float32 weights, as one compiled op:
+    """The second half of a transformer block with float32 or bfloat16 weights (all four
+    matrices the same; float32 arithmetic either way), as one compiled op:
 
         x1 = attn @ out_kernel + out_bias + x
         y  = act(norm(x1) @ up_kernel + up_bias) @ down_kernel + down_bias + x1
@@ -132,7 +138,7 @@ def finish_block(attn, x, out, norm, up, down, activation: str = "gelu_tanh",
         return w["bias"] if w.get("bias") is not None else empty
 
     if next_qkv is None:
-        following = (empty, empty, tf.zeros([0, 0], tf.float32), empty)
+        following = (empty, empty, tf.zeros([0, 0], out["kernel"].dtype), empty)
     else:
         following = (next_norm["scale"], bias(next_norm), next_qkv["kernel"], bias(next_qkv))
     y, following = op.tokenserve_finish_block(

@@ -53,7 +53,15 @@ def xla_has_avx512() -> bool:
     return not caps or caps[-1].upper() not in ("SSE4_2", "AVX", "AVX2")
 
 
-def choose_fused_dense_tokens(setting: int | None) -> tuple[int, str]:
+# bfloat16 weights: the fused ops (float32 arithmetic on widened weights) win while a step
+# is bound by reading the weights; oneDNN's bf16 matmuls win once it is not (measured with
+# in-process runs on a 2-core Zen 5 EPYC with AVX512-BF16; see
+# docs/engine.md, "bfloat16 weights through the fused ops").
+BF16_FUSED_TOKENS = 8
+
+
+def choose_fused_dense_tokens(setting: int | None,
+                              compute_dtype: str = "float32") -> tuple[int, str]:
     """(most tokens a float32 step runs through the fused dense ops rather than XLA, why).
 
     XLA's CPU dots use AVX-512 where the CPU has it and XLA is not capped below it; the fused
@@ -65,6 +73,9 @@ def choose_fused_dense_tokens(setting: int | None) -> tuple[int, str]:
     and tied at 16."""
     if setting is not None:
         return setting, "set explicitly"
+    if compute_dtype == "bfloat16":
+        return BF16_FUSED_TOKENS, ("bfloat16 weights: the fused ops stream them at the memory's "
+                                   "rate for a few tokens, oneDNN's bf16 matmuls win above")
     if xla_has_avx512():
         return 8, ("XLA may use AVX-512 here: its dot code catches up with the fused ops by "
                    "16 tokens")

@@ -50,17 +50,18 @@ class TransformerLM(DecoderLM):
             self.head.build(hidden_shape)
         self.built = True
 
-    def embed(self, token_ids, positions):
+    def embed(self, token_ids, positions, dtype=None):
         """Token (and learned position) embeddings: int32 ids and positions [...] -> [..., D]
-        in the compute dtype."""
+        in `dtype` (default the compute dtype; the engine's fused steps take float32 rows
+        of bfloat16 weights, summed in float32). Only the gathered rows are cast."""
+        dtype = dtype or self.compute_dtype
         if self.config.weight_format == "int8":
             rows = tf.cast(tf.gather(self.token_embedding_q, token_ids), tf.float32)
-            x = tf.cast(rows * tf.gather(self.token_embedding_scale, token_ids),
-                        self.compute_dtype)
+            x = tf.cast(rows * tf.gather(self.token_embedding_scale, token_ids), dtype)
         else:
-            x = tf.gather(tf.cast(self.token_embedding, self.compute_dtype), token_ids)
+            x = tf.cast(tf.gather(self.token_embedding, token_ids), dtype)
         if self.config.position == "learned":
-            x += tf.gather(tf.cast(self.position_embedding, self.compute_dtype), positions)
+            x += tf.cast(tf.gather(self.position_embedding, positions), dtype)
         return x
 
     def head_logits(self, hidden):
