@@ -575,3 +575,23 @@ def test_bfloat16_engine_fuses_small_steps_only(tiny_gpt2_dir):
                        use_tqdm=False)[0].outputs[0]
     assert len(out.token_ids) == 3
     assert {key[2] for key in runner.step._steps} == {True, False}
+
+
+def test_bfloat16_without_bf16_hardware_runs_every_step_fused(tiny_gpt2_dir, monkeypatch):
+    """Where oneDNN has no bf16 matmul (no AVX512-BF16 or AMX, or capped below them), the
+    graph's bf16 matmuls would be emulated, or refused with a process abort under an ISA
+    cap: an explicit --precision bfloat16 then runs every step through the fused ops, a
+    long prompt's prefill included, as int8 does."""
+    from tokenserve.engine import tf_step
+
+    monkeypatch.setattr(tf_step, "cpu_has_bf16", lambda: False)
+    llm = LLM(tiny_gpt2_dir, engine_config(precision="bfloat16", max_fused_dense_tokens=None))
+    runner = llm.engine.runner
+    assert runner.step.fused_every_step and runner.max_fused_dense_tokens == 0
+    out = llm.generate([PROMPTS[5] * 2], SamplingParams(max_tokens=3, ignore_eos=True),
+                       use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) == 3
+    assert {key[2] for key in runner.step._steps} == {True}
+    monkeypatch.setattr(tf_step, "cpu_has_bf16", lambda: True)
+    assert not LLM(tiny_gpt2_dir, engine_config(precision="bfloat16")).engine.runner.step \
+        .fused_every_step

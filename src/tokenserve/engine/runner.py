@@ -119,6 +119,9 @@ class ModelRunner:
                          self.max_fused_dense_tokens,
                          "XLA" if self.step.jit_dense else "oneDNN's bf16 matmuls", why,
                          "; the LM head always fused" if self.step.fused_head else "")
+            if self.step.fused_every_step and model.compute_dtype == "bfloat16":
+                log.info("dense layers: fused ops for every step, on the bfloat16 weights in "
+                         "float32 (oneDNN has no bf16 matmul on this CPU)")
             self.step.screened_head = self._screened_head(engine_config, screen)
             self.num_screened_steps = 0  # steps whose LM head ran the float16 screen
             if config.model.weight_format == "int8":

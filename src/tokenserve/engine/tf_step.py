@@ -43,6 +43,7 @@ from tokenserve.kernels import dense as kdense
 from tokenserve.kernels import paged_attention
 from tokenserve.kernels.int8_matmul import int8_finish_block, int8_matmul
 from tokenserve.model.layers import apply_rope, attend, linear, mlp, norm, rope_angles
+from tokenserve.model.precision import cpu_has_bf16
 from tokenserve.model.lstm import LSTMLM
 from tokenserve.model.transformer import TransformerLM
 
@@ -158,7 +159,10 @@ class TransformerStep(tf.Module):
                 and self.fused_attention)
         self.kernel_dense = kdense.is_compiled() and (
             model.compute_dtype == "float32" and (jit_dense or int8) or bf16)
-        self.fused_every_step = self.kernel_dense and int8
+        # bfloat16 on a CPU whose oneDNN has no bf16 matmul (no AVX512-BF16 or AMX, or capped
+        # below them): every step through the fused ops, as int8, since the graph's bf16
+        # matmuls would be emulated there, or refused by oneDNN (a process abort)
+        self.fused_every_step = self.kernel_dense and (int8 or bf16 and not cpu_has_bf16())
         # the fused steps' weights: the matrices as stored, the vectors (norms, biases) in
         # float32, cast once here rather than in every step
         self.fused_weights = self.layer_weights
