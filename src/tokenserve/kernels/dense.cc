@@ -1,4 +1,7 @@
-// Float32 dense layers for small decode batches, in graph mode (no XLA).
+// Dense layers for small decode batches, in graph mode (no XLA): float32 activations and
+// arithmetic, float32 or bfloat16 weights (attribute T). A bfloat16 weight is widened as it
+// is read (exact: its bits are a float32's upper half), so every kernel below does the same
+// float32 math on either, and a bfloat16 matrix streams half the bytes.
 //
 // TokenserveDense     y = epilogue(x @ W + bias)            x [M, K], y [M, N] or [M, N / 2]
 //   layout "kn": W is [K, N] (Keras' Dense kernel); "nk": W is [N, K] (a tied embedding used
@@ -174,7 +177,10 @@ AVX2_FN void KnRangeAvx2(const Geometry& g, const float* x, int64 rows, const W*
         s = _mm256_fmadd_ps(x3, Load8(w3 + j), s);
         _mm256_storeu_ps(a + j, s);
       }
-      for (; j < width; ++j) a[j] += xr[0] * ToFloat(w0[j]) + xr[1] * ToFloat(w1[j]) + xr[2] * ToFloat(w2[j]) + xr[3] * ToFloat(w3[j]);
+      for (; j < width; ++j) {
+        a[j] += xr[0] * ToFloat(w0[j]) + xr[1] * ToFloat(w1[j]) + xr[2] * ToFloat(w2[j]) +
+                xr[3] * ToFloat(w3[j]);
+      }
     }
   }
   for (; k < g.K; ++k) {
@@ -854,8 +860,8 @@ void ComputeNk(const Geometry& g, const Args<W>& a, tensorflow::thread::ThreadPo
 // x @ W and its epilogue for one TokenserveDense call (or one matrix of
 // TokenserveFinishBlock): the work split by layout and number of rows (top of this file).
 template <typename W>
-void ComputeDense(const Geometry& g, const Args<W>& a, bool kn, tensorflow::thread::ThreadPool* pool,
-                  bool avx2) {
+void ComputeDense(const Geometry& g, const Args<W>& a, bool kn,
+                  tensorflow::thread::ThreadPool* pool, bool avx2) {
   if (kn && g.M <= kSplitKMaxRows && g.K >= 2 * kSplitKMinRows) {
     ComputeKnSplitK(g, a, pool, avx2);
 #ifdef TOKENSERVE_X86
