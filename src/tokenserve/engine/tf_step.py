@@ -167,14 +167,16 @@ class TransformerStep(tf.Module):
         # float32, cast once here rather than in every step
         self.fused_weights = self.layer_weights
         self._fused_final_norm = model.final_norm.weights_dict()
-        self._fused_head = model.head.weights_dict() if model.head is not None else None
+        self._fused_head_weights = (model.head.weights_dict() if model.head is not None
+                                    else None)
         if self.kernel_dense and model.compute_dtype != "float32":
             self.fused_weights = [tf.nest.map_structure(_float32_vector, w)
                                   for w in self.layer_weights]
             self._fused_final_norm = tf.nest.map_structure(_float32_vector,
                                                            self._fused_final_norm)
-            if self._fused_head is not None:
-                self._fused_head = tf.nest.map_structure(_float32_vector, self._fused_head)
+            if self._fused_head_weights is not None:
+                self._fused_head_weights = tf.nest.map_structure(_float32_vector,
+                                                                 self._fused_head_weights)
         # Whether steps through XLA's dense programs run the LM head as the fused op: set
         # by the runner, before any step is traced, where the head never gets more rows
         # (one per sequence) than the fused ops take as fast as XLA. Then no head program
@@ -285,7 +287,7 @@ class TransformerStep(tf.Module):
         m = self.model
         x = self._norm_k(x, self._fused_final_norm)
         if m.head is not None:
-            return self._linear_k(x, self._fused_head)
+            return self._linear_k(x, self._fused_head_weights)
         if m.config.weight_format == "int8":  # tied: the token embedding [vocab, D]
             return int8_matmul(x, m.token_embedding_q, m.token_embedding_scale)
         return kdense.dense(x, m.token_embedding, layout="nk")
@@ -407,8 +409,8 @@ class TransformerStep(tf.Module):
             dense = (*dense, head)
 
             def step(token_ids, positions, write_rows, decode_groups, prefill, last_tokens):
-                return self._step(dense, token_ids, positions, write_rows, decode_groups,
-                                  prefill, last_tokens)
+                return self._step(dense, fused_dense, token_ids, positions, write_rows,
+                                  decode_groups, prefill, last_tokens)
             # No AutoGraph: the step's loops and branches are over Python values (layers, the
             # config), and converting them cost 2.4 s of the first trace on a 2-core VM
             # (0.5 s without), and about a fifth of every later one.
@@ -452,7 +454,7 @@ class TransformerStep(tf.Module):
             self._heads[kind] = FlatCall(traced.get_concrete_function(), int32_inputs=False)
         return self._heads[kind]
 
-    def _step(self, dense, token_ids, positions, write_rows, decode_groups, prefill,
+    def _step(self, dense, fused, token_ids, positions, write_rows, decode_groups, prefill,
               last_tokens):
         enter, between, exit_, head = dense
         m = self.model
@@ -482,7 +484,6 @@ class TransformerStep(tf.Module):
             prefill = (index, rows, mask, unpack)
         else:
             prefill = None
-        fused = enter == self._enter_k
         # the fused ops' activations are float32 whatever the weights' dtype
         dtype = tf.float32 if fused else m.compute_dtype
         layout = self._attention_layout(decode_groups, num_prefill, num_tokens, dtype)

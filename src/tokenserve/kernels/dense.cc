@@ -57,6 +57,7 @@
 #include "tensorflow/core/platform/threadpool.h"
 #include "chunks.h"
 #include "cpu.h"
+#include "widen.h"
 #include "rowops.h"
 #include "tensor_args.h"
 
@@ -107,19 +108,11 @@ struct Geometry {
   int64 out;      // y's width: N, or N / 2 for swiglu
 };
 
-// A bfloat16 weight: the upper 16 bits of a float32 (TF's DT_BFLOAT16 layout).
-struct Bf16 {
-  uint16_t bits;
-};
-inline float ToFloat(float v) { return v; }
-inline float ToFloat(Bf16 v) {
-  const uint32_t wide = static_cast<uint32_t>(v.bits) << 16;
-  float f;
-  std::memcpy(&f, &wide, sizeof(f));
-  return f;
-}
+using tensorflow::bfloat16;
+using widen::ToFloat;
 
-// One call's operands; W: float or Bf16 (the weights' storage; x, sums and y are float32).
+// One call's operands; W: float or bfloat16 (the weights' storage; x, sums and y are
+// float32).
 template <typename W>
 struct Args {
   const float* x;
@@ -132,14 +125,7 @@ struct Args {
 
 #ifdef TOKENSERVE_X86
 #define AVX2_FN __attribute__((target("avx2,fma")))
-
-// Eight weights as floats: float32 as they are, bfloat16 widened (its bits are a float32's
-// upper half, so the shift is exact). A bfloat16 weight matrix streams half the bytes.
-AVX2_FN inline __m256 Load8(const float* p) { return _mm256_loadu_ps(p); }
-AVX2_FN inline __m256 Load8(const Bf16* p) {
-  const __m128i half = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
-}
+using widen::Load8;  // eight weights as floats: float32, or bfloat16 widened
 
 // "kn": acc[r, 0 .. width) = x[r, :] @ W[:, j0 .. j0 + width) for rows r of one pass.
 // Four weight rows per iteration: each accumulator is loaded and stored once per four FMAs.
@@ -875,19 +861,6 @@ void ComputeDense(const Geometry& g, const Args<W>& a, bool kn,
   }
 }
 
-// A weight tensor's data as W (float32, or bfloat16 as Bf16: the same 16 bits).
-template <typename W>
-const W* Weights(const Tensor& t);
-template <>
-const float* Weights<float>(const Tensor& t) {
-  return t.flat<float>().data();
-}
-template <>
-const Bf16* Weights<Bf16>(const Tensor& t) {
-  static_assert(sizeof(Bf16) == sizeof(tensorflow::bfloat16), "bfloat16 is 16 bits");
-  return reinterpret_cast<const Bf16*>(t.flat<tensorflow::bfloat16>().data());
-}
-
 }  // namespace
 
 class DenseOp : public OpKernel {
@@ -937,12 +910,12 @@ class DenseOp : public OpKernel {
     const float* b = bias.NumElements() ? bias.flat<float>().data() : nullptr;
     const float* res = residual.NumElements() ? residual.flat<float>().data() : nullptr;
     float* y = y_tensor->flat<float>().data();
+    const float* xp = x.flat<float>().data();
     if (w.dtype() == tensorflow::DT_BFLOAT16) {
-      ComputeDense<Bf16>(g, {x.flat<float>().data(), Weights<Bf16>(w), b, res, y, act_}, kn_,
-                         pool, avx2_);
+      ComputeDense<bfloat16>(g, {xp, w.flat<bfloat16>().data(), b, res, y, act_}, kn_, pool,
+                             avx2_);
     } else {
-      ComputeDense<float>(g, {x.flat<float>().data(), Weights<float>(w), b, res, y, act_}, kn_,
-                          pool, avx2_);
+      ComputeDense<float>(g, {xp, w.flat<float>().data(), b, res, y, act_}, kn_, pool, avx2_);
     }
   }
 
@@ -1031,7 +1004,7 @@ class FinishBlockOp : public OpKernel {
     if (m == 0 || d == 0) return;
 
     if (out_w.dtype() == tensorflow::DT_BFLOAT16) {
-      Run<Bf16>(ctx, m, d, da, f, inner, nq, has_next, y_tensor, next_tensor);
+      Run<bfloat16>(ctx, m, d, da, f, inner, nq, has_next, y_tensor, next_tensor);
     } else {
       Run<float>(ctx, m, d, da, f, inner, nq, has_next, y_tensor, next_tensor);
     }
@@ -1043,9 +1016,10 @@ class FinishBlockOp : public OpKernel {
            bool has_next, Tensor* y_tensor, Tensor* next_tensor) {
     auto* pool = ctx->device()->tensorflow_cpu_worker_threads()->workers;
     auto in = [ctx](int i) { return ctx->input(i).flat<float>().data(); };
+    auto weights = [ctx](int i) { return ctx->input(i).flat<W>().data(); };
     std::vector<float> x1(m * d), h(m * d), u(m * inner);
     // x1 = attn @ out_w + out_bias + x
-    ComputeDense<W>({m, da, d, d}, {in(0), Weights<W>(ctx->input(2)), Data(ctx->input(3)), in(1),
+    ComputeDense<W>({m, da, d, d}, {in(0), weights(2), Data(ctx->input(3)), in(1),
                                     x1.data(), Activation::kNone},
                     true, pool, avx2_);
     // h = norm(x1)
@@ -1054,12 +1028,12 @@ class FinishBlockOp : public OpKernel {
                       h.data() + r * d);
     }
     // u = act(h @ up_w + up_bias)
-    ComputeDense<W>({m, d, f, inner}, {h.data(), Weights<W>(ctx->input(6)), Data(ctx->input(7)),
+    ComputeDense<W>({m, d, f, inner}, {h.data(), weights(6), Data(ctx->input(7)),
                                        nullptr, u.data(), act_},
                     true, pool, avx2_);
     // y = u @ down_w + down_bias + x1
     float* y = y_tensor->flat<float>().data();
-    ComputeDense<W>({m, inner, d, d}, {u.data(), Weights<W>(ctx->input(8)), Data(ctx->input(9)),
+    ComputeDense<W>({m, inner, d, d}, {u.data(), weights(8), Data(ctx->input(9)),
                                        x1.data(), y, Activation::kNone},
                     true, pool, avx2_);
     if (!has_next) return;
@@ -1067,7 +1041,7 @@ class FinishBlockOp : public OpKernel {
     for (int64 r = 0; r < m; ++r) {
       rowops::NormRow(avx2_, d, y + r * d, in(10), Data(ctx->input(11)), eps_, h.data() + r * d);
     }
-    ComputeDense<W>({m, d, nq, nq}, {h.data(), Weights<W>(ctx->input(12)), Data(ctx->input(13)),
+    ComputeDense<W>({m, d, nq, nq}, {h.data(), weights(12), Data(ctx->input(13)),
                                      nullptr, next_tensor->flat<float>().data(),
                                      Activation::kNone},
                     true, pool, avx2_);

@@ -63,6 +63,7 @@
 #include "tensorflow/core/platform/mutex.h"
 #include "tensorflow/core/platform/threadpool.h"
 #include "cpu.h"
+#include "widen.h"
 
 namespace tokenserve {
 namespace {
@@ -106,15 +107,7 @@ struct Scratch {
         acc(g.Heads() * g.Dh), inv(g.Heads()) {}
 };
 
-inline float ToFloat(float x) { return x; }
-inline float ToFloat(bfloat16 x) {
-  uint16_t bits;
-  std::memcpy(&bits, &x, sizeof(bits));
-  const uint32_t wide = uint32_t{bits} << 16;
-  float f;
-  std::memcpy(&f, &wide, sizeof(f));
-  return f;
-}
+using widen::ToFloat;  // float, bfloat16 (widen.h)
 inline float ToFloat(Half x) { return static_cast<float>(x); }  // exact
 template <typename T>
 inline T FromFloat(float x) {
@@ -194,12 +187,7 @@ void AttendScalar(const Geometry& g, const T* qs, const C* kc, const C* vc, cons
 #ifdef TOKENSERVE_X86
 #define AVX2_FN __attribute__((target("avx2,fma,f16c")))
 
-AVX2_FN inline __m256 Load8(const float* p) { return _mm256_loadu_ps(p); }
-AVX2_FN inline __m256 Load8(const bfloat16* p) {
-  // bfloat16 is the top half of a float32: widen to 32 bits and shift (exact).
-  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
+using widen::Load8;  // float, bfloat16 (widen.h)
 AVX2_FN inline __m256 Load8(const Half* p) {  // F16C: exact
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
