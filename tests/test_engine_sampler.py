@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tokenserve.engine.sampler import _CANDIDATES, SequenceSampler, sample_batch
+from tokenserve.engine.sampler import _CANDIDATES, SequenceSampler, descending, sample_batch
 from tokenserve.sampling import SamplingParams
 
 VOCAB = 1000
@@ -69,7 +69,8 @@ def test_repetition_penalty_divides_positive_and_multiplies_negative_seen_logits
 def test_top_p_candidate_path_equals_the_full_sort(top_p):
     rng = np.random.default_rng(7)
     for trial in range(20):
-        probs = rng.dirichlet(np.full(VOCAB, 0.05 if trial % 2 else 0.5))
+        # float32, as the sampler's softmax gives them
+        probs = rng.dirichlet(np.full(VOCAB, 0.05 if trial % 2 else 0.5)).astype(np.float32)
         fast = sampler(temperature=1.0, top_p=top_p)._sorted_nucleus(probs)
         order = np.lexsort((np.arange(VOCAB), -probs))  # the full sort, ties by lower id
         mass_before = np.cumsum(probs[order]) - probs[order]
@@ -78,10 +79,10 @@ def test_top_p_candidate_path_equals_the_full_sort(top_p):
 
 
 def test_top_p_candidate_path_is_taken_and_the_fallback_when_the_head_is_short():
-    peaked = np.full(VOCAB, 1e-6)
+    peaked = np.full(VOCAB, 1e-6, np.float32)
     peaked[:10] = 0.1
     peaked /= peaked.sum()
-    flat = np.full(VOCAB, 1.0 / VOCAB)  # the 256 likeliest hold only 25.6% of the mass
+    flat = np.full(VOCAB, 1.0 / VOCAB, np.float32)  # the 256 likeliest hold only 25.6% of the mass
     for probs in (peaked, flat):
         nucleus = sampler(temperature=1.0, top_p=0.9)._sorted_nucleus(probs)
         mass = probs[nucleus].sum()
@@ -108,8 +109,8 @@ def test_greedy_rows_and_sampled_rows_share_one_batch():
 def full_sort_pick(probs: np.ndarray, uniform: float) -> int:
     """The reference: walk the whole distribution most likely first (ties: lower id first)."""
     order = np.lexsort((np.arange(probs.size), -probs))
-    cumulative = np.cumsum(probs[order])
-    target = uniform * float(probs.sum())
+    cumulative = np.cumsum(probs[order], dtype=np.float64)
+    target = uniform * float(probs.sum(dtype=np.float64))
     return int(order[min(int(np.searchsorted(cumulative, target, side="right")),
                          probs.size - 1)])
 
@@ -124,7 +125,40 @@ def test_whole_distribution_sampling_sorts_only_the_head_and_picks_as_a_full_sor
         probs = rng.uniform(0.9, 1.0, size)
     else:                    # many equal values, some across the head's boundary
         probs = rng.integers(1, 6, size).astype(np.float64)
-    probs /= probs.sum()
+    probs = (probs / probs.sum()).astype(np.float32)
     for uniform in np.concatenate([rng.random(300), [0.0, 1 - 1e-12]]):
         assert SequenceSampler._pick_whole(probs, float(uniform)) == full_sort_pick(
             probs, float(uniform))
+
+
+def test_descending_orders_as_lexsort_by_probability_then_id():
+    rng = np.random.default_rng(11)
+    probs = rng.dirichlet(np.full(5000, 0.1)).astype(np.float32)
+    probs[rng.integers(0, 5000, 300)] = 0.0                 # exp underflow: exact zeros
+    probs[rng.integers(0, 5000, 300)] = probs[17]           # ties across the vocabulary
+    probs[-1] = np.float32(np.inf)                          # the extreme key
+    np.testing.assert_array_equal(descending(probs), np.lexsort((np.arange(5000), -probs)))
+    ids = np.sort(rng.choice(5000, 700, replace=False))     # a subset, ordered by its own ids
+    np.testing.assert_array_equal(descending(probs[ids], ids),
+                                  ids[np.lexsort((ids, -probs[ids]))])
+    with pytest.raises(TypeError):
+        descending(probs.astype(np.float64))
+
+
+@pytest.mark.parametrize("params", [dict(min_p=0.2), dict(min_p=0.02, top_p=0.5),
+                                    dict(top_p=0.95), dict(top_p=0.3)])
+def test_the_nucleus_is_a_prefix_of_the_full_sort_with_both_cuts(params):
+    """min-p then top-p on the fully sorted distribution: what the sampler finds sorting
+    only what min-p keeps, or only the likeliest tokens."""
+    rng = np.random.default_rng(3)
+    for trial in range(10):
+        probs = rng.dirichlet(np.full(VOCAB, 0.05 if trial % 2 else 1.0)).astype(np.float32)
+        probs[rng.integers(0, VOCAB, 50)] = probs[int(np.argmax(probs))] / 3  # ties
+        probs /= probs.sum(dtype=np.float64)
+        order = np.lexsort((np.arange(VOCAB), -probs))
+        kept = probs[order] >= params.get("min_p", 0.0) * probs.max()
+        if "top_p" in params:
+            mass_before = np.cumsum(probs[order], dtype=np.float64) - probs[order]
+            kept &= mass_before < params["top_p"]
+        fast = sampler(temperature=1.0, **params)._sorted_nucleus(probs)
+        np.testing.assert_array_equal(fast, order[kept])

@@ -7,6 +7,8 @@ tokens whatever else shares its batch. Greedy rows are decided together in one a
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from tokenserve.engine.outputs import TokenLogprob
@@ -14,6 +16,37 @@ from tokenserve.sampling import SamplingParams
 
 _CANDIDATES = 256  # top-p first tries this many tokens; it falls back to a full sort
 _SPARSE_WORDS = 8  # masks with at most this many non-zero words (256 tokens) go token by token
+_ID_BITS = np.uint64(32)
+
+
+@functools.lru_cache(maxsize=8)
+def _all_ids(size: int) -> np.ndarray:
+    """0 .. size - 1, read-only and made once per vocabulary size (a fresh arange of 50k ids
+    cost 0.13 ms per sampled token, more than its softmax)."""
+    ids = np.arange(size)
+    ids.setflags(write=False)
+    return ids
+
+
+def descending(probs: np.ndarray, ids: np.ndarray | None = None) -> np.ndarray:
+    """`ids` (default: every position of `probs`) most likely first, ties lower id first:
+    the order of np.lexsort((ids, -probs)), from one sort of 64-bit keys instead.
+
+    probs: float32, none negative (a non-negative float32's bits order as its value does),
+    one per id. Each key is the probability's bits inverted above the id, so NumPy's
+    vectorized integer sort does it: 0.6 ms over a 50,257-word vocabulary, against 3.7 ms
+    for lexsort (a 2-core Zen 5 EPYC). The sampler walks whole distributions in this order
+    whenever a draw lands past the likeliest tokens, which a flat distribution does on
+    nearly every token."""
+    if probs.dtype != np.float32:
+        raise TypeError(f"descending() orders float32 probabilities, got {probs.dtype}")
+    ids = _all_ids(probs.size) if ids is None else ids
+    keys = np.uint64(0xFFFFFFFF) - probs.view(np.uint32).astype(np.uint64)
+    keys <<= _ID_BITS
+    keys |= ids.astype(np.uint64)
+    keys.sort()
+    keys &= np.uint64(0xFFFFFFFF)
+    return keys.astype(np.intp)
 
 
 class SequenceSampler:
@@ -101,7 +134,7 @@ class SequenceSampler:
             candidates = np.argpartition(-scores, p.top_k - 1)[:p.top_k]
             scores = scores[candidates]
         else:
-            candidates = np.arange(scores.size)
+            candidates = _all_ids(scores.size)
         scores -= scores.max()
         probs = np.exp(scores, out=scores)
         probs *= np.float32(1.0 / probs.sum(dtype=np.float64))
@@ -112,11 +145,7 @@ class SequenceSampler:
         """The top-p nucleus with the min-p cut, most likely first (ties: lower id first);
         probs stay as given (not renormalized)."""
         order = self._sorted_nucleus(probs)
-        candidates, probs = candidates[order], probs[order]
-        if self.params.min_p > 0.0:
-            keep = probs >= self.params.min_p * probs[0]
-            candidates, probs = candidates[keep], probs[keep]
-        return candidates, probs
+        return candidates[order], probs[order]
 
     @staticmethod
     def _pick_whole(probs: np.ndarray, uniform: float) -> int:
@@ -128,28 +157,39 @@ class SequenceSampler:
         if probs.size > _CANDIDATES:
             kth = np.partition(probs, probs.size - _CANDIDATES)[probs.size - _CANDIDATES]
             head = np.flatnonzero(probs >= kth)  # every token tied with the last one too
-            order = head[np.lexsort((head, -probs[head]))]
+            order = descending(probs[head], head)
             cumulative = np.cumsum(probs[order], dtype=np.float64)
             if target < cumulative[-1]:
                 return int(order[np.searchsorted(cumulative, target, side="right")])
-        order = np.lexsort((np.arange(probs.size), -probs))
+        order = descending(probs)
         cumulative = np.cumsum(probs[order], dtype=np.float64)
         return int(order[min(int(np.searchsorted(cumulative, target, side="right")),
                              probs.size - 1)])
 
     def _sorted_nucleus(self, probs: np.ndarray) -> np.ndarray:
-        """Indices of the top-p nucleus of `probs`, most likely first (ties: lower id first)."""
-        top_p = self.params.top_p
+        """Positions in `probs` of the top-p nucleus with the min-p cut, most likely first
+        (ties: lower id first). Each cut keeps a prefix of the whole distribution in that
+        order, so only what min-p keeps is sorted, or only the likeliest 256 tokens where
+        they hold top_p: the whole vocabulary only when neither narrows it."""
+        top_p, min_p = self.params.top_p, self.params.min_p
+        if min_p > 0.0:
+            kept = np.flatnonzero(probs >= min_p * probs.max())
+            return self._cut(descending(probs[kept], kept), probs)
         if top_p < 1.0 and probs.size > _CANDIDATES:
-            head = np.argpartition(-probs, _CANDIDATES - 1)[:_CANDIDATES]
-            if probs[head].sum() >= top_p:  # the nucleus lies inside the head: sort only it
-                order = head[np.lexsort((head, -probs[head]))]
+            kth = np.partition(probs, probs.size - _CANDIDATES)[probs.size - _CANDIDATES]
+            head = np.flatnonzero(probs >= kth)  # every token tied with the last one too
+            order = descending(probs[head], head)
+            # every token past the head has at least the head's mass before it
+            if np.sum(probs[order], dtype=np.float64) >= top_p:
                 return self._cut(order, probs)
-        order = np.lexsort((np.arange(probs.size), -probs))
-        return self._cut(order, probs) if top_p < 1.0 else order
+        return self._cut(descending(probs), probs)
 
     def _cut(self, order: np.ndarray, probs: np.ndarray) -> np.ndarray:
-        mass_before = np.cumsum(probs[order], dtype=np.float64) - probs[order]
+        """The tokens of `order` (most likely first) whose mass before them is under top_p."""
+        if self.params.top_p >= 1.0:
+            return order
+        kept = probs[order]
+        mass_before = np.cumsum(kept, dtype=np.float64) - kept
         return order[mass_before < self.params.top_p]
 
     def _penalize(self, scores: np.ndarray) -> np.ndarray:
