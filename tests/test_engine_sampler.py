@@ -162,3 +162,22 @@ def test_the_nucleus_is_a_prefix_of_the_full_sort_with_both_cuts(params):
             kept &= mass_before < params["top_p"]
         fast = sampler(temperature=1.0, **params)._sorted_nucleus(probs)
         np.testing.assert_array_equal(fast, order[kept])
+
+
+def test_token_logprob_matches_a_float64_log_softmax_and_orders_ties_by_id():
+    from tokenserve.engine.sampler import token_logprob
+
+    rng = np.random.default_rng(2)
+    logits = rng.normal(0.0, 3.0, VOCAB).astype(np.float32)
+    logits[[40, 7, 900]] = logits.max() + 1.0              # a three-way tie for the best
+    reference = logits.astype(np.float64) - logits.max()
+    reference -= np.log(np.exp(reference).sum())
+    got = token_logprob(logits, 123, 5)
+    assert got.token_id == 123
+    assert got.logprob == pytest.approx(reference[123], abs=1e-6)
+    assert [t for t, _ in got.top] == list(np.argsort(-reference, kind="stable")[:5])
+    assert [t for t, _ in got.top][:3] == [7, 40, 900]
+    np.testing.assert_allclose([v for _, v in got.top], reference[[t for t, _ in got.top]],
+                               rtol=0, atol=1e-6)
+    assert token_logprob(logits, 7, 0).top == ()
+    assert len(token_logprob(logits[:3], 0, 5).top) == 3   # no more alternatives than words

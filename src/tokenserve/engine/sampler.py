@@ -247,13 +247,22 @@ def apply_token_masks(logits: np.ndarray, rows: list[int], masks: np.ndarray) ->
 
 
 def token_logprob(logits: np.ndarray, token_id: int, num_top: int) -> TokenLogprob:
-    """The model's (unprocessed) log-probability of `token_id`, with `num_top` alternatives."""
-    scores = logits.astype(np.float64)
-    shifted = scores - scores.max()
-    logprobs = shifted - np.log(np.exp(shifted).sum())
+    """The model's (unprocessed) log-probability of `token_id`, with `num_top` alternatives.
+
+    Exponentials in float32, their sum in float64 (as the sampler's softmax): over 50,257
+    words the float64 version cost 0.48 ms a token, 0.83 with five alternatives."""
+    best = np.float32(logits.max())
+    shifted = np.subtract(logits, best, dtype=np.float32)
+    log_total = float(np.log(np.exp(shifted, out=shifted).sum(dtype=np.float64)))
+
+    def logprob(token: int) -> float:
+        return (float(logits[token]) - float(best)) - log_total
+
     top: tuple = ()
     if num_top > 0:
-        head = np.argpartition(-logprobs, num_top - 1)[:num_top]
-        head = head[np.lexsort((head, -logprobs[head]))]
-        top = tuple((int(t), float(logprobs[t])) for t in head)
-    return TokenLogprob(int(token_id), float(logprobs[token_id]), top)
+        num_top = min(num_top, logits.size)
+        kth = np.partition(logits, logits.size - num_top)[logits.size - num_top]
+        head = np.flatnonzero(logits >= kth)  # every token tied with the last one too
+        head = head[np.lexsort((head, -logits[head]))][:num_top]
+        top = tuple((int(t), logprob(int(t))) for t in head)
+    return TokenLogprob(int(token_id), logprob(int(token_id)), top)
