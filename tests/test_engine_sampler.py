@@ -181,3 +181,45 @@ def test_token_logprob_matches_a_float64_log_softmax_and_orders_ties_by_id():
                                rtol=0, atol=1e-6)
     assert token_logprob(logits, 7, 0).top == ()
     assert len(token_logprob(logits[:3], 0, 5).top) == 3   # no more alternatives than words
+
+
+def test_a_draw_past_the_head_sorts_one_bucket_and_picks_as_a_full_sort():
+    """A flat distribution's draws land past the likeliest 256 tokens; there the sampler sorts
+    only the bucket of values the draw lands in (sampler._pick_past_head), and declines
+    (None: the full sort decides) only where a draw lies on a token's border."""
+    from tokenserve.engine.sampler import _pick_past_head
+
+    rng = np.random.default_rng(8)
+    probs = np.exp(rng.normal(0.0, 1.0, 50_000)).astype(np.float32)
+    probs[rng.integers(0, probs.size, 2000)] = probs[5]   # ties inside one bucket
+    probs[rng.integers(0, probs.size, 500)] = 0.0        # and tokens that cannot be drawn
+    probs /= probs.sum(dtype=np.float64)
+    kth = np.partition(probs, probs.size - _CANDIDATES)[probs.size - _CANDIDATES]
+    order = np.lexsort((np.arange(probs.size), -probs))
+    cumulative = np.cumsum(probs[order], dtype=np.float64)
+    head_mass = float(cumulative[np.count_nonzero(probs >= kth) - 1])
+    total = float(probs.sum(dtype=np.float64))
+    taken = 0
+    for uniform in rng.uniform(head_mass / total, 1.0, 300):
+        picked = _pick_past_head(probs, kth, head_mass, float(uniform) * total)
+        taken += picked is not None
+        if picked is not None:
+            assert picked == full_sort_pick(probs, float(uniform))
+    assert taken == 300
+    # a draw exactly on a border: declined, and the whole walk still picks the full sort's
+    for k in rng.integers(np.count_nonzero(probs >= kth), probs.size - 600, 20):
+        target = float(cumulative[k])
+        assert _pick_past_head(probs, kth, head_mass, target) is None
+        uniform = target / total
+        assert SequenceSampler._pick_whole(probs, uniform) == full_sort_pick(probs, uniform)
+
+
+def test_top_k_keeps_exactly_k_tokens_and_the_lower_ids_of_a_tie():
+    logits = np.full(VOCAB, -5.0, np.float32)
+    logits[[900, 3, 450, 7, 600]] = 2.0           # five tied for the best
+    logits[[11, 12]] = 3.0
+    # k = 4: the two best and the two lowest ids of the tie
+    assert draws({"temperature": 1.0, "top_k": 4}, logits) == {11, 12, 3, 7}
+    assert draws({"temperature": 1.0, "top_k": 2}, logits) == {11, 12}
+    candidates, probs = sampler(temperature=1.0, top_k=6)._softmax(logits.copy())
+    assert list(candidates) == [3, 7, 11, 12, 450, 600] and probs.size == 6

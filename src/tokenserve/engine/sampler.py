@@ -28,6 +28,42 @@ def _all_ids(size: int) -> np.ndarray:
     return ids
 
 
+_BUCKET_SHIFT = 19  # float32 bits >> 19: exponent and 4 mantissa bits
+_WALK_MARGIN = 1e-9  # of the total mass: how near a bucket's sums may put a draw to a border
+
+
+def _pick_past_head(probs: np.ndarray, kth, head_mass: float, target: float) -> int | None:
+    """The token a walk most likely first lands on at `target` past the head (every token of
+    at least `kth`, holding `head_mass`), in linear time: the other tokens' mass per bucket
+    of values (a float32's bits >> 19: each bucket 2^(1/16) wide, and higher buckets hold
+    only higher values), summed from the top bucket down, and only the bucket the draw lands
+    in sorted. Flat distributions (a random model's) land here on nearly every token, where
+    sorting the whole vocabulary took 0.6 ms of a 0.9 ms sampled token.
+
+    Summed by bucket, the masses before a token are not the full sort's running sum bit for
+    bit; the difference is far below 1e-12 of the total. So where the draw is within
+    _WALK_MARGIN of the total from either border of the token it lands on, this returns None
+    and the caller walks the full sort: the pick is always the full sort's."""
+    total = float(probs.sum(dtype=np.float64))
+    rest = probs < kth
+    # (bincount takes intp keys 5x faster than it converts uint32 ones)
+    keys = (probs.view(np.int32) >> _BUCKET_SHIFT).astype(np.intp)
+    masses = np.bincount(keys, weights=np.where(rest, probs, 0.0))
+    reached = head_mass + np.cumsum(masses[::-1])  # after each bucket, the highest first
+    j = int(np.searchsorted(reached, target, side="right"))
+    if j == reached.size:
+        return None
+    start = head_mass if j == 0 else float(reached[j - 1])
+    members = np.flatnonzero(rest & (keys == masses.size - 1 - j))
+    order = descending(probs[members], members)
+    borders = np.cumsum(np.concatenate(([start], probs[order])), dtype=np.float64)
+    i = int(np.searchsorted(borders, target, side="right"))  # token i - 1 spans the draw
+    margin = _WALK_MARGIN * total
+    if not 0 < i < borders.size or min(target - borders[i - 1], borders[i] - target) < margin:
+        return None
+    return int(order[i - 1])
+
+
 def descending(probs: np.ndarray, ids: np.ndarray | None = None) -> np.ndarray:
     """`ids` (default: every position of `probs`) most likely first, ties lower id first:
     the order of np.lexsort((ids, -probs)), from one sort of 64-bit keys instead.
@@ -131,7 +167,12 @@ class SequenceSampler:
         p = self.params
         scores /= np.float32(p.temperature)
         if p.top_k > 0 and p.top_k < scores.size:
-            candidates = np.argpartition(-scores, p.top_k - 1)[:p.top_k]
+            # the k highest, in id order; of tokens tied with the k-th, the lower ids (a
+            # partition and two scans: half of argpartition's time over 50k words)
+            kth = np.partition(scores, scores.size - p.top_k)[scores.size - p.top_k]
+            above = np.flatnonzero(scores > kth)
+            tied = np.flatnonzero(scores == kth)[:p.top_k - above.size]
+            candidates = np.union1d(above, tied)
             scores = scores[candidates]
         else:
             candidates = _all_ids(scores.size)
@@ -151,8 +192,9 @@ class SequenceSampler:
     def _pick_whole(probs: np.ndarray, uniform: float) -> int:
         """Index of the token the draw `uniform` lands on when the whole distribution is
         walked most likely first (ties: lower id first), as with a full sort; only the most
-        likely tokens are sorted unless the draw lands past them. A full sort of a 50k-word
-        vocabulary was ~5 ms per sampled token, the default OpenAI sampling path."""
+        likely tokens are sorted, and past them only the bucket the draw lands in
+        (_pick_past_head). A full sort of a 50k-word vocabulary was ~5 ms per sampled token,
+        the default OpenAI sampling path."""
         target = uniform * float(probs.sum(dtype=np.float64))
         if probs.size > _CANDIDATES:
             kth = np.partition(probs, probs.size - _CANDIDATES)[probs.size - _CANDIDATES]
@@ -161,6 +203,9 @@ class SequenceSampler:
             cumulative = np.cumsum(probs[order], dtype=np.float64)
             if target < cumulative[-1]:
                 return int(order[np.searchsorted(cumulative, target, side="right")])
+            picked = _pick_past_head(probs, kth, float(cumulative[-1]), target)
+            if picked is not None:
+                return picked
         order = descending(probs)
         cumulative = np.cumsum(probs[order], dtype=np.float64)
         return int(order[min(int(np.searchsorted(cumulative, target, side="right")),
