@@ -24,6 +24,7 @@ from tokenserve.cli import bench
 FIRST_TOKEN_DELAY_S = 0.05
 TOKEN_DELAY_S = 0.005
 API_KEY = "secret"
+BODIES: list[dict] = []  # every request body the fake server received
 
 
 def fake_openai_app() -> FastAPI:
@@ -37,6 +38,7 @@ def fake_openai_app() -> FastAPI:
         if request.headers.get("authorization") != f"Bearer {API_KEY}":
             return JSONResponse({"error": {"message": "bad key"}}, status_code=401)
         body = await request.json()
+        BODIES.append(body)
         num_tokens = body["max_tokens"]
 
         async def events():
@@ -128,6 +130,20 @@ def test_chat_endpoint(fake_server, tmp_path):
     assert code == 0
     (run,) = json.loads((tmp_path / "results.json").read_text())["runs"]
     assert run["completed"] == 2 and run["total_output_tokens"] == 6
+
+
+def test_sampling_flags_go_with_every_request_and_into_the_results(fake_server, tmp_path):
+    BODIES.clear()
+    code = run_bench(["--base-url", fake_server, "--api-key", API_KEY, "--model", "fake-model",
+                      "--num-prompts", "3", "--random-input-len", "4", "--random-output-len", "2",
+                      "--temperature", "0.7", "--top-p", "0.9", "--top-k", "40",
+                      "--min-p", "0.05", "--result-dir", str(tmp_path), "--disable-tqdm"])
+    assert code == 0 and len(BODIES) == 3
+    for body in BODIES:
+        assert (body["temperature"], body["top_p"], body["top_k"], body["min_p"]) == \
+            (0.7, 0.9, 40, 0.05)
+    config = json.loads((tmp_path / "results.json").read_text())["config"]
+    assert (config["temperature"], config["top_p"], config["top_k"]) == (0.7, 0.9, 40)
 
 
 def test_rejected_requests_count_as_failed(fake_server, tmp_path, capsys):

@@ -150,3 +150,9 @@ def test_payloads_for_completions_and_chat():
                                      ignore_eos=True), request)
     assert chat["messages"] == [{"role": "user", "content": "hello"}]
     assert chat["ignore_eos"] is True and "prompt" not in chat
+    assert completions["temperature"] == 0.0  # greedy unless asked
+    assert not {"top_p", "top_k", "min_p"} & set(completions)
+    sampled = request_body(ClientConfig("http://x", "m", temperature=0.8, top_p=0.9, top_k=40,
+                                        min_p=0.05), request)
+    assert (sampled["temperature"], sampled["top_p"], sampled["top_k"],
+            sampled["min_p"]) == (0.8, 0.9, 40, 0.05)

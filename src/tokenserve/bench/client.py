@@ -50,6 +50,11 @@ class ClientConfig:
     ignore_eos: bool = False
     """Ask the server (vLLM extension) to generate exactly max_tokens."""
     temperature: float = 0.0
+    """0: greedy (the default, as vLLM's benchmark)."""
+    top_p: float | None = None
+    top_k: int | None = None
+    """Sent only when set (top_k and min_p are vLLM's extensions of the OpenAI API)."""
+    min_p: float | None = None
     timeout_s: float = 6 * 3600
 
     @property
@@ -68,6 +73,9 @@ def request_body(config: ClientConfig, request: BenchRequest) -> dict:
         body["prompt"] = request.prompt
     if config.ignore_eos:
         body["ignore_eos"] = True
+    for name in ("top_p", "top_k", "min_p"):
+        if getattr(config, name) is not None:
+            body[name] = getattr(config, name)
     return body
 
 

@@ -54,6 +54,13 @@ def add_parser(commands) -> None:
                    help="comma-separated (default: %(default)s)")
     p.add_argument("--ignore-eos", action="store_true",
                    help="ask the server to generate exactly max_tokens (vLLM extension)")
+    sampling = p.add_argument_group("sampling (sent with every request)")
+    sampling.add_argument("--temperature", type=float, default=0.0,
+                          help="0 (the default) is greedy")
+    sampling.add_argument("--top-p", type=float, default=None)
+    sampling.add_argument("--top-k", type=int, default=None,
+                          help="vLLM's extension of the OpenAI API, as --min-p")
+    sampling.add_argument("--min-p", type=float, default=None)
     p.add_argument("--label", default=None,
                    help="name of this server/configuration in results and comparisons "
                         "(default: the model name)")
@@ -139,7 +146,8 @@ def _benchmark(args: argparse.Namespace) -> int:
         raise ConfigError(str(error)) from None
     client = ClientConfig(base_url=args.base_url, model=args.model, endpoint=args.endpoint,
                           api_key=args.api_key or os.environ.get("OPENAI_API_KEY"),
-                          ignore_eos=args.ignore_eos)
+                          ignore_eos=args.ignore_eos, temperature=args.temperature,
+                          top_p=args.top_p, top_k=args.top_k, min_p=args.min_p)
     try:
         client = dataclasses.replace(client, model=asyncio.run(resolve_model(client)))
     except (httpx.HTTPError, ValueError) as error:
