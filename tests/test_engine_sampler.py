@@ -223,3 +223,22 @@ def test_top_k_keeps_exactly_k_tokens_and_the_lower_ids_of_a_tie():
     assert draws({"temperature": 1.0, "top_k": 2}, logits) == {11, 12}
     candidates, probs = sampler(temperature=1.0, top_k=6)._softmax(logits.copy())
     assert list(candidates) == [3, 7, 11, 12, 450, 600] and probs.size == 6
+
+
+@pytest.mark.parametrize("params", [dict(temperature=1.0), dict(temperature=0.7, top_p=0.9),
+                                    dict(temperature=1.0, top_k=5),
+                                    dict(temperature=1.0, min_p=0.1)])
+def test_non_finite_logits_still_draw_a_defined_token(params):
+    """NaN is never drawn, +inf tokens take all the mass, and a row with nothing finite
+    draws any token: no exception, which would fail every sequence in the step."""
+    nan_one = np.zeros(VOCAB, np.float32)
+    nan_one[[3, 500]] = np.nan
+    assert not draws(params, nan_one, n=100) & {3, 500}
+    infinite = np.zeros(VOCAB, np.float32)
+    infinite[[7, 70]] = np.inf
+    infinite[9] = np.nan
+    assert draws(params, infinite, n=100) == {7, 70}
+    nothing = np.full(VOCAB, np.nan, np.float32)
+    nothing[:10] = -np.inf
+    picked = draws(params, nothing, n=50)
+    assert picked and all(0 <= t < VOCAB for t in picked)

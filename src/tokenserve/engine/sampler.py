@@ -65,6 +65,21 @@ def _pick_past_head(probs: np.ndarray, kth, head_mass: float, target: float) -> 
     return int(order[i - 1])
 
 
+def _make_finite(scores: np.ndarray) -> None:
+    """Replaces a row's non-finite scores, in place, with what they mean for a draw: a NaN is
+    never drawn, the +inf tokens share all the mass equally, and a row with no finite score
+    and no +inf one (all NaN or -inf) draws every token equally. A model that makes them is
+    broken, but this row's draw stays defined, where the softmax would sum to NaN and the
+    walk fail the whole step (every sequence in the batch)."""
+    positive = np.isposinf(scores)
+    if positive.any():
+        scores[:] = np.where(positive, np.float32(0), np.float32(-np.inf))
+        return
+    scores[np.isnan(scores)] = -np.inf
+    if scores.max() == -np.inf:
+        scores[:] = 0
+
+
 def descending(probs: np.ndarray, ids: np.ndarray | None = None) -> np.ndarray:
     """`ids` (default: every position of `probs`) most likely first, ties lower id first:
     the order of np.lexsort((ids, -probs)), from one sort of 64-bit keys instead.
@@ -166,6 +181,8 @@ class SequenceSampler:
         the float64 version cost 1.2 ms a sampled token, mostly float64 exponentials and
         fresh 400 kB arrays (each one new pages from the OS)."""
         p = self.params
+        if not np.isfinite(scores.max()):  # NaN or infinity somewhere (max is NaN with any)
+            _make_finite(scores)
         scores /= np.float32(p.temperature)
         if p.top_k > 0 and p.top_k < scores.size:
             # the k highest, in id order; of tokens tied with the k-th, the lower ids (a
