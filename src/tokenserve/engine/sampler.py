@@ -42,9 +42,9 @@ def _pick_past_head(probs: np.ndarray, kth, head_mass: float, target: float) -> 
 
     Summed by bucket, the masses before a token are not the full sort's running sum bit for
     bit; they differ by at most about (tokens x 1e-16) of the total, 5e-12 over 50k tokens.
-    So where the draw is within
-    _WALK_MARGIN of the total from either border of the token it lands on, this returns None
-    and the caller walks the full sort: the pick is always the full sort's."""
+    So where the draw is within _WALK_MARGIN of the total from either border of the token it
+    lands on, this returns None and the caller walks the full sort: the pick is always the
+    full sort's."""
     total = float(probs.sum(dtype=np.float64))
     rest = probs < kth
     # (bincount takes intp keys 5x faster than it converts uint32 ones)
