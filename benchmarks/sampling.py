@@ -5,9 +5,10 @@
    distribution: "flat" (logits N(0, 1): a random model's, where a draw lands past the 256
    likeliest tokens on nearly every token and the whole vocabulary is walked most likely
    first) and "peaked" (N(0, 4): closer to a trained model's). Each case runs the sampler as
-   it is and, as the named baseline, the same sampler ordering by np.lexsort and sorting the
-   whole vocabulary whenever a draw lands past the 256 likeliest tokens (what it did before
-   `descending` and `_pick_past_head`), alternating, `--rounds` times; the table gives
+   it is and, as the named baseline, the same sampler ordering by np.lexsort, sorting the
+   whole vocabulary whenever a draw lands past the 256 likeliest tokens, and sorting the
+   top-p nucleus (what it did before `descending`, `_pick_past_head` and `_pick_in_nucleus`),
+   alternating, `--rounds` times; the table gives
    median microseconds per token and their ratio. Both must pick the same tokens: the
    script checks it.
 2. With `--model EXPORT`: in-process `tokenserve.LLM`, 1 and 32 sequences of 32 random
@@ -69,7 +70,8 @@ def time_sampler(logits: np.ndarray, params: dict, tokens: int) -> tuple[float, 
 def sampler_cases(rounds: int, tokens: int) -> list[dict]:
     from tokenserve.engine import sampler as module
 
-    current = module.descending, module._pick_past_head
+    sampler_class = module.SequenceSampler
+    current = module.descending, module._pick_past_head, sampler_class._pick_in_nucleus
     rows = []
     rng = np.random.default_rng(0)
     for vocab in (49152, 50257):
@@ -80,9 +82,11 @@ def sampler_cases(rounds: int, tokens: int) -> list[dict]:
                 for _ in range(rounds):
                     module.descending = lexsort_descending
                     module._pick_past_head = lambda *args: None  # always the full sort
+                    sampler_class._pick_in_nucleus = lambda *args: None  # sort the nucleus
                     took, old_picks = time_sampler(logits, params, tokens)
                     before.append(took)
-                    module.descending, module._pick_past_head = current
+                    (module.descending, module._pick_past_head,
+                     sampler_class._pick_in_nucleus) = current
                     took, picks = time_sampler(logits, params, tokens)
                     now.append(took)
                     same = same and picks == old_picks
@@ -91,7 +95,7 @@ def sampler_cases(rounds: int, tokens: int) -> list[dict]:
                              "baseline_us_per_token": statistics.median(before),
                              "speedup": statistics.median(b / n for b, n in zip(before, now)),
                              "same_tokens": same})
-    module.descending, module._pick_past_head = current
+    module.descending, module._pick_past_head, sampler_class._pick_in_nucleus = current
     return rows
 
 

@@ -201,10 +201,14 @@ def test_a_draw_past_the_head_sorts_one_bucket_and_picks_as_a_full_sort():
     total = float(probs.sum(dtype=np.float64))
     taken = 0
     for uniform in rng.uniform(head_mass / total, 1.0, 300):
-        picked = _pick_past_head(probs, kth, head_mass, float(uniform) * total)
-        taken += picked is not None
-        if picked is not None:
-            assert picked == full_sort_pick(probs, float(uniform))
+        landed = _pick_past_head(probs, kth, head_mass, float(uniform) * total)
+        taken += landed is not None
+        if landed is not None:
+            token, before, through = landed
+            assert token == full_sort_pick(probs, float(uniform))
+            position = int(np.flatnonzero(order == token)[0])  # its running sums, near enough
+            assert before == pytest.approx(cumulative[position - 1], abs=1e-11)
+            assert through == pytest.approx(cumulative[position], abs=1e-11)
     assert taken == 300
     # a draw exactly on a border: declined, and the whole walk still picks the full sort's
     for k in rng.integers(np.count_nonzero(probs >= kth), probs.size - 600, 20):
@@ -242,3 +246,43 @@ def test_non_finite_logits_still_draw_a_defined_token(params):
     nothing[:10] = -np.inf
     picked = draws(params, nothing, n=50)
     assert picked and all(0 <= t < VOCAB for t in picked)
+
+
+def nucleus_pick(probs: np.ndarray, top_p: float, uniform: float) -> int:
+    """The reference: sort everything, cut at top_p, walk the nucleus to uniform x its mass."""
+    order = np.lexsort((np.arange(probs.size), -probs))
+    mass_before = np.cumsum(probs[order], dtype=np.float64) - probs[order]
+    nucleus = order[mass_before < top_p]
+    cumulative = np.cumsum(probs[nucleus], dtype=np.float64)
+    pick = int(np.searchsorted(cumulative, uniform * cumulative[-1], side="right"))
+    return int(nucleus[min(pick, nucleus.size - 1)])
+
+
+@pytest.mark.parametrize("shape", ["flat", "peaked", "ties"])
+@pytest.mark.parametrize("top_p", [0.3, 0.9, 0.99])
+def test_top_p_walks_twice_and_picks_as_sorting_the_nucleus(shape, top_p):
+    """Top-p without min-p finds the nucleus's end and the draw by two walks (no sort of the
+    nucleus), and declines only on a border: the pick is the full sort's, always."""
+    rng = np.random.default_rng(12)
+    if shape == "flat":
+        probs = np.exp(rng.normal(0.0, 1.0, 20_000))
+    elif shape == "peaked":
+        probs = np.exp(rng.normal(0.0, 4.0, 20_000))
+    else:
+        probs = rng.integers(1, 6, 20_000).astype(np.float64)
+    probs = (probs / probs.sum()).astype(np.float32)
+    walker = sampler(temperature=1.0, top_p=top_p)
+    declined = 0
+    for uniform in rng.random(200):
+        picked = walker._pick_in_nucleus(probs, float(uniform))
+        declined += picked is None
+        if picked is not None:
+            assert picked == nucleus_pick(probs, top_p, float(uniform))
+    assert declined <= 2
+    # and through sample(): the same tokens as the reference, seed by seed
+    logits = np.log(probs)
+    for seed in range(20):
+        drawn = sampler(temperature=1.0, top_p=top_p, seed=seed).sample(logits)
+        uniform = np.random.default_rng(seed).random()
+        _, redone = sampler(temperature=1.0, top_p=top_p)._softmax(logits.copy())
+        assert drawn == nucleus_pick(redone, top_p, uniform)

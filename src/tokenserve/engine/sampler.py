@@ -8,6 +8,7 @@ tokens whatever else shares its batch. Greedy rows are decided together in one a
 from __future__ import annotations
 
 import functools
+import threading
 
 import numpy as np
 
@@ -28,11 +29,28 @@ def _all_ids(size: int) -> np.ndarray:
     return ids
 
 
+_scratch = threading.local()
+
+
+def _buffer(name: str, size: int, dtype) -> np.ndarray:
+    """A vocabulary-sized temporary this thread keeps between tokens. Fresh 200-400 kB
+    arrays are mapped from the OS and faulted in on every call (glibc gives blocks of that
+    size back when they are freed): the bucket walk took 0.48 ms with fresh arrays and 0.16
+    with its memory kept. Per thread, as engines in one process sample on their own
+    threads."""
+    buffer = getattr(_scratch, name, None)
+    if buffer is None or buffer.size < size or buffer.dtype != dtype:
+        buffer = np.empty(size, dtype)
+        setattr(_scratch, name, buffer)
+    return buffer[:size]
+
+
 _BUCKET_SHIFT = 19  # float32 bits >> 19: exponent and 4 mantissa bits
 _WALK_MARGIN = 1e-9  # of the total mass: how near a bucket's sums may put a draw to a border
 
 
-def _pick_past_head(probs: np.ndarray, kth, head_mass: float, target: float) -> int | None:
+def _pick_past_head(probs: np.ndarray, kth, head_mass: float, target: float
+                    ) -> tuple[int, float, float] | None:
     """The token a walk most likely first lands on at `target` past the head (every token of
     at least `kth`, holding `head_mass`), in linear time: the other tokens' mass per bucket
     of values (a float32's bits >> 19: each bucket 2^(1/16) wide, and higher buckets hold
@@ -44,12 +62,15 @@ def _pick_past_head(probs: np.ndarray, kth, head_mass: float, target: float) -> 
     bit; they differ by at most about (tokens x 1e-16) of the total, 5e-12 over 50k tokens.
     So where the draw is within _WALK_MARGIN of the total from either border of the token it
     lands on, this returns None and the caller walks the full sort: the pick is always the
-    full sort's."""
+    full sort's. Returns (token, the running sum before it, the running sum through it)."""
     total = float(probs.sum(dtype=np.float64))
-    rest = probs < kth
-    # (bincount takes intp keys 5x faster than it converts uint32 ones)
-    keys = (probs.view(np.int32) >> _BUCKET_SHIFT).astype(np.intp)
-    masses = np.bincount(keys, weights=np.where(rest, probs, 0.0))
+    rest = np.less(probs, kth, out=_buffer("rest", probs.size, np.bool_))
+    # intp keys and float64 weights: bincount takes them as they are (it converted uint32
+    # keys 5x slower than it counts)
+    keys = np.right_shift(probs.view(np.int32), _BUCKET_SHIFT,
+                          out=_buffer("keys", probs.size, np.intp))
+    weights = np.multiply(probs, rest, out=_buffer("weights", probs.size, np.float64))
+    masses = np.bincount(keys, weights=weights)
     reached = head_mass + np.cumsum(masses[::-1])  # after each bucket, the highest first
     j = int(np.searchsorted(reached, target, side="right"))
     if j == reached.size:
@@ -62,7 +83,7 @@ def _pick_past_head(probs: np.ndarray, kth, head_mass: float, target: float) -> 
     margin = _WALK_MARGIN * total
     if not 0 < i < borders.size or min(target - borders[i - 1], borders[i] - target) < margin:
         return None
-    return int(order[i - 1])
+    return int(order[i - 1]), float(borders[i - 1]), float(borders[i])
 
 
 def _make_finite(scores: np.ndarray) -> None:
@@ -141,9 +162,14 @@ class SequenceSampler:
         candidates, probs = self._softmax(scores)
         if p.top_p >= 1.0 and p.min_p == 0.0:
             return int(candidates[self._pick_whole(probs, self.rng.random())])
+        uniform = self.rng.random()
+        if p.min_p == 0.0:
+            picked = self._pick_in_nucleus(probs, uniform)
+            if picked is not None:
+                return int(candidates[picked])
         candidates, probs = self._nucleus(candidates, probs)
         cumulative = np.cumsum(probs, dtype=np.float64)
-        pick = int(np.searchsorted(cumulative, self.rng.random() * cumulative[-1], side="right"))
+        pick = int(np.searchsorted(cumulative, uniform * cumulative[-1], side="right"))
         return int(candidates[min(pick, len(candidates) - 1)])
 
     def verify(self, logits: np.ndarray, draft: int) -> int:
@@ -213,21 +239,63 @@ class SequenceSampler:
         likely tokens are sorted, and past them only the bucket the draw lands in
         (_pick_past_head). A full sort of a 50k-word vocabulary was ~5 ms per sampled token,
         the default OpenAI sampling path."""
-        target = uniform * float(probs.sum(dtype=np.float64))
-        if probs.size > _CANDIDATES:
-            kth = np.partition(probs, probs.size - _CANDIDATES)[probs.size - _CANDIDATES]
-            head = np.flatnonzero(probs >= kth)  # every token tied with the last one too
-            order = descending(probs[head], head)
-            cumulative = np.cumsum(probs[order], dtype=np.float64)
+        return SequenceSampler._walk(probs, uniform * float(probs.sum(dtype=np.float64)))[0]
+
+    @staticmethod
+    def _head(probs: np.ndarray) -> tuple | None:
+        """(the 256th highest probability, the tokens of at least it most likely first, their
+        running sums), or None for a vocabulary of at most 256 tokens."""
+        if probs.size <= _CANDIDATES:
+            return None
+        kth = np.partition(probs, probs.size - _CANDIDATES)[probs.size - _CANDIDATES]
+        head = np.flatnonzero(probs >= kth)  # every token tied with the last one too
+        order = descending(probs[head], head)
+        return kth, order, np.cumsum(probs[order], dtype=np.float64)
+
+    @staticmethod
+    def _walk(probs: np.ndarray, target: float, head: tuple | None = None
+              ) -> tuple[int, float, float]:
+        """(index of the first token, most likely first, whose running sum of `probs` passes
+        `target`, the running sum before it, the running sum through it); past the last
+        token, the last token. The sums are the full sort's, except from _pick_past_head,
+        whose sums are within 5e-12 of the total and whose target is 1e-9 from any border.
+        head: _head(probs), where the caller has it already."""
+        head = SequenceSampler._head(probs) if head is None else head
+        if head is not None:
+            kth, order, cumulative = head
             if target < cumulative[-1]:
-                return int(order[np.searchsorted(cumulative, target, side="right")])
-            picked = _pick_past_head(probs, kth, float(cumulative[-1]), target)
-            if picked is not None:
-                return picked
+                i = int(np.searchsorted(cumulative, target, side="right"))
+                return (int(order[i]), float(cumulative[i - 1]) if i else 0.0,
+                        float(cumulative[i]))
+            landed = _pick_past_head(probs, kth, float(cumulative[-1]), target)
+            if landed is not None:
+                return landed
         order = descending(probs)
         cumulative = np.cumsum(probs[order], dtype=np.float64)
-        return int(order[min(int(np.searchsorted(cumulative, target, side="right")),
-                             probs.size - 1)])
+        i = min(int(np.searchsorted(cumulative, target, side="right")), probs.size - 1)
+        return int(order[i]), float(cumulative[i - 1]) if i else 0.0, float(cumulative[i])
+
+    def _pick_in_nucleus(self, probs: np.ndarray, uniform: float) -> int | None:
+        """Index of the token top-p sampling (no min-p) draws with `uniform`, without sorting
+        the nucleus: two walks (_walk). The nucleus ends at the token whose running sum first
+        reaches top_p, so its mass is that running sum, and the draw is a walk to `uniform`
+        times that mass, which stays inside the nucleus. A flat distribution's nucleus is
+        most of the vocabulary, and sorting it was most of a 1.1-1.4 ms token.
+
+        The full sort's own cut compares (running sum - probability) with top_p, which can
+        differ from the sum before the token in its last bit, and a bucket's sums are within
+        5e-12 of the total: so where top_p or the draw lies within _WALK_MARGIN of the total
+        from a border, this returns None and the caller sorts the nucleus."""
+        margin = _WALK_MARGIN * float(probs.sum(dtype=np.float64))
+        head = self._head(probs)
+        _, start, end = self._walk(probs, self.params.top_p, head)
+        if min(self.params.top_p - start, end - self.params.top_p) < margin:
+            return None
+        target = uniform * end
+        token, start, end = self._walk(probs, target, head)
+        if min(target - start, end - target) < margin:
+            return None
+        return token
 
     def _sorted_nucleus(self, probs: np.ndarray) -> np.ndarray:
         """Positions in `probs` of the top-p nucleus with the min-p cut, most likely first
