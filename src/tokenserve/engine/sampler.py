@@ -15,7 +15,7 @@ import numpy as np
 from tokenserve.engine.outputs import TokenLogprob
 from tokenserve.sampling import SamplingParams
 
-_CANDIDATES = 256  # top-p first tries this many tokens; it falls back to a full sort
+_CANDIDATES = 256  # the likeliest tokens a walk sorts first; past them, buckets (or a full sort)
 _SPARSE_WORDS = 8  # masks with at most this many non-zero words (256 tokens) go token by token
 _ID_BITS = np.uint64(32)
 
