@@ -306,13 +306,10 @@ class SequenceSampler:
         if min_p > 0.0:
             kept = np.flatnonzero(probs >= min_p * probs.max())
             return self._cut(descending(probs[kept], kept), probs)
-        if top_p < 1.0 and probs.size > _CANDIDATES:
-            kth = np.partition(probs, probs.size - _CANDIDATES)[probs.size - _CANDIDATES]
-            head = np.flatnonzero(probs >= kth)  # every token tied with the last one too
-            order = descending(probs[head], head)
-            # every token past the head has at least the head's mass before it
-            if np.sum(probs[order], dtype=np.float64) >= top_p:
-                return self._cut(order, probs)
+        head = self._head(probs) if top_p < 1.0 else None
+        # every token past the head has at least the head's mass before it
+        if head is not None and head[2][-1] >= top_p:
+            return self._cut(head[1], probs)
         return self._cut(descending(probs), probs)
 
     def _cut(self, order: np.ndarray, probs: np.ndarray) -> np.ndarray:
