@@ -201,7 +201,7 @@ def test_a_draw_past_the_head_sorts_one_bucket_and_picks_as_a_full_sort():
     total = float(probs.sum(dtype=np.float64))
     taken = 0
     for uniform in rng.uniform(head_mass / total, 1.0, 300):
-        landed = _pick_past_head(probs, kth, head_mass, float(uniform) * total)
+        landed = _pick_past_head(probs, kth, head_mass, float(uniform) * total, total)
         taken += landed is not None
         if landed is not None:
             token, before, through = landed
@@ -213,7 +213,7 @@ def test_a_draw_past_the_head_sorts_one_bucket_and_picks_as_a_full_sort():
     # a draw exactly on a border: declined, and the whole walk still picks the full sort's
     for k in rng.integers(np.count_nonzero(probs >= kth), probs.size - 600, 20):
         target = float(cumulative[k])
-        assert _pick_past_head(probs, kth, head_mass, target) is None
+        assert _pick_past_head(probs, kth, head_mass, target, total) is None
         uniform = target / total
         assert SequenceSampler._pick_whole(probs, uniform) == full_sort_pick(probs, uniform)
 

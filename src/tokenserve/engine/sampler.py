@@ -49,7 +49,7 @@ _BUCKET_SHIFT = 19  # float32 bits >> 19: exponent and 4 mantissa bits
 _WALK_MARGIN = 1e-9  # of the total mass: how near a bucket's sums may put a draw to a border
 
 
-def _pick_past_head(probs: np.ndarray, kth, head_mass: float, target: float
+def _pick_past_head(probs: np.ndarray, kth, head_mass: float, target: float, total: float
                     ) -> tuple[int, float, float] | None:
     """The token a walk most likely first lands on at `target` past the head (every token of
     at least `kth`, holding `head_mass`), in linear time: the other tokens' mass per bucket
@@ -62,8 +62,8 @@ def _pick_past_head(probs: np.ndarray, kth, head_mass: float, target: float
     bit; they differ by at most about (tokens x 1e-16) of the total, 5e-12 over 50k tokens.
     So where the draw is within _WALK_MARGIN of the total from either border of the token it
     lands on, this returns None and the caller walks the full sort: the pick is always the
-    full sort's. Returns (token, the running sum before it, the running sum through it)."""
-    total = float(probs.sum(dtype=np.float64))
+    full sort's. total: the sum of `probs`. Returns (token, the running sum before it, the
+    running sum through it)."""
     rest = np.less(probs, kth, out=_buffer("rest", probs.size, np.bool_))
     # intp keys and float64 weights: bincount takes them as they are (it converted uint32
     # keys 5x slower than it counts)
@@ -239,7 +239,8 @@ class SequenceSampler:
         likely tokens are sorted, and past them only the bucket the draw lands in
         (_pick_past_head). A full sort of a 50k-word vocabulary was ~5 ms per sampled token,
         the default OpenAI sampling path."""
-        return SequenceSampler._walk(probs, uniform * float(probs.sum(dtype=np.float64)))[0]
+        total = float(probs.sum(dtype=np.float64))
+        return SequenceSampler._walk(probs, uniform * total, total)[0]
 
     @staticmethod
     def _head(probs: np.ndarray) -> tuple | None:
@@ -253,13 +254,13 @@ class SequenceSampler:
         return kth, order, np.cumsum(probs[order], dtype=np.float64)
 
     @staticmethod
-    def _walk(probs: np.ndarray, target: float, head: tuple | None = None
+    def _walk(probs: np.ndarray, target: float, total: float, head: tuple | None = None
               ) -> tuple[int, float, float]:
         """(index of the first token, most likely first, whose running sum of `probs` passes
         `target`, the running sum before it, the running sum through it); past the last
         token, the last token. The sums are the full sort's, except from _pick_past_head,
         whose sums are within 5e-12 of the total and whose target is 1e-9 from any border.
-        head: _head(probs), where the caller has it already."""
+        total: the sum of `probs`; head: _head(probs), where the caller has it already."""
         head = SequenceSampler._head(probs) if head is None else head
         if head is not None:
             kth, order, cumulative = head
@@ -267,7 +268,7 @@ class SequenceSampler:
                 i = int(np.searchsorted(cumulative, target, side="right"))
                 return (int(order[i]), float(cumulative[i - 1]) if i else 0.0,
                         float(cumulative[i]))
-            landed = _pick_past_head(probs, kth, float(cumulative[-1]), target)
+            landed = _pick_past_head(probs, kth, float(cumulative[-1]), target, total)
             if landed is not None:
                 return landed
         order = descending(probs)
@@ -286,13 +287,14 @@ class SequenceSampler:
         differ from the sum before the token in its last bit, and a bucket's sums are within
         5e-12 of the total: so where top_p or the draw lies within _WALK_MARGIN of the total
         from a border, this returns None and the caller sorts the nucleus."""
-        margin = _WALK_MARGIN * float(probs.sum(dtype=np.float64))
+        total = float(probs.sum(dtype=np.float64))
+        margin = _WALK_MARGIN * total
         head = self._head(probs)
-        _, start, end = self._walk(probs, self.params.top_p, head)
+        _, start, end = self._walk(probs, self.params.top_p, total, head)
         if min(self.params.top_p - start, end - self.params.top_p) < margin:
             return None
         target = uniform * end
-        token, start, end = self._walk(probs, target, head)
+        token, start, end = self._walk(probs, target, total, head)
         if min(target - start, end - target) < margin:
             return None
         return token
