@@ -20,7 +20,11 @@ CASES = [(0, 64, 8, 1), (1, 64, 8, 1), (1, 768, 36, 1), (7, 688, 13, 1), (33, 25
          # 3-8 rows (rows of x in fours, or five, against one weight row): every remainder of 4, with
          # short blocks and groups; and 9 rows, the tile kernel again
          (4, 40, 5, 1), (6, 300, 7, 1), (6, 200, 9, 2), (3, 100, 3, 5), (9, 64, 8, 1),
-         (5, 300, 7, 1), (5, 768, 6, 24)]  # five rows: one group
+         (5, 300, 7, 1), (5, 768, 6, 24),  # five rows: one group
+         # 16 rows and more (a step of 16-48 sequences), channels not in fours, short
+         # blocks, groups
+         (16, 768, 21, 1), (16, 40, 6, 1), (17, 688, 13, 1), (31, 100, 10, 5),
+         (32, 768, 17, 24), (48, 1536, 12, 12), (40, 200, 9, 2)]
 
 
 @pytest.fixture(scope="module")
@@ -277,7 +281,9 @@ def _block_weights(d, f, activation, norm_bias, seed, group=None):
     ("gelu_tanh", True, 1, 64, 256, None),   # GPT-2: LayerNorm, biases, one scale per row
     ("gelu_tanh", True, 5, 96, 200, None),   # several rows, widths not a multiple of 32
     ("swiglu", False, 3, 64, 256, 32),       # Llama: RMSNorm, no biases, grouped scales
-    ("swiglu", False, 1, 40, 344, None)])    # widths not a multiple of 8 (scalar tails)
+    ("swiglu", False, 1, 40, 344, None),     # widths not a multiple of 8 (scalar tails)
+    ("gelu_tanh", True, 20, 96, 200, None),  # the rows of a step of many sequences
+    ("swiglu", False, 32, 64, 256, 32)])
 def test_finish_block_equals_the_separate_ops(compiled, isa, activation, norm_bias, m, d, f,
                                               group):
     """The fused block is the separate int8 matmuls, epilogues and norm, bit for bit: the same
