@@ -431,6 +431,94 @@ def test_the_start_up_warmup_request_reaches_no_stats(exported):
         engine.shutdown()
 
 
+def test_a_model_that_makes_nan_logits_is_reported_and_keeps_serving(tokenizer, tmp_path,
+                                                                      caplog):
+    """A tiny GPT-2 with one token's (tied) embedding row set to NaN, as a corrupt checkpoint
+    would have it: that token's logit is NaN at every step. Neither greedy rows (argmax
+    alone would pick the NaN) nor sampled ones choose it; every such token is counted in
+    StepStats and RequestStats, and the first of each request is logged (the start-up
+    warmup's requests find it too, before any user does)."""
+    from conftest import tiny
+
+    from tokenserve.engine.async_engine import AsyncEngine
+    from tokenserve.export.exporter import export_model
+    from tokenserve.stats import StatsSink
+
+    class Recorder(StatsSink):
+        def __init__(self):
+            self.requests, self.steps = {}, []
+
+        def on_request(self, stats):
+            self.requests[stats.request_id] = stats
+
+        def on_step(self, stats):
+            self.steps.append(stats)
+
+    model, config = tiny("tiny-gpt2", tokenizer)
+    broken_token = 123
+    table = model.token_embedding.numpy()
+    table[broken_token] = np.nan
+    model.token_embedding.assign(table)
+    prompt = [t for t in range(5, 15) if t != broken_token]
+    recorder = Recorder()
+    engine = AsyncEngine.from_model_dir(export_model(model, tokenizer, config, tmp_path),
+                                        engine_config(), stats=recorder)
+    try:
+        async def run(request_id, params):
+            tokens = []
+            async for out in engine.generate(prompt, params, request_id):
+                tokens += out.outputs[0].token_ids
+            return tokens
+
+        with caplog.at_level(logging.WARNING, logger="tokenserve.engine.core"):
+            greedy = asyncio.run(run("greedy", SamplingParams(max_tokens=6, ignore_eos=True)))
+            sampled = asyncio.run(run("sampled", SamplingParams(
+                max_tokens=6, temperature=1.0, seed=1, ignore_eos=True)))
+        assert broken_token not in greedy and len(greedy) == 6
+        assert broken_token not in sampled and len(sampled) == 6
+        assert recorder.requests["greedy"].num_nonfinite_logits == 6
+        assert recorder.requests["sampled"].num_nonfinite_logits == 6
+        assert sum(step.num_nonfinite_logits for step in recorder.steps) == 12
+        warnings = [r.getMessage() for r in caplog.records if "held NaN or +inf" in r.getMessage()]
+        users = [w for w in warnings if "request greedy" in w or "request sampled" in w]
+        assert len(users) == 2 and "token 0 of request greedy" in users[0], warnings
+        assert len(warnings) > 2  # the warmup's
+        assert engine.is_ready()
+    finally:
+        engine.shutdown()
+
+
+def test_a_healthy_model_reports_no_nonfinite_logits(exported):
+    from tokenserve.engine.async_engine import AsyncEngine
+    from tokenserve.stats import StatsSink
+
+    class Recorder(StatsSink):
+        def __init__(self):
+            self.counts = []
+
+        def on_request(self, stats):
+            self.counts.append(stats.num_nonfinite_logits)
+
+        def on_step(self, stats):
+            self.counts.append(stats.num_nonfinite_logits)
+
+    _, _, version_dir = exported
+    recorder = Recorder()
+    engine = AsyncEngine.from_model_dir(version_dir, engine_config(), stats=recorder)
+    try:
+        async def both():
+            for params in (SamplingParams(max_tokens=5, ignore_eos=True),
+                           SamplingParams(max_tokens=5, temperature=1.0, top_p=0.9,
+                                          ignore_eos=True)):
+                async for _ in engine.generate([5, 6, 7], params, f"r{params.temperature}"):
+                    pass
+
+        asyncio.run(both())
+        assert recorder.counts and not any(recorder.counts)
+    finally:
+        engine.shutdown()
+
+
 def test_the_warmup_traces_what_a_first_long_prompt_and_a_second_arrival_need(exported):
     """A prompt longer than the fused dense ops take, alone and then while another decodes,
     and a short prompt alone and then while another decodes, run step graphs the warmup

@@ -102,7 +102,7 @@ def test_greedy_rows_and_sampled_rows_share_one_batch():
     logits[1, :2] = [1.0, 1.0]
     seeded = [sampler(), sampler(temperature=1.0, seed=3)]
     again = [sampler(), sampler(temperature=1.0, seed=3)]
-    first, second = sample_batch(logits, seeded), sample_batch(logits, again)
+    first, second = sample_batch(logits, seeded)[0], sample_batch(logits, again)[0]
     assert first[0] == 17 and first == second  # a seed reproduces its draw
 
 
@@ -246,6 +246,26 @@ def test_non_finite_logits_still_draw_a_defined_token(params):
     nothing[:10] = -np.inf
     picked = draws(params, nothing, n=50)
     assert picked and all(0 <= t < VOCAB for t in picked)
+
+
+@pytest.mark.parametrize("params", [dict(), dict(temperature=1.0), dict(temperature=0.7, top_p=0.9),
+                                    dict(temperature=0.0, repetition_penalty=1.2)])
+def test_a_row_with_nan_or_plus_inf_is_reported_and_minus_inf_is_not(params):
+    """sample_batch says which rows held a NaN or +inf (greedy rows, sampled rows and a
+    penalized greedy row, each found its own way); -inf, a masked token, is not reported."""
+    rows = np.zeros((5, VOCAB), np.float32)
+    rows[0, 3] = np.nan
+    rows[1, 7] = np.inf
+    rows[2, [1, 2]] = -np.inf
+    rows[3, 4], rows[3, 9] = np.inf, np.nan
+    rows[4, 5] = 2.0  # healthy, with a clear best
+    samplers = [sampler(**params) for _ in range(5)]
+    tokens, broken = sample_batch(rows, samplers)
+    assert broken == [True, True, False, True, False]
+    assert tokens[0] != 3 and tokens[1] == 7 and tokens[3] == 4  # never a NaN; +inf first
+    assert tokens[4] == 5 or params.get("temperature", 0.0) > 0
+    _, after = sample_batch(rows[4:], samplers[:1])  # the sampler that saw the NaN: per draw
+    assert after == [False]
 
 
 def nucleus_pick(probs: np.ndarray, top_p: float, uniform: float) -> int:

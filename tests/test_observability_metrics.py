@@ -80,8 +80,10 @@ def test_step_gauges_batch_size_and_preemptions():
                                   num_running=running, num_waiting=4, num_batched_tokens=40,
                                   num_prefill_tokens=35, num_decode_tokens=5,
                                   cache_usage=0.25, num_preemptions=preempted,
-                                  num_draft_tokens=preempted * 4, num_accepted_tokens=preempted))
+                                  num_draft_tokens=preempted * 4, num_accepted_tokens=preempted,
+                                  num_nonfinite_logits=preempted * 3))
     assert value(registry, "vllm:num_requests_running") == 5
+    assert value(registry, "tokenserve:nonfinite_logits_total") == 6
     assert value(registry, "vllm:spec_decode_num_draft_tokens_total") == 8
     assert value(registry, "vllm:spec_decode_num_accepted_tokens_total") == 2
     assert value(registry, "vllm:num_requests_waiting") == 4

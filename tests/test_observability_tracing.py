@@ -60,6 +60,12 @@ def test_grpc_metadata_pairs_and_no_parent():
     assert spans["llm_request"].context.trace_id != int(TRACE_ID, 16)
 
 
+def test_a_request_with_nonfinite_logits_says_so_on_its_span():
+    assert "tokenserve.num_nonfinite_logits" not in traced(finished({}))["llm_request"].attributes
+    broken = traced(finished({}, num_nonfinite_logits=2))["llm_request"]
+    assert broken.attributes["tokenserve.num_nonfinite_logits"] == 2
+
+
 def test_request_aborted_in_queue_has_only_a_queue_span():
     spans = traced(finished({"traceparent": TRACEPARENT}, scheduled_time=None,
                             first_token_time=None, token_times=(), finish_reason="abort"))

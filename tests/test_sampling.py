@@ -30,7 +30,7 @@ def test_the_stream_is_the_engines_sequence_zero():
     engine = SequenceSampler(params, 0, len(LOGITS), [1, 2])
     expected = []
     for _ in range(40):
-        expected.append(sample_batch(LOGITS[None], [engine])[0])
+        expected.append(sample_batch(LOGITS[None], [engine])[0][0])
         engine.observe(expected[-1])
     assert stream(params) == expected
     assert len(set(expected)) > 1  # really sampled, not greedy

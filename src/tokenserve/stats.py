@@ -42,6 +42,8 @@ class RequestStats:
     """stop, length or abort."""
     n: int = 1
     num_preemptions: int = 0
+    num_nonfinite_logits: int = 0
+    """Tokens chosen from logits that held a NaN or +inf (StepStats has the same count)."""
     trace_context: dict = field(default_factory=dict)
     """W3C trace headers (traceparent, tracestate) the request arrived with, if any."""
 
@@ -68,6 +70,10 @@ class StepStats:
     """Drafted tokens this step checked (speculative decoding)."""
     num_accepted_tokens: int = 0
     """Of those, the ones the model agreed with (kept in the output)."""
+    num_nonfinite_logits: int = 0
+    """Tokens chosen this step from logits that held a NaN or +inf: a broken model (its
+    weights, or an input it overflows on). Sampling stays defined for them (a NaN is never
+    drawn, +inf tokens share the mass), but the text is not what a working model says."""
 
 
 @dataclass(frozen=True)

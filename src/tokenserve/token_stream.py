@@ -31,7 +31,7 @@ def sample_tokens(logits: np.ndarray, decode: Callable[[int, int], np.ndarray],
     sampler = SequenceSampler(params, 0, vocab_size, prompt_ids)
     position = len(prompt_ids)
     for step in range(params.max_tokens):
-        token = sample_batch(logits[None], [sampler])[0]
+        (token,), _ = sample_batch(logits[None], [sampler])
         sampler.observe(token)
         yield token
         if (token == eos_token_id and not params.ignore_eos) or step + 1 == params.max_tokens:

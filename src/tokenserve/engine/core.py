@@ -74,6 +74,7 @@ class LLMEngine:
                         "with every drafted token (a quarter to a third of a plain step per "
                         "token on AVX2 without VNNI), so drafts pay only where most are kept")
         self.num_steps = 0
+        self._step_nonfinite = 0  # tokens of this step chosen from NaN or +inf logits
         self.num_draft_tokens = 0
         """Drafted tokens checked so far (speculative decoding)."""
         self.num_accepted_tokens = 0
@@ -224,6 +225,7 @@ class LLMEngine:
                 first += item.num_logits
             scheduled.scheduled, logits = live, logits[rows]
         accepted_before = self.num_accepted_tokens
+        self._step_nonfinite = 0
         outputs = self._update(scheduled, logits, duration)
         self._emit_step_stats(scheduled, duration, self.num_accepted_tokens - accepted_before)
         self._save_ended()
@@ -264,8 +266,11 @@ class LLMEngine:
         deltas: dict[str, list[CompletionOutput]] = {}
         requests: dict[str, Request] = {}
         if sampling:
-            tokens = sample_batch(self._masked(logits[rows], sampling),
-                                  [seq.state.sampler for seq in sampling])
+            tokens, broken = sample_batch(self._masked(logits[rows], sampling),
+                                          [seq.state.sampler for seq in sampling])
+            for seq, token, bad in zip(sampling, tokens, broken):
+                if bad:
+                    self._report_nonfinite(seq, token)
             for seq, row, token in zip(sampling, rows, tokens):
                 deltas.setdefault(seq.request.request_id, []).append(
                     self._append(seq, token, logits[row], now))
@@ -284,6 +289,20 @@ class LLMEngine:
                                              request.num_generated_tokens,
                                              num_cached_tokens=_cached_tokens(request)))
         return outputs
+
+    def _report_nonfinite(self, seq: Sequence, token: int) -> None:
+        """Counts a token chosen from logits that held a NaN or +inf (StepStats), and logs
+        the first one of each request: a model that makes them is broken, and its output is
+        noise however defined the draw stays."""
+        self._step_nonfinite += 1
+        request = seq.request
+        request.num_nonfinite_logits += 1
+        if request.num_nonfinite_logits == 1:
+            version = f" version {self.version}" if self.version else ""
+            log.warning("model %s%s: the logits for token %d of request %s held NaN or +inf "
+                        "(chose token %d as if they were not there); the model or its weights "
+                        "are broken", self.model_name, version, seq.num_output_tokens,
+                        request.request_id, token)
 
     def _masked(self, logits, sampling: list[Sequence]):
         """The sampling rows' logits (the caller's copy, masked in place) with each
@@ -380,6 +399,7 @@ class LLMEngine:
             prefill_time_s=request.prefill_time_s, decode_time_s=request.decode_time_s,
             finish_reason=request.seqs[0].finish_reason.value, n=len(request.seqs),
             num_preemptions=sum(s.num_preemptions for s in request.seqs),
+            num_nonfinite_logits=request.num_nonfinite_logits,
             trace_context=request.trace_context)
         self.stats.on_request(stats)
         metrics = {"arrival_time": stats.arrival_time, "scheduled_time": stats.scheduled_time,
@@ -401,4 +421,4 @@ class LLMEngine:
             num_decode_tokens=num_decode, cache_usage=self.scheduler.cache.usage,
             num_preemptions=len(scheduled.preempted),
             num_draft_tokens=sum(len(s.draft_ids) for s in scheduled.scheduled),
-            num_accepted_tokens=num_accepted))
+            num_accepted_tokens=num_accepted, num_nonfinite_logits=self._step_nonfinite))

@@ -109,6 +109,8 @@ class Request:
     token_times: list[float] = field(default_factory=list)
     prefill_time_s: float = 0.0
     decode_time_s: float = 0.0
+    num_nonfinite_logits: int = 0
+    """Tokens of this request chosen from logits that held a NaN or +inf."""
 
     def __post_init__(self) -> None:
         if not self.seqs:

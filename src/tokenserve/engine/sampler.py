@@ -132,6 +132,8 @@ class SequenceSampler:
         """The sequence's structured-output constraint (engine.guided.Guide), or None."""
         self.rng = np.random.default_rng(None if params.seed is None else params.seed + index)
         self.counts = None
+        self.saw_nonfinite = False
+        """Whether the logits of the last sample() held a NaN or +inf (a broken model)."""
         if params.needs_penalties:
             self.counts = np.zeros(vocab_size, np.int32)   # generated-token counts
             self.seen = np.zeros(vocab_size, bool)          # in the prompt or generated
@@ -158,7 +160,9 @@ class SequenceSampler:
         p = self.params
         scores = self._scores(logits)
         if p.temperature == 0.0:
-            return int(np.argmax(scores))
+            token = int(np.argmax(scores))  # a NaN, or else a +inf, if there is any
+            self.saw_nonfinite = is_nonfinite(scores[token])
+            return _finite_argmax(scores) if self.saw_nonfinite else token
         candidates, probs = self._softmax(scores)
         if p.top_p >= 1.0 and p.min_p == 0.0:
             return int(candidates[self._pick_whole(probs, self.rng.random())])
@@ -207,7 +211,9 @@ class SequenceSampler:
         the float64 version cost 1.2 ms a sampled token, mostly float64 exponentials and
         fresh 400 kB arrays (each one new pages from the OS)."""
         p = self.params
-        if not np.isfinite(scores.max()):  # NaN or infinity somewhere (max is NaN with any)
+        top = scores.max()  # NaN if there is any, else +inf if there is any
+        self.saw_nonfinite = is_nonfinite(top)
+        if not np.isfinite(top):
             _make_finite(scores)
         scores /= np.float32(p.temperature)
         if p.top_k > 0 and p.top_k < scores.size:
@@ -335,18 +341,39 @@ class SequenceSampler:
         return scores
 
 
-def sample_batch(logits: np.ndarray, samplers: list[SequenceSampler]) -> list[int]:
-    """logits: float32 [S, vocab] -> one token id per row (greedy rows in one argmax)."""
-    tokens = [0] * len(samplers)
+def is_nonfinite(score) -> bool:
+    """A NaN or +inf logit: what no working model makes (-inf is a masked token)."""
+    return bool(np.isnan(score) or score == np.inf)
+
+
+def _finite_argmax(scores: np.ndarray) -> int:
+    """A greedy pick by the rules of a draw (_make_finite): never a NaN, the first +inf if
+    there is one, and token 0 where nothing is finite."""
+    scores = np.array(scores, np.float32)
+    _make_finite(scores)
+    return int(np.argmax(scores))
+
+
+def sample_batch(logits: np.ndarray, samplers: list[SequenceSampler]
+                 ) -> tuple[list[int], list[bool]]:
+    """logits: float32 [S, vocab] -> one token id per row (greedy rows in one argmax), and
+    per row whether its logits held a NaN or +inf. Found from what the draw computes anyway:
+    argmax picks a NaN, or else a +inf, where a row has one, and the sampler checks the max
+    it takes for the softmax; a pass over the whole batch would cost more than the draw."""
+    tokens, broken = [0] * len(samplers), [False] * len(samplers)
     greedy = [i for i, s in enumerate(samplers) if s.is_greedy]
     if greedy:  # all rows greedy: no row gather (a copy of the whole batch)
         best = np.argmax(logits if len(greedy) == len(samplers) else logits[greedy], axis=-1)
-        for i, token in zip(greedy, best):
-            tokens[i] = int(token)
+        chosen = logits[greedy, best]
+        bad = np.isnan(chosen) | (chosen == np.inf)
+        for i, token, is_bad in zip(greedy, best.tolist(), bad.tolist()):
+            tokens[i] = _finite_argmax(logits[i]) if is_bad else token
+            broken[i] = is_bad
     for i, sampler in enumerate(samplers):
         if not sampler.is_greedy:
             tokens[i] = sampler.sample(logits[i])
-    return tokens
+            broken[i] = sampler.saw_nonfinite
+    return tokens, broken
 
 
 def apply_token_masks(logits: np.ndarray, rows: list[int], masks: np.ndarray) -> None:

@@ -135,6 +135,9 @@ class LLMMetrics(StatsSink):
             "vllm:spec_decode_num_draft_tokens", "Number of draft tokens checked.")
         self.spec_decode_accepted_tokens = counter(
             "vllm:spec_decode_num_accepted_tokens", "Number of accepted draft tokens.")
+        self.nonfinite_logits = counter(
+            "tokenserve:nonfinite_logits",
+            "Tokens chosen from logits that held a NaN or +inf: the model is broken.")
         self.iteration_tokens = histogram("vllm:iteration_tokens_total",
                                           "Histogram of number of tokens per engine_step.",
                                           ITERATION_TOKEN_BUCKETS)
@@ -217,6 +220,8 @@ class LLMMetrics(StatsSink):
         self.num_requests_waiting.labels(*labels).set(stats.num_waiting)
         self.kv_cache_usage.labels(*labels).set(stats.cache_usage)
         self.num_preemptions.labels(*labels).inc(stats.num_preemptions)
+        if stats.num_nonfinite_logits:
+            self.nonfinite_logits.labels(*labels).inc(stats.num_nonfinite_logits)
         if stats.num_draft_tokens:
             self.spec_decode_draft_tokens.labels(*labels).inc(stats.num_draft_tokens)
             self.spec_decode_accepted_tokens.labels(*labels).inc(stats.num_accepted_tokens)

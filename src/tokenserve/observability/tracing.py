@@ -138,6 +138,8 @@ class RequestTracer(StatsSink):
             "gen_ai.latency.e2e": stats.finish_time - stats.arrival_time,
             "tokenserve.num_preemptions": stats.num_preemptions,
         }
+        if stats.num_nonfinite_logits:
+            attributes["tokenserve.num_nonfinite_logits"] = stats.num_nonfinite_logits
         if stats.first_token_time is not None:
             attributes["gen_ai.latency.time_to_first_token"] = \
                 stats.first_token_time - stats.arrival_time
