@@ -14,6 +14,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -24,6 +25,11 @@ MODEL = "tiny"
 BUSY_MODEL = "busy"
 """A second engine whose queue admits at most 3 waiting prompt tokens (its warmup request's
 size), so any longer prompt is refused at once with QueueFullError: the 429 rows."""
+SLOW_MODEL = "slow"
+"""A third engine whose every step takes at least SLOW_STEP_S, so a test can leave a request
+while it surely runs: on the tiny model a hundred tokens take well under a second otherwise,
+and a client's short read timeout could race the request's own end."""
+SLOW_STEP_S = 0.02
 MAX_BODY_BYTES = 64 * 1024
 
 
@@ -91,9 +97,10 @@ class RealServer:
         """The engine's requests not yet finished (queued or running), from /metrics."""
         return int(self._metric(f'test_engine_unfinished_requests{{model="{model}"}}'))
 
-    def num_finished(self, reason: str) -> int:
-        """Requests of the main engine that finished with `reason` (stop, length, abort)."""
-        return int(self._metric(f'test_engine_finished_requests_total{{reason="{reason}"}}'))
+    def num_finished(self, reason: str, model: str = MODEL) -> int:
+        """Requests of `model`'s engine that finished with `reason` (stop, length, abort)."""
+        return int(self._metric(
+            f'test_engine_finished_requests_total{{model="{model}",reason="{reason}"}}'))
 
     def close(self) -> None:
         self.process.terminate()
@@ -119,24 +126,37 @@ async def _serve(model_dir: str, request_timeout_s: float) -> None:
 
     registry = CollectorRegistry()
     finished = Counter("test_engine_finished_requests", "finished requests by reason",
-                       ["reason"], registry=registry)
+                       ["model", "reason"], registry=registry)
 
     class FinishCounter(StatsSink):
+        def __init__(self, model: str):
+            self.model = model
+
         def on_request(self, stats) -> None:
-            finished.labels(stats.finish_reason).inc()
+            finished.labels(self.model, stats.finish_reason).inc()
 
     small = dict(block_size=4, precision="float32", max_num_batched_tokens=64)
     engine = AsyncEngine.from_model_dir(model_dir, EngineConfig(max_num_seqs=8, **small),
-                                        stats=FinishCounter())
+                                        stats=FinishCounter(MODEL))
     busy = AsyncEngine.from_model_dir(model_dir, EngineConfig(max_num_seqs=1,
                                                               max_queue_tokens=3, **small))
+    slow = AsyncEngine.from_model_dir(model_dir, EngineConfig(max_num_seqs=2, **small),
+                                      stats=FinishCounter(SLOW_MODEL))
+    execute = slow.engine.execute
+
+    def slow_execute(scheduled):
+        time.sleep(SLOW_STEP_S)
+        return execute(scheduled)
+
+    slow.engine.execute = slow_execute
     gauge = Gauge("test_engine_unfinished_requests", "unfinished requests", ["model"],
                   registry=registry)
     gauge.labels(MODEL).set_function(lambda: engine.num_unfinished)
     gauge.labels(BUSY_MODEL).set_function(lambda: busy.num_unfinished)
+    gauge.labels(SLOW_MODEL).set_function(lambda: slow.num_unfinished)
 
     keys = APIKeys.from_sources()
-    models = StaticModels({MODEL: engine, BUSY_MODEL: busy}, labels={"stable": 1})
+    models = StaticModels({MODEL: engine, BUSY_MODEL: busy, SLOW_MODEL: slow}, labels={"stable": 1})
     app = build_openai_app(models, OpenAIServerConfig(
         api_keys=keys, max_body_bytes=MAX_BODY_BYTES, request_timeout_s=request_timeout_s,
         metrics_registry=registry))
@@ -158,6 +178,7 @@ async def _serve(model_dir: str, request_timeout_s: float) -> None:
     await grpc_server.stop(1)
     engine.shutdown()
     busy.shutdown()
+    slow.shutdown()
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ import openai
 import pytest
 
 from fake_engine import wait_until
-from test_openai_harness import API_KEY, MODEL, shared_server
+from test_openai_harness import API_KEY, MODEL, SLOW_MODEL, shared_server
 
 PROMPT = "def add(a, b):"
 LONG = {"ignore_eos": True}  # random weights: no early eos, so lengths are exact
@@ -153,8 +153,8 @@ def test_a_fixed_seed_reproduces_the_output(client):
 
 
 def test_client_dropping_a_stream_aborts_it_and_frees_capacity(server):
-    aborted_before = server.num_finished("abort")
-    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 110, "stream": True,
+    aborted_before = server.num_finished("abort", SLOW_MODEL)
+    body = {"model": SLOW_MODEL, "prompt": PROMPT, "max_tokens": 110, "stream": True,
             "ignore_eos": True}
     with httpx.Client(headers=server.headers, timeout=30) as http:
         with http.stream("POST", server.url + "/v1/completions", json=body) as response:
@@ -162,19 +162,22 @@ def test_client_dropping_a_stream_aborts_it_and_frees_capacity(server):
             first = next(response.iter_lines())
             assert json.loads(first.removeprefix("data: "))["choices"][0]["finish_reason"] is None
         # leaving the block closes the connection mid-stream
-    assert wait_until(lambda: server.num_unfinished() == 0)
-    assert wait_until(lambda: server.num_finished("abort") == aborted_before + 1)
+    assert wait_until(lambda: server.num_unfinished(SLOW_MODEL) == 0)
+    assert wait_until(lambda: server.num_finished("abort", SLOW_MODEL) == aborted_before + 1)
 
 
 def test_client_timing_out_a_plain_request_aborts_it(server):
-    aborted_before = server.num_finished("abort")
-    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 100,
-            "ignore_eos": True}
+    # The slow engine needs seconds for these tokens, so the request surely runs when the
+    # client leaves after 50 ms: on the tiny model's own speed it could end first.
+    aborted_before = server.num_finished("abort", SLOW_MODEL)
+    body = {"model": SLOW_MODEL, "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 100, "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(server.url + "/v1/chat/completions", json=body, headers=server.headers,
                    timeout=httpx.Timeout(10, read=0.05))
-    assert wait_until(lambda: server.num_unfinished() == 0)
-    assert wait_until(lambda: server.num_finished("abort") == aborted_before + 1)
+    assert wait_until(lambda: server.num_unfinished(SLOW_MODEL) == 0)
+    assert wait_until(lambda: server.num_finished("abort", SLOW_MODEL) == aborted_before + 1)
+    assert server.num_finished("length", SLOW_MODEL) == 0
 
 
 def test_tokenize_and_detokenize_round_trip(server):
