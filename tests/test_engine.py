@@ -431,13 +431,16 @@ def test_the_start_up_warmup_request_reaches_no_stats(exported):
         engine.shutdown()
 
 
+@pytest.mark.parametrize("drafts", [0, 3], ids=["plain", "speculative"])
 def test_a_model_that_makes_nan_logits_is_reported_and_keeps_serving(tokenizer, tmp_path,
-                                                                      caplog):
+                                                                      caplog, drafts):
     """A tiny GPT-2 with one token's (tied) embedding row set to NaN, as a corrupt checkpoint
     would have it: that token's logit is NaN at every step. Neither greedy rows (argmax
     alone would pick the NaN) nor sampled ones choose it; every such token is counted in
     StepStats and RequestStats, and the first of each request is logged (the start-up
-    warmup's requests find it too, before any user does)."""
+    warmup's requests find it too, before any user does). With n-gram drafts (a prompt that
+    repeats itself, so there are drafts to check), the tokens a step keeps after checking
+    drafts are counted the same way, one each."""
     from conftest import tiny
 
     from tokenserve.engine.async_engine import AsyncEngine
@@ -459,10 +462,11 @@ def test_a_model_that_makes_nan_logits_is_reported_and_keeps_serving(tokenizer, 
     table = model.token_embedding.numpy()
     table[broken_token] = np.nan
     model.token_embedding.assign(table)
-    prompt = [t for t in range(5, 15) if t != broken_token]
+    prompt = [t for t in range(5, 15) if t != broken_token] * (3 if drafts else 1)
     recorder = Recorder()
     engine = AsyncEngine.from_model_dir(export_model(model, tokenizer, config, tmp_path),
-                                        engine_config(), stats=recorder)
+                                        engine_config(num_speculative_tokens=drafts),
+                                        stats=recorder)
     try:
         async def run(request_id, params):
             tokens = []
@@ -483,6 +487,7 @@ def test_a_model_that_makes_nan_logits_is_reported_and_keeps_serving(tokenizer, 
         users = [w for w in warnings if "request greedy" in w or "request sampled" in w]
         assert len(users) == 2 and "token 0 of request greedy" in users[0], warnings
         assert len(warnings) > 2  # the warmup's
+        assert (engine.engine.num_draft_tokens > 0) == bool(drafts)
         assert engine.is_ready()
     finally:
         engine.shutdown()

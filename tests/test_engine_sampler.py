@@ -268,6 +268,25 @@ def test_a_row_with_nan_or_plus_inf_is_reported_and_minus_inf_is_not(params):
     assert after == [False]
 
 
+@pytest.mark.parametrize("params", [dict(), dict(temperature=0.0, repetition_penalty=1.2),
+                                    dict(temperature=1.0), dict(temperature=0.7, top_p=0.9)])
+def test_checking_a_draft_against_nan_logits_follows_the_draws_rule(params):
+    """verify() (speculative decoding) takes no NaN either, neither as the draft nor as its
+    own pick, and says it saw one; a healthy row after it is not reported."""
+    nan_row = np.zeros(VOCAB, np.float32)
+    nan_row[3] = np.nan
+    nan_row[8] = 1.0
+    one = sampler(**params)
+    for _ in range(20):
+        assert one.verify(nan_row, draft=3) != 3 and one.saw_nonfinite
+    if params.get("temperature", 0.0) == 0.0:
+        assert one.verify(nan_row, draft=3) == 8
+    healthy = np.zeros(VOCAB, np.float32)
+    healthy[8] = 5.0
+    one.verify(healthy, draft=8)
+    assert not one.saw_nonfinite
+
+
 def nucleus_pick(probs: np.ndarray, top_p: float, uniform: float) -> int:
     """The reference: sort everything, cut at top_p, walk the nucleus to uniform x its mass."""
     order = np.lexsort((np.arange(probs.size), -probs))

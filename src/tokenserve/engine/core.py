@@ -10,8 +10,6 @@ import logging
 import time
 import uuid
 
-import numpy as np
-
 from tokenserve.config import GenerationConfig
 from tokenserve.engine.config import EngineConfig
 from tokenserve.engine.detokenizer import IncrementalDetokenizer
@@ -22,7 +20,7 @@ from tokenserve.engine.outputs import (CompletionOutput, FinishReason, ModelRunn
                                        RequestOutput)
 from tokenserve.engine.request import Request, Sequence, SequenceState
 from tokenserve.engine.ngram import NgramDrafter
-from tokenserve.engine.sampler import SequenceSampler, sample_batch, token_logprob
+from tokenserve.engine.sampler import SequenceSampler, greedy_batch, sample_batch, token_logprob
 from tokenserve.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from tokenserve.errors import InvalidRequestError, PromptTooLongError
 from tokenserve.sampling import SamplingParams
@@ -327,15 +325,17 @@ class LLMEngine:
         sampler = seq.state.sampler
         # greedy: every row's choice at once; otherwise row by row, so that penalties see the
         # tokens kept before
-        best = np.argmax(logits, axis=-1) if sampler.is_greedy else None
+        best, broken = greedy_batch(logits) if sampler.is_greedy else (None, None)
         deltas, accepted = [], 0
         for i in range(len(drafts) + 1):
             if best is not None:
-                token = int(best[i])
-            elif i < len(drafts):
-                token = sampler.verify(logits[i], drafts[i])
+                token, bad = best[i], broken[i]
             else:
-                token = sampler.sample(logits[i])
+                token = (sampler.verify(logits[i], drafts[i]) if i < len(drafts)
+                         else sampler.sample(logits[i]))
+                bad = sampler.saw_nonfinite
+            if bad:
+                self._report_nonfinite(seq, token)
             deltas.append(self._append(seq, token, logits[i], now))
             if i == len(drafts) or token != drafts[i]:
                 break

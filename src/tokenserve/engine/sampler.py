@@ -160,9 +160,7 @@ class SequenceSampler:
         p = self.params
         scores = self._scores(logits)
         if p.temperature == 0.0:
-            token = int(np.argmax(scores))  # a NaN, or else a +inf, if there is any
-            self.saw_nonfinite = is_nonfinite(scores[token])
-            return _finite_argmax(scores) if self.saw_nonfinite else token
+            return self._greedy(scores)
         candidates, probs = self._softmax(scores)
         if p.top_p >= 1.0 and p.min_p == 0.0:
             return int(candidates[self._pick_whole(probs, self.rng.random())])
@@ -187,7 +185,7 @@ class SequenceSampler:
         p = self.params
         scores = self._scores(logits)
         if p.temperature == 0.0:
-            return int(np.argmax(scores))
+            return self._greedy(scores)
         candidates, probs = self._softmax(scores)
         if p.top_p < 1.0 or p.min_p > 0.0:
             candidates, probs = self._nucleus(candidates, probs)
@@ -198,6 +196,11 @@ class SequenceSampler:
         if not probs.any():  # p(draft) was 1 within rounding: nothing else to draw
             return int(draft)
         return int(candidates[self._pick_whole(probs, self.rng.random())])
+
+    def _greedy(self, scores: np.ndarray) -> int:
+        token = int(np.argmax(scores))  # a NaN, or else a +inf, if there is any
+        self.saw_nonfinite = is_nonfinite(scores[token])
+        return _finite_argmax(scores) if self.saw_nonfinite else token
 
     def _scores(self, logits: np.ndarray) -> np.ndarray:
         """float32 scores (a copy) with this sequence's penalties applied."""
@@ -354,6 +357,18 @@ def _finite_argmax(scores: np.ndarray) -> int:
     return int(np.argmax(scores))
 
 
+def greedy_batch(logits: np.ndarray) -> tuple[list[int], list[bool]]:
+    """logits: float32 [S, vocab] -> each row's greedy token in one argmax, and per row
+    whether it held a NaN or +inf (argmax picks one where a row has it; such rows then take
+    _finite_argmax's token)."""
+    best = np.argmax(logits, axis=-1)
+    chosen = logits[np.arange(len(best)), best]
+    bad = (np.isnan(chosen) | (chosen == np.inf)).tolist()
+    tokens = [_finite_argmax(row) if is_bad else token
+              for row, token, is_bad in zip(logits, best.tolist(), bad)]
+    return tokens, bad
+
+
 def sample_batch(logits: np.ndarray, samplers: list[SequenceSampler]
                  ) -> tuple[list[int], list[bool]]:
     """logits: float32 [S, vocab] -> one token id per row (greedy rows in one argmax), and
@@ -363,12 +378,9 @@ def sample_batch(logits: np.ndarray, samplers: list[SequenceSampler]
     tokens, broken = [0] * len(samplers), [False] * len(samplers)
     greedy = [i for i, s in enumerate(samplers) if s.is_greedy]
     if greedy:  # all rows greedy: no row gather (a copy of the whole batch)
-        best = np.argmax(logits if len(greedy) == len(samplers) else logits[greedy], axis=-1)
-        chosen = logits[greedy, best]
-        bad = np.isnan(chosen) | (chosen == np.inf)
-        for i, token, is_bad in zip(greedy, best.tolist(), bad.tolist()):
-            tokens[i] = _finite_argmax(logits[i]) if is_bad else token
-            broken[i] = is_bad
+        best, bad = greedy_batch(logits if len(greedy) == len(samplers) else logits[greedy])
+        for i, token, is_bad in zip(greedy, best, bad):
+            tokens[i], broken[i] = token, is_bad
     for i, sampler in enumerate(samplers):
         if not sampler.is_greedy:
             tokens[i] = sampler.sample(logits[i])
