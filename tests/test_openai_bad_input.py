@@ -88,6 +88,34 @@ HTTP_ROWS = [
      "not valid UTF-8"),
     ("lone-surrogate-prompt", C, b'{"model": "tiny", "prompt": "a\\ud800b"}', None, 400,
      "'prompt' is not valid UTF-8"),
+    # a lone surrogate anywhere is refused as the body is read, naming the field: every
+    # field below once reached code that could not encode it (a 500)
+    ("lone-surrogate-model", C, b'{"model": "\\ud800", "prompt": "x"}', None, 400,
+     "'model' is not valid UTF-8 text"),
+    ("lone-surrogate-stop", C, b'{"model": "tiny", "prompt": "x", "stop": ["ok", "\\udfff"]}',
+     None, 400, "'stop.1' is not valid UTF-8 text"),
+    ("lone-surrogate-guided-choice", C,
+     b'{"model": "tiny", "prompt": "x", "guided_choice": ["a", "\\ud800"]}', None, 400,
+     "'guided_choice.1' is not valid UTF-8 text"),
+    ("lone-surrogate-tool-schema", CHAT,
+     b'{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "tools": [{"type": '
+     b'"function", "function": {"name": "f", "parameters": {"type": "object", "properties": '
+     b'{"a": {"type": "\\ud83d"}}}}}]}', None, 400,
+     "'tools.0.function.parameters.properties.a.type' is not valid UTF-8 text"),
+    ("lone-surrogate-tool-call-arguments", CHAT,
+     b'{"model": "tiny", "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", '
+     b'"tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": '
+     b'"\\ud800"}}]}]}', None, 400,
+     "'messages.1.tool_calls.0.function.arguments' is not valid UTF-8 text"),
+    ("lone-surrogate-key", C, b'{"model": "tiny", "prompt": "x", "top_p\\ud800": 1}', None, 400,
+     "The body has a key that is not valid UTF-8 text"),
+    ("lone-surrogate-responses-metadata-key", "/v1/responses",
+     b'{"model": "tiny", "input": "hi", "metadata": {"k\\ud83d": "v"}}', None, 400,
+     "'metadata' has a key that is not valid UTF-8 text"),
+    ("surrogate-pair-is-text", C,
+     b'{"model": "tiny", "prompt": "\\ud83d\\ude00", "max_tokens": 1}', None, 200, ""),
+    ("escaped-backslash-is-text", C,
+     b'{"model": "tiny", "prompt": "\\\\ud800", "max_tokens": 1}', None, 200, ""),
     ("max-tokens-zero", C, body(max_tokens=0), None, 400, "max_tokens must be at least 1"),
     ("max-tokens-negative", C, body(max_tokens=-5), None, 400,
      "max_tokens must be at least 1"),
@@ -217,6 +245,14 @@ def test_http_bad_input(server, row):
         assert message in error["message"]
         assert set(error) == {"message", "type", "param", "code"}
     good.check()
+
+
+def test_a_lone_surrogate_is_refused_with_its_fields_path(server):
+    request = (b'{"model": "tiny", "messages": [{"role": "user", "content": [{"type": "text", '
+               b'"text": "ok"}, {"type": "text", "text": "a\\udc00"}]}]}')
+    error = send(server, CHAT, request, None).json()["error"]
+    assert error["param"] == "messages.0.content.1.text"
+    assert (error["type"], error["code"]) == ("invalid_request_error", "invalid_utf8")
 
 
 GRPC_OK = {"model": MODEL, "text": "x", "sampling": {"max_tokens": 2}}

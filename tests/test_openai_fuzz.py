@@ -20,8 +20,8 @@ from tokenserve.server.openai.schemas import (ChatCompletionRequest, CompletionR
                                               DetokenizeRequest, TokenizeRequest)
 
 VALUES = [None, True, -1, 0, 1.5, -1e308, 1e308, "x", "", [], {}, [1, "a"], [[1]], 2**63,
-          ["\u0000"], {"type": "xml"}]
-QUICK = [None, True, -1, 1e308, "x", [], {}, {"type": "xml"}]
+          ["\u0000"], {"type": "xml"}, "a\ud800", {"k\udfff": "v"}]
+QUICK = [None, True, -1, 1e308, "x", [], {}, {"type": "xml"}, "a\ud800"]
 """The default run's half of VALUES (about 40 s); `pytest -m slow` runs them all."""
 ROUTES = {  # path: (a good request, its request model)
     "/v1/completions": ({"model": MODEL, "prompt": "x", "max_tokens": 1}, CompletionRequest),

@@ -310,6 +310,19 @@ REST_ERRORS = [
      "Serving signature name: \"nope\" not found in signature def"),
     ("/v1/models/tf2:predict", {"x": 1}, 400, "Missing 'inputs' or 'instances' key"),
     ("/v1/models/tf2:predict", "{not json", 400, "JSON Parse error: "),
+    # JSON's \u escapes for half a UTF-16 surrogate pair: RapidJSON refuses them, at the
+    # escape (json.loads takes them, and the signature name then broke the error reply)
+    ("/v1/models/tf2:predict", r'{"signature_name": "\ud800", "instances": [1.0]}', 400,
+     "JSON Parse error: The surrogate pair in string is invalid. at offset: 20"),
+    ("/v1/models/tf2:predict", r'{"instances": ["a\udc00"]}', 400,
+     "JSON Parse error: The surrogate pair in string is invalid. at offset: 17"),
+    ("/v1/models/tf2:predict", r'{"instances": ["\ud83d\u0041"]}', 400,
+     "JSON Parse error: The surrogate pair in string is invalid. at offset: 16"),
+    # a whole pair, and an escaped backslash before "ud800", are text, not errors
+    ("/v1/models/tf2:predict", r'{"signature_name": "\ud83d\ude00", "instances": [1.0]}',
+     400, "Serving signature name: \"\U0001F600\" not found in signature def"),
+    ("/v1/models/tf2:predict", r'{"signature_name": "\\ud800", "instances": [1.0]}', 400,
+     "Serving signature name: \"\\ud800\" not found in signature def"),
     ("/v1/models/tf2:explain", {"instances": [1.0]}, 400,
      "Malformed request: POST /v1/models/tf2:explain"),
     ("/v2/models/tf2/infer", {"instances": [1.0]}, 400,

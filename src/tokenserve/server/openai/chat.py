@@ -12,8 +12,8 @@ from tokenserve.engine.protocol import EngineClient
 from .chat_template import render_chat
 from .config import OpenAIServerConfig
 from .formatting import SSE_DONE, chat_logprobs, sse
-from .params import (bad_request, check_prompt_chars, check_text, check_unsupported,
-                     encode_text, max_new_tokens, request_timeout, sampling_params,
+from .params import (bad_request, check_prompt_chars, check_unsupported, encode_text,
+                     max_new_tokens, request_timeout, sampling_params,
                      structured_output)
 from .schemas import (CHAT_ROLES, AssistantMessage, ChatChoice, ChatChunkChoice,
                       ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
@@ -48,7 +48,6 @@ def message_text(message: ChatMessage, param: str) -> str:
                                   f"needs a 'text' string.", f"{param}.content.{j}.text",
                                   "invalid_type")
         text = "".join(part.text for part in message.content)
-    check_text(text, f"{param}.content")
     return text
 
 

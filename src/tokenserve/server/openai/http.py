@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TypeVar
 
@@ -35,9 +36,20 @@ _ERROR_CODES = {401: "invalid_api_key", 404: "model_not_found", 413: "payload_to
 def error_body(status: int, message: str, param: str | None = None,
                code: str | None = None) -> dict:
     """The OpenAI error JSON for an HTTP status."""
-    info = ErrorInfo(message=message, type=_ERROR_TYPES.get(status, "server_error"),
-                     param=param, code=code or _ERROR_CODES.get(status))
+    info = ErrorInfo(message=_encodable(message), type=_ERROR_TYPES.get(status, "server_error"),
+                     param=None if param is None else _encodable(param),
+                     code=code or _ERROR_CODES.get(status))
     return ErrorResponse(error=info).model_dump()
+
+
+def _encodable(text: str) -> str:
+    """`text` with any lone surrogate written as its escape, `\\ud800`: a message may quote
+    what the client sent (an unknown model's name), JSON's `\\ud800` escape decodes to a
+    string UTF-8 cannot encode, and the response would fail to render after the request
+    had been refused properly."""
+    if _is_encodable(text):
+        return text
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def error_response(error: BaseException) -> JSONResponse:
@@ -86,6 +98,45 @@ def _refuse_constant(name: str) -> None:
     """NaN and Infinity are not JSON (Python's parser takes them); no field wants them."""
     raise bad_request(f"Request body is not valid JSON: {name} is not a JSON value.",
                       code="invalid_json")
+
+
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+"""A `\\uD800`-`\\uDFFF` escape, perhaps: cheap to look for, so only such bodies are walked."""
+
+
+def _refuse_lone_surrogates(value: dict) -> None:
+    """Refuses a body with a string (value or key) that UTF-8 cannot encode: JSON's
+    `\\ud800` escape, alone, decodes to one. Every field is text for a tokenizer, a
+    template, a grammar or a response to echo, and each of those would fail on it later
+    (a 500); checked once here, the 400 names the field.
+
+    Raises:
+        InvalidRequestError: `param` is the field's path, as validation errors give it.
+    """
+    stack: list[tuple[object, str]] = [(value, "")]
+    while stack:
+        item, path = stack.pop()
+        if isinstance(item, str):
+            if not _is_encodable(item):
+                raise bad_request(f"'{path}' is not valid UTF-8 text (it contains a lone "
+                                  f"surrogate).", path, "invalid_utf8")
+            continue
+        if isinstance(item, dict) and not all(_is_encodable(key) for key in item):
+            where = f"'{path}' has" if path else "The body has"
+            raise bad_request(f"{where} a key that is not valid UTF-8 text (it contains a "
+                              f"lone surrogate).", path or None, "invalid_utf8")
+        children = (list(item.items()) if isinstance(item, dict) else
+                    list(enumerate(item)) if isinstance(item, list) else [])
+        for key, child in reversed(children):  # the stack pops them in the body's order
+            stack.append((child, f"{path}.{key}" if path else str(key)))
+
+
+def _is_encodable(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+        return True
+    except UnicodeEncodeError:
+        return False
 
 
 def _nested_deeper_than(value: object, limit: int) -> bool:
@@ -144,6 +195,8 @@ async def read_json(request: Request, model: type[Model], max_bytes: int,
                           code="invalid_json")
     if not isinstance(value, dict):
         raise bad_request("Request body must be a JSON object.", code="invalid_json")
+    if _SURROGATE_ESCAPE.search(text):
+        _refuse_lone_surrogates(value)
     try:
         return model.model_validate(value, strict=True)
     except ValidationError as error:

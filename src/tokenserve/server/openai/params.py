@@ -52,15 +52,6 @@ def check_unsupported(request: CompletionRequest | ChatCompletionRequest) -> Non
         raise bad_request("top_logprobs requires logprobs to be true.", "top_logprobs")
 
 
-def check_text(text: str, param: str) -> None:
-    """Refuses strings that are not valid Unicode (lone surrogates from '\\ud800' escapes)."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        raise bad_request(f"'{param}' is not valid UTF-8 text (it contains a lone surrogate).",
-                          param, "invalid_utf8") from None
-
-
 _CHARS_PER_TOKEN: "weakref.WeakKeyDictionary[object, int | None]" = weakref.WeakKeyDictionary()
 
 
@@ -155,7 +146,6 @@ def prompt_token_ids(prompt: Any, tokenizer, vocab_size: int, max_prompts: int,
     token_lists = []
     for item in prompts:
         if isinstance(item, str):
-            check_text(item, "prompt")
             if max_model_len is not None:
                 check_prompt_chars(item, tokenizer, max_model_len)
             ids = encode_text(tokenizer, item)

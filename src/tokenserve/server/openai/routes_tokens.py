@@ -11,7 +11,7 @@ from .config import OpenAIServerConfig
 from .http import read_json
 from .models import ModelResolver
 from .openapi import BODY_ERRORS, request_body, responses
-from .params import bad_request, check_text, decode_ids, encode_text
+from .params import bad_request, decode_ids, encode_text
 from .schemas import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse
 
 
@@ -37,7 +37,6 @@ def tokens_router(models: ModelResolver, config: OpenAIServerConfig) -> APIRoute
             if body.messages is not None:
                 return chat_prompt_ids(body.messages, engine, body.add_generation_prompt,
                                        check_length=False)
-            check_text(body.prompt, "prompt")
             return encode_text(engine.tokenizer, body.prompt)
 
         ids = await run_in_threadpool(token_ids)

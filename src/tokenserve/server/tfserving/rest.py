@@ -50,7 +50,36 @@ _OTHER_METHODS = ["PUT", "DELETE", "PATCH", "OPTIONS", "HEAD"]
 
 
 def _json_response(body: str, status: int = 200) -> Response:
-    return Response(content=body, status_code=status, media_type="application/json")
+    # backslashreplace: an error message may quote a URL's name; a lone surrogate in it is
+    # written as its escape rather than failing the response (bodies refuse them at parse)
+    return Response(content=body.encode("utf-8", "backslashreplace"), status_code=status,
+                    media_type="application/json")
+
+
+_ESCAPE = re.compile(rb"\\(?:u([0-9a-fA-F]{4})|.)")
+"""One escape inside a JSON string: `\\uXXXX` (the hex captured), or a backslash and one
+character. Matched left to right, `\\\\` is one escape, so `\\\\ud800` is no surrogate."""
+
+
+def _lone_surrogate_at(body: bytes) -> int | None:
+    """The offset of the first `\\uD800`-`\\uDFFF` escape that is not half of a surrogate
+    pair (a high one directly followed by a low one), or None. json.loads takes them and makes
+    strings UTF-8 cannot hold; TF Serving's RapidJSON refuses them at parse, and so do we."""
+    if b"\\u" not in body:
+        return None
+    high_at = high_end = None
+    for match in _ESCAPE.finditer(body):
+        unit = int(match.group(1), 16) if match.group(1) else None
+        if high_at is not None:
+            if match.start() != high_end or unit is None or not 0xDC00 <= unit <= 0xDFFF:
+                return high_at
+            high_at = None
+            continue
+        if unit is not None and 0xD800 <= unit <= 0xDBFF:
+            high_at, high_end = match.start(), match.end()
+        elif unit is not None and 0xDC00 <= unit <= 0xDFFF:
+            return match.start()
+    return high_at
 
 
 def _model_spec(name: str, version: str | None, label: str | None) -> model_pb2.ModelSpec:
@@ -76,6 +105,10 @@ def _parse_body(body: bytes) -> dict:
     except RecursionError:  # no tensor has that many dimensions (see codec.MAX_DIMS)
         raise InvalidRequestError("JSON Parse error: The document is nested too deeply") \
             from None
+    lone = _lone_surrogate_at(body)
+    if lone is not None:
+        raise InvalidRequestError(f"JSON Parse error: The surrogate pair in string is invalid. "
+                                  f"at offset: {lone}")
     if not isinstance(doc, dict):
         raise InvalidRequestError(f"JSON Value: {codec.compact(doc)} Is not object")
     signature = doc.get("signature_name", DEFAULT_SIGNATURE)
