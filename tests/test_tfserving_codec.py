@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import tensorflow as tf
+from tensorflow.core.framework import tensor_pb2
 
 from tokenserve.errors import InvalidRequestError
 from tokenserve.server.tfserving import codec
@@ -95,6 +96,28 @@ def test_tensor_proto_fill_within_the_limit_follows_tensorflow():
     proto = tf.make_tensor_proto(1.5, shape=[2, 3])  # one value, six elements
     assert len(proto.float_val) == 1
     assert codec.tensor_proto_to_array("x", proto).tolist() == [[1.5] * 3] * 2
+
+
+@pytest.mark.parametrize("dtype, field, values", [
+    (tf.int8, "int_val", [300, -129, 5]), (tf.uint8, "int_val", [-1, 256, 7]),
+    (tf.int16, "int_val", [40000, -40000]), (tf.uint16, "int_val", [-1, 70000]),
+    (tf.float16, "half_val", [-1, 70000, 15360]), (tf.bfloat16, "half_val", [-1, 70000, 16256]),
+    (tf.qint8, "int_val", [300]), (tf.quint8, "int_val", [-3])])
+def test_values_wider_than_their_dtype_are_cast_as_tensorflow_casts_them(dtype, field, values):
+    """int_val (int32) and half_val carry narrower dtypes; TensorFlow's C++ parse casts an
+    out-of-range value to the width (static_cast), where make_ndarray under NumPy 2 raised
+    OverflowError: a gRPC INTERNAL. TensorFlow's own parse (tf.io.parse_tensor) decides."""
+    proto = tensor_pb2.TensorProto(dtype=dtype.as_datatype_enum)
+    proto.tensor_shape.dim.add().size = 4  # fewer values than elements: the last repeats
+    getattr(proto, field).extend(values)
+    ours = codec.tensor_proto_to_array("x", proto)
+    theirs = tf.io.parse_tensor(proto.SerializeToString(), dtype)
+    if dtype.is_quantized:
+        ours = ours.view(np.dtype(dtype.as_numpy_dtype)[0])
+        theirs = tf.bitcast(theirs, {tf.qint8: tf.int8, tf.quint8: tf.uint8}[dtype])
+    np.testing.assert_array_equal(ours.view(np.uint16) if dtype.is_floating else ours,
+                                  theirs.numpy().view(np.uint16) if dtype.is_floating
+                                  else theirs.numpy())
 
 
 def test_tensor_proto_checks_before_allocating():

@@ -99,6 +99,14 @@ def predict_request(name: str, signature: str = "", version: int | None = None,
     return request
 
 
+def int8_tensor_proto(values: list[int]):
+    """An int8 TensorProto holding `values` in int_val as sent, in range or not."""
+    proto = tf.make_tensor_proto(np.zeros(len(values), np.int8))
+    proto.ClearField("tensor_content")
+    proto.int_val[:] = values
+    return proto
+
+
 # ---- status, metadata, health ---------------------------------------------------------------
 
 def test_status_rest_matches_tf_serving_json(server):
@@ -355,6 +363,9 @@ GRPC_ERRORS = [
      'Serving signature key "nope" not found.'),
     (predict_request("tf2", x=np.array([1, 2], np.int64)), grpc.StatusCode.INVALID_ARGUMENT,
      "Expects arg[0] to be float but int64 is provided"),
+    # int_val out of int8's range: TensorFlow casts it (300 is 44), then the dtype is checked
+    (predict_request("tf2", x=int8_tensor_proto([300, -1000])), grpc.StatusCode.INVALID_ARGUMENT,
+     "Expects arg[0] to be float but int8 is provided"),
     # As predict_util.cc: the count matches, so the unknown name is reported by GetInputValues
     (predict_request("tf2", y=S.float_input([1.0])), grpc.StatusCode.INVALID_ARGUMENT,
      "Signature input alias: x(feed name: serving_default_x:0) not found in request and no "

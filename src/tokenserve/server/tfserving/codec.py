@@ -280,8 +280,36 @@ def tensor_proto_to_array(name: str, proto) -> np.ndarray:
                                            f"more than {MAX_FILL_ELEMENTS} is refused")
     try:
         return tf.make_ndarray(proto)
+    except OverflowError:  # NumPy 2 refuses what TensorFlow's C++ casts
+        return tf.make_ndarray(_wrapped_to_width(name, proto, dtype))
     except (TypeError, ValueError) as error:
         raise TensorParsingError(name, str(error)) from None
+
+
+_NARROW = {tf.int8: (8, True), tf.qint8: (8, True), tf.uint8: (8, False),
+           tf.quint8: (8, False), tf.int16: (16, True), tf.qint16: (16, True),
+           tf.uint16: (16, False), tf.quint16: (16, False)}
+"""Dtypes whose values travel in a wider field (int_val is int32): (bits, signed)."""
+
+
+def _wrapped_to_width(name: str, proto, dtype: tf.DType):
+    """A copy of `proto` whose int_val (narrow integers) or half_val (float16 and bfloat16
+    bits) are cast to the dtype's width as TF's Tensor::FromProto does, with a C++
+    static_cast: 300 as int8 is 44, -1 as uint8 is 255, a half_val of 70000 is bits 4464.
+    make_ndarray under NumPy 2 raises OverflowError on them instead, which was a 500."""
+    if dtype in (tf.float16, tf.bfloat16):
+        field, (bits, signed) = "half_val", (16, False)
+    elif dtype in _NARROW:
+        field, (bits, signed) = "int_val", _NARROW[dtype]
+    else:
+        raise TensorParsingError(name, f"values out of range for {dtype_string(dtype)}")
+    values = np.array(getattr(proto, field), np.int64) & ((1 << bits) - 1)
+    if signed:
+        values = np.where(values >= 1 << (bits - 1), values - (1 << bits), values)
+    wrapped = type(proto)()
+    wrapped.CopyFrom(proto)
+    getattr(wrapped, field)[:] = values.tolist()
+    return wrapped
 
 
 # Which repeated field of TensorProto holds each dtype's values (TF's Tensor::AsProtoField).
