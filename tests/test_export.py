@@ -146,6 +146,9 @@ def test_wrong_dtype_shape_and_length_fail_clearly(exported):
                              state=signatures["init_state"](batch_size=tf.constant(1),
                                                             max_len=tf.constant(16))["state"])
     state = signatures["init_state"](batch_size=tf.constant(1), max_len=tf.constant(16))["state"]
+    # two scalars must not make the server allocate without bound (a 400, not an OOM)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="would be over 1073741824 bytes"):
+        signatures["init_state"](batch_size=tf.constant(2**31 - 1), max_len=tf.constant(16))
     if config.model.family == "transformer":
         with pytest.raises(tf.errors.InvalidArgumentError, match="exceed the length of the state"):
             signatures["decode"](token_ids=tf.constant([[1]], tf.int32),

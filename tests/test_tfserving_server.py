@@ -317,6 +317,10 @@ REST_ERRORS = [
     ("/v1/models/tf2:predict", {"signature_name": "nope", "instances": [1.0]}, 400,
      "Serving signature name: \"nope\" not found in signature def"),
     ("/v1/models/tf2:predict", {"x": 1}, 400, "Missing 'inputs' or 'instances' key"),
+    # two scalars asking for a million rows of cache: refused by the signature, not allocated
+    ("/v1/models/lm:predict", {"signature_name": "init_state",
+                               "inputs": {"batch_size": 1000000, "max_len": 16}}, 400,
+     "would be over 1073741824 bytes"),
     ("/v1/models/tf2:predict", "{not json", 400, "JSON Parse error: "),
     # JSON's \u escapes for half a UTF-16 surrogate pair: RapidJSON refuses them, at the
     # escape (json.loads takes them, and the signature name then broke the error reply)

@@ -22,6 +22,10 @@ from tokenserve.model.base import DecoderLM
 from tokenserve.model.sampling import sample
 
 MIN_BUCKET = 16
+MAX_INIT_STATE_BYTES = 1 << 30
+"""The largest state `init_state` makes. Its two scalar inputs would otherwise let a request
+of a few bytes allocate any amount of memory (a million rows of the built-in model's cache
+are 6 GB), and the state is returned whole: a gRPC reply cannot pass 2 GiB anyway."""
 
 
 def buckets(max_len: int) -> list[int]:
@@ -113,8 +117,17 @@ class GenerationModule(tf.Module):
 
     def _init_state(self, batch_size, max_len):
         batch_size, max_len = self._checked(batch_size, max_len)
+        # float64: the product of two int32s and the per-token size can pass int64
+        num_bytes = tf.cast(self.state_spec.dtype.size, tf.float64)
+        for size in self.model.state_shape(batch_size, max_len):
+            num_bytes *= tf.cast(size, tf.float64)
         checks = [self._check_fits(max_len, "max_len"),
-                  tf.debugging.assert_positive(batch_size, message="batch_size must be positive")]
+                  tf.debugging.assert_positive(batch_size, message="batch_size must be positive"),
+                  tf.debugging.assert_less_equal(
+                      num_bytes, tf.constant(float(MAX_INIT_STATE_BYTES), tf.float64),
+                      message=f"the state for batch_size x max_len would be over "
+                              f"{MAX_INIT_STATE_BYTES} bytes: ask for fewer rows or a "
+                              f"shorter max_len")]
         with tf.control_dependencies(checks):
             return {"state": self.model.init_state(batch_size, max_len)}
 
