@@ -77,3 +77,24 @@ def test_serve_exports_the_builtin_model_in_a_child_process(monkeypatch, tmp_pat
     assert (base / str(version) / "saved_model.pb").is_file()
     # a second start finds it without exporting again
     assert ServeConfig().model_specs()[0].base_path == spec.base_path
+
+
+def test_a_changed_exporter_gets_a_fresh_export(tmp_path):
+    """The cache key follows the code that writes the graph: the same sources hash the same,
+    and one changed line in the model or export code gives a new key (a new export), where
+    code outside them does not."""
+    import shutil
+
+    from tokenserve.export import cached_exports
+
+    package = Path(cached_exports.__file__).resolve().parent.parent
+    copy = tmp_path / "tokenserve"
+    for name in ("export", "model", "server"):
+        shutil.copytree(package / name, copy / name, ignore=shutil.ignore_patterns("__pycache__"))
+    before = cached_exports.exporter_fingerprint(copy)
+    assert before == cached_exports.exporter_fingerprint(package)
+    (copy / "server" / "config.py").write_text("# serving code: not the graph\n")
+    assert cached_exports.exporter_fingerprint(copy) == before
+    module = copy / "export" / "module.py"
+    module.write_text(module.read_text() + "\nMAX_INIT_STATE_BYTES = 1 << 20\n")
+    assert cached_exports.exporter_fingerprint(copy) != before

@@ -22,6 +22,22 @@ from tokenserve.model.checkpoint import (BUILTIN_DIR, BUILTIN_NAMES, DEFAULT_SOU
 from tokenserve.user_cache import cache_dir
 
 
+_GRAPH_SOURCES = ("export", "model")
+"""The packages whose code decides what an export's graph computes."""
+
+
+def exporter_fingerprint(package_dir: Path = Path(__file__).resolve().parent.parent) -> str:
+    """A hash of the code that writes an export's graph (every .py under `_GRAPH_SOURCES`),
+    part of each cache key: after an upgrade that changes the graph (a new check in a
+    signature, a fixed op), the next run exports afresh instead of serving the old graph."""
+    digest = hashlib.sha256()
+    for package in _GRAPH_SOURCES:
+        for path in sorted((package_dir / package).rglob("*.py")):
+            digest.update(path.relative_to(package_dir).as_posix().encode() + b"\0")
+            digest.update(path.read_bytes() + b"\0")
+    return digest.hexdigest()
+
+
 def _export_in_child(kind: str, source: str) -> None:
     """Runs this module's main() for (kind, source) in a child process; raises RuntimeError
     when it fails (its own error went to stderr)."""
@@ -34,11 +50,13 @@ def _export_in_child(kind: str, source: str) -> None:
 def builtin_export(source: str = DEFAULT_SOURCE, in_child: bool = False) -> Path:
     """The built-in model exported once into the user cache; returns its base path.
 
-    Keyed by a hash of the shipped weights, so new weights get a fresh export. With
-    `in_child`, a missing export is made by a child process.
+    Keyed by a hash of the shipped weights and the exporter's code, so new weights or a
+    changed graph get a fresh export. With `in_child`, a missing export is made by a child
+    process.
     """
     family = BUILTIN_NAMES[source]
-    digest = hashlib.sha256((BUILTIN_DIR / f"{family}.safetensors").read_bytes()).hexdigest()
+    weights = (BUILTIN_DIR / f"{family}.safetensors").read_bytes()
+    digest = hashlib.sha256(weights + exporter_fingerprint().encode()).hexdigest()
     base = cache_dir(f"builtin-{family}-{digest[:12]}")
     if not version_dirs(base) and in_child:
         _export_in_child("builtin", source)
@@ -53,13 +71,15 @@ def builtin_export(source: str = DEFAULT_SOURCE, in_child: bool = False) -> Path
 def packaged_export(source: str, in_child: bool = False) -> Path:
     """A PACKAGED_GGUF model exported once into the user cache; returns its base path.
 
-    Keyed by the file's size and modification time, so a new package gets a fresh export.
-    With `in_child`, a missing export is made by a child process.
+    Keyed by the file's size and modification time and the exporter's code, so a new
+    package or a changed graph gets a fresh export. With `in_child`, a missing export is made
+    by a child process.
     """
     path = packaged_gguf(source)
     stat = path.stat()
     key = hashlib.sha256(f"{path.name}:{stat.st_size}:{stat.st_mtime_ns}:"
-                         f"{PACKAGED_GGUF[source][2]}".encode()).hexdigest()
+                         f"{PACKAGED_GGUF[source][2]}:{exporter_fingerprint()}".encode()
+                         ).hexdigest()
     base = cache_dir(f"{source}-{key[:12]}")
     if not version_dirs(base) and in_child:
         _export_in_child("packaged", source)
