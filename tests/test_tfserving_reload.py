@@ -293,6 +293,22 @@ def test_empty_reload_request_changes_nothing(server):
     assert reply.status_code == 200
 
 
+def test_reload_to_a_base_path_with_a_nul_is_refused_and_changes_nothing(server):
+    """No path holds a NUL (the OS calls raised ValueError inside the reload: INTERNAL)."""
+    stub = model_service_pb2_grpc.ModelServiceStub(server.channel)
+    before = statuses(server, "m")
+    request = model_management_pb2.ReloadConfigRequest()
+    request.config.model_config_list.config.add(name="m", base_path=str(server.root / "m\0"),
+                                                model_platform="tensorflow")
+    with pytest.raises(grpc.RpcError) as raised:
+        stub.HandleReloadConfigRequest(request, timeout=60)
+    assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert raised.value.details().endswith("contains a NUL character")
+    assert statuses(server, "m") == before
+    reply = httpx.post(f"{server.rest}/v1/models/m:predict", json={"instances": [1.0]})
+    assert reply.status_code == 200
+
+
 def test_reload_to_a_missing_base_path_reports_and_keeps_serving(server):
     stub = model_service_pb2_grpc.ModelServiceStub(server.channel)
     ghost = model_management_pb2.ReloadConfigRequest()

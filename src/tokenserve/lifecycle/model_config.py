@@ -31,6 +31,9 @@ class ModelSpecConfig:
             raise ConfigError("a model config needs a name")
         if not self.base_path:
             raise ConfigError(f"model {self.name!r} needs a base_path")
+        if "\0" in self.base_path:  # no file system path holds one; os calls raise ValueError
+            raise ConfigError(f"model {self.name!r}: base_path {self.base_path!r} contains a "
+                              f"NUL character")
         if self.platform not in SUPPORTED_PLATFORMS:
             raise ConfigError(f"model {self.name!r}: unsupported model_platform "
                               f"{self.platform!r} (supported: {', '.join(SUPPORTED_PLATFORMS)})")
