@@ -61,7 +61,8 @@ def builtin_export(source: str = DEFAULT_SOURCE, in_child: bool = False) -> Path
     if not version_dirs(base) and in_child:
         _export_in_child("builtin", source)
     if not version_dirs(base):
-        print(f"exporting the built-in {family} model to {base} (once for these weights and this exporter)",
+        print(f"exporting the built-in {family} model to {base} (once for these weights "
+              f"and this exporter)",
               file=sys.stderr)
         model, tokenizer, config = load_source(source)
         export_model(model, tokenizer, config, base)
@@ -84,7 +85,8 @@ def packaged_export(source: str, in_child: bool = False) -> Path:
     if not version_dirs(base) and in_child:
         _export_in_child("packaged", source)
     if not version_dirs(base):
-        print(f"importing {path.name} and exporting it to {base} (once for these weights and this exporter)",
+        print(f"importing {path.name} and exporting it to {base} (once for these weights "
+              f"and this exporter)",
               file=sys.stderr)
         model, tokenizer, config = load_source(source)
         export_model(model, tokenizer, config, base, model_name=source)
