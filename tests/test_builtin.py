@@ -94,6 +94,7 @@ def test_a_changed_exporter_gets_a_fresh_export(tmp_path):
     before = cached_exports.exporter_fingerprint(copy)
     assert before == cached_exports.exporter_fingerprint(package)
     (copy / "server" / "config.py").write_text("# serving code: not the graph\n")
+    (copy / "export" / "cached_exports.py").write_text("# where exports go: not the graph\n")
     assert cached_exports.exporter_fingerprint(copy) == before
     module = copy / "export" / "module.py"
     module.write_text(module.read_text() + "\nMAX_INIT_STATE_BYTES = 1 << 20\n")

@@ -27,12 +27,15 @@ _GRAPH_SOURCES = ("export", "model")
 
 
 def exporter_fingerprint(package_dir: Path = Path(__file__).resolve().parent.parent) -> str:
-    """A hash of the code that writes an export's graph (every .py under `_GRAPH_SOURCES`),
-    part of each cache key: after an upgrade that changes the graph (a new check in a
-    signature, a fixed op), the next run exports afresh instead of serving the old graph."""
+    """A hash of the code that writes an export's graph (every .py under `_GRAPH_SOURCES` but
+    this file, which only says where exports go), part of each cache key: after an upgrade
+    that changes the graph (a new check in a signature, a fixed op), the next run exports
+    afresh instead of serving the old graph."""
     digest = hashlib.sha256()
     for package in _GRAPH_SOURCES:
         for path in sorted((package_dir / package).rglob("*.py")):
+            if path.name == Path(__file__).name and path.parent.name == "export":
+                continue
             digest.update(path.relative_to(package_dir).as_posix().encode() + b"\0")
             digest.update(path.read_bytes() + b"\0")
     return digest.hexdigest()
