@@ -260,6 +260,11 @@ GRPC_OK = {"model": MODEL, "text": "x", "sampling": {"max_tokens": 2}}
 GRPC_ROWS = [
     ("unknown-model", {**GRPC_OK, "model": "nope"}, None, grpc.StatusCode.NOT_FOUND,
      "does not exist"),
+    # the message quotes the name: cut, so the status fits the client's 16 KiB trailer limit
+    ("unknown-model-with-a-huge-name", {**GRPC_OK, "model": "m" * 10_000}, None,
+     grpc.StatusCode.NOT_FOUND, "mmm... (7980 more characters)"),
+    ("huge-invalid-regex", {**GRPC_OK, "sampling": {"guided_regex": "(" * 10_000}}, None,
+     grpc.StatusCode.INVALID_ARGUMENT, "more characters)"),
     ("no-prompt", {"model": MODEL}, None, grpc.StatusCode.INVALID_ARGUMENT, "needs a prompt"),
     ("empty-prompt", {**GRPC_OK, "text": ""}, None, grpc.StatusCode.INVALID_ARGUMENT,
      "prompt must not be empty"),

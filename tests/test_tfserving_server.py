@@ -359,6 +359,11 @@ def test_rest_errors(server, path, body, status, message):
 GRPC_ERRORS = [
     (predict_request("nope", x=S.float_input([1.0])), grpc.StatusCode.NOT_FOUND,
      "Servable not found for request: Latest(nope)"),
+    # cut at 2,048 characters: clients drop a grpc-message trailer over 16 KiB, code and all
+    (predict_request("n" * 10_000, x=S.float_input([1.0])), grpc.StatusCode.NOT_FOUND,
+     "Servable not found for request: Latest(nnn"),
+    (predict_request("n" * 10_000, x=S.float_input([1.0])), grpc.StatusCode.NOT_FOUND,
+     "nnn... (7992 more characters)"),
     (predict_request("tf2", version=7, x=S.float_input([1.0])), grpc.StatusCode.NOT_FOUND,
      "Servable not found for request: Specific(tf2, 7)"),
     (predict_request("tf2", label="beta", x=S.float_input([1.0])),

@@ -34,7 +34,7 @@ from tokenserve.server.openai.params import (bad_request, engine_seed, max_new_t
 from tokenserve.server.openai.streams import MergedOutputs, trace_context
 from tokenserve.server.proto.tokenserve import generation_pb2 as pb
 from tokenserve.server.proto.tokenserve import generation_pb2_grpc as pb_grpc
-from tokenserve.server.status import grpc_code
+from tokenserve.server.status import grpc_code, grpc_details
 
 DEFAULT_MAX_TOKENS = 16
 """As in the OpenAI completions API, when SamplingOptions.max_tokens is unset."""
@@ -131,7 +131,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
                                                       context.time_remaining())
                     await outputs.start()
                 except TokenserveError as error:
-                    await context.abort(grpc_code(error), str(error))
+                    await context.abort(grpc_code(error), grpc_details(str(error)))
                 num_generated, first, deadline_passed = 0, True, False
                 async for _, output in outputs:
                     num_generated = max(output.num_generated_tokens, num_generated
@@ -151,9 +151,9 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
                                            for seq in output.outputs)
                 if deadline_passed:  # outputs so far were streamed; the status says why it ended
                     error = outputs.deadline_error()
-                    await context.abort(grpc_code(error), str(error))
+                    await context.abort(grpc_code(error), grpc_details(str(error)))
             except TokenserveError as error:  # engine failure mid-stream
-                await context.abort(grpc_code(error), str(error))
+                await context.abort(grpc_code(error), grpc_details(str(error)))
             finally:
                 if outputs is not None:
                     await outputs.aclose()  # no-op when finished; aborts when cancelled

@@ -43,3 +43,18 @@ def http_status(error: BaseException) -> int:
 def grpc_code(error: BaseException) -> grpc.StatusCode:
     """gRPC status code for an error; INTERNAL for anything unknown."""
     return _lookup(error)[1]
+
+
+MAX_GRPC_DETAILS = 2048
+"""Characters of a gRPC status message kept. The message travels percent-encoded in the
+grpc-message trailer (up to 3 bytes a character), and clients drop trailers over 16 KiB by
+default: an error quoting a long model name or regex reached the client as RESOURCE_EXHAUSTED
+"received metadata size exceeds hard limit" instead of its own code and message."""
+
+
+def grpc_details(message: str) -> str:
+    """`message`, cut to MAX_GRPC_DETAILS characters with a note of how much was cut."""
+    if len(message) <= MAX_GRPC_DETAILS:
+        return message
+    cut = len(message) - MAX_GRPC_DETAILS
+    return f"{message[:MAX_GRPC_DETAILS]}... ({cut} more characters)"

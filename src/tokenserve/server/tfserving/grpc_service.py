@@ -29,6 +29,7 @@ from tensorflow_serving.apis import (classification_pb2, get_model_metadata_pb2,
 from tokenserve.errors import InvalidRequestError
 from tokenserve.lifecycle.manager import ModelManager
 from tokenserve.lifecycle.model_config import from_proto
+from tokenserve.server.status import grpc_details
 from tokenserve.server.tfserving import inference, model_info
 from tokenserve.server.tfserving.tf_status import error_grpc_code, error_message
 
@@ -74,7 +75,7 @@ async def _call(executor, metrics, api: str, model_name: str, context,
             log.error("%s failed", api, exc_info=error)
         if metrics and model_name:
             metrics.request(model_name, api, ENTRYPOINT, code.name, time.monotonic() - started)
-        await context.abort(code, error_message(error))
+        await context.abort(code, grpc_details(error_message(error)))
     if metrics:
         metrics.request(model_name, api, ENTRYPOINT, "OK", time.monotonic() - started)
     return response
