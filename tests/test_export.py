@@ -158,6 +158,22 @@ def test_wrong_dtype_shape_and_length_fail_clearly(exported):
         predict(input_ids=too_long)
     with pytest.raises(tf.errors.InvalidArgumentError, match="context length"):
         call_generate(signatures["generate"], [PROMPT], config.max_seq_len)
+    # near 2**31 the prompt plus max_new_tokens wrapped around in int32 and passed the check
+    with pytest.raises(tf.errors.InvalidArgumentError, match="context length"):
+        call_generate(signatures["generate"], [PROMPT], 2**31 - 1)
+    # ids outside the vocabulary: the XLA step's gather would clamp them and answer anyway
+    vocab = config.model.vocab_size
+    for bad_id in (-1, vocab):
+        with pytest.raises(tf.errors.InvalidArgumentError, match="outside the vocabulary"):
+            predict(input_ids=tf.constant([[5, bad_id]], tf.int32))
+        with pytest.raises(tf.errors.InvalidArgumentError, match="outside the vocabulary"):
+            call_generate(signatures["generate"], [[5, bad_id]], 2)
+        with pytest.raises(tf.errors.InvalidArgumentError, match="outside the vocabulary"):
+            signatures["decode"](token_ids=tf.constant([[bad_id]], tf.int32),
+                                 positions=tf.constant([0], tf.int32), state=state)
+    for name in ("temperature", "top_p"):
+        with pytest.raises(tf.errors.InvalidArgumentError, match=f"{name} must be a finite"):
+            call_generate(signatures["generate"], [PROMPT], 2, **{name: float("nan")})
 
 
 def test_assets_and_versions(exported, tokenizer, tmp_path):

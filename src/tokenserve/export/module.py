@@ -100,15 +100,30 @@ class GenerationModule(tf.Module):
                 for t in tensors]
 
     def _check_fits(self, num_tokens, what: str):
+        # int64: a prompt's length plus max_new_tokens near 2**31 must not wrap and pass
         return tf.debugging.assert_less_equal(
-            num_tokens, tf.constant(self.max_len),
+            tf.cast(num_tokens, tf.int64), tf.constant(self.max_len, tf.int64),
             message=f"{what} exceeds the model's context length of {self.max_len} tokens")
+
+    def _check_ids(self, ids, name: str):
+        """Every token id must be in the vocabulary: the XLA step's gather clamps one that is
+        not, and the answer would be computed from another token without a word."""
+        vocab = self.config.model.vocab_size
+        return tf.debugging.assert_equal(
+            tf.reduce_all(tf.logical_and(ids >= 0, ids < vocab)), True,
+            message=f"{name} holds a token id outside the vocabulary [0, {vocab})")
+
+    @staticmethod
+    def _check_number(value, name: str):
+        return tf.debugging.assert_equal(tf.math.is_finite(value), True,
+                                         message=f"{name} must be a finite number")
 
     # -- signatures ---------------------------------------------------------------------------
     def _serving_default(self, input_ids):
         (input_ids,) = self._checked(input_ids)
         length = tf.shape(input_ids)[1]
-        with tf.control_dependencies([self._check_fits(length, "input_ids length")]):
+        with tf.control_dependencies([self._check_fits(length, "input_ids length"),
+                                      self._check_ids(input_ids, "input_ids")]):
             batch = tf.shape(input_ids)[0]
             state = self.model.init_state(batch, tf.maximum(length, 1))
             logits, _ = self.model.step(input_ids, state, tf.zeros([batch], tf.int32),
@@ -142,13 +157,15 @@ class GenerationModule(tf.Module):
     def _prefill(self, token_ids, positions, num_tokens, state):
         token_ids, positions, num_tokens, state = self._checked(token_ids, positions, num_tokens,
                                                                 state)
-        with tf.control_dependencies([self._check_room(token_ids, positions, state)]):
+        with tf.control_dependencies([self._check_room(token_ids, positions, state),
+                                      self._check_ids(token_ids, "token_ids")]):
             logits, state = self._step(token_ids, state, positions, num_tokens)
         return {"logits": logits, "state": state}
 
     def _decode(self, token_ids, positions, state):
         token_ids, positions, state = self._checked(token_ids, positions, state)
-        with tf.control_dependencies([self._check_room(token_ids, positions, state)]):
+        with tf.control_dependencies([self._check_room(token_ids, positions, state),
+                                      self._check_ids(token_ids, "token_ids")]):
             logits, state = self._step(token_ids, state, positions, tf.ones_like(positions))
         return {"logits": logits, "state": state}
 
@@ -156,12 +173,16 @@ class GenerationModule(tf.Module):
         input_ids, max_new_tokens, temperature, top_k, top_p, seed = self._checked(
             input_ids, max_new_tokens, temperature, top_k, top_p, seed)
         prompt_len = tf.shape(input_ids)[1]
-        total = prompt_len + max_new_tokens
         checks = [
-            self._check_fits(total, "prompt length plus max_new_tokens"),
+            self._check_fits(tf.cast(prompt_len, tf.int64) + tf.cast(max_new_tokens, tf.int64),
+                             "prompt length plus max_new_tokens"),
             tf.debugging.assert_positive(max_new_tokens, message="max_new_tokens must be >= 1"),
-            tf.debugging.assert_greater(prompt_len, 0, message="input_ids must not be empty")]
+            tf.debugging.assert_greater(prompt_len, 0, message="input_ids must not be empty"),
+            self._check_ids(input_ids, "input_ids"),
+            self._check_number(temperature, "temperature"),
+            self._check_number(top_p, "top_p")]
         with tf.control_dependencies(checks):
+            total = prompt_len + max_new_tokens  # within the context: checked above
             sizes = tf.constant(self.cache_buckets)
             bucket = tf.reduce_min(tf.where(sizes >= total))  # smallest cache that fits
             cache_len = tf.gather(sizes, bucket)
