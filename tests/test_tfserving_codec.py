@@ -120,6 +120,19 @@ def test_values_wider_than_their_dtype_are_cast_as_tensorflow_casts_them(dtype, 
                                   else theirs.numpy())
 
 
+@pytest.mark.parametrize("dtype, field, values", [
+    (tf.float32, "float_val", [1.0, 2.0, 3.0]), (tf.string, "string_val", [b"a", b"b", b"c"]),
+    (tf.complex64, "scomplex_val", [1, 2, 3, 4, 5, 6]), (tf.uint16, "int_val", [-7, 8, 9])])
+def test_more_values_than_elements_keep_the_first_as_tensorflow_does(dtype, field, values):
+    """TF's parse reads as many values as the shape holds and ignores the rest; make_ndarray
+    failed on them ("index can't contain negative values")."""
+    proto = tensor_pb2.TensorProto(dtype=dtype.as_datatype_enum)
+    proto.tensor_shape.dim.add().size = 2
+    getattr(proto, field).extend(values)
+    np.testing.assert_array_equal(codec.tensor_proto_to_array("x", proto),
+                                  tf.io.parse_tensor(proto.SerializeToString(), dtype).numpy())
+
+
 def test_tensor_proto_checks_before_allocating():
     huge = tf.make_tensor_proto(1.0, shape=[1, 2**26])
     with pytest.raises(codec.TensorParsingError, match=r"^tensor parsing error: x \(1 values "

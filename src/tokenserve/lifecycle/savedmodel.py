@@ -60,6 +60,15 @@ def run_error(error: tf.errors.OpError) -> Exception:
     return error
 
 
+def undecodable_run_error(error: UnicodeDecodeError) -> InvalidRequestError:
+    """TF's Python binding decodes a failed run's status message as UTF-8; a message that
+    quotes input bytes which are not UTF-8 (`Could not parse example input, value: '\\xff...'`
+    from a tf.Example parse) raises UnicodeDecodeError in place of the error. Such a message
+    comes from the request's own bytes, as TF Serving's INVALID_ARGUMENT for it does; the
+    bytes that are not UTF-8 are written as escapes."""
+    return InvalidRequestError(error.object.decode("utf-8", "backslashreplace"))
+
+
 class SavedModelServable:
     """A SavedModel in a Session; every SignatureDef of its MetaGraph is served (TF2 models
     show `__saved_model_init_op` too, as in TF Serving's metadata).
@@ -94,6 +103,8 @@ class SavedModelServable:
             if mapped is error:
                 raise
             raise mapped from error
+        except UnicodeDecodeError as error:
+            raise undecodable_run_error(error) from None
         return {key: np.asarray(value) for key, value in zip(outputs, values)}
 
     def close(self) -> None:

@@ -239,15 +239,31 @@ def inputs_to_arrays(inputs, input_dtypes: dict[str, tf.DType]) -> dict:
 
 # ---- TensorProto ------------------------------------------------------------------------
 
+def _value_field(dtype: tf.DType) -> str | None:
+    """The repeated field of TensorProto that holds `dtype`'s values (complex: two each)."""
+    return _VALUE_FIELDS.get(dtype) or {tf.float16: "half_val", tf.bfloat16: "half_val",
+                                        tf.complex64: "scomplex_val",
+                                        tf.complex128: "dcomplex_val"}.get(dtype)
+
+
 def _values_sent(proto, dtype: tf.DType) -> int:
     """How many elements the typed value field of a TensorProto holds."""
-    field = _VALUE_FIELDS.get(dtype) or {tf.float16: "half_val", tf.bfloat16: "half_val",
-                                         tf.complex64: "scomplex_val",
-                                         tf.complex128: "dcomplex_val"}.get(dtype)
+    field = _value_field(dtype)
     if field is None:
         return -1
     count = len(getattr(proto, field))
     return count // 2 if dtype.is_complex else count
+
+
+def _first_values(proto, dtype: tf.DType, elements: int):
+    """A copy of `proto` with only its first `elements` values: TF's Tensor::FromProto reads
+    that many and ignores the rest, where make_ndarray failed on a negative pad."""
+    field = _value_field(dtype)
+    kept = type(proto)()
+    kept.CopyFrom(proto)
+    values = getattr(kept, field)
+    del values[elements * (2 if dtype.is_complex else 1):]
+    return kept
 
 
 def tensor_proto_to_array(name: str, proto) -> np.ndarray:
@@ -278,10 +294,13 @@ def tensor_proto_to_array(name: str, proto) -> np.ndarray:
         if 0 <= sent < elements and elements > MAX_FILL_ELEMENTS:
             raise TensorParsingError(name, f"{sent} values for {elements} elements; filling "
                                            f"more than {MAX_FILL_ELEMENTS} is refused")
+        if sent > elements:
+            proto = _first_values(proto, dtype, elements)
     try:
-        return tf.make_ndarray(proto)
-    except OverflowError:  # NumPy 2 refuses what TensorFlow's C++ casts
-        return tf.make_ndarray(_wrapped_to_width(name, proto, dtype))
+        try:
+            return tf.make_ndarray(proto)
+        except OverflowError:  # NumPy 2 refuses what TensorFlow's C++ casts
+            return tf.make_ndarray(_wrapped_to_width(name, proto, dtype))
     except (TypeError, ValueError) as error:
         raise TensorParsingError(name, str(error)) from None
 
