@@ -341,6 +341,10 @@ REST_ERRORS = [
      "Malformed request: POST /v2/models/tf2/infer"),
     # serving_default's input is `x`, not `inputs` (TF Serving 2.x checks the signature's
     # shape, not its method_name)
+    # an integer feature past int64 (protobuf's append raised ValueError: a 500)
+    ("/v1/models/tf1:regress", {"signature_name": "regress_x_to_y",
+                                "examples": [{"x": 1.0, "n": 2**63}]}, 400,
+     "Feature: n has an integer outside int64's range: 9223372036854775808"),
     ("/v1/models/tf1:classify", {"examples": [{"x": 1.0}]}, 400,
      "No classification inputs found in SignatureDef: inputs {\n  key: \"x\""),
 ]

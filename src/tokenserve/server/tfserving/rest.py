@@ -159,6 +159,9 @@ def _feature(name: str, values) -> feature_pb2.Feature:
         if isinstance(value, bool):
             kind, item = "int64", int(value)
         elif isinstance(value, int):
+            if not -2**63 <= value <= _INT64_MAX:  # protobuf's append raised ValueError: a 500
+                raise InvalidRequestError(f"Feature: {name} has an integer outside int64's "
+                                          f"range: {value}")
             kind, item = "int64", value
         elif isinstance(value, float):
             kind, item = "float", value
