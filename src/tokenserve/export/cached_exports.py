@@ -34,9 +34,10 @@ def exporter_fingerprint(package_dir: Path = Path(__file__).resolve().parent.par
     digest = hashlib.sha256()
     for package in _GRAPH_SOURCES:
         for path in sorted((package_dir / package).rglob("*.py")):
-            if path.name == Path(__file__).name and path.parent.name == "export":
+            relative = path.relative_to(package_dir).as_posix()
+            if relative == "export/cached_exports.py":
                 continue
-            digest.update(path.relative_to(package_dir).as_posix().encode() + b"\0")
+            digest.update(relative.encode() + b"\0")
             digest.update(path.read_bytes() + b"\0")
     return digest.hexdigest()
 

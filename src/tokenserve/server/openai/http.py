@@ -46,9 +46,7 @@ def _encodable(text: str) -> str:
     """`text` with any lone surrogate written as its escape, `\\ud800`: a message may quote
     what the client sent (an unknown model's name), JSON's `\\ud800` escape decodes to a
     string UTF-8 cannot encode, and the response would fail to render after the request
-    had been refused properly."""
-    if _is_encodable(text):
-        return text
+    had been refused properly. Text UTF-8 can encode comes back as it is."""
     return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
