@@ -1,16 +1,16 @@
 #!/usr/bin/env python
 """The LM head of an exported float32 model: XLA's program, the fused dense op and the int8
-screen, by rows.
+and float16 screens, by rows.
 
 The engine's steps run the head on one row per sequence. Steps through XLA ran it as an XLA
 program per row bucket; where no step can have more sequences than the fused ops take, they
-run the fused op instead (TransformerStep.fused_head); greedy steps of a few rows run the
-int8 screen, which recomputes in float32 only the entries that could be a row's argmax
-(engine/screened_head.py). This measures the three on the same final norm + head
-(GPT-2-small's is tied: [50257, 768]), each a graph-mode tf.function called with [rows, D]
-float32 inputs, alternating calls, medians of `--reps`; the largest difference between the
-XLA and fused logits, whether the screen's argmax is the fused head's, and how many entries
-per row it recomputed. The inputs are random hidden states (the engine's own counts its candidates on
+run the fused op instead (TransformerStep.fused_head); greedy steps of a few rows run a
+screen (int8 by default, or float16), which recomputes in float32 only the entries that
+could be a row's argmax (engine/screened_head.py). This measures the four on the same final
+norm + head (GPT-2-small's is tied: [50257, 768]), each a graph-mode tf.function called
+with [rows, D] float32 inputs, alternating calls, medians of `--reps`; the largest
+difference between the XLA and fused logits, whether each screen's argmax is the fused
+head's, and how many entries per row it recomputed. The inputs are random hidden states (the engine's own counts its candidates on
 real ones: benchmarks/screened_head.py).
 
 Output: a table and benchmarks/results/lm-head[-NAME].json with the machine's flags.
@@ -62,8 +62,16 @@ def main() -> None:
         sys.exit("needs float32 weights with XLA dense layers and the fused dense op built")
     heads = {"xla": tf.function(step._head, autograph=False),
              "fused": tf.function(step._head_k, autograph=False)}
+    screens = {}
     if step.screened_head is not None:
-        heads["screened"] = tf.function(step._head_screened, autograph=False)
+        from tokenserve.engine.screened_head import SCREEN_DTYPES, ScreenedHead
+
+        first = step.screened_head
+        screens = {dtype: first if first.dtype == dtype else
+                   ScreenedHead(first.weight, first.layout, first.bias, dtype=dtype)
+                   for dtype in SCREEN_DTYPES}
+        for dtype, head in screens.items():
+            heads[f"screened-{dtype}"] = tf.function(_with_screen(step, head), autograph=False)
     width = runner.model.config.hidden_size
     rng = np.random.default_rng(0)
     results = []
@@ -81,32 +89,33 @@ def main() -> None:
                   "max_abs_diff": float(np.abs(logits["xla"] - logits["fused"]).max()),
                   "xla_samples_ms": [t * 1e3 for t in times["xla"]],
                   "fused_samples_ms": [t * 1e3 for t in times["fused"]]}
-        if "screened" in heads:
-            result.update(
-                screened_ms=medians["screened"],
-                screened_samples_ms=[t * 1e3 for t in times["screened"]],
-                screened_same_argmax=bool((logits["screened"].argmax(-1)
-                                           == logits["fused"].argmax(-1)).all()),
-                screened_candidates=_candidates(step, x))
+        for dtype, head in screens.items():
+            name = f"screened-{dtype}"
+            result[f"screened_{dtype}"] = {
+                "ms": medians[name], "samples_ms": [t * 1e3 for t in times[name]],
+                "same_argmax": bool((logits[name].argmax(-1)
+                                     == logits["fused"].argmax(-1)).all()),
+                "candidates": _candidates(step, head, x)}
         results.append(result)
         print(f"{rows} rows: " + ", ".join(f"{name} {ms:.2f} ms" for name, ms in medians.items()),
               flush=True)
 
     machine = machine_info()
     table = Table(title=f"LM head of {args.model}", caption=machine_summary(machine))
-    screened = "screened_ms" in results[0]
     columns = ["rows", "XLA ms", "fused ms", "XLA / fused", "max |diff|"]
-    if screened:
-        columns += ["screened ms", "fused / screened", "same argmax", "candidates / row"]
+    for dtype in screens:
+        columns += [f"{dtype} screen ms", f"fused / {dtype}", "same argmax",
+                    "candidates / row (median)"]
     for column in columns:
         table.add_column(column, justify="right")
     for r in results:
         cells = [str(r["rows"]), f"{r['xla_ms']:.2f}", f"{r['fused_ms']:.2f}",
                  f"{r['xla_ms'] / r['fused_ms']:.2f}x", f"{r['max_abs_diff']:.1e}"]
-        if screened:
-            cells += [f"{r['screened_ms']:.2f}", f"{r['fused_ms'] / r['screened_ms']:.2f}x",
-                      "yes" if r["screened_same_argmax"] else "NO",
-                      f"{statistics.median(r['screened_candidates']):.0f}"]
+        for dtype in screens:
+            screen = r[f"screened_{dtype}"]
+            cells += [f"{screen['ms']:.2f}", f"{r['fused_ms'] / screen['ms']:.2f}x",
+                      "yes" if screen["same_argmax"] else "NO",
+                      f"{statistics.median(screen['candidates']):.0f}"]
         table.add_row(*cells)
     Console().print(table)
     RESULTS.mkdir(exist_ok=True)
@@ -116,15 +125,26 @@ def main() -> None:
     print(f"wrote {path}")
 
 
-def _candidates(step, x) -> list[int]:
-    """How many entries of each row the screen recomputes in float32."""
+def _with_screen(step, head):
+    """The step's screened head (final norm + screen) with `head` as its screen."""
+    def screened(x):
+        kept, step.screened_head = step.screened_head, head
+        try:
+            return step._head_screened(x)
+        finally:
+            step.screened_head = kept
+    return screened
+
+
+def _candidates(step, head, x) -> list[int]:
+    """How many entries of each row `head` recomputes in float32."""
     import tensorflow as tf
 
     from tokenserve.model.layers import norm
 
     c = step.model.config
     normed = norm(x, step.model.final_norm.weights_dict(), c.norm, c.norm_eps)
-    approx, bound = step.screened_head.bounds(normed)
+    approx, bound = head.bounds(normed)
     floor = tf.reduce_max(approx - bound, axis=-1, keepdims=True)
     return [int(n) for n in tf.reduce_sum(tf.cast(approx + bound >= floor, tf.int32), -1)]
 

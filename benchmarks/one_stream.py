@@ -11,7 +11,8 @@ and their median is reported, with their spread.
 Workload as headline.py's: GPT-2 small (random weights), a random 32-token prompt (sent as
 text, as the headline's unstreamed column), 128 new tokens, greedy, eos ignored.
 
-  serve-<fmt>     `tokenserve serve` on the float32 and the int8 export
+  serve-<fmt>     `tokenserve serve` on the float32 and the int8 export; more serve flags
+                  as serve-<fmt>:<flag>=<value>, e.g. serve-float32:head_screen=float16
   llamacpp-<t>    llama.cpp's OpenAI server (llama-cpp-python) on the same weights as GGUF
                   f32 and q8_0, 2 threads (its own venv: bash benchmarks/peers/setup_llama_cpp.sh)
   hf              HF transformers' TF GPT-2, XLA `generate`, batch 1, in a worker that keeps
@@ -145,11 +146,15 @@ def start_systems(names: list[str], workdir: Path, hf_venv: Path, llama_venv: Pa
     for name in names:
         texts = prompt_texts(models["float32"])
         if name.startswith("serve-"):
+            # serve-<fmt>[:<flag>=<value>...]: more serve flags, for an A/B in the same run
+            fmt, *flags = name.removeprefix("serve-").split(":")
+            extra = [part for flag in flags for part in ("--" + flag.split("=", 1)[0],
+                                                         flag.split("=", 1)[1])]
             ports = [free_port() for _ in range(3)]
             systems.append(Server(name, [
                 TOKENSERVE, "serve", "--model_name", "gpt2", "--model_base_path",
-                str(models[name.removeprefix("serve-")]), "--port", str(ports[0]),
-                "--rest_api_port", str(ports[1]), "--openai_port", str(ports[2])],
+                str(models[fmt]), "--port", str(ports[0]),
+                "--rest_api_port", str(ports[1]), "--openai_port", str(ports[2]), *extra],
                 ports[2], texts))
         elif name.startswith("llamacpp-"):
             qtype = name.removeprefix("llamacpp-")
@@ -181,9 +186,12 @@ def spread(values: list[float]) -> dict:
 
 
 def round_ratios(rounds: dict, key: str) -> dict:
-    """For each pair of RATIOS that ran: the spread of a/b of `key`, taken round by round."""
+    """For each pair of RATIOS that ran, and each serve variant (serve-<fmt>:<flags>) against
+    its plain serve-<fmt> and HF: the spread of a/b of `key`, taken round by round."""
+    variants = [(name, other) for name in rounds if name.startswith("serve-") and ":" in name
+                for other in (name.split(":")[0], "hf")]
     return {f"{a} / {b}": spread([x[key] / y[key] for x, y in zip(rounds[a], rounds[b])])
-            for a, b in RATIOS if a in rounds and b in rounds}
+            for a, b in RATIOS + variants if a in rounds and b in rounds}
 
 
 def plot(report: dict, path: Path) -> None:

@@ -1,14 +1,16 @@
 #!/usr/bin/env python
-"""The LM head's float16 screen in the engine: greedy decode with it and without.
+"""The LM head's screens in the engine: greedy decode with an int8 screen, a float16 one, and
+none.
 
-For each exported float32 model, two in-process engines (`tokenserve.LLM`) on the same
-export, one screening greedy steps of up to 8 rows (`max_screened_head_rows=8`, the
-default) and one never (`0`), decode the same prompts (32 random tokens each, greedy,
-`ignore_eos`), alternating in one process, `--rounds` times per batch size. Reported:
-median output tok/s of each and their ratio, whether every answer was the same tokens, and
-how many vocabulary entries per row the screen had to compute again in float32 (recorded
-by a third engine, not timed, whose head reports them; a few means the screen ruled out all
-but a few).
+For each exported float32 model, three in-process engines (`tokenserve.LLM`) on the same
+export, two screening greedy steps of up to 8 rows (`max_screened_head_rows=8`, the
+default) with an int8 copy of the head (`head_screen="int8"`, the default) and a float16
+one, and one never screening (`0`), decode the same prompts (32 random tokens each,
+greedy, `ignore_eos`), alternating in one process, `--rounds` times per batch size.
+Reported: median output tok/s of each, the ratios (each round's, then their median),
+whether every answer was the same tokens, and how many vocabulary entries per row each
+screen had to compute again in float32 (recorded by engines of their own, not timed, whose
+head reports them; a few means the screen ruled out all but a few).
 
 Output: a table and benchmarks/results/screened-head[-NAME].json with the machine's flags.
 
@@ -35,6 +37,8 @@ from machine import machine_info, machine_summary  # noqa: E402
 RESULTS = Path(__file__).resolve().parent / "results"
 CANDIDATES: list[int] = []  # per screened row, appended from inside the step's head
 _ORIGINAL: list = []  # ScreenedHead.__call__ while record_candidates has replaced it
+SCREENS = ("int8", "float16")
+RATIOS = [("int8", "plain"), ("float16", "plain"), ("int8", "float16")]
 
 
 def record_candidates() -> None:
@@ -70,14 +74,17 @@ def bench_model(path: str, seqs: list[int], rounds: int, tokens: int) -> dict:
 
     from tokenserve import LLM, SamplingParams
 
-    engines = {"screened": LLM(path, precision="float32", max_num_seqs=max(seqs)),
-               "plain": LLM(path, precision="float32", max_num_seqs=max(seqs),
-                            max_screened_head_rows=0)}
-    # counted in an engine of its own: the count is a Python callback in its graph, which
+    def engine(**knobs):
+        return LLM(path, precision="float32", max_num_seqs=max(seqs), **knobs)
+
+    engines = {screen: engine(head_screen=screen) for screen in SCREENS}
+    engines["plain"] = engine(max_screened_head_rows=0)
+    # counted in engines of their own: the count is a Python callback in the graph, which
     # costs a step more than the screen saves on a small model
     record_candidates()
-    counting = LLM(path, precision="float32", max_num_seqs=max(seqs))
-    counting.engine.runner.warm_up_heads()  # traced now, with the count in the graph
+    counting = {screen: engine(head_screen=screen) for screen in SCREENS}
+    for llm in counting.values():
+        llm.engine.runner.warm_up_heads()  # traced now, with the count in the graph
     restore_candidates()
     vocab = engines["plain"].engine.runner.vocab_size
     rng = np.random.default_rng(0)
@@ -86,29 +93,36 @@ def bench_model(path: str, seqs: list[int], rounds: int, tokens: int) -> dict:
     for num_seqs in seqs:
         rates = {name: [] for name in engines}
         same = True
-        CANDIDATES.clear()
-        counting.generate([[int(t) for t in rng.integers(100, vocab - 100, 32)]
-                           for _ in range(num_seqs)], params, use_tqdm=False)
-        for _ in range(rounds):
+        candidates = {}
+        counted = [[int(t) for t in rng.integers(100, vocab - 100, 32)] for _ in range(num_seqs)]
+        for screen, llm in counting.items():
+            CANDIDATES.clear()
+            llm.generate(counted, params, use_tqdm=False)
+            candidates[screen] = {
+                "median": statistics.median(CANDIDATES) if CANDIDATES else None,
+                "p90": float(np.percentile(CANDIDATES, 90)) if CANDIDATES else None,
+                "max": max(CANDIDATES, default=None), "rows": len(CANDIDATES)}
+        for round_ in range(rounds):
             prompts = [[int(t) for t in rng.integers(100, vocab - 100, 32)]
                        for _ in range(num_seqs)]
             answers = {}
-            for name, llm in engines.items():
+            names = list(engines)
+            for name in names[round_ % len(names):] + names[:round_ % len(names)]:
                 started = time.perf_counter()
-                outputs = llm.generate(prompts, params, use_tqdm=False)
+                outputs = engines[name].generate(prompts, params, use_tqdm=False)
                 rates[name].append(num_seqs * tokens / (time.perf_counter() - started))
                 answers[name] = [o.outputs[0].token_ids for o in outputs]
-            same = same and answers["screened"] == answers["plain"]
-        row = {"seqs": num_seqs, "same_tokens": same,
-               "candidates": {"median": statistics.median(CANDIDATES) if CANDIDATES else None,
-                              "p90": float(np.percentile(CANDIDATES, 90)) if CANDIDATES else None,
-                              "max": max(CANDIDATES, default=None), "rows": len(CANDIDATES)},
+            same = same and all(answers[screen] == answers["plain"] for screen in SCREENS)
+        row = {"seqs": num_seqs, "same_tokens": same, "candidates": candidates,
                **{f"{name}_tok_s": statistics.median(r) for name, r in rates.items()},
                **{f"{name}_runs": r for name, r in rates.items()}}
-        row["ratio"] = row["screened_tok_s"] / row["plain_tok_s"]
+        for a, b in RATIOS:  # round by round: the same minutes of a drifting machine
+            row[f"{a}/{b}"] = statistics.median(x / y for x, y in zip(rates[a], rates[b]))
         rows.append(row)
-        print(f"{Path(path).name} {num_seqs} seqs: screened {row['screened_tok_s']:.1f}, "
-              f"plain {row['plain_tok_s']:.1f} tok/s ({row['ratio']:.2f}x)", flush=True)
+        print(f"{Path(path).name} {num_seqs} seqs: "
+              + ", ".join(f"{name} {row[name + '_tok_s']:.1f}" for name in engines)
+              + " tok/s; " + ", ".join(f"{a}/{b} {row[f'{a}/{b}']:.2f}x" for a, b in RATIOS),
+              flush=True)
     return {"model": path, "rows": rows}
 
 
@@ -126,18 +140,23 @@ def main() -> None:
 
     results = [bench_model(m, args.seqs, args.rounds, args.tokens) for m in args.models]
     machine = machine_info()
-    table = Table(title="greedy decode, LM head screened in float16 or not (in-process)",
+    table = Table(title="greedy decode, LM head screened in int8, float16 or not (in-process)",
                   caption=machine_summary(machine))
-    for column in ("model", "seqs", "plain tok/s", "screened tok/s", "speedup", "same tokens",
-                   "candidates / row (median, p90, max)"):
+    for column in ("model", "seqs", "plain tok/s", "int8 tok/s", "float16 tok/s",
+                   *(f"{a}/{b}" for a, b in RATIOS), "same tokens",
+                   *(f"{screen} candidates / row (median, p90, max)" for screen in SCREENS)):
         table.add_column(column, justify="right")
+
+    def counts(c):
+        return f"{c['median']:.0f}, {c['p90']:.0f}, {c['max']}" if c["rows"] else "-"
+
     for result in results:
         for r in result["rows"]:
-            c = r["candidates"]
-            table.add_row(Path(result["model"]).name, str(r["seqs"]), f"{r['plain_tok_s']:.1f}",
-                          f"{r['screened_tok_s']:.1f}", f"{r['ratio']:.2f}x",
+            table.add_row(Path(result["model"]).name, str(r["seqs"]),
+                          *(f"{r[name + '_tok_s']:.1f}" for name in ("plain", *SCREENS)),
+                          *(f"{r[f'{a}/{b}']:.2f}x" for a, b in RATIOS),
                           "yes" if r["same_tokens"] else "NO",
-                          f"{c['median']:.0f}, {c['p90']:.0f}, {c['max']}" if c["rows"] else "-")
+                          *(counts(r["candidates"][screen]) for screen in SCREENS))
     Console().print(table)
     RESULTS.mkdir(exist_ok=True)
     path = RESULTS / f"screened-head{'-' + args.name if args.name else ''}.json"

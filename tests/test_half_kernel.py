@@ -1,4 +1,5 @@
-"""The float16-weight matmul op (kernels/half_matmul.cc) against NumPy, both its paths."""
+"""The LM head screen's matmul ops (kernels/half_matmul.cc), float16 weights and int8 weights
+with a scale per row, against NumPy, both their paths."""
 
 from __future__ import annotations
 
@@ -41,3 +42,39 @@ def test_the_fallback_and_the_op_agree_and_shapes_are_checked(compiled):
     with pytest.raises((tf.errors.InvalidArgumentError, ValueError)):
         hm.half_matmul(tf.zeros([2, 23]), w)
     assert "float16 matmul op" in hm.kernel_status()
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 9])
+@pytest.mark.parametrize("k", [8, 37, 96, 768])
+@pytest.mark.parametrize("isa", ["auto", "scalar"])
+def test_int8_products_match_numpy(compiled, m, k, isa):
+    rng = np.random.default_rng(m * 1000 + k + 7)
+    n = 517
+    q = rng.integers(-127, 128, (n, k)).astype(np.int8)
+    q[3] = -128  # the one value outside the symmetric range still widens right
+    scale = rng.uniform(1e-4, 1e-2, n).astype(np.float32)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    sums = x.astype(np.float64) @ q.astype(np.float64).T
+    want = sums * scale
+    got = hm.int8_row_matmul(tf.constant(x), tf.constant(q), tf.constant(scale),
+                             isa=isa).numpy()
+    assert got.shape == (m, n)
+    # float32 sums of k terms, then one product with the scale
+    magnitude = np.abs(x).astype(np.float64) @ np.abs(q.astype(np.float64)).T * scale
+    tolerance = 4 * k * 2.0 ** -24 * magnitude + 1e-6
+    assert np.all(np.abs(got - want) <= tolerance)
+
+
+def test_the_int8_fallback_and_the_op_agree_and_shapes_are_checked(compiled):
+    rng = np.random.default_rng(1)
+    q = tf.constant(rng.integers(-127, 128, (40, 24)).astype(np.int8))
+    scale = tf.constant(rng.uniform(0.01, 0.1, 40).astype(np.float32))
+    x = tf.constant(rng.standard_normal((3, 24)).astype(np.float32))
+    np.testing.assert_allclose(hm.int8_row_matmul(x, q, scale).numpy(),
+                               hm.int8_row_matmul_fallback(x, q, scale).numpy(),
+                               rtol=1e-5, atol=1e-5)
+    assert hm.int8_row_matmul(tf.zeros([0, 24]), q, scale).shape == (0, 40)
+    with pytest.raises((tf.errors.InvalidArgumentError, ValueError)):
+        hm.int8_row_matmul(tf.zeros([2, 23]), q, scale)
+    with pytest.raises((tf.errors.InvalidArgumentError, ValueError)):
+        hm.int8_row_matmul(x, q, scale[:39])

@@ -178,9 +178,9 @@ def test_runner_allocates_the_planned_pool(tokenizer):
     assert allocated == runner.kv_plan.num_bytes <= budget
 
 
-@pytest.mark.parametrize("screen_rows", [8, 0])
-def test_a_memory_fraction_counts_the_lm_heads_float16_copy(tokenizer, monkeypatch,
-                                                            screen_rows):
+@pytest.mark.parametrize("screen_rows,screen", [(8, "int8"), (8, "float16"), (0, "int8")])
+def test_a_memory_fraction_counts_the_lm_heads_screen_copy(tokenizer, monkeypatch,
+                                                           screen_rows, screen):
     from conftest import tiny
     from tokenserve.engine import kv_budget
     from tokenserve.engine.runner import ModelRunner
@@ -196,10 +196,13 @@ def test_a_memory_fraction_counts_the_lm_heads_float16_copy(tokenizer, monkeypat
     monkeypatch.setattr(kv_budget, "memory_limit_bytes", lambda: 2 * gib)
     runner = ModelRunner(model, config, EngineConfig(
         block_size=4, precision="float32", kv_cache_memory_fraction=0.5 + 2e-4,
-        max_screened_head_rows=screen_rows))
+        max_screened_head_rows=screen_rows, head_screen=screen))
     budget = int((0.5 + 2e-4) * 2 * gib) - gib  # about 430 kB
-    screen = runner.step.screened_head
-    assert (screen is not None) == bool(screen_rows)
-    held = screen.nbytes if screen else 0
-    assert held == (2 * c.vocab_size * c.hidden_size + 4 * c.vocab_size if screen else 0)
+    head = runner.step.screened_head
+    assert (head is not None) == bool(screen_rows)
+    held = head.nbytes if head else 0
+    # int8: a byte a weight, a scale and a bound per row; float16: two bytes, a bound
+    per_weight, per_row = (1, 8) if screen == "int8" else (2, 4)
+    assert held == (per_weight * c.vocab_size * c.hidden_size + per_row * c.vocab_size
+                    if head else 0)
     assert runner.kv_plan.num_blocks == (budget - held) // block_bytes

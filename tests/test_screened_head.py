@@ -1,6 +1,7 @@
-"""The LM head's float16 screen: its error bounds hold, and it picks the float32 argmax
-(engine/screened_head.py); in the engine, greedy steps take it and give the tokens of the
-float32 head, and no step with a sampled, penalized, logprobs or structured row does."""
+"""The LM head's int8 and float16 screens: their error bounds hold, and they pick the
+float32 argmax (engine/screened_head.py); in the engine, greedy steps take them and give the
+tokens of the float32 head, and no step with a sampled, penalized, logprobs or structured
+row does."""
 
 from __future__ import annotations
 
@@ -24,13 +25,14 @@ def _weights(vocab=3000, width=96, seed=0):
     return weights
 
 
+@pytest.mark.parametrize("dtype", ["int8", "float16"])
 @pytest.mark.parametrize("layout", ["nk", "kn"])
-def test_the_bounds_hold_and_the_argmax_is_the_float32_one(layout):
+def test_the_bounds_hold_and_the_argmax_is_the_float32_one(layout, dtype):
     weights = _weights()
     rng = np.random.default_rng(1)
     bias = np.linspace(-0.5, 0.5, len(weights)).astype(np.float32) if layout == "kn" else 0.0
     head = ScreenedHead(tf.constant(weights if layout == "nk" else weights.T), layout,
-                        None if layout == "nk" else tf.constant(bias))
+                        None if layout == "nk" else tf.constant(bias), dtype=dtype)
     x = rng.standard_normal((6, weights.shape[1])).astype(np.float32)
     x[1] *= 50.0            # large activations
     x[2, 5] = 300.0         # one outlier: its block's quantization step is coarse
@@ -52,18 +54,127 @@ def test_the_bounds_hold_and_the_argmax_is_the_float32_one(layout):
     np.testing.assert_allclose(logits[candidates], exact[candidates], rtol=1e-5, atol=1e-5)
 
 
-def test_the_bound_is_tight_where_x_follows_a_rows_rounding():
-    """x along row i's own float16 rounding makes that row's error r_i ||x||, the largest
-    Cauchy-Schwarz allows: the bound must still cover it (it fails with r_i halved)."""
+@pytest.mark.parametrize("isa", ["auto", "scalar"])
+@pytest.mark.parametrize("dtype", ["int8", "float16"])
+@pytest.mark.parametrize("layout", ["nk", "kn"])
+def test_the_one_op_head_is_the_tf_ops_head(layout, dtype, isa):
+    """The op (kernels/half_matmul.cc) against `reference`, the same math as TF ops: the same
+    argmax, the screen's values where neither recomputes, and elsewhere values within the
+    bound of each other (the op and TF may differ on a candidate at the bound's edge, and
+    the op sums candidates in double)."""
+    from tokenserve.kernels.half_matmul import half_matmul, int8_row_matmul, screened_logits
+
+    weights = _weights(vocab=1000, width=40, seed=5)
+    rng = np.random.default_rng(6)
+    bias = tf.constant(rng.standard_normal(1000).astype(np.float32)) if layout == "kn" else None
+    head = ScreenedHead(tf.constant(weights if layout == "nk" else weights.T), layout, bias,
+                        dtype=dtype)
+    x = rng.standard_normal((7, 40)).astype(np.float32)
+    x[2] *= 30.0
+    x[5] = np.nan  # every entry NaN, as the float32 head gives it
+    none = tf.zeros([0])
+    got = screened_logits(tf.constant(x), head.screen, none if head.scale is None else head.scale,
+                          head.row_bound, head.weight, none if bias is None else bias,
+                          layout=layout, isa=isa).numpy()
+    want = head.reference(tf.constant(x)).numpy()
+    _, bound = (t.numpy() for t in head.bounds(tf.constant(x)))
+    # the screen's values as the op's own path (AVX2 or scalar) sums them
+    if dtype == "int8":
+        approx = int8_row_matmul(tf.constant(x), head.screen, head.scale, isa=isa).numpy()
+    else:
+        approx = half_matmul(tf.constant(x), head.screen, isa=isa).numpy()
+    approx += 0.0 if bias is None else bias.numpy()
+    assert np.isnan(got[5]).all() and np.isnan(want[5]).all()
+    rows = [0, 1, 2, 3, 4, 6]
+    got, want, approx, bound = got[rows], want[rows], approx[rows], bound[rows]
+    assert list(got.argmax(-1)) == list(want.argmax(-1))
+    exact = x[rows].astype(np.float64) @ weights.T.astype(np.float64)
+    exact += 0.0 if bias is None else bias.numpy()
+    assert np.all(np.abs(got - exact) <= bound * 1.001 + 1e-5)
+    # entries clearly in or out of the screen (not at its edge, where rounding decides):
+    # those in hold the float32 logit, those out the screen's value (up to the last bits: the
+    # compiler may contract the scalar sums into FMAs in one copy of them only)
+    floor = (approx - bound).max(-1, keepdims=True)
+    clear = np.abs(approx + bound - floor) > 1e-4 * np.abs(floor) + 1e-6
+    candidate = approx + bound >= floor
+    assert (clear & candidate).sum() >= len(rows)  # at least each row's argmax
+    assert candidate.mean() < 0.05                 # and a screen, not the vocabulary
+    np.testing.assert_allclose(got[clear & candidate], exact[clear & candidate], rtol=1e-6,
+                               atol=1e-6)
+    held = head.screen.numpy().astype(np.float64)
+    if dtype == "int8":
+        held *= head.scale.numpy()[:, None]
+    rounding = 4 * 40 * 2.0 ** -24 * (np.abs(x[rows]) @ np.abs(held).T) + 1e-7
+    out = clear & ~candidate
+    assert np.all(np.abs(got[out] - approx[out]) <= rounding[out])
+
+
+def test_the_one_op_head_refuses_shapes_that_do_not_fit():
+    from tokenserve.kernels.half_matmul import is_compiled, screened_logits
+
+    if not is_compiled():
+        pytest.skip("the op is not built here")
+    head = ScreenedHead(tf.constant(_weights(vocab=50, width=8)), "nk")
+    x, none = tf.zeros([2, 8]), tf.zeros([0])
+    for args in ((x, head.screen, none, head.row_bound, head.weight, none),          # no scale
+                 (x, head.screen, head.scale, head.row_bound[:49], head.weight, none),
+                 (x, head.screen, head.scale, head.row_bound, tf.transpose(head.weight), none),
+                 (x, head.screen, head.scale, head.row_bound, head.weight, tf.zeros([3]))):
+        with pytest.raises((tf.errors.InvalidArgumentError, ValueError)):
+            screened_logits(*args, layout="nk")
+
+
+@pytest.mark.parametrize("dtype", ["int8", "float16"])
+def test_the_bound_is_tight_where_x_follows_a_rows_rounding(dtype):
+    """x along row i's own rounding (to float16, or to int8 steps of its scale) makes that
+    row's error r_i ||x||, the largest Cauchy-Schwarz allows: the bound must still cover it
+    (it fails with r_i halved)."""
     weights = _weights(vocab=64, width=64, seed=2)
-    head = ScreenedHead(tf.constant(weights), "nk")
-    residual = weights.astype(np.float64) - weights.astype(np.float16).astype(np.float64)
+    head = ScreenedHead(tf.constant(weights), "nk", dtype=dtype)
+    held = head.screen.numpy().astype(np.float64)
+    if dtype == "int8":
+        held *= head.scale.numpy().astype(np.float64)[:, None]
+    else:
+        assert head.scale is None
+    residual = weights.astype(np.float64) - held
     x = (residual[5] / np.abs(residual[5]).max()).astype(np.float32)
     exact = weights.astype(np.float64) @ x.astype(np.float64)
     approx, bound = (t.numpy()[0] for t in head.bounds(tf.constant(x[None])))
     error = abs(approx[5] - exact[5])
     assert error <= bound[5]
     assert error > 0.5 * bound[5]  # the residual term dominates here, at its limit
+
+
+def test_an_int8_screen_is_a_quarter_of_the_bytes_with_a_scale_per_row():
+    weights = _weights(vocab=300, width=64)
+    weights[20] = 0.0  # a row of zeros: scale 1, no division by zero
+    head = ScreenedHead(tf.constant(weights), "nk")
+    assert head.screen.dtype == tf.int8 and head.scale.shape == (300,)
+    q, scale = head.screen.numpy(), head.scale.numpy()
+    assert np.abs(q).max(axis=1).min() == 0 and np.abs(q[np.arange(300) != 20]).max(1).min() \
+        == 127  # every other row spans the whole range
+    assert np.all(np.abs(q * scale[:, None] - weights) <= scale[:, None] * 0.5001)
+    assert head.nbytes == ScreenedHead.bytes_for((300, 64), "nk", "int8") == 300 * 64 + 300 * 8
+    assert ScreenedHead.bytes_for((64, 300), "kn", "float16") == 300 * 64 * 2 + 300 * 4
+    with pytest.raises(ValueError, match="dtype"):
+        ScreenedHead(tf.constant(weights), "nk", dtype="int4")
+
+
+@pytest.mark.parametrize("dtype", ["int8", "float16"])
+def test_a_row_that_is_not_finite_is_always_recomputed(dtype):
+    """A NaN or infinite weight gives that row no finite screen value: its bound is infinite,
+    so it is a candidate on every step and the step returns its float32 logit (NaN or
+    inf), which the sampler's draw rule then handles as with the plain head."""
+    weights = _weights(vocab=200, width=32)
+    weights[9, 4] = np.nan
+    weights[17, 0] = np.inf
+    head = ScreenedHead(tf.constant(weights), "nk", dtype=dtype)
+    x = np.random.default_rng(4).standard_normal((2, 32)).astype(np.float32)
+    x[:, 0] = np.abs(x[:, 0]) + 0.1  # the inf weight meets a positive value: +inf
+    logits = head(tf.constant(x)).numpy()
+    assert np.isnan(logits[:, 9]).all() and np.isposinf(logits[:, 17]).all()
+    finite = np.delete(np.arange(200), [9, 17])
+    assert np.isfinite(logits[:, finite]).all()
 
 
 def test_the_screen_is_refused_where_its_op_is_not_built(exported, monkeypatch):
@@ -100,13 +211,25 @@ def screened_and_plain(exported):
             LLM(version_dir, engine_config(max_screened_head_rows=0)))
 
 
-def test_greedy_steps_take_the_screen_and_keep_their_tokens(screened_and_plain):
+@pytest.fixture(scope="module")
+def float16_screened(exported, screened_and_plain):
+    return LLM(exported[2], engine_config(max_screened_head_rows=8, head_screen="float16"))
+
+
+@pytest.mark.parametrize("dtype", ["int8", "float16"])
+def test_greedy_steps_take_the_screen_and_keep_their_tokens(screened_and_plain, dtype,
+                                                            request):
     screened, plain = screened_and_plain
+    if dtype == "float16":
+        screened = request.getfixturevalue("float16_screened")
     runner = screened.engine.runner
     assert runner.step.screened_head is not None and plain.engine.runner.step.screened_head is None
-    # the float16 copy is reported beside the weights
+    assert runner.step.screened_head.dtype == dtype  # int8 is the default
+    # the copy is reported beside the weights
     vocab, width = runner.vocab_size, runner.config.model.hidden_size
-    assert runner.memory_bytes()["head_screen"] == vocab * width * 2 + vocab * 4
+    want_bytes = (vocab * width + vocab * 8 if dtype == "int8"
+                  else vocab * width * 2 + vocab * 4)
+    assert runner.memory_bytes()["head_screen"] == want_bytes
     assert "head_screen" not in plain.engine.runner.memory_bytes()
     params = SamplingParams(max_tokens=16, ignore_eos=True)
     before = runner.num_screened_steps

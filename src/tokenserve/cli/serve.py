@@ -113,8 +113,11 @@ def _add_llm_flags(p) -> None:
                         "chosen for this CPU and dtype (logged), 0: never")
     g.add_argument("--max_screened_head_rows", type=int, default=engine.max_screened_head_rows,
                    help="float32 weights: greedy steps of at most this many sequences run the "
-                        "LM head on a float16 copy and recompute in float32 only the tokens that "
-                        "could win (the same tokens, half the head's reads); 0: never")
+                        "LM head on a smaller copy (--head_screen) and recompute in float32 only "
+                        "the tokens that could win (the same tokens, fewer reads); 0: never")
+    g.add_argument("--head_screen", default=engine.head_screen, choices=["int8", "float16"],
+                   help="the screened LM head's copy: int8 with a scale per row (a quarter of "
+                        "the float32 head's bytes) or float16 (half)")
     g.add_argument("--num_speculative_tokens", type=int, default=engine.num_speculative_tokens,
                    help="speculative decoding: requests check up to this many tokens copied "
                         "from their own earlier text per step (n-gram drafts; greedy output "
@@ -188,6 +191,7 @@ def llm_config_from_args(args: argparse.Namespace):
                           kv_cache_memory_fraction=args.kv_cache_memory_fraction,
                           max_fused_dense_tokens=args.max_fused_dense_tokens,
                           max_screened_head_rows=args.max_screened_head_rows,
+                          head_screen=args.head_screen,
                           num_speculative_tokens=args.num_speculative_tokens,
                           speculative_ngram_min=args.speculative_ngram_min,
                           speculative_ngram_max=args.speculative_ngram_max,

@@ -64,10 +64,12 @@ class EngineConfig:
     up by 16 (benchmarks/fused_dense.py); bfloat16, 8 (docs/engine.md)."""
     max_screened_head_rows: int = 8
     """Float32 weights: greedy steps with at most this many rows of logits run the LM head
-    on a float16 copy of it and recompute in float32 only the entries that could be a row's
-    argmax (engine/screened_head.py): the same tokens, half the head's bytes. Steps
-    with a row that needs its distribution (sampling, penalties, logprobs, structured
-    output) read the float32 head. 0: off."""
+    on a smaller copy of it (`head_screen`) and recompute in float32 only the entries that
+    could be a row's argmax (engine/screened_head.py): the same tokens, a quarter (int8) or
+    half (float16) of the head's bytes. Steps with a row that needs its distribution
+    (sampling, penalties, logprobs, structured output) read the float32 head. 0: off."""
+    head_screen: str = "int8"
+    """The screened LM head's copy: "int8" (one float32 scale per row) or "float16"."""
     context_pad: int = 32
     """Decode context lengths are padded to a multiple of this: fewer distinct shapes, at the
     cost of reading up to this many padding rows per sequence."""
@@ -147,6 +149,9 @@ class EngineConfig:
         if self.max_screened_head_rows < 0:
             raise ConfigError(f"max_screened_head_rows must be >= 0, got "
                               f"{self.max_screened_head_rows}")
+        if self.head_screen not in ("int8", "float16"):
+            raise ConfigError(f"head_screen must be 'int8' or 'float16', got "
+                              f"{self.head_screen!r}")
         if self.speculative_max_step_tokens < 1:
             raise ConfigError(f"speculative_max_step_tokens must be >= 1, got "
                               f"{self.speculative_max_step_tokens}")

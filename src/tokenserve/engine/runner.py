@@ -85,9 +85,10 @@ class ModelRunner:
         self.vocab_size = config.model.vocab_size
         if self.is_transformer:
             c = config.model
-            # the LM head's float16 copy is made after the pool is sized: a fraction counts it
+            # the LM head's screen copy is made after the pool is sized: a fraction counts it
             screen = self._screen_weights(engine_config)
-            reserved = ScreenedHead.bytes_for(screen[0].shape, screen[1]) if screen else 0
+            reserved = (ScreenedHead.bytes_for(screen[0].shape, screen[1],
+                                               engine_config.head_screen) if screen else 0)
             self.kv_plan = plan_kv_cache(
                 engine_config, num_layers=c.num_layers, kv_width=c.num_kv_heads * c.head_dim,
                 compute_dtype=model.compute_dtype, max_seq_len=config.max_seq_len,
@@ -123,7 +124,7 @@ class ModelRunner:
                 log.info("dense layers: fused ops for every step, on the bfloat16 weights in "
                          "float32 (oneDNN has no bf16 matmul on this CPU)")
             self.step.screened_head = self._screened_head(engine_config, screen)
-            self.num_screened_steps = 0  # steps whose LM head ran the float16 screen
+            self.num_screened_steps = 0  # steps whose LM head ran the screen
             if config.model.weight_format == "int8":
                 from tokenserve.kernels.int8_matmul import kernel_status
 
@@ -133,9 +134,9 @@ class ModelRunner:
             self.step = LSTMStep(model, engine_config.max_num_seqs + 1)
 
     def _screen_weights(self, engine_config: EngineConfig):
-        """(weight, layout, bias) of a float32 LM head that greedy steps screen in float16,
-        or None (other weights, max_screened_head_rows 0, or no compiled float16 matmul op).
-        Read before the KV pool is sized, so a memory fraction counts the float16 copy."""
+        """(weight, layout, bias) of a float32 LM head that greedy steps screen, or None
+        (other weights, max_screened_head_rows 0, or no compiled screen matmul op). Read
+        before the KV pool is sized, so a memory fraction counts the screen's copy."""
         model = self.model
         if (not engine_config.max_screened_head_rows or model.compute_dtype != "float32"
                 or self.config.model.weight_format != "float"):
@@ -143,7 +144,7 @@ class ModelRunner:
         from tokenserve.kernels import half_matmul
 
         if not half_matmul.is_compiled():  # its fallback writes a float32 copy: no gain
-            log.info("LM head: no float16 screen (%s)", half_matmul.kernel_status())
+            log.info("LM head: no screen (%s)", half_matmul.kernel_status())
             return None
         if model.head is None:  # tied: the token embedding [vocab, D]
             return model.token_embedding, "nk", None
@@ -151,15 +152,16 @@ class ModelRunner:
         return weights["kernel"], "kn", weights.get("bias")
 
     def _screened_head(self, engine_config: EngineConfig, screen):
-        """The float16 screen of the head `_screen_weights` chose, or None."""
+        """The screen of the head `_screen_weights` chose, or None."""
         from tokenserve.engine.screened_head import ScreenedHead
 
         if screen is None:
             return None
-        head = ScreenedHead(*screen)
-        log.info("LM head: greedy steps of up to %d rows screen it in float16 (%.1f MB "
-                 "more), then compute in float32 only the entries that could be a row's argmax",
-                 engine_config.max_screened_head_rows, head.nbytes / 1e6)
+        head = ScreenedHead(*screen, dtype=engine_config.head_screen)
+        log.info("LM head: greedy steps of up to %d rows screen it in %s (%.1f MB more), "
+                 "then compute in float32 only the entries that could be a row's argmax",
+                 engine_config.max_screened_head_rows, engine_config.head_screen,
+                 head.nbytes / 1e6)
         return head
 
     @classmethod
@@ -251,7 +253,7 @@ class ModelRunner:
         num_rows = self._bucket(num_wanted, only_decode=False,
                                 xla=xla and not self.step.fused_head)
         last = np.concatenate([last, np.zeros([num_rows - num_wanted], np.int32)])
-        # greedy rows need only each row's argmax: the head's float16 screen gives it exactly
+        # greedy rows need only each row's argmax: the head's screen gives it exactly
         screened = (self.step.screened_head is not None
                     and num_wanted <= knobs.max_screened_head_rows
                     and all(s.seq.request.params.needs_only_argmax for s in out.scheduled))
@@ -354,7 +356,7 @@ class ModelRunner:
 
     def memory_bytes(self) -> dict[str, int]:
         """Bytes the runner allocated: {"weights": the model's variables, "kv_cache": the
-        KV pool (an LSTM: its state slots)}, and "head_screen": the LM head's float16 copy
+        KV pool (an LSTM: its state slots)}, and "head_screen": the LM head's screen copy
         where greedy steps screen it. Exact sizes, not resident-memory estimates."""
         import tensorflow as tf
 

@@ -1,25 +1,31 @@
-"""A float32 LM head that reads a float16 copy of its weights for greedy steps, with exact
-tokens (design notes: docs/engine.md, "The screened LM head").
+"""A float32 LM head that reads an int8 (or float16) copy of its weights for greedy steps,
+with exact tokens (design notes: docs/engine.md, "The screened LM head").
 
 One float32 decode stream is bound by memory reads, and a tied GPT-2-small head is 154 MB
 of the 494 MB a step reads. A greedy step needs only the argmax of each row, so the head
-runs on a float16 copy (half the bytes; x and the sums stay float32) and bounds, for every
-vocabulary entry i, how far that can be from the float32 logit:
+runs on a smaller copy h (int8 with one float32 scale per row, a quarter of the bytes; or
+float16, half; x and the sums stay float32) and bounds, for every vocabulary entry i, how
+far that can be from the float32 logit:
 
     |w_i . x - h_i . x|  =  |(w_i - h_i) . x|  <=  r_i ||x||      (Cauchy-Schwarz)
 
-with h_i the float16 row and r_i = ||w_i - h_i|| (fixed at load), plus the float32 rounding
-of both dot products. Every entry whose upper bound reaches the best lower bound is a
-candidate; no other can be the argmax. The candidates' logits are computed again from the
-float32 rows (a few rows of the matrix) and written over the approximations, so the argmax
-of what the step returns is the float32 argmax. Non-candidates keep their approximate
-values, so a step through this head serves greedy rows only: the runner takes it when no
-row needs a distribution (sampling, penalties, logprobs, structured output).
+with h_i the row as the copy holds it (scale_i * q_i for int8) and r_i = ||w_i - h_i||
+(fixed at load), plus the float32 rounding of both dot products. Every entry whose upper
+bound reaches the best lower bound is a candidate; no other can be the argmax. The
+candidates' logits are computed again from the float32 rows (a few rows of the matrix) and
+written over the approximations, so the argmax of what the step returns is the float32
+argmax. Non-candidates keep their approximate values, so a step through this head serves
+greedy rows only: the runner takes it when no row needs a distribution (sampling,
+penalties, logprobs, structured output).
 
-Why float16 and not int8: the int8 kernel also quantizes x per block of 32 values, and a
-model whose final-norm output has a few large channels (SmolLM2) then gets an error bound
-of several logits, and thousands of candidates a row on random prompts (0.92x of the plain
-head at four sequences); float16 rows leave x exact and the bound near 1e-3 logits.
+The int8 copy's r_i is about 40x the float16 one's, so it leaves more candidates: a median
+of a few a row on GPT-2-small's random head, against one; recomputing them reads a few KB,
+where the int8 copy saves 38 MB a token. Why not the int8 weights op (kernels/int8_matmul):
+it also quantizes x per block of 32 values, and a model whose final-norm output has a few
+large channels (SmolLM2) then gets an error bound of several logits, and thousands of
+candidates a row on random prompts (0.92x of the plain head at four sequences); these ops
+leave x exact. A row with a weight that is not finite is a candidate on every step (its
+bound is infinite), so its float32 logit is what the step returns.
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ from __future__ import annotations
 import numpy as np
 import tensorflow as tf
 
-from tokenserve.kernels.half_matmul import half_matmul
+from tokenserve.kernels.half_matmul import half_matmul, int8_row_matmul, screened_logits
 
 # Float32 rounding of a dot product of length K: at most ~K * 2^-24 of sum |x_j w_j|, which
 # is <= ||x|| ||w||; the screen computes two (the float16 one and the exact one), and the
@@ -36,54 +42,91 @@ _ROUNDING_PER_TERM = 4 * 2.0 ** -24
 # Rows whose norms are taken in float64 at once: 4,096 rows of 768 are 25 MB a copy, where
 # the whole of GPT-2's head at once would be 309 MB (x2) more at load.
 _NORM_CHUNK_ROWS = 4096
+SCREEN_DTYPES = ("int8", "float16")
+
+
+def _quantized(rows: np.ndarray, dtype: str):
+    """(the copy the screen reads, its scale per row or None, that copy as float64) for a
+    chunk of float32 rows [n, D]; a row with a weight that is not finite is all zeros."""
+    finite = np.isfinite(rows).all(axis=1)
+    rows = np.where(finite[:, None], rows, 0.0).astype(np.float32)
+    if dtype == "float16":
+        # float16 saturates at 65504: a larger weight stays exact in the bound (r_i grows)
+        halves = np.clip(rows, -65504, 65504).astype(np.float16)
+        return halves, None, halves.astype(np.float64)
+    peak = np.abs(rows).max(axis=1)
+    scale = np.where(peak > 0, peak / 127.0, 1.0).astype(np.float32)
+    q = np.clip(np.rint(rows / scale[:, None]), -127, 127).astype(np.int8)
+    return q, scale, q.astype(np.float64) * scale.astype(np.float64)[:, None]
 
 
 class ScreenedHead:
-    """Greedy-exact logits [S, vocab] from a float16 screen of a float32 head.
+    """Greedy-exact logits [S, vocab] from an int8 or float16 screen of a float32 head.
 
     weight: the float32 head as the step reads it, [vocab, D] (a tied token embedding,
-    layout "nk") or [D, vocab] (a Dense kernel, "kn"); bias: [vocab] or None."""
+    layout "nk") or [D, vocab] (a Dense kernel, "kn"); bias: [vocab] or None; dtype: the
+    screen's copy, "int8" (one scale per row) or "float16"."""
 
-    def __init__(self, weight, layout: str, bias=None):
+    def __init__(self, weight, layout: str, bias=None, dtype: str = "int8"):
         if layout not in ("nk", "kn"):
             raise ValueError(f"layout must be 'nk' or 'kn', got {layout!r}")
+        if dtype not in SCREEN_DTYPES:
+            raise ValueError(f"dtype must be one of {SCREEN_DTYPES}, got {dtype!r}")
         # an eager read aliases a variable's buffer (no copy): the step captures a tensor
         self.weight = tf.convert_to_tensor(weight)
-        self.layout, self.bias = layout, bias
+        self.layout, self.bias, self.dtype = layout, bias, dtype
         rows = self.weight.numpy()
         rows = rows if layout == "nk" else rows.T                     # [vocab, D]
-        # float16 saturates at 65504: a larger weight stays exact in the bound (r_i grows)
-        halves = np.clip(rows, -65504, 65504).astype(np.float16)
-        self.halves = tf.constant(np.ascontiguousarray(halves))
-        bound = np.empty(rows.shape[0], np.float64)
-        for start in range(0, rows.shape[0], _NORM_CHUNK_ROWS):  # float64 copies of a chunk
+        vocab, width = rows.shape
+        copy = np.empty(rows.shape, np.int8 if dtype == "int8" else np.float16)
+        scale = np.ones(vocab, np.float32)
+        bound = np.empty(vocab, np.float64)
+        for start in range(0, vocab, _NORM_CHUNK_ROWS):  # float64 copies of a chunk at a time
             part = slice(start, start + _NORM_CHUNK_ROWS)
-            widened = halves[part].astype(np.float64)
-            residual = np.linalg.norm(rows[part].astype(np.float64) - widened, axis=1)
-            rounding = _ROUNDING_PER_TERM * rows.shape[1] * np.linalg.norm(widened, axis=1)
-            bound[part] = residual + rounding
+            copy[part], part_scale, widened = _quantized(rows[part], dtype)
+            if part_scale is not None:
+                scale[part] = part_scale
+            with np.errstate(invalid="ignore"):  # rows that are not finite: inf below
+                residual = np.linalg.norm(rows[part].astype(np.float64) - widened, axis=1)
+            rounding = _ROUNDING_PER_TERM * width * np.linalg.norm(widened, axis=1)
+            bound[part] = np.where(np.isfinite(residual), residual + rounding, np.inf)
+        self.screen = tf.constant(copy)
+        self.scale = tf.constant(scale) if dtype == "int8" else None
+        self._none = tf.zeros([0], tf.float32)  # the op's empty scale or bias
         # a hair over: float32 storage of the per-row constant must not round it down
         self.row_bound = tf.constant((bound * 1.0001).astype(np.float32))
-        self.nbytes = self.bytes_for(self.weight.shape, layout)
+        self.nbytes = self.bytes_for(self.weight.shape, layout, dtype)
 
     @staticmethod
-    def bytes_for(shape, layout: str) -> int:
-        """The memory a screen of a head of this shape and layout holds beside it: the
-        float16 rows and one float32 bound per vocabulary entry."""
-        vocab = shape[0] if layout == "nk" else shape[1]
-        return 2 * int(shape[0]) * int(shape[1]) + 4 * int(vocab)
+    def bytes_for(shape, layout: str, dtype: str = "int8") -> int:
+        """The memory a screen of a head of this shape and layout holds beside it: the copy's
+        rows, and per vocabulary entry one float32 bound (and for int8 one scale)."""
+        vocab = int(shape[0] if layout == "nk" else shape[1])
+        per_row = 8 if dtype == "int8" else 4
+        weight_bytes = 1 if dtype == "int8" else 2
+        return weight_bytes * int(shape[0]) * int(shape[1]) + per_row * vocab
 
     def bounds(self, x):
         """x [S, D] float32 -> (approximate logits [S, vocab] with the bias, their error
         bounds)."""
-        approx = half_matmul(x, self.halves)
+        if self.scale is not None:
+            approx = int8_row_matmul(x, self.screen, self.scale)
+        else:
+            approx = half_matmul(x, self.screen)
         if self.bias is not None:  # before the screen: the bias moves the argmax
             approx = approx + self.bias
         return approx, tf.norm(x, axis=-1, keepdims=True) * self.row_bound
 
     def __call__(self, x):
         """x [S, D] float32 (normed) -> [S, vocab] float32: the float32 logits of every
-        entry that could be a row's argmax, the float16 approximation elsewhere."""
+        entry that could be a row's argmax, the screen's approximation elsewhere. One op
+        (kernels/half_matmul.cc); `reference` is the same in TF ops."""
+        return screened_logits(
+            x, self.screen, self._none if self.scale is None else self.scale, self.row_bound,
+            self.weight, self._none if self.bias is None else self.bias, layout=self.layout)
+
+    def reference(self, x):
+        """`__call__` as TF ops over `bounds`; the candidates' logits summed in float32."""
         approx, bound = self.bounds(x)
         floor = tf.reduce_max(approx - bound, axis=-1, keepdims=True)        # [S, 1]
         candidates = tf.where(approx + bound >= floor)                      # [C, 2]

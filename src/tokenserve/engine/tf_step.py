@@ -182,7 +182,7 @@ class TransformerStep(tf.Module):
         # (one per sequence) than the fused ops take as fast as XLA. Then no head program
         # is compiled, per token bucket or per row bucket.
         self.fused_head = False
-        # The LM head through a float16 screen (engine/screened_head.py) for steps whose rows
+        # The LM head through an int8 or float16 screen (engine/screened_head.py) for steps whose rows
         # are all greedy: set by the runner before any step is traced, float32 weights only.
         self.screened_head = None
         self._write_rows = None  # write_rows' traced scatter, made on first use

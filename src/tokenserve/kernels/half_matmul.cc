@@ -1,25 +1,37 @@
-// TokenserveHalfMatmul: y[M, N] = x[M, K] @ w[N, K].T with w stored as float16, on the CPU.
+// The LM head screen's matmuls (engine/screened_head.py), on the CPU, x float32 and the
+// sums float32, w output-major (each output's K weights contiguous, a tied embedding's
+// layout "nk"):
 //
-// Built for the LM head's screen (engine/screened_head.py): a greedy decode step of a few
-// sequences reads a float16 copy of the head, half the bytes of the float32 one, and needs
-// its products only to rule tokens out, so x stays float32 (no activation quantization, whose
-// error would widen the screen) and the sums are float32. w is output-major, each output's
-// K weights contiguous (a tied embedding's layout, "nk").
+//   TokenserveHalfMatmul      y[M, N] = x[M, K] @ w[N, K].T, w float16
+//   TokenserveInt8RowMatmul   y[M, N] = (x[M, K] @ q[N, K].T) * scale[N], q int8, one
+//                             float32 scale per row (per output)
+//
+// A greedy decode step of a few sequences reads one of these copies of the head (half or a
+// quarter of the float32 head's bytes) and needs its products only to rule tokens out, so
+// x stays float32: no activation quantization, whose error would widen the screen (the
+// int8 weights op, int8_matmul.cc, quantizes x per block of 32, and that made thousands of
+// candidates a row on SmolLM2).
 //
 // Work split: weight rows in tiles of kTileRows, taken by the calling thread and TF's
 // intra-op threads (chunks.h). Each weight row is read once, front to back, a single
-// sequential stream software-prefetched kRowPrefetch bytes ahead, and each 8 halves of it
-// become floats with one F16C instruction (vcvtph2ps) that feed up to four rows of x. On a
-// 2-core AVX2-only EPYC, against four weight rows interleaved (as dense.cc's "nk" float32
-// kernel), one row at a time took 4.4 / 4.7 / 7.3 ms for GPT-2-small's head [50257, 768] at
-// 1 / 4 / 8 rows of x, against 4.9 / 6.3 / 9.0; the float32 head 7.2-8.9 ms at one row.
-// Two paths with the same math: AVX2+FMA+F16C (functions with target attributes, chosen at
-// run time) and portable scalar C++ (also forced with isa="scalar" for tests).
+// sequential stream software-prefetched kRowPrefetch bytes ahead, and each 8 weights of it
+// become floats (float16: one F16C instruction, vcvtph2ps; int8: a sign extension and a
+// conversion) that feed up to four rows of x. On a 2-core AVX2-only EPYC, against four
+// weight rows interleaved (as dense.cc's "nk" float32 kernel), one row at a time took
+// 4.4 / 4.7 / 7.3 ms for GPT-2-small's float16 head [50257, 768] at 1 / 4 / 8 rows of x,
+// against 4.9 / 6.3 / 9.0; the float32 head 7.2-8.9 ms at one row.
+// Two paths with the same math: AVX2+FMA (+F16C for float16; functions with target
+// attributes, chosen at run time) and portable scalar C++ (also forced with isa="scalar"
+// for tests).
 
 #include <algorithm>
+#include <cmath>
+#include <limits>
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <type_traits>
+#include <vector>
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
@@ -55,15 +67,20 @@ struct Geometry {
   int64 M, K, N;  // x [M, K], w [N, K], y [M, N]
 };
 
-void TileScalar(const Geometry& g, const float* x, const Half* w, int64 n0, int64 n1,
-                float* y) {
+inline float ToFloat(Half w) { return static_cast<float>(w); }
+inline float ToFloat(int8_t w) { return static_cast<float>(w); }
+
+// scale: one per weight row, or nullptr (1)
+template <typename W>
+void TileScalar(const Geometry& g, const float* x, const W* w, const float* scale, int64 n0,
+                int64 n1, float* y) {
   for (int64 n = n0; n < n1; ++n) {
-    const Half* wn = w + n * g.K;
+    const W* wn = w + n * g.K;
     for (int64 r = 0; r < g.M; ++r) {
       const float* xr = x + r * g.K;
       float sum = 0.f;
-      for (int64 k = 0; k < g.K; ++k) sum += static_cast<float>(wn[k]) * xr[k];
-      y[r * g.N + n] = sum;
+      for (int64 k = 0; k < g.K; ++k) sum += ToFloat(wn[k]) * xr[k];
+      y[r * g.N + n] = scale == nullptr ? sum : sum * scale[n];
     }
   }
 }
@@ -74,16 +91,22 @@ void TileScalar(const Geometry& g, const float* x, const Half* w, int64 n0, int6
 AVX2_FN inline __m256 Load8(const Half* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
+AVX2_FN inline __m256 Load8(const int8_t* p) {
+  const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q));
+}
 
 // One weight row at a time, a single sequential stream, prefetched kRowPrefetch bytes
-// ahead; each 8 halves of it, once converted, feed R rows of x.
+// ahead; each 8 weights of it, once converted, feed R rows of x.
 constexpr int64 kRowPrefetch = 1024;
 
-template <int R>
-AVX2_FN inline void RowAvx2(const Geometry& g, const float* x, const Half* wn, float* y) {
+template <typename W, int R>
+AVX2_FN inline void RowAvx2(const Geometry& g, const float* x, const W* wn, float scale,
+                            float* y) {
   // U accumulators per row of x: FMA latency (4-5 cycles) would otherwise hold one or two
   // rows of x to a few bytes of weights per cycle
   constexpr int U = R <= 2 ? 4 : 2;
+  constexpr int64 kPerLine = 64 / sizeof(W);  // weights per cache line: one prefetch each
   const int64 vec = g.K / (8 * U) * (8 * U);
   __m256 s[R][U];
   for (int r = 0; r < R; ++r) {
@@ -92,8 +115,10 @@ AVX2_FN inline void RowAvx2(const Geometry& g, const float* x, const Half* wn, f
   const char* ahead = reinterpret_cast<const char*>(wn) + kRowPrefetch;
   int64 k = 0;
   for (; k < vec; k += 8 * U) {
-    for (int u = 0; u < U; u += 2) {
-      if (((k + 8 * u) & 31) == 0) _mm_prefetch(ahead + 2 * (k + 8 * u), _MM_HINT_T0);
+    for (int u = 0; u < U; ++u) {
+      if (((k + 8 * u) & (kPerLine - 1)) == 0) {
+        _mm_prefetch(ahead + sizeof(W) * (k + 8 * u), _MM_HINT_T0);
+      }
     }
     __m256 wv[U];
     for (int u = 0; u < U; ++u) wv[u] = Load8(wn + k + 8 * u);
@@ -107,23 +132,25 @@ AVX2_FN inline void RowAvx2(const Geometry& g, const float* x, const Half* wn, f
     __m256 total = s[r][0];
     for (int u = 1; u < U; ++u) total = _mm256_add_ps(total, s[r][u]);
     float sum = cpu::HorizontalSum(total);
-    for (int64 kk = k; kk < g.K; ++kk) sum += static_cast<float>(wn[kk]) * x[r * g.K + kk];
-    y[r * g.N] = sum;
+    for (int64 kk = k; kk < g.K; ++kk) sum += ToFloat(wn[kk]) * x[r * g.K + kk];
+    y[r * g.N] = sum * scale;  // a scale of 1 (float16) leaves the sum as it is
   }
 }
 
-AVX2_FN void TileAvx2(const Geometry& g, const float* x, const Half* w, int64 n0,
-                            int64 n1, float* y) {
+template <typename W>
+AVX2_FN void TileAvx2(const Geometry& g, const float* x, const W* w, const float* scale,
+                      int64 n0, int64 n1, float* y) {
   for (int64 n = n0; n < n1; ++n) {
-    const Half* wn = w + n * g.K;
+    const W* wn = w + n * g.K;
+    const float sn = scale == nullptr ? 1.f : scale[n];
     for (int64 r = 0; r < g.M; r += 4) {
       const float* xr = x + r * g.K;
       float* yr = y + r * g.N + n;
       switch (std::min<int64>(4, g.M - r)) {
-        case 1: RowAvx2<1>(g, xr, wn, yr); break;
-        case 2: RowAvx2<2>(g, xr, wn, yr); break;
-        case 3: RowAvx2<3>(g, xr, wn, yr); break;
-        default: RowAvx2<4>(g, xr, wn, yr); break;
+        case 1: RowAvx2<W, 1>(g, xr, wn, sn, yr); break;
+        case 2: RowAvx2<W, 2>(g, xr, wn, sn, yr); break;
+        case 3: RowAvx2<W, 3>(g, xr, wn, sn, yr); break;
+        default: RowAvx2<W, 4>(g, xr, wn, sn, yr); break;
       }
     }
   }
@@ -134,18 +161,60 @@ AVX2_FN void TileAvx2(const Geometry& g, const float* x, const Half* w, int64 n0
 
 }  // namespace
 
+absl::Status MatmulShape(InferenceContext* c) {
+  ShapeHandle x, w;
+  TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 2, &x));
+  TF_RETURN_IF_ERROR(c->WithRank(c->input(1), 2, &w));
+  DimensionHandle k;
+  TF_RETURN_IF_ERROR(c->Merge(c->Dim(x, 1), c->Dim(w, 1), &k));
+  if (c->num_inputs() > 2) {  // the int8 op's scale: one per weight row
+    ShapeHandle scale;
+    TF_RETURN_IF_ERROR(c->WithRank(c->input(2), 1, &scale));
+    DimensionHandle n;
+    TF_RETURN_IF_ERROR(c->Merge(c->Dim(scale, 0), c->Dim(w, 0), &n));
+  }
+  c->set_output(0, c->Matrix(c->Dim(x, 0), c->Dim(w, 0)));
+  return absl::OkStatus();
+}
+
 REGISTER_OP("TokenserveHalfMatmul")
     .Input("x: float")   // [M, K]
     .Input("w: half")    // [N, K]
     .Output("y: float")  // [M, N]
     .Attr("isa: {'auto', 'scalar'} = 'auto'")
+    .SetShapeFn(MatmulShape);
+
+REGISTER_OP("TokenserveInt8RowMatmul")
+    .Input("x: float")      // [M, K]
+    .Input("w: int8")       // [N, K]
+    .Input("scale: float")  // [N]
+    .Output("y: float")     // [M, N]
+    .Attr("isa: {'auto', 'scalar'} = 'auto'")
+    .SetShapeFn(MatmulShape);
+
+// The whole screened head in one op (engine/screened_head.py has the math): the screen's
+// products with the bias, per row of x the best lower bound (floor), then the float32
+// logit of every entry whose upper bound reaches it. As TF ops that was nine more ops over
+// [M, vocab] (norm, bound, max, compare, where, two gathers, a product, a scatter), about
+// 0.9 ms of a 2.6 ms GPT-2-small head at one row.
+REGISTER_OP("TokenserveScreenedLogits")
+    .Input("x: float")          // [M, K]: the final norm's output
+    .Input("screen: T")         // [N, K]: the head's float16 or int8 copy
+    .Input("scale: float")      // [N] for int8 (one per row), [0] for float16
+    .Input("row_bound: float")  // [N]: r_i, the bound on |(w_i - h_i) . x| / ||x||
+    .Input("weight: float")     // the float32 head: [N, K] ("nk") or [K, N] ("kn")
+    .Input("bias: float")       // [N], or [0] for none
+    .Output("logits: float")    // [M, N]
+    .Attr("T: {half, int8}")
+    .Attr("layout: {'nk', 'kn'} = 'nk'")
+    .Attr("isa: {'auto', 'scalar'} = 'auto'")
     .SetShapeFn([](InferenceContext* c) {
-      ShapeHandle x, w;
+      ShapeHandle x, screen;
       TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 2, &x));
-      TF_RETURN_IF_ERROR(c->WithRank(c->input(1), 2, &w));
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(1), 2, &screen));
       DimensionHandle k;
-      TF_RETURN_IF_ERROR(c->Merge(c->Dim(x, 1), c->Dim(w, 1), &k));
-      c->set_output(0, c->Matrix(c->Dim(x, 0), c->Dim(w, 0)));
+      TF_RETURN_IF_ERROR(c->Merge(c->Dim(x, 1), c->Dim(screen, 1), &k));
+      c->set_output(0, c->Matrix(c->Dim(x, 0), c->Dim(screen, 0)));
       return absl::OkStatus();
     });
 
@@ -156,12 +225,15 @@ REGISTER_OP("TokenserveHalfMatmulInfo")
       return absl::OkStatus();
     });
 
-class HalfMatmulOp : public OpKernel {
+// W: Half (TokenserveHalfMatmul) or int8_t (TokenserveInt8RowMatmul, with a scale input)
+template <typename W>
+class RowMatmulOp : public OpKernel {
  public:
-  explicit HalfMatmulOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+  explicit RowMatmulOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
     std::string isa;
     OP_REQUIRES_OK(ctx, ctx->GetAttr("isa", &isa));
-    avx2_ = isa == "auto" && cpu::HasAvx2FmaF16c();
+    const bool f16c = std::is_same<W, Half>::value ? cpu::HasAvx2FmaF16c() : cpu::HasAvx2Fma();
+    avx2_ = isa == "auto" && f16c;
   }
 
   void Compute(OpKernelContext* ctx) override {
@@ -174,6 +246,14 @@ class HalfMatmulOp : public OpKernel {
     OP_REQUIRES(ctx, w.dim_size(1) == g.K,
                 InvalidArgument("x is [M, K] with K = ", g.K, " but w is ",
                                 w.shape().DebugString(), ", expected [N, K]"));
+    const float* scale = nullptr;
+    if (ctx->num_inputs() > 2) {
+      const Tensor& s = ctx->input(2);
+      OP_REQUIRES(ctx, s.dims() == 1 && s.dim_size(0) == g.N,
+                  InvalidArgument("scale must be [N] = [", g.N, "], got ",
+                                  s.shape().DebugString()));
+      scale = s.flat<float>().data();
+    }
     Tensor* y = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({g.M, g.N}), &y));
     if (g.M == 0 || g.N == 0) return;
@@ -182,7 +262,7 @@ class HalfMatmulOp : public OpKernel {
       return;
     }
     const float* xp = x.flat<float>().data();
-    const Half* wp = w.flat<Half>().data();
+    const W* wp = w.flat<W>().data();
     float* yp = y->flat<float>().data();
     auto* pool = ctx->device()->tensorflow_cpu_worker_threads()->workers;
     const int64 tiles = (g.N + kTileRows - 1) / kTileRows;
@@ -191,16 +271,139 @@ class HalfMatmulOp : public OpKernel {
       const int64 n0 = tile * kTileRows, n1 = std::min(g.N, n0 + kTileRows);
 #ifdef TOKENSERVE_X86
       if (avx2) {
-        TileAvx2(g, xp, wp, n0, n1, yp);
+        TileAvx2<W>(g, xp, wp, scale, n0, n1, yp);
         return;
       }
 #endif
-      TileScalar(g, xp, wp, n0, n1, yp);
+      TileScalar<W>(g, xp, wp, scale, n0, n1, yp);
     });
   }
 
  private:
   bool avx2_ = false;
+};
+
+template <typename W>
+class ScreenedLogitsOp : public OpKernel {
+ public:
+  explicit ScreenedLogitsOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    std::string isa, layout;
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("isa", &isa));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("layout", &layout));
+    const bool f16c = std::is_same<W, Half>::value ? cpu::HasAvx2FmaF16c() : cpu::HasAvx2Fma();
+    avx2_ = isa == "auto" && f16c;
+    kn_ = layout == "kn";
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    const Tensor& x = ctx->input(0);
+    const Tensor& screen = ctx->input(1);
+    const Tensor& scale = ctx->input(2);
+    const Tensor& row_bound = ctx->input(3);
+    const Tensor& weight = ctx->input(4);
+    const Tensor& bias = ctx->input(5);
+    OP_REQUIRES(ctx, x.dims() == 2 && screen.dims() == 2 && weight.dims() == 2,
+                InvalidArgument("x, screen and weight must be matrices, got ",
+                                x.shape().DebugString(), ", ", screen.shape().DebugString(),
+                                " and ", weight.shape().DebugString()));
+    const Geometry g{x.dim_size(0), x.dim_size(1), screen.dim_size(0)};
+    const int64 want_rows = kn_ ? g.K : g.N, want_cols = kn_ ? g.N : g.K;
+    OP_REQUIRES(ctx, screen.dim_size(1) == g.K && weight.dim_size(0) == want_rows &&
+                         weight.dim_size(1) == want_cols,
+                InvalidArgument("x is [M, K] with K = ", g.K, ", screen ",
+                                screen.shape().DebugString(), ", weight ",
+                                weight.shape().DebugString(), ": expected screen [N, K] and ",
+                                "weight ", kn_ ? "[K, N]" : "[N, K]"));
+    const bool int8 = std::is_same<W, int8_t>::value;
+    OP_REQUIRES(ctx, row_bound.dims() == 1 && row_bound.dim_size(0) == g.N &&
+                         scale.dims() == 1 && scale.dim_size(0) == (int8 ? g.N : 0) &&
+                         bias.dims() == 1 && (bias.dim_size(0) == g.N || bias.dim_size(0) == 0),
+                InvalidArgument("with N = ", g.N, ": row_bound must be [N], scale [",
+                                int8 ? "N" : "0", "] and bias [N] or [0], got ",
+                                row_bound.shape().DebugString(), ", ",
+                                scale.shape().DebugString(), " and ",
+                                bias.shape().DebugString()));
+    Tensor* out = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({g.M, g.N}), &out));
+    if (g.M == 0 || g.N == 0) return;
+    const float* xp = x.flat<float>().data();
+    const W* sp = screen.flat<W>().data();
+    const float* scp = int8 ? scale.flat<float>().data() : nullptr;
+    const float* rb = row_bound.flat<float>().data();
+    const float* wp = weight.flat<float>().data();
+    const float* bp = bias.dim_size(0) ? bias.flat<float>().data() : nullptr;
+    float* y = out->flat<float>().data();
+    // ||x|| per row, in double: the bound's scale (the 1.0001 margin of row_bound covers the
+    // float32 rounding of the products below)
+    std::vector<double> norms(g.M);
+    for (int64 m = 0; m < g.M; ++m) {
+      double sum = 0;
+      for (int64 k = 0; k < g.K; ++k) sum += double(xp[m * g.K + k]) * xp[m * g.K + k];
+      norms[m] = std::sqrt(sum);
+    }
+    auto bound = [&](int64 m, int64 n) { return static_cast<float>(norms[m] * rb[n]); };
+    auto* pool = ctx->device()->tensorflow_cpu_worker_threads()->workers;
+    const int64 workers = std::max(1, pool->NumThreads());
+    const int64 tiles = (g.N + kTileRows - 1) / kTileRows;
+    const float kNone = -std::numeric_limits<float>::infinity();
+    // 1. the screen's logits and, per tile and row of x, the best lower bound (a NaN never
+    // counts: x with a NaN leaves every entry NaN, as the float32 head would)
+    std::vector<float> tile_floor(tiles * g.M, kNone);
+    const bool avx2 = avx2_;
+    RunChunks(pool, workers, tiles, [&](int64 tile, int64) {
+      const int64 n0 = tile * kTileRows, n1 = std::min(g.N, n0 + kTileRows);
+      if (g.K == 0) {
+        for (int64 m = 0; m < g.M; ++m) std::fill(y + m * g.N + n0, y + m * g.N + n1, 0.f);
+      } else {
+#ifdef TOKENSERVE_X86
+        if (avx2) {
+          TileAvx2<W>(g, xp, sp, scp, n0, n1, y);
+        } else {
+          TileScalar<W>(g, xp, sp, scp, n0, n1, y);
+        }
+#else
+        TileScalar<W>(g, xp, sp, scp, n0, n1, y);
+#endif
+      }
+      for (int64 m = 0; m < g.M; ++m) {
+        float* ym = y + m * g.N;
+        float best = kNone;
+        for (int64 n = n0; n < n1; ++n) {
+          if (bp != nullptr) ym[n] += bp[n];
+          const float low = ym[n] - bound(m, n);
+          if (low > best) best = low;
+        }
+        tile_floor[tile * g.M + m] = best;
+      }
+    });
+    std::vector<float> floor(g.M, kNone);
+    for (int64 t = 0; t < tiles; ++t) {
+      for (int64 m = 0; m < g.M; ++m) floor[m] = std::max(floor[m], tile_floor[t * g.M + m]);
+    }
+    // 2. every entry that could be the argmax: its float32 logit, from the float32 row
+    // (summed in double, then rounded once)
+    RunChunks(pool, workers, tiles, [&](int64 tile, int64) {
+      const int64 n0 = tile * kTileRows, n1 = std::min(g.N, n0 + kTileRows);
+      for (int64 m = 0; m < g.M; ++m) {
+        float* ym = y + m * g.N;
+        const float* xm = xp + m * g.K;
+        for (int64 n = n0; n < n1; ++n) {
+          if (!(ym[n] + bound(m, n) >= floor[m])) continue;
+          double sum = 0;
+          if (kn_) {
+            for (int64 k = 0; k < g.K; ++k) sum += double(wp[k * g.N + n]) * xm[k];
+          } else {
+            const float* wn = wp + n * g.K;
+            for (int64 k = 0; k < g.K; ++k) sum += double(wn[k]) * xm[k];
+          }
+          ym[n] = static_cast<float>(sum) + (bp != nullptr ? bp[n] : 0.f);
+        }
+      }
+    });
+  }
+
+ private:
+  bool avx2_ = false, kn_ = false;
 };
 
 class HalfMatmulInfoOp : public OpKernel {
@@ -214,7 +417,15 @@ class HalfMatmulInfoOp : public OpKernel {
   }
 };
 
-REGISTER_KERNEL_BUILDER(Name("TokenserveHalfMatmul").Device(DEVICE_CPU), HalfMatmulOp);
+REGISTER_KERNEL_BUILDER(Name("TokenserveHalfMatmul").Device(DEVICE_CPU), RowMatmulOp<Half>);
+REGISTER_KERNEL_BUILDER(Name("TokenserveInt8RowMatmul").Device(DEVICE_CPU),
+                        RowMatmulOp<int8_t>);
+REGISTER_KERNEL_BUILDER(
+    Name("TokenserveScreenedLogits").Device(DEVICE_CPU).TypeConstraint<Half>("T"),
+    ScreenedLogitsOp<Half>);
+REGISTER_KERNEL_BUILDER(
+    Name("TokenserveScreenedLogits").Device(DEVICE_CPU).TypeConstraint<int8_t>("T"),
+    ScreenedLogitsOp<int8_t>);
 REGISTER_KERNEL_BUILDER(Name("TokenserveHalfMatmulInfo").Device(DEVICE_CPU), HalfMatmulInfoOp);
 
 }  // namespace tokenserve
