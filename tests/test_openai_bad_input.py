@@ -173,6 +173,15 @@ HTTP_ROWS = [
     ("trailing-slash", C + "/", OK, None, 404, "Not Found"),
     ("unknown-route-without-key", "/v1/embeddings", OK, {}, 401, "Missing API key"),
     ("metrics-without-key", "/metrics", None, {}, 401, "Missing API key"),
+    # int() refuses a literal of over 4,300 digits with a ValueError json.loads passes on
+    ("integer-longer-than-python-reads", C,
+     b'{"model": "tiny", "prompt": "x", "max_tokens": ' + b"9" * 5000 + b"}", None, 400,
+     "an integer of 5000 digits is longer than the 4300 this server reads"),
+    ("guided-json-with-a-huge-integer", C,
+     body(guided_json='{"type": "integer", "maximum": ' + "9" * 5000 + "}"), None, 400,
+     "the JSON schema cannot be read: it has an integer longer than the 4300 digits"),
+    ("guided-json-nested-too-deeply", C, body(guided_json="[" * 5000 + "]" * 5000), None,
+     400, "the JSON schema cannot be read: it is nested too deeply"),
 ]
 
 

@@ -335,6 +335,12 @@ REST_ERRORS = [
      400, "Serving signature name: \"\U0001F600\" not found in signature def"),
     ("/v1/models/tf2:predict", r'{"signature_name": "\\ud800", "instances": [1.0]}', 400,
      "Serving signature name: \"\\ud800\" not found in signature def"),
+    # an integer literal longer than Python's int() reads (4,300 digits) was a 500; RapidJSON
+    # reads it as a double, out of range: its error, at the number (not at the string of
+    # digits before it)
+    ("/v1/models/tf2:predict", '{"signature_name": "' + "1" * 5000 + '", "instances": [' +
+     "9" * 5000 + "]}", 400,
+     "JSON Parse error: Number too big to be stored in double. at offset: 5037"),
     ("/v1/models/tf2:explain", {"instances": [1.0]}, 400,
      "Malformed request: POST /v1/models/tf2:explain"),
     ("/v2/models/tf2/infer", {"instances": [1.0]}, 400,

@@ -208,6 +208,25 @@ def test_tool_results_reach_the_prompt(server):
     assert "RESULT-21C" in detok and '"name": "get_weather"' in detok
 
 
+@pytest.mark.parametrize("arguments", ["not json", "[" * 3000 + "]" * 3000,
+                                       '{"n": ' + "9" * 5000 + "}"])
+def test_arguments_json_cannot_read_reach_the_prompt_as_text(server, arguments):
+    """The template gets parsed arguments where they are JSON, else their text: also for
+    nesting past the parser's recursion limit and integers over int()'s 4,300 digits, which
+    raised past the JSON error (a 500)."""
+    messages = ASK + [
+        {"role": "assistant", "content": None, "tool_calls": [{
+            "id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": arguments}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "RESULT-21C"}]
+    response = httpx.post(server.url + "/tokenize", headers=server.headers,
+                          json={"model": MODEL, "messages": messages})
+    assert response.status_code == 200, response.text
+    detok = httpx.post(server.url + "/detokenize", headers=server.headers,
+                       json={"model": MODEL, "tokens": response.json()["tokens"]}).json()
+    assert arguments[-40:] in detok["prompt"]
+
+
 @pytest.mark.parametrize("body,param", [
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
      "tool_choice"),

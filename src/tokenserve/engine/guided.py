@@ -31,6 +31,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import sys
 import threading
 from collections import OrderedDict
 
@@ -96,6 +97,11 @@ def grammar_text(structured: StructuredOutput) -> str:
             schema = json.loads(spec)
         except json.JSONDecodeError as error:
             raise InvalidRequestError(f"the JSON schema is not valid JSON: {error}") from None
+        except (ValueError, RecursionError) as error:  # int() refuses over 4,300 digits
+            why = ("it is nested too deeply" if isinstance(error, RecursionError) else
+                   f"it has an integer longer than the {sys.get_int_max_str_digits()} digits "
+                   f"this server reads")
+            raise InvalidRequestError(f"the JSON schema cannot be read: {why}") from None
         if not isinstance(schema, (dict, bool)):
             raise InvalidRequestError("the JSON schema must be an object (or true/false), "
                                       f"not {type(schema).__name__}")

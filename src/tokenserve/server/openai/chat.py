@@ -63,8 +63,8 @@ def _template_message(message: ChatMessage, text: str) -> dict:
         for call in message.tool_calls:
             try:
                 arguments = json.loads(call.function.arguments)
-            except json.JSONDecodeError:
-                arguments = call.function.arguments
+            except (ValueError, RecursionError):  # not JSON (or an int over 4,300 digits,
+                arguments = call.function.arguments  # or nested too deeply): the text
             calls.append({"id": call.id, "type": "function",
                           "function": {"name": call.function.name, "arguments": arguments}})
         plain["tool_calls"] = calls

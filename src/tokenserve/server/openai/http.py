@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TypeVar
 
@@ -98,6 +99,18 @@ def _refuse_constant(name: str) -> None:
                       code="invalid_json")
 
 
+def _parse_int(digits: str) -> int:
+    """JSON integers as Python's int(), which refuses a literal over
+    sys.get_int_max_str_digits() (4,300) digits with a ValueError that json.loads passes on
+    as it is: refused here as bad JSON, where it was a 500."""
+    limit = sys.get_int_max_str_digits()
+    if limit and len(digits.lstrip("-")) > limit:
+        raise bad_request(f"Request body is not valid JSON: an integer of "
+                          f"{len(digits.lstrip('-'))} digits is longer than the {limit} this "
+                          f"server reads.", code="invalid_json")
+    return int(digits)
+
+
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 """A `\\uD800`-`\\uDFFF` escape, perhaps: cheap to look for, so only such bodies are walked."""
 
@@ -180,7 +193,7 @@ async def read_json(request: Request, model: type[Model], max_bytes: int,
         raise bad_request(f"Request body is not valid UTF-8 (byte {error.start}).",
                           code="invalid_utf8") from None
     try:
-        value = json.loads(text, parse_constant=_refuse_constant)
+        value = json.loads(text, parse_constant=_refuse_constant, parse_int=_parse_int)
     except json.JSONDecodeError as error:
         raise bad_request(f"Request body is not valid JSON: {error.msg} at line "
                           f"{error.lineno} column {error.colno}.", code="invalid_json") from None

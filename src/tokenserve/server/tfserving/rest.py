@@ -16,6 +16,7 @@ import asyncio
 import json
 import logging
 import re
+import sys
 import time
 
 import tensorflow as tf
@@ -93,6 +94,21 @@ def _model_spec(name: str, version: str | None, label: str | None) -> model_pb2.
     return spec
 
 
+_TOKEN = re.compile(rb'"(?:[^"\\]|\\.)*"|-?[0-9]+')
+"""A JSON string, or the integer digits of a number: to find a number outside strings."""
+
+
+def _long_integer_at(body: bytes) -> int:
+    """The offset of the first integer literal (outside strings) longer than Python's int()
+    reads (sys.get_int_max_str_digits(), 4,300 digits), or 0."""
+    limit = sys.get_int_max_str_digits()
+    for match in _TOKEN.finditer(body):
+        token = match.group()
+        if not token.startswith(b'"') and len(token.lstrip(b"-")) > limit:
+            return match.start()
+    return 0
+
+
 def _parse_body(body: bytes) -> dict:
     if not body:
         raise InvalidRequestError("JSON Parse error: The document is empty")
@@ -105,6 +121,11 @@ def _parse_body(body: bytes) -> dict:
     except RecursionError:  # no tensor has that many dimensions (see codec.MAX_DIMS)
         raise InvalidRequestError("JSON Parse error: The document is nested too deeply") \
             from None
+    except ValueError:  # int() refused a literal of over 4,300 digits: a 500 before
+        # RapidJSON reads an integer past uint64 as a double, and one past a double's range
+        # (any literal this long) fails as this
+        raise InvalidRequestError(f"JSON Parse error: Number too big to be stored in double. "
+                                  f"at offset: {_long_integer_at(body)}") from None
     lone = _lone_surrogate_at(body)
     if lone is not None:
         raise InvalidRequestError(f"JSON Parse error: The surrogate pair in string is invalid. "
