@@ -18,9 +18,9 @@ argmax. Non-candidates keep their approximate values, so a step through this hea
 greedy rows only: the runner takes it when no row needs a distribution (sampling,
 penalties, logprobs, structured output).
 
-The int8 copy's r_i is about 40x the float16 one's, so it leaves more candidates: a median
-of a few a row on GPT-2-small's random head, against one; recomputing them reads a few KB,
-where the int8 copy saves 38 MB a token. Why not the int8 weights op (kernels/int8_matmul):
+The int8 copy's r_i is about 40x the float16 one's, so it leaves more candidates: on
+GPT-2-small (random weights) a median of one a row and at most about 20, against at most
+two; recomputing them reads a few KB, where the int8 copy saves 38 MB a token. Why not the int8 weights op (kernels/int8_matmul):
 it also quantizes x per block of 32 values, and a model whose final-norm output has a few
 large channels (SmolLM2) then gets an error bound of several logits, and thousands of
 candidates a row on random prompts (0.92x of the plain head at four sequences); these ops
