@@ -23,7 +23,7 @@ import tensorflow as tf
 
 from tokenserve.kernels import build as kbuild
 
-LIBRARY = kbuild.OpLibrary(Path(__file__).with_name("half_matmul.cc"), "float16 matmul op",
+LIBRARY = kbuild.OpLibrary(Path(__file__).with_name("half_matmul.cc"), "head screen op",
                            mode_env="TOKENSERVE_HALF_KERNEL")
 
 
