@@ -54,6 +54,20 @@ def test_unknown_preset(tmp_path):
                           "unknown model source 'gpt7-huge'", "gpt2-small")
 
 
+@pytest.mark.parametrize("command", [["export", "tiny-gpt2"], ["prune", "builtin"],
+                                     ["optimize", "builtin"], ["train"]])
+@pytest.mark.parametrize("where", ["file", "under-a-file"])
+def test_an_output_that_cannot_be_a_directory_is_one_line(tmp_path, command, where):
+    """Checked before any slow work: the first write used to end in a traceback
+    (NotADirectoryError) after the model had loaded."""
+    taken = tmp_path / "taken"
+    taken.write_text("x")
+    output = taken if where == "file" else taken / "base"
+    result = tokenserve(*command, "--output", str(output))
+    assert_one_line_error(result, f"tokenserve {command[0]}: error:", str(output))
+    assert taken.read_text() == "x"
+
+
 def test_missing_model_directory(tmp_path):
     assert_one_line_error(tokenserve("generate", "x", "--model", str(tmp_path / "nope")),
                           "does not exist")

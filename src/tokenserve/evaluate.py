@@ -230,8 +230,9 @@ def read_texts(paths) -> list[str]:
         except (OSError, UnicodeDecodeError) as error:
             raise ConfigError(f"cannot read data file {path} as UTF-8 text: {error}") from error
     if not any(t.strip() for t in texts):
-        raise InvalidRequestError(f"data file{'s' if len(texts) > 1 else ''} "
-                                  f"{', '.join(map(str, paths))} hold no text to score")
+        many = len(texts) > 1
+        raise InvalidRequestError(f"data file{'s' if many else ''} {', '.join(map(str, paths))} "
+                                  f"{'hold' if many else 'holds'} no text to score")
     return texts
 
 

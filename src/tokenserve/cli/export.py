@@ -68,6 +68,9 @@ def run(args: argparse.Namespace) -> int:
         from tokenserve.errors import ConfigError
 
         raise ConfigError("give one of SOURCE, --from-hf and --from-gguf")
+    from tokenserve.cli.output import prepare_output_dir
+
+    prepare_output_dir(args.output)  # before loading: a bad path fails in a second
     if args.from_gguf:
         from tokenserve.model.gguf import load_gguf
 

@@ -50,6 +50,9 @@ def run(args: argparse.Namespace) -> int:
     unknown = sorted(set(variants) - set(VARIANTS))
     if unknown:
         raise ConfigError(f"unknown variants {unknown}; known: {', '.join(VARIANTS)}")
+    from tokenserve.cli.output import prepare_output_dir
+
+    prepare_output_dir(args.output)
     optimizer = Optimizer(args.source, Path(args.output), eval_tokens=args.eval_tokens,
                           max_tokens=args.max_tokens, finetune_steps=args.finetune_steps,
                           calibration_windows=args.calibration_windows,

@@ -59,6 +59,9 @@ def run(args: argparse.Namespace) -> int:
     if args.finetune_steps < 0:
         raise ConfigError(f"--finetune-steps must not be negative, got {args.finetune_steps}")
     prune_config = PruneConfig(heads=args.heads, mlp=args.mlp)
+    from tokenserve.cli.output import prepare_output_dir
+
+    prepare_output_dir(args.output)  # before pruning: a bad path fails in a second
     model, tokenizer, config = load_float_source(args.source)
     train, holdout = training_streams(tokenizer, args.data)
     windows = calibration_windows(train, args.calibration_windows,

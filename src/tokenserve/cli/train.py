@@ -31,8 +31,11 @@ def add_parser(commands) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from tokenserve.cli.output import prepare_output_dir
     from tokenserve.config import TrainConfig
     from tokenserve.train.builtin import train_builtin
+
+    prepare_output_dir(args.output)
 
     config = TrainConfig(seed=args.seed, vocab_size=args.vocab_size, seq_len=args.seq_len,
                          batch_size=args.batch_size, num_steps=args.steps,
