@@ -339,6 +339,28 @@ def test_reload_to_a_missing_base_path_reports_and_keeps_serving(tmp_path, loade
     assert manager.model_names() == ["c"]
 
 
+def test_a_missing_or_empty_base_path_is_logged_once_per_reason(tmp_path, loader,
+                                                                caplog):
+    manager = ModelManager(loader)
+    base = tmp_path / "m"
+    with caplog.at_level("WARNING", logger="tokenserve.lifecycle"):
+        manager.apply_config([ModelSpecConfig("m", str(base))], wait=False)
+        manager.poll()
+        base.mkdir()
+        manager.poll()
+        manager.poll()
+        make_version(base, 1)
+        manager.poll()
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert warnings == [f"m: could not find base path {base} (waiting for it to appear)",
+                        f"m: no versions found under base path {base}. Did you forget to name "
+                        f"your leaf directory as a number (eg. '/1/')?"]
+    with manager._cond:
+        assert manager._cond.wait_for(lambda: states(manager, "m") == {
+            1: VersionState.AVAILABLE}, 5)
+    manager.close()
+
+
 def test_reload_to_an_empty_or_failing_base_path_keeps_the_old_versions(tmp_path, loader,
                                                                         manager):
     make_version(tmp_path / "old", 1)

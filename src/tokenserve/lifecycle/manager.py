@@ -70,6 +70,7 @@ class ModelManager(VersionRouting):
         self._awaited: set[str] = set()
         self._versions: dict[str, dict[int, LoadedVersion]] = {}
         self._discovered: dict[str, dict[int, Path]] = {}
+        self._reported_empty: dict[str, str] = {}  # model -> why it has no versions, logged
         self._extensions: list[tuple[str, Extension]] = []
         self._threads: list[threading.Thread] = []
 
@@ -264,6 +265,7 @@ class ModelManager(VersionRouting):
                 discovered = self._discovered.get(name, {})
             self._discovered[name] = discovered
             spec = self._specs.get(name)
+            self._report_empty(name, spec, discovered)
             versions = self._versions.setdefault(name, {})
             aspired = spec.policy.select(list(discovered)) if spec else set()
             for number in sorted(aspired):
@@ -282,6 +284,23 @@ class ModelManager(VersionRouting):
                         # no new acquire() from now
                         self._set_state(version, VersionState.UNLOADING)
                         self._start(self._unload, version)
+
+    def _report_empty(self, name: str, spec, discovered: dict) -> None:
+        """Logs (caller holds _cond) that a model's base path is missing or holds no version
+        directory: once per reason, until versions appear. TF Serving logs it on every poll;
+        a server started on a mistyped path used to say nothing while it waited."""
+        if spec is None or discovered:
+            self._reported_empty.pop(name, None)
+            return
+        base = spec.base_path
+        if not Path(base).is_dir():
+            why = f"{name}: could not find base path {base} (waiting for it to appear)"
+        else:
+            why = (f"{name}: no versions found under base path {base}. Did you forget to "
+                   f"name your leaf directory as a number (eg. '/1/')?")
+        if self._reported_empty.get(name) != why:
+            self._reported_empty[name] = why
+            log.warning("%s", why)
 
     @staticmethod
     def _should_reload(version: LoadedVersion, current_fingerprint: tuple | None) -> bool:
