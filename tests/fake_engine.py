@@ -67,7 +67,7 @@ class FakeEngine:
         return token
 
     async def generate(self, prompt_ids, params, request_id, priority=0, timeout_s=None,
-                       trace_context=None):
+                       trace_context=None, final_only=False):
         if not prompt_ids:
             raise InvalidRequestError("prompt must not be empty")
         if len(prompt_ids) + params.max_tokens > self.max_model_len:

@@ -388,8 +388,25 @@ def test_async_engine_streams_deltas_and_a_cancelled_stream_frees_its_capacity(e
                 await asyncio.sleep(0.01)
             return False
 
+        async def deltas_of(request_id, final_only):
+            """(deltas, how many arrived while the request still ran)."""
+            deltas, early = [], 0
+            async for out in engine.generate(ids, SamplingParams(max_tokens=10, ignore_eos=True),
+                                             request_id, final_only=final_only):
+                early += engine.num_unfinished > 0
+                deltas.append(out)
+            return deltas, early
+
         text, tokens = asyncio.run(stream_all())
         assert tokens and text == engine.tokenizer.decode(tokens)
+        # final_only: the same deltas (one per step, the last one finished), all handed over
+        # once the request is done, none while it runs
+        plain, plain_early = asyncio.run(deltas_of("plain", False))
+        held, held_early = asyncio.run(deltas_of("held", True))
+        assert plain_early > 0 and held_early == 0
+        assert [d.finished for d in held] == [False] * 9 + [True]
+        assert ([d.outputs[0].token_ids for d in held]
+                == [d.outputs[0].token_ids for d in plain])
         assert asyncio.run(cancel_early())
         assert engine.engine.scheduler.cache.usage == 0.0
         assert engine.is_ready()

@@ -139,7 +139,8 @@ class ChatRun:
         self.num_prompt_tokens = len(prompt_ids)
         timeout_s = request_timeout(request.timeout_s, config.request_timeout_s)
         self.outputs = MergedOutputs(engine, [prompt_ids], self.params, request_id,
-                                     request.priority, timeout_s, trace_context=trace)
+                                     request.priority, timeout_s, trace_context=trace,
+                                     final_only=not request.stream)
         self.num_generated = 0
 
     @property

@@ -47,7 +47,8 @@ class CompletionRun:
         self.prompt_texts = [self.tokenizer.decode(ids) if request.echo else "" for ids in prompts]
         timeout_s = request_timeout(request.timeout_s, config.request_timeout_s)
         self.outputs = MergedOutputs(engine, prompts, self.params, request_id, request.priority,
-                                     timeout_s, trace_context=trace)
+                                     timeout_s, trace_context=trace,
+                                     final_only=not request.stream)
         self._num_generated: dict[int, int] = {}
 
     def _usage(self) -> Usage:

@@ -115,7 +115,8 @@ class ResponseRun:
             else body.temperature, top_p=1.0 if body.top_p is None else body.top_p)
         timeout_s = request_timeout(None, config.request_timeout_s)
         self.outputs = MergedOutputs(engine, [self.prompt_ids], self.params, self.response_id,
-                                     timeout_s=timeout_s, trace_context=trace)
+                                     timeout_s=timeout_s, trace_context=trace,
+                                     final_only=not body.stream)
         self.created_at = time.time()
         self.text, self.output_ids, self.finish_reason = "", [], None
 

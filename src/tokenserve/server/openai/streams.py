@@ -34,7 +34,7 @@ class MergedOutputs:
 
     def __init__(self, engine: EngineClient, prompts: list[list[int]], params: SamplingParams,
                  request_id: str, priority: int = 0, timeout_s: float | None = None,
-                 trace_context: dict[str, str] | None = None):
+                 trace_context: dict[str, str] | None = None, final_only: bool = False):
         self.engine, self.prompts, self.params = engine, prompts, params
         self.request_ids = ([request_id] if len(prompts) == 1 else
                             [f"{request_id}-{i}" for i in range(len(prompts))])
@@ -42,6 +42,10 @@ class MergedOutputs:
         # W3C trace headers; passed only when present, as an engine extension beyond the
         # EngineClient protocol (AsyncEngine.generate accepts `trace_context`).
         self._extra = {"trace_context": trace_context} if trace_context else {}
+        # the caller answers only at the end (an unstreamed request): the engine may hand over
+        # every output at once (AsyncEngine.generate's final_only)
+        if final_only:
+            self._extra["final_only"] = True
         self.started_at = time.monotonic()
         self._queue: asyncio.Queue = asyncio.Queue()
         self._tasks: list[asyncio.Task] = []
