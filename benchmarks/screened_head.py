@@ -2,6 +2,9 @@
 """The LM head's screens in the engine: greedy decode with an int8 screen, a float16 one, and
 none.
 
+`--precision bfloat16` runs the same float32 exports as bfloat16 engines, which screen
+their head in int8 only (a float16 copy would be as large as the bfloat16 head).
+
 For each exported float32 model, three in-process engines (`tokenserve.LLM`) on the same
 export, two screening greedy steps of up to 8 rows (`max_screened_head_rows=8`, the
 default) with an int8 copy of the head (`head_screen="int8"`, the default) and a float16
@@ -15,7 +18,7 @@ head reports them; a few means the screen ruled out all but a few).
 Output: a table and benchmarks/results/screened-head[-NAME].json with the machine's flags.
 
     python benchmarks/screened_head.py /tmp/headline/gpt2-float32 [MORE_EXPORTS...] \
-        [--seqs 1 2 4 8] [--rounds 3] [--tokens 64] [--name NAME]
+        [--seqs 1 2 4 8] [--rounds 3] [--tokens 64] [--precision float32] [--name NAME]
 """
 
 from __future__ import annotations
@@ -69,20 +72,31 @@ def restore_candidates() -> None:
     screened_head.ScreenedHead.__call__ = _ORIGINAL.pop()
 
 
-def bench_model(path: str, seqs: list[int], rounds: int, tokens: int) -> dict:
+def screens_for(precision: str) -> tuple[str, ...]:
+    return SCREENS if precision == "float32" else ("int8",)
+
+
+def ratios_for(precision: str) -> list[tuple[str, str]]:
+    return [(a, b) for a, b in RATIOS if {a, b} <= {"plain", *screens_for(precision)}]
+
+
+def bench_model(path: str, seqs: list[int], rounds: int, tokens: int,
+                precision: str = "float32") -> dict:
     import numpy as np
 
     from tokenserve import LLM, SamplingParams
 
-    def engine(**knobs):
-        return LLM(path, precision="float32", max_num_seqs=max(seqs), **knobs)
+    screens = screens_for(precision)
 
-    engines = {screen: engine(head_screen=screen) for screen in SCREENS}
+    def engine(**knobs):
+        return LLM(path, precision=precision, max_num_seqs=max(seqs), **knobs)
+
+    engines = {screen: engine(head_screen=screen) for screen in screens}
     engines["plain"] = engine(max_screened_head_rows=0)
     # counted in engines of their own: the count is a Python callback in the graph, which
     # costs a step more than the screen saves on a small model
     record_candidates()
-    counting = {screen: engine(head_screen=screen) for screen in SCREENS}
+    counting = {screen: engine(head_screen=screen) for screen in screens}
     for llm in counting.values():
         llm.engine.runner.warm_up_heads()  # traced now, with the count in the graph
     restore_candidates()
@@ -112,18 +126,19 @@ def bench_model(path: str, seqs: list[int], rounds: int, tokens: int) -> dict:
                 outputs = engines[name].generate(prompts, params, use_tqdm=False)
                 rates[name].append(num_seqs * tokens / (time.perf_counter() - started))
                 answers[name] = [o.outputs[0].token_ids for o in outputs]
-            same = same and all(answers[screen] == answers["plain"] for screen in SCREENS)
+            same = same and all(answers[screen] == answers["plain"] for screen in screens)
         row = {"seqs": num_seqs, "same_tokens": same, "candidates": candidates,
                **{f"{name}_tok_s": statistics.median(r) for name, r in rates.items()},
                **{f"{name}_runs": r for name, r in rates.items()}}
-        for a, b in RATIOS:  # round by round: the same minutes of a drifting machine
+        for a, b in ratios_for(precision):  # round by round: the same minutes of a drifting machine
             row[f"{a}/{b}"] = statistics.median(x / y for x, y in zip(rates[a], rates[b]))
         rows.append(row)
         print(f"{Path(path).name} {num_seqs} seqs: "
               + ", ".join(f"{name} {row[name + '_tok_s']:.1f}" for name in engines)
-              + " tok/s; " + ", ".join(f"{a}/{b} {row[f'{a}/{b}']:.2f}x" for a, b in RATIOS),
+              + " tok/s; " + ", ".join(f"{a}/{b} {row[f'{a}/{b}']:.2f}x"
+                                       for a, b in ratios_for(precision)),
               flush=True)
-    return {"model": path, "rows": rows}
+    return {"model": path, "precision": precision, "rows": rows}
 
 
 def main() -> None:
@@ -132,19 +147,24 @@ def main() -> None:
     parser.add_argument("--seqs", type=int, nargs="+", default=[1, 2, 4, 8])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--precision", choices=["float32", "bfloat16"], default="float32",
+                        help="the engines' compute dtype (bfloat16: the int8 screen only)")
     parser.add_argument("--name", default="", help="suffix of the results file")
     args = parser.parse_args()
+    screens, ratios = screens_for(args.precision), ratios_for(args.precision)
 
     from rich.console import Console
     from rich.table import Table
 
-    results = [bench_model(m, args.seqs, args.rounds, args.tokens) for m in args.models]
+    results = [bench_model(m, args.seqs, args.rounds, args.tokens, args.precision)
+               for m in args.models]
     machine = machine_info()
-    table = Table(title="greedy decode, LM head screened in int8, float16 or not (in-process)",
+    table = Table(title=f"greedy decode, {args.precision}, LM head screened in "
+                        f"{' or '.join(screens)} or not (in-process)",
                   caption=machine_summary(machine))
-    for column in ("model", "seqs", "plain tok/s", "int8 tok/s", "float16 tok/s",
-                   *(f"{a}/{b}" for a, b in RATIOS), "same tokens",
-                   *(f"{screen} candidates / row (median, p90, max)" for screen in SCREENS)):
+    for column in ("model", "seqs", "plain tok/s", *(f"{s} tok/s" for s in screens),
+                   *(f"{a}/{b}" for a, b in ratios), "same tokens",
+                   *(f"{screen} candidates / row (median, p90, max)" for screen in screens)):
         table.add_column(column, justify="right")
 
     def counts(c):
@@ -153,14 +173,15 @@ def main() -> None:
     for result in results:
         for r in result["rows"]:
             table.add_row(Path(result["model"]).name, str(r["seqs"]),
-                          *(f"{r[name + '_tok_s']:.1f}" for name in ("plain", *SCREENS)),
-                          *(f"{r[f'{a}/{b}']:.2f}x" for a, b in RATIOS),
+                          *(f"{r[name + '_tok_s']:.1f}" for name in ("plain", *screens)),
+                          *(f"{r[f'{a}/{b}']:.2f}x" for a, b in ratios),
                           "yes" if r["same_tokens"] else "NO",
-                          *(counts(r["candidates"][screen]) for screen in SCREENS))
+                          *(counts(r["candidates"][screen]) for screen in screens))
     Console().print(table)
     RESULTS.mkdir(exist_ok=True)
     path = RESULTS / f"screened-head{'-' + args.name if args.name else ''}.json"
-    path.write_text(json.dumps({"machine": machine, "rounds": args.rounds,
+    path.write_text(json.dumps({"machine": machine, "precision": args.precision,
+                                "rounds": args.rounds,
                                 "tokens": args.tokens, "results": results}, indent=1))
     print(f"wrote {path}")
 

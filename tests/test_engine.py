@@ -670,6 +670,39 @@ def test_bfloat16_fused_steps_compute_float32_with_the_bfloat16_weights(bf16_exa
     assert blocks and all(op.get_attr("T") == tf.bfloat16 for op in blocks)
 
 
+def test_bfloat16_greedy_steps_screen_the_head_and_keep_their_tokens(bf16_exact):
+    """A bfloat16 engine's greedy steps through the fused ops read the head's int8 screen
+    (engine/screened_head.py), which recomputes the candidates from the widened bfloat16
+    rows: on weights bfloat16 holds exactly, the float32 engine's greedy tokens. Steps
+    through the bfloat16 graph (a long prefill) keep that graph's own head, as do steps
+    with a row that needs its distribution."""
+    def run(precision, max_screened_head_rows, prompts=PROMPTS, **params):
+        llm = LLM(bf16_exact, engine_config(
+            precision=precision, kv_cache_dtype="bfloat16", max_fused_dense_tokens=None,
+            max_screened_head_rows=max_screened_head_rows))
+        outs = llm.generate(prompts, SamplingParams(max_tokens=10, ignore_eos=True, **params),
+                            use_tqdm=False)
+        return llm.engine.runner, [o.outputs[0].token_ids for o in outs]
+
+    runner, got = run("bfloat16", 8)
+    _, want = run("float32", 0)
+    _, plain = run("bfloat16", 0)
+    assert runner.step.screened_head is not None
+    assert runner.step.screened_head.weight.dtype.name == "bfloat16"
+    vocab, width = runner.vocab_size, runner.config.model.hidden_size
+    assert runner.memory_bytes()["head_screen"] == vocab * width + vocab * 8
+    assert runner.num_screened_steps > 0
+    assert got == want == plain
+    # a prompt longer than the fused ops take: its prefill runs the graph and its head
+    long_prompt = [PROMPTS[5] * 2]
+    runner, got = run("bfloat16", 8, long_prompt)
+    assert {key[2] for key in runner.step._steps} == {True, False}
+    assert got == run("float32", 0, long_prompt)[1]
+    # a float16 copy would be the bfloat16 head's size: no screen
+    llm = LLM(bf16_exact, engine_config(precision="bfloat16", head_screen="float16"))
+    assert llm.engine.runner.step.screened_head is None
+
+
 def test_bfloat16_engine_fuses_small_steps_only(tiny_gpt2_dir):
     """On auto, a bfloat16 engine runs steps of up to 8 tokens through the fused ops and
     larger ones through its bfloat16 graph (oneDNN's matmuls), with that graph's own head:

@@ -109,6 +109,40 @@ def test_the_one_op_head_is_the_tf_ops_head(layout, dtype, isa):
     assert np.all(np.abs(got[out] - approx[out]) <= rounding[out])
 
 
+@pytest.mark.parametrize("isa", ["auto", "scalar"])
+@pytest.mark.parametrize("layout", ["nk", "kn"])
+def test_a_bfloat16_head_is_screened_against_its_widened_rows(layout, isa):
+    """A bfloat16 model's head: the screen's bounds hold against the bfloat16 rows widened
+    (what the fused head computes with, in float32), and the op returns their exact logits
+    for the candidates; an op that read the 16-bit words as anything else would not."""
+    from tokenserve.kernels.half_matmul import screened_logits
+
+    rounded = tf.cast(tf.constant(_weights(vocab=2000, width=72, seed=8)), tf.bfloat16)
+    widened = tf.cast(rounded, tf.float32).numpy().astype(np.float64)
+    rng = np.random.default_rng(9)
+    bias = (tf.cast(tf.constant(rng.standard_normal(2000).astype(np.float32)), tf.bfloat16)
+            if layout == "kn" else None)
+    head = ScreenedHead(rounded if layout == "nk" else tf.transpose(rounded), layout, bias)
+    assert head.weight.dtype == tf.bfloat16 and head.screen.dtype == tf.int8
+    x = rng.standard_normal((5, 72)).astype(np.float32)
+    x[1] *= 40.0
+    x[2] = widened[11].astype(np.float32)  # the large row is the argmax
+    exact = x.astype(np.float64) @ widened.T
+    exact += 0.0 if bias is None else tf.cast(bias, tf.float32).numpy()
+    approx, bound = (t.numpy() for t in head.bounds(tf.constant(x)))
+    assert np.all(np.abs(approx - exact) <= bound)
+    none = tf.zeros([0])
+    got = screened_logits(tf.constant(x), head.screen, head.scale, head.row_bound, head.weight,
+                          none if head.bias is None else head.bias, layout=layout,
+                          isa=isa).numpy()
+    assert list(got.argmax(-1)) == list(exact.argmax(-1))
+    assert got[2].argmax() == 11
+    best = exact.argmax(-1)
+    np.testing.assert_allclose(got[np.arange(5), best], exact[np.arange(5), best], rtol=1e-6)
+    want = head.reference(tf.constant(x)).numpy()
+    assert list(want.argmax(-1)) == list(got.argmax(-1))
+
+
 def test_the_one_op_head_refuses_shapes_that_do_not_fit():
     from tokenserve.kernels.half_matmul import is_compiled, screened_logits
 
@@ -282,9 +316,11 @@ def test_only_plain_greedy_requests_need_only_the_argmax():
         assert not SamplingParams(**needs_more).needs_only_argmax, needs_more
 
 
-def test_the_warmup_traces_every_head_a_request_can_need(exported):
+@pytest.mark.parametrize("precision", ["float32", "bfloat16"])
+def test_the_warmup_traces_every_head_a_request_can_need(exported, precision):
     """The warmup's requests are greedy: the heads sampled rows need are traced too, so a
-    first sampled request pays no trace (the step graphs' part: test_engine.py)."""
+    first sampled request pays no trace (the step graphs' part: test_engine.py). A
+    bfloat16 model's graph steps have their own head, in bfloat16: traced too."""
     import asyncio
 
     from tokenserve.engine.async_engine import AsyncEngine
@@ -292,11 +328,14 @@ def test_the_warmup_traces_every_head_a_request_can_need(exported):
     model, _, version_dir = exported
     if type(model).__name__ != "TransformerLM":
         pytest.skip("the LSTM's step has no separate LM head")
-    engine = AsyncEngine.from_model_dir(version_dir, engine_config(max_screened_head_rows=8))
+    engine = AsyncEngine.from_model_dir(version_dir, engine_config(
+        max_screened_head_rows=8, precision=precision))
     try:
         step = engine.engine.runner.step
         traced = set(step._heads)
         assert "screened" in traced and len(traced) >= 2, traced
+        if precision == "bfloat16" and not step.fused_every_step:
+            assert traced == {"screened", "fused", "xla"}
 
         async def requests():
             for params in (SamplingParams(max_tokens=3, temperature=0.7, seed=1),

@@ -134,18 +134,27 @@ class ModelRunner:
             self.step = LSTMStep(model, engine_config.max_num_seqs + 1)
 
     def _screen_weights(self, engine_config: EngineConfig):
-        """(weight, layout, bias) of a float32 LM head that greedy steps screen, or None
-        (other weights, max_screened_head_rows 0, or no compiled screen matmul op). Read
-        before the KV pool is sized, so a memory fraction counts the screen's copy."""
+        """(weight, layout, bias) of a float32 or bfloat16 LM head that greedy steps screen,
+        or None (int8 weights, max_screened_head_rows 0, or no compiled screen matmul op).
+        Read before the KV pool is sized, so a memory fraction counts the screen's copy."""
         model = self.model
-        if (not engine_config.max_screened_head_rows or model.compute_dtype != "float32"
+        if (not engine_config.max_screened_head_rows
+                or model.compute_dtype not in ("float32", "bfloat16")
                 or self.config.model.weight_format != "float"):
             return None
+        from tokenserve.kernels import dense as kdense
         from tokenserve.kernels import half_matmul
 
         if not half_matmul.is_compiled():  # its fallback writes a float32 copy: no gain
             log.info("LM head: no screen (%s)", half_matmul.kernel_status())
             return None
+        if model.compute_dtype == "bfloat16":
+            # greedy steps through the fused ops screen the head those ops would run: the
+            # bfloat16 weights widened, float32 arithmetic (without the ops, none does)
+            if engine_config.head_screen != "int8" or not kdense.is_compiled():
+                log.info("LM head: no screen (%s)", "a float16 copy is as large as the "
+                         "bfloat16 head" if kdense.is_compiled() else kdense.kernel_status())
+                return None
         if model.head is None:  # tied: the token embedding [vocab, D]
             return model.token_embedding, "nk", None
         weights = model.head.weights_dict()
@@ -253,9 +262,12 @@ class ModelRunner:
         num_rows = self._bucket(num_wanted, only_decode=False,
                                 xla=xla and not self.step.fused_head)
         last = np.concatenate([last, np.zeros([num_rows - num_wanted], np.int32)])
-        # greedy rows need only each row's argmax: the head's screen gives it exactly
+        # greedy rows need only each row's argmax: the head's screen gives it exactly (a
+        # bfloat16 model's after fused steps, whose head computes in float32 as the screen
+        # does: its graph steps' head computes in bfloat16)
         screened = (self.step.screened_head is not None
                     and num_wanted <= knobs.max_screened_head_rows
+                    and (fused or self.model.compute_dtype == "float32")
                     and all(s.seq.request.params.needs_only_argmax for s in out.scheduled))
         self.num_screened_steps += screened
         step = self.step.step_function(len(decode_groups), bool(prefill), fused)
@@ -273,10 +285,15 @@ class ModelRunner:
             return  # every step runs its own head
         import tensorflow as tf
 
-        hidden = tf.ones([1, self.config.model.hidden_size])  # a screen means float32
-        for fused in {False, self.step.kernel_dense}:
-            for screened in (False, True):
-                self.step.head_function(fused, screened)(hidden).numpy()
+        step, dtype = self.step, self.model.compute_dtype
+        for fused in ({True} if step.fused_every_step else {False, step.kernel_dense}):
+            # the rows as such a step leaves them (a bfloat16 graph step's in bfloat16, and
+            # never screened)
+            float32 = fused or dtype == "float32"
+            hidden = tf.ones([1, self.config.model.hidden_size],
+                             tf.float32 if float32 else dtype)
+            for screened in (False, True) if float32 else (False,):
+                step.head_function(fused, screened)(hidden).numpy()
 
     def xla_programs(self) -> list[tuple[int, int]]:
         """The (tokens, LM-head rows) shapes whose XLA programs the steps can run: every token

@@ -1,5 +1,5 @@
-"""A float32 LM head that reads an int8 (or float16) copy of its weights for greedy steps,
-with exact tokens (design notes: docs/engine.md, "The screened LM head").
+"""A float32 or bfloat16 LM head that reads an int8 (or float16) copy of its weights for
+greedy steps, with exact tokens (design notes: docs/engine.md, "The screened LM head").
 
 One float32 decode stream is bound by memory reads, and a tied GPT-2-small head is 154 MB
 of the 494 MB a step reads. A greedy step needs only the argmax of each row, so the head
@@ -20,12 +20,15 @@ penalties, logprobs, structured output).
 
 The int8 copy's r_i is about 40x the float16 one's, so it leaves more candidates: on
 GPT-2-small (random weights) a median of one a row and at most about 20, against at most
-two; recomputing them reads a few KB, where the int8 copy saves 38 MB a token. Why not the int8 weights op (kernels/int8_matmul):
-it also quantizes x per block of 32 values, and a model whose final-norm output has a few
+two; recomputing them reads a few KB, where the int8 copy saves 38 MB a token. Why not
+the int8 weights op (kernels/int8_matmul): it also quantizes x per block of 32 values, and a model whose final-norm output has a few
 large channels (SmolLM2) then gets an error bound of several logits, and thousands of
 candidates a row on random prompts (0.92x of the plain head at four sequences); these ops
 leave x exact. A row with a weight that is not finite is a candidate on every step (its
 bound is infinite), so its float32 logit is what the step returns.
+A bfloat16 model's head is screened the same way: its fused dense op (kernels/dense.cc)
+widens the bfloat16 weights exactly and computes in float32, so w_i above is the widened
+row, and the candidates are recomputed from it.
 """
 
 from __future__ import annotations
@@ -61,11 +64,12 @@ def _quantized(rows: np.ndarray, dtype: str):
 
 
 class ScreenedHead:
-    """Greedy-exact logits [S, vocab] from an int8 or float16 screen of a float32 head.
+    """Greedy-exact logits [S, vocab] from an int8 or float16 screen of a float32 (or
+    bfloat16) head.
 
-    weight: the float32 head as the step reads it, [vocab, D] (a tied token embedding,
-    layout "nk") or [D, vocab] (a Dense kernel, "kn"); bias: [vocab] or None; dtype: the
-    screen's copy, "int8" (one scale per row) or "float16"."""
+    weight: the head as the step reads it, float32 or bfloat16, [vocab, D] (a tied token
+    embedding, layout "nk") or [D, vocab] (a Dense kernel, "kn"); bias: [vocab] or None;
+    dtype: the screen's copy, "int8" (one scale per row) or "float16"."""
 
     def __init__(self, weight, layout: str, bias=None, dtype: str = "int8"):
         if layout not in ("nk", "kn"):
@@ -74,7 +78,11 @@ class ScreenedHead:
             raise ValueError(f"dtype must be one of {SCREEN_DTYPES}, got {dtype!r}")
         # an eager read aliases a variable's buffer (no copy): the step captures a tensor
         self.weight = tf.convert_to_tensor(weight)
-        self.layout, self.bias, self.dtype = layout, bias, dtype
+        if self.weight.dtype not in (tf.float32, tf.bfloat16):
+            raise ValueError(f"the head must be float32 or bfloat16, got {self.weight.dtype}")
+        # a bfloat16 model's bias in float32, as the fused head adds it
+        self.bias = None if bias is None else tf.cast(bias, tf.float32)
+        self.layout, self.dtype = layout, dtype
         rows = self.weight.numpy()
         rows = rows if layout == "nk" else rows.T                     # [vocab, D]
         vocab, width = rows.shape
@@ -83,11 +91,12 @@ class ScreenedHead:
         bound = np.empty(vocab, np.float64)
         for start in range(0, vocab, _NORM_CHUNK_ROWS):  # float64 copies of a chunk at a time
             part = slice(start, start + _NORM_CHUNK_ROWS)
-            copy[part], part_scale, widened = _quantized(rows[part], dtype)
+            chunk = rows[part].astype(np.float32)  # bfloat16 widens exactly
+            copy[part], part_scale, widened = _quantized(chunk, dtype)
             if part_scale is not None:
                 scale[part] = part_scale
             with np.errstate(invalid="ignore"):  # rows that are not finite: inf below
-                residual = np.linalg.norm(rows[part].astype(np.float64) - widened, axis=1)
+                residual = np.linalg.norm(chunk.astype(np.float64) - widened, axis=1)
             rounding = _ROUNDING_PER_TERM * width * np.linalg.norm(widened, axis=1)
             bound[part] = np.where(np.isfinite(residual), residual + rounding, np.inf)
         self.screen = tf.constant(copy)
@@ -135,6 +144,7 @@ class ScreenedHead:
             weights = tf.gather(self.weight, entries)                       # [C, D]
         else:
             weights = tf.transpose(tf.gather(self.weight, entries, axis=1))
+        weights = tf.cast(weights, tf.float32)
         exact = tf.reduce_sum(weights * tf.gather(x, rows), axis=-1)        # [C]
         if self.bias is not None:
             exact = exact + tf.gather(self.bias, entries)

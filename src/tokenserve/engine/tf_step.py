@@ -182,8 +182,9 @@ class TransformerStep(tf.Module):
         # (one per sequence) than the fused ops take as fast as XLA. Then no head program
         # is compiled, per token bucket or per row bucket.
         self.fused_head = False
-        # The LM head through an int8 or float16 screen (engine/screened_head.py) for steps whose rows
-        # are all greedy: set by the runner before any step is traced, float32 weights only.
+        # The LM head through an int8 or float16 screen (engine/screened_head.py) for steps
+        # whose rows are all greedy: set by the runner before any step is traced, float32 or
+        # (after fused steps) bfloat16 weights.
         self.screened_head = None
         self._write_rows = None  # write_rows' traced scatter, made on first use
         self._dense_programs = None  # dense_programs' graph, made on first use
@@ -294,8 +295,8 @@ class TransformerStep(tf.Module):
 
     def _head_screened(self, x):
         m = self.model
-        if self.kernel_dense:
-            x = self._norm_k(x, m.final_norm.weights_dict())
+        if self.kernel_dense:  # float32 x (a bfloat16 model's only after fused steps)
+            x = self._norm_k(x, self._fused_final_norm)
         else:
             c = m.config
             x = norm(x, m.final_norm.weights_dict(), c.norm, c.norm_eps)
@@ -449,7 +450,10 @@ class TransformerStep(tf.Module):
             head = self._head_fn(fused_dense)
             kind = "fused" if head == self._head_k else "xla"
         if kind not in self._heads:
-            spec = tf.TensorSpec([None, self.model.config.hidden_size], self.model.compute_dtype)
+            # the rows as the step leaves them: float32 after the fused ops, whatever the
+            # weights; a bfloat16 graph step's (the "xla" kind there) in bfloat16
+            dtype = self.model.compute_dtype if kind == "xla" else tf.float32
+            spec = tf.TensorSpec([None, self.model.config.hidden_size], dtype)
             traced = tf.function(head, input_signature=[spec], autograph=False)
             self._heads[kind] = FlatCall(traced.get_concrete_function(), int32_inputs=False)
         return self._heads[kind]

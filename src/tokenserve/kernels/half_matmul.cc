@@ -5,6 +5,9 @@
 //   TokenserveHalfMatmul      y[M, N] = x[M, K] @ w[N, K].T, w float16
 //   TokenserveInt8RowMatmul   y[M, N] = (x[M, K] @ q[N, K].T) * scale[N], q int8, one
 //                             float32 scale per row (per output)
+//   TokenserveScreenedLogits  the whole screened head: one of those products, the bounds,
+//                             and the exact logits of the candidates from the head as the
+//                             model holds it (float32, or bfloat16 widened exactly)
 //
 // A greedy decode step of a few sequences reads one of these copies of the head (half or a
 // quarter of the float32 head's bytes) and needs its products only to rule tokens out, so
@@ -60,6 +63,7 @@ using tensorflow::shape_inference::InferenceContext;
 using tensorflow::shape_inference::ShapeHandle;
 using int64 = int64_t;
 using Half = Eigen::half;
+using BFloat16 = Eigen::bfloat16;
 
 constexpr int64 kTileRows = 256;     // weight rows per work item
 
@@ -69,6 +73,9 @@ struct Geometry {
 
 inline float ToFloat(Half w) { return static_cast<float>(w); }
 inline float ToFloat(int8_t w) { return static_cast<float>(w); }
+inline float ToFloat(float w) { return w; }
+// bfloat16's bits are a float32's upper half: widening is exact
+inline float ToFloat(BFloat16 w) { return static_cast<float>(w); }
 
 // scale: one per weight row, or nullptr (1)
 template <typename W>
@@ -202,10 +209,11 @@ REGISTER_OP("TokenserveScreenedLogits")
     .Input("screen: T")         // [N, K]: the head's float16 or int8 copy
     .Input("scale: float")      // [N] for int8 (one per row), [0] for float16
     .Input("row_bound: float")  // [N]: r_i, the bound on |(w_i - h_i) . x| / ||x||
-    .Input("weight: float")     // the float32 head: [N, K] ("nk") or [K, N] ("kn")
+    .Input("weight: Tw")        // the head: [N, K] ("nk") or [K, N] ("kn")
     .Input("bias: float")       // [N], or [0] for none
     .Output("logits: float")    // [M, N]
     .Attr("T: {half, int8}")
+    .Attr("Tw: {float, bfloat16} = DT_FLOAT")  // a bfloat16 model's head, widened exactly
     .Attr("layout: {'nk', 'kn'} = 'nk'")
     .Attr("isa: {'auto', 'scalar'} = 'auto'")
     .SetShapeFn([](InferenceContext* c) {
@@ -283,7 +291,9 @@ class RowMatmulOp : public OpKernel {
   bool avx2_ = false;
 };
 
-template <typename W>
+// W: the screen's type (Half or int8_t); V: the head's (float, or BFloat16 for a bfloat16
+// model, whose logits the fused dense op computes in float32 from the widened weights)
+template <typename W, typename V>
 class ScreenedLogitsOp : public OpKernel {
  public:
   explicit ScreenedLogitsOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
@@ -330,7 +340,7 @@ class ScreenedLogitsOp : public OpKernel {
     const W* sp = screen.flat<W>().data();
     const float* scp = int8 ? scale.flat<float>().data() : nullptr;
     const float* rb = row_bound.flat<float>().data();
-    const float* wp = weight.flat<float>().data();
+    const V* wp = weight.flat<V>().data();
     const float* bp = bias.dim_size(0) ? bias.flat<float>().data() : nullptr;
     float* y = out->flat<float>().data();
     // ||x|| per row, in double: the bound's scale (the 1.0001 margin of row_bound covers the
@@ -380,8 +390,8 @@ class ScreenedLogitsOp : public OpKernel {
     for (int64 t = 0; t < tiles; ++t) {
       for (int64 m = 0; m < g.M; ++m) floor[m] = std::max(floor[m], tile_floor[t * g.M + m]);
     }
-    // 2. every entry that could be the argmax: its float32 logit, from the float32 row
-    // (summed in double, then rounded once)
+    // 2. every entry that could be the argmax: its float32 logit, from the head's row
+    // (widened to float32 if bfloat16, summed in double, then rounded once)
     RunChunks(pool, workers, tiles, [&](int64 tile, int64) {
       const int64 n0 = tile * kTileRows, n1 = std::min(g.N, n0 + kTileRows);
       for (int64 m = 0; m < g.M; ++m) {
@@ -391,10 +401,10 @@ class ScreenedLogitsOp : public OpKernel {
           if (!(ym[n] + bound(m, n) >= floor[m])) continue;
           double sum = 0;
           if (kn_) {
-            for (int64 k = 0; k < g.K; ++k) sum += double(wp[k * g.N + n]) * xm[k];
+            for (int64 k = 0; k < g.K; ++k) sum += double(ToFloat(wp[k * g.N + n])) * xm[k];
           } else {
-            const float* wn = wp + n * g.K;
-            for (int64 k = 0; k < g.K; ++k) sum += double(wn[k]) * xm[k];
+            const V* wn = wp + n * g.K;
+            for (int64 k = 0; k < g.K; ++k) sum += double(ToFloat(wn[k])) * xm[k];
           }
           ym[n] = static_cast<float>(sum) + (bp != nullptr ? bp[n] : 0.f);
         }
@@ -420,12 +430,17 @@ class HalfMatmulInfoOp : public OpKernel {
 REGISTER_KERNEL_BUILDER(Name("TokenserveHalfMatmul").Device(DEVICE_CPU), RowMatmulOp<Half>);
 REGISTER_KERNEL_BUILDER(Name("TokenserveInt8RowMatmul").Device(DEVICE_CPU),
                         RowMatmulOp<int8_t>);
-REGISTER_KERNEL_BUILDER(
-    Name("TokenserveScreenedLogits").Device(DEVICE_CPU).TypeConstraint<Half>("T"),
-    ScreenedLogitsOp<Half>);
-REGISTER_KERNEL_BUILDER(
-    Name("TokenserveScreenedLogits").Device(DEVICE_CPU).TypeConstraint<int8_t>("T"),
-    ScreenedLogitsOp<int8_t>);
+#define TOKENSERVE_SCREENED_LOGITS(W, V)                                          \
+  REGISTER_KERNEL_BUILDER(Name("TokenserveScreenedLogits")                        \
+                              .Device(DEVICE_CPU)                                 \
+                              .TypeConstraint<W>("T")                             \
+                              .TypeConstraint<V>("Tw"),                           \
+                          ScreenedLogitsOp<W, V>);
+TOKENSERVE_SCREENED_LOGITS(Half, float)
+TOKENSERVE_SCREENED_LOGITS(int8_t, float)
+TOKENSERVE_SCREENED_LOGITS(Half, BFloat16)
+TOKENSERVE_SCREENED_LOGITS(int8_t, BFloat16)
+#undef TOKENSERVE_SCREENED_LOGITS
 REGISTER_KERNEL_BUILDER(Name("TokenserveHalfMatmulInfo").Device(DEVICE_CPU), HalfMatmulInfoOp);
 
 }  // namespace tokenserve
