@@ -648,9 +648,13 @@ const char* IsaName(Isa isa) {
 // Dispatch over ISA and kernel variant.
 
 // Whether the int8 kernel takes weight rows one at a time here (Int8RowsAvx2 or
-// Int8RowsManyAvx2), which also needs |q| of the quantized rows.
+// Int8RowsManyAvx2), which also needs |q| of the quantized rows. Also where the CPU has
+// AVX512-VNNI: at a few rows of x the op streams weights rather than computes, and the VNNI
+// tile's four interleaved weight streams read slower than one sequential stream. On a
+// 2-core Zen 5 EPYC, GPT-2-small int8 decode of one sequence took 7.5-8.4 ms a step with
+// the VNNI tile against 6.0-6.6 with the op built for AVX2 (docs/performance.md).
 bool UsesRowKernel(const Geometry& g, Isa isa) {
-  return isa == Isa::kAvx2 && g.M <= kRowKernelMaxRows;
+  return isa != Isa::kScalar && g.M <= kRowKernelMaxRows;
 }
 
 // with_abs: also fill out->a (|q|) for the row kernel.
@@ -684,6 +688,11 @@ void QuantizeRows(const Geometry& g, const float* x, bool avx2, bool with_abs,
 }
 
 void Int8Tile(const Geometry& g, const QuantizedRows& xq, const Tile& t, Isa isa, float* y) {
+#ifdef TOKENSERVE_X86
+  if (UsesRowKernel(g, isa)) {
+    return g.M == 1 ? Int8RowsAvx2(g, xq, t, y) : Int8RowsManyAvx2(g, xq, t, y);
+  }
+#endif
 #ifdef TOKENSERVE_VNNI
   if (isa == Isa::kAvx512Vnni) {
     if (t.count == kTile) return Int8TileVnni<kTile>(g, xq, t, y);
@@ -695,9 +704,6 @@ void Int8Tile(const Geometry& g, const QuantizedRows& xq, const Tile& t, Isa isa
 #endif
 #ifdef TOKENSERVE_X86
   if (isa != Isa::kScalar) {
-    if (UsesRowKernel(g, isa)) {
-      return g.M == 1 ? Int8RowsAvx2(g, xq, t, y) : Int8RowsManyAvx2(g, xq, t, y);
-    }
     if (t.count == kTile) return Int8TileAvx2<kTile>(g, xq, t, y);
     for (int64 r = 0; r < t.count; ++r) {  // N % kTile leftovers, one channel at a time
       Int8TileAvx2<1>(g, xq, Tile{t.q + r * g.K, t.scale + r * g.G, t.n0 + r, 1}, y);
