@@ -112,12 +112,12 @@ def _add_llm_flags(p) -> None:
                         "programs (float32) or oneDNN's bf16 matmuls (bfloat16); default: "
                         "chosen for this CPU and dtype (logged), 0: never")
     g.add_argument("--max_screened_head_rows", type=int, default=engine.max_screened_head_rows,
-                   help="float32 weights: greedy steps of at most this many sequences run the "
-                        "LM head on a smaller copy (--head_screen) and recompute in float32 only "
+                   help="float32 or bfloat16 weights: greedy steps of at most this many "
+                        "sequences run the LM head on a smaller copy (--head_screen) and recompute in float32 only "
                         "the tokens that could win (the same tokens, fewer reads); 0: never")
     g.add_argument("--head_screen", default=engine.head_screen, choices=["int8", "float16"],
                    help="the screened LM head's copy: int8 with a scale per row (a quarter of "
-                        "the float32 head's bytes) or float16 (half)")
+                        "the float32 head's bytes) or float16 (half; float32 heads only)")
     g.add_argument("--num_speculative_tokens", type=int, default=engine.num_speculative_tokens,
                    help="speculative decoding: requests check up to this many tokens copied "
                         "from their own earlier text per step (n-gram drafts; greedy output "

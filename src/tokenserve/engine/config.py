@@ -63,13 +63,15 @@ class EngineConfig:
     the ops are and the ops measured faster up to 32 tokens, 8 with AVX-512, where XLA caught
     up by 16 (benchmarks/fused_dense.py); bfloat16, 8 (docs/engine.md)."""
     max_screened_head_rows: int = 8
-    """Float32 weights: greedy steps with at most this many rows of logits run the LM head
-    on a smaller copy of it (`head_screen`) and recompute in float32 only the entries that
-    could be a row's argmax (engine/screened_head.py): the same tokens, a quarter (int8) or
-    half (float16) of the head's bytes. Steps with a row that needs its distribution
-    (sampling, penalties, logprobs, structured output) read the float32 head. 0: off."""
+    """Float32 weights, and bfloat16 ones in steps through the fused ops: greedy steps with
+    at most this many rows of logits run the LM head on a smaller copy of it
+    (`head_screen`) and recompute in float32 only the entries that could be a row's argmax
+    (engine/screened_head.py): the same tokens, a quarter (int8) or half (float16) of a
+    float32 head's bytes. Steps with a row that needs its distribution (sampling,
+    penalties, logprobs, structured output) read the full head. 0: off."""
     head_screen: str = "int8"
-    """The screened LM head's copy: "int8" (one float32 scale per row) or "float16"."""
+    """The screened LM head's copy: "int8" (one float32 scale per row) or "float16" (float32
+    heads only: a bfloat16 head is no larger)."""
     context_pad: int = 32
     """Decode context lengths are padded to a multiple of this: fewer distinct shapes, at the
     cost of reading up to this many padding rows per sequence."""
