@@ -24,7 +24,7 @@ KEY_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "avx_vnni")
 # Variables that cap or switch the CPU kernels; recorded when set.
 ENV_VARS = ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "XLA_FLAGS", "TF_ENABLE_ONEDNN_OPTS",
             "TF_XLA_FLAGS", "OMP_NUM_THREADS", "TF_NUM_INTRAOP_THREADS",
-            "TF_NUM_INTEROP_THREADS")
+            "TF_NUM_INTEROP_THREADS", "TOKENSERVE_KERNELS_MARCH", "TOKENSERVE_KERNELS")
 
 
 def _lscpu() -> dict[str, str]:
@@ -102,6 +102,9 @@ def isa_caps(env: dict[str, str]) -> list[str]:
         caps += re.findall(r"--xla_cpu_max_isa=\S+", env.get(name, ""))
     if env.get("TF_ENABLE_ONEDNN_OPTS") is not None:
         caps.append(f"TF_ENABLE_ONEDNN_OPTS={env['TF_ENABLE_ONEDNN_OPTS']}")
+    for name in ("TOKENSERVE_KERNELS_MARCH", "TOKENSERVE_KERNELS"):  # tokenserve's own ops
+        if name in env:
+            caps.append(f"{name}={env[name]}")
     return caps
 
 
