@@ -113,8 +113,9 @@ def _add_llm_flags(p) -> None:
                         "chosen for this CPU and dtype (logged), 0: never")
     g.add_argument("--max_screened_head_rows", type=int, default=engine.max_screened_head_rows,
                    help="float32 or bfloat16 weights: greedy steps of at most this many "
-                        "sequences run the LM head on a smaller copy (--head_screen) and recompute in float32 only "
-                        "the tokens that could win (the same tokens, fewer reads); 0: never")
+                        "sequences run the LM head on a smaller copy (--head_screen) and "
+                        "recompute in float32 only the tokens that could win (the same "
+                        "tokens, fewer reads); 0: never")
     g.add_argument("--head_screen", default=engine.head_screen, choices=["int8", "float16"],
                    help="the screened LM head's copy: int8 with a scale per row (a quarter of "
                         "the float32 head's bytes) or float16 (half; float32 heads only)")

@@ -21,11 +21,13 @@ penalties, logprobs, structured output).
 The int8 copy's r_i is about 40x the float16 one's, so it leaves more candidates: on
 GPT-2-small (random weights) a median of one a row and at most about 20, against at most
 two; recomputing them reads a few KB, where the int8 copy saves 38 MB a token. Why not
-the int8 weights op (kernels/int8_matmul): it also quantizes x per block of 32 values, and a model whose final-norm output has a few
-large channels (SmolLM2) then gets an error bound of several logits, and thousands of
-candidates a row on random prompts (0.92x of the plain head at four sequences); these ops
-leave x exact. A row with a weight that is not finite is a candidate on every step (its
-bound is infinite), so its float32 logit is what the step returns.
+the int8 weights op (kernels/int8_matmul): it also quantizes x per block of 32 values,
+and a model whose final-norm output has a few large channels (SmolLM2) then gets an error
+bound of several logits, and thousands of candidates a row on random prompts (0.92x of
+the plain head at four sequences); these ops leave x exact. A row with a weight that is
+not finite is a candidate on every step (its bound is infinite), so its float32 logit is
+what the step returns.
+
 A bfloat16 model's head is screened the same way: its fused dense op (kernels/dense.cc)
 widens the bfloat16 weights exactly and computes in float32, so w_i above is the widened
 row, and the candidates are recomputed from it.
