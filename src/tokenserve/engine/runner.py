@@ -267,7 +267,7 @@ class ModelRunner:
         # does: its graph steps' head computes in bfloat16)
         screened = (self.step.screened_head is not None
                     and num_wanted <= knobs.max_screened_head_rows
-                    and (fused or self.model.compute_dtype == "float32")
+                    and self.step.float32_rows(fused)
                     and all(s.seq.request.params.needs_only_argmax for s in out.scheduled))
         self.num_screened_steps += screened
         step = self.step.step_function(len(decode_groups), bool(prefill), fused)
@@ -285,13 +285,13 @@ class ModelRunner:
             return  # every step runs its own head
         import tensorflow as tf
 
-        step, dtype = self.step, self.model.compute_dtype
+        step = self.step
         for fused in ({True} if step.fused_every_step else {False, step.kernel_dense}):
             # the rows as such a step leaves them (a bfloat16 graph step's in bfloat16, and
             # never screened)
-            float32 = fused or dtype == "float32"
+            float32 = step.float32_rows(fused)
             hidden = tf.ones([1, self.config.model.hidden_size],
-                             tf.float32 if float32 else dtype)
+                             tf.float32 if float32 else self.model.compute_dtype)
             for screened in (False, True) if float32 else (False,):
                 step.head_function(fused, screened)(hidden).numpy()
 

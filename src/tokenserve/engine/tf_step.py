@@ -428,6 +428,12 @@ class TransformerStep(tf.Module):
         fused = self.kernel_dense and (fused_dense or self.fused_head)
         return self._head_k if fused else self._head
 
+    def float32_rows(self, fused_dense: bool) -> bool:
+        """Whether a step leaves float32 hidden rows for its head (the screen takes only
+        those): the fused ops' activations are float32 whatever the weights; a bfloat16
+        graph step's are bfloat16."""
+        return fused_dense or self.model.compute_dtype == "float32"
+
     def logits(self, step_output, fused_dense: bool, screened: bool = False):
         """A step's output as float32 logits [S, vocab]: the step's own where it ran its
         head, else its hidden rows through head_function."""

@@ -166,6 +166,24 @@ AVX2_FN void TileAvx2(const Geometry& g, const float* x, const W* w, const float
 #undef AVX2_FN
 #endif  // TOKENSERVE_X86
 
+// y[:, n0:n1] = x @ w[n0:n1].T (times scale, if any): the AVX2 path where `avx2`, else the
+// scalar one (both ops' products, tile by tile)
+template <typename W>
+void ProductTile(bool avx2, const Geometry& g, const float* x, const W* w, const float* scale,
+                 int64 n0, int64 n1, float* y) {
+#ifdef TOKENSERVE_X86
+  if (avx2) return TileAvx2<W>(g, x, w, scale, n0, n1, y);
+#endif
+  TileScalar<W>(g, x, w, scale, n0, n1, y);
+}
+
+// Whether an op with this isa attribute takes the AVX2 path here: float16 needs F16C too
+template <typename W>
+bool UsesAvx2(const std::string& isa) {
+  return isa == "auto" &&
+         (std::is_same<W, Half>::value ? cpu::HasAvx2FmaF16c() : cpu::HasAvx2Fma());
+}
+
 }  // namespace
 
 absl::Status MatmulShape(InferenceContext* c) {
@@ -240,8 +258,7 @@ class RowMatmulOp : public OpKernel {
   explicit RowMatmulOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
     std::string isa;
     OP_REQUIRES_OK(ctx, ctx->GetAttr("isa", &isa));
-    const bool f16c = std::is_same<W, Half>::value ? cpu::HasAvx2FmaF16c() : cpu::HasAvx2Fma();
-    avx2_ = isa == "auto" && f16c;
+    avx2_ = UsesAvx2<W>(isa);
   }
 
   void Compute(OpKernelContext* ctx) override {
@@ -277,13 +294,7 @@ class RowMatmulOp : public OpKernel {
     const bool avx2 = avx2_;
     RunChunks(pool, std::max(1, pool->NumThreads()), tiles, [&](int64 tile, int64) {
       const int64 n0 = tile * kTileRows, n1 = std::min(g.N, n0 + kTileRows);
-#ifdef TOKENSERVE_X86
-      if (avx2) {
-        TileAvx2<W>(g, xp, wp, scale, n0, n1, yp);
-        return;
-      }
-#endif
-      TileScalar<W>(g, xp, wp, scale, n0, n1, yp);
+      ProductTile<W>(avx2, g, xp, wp, scale, n0, n1, yp);
     });
   }
 
@@ -300,8 +311,7 @@ class ScreenedLogitsOp : public OpKernel {
     std::string isa, layout;
     OP_REQUIRES_OK(ctx, ctx->GetAttr("isa", &isa));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("layout", &layout));
-    const bool f16c = std::is_same<W, Half>::value ? cpu::HasAvx2FmaF16c() : cpu::HasAvx2Fma();
-    avx2_ = isa == "auto" && f16c;
+    avx2_ = UsesAvx2<W>(isa);
     kn_ = layout == "kn";
   }
 
@@ -365,15 +375,7 @@ class ScreenedLogitsOp : public OpKernel {
       if (g.K == 0) {
         for (int64 m = 0; m < g.M; ++m) std::fill(y + m * g.N + n0, y + m * g.N + n1, 0.f);
       } else {
-#ifdef TOKENSERVE_X86
-        if (avx2) {
-          TileAvx2<W>(g, xp, sp, scp, n0, n1, y);
-        } else {
-          TileScalar<W>(g, xp, sp, scp, n0, n1, y);
-        }
-#else
-        TileScalar<W>(g, xp, sp, scp, n0, n1, y);
-#endif
+        ProductTile<W>(avx2, g, xp, sp, scp, n0, n1, y);
       }
       for (int64 m = 0; m < g.M; ++m) {
         float* ym = y + m * g.N;

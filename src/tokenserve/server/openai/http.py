@@ -103,11 +103,10 @@ def _parse_int(digits: str) -> int:
     """JSON integers as Python's int(), which refuses a literal over
     sys.get_int_max_str_digits() (4,300) digits with a ValueError that json.loads passes on
     as it is: refused here as bad JSON, where it was a 500."""
-    limit = sys.get_int_max_str_digits()
-    if limit and len(digits.lstrip("-")) > limit:
-        raise bad_request(f"Request body is not valid JSON: an integer of "
-                          f"{len(digits.lstrip('-'))} digits is longer than the {limit} this "
-                          f"server reads.", code="invalid_json")
+    limit, length = sys.get_int_max_str_digits(), len(digits.lstrip("-"))
+    if limit and length > limit:
+        raise bad_request(f"Request body is not valid JSON: an integer of {length} digits is "
+                          f"longer than the {limit} this server reads.", code="invalid_json")
     return int(digits)
 
 
