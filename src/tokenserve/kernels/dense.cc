@@ -180,70 +180,65 @@ AVX2_FN void KnRangeAvx2(const Geometry& g, const float* x, int64 rows, const W*
 }
 
 // "kn" for up to 8 rows of x: acc[r, :] += x[r, k0 .. k1) @ W[k0 .. k1, :] with the whole
-// width of W per weight row, so the rows [k0, k1) are read front to back. Four weight rows
-// per pass: each accumulator is loaded and stored once per four FMAs, not once per FMA. On a
-// 2-core AVX2-only EPYC a standalone test of GPT-2-small's block matrices at batch 1 streamed
-// them at 28-32 GB/s this way against 20-23 GB/s one row at a time (its plain read loop:
-// 25-33 GB/s). The FMAs into one accumulator run in k order either way, so the sums are
-// the same bits. The hardware prefetcher follows the four streams; a software prefetch
-// measured no better.
+// width of W per weight row, so the rows [k0, k1) are read front to back. P weight rows per
+// pass: each accumulator is loaded and stored once per P FMAs, not once per FMA. On a 2-core
+// AVX2-only EPYC a standalone test of GPT-2-small's block matrices at batch 1 streamed them
+// at 28-32 GB/s four rows at a time against 20-23 GB/s one row at a time (its plain read
+// loop: 25-33 GB/s). One row of x over float32 weights takes eight weight rows a pass (its
+// eight broadcasts of x and the sum fit the 16 registers; the weights feed the FMAs from
+// memory): on a 2-core Zen 5, one thread, the [3072, 768] and [768, 3072] matrices read from
+// memory at 17.0 and 19.9 GB/s against 14.3 and 18.5 with four, and two threads on the
+// narrow one at 21.0 against 16.7 (standalone, medians of three; its plain read loop: 20-25
+// GB/s). bfloat16 rows keep four: they are widened in registers, and eight measured 4 %
+// slower (twelve GPT-2-small block ops at one row, native build). The FMAs into one
+// accumulator run in k order either way, so the sums are the same bits. The hardware
+// prefetcher follows the streams of float32 rows; a software prefetch measured no better.
+template <int M, int P, typename W>
+AVX2_FN inline void KnPassAvx2(const Geometry& g, const float* x, const W* w, int64 k,
+                               float* acc) {
+  const int64 vec = g.N / 8 * 8;
+  const W* rows[P];
+  __m256 xs[M][P];
+  for (int i = 0; i < P; ++i) rows[i] = w + (k + i) * g.N;
+  for (int r = 0; r < M; ++r) {
+    for (int i = 0; i < P; ++i) xs[r][i] = _mm256_set1_ps(x[r * g.K + k + i]);
+  }
+  int64 j = 0;
+  for (; j < vec; j += 8) {
+    if constexpr (sizeof(W) == 2) {  // a line of each row, kBf16Ahead weights ahead
+      if ((j & 31) == 0) {
+        for (int i = 0; i < P; ++i) {
+          _mm_prefetch(reinterpret_cast<const char*>(rows[i] + j + kBf16Ahead), _MM_HINT_T0);
+        }
+      }
+    }
+    __m256 v[P];
+    for (int i = 0; i < P; ++i) v[i] = Load8(rows[i] + j);
+    for (int r = 0; r < M; ++r) {
+      float* a = acc + r * g.N + j;
+      __m256 s = _mm256_loadu_ps(a);
+      for (int i = 0; i < P; ++i) s = _mm256_fmadd_ps(xs[r][i], v[i], s);
+      _mm256_storeu_ps(a, s);
+    }
+  }
+  for (; j < g.N; ++j) {
+    for (int r = 0; r < M; ++r) {
+      float s = acc[r * g.N + j];
+      for (int i = 0; i < P; ++i) s = std::fma(x[r * g.K + k + i], ToFloat(rows[i][j]), s);
+      acc[r * g.N + j] = s;
+    }
+  }
+}
+
 template <int M, typename W>
 AVX2_FN void KnRowsAvx2(const Geometry& g, const float* x, const W* w, int64 k0, int64 k1,
                         float* acc) {
-  const int64 vec = g.N / 8 * 8;
   int64 k = k0;
-  for (; k + 4 <= k1; k += 4) {
-    const W* w0 = w + k * g.N;
-    const W* w1 = w0 + g.N;
-    const W* w2 = w1 + g.N;
-    const W* w3 = w2 + g.N;
-    __m256 xs[M][4];
-    for (int r = 0; r < M; ++r) {
-      for (int i = 0; i < 4; ++i) xs[r][i] = _mm256_set1_ps(x[r * g.K + k + i]);
-    }
-    int64 j = 0;
-    for (; j < vec; j += 8) {
-      if constexpr (sizeof(W) == 2) {  // a line of each row, kBf16Ahead weights ahead
-        if ((j & 31) == 0) {
-          _mm_prefetch(reinterpret_cast<const char*>(w0 + j + kBf16Ahead), _MM_HINT_T0);
-          _mm_prefetch(reinterpret_cast<const char*>(w1 + j + kBf16Ahead), _MM_HINT_T0);
-          _mm_prefetch(reinterpret_cast<const char*>(w2 + j + kBf16Ahead), _MM_HINT_T0);
-          _mm_prefetch(reinterpret_cast<const char*>(w3 + j + kBf16Ahead), _MM_HINT_T0);
-        }
-      }
-      const __m256 v0 = Load8(w0 + j), v1 = Load8(w1 + j);
-      const __m256 v2 = Load8(w2 + j), v3 = Load8(w3 + j);
-      for (int r = 0; r < M; ++r) {
-        float* a = acc + r * g.N + j;
-        __m256 s = _mm256_fmadd_ps(xs[r][0], v0, _mm256_loadu_ps(a));
-        s = _mm256_fmadd_ps(xs[r][1], v1, s);
-        s = _mm256_fmadd_ps(xs[r][2], v2, s);
-        _mm256_storeu_ps(a, _mm256_fmadd_ps(xs[r][3], v3, s));
-      }
-    }
-    for (; j < g.N; ++j) {
-      for (int r = 0; r < M; ++r) {
-        const float* xr = x + r * g.K + k;
-        float s = acc[r * g.N + j];
-        s = std::fma(xr[0], ToFloat(w0[j]), s);
-        s = std::fma(xr[1], ToFloat(w1[j]), s);
-        s = std::fma(xr[2], ToFloat(w2[j]), s);
-        acc[r * g.N + j] = std::fma(xr[3], ToFloat(w3[j]), s);
-      }
-    }
+  if constexpr (M == 1 && sizeof(W) == 4) {
+    for (; k + 8 <= k1; k += 8) KnPassAvx2<M, 8>(g, x, w, k, acc);
   }
-  for (; k < k1; ++k) {
-    const W* wk = w + k * g.N;
-    for (int r = 0; r < M; ++r) {
-      const __m256 xv = _mm256_set1_ps(x[r * g.K + k]);
-      float* a = acc + r * g.N;
-      int64 j = 0;
-      for (; j < vec; j += 8) {
-        _mm256_storeu_ps(a + j, _mm256_fmadd_ps(xv, Load8(wk + j), _mm256_loadu_ps(a + j)));
-      }
-      for (; j < g.N; ++j) a[j] = std::fma(x[r * g.K + k], ToFloat(wk[j]), a[j]);
-    }
-  }
+  for (; k + 4 <= k1; k += 4) KnPassAvx2<M, 4>(g, x, w, k, acc);
+  for (; k < k1; ++k) KnPassAvx2<M, 1>(g, x, w, k, acc);
 }
 
 // "kn" for more rows of x (prefill, decode of many sequences): a register-tiled product
