@@ -11,8 +11,8 @@ from tokenserve.kernels import dense as kd
 
 # (M, K, N): empty batch, one row, more rows than one pass over the weights (8), K and N not
 # multiples of 4 or 8 (tails), GPT-2-small's MLP shape; one to eight rows with K long enough
-# to be split between threads (an odd K: unequal parts) run the split-K path, and one row
-# of x with K = 140 runs its passes of eight, four and one weight rows. From 9 rows
+# to be split between threads (an odd K: unequal parts) run the split-K path, and K = 140
+# runs its passes of eight, four and one weight rows. From 9 rows
 # AVX2 runs "kn" as packed chunks of 64 weight rows by up to 1,024 columns in register tiles
 # of six rows by 16 columns: a K of several chunks and a short last one, an N of three
 # column blocks with a short last panel, and row counts that leave one to five rows after
@@ -21,7 +21,7 @@ from tokenserve.kernels import dense as kd
 CASES = [(0, 16, 8), (1, 64, 8), (3, 37, 21), (9, 100, 34), (17, 33, 18), (2, 768, 3072),
          (3, 300, 40), (4, 768, 259), (13, 768, 259), (53, 70, 35),
          (1, 131, 21), (2, 257, 13), (1, 768, 2304), (8, 200, 2100), (38, 130, 48),
-         (32, 768, 2304), (5, 257, 37), (6, 768, 130), (7, 131, 300), (1, 140, 24)]
+         (32, 768, 2304), (5, 257, 37), (6, 768, 130), (7, 131, 300), (1, 140, 24), (3, 140, 24)]
 
 
 @pytest.fixture(scope="module")

@@ -184,15 +184,17 @@ AVX2_FN void KnRangeAvx2(const Geometry& g, const float* x, int64 rows, const W*
 // pass: each accumulator is loaded and stored once per P FMAs, not once per FMA. On a 2-core
 // AVX2-only EPYC a standalone test of GPT-2-small's block matrices at batch 1 streamed them
 // at 28-32 GB/s four rows at a time against 20-23 GB/s one row at a time (its plain read
-// loop: 25-33 GB/s). One row of x over float32 weights takes eight weight rows a pass (its
-// eight broadcasts of x and the sum fit the 16 registers; the weights feed the FMAs from
-// memory): on a 2-core Zen 5, one thread, the [3072, 768] and [768, 3072] matrices read from
-// memory at 17.0 and 19.9 GB/s against 14.3 and 18.5 with four, and two threads on the
-// narrow one at 21.0 against 16.7 (standalone, medians of three; its plain read loop: 20-25
-// GB/s). bfloat16 rows keep four: they are widened in registers, and eight measured 4 %
-// slower (twelve GPT-2-small block ops at one row, native build). The FMAs into one
-// accumulator run in k order either way, so the sums are the same bits. The hardware
-// prefetcher follows the streams of float32 rows; a software prefetch measured no better.
+// loop: 25-33 GB/s). Float32 weights take eight rows a pass: they feed the FMAs from
+// memory (one row of x) or from eight registers (more rows, whose broadcasts of x are then
+// read from the stack), so the accumulators' loads and stores halve again. On a 2-core
+// Zen 5, one thread, standalone, medians of three: the [3072, 768] and [768, 3072] matrices
+// read from memory at 17.0 and 19.9 GB/s against 14.3 and 18.5 with four at one row of x,
+// 12.9 / 15.3 against 9.9 / 13.7 at two, 12.4 / 15.5 against 10.1 / 12.0 at four, 8.0 / 9.6
+// against 7.5 / 7.2 at eight (its plain read loop: 20-25 GB/s). bfloat16 rows keep four:
+// they are widened in registers, and eight measured 4 % slower (twelve GPT-2-small block
+// ops at one row, native build). The FMAs into one accumulator run in k order either way,
+// so the sums are the same bits. The hardware prefetcher follows the streams of float32
+// rows; a software prefetch measured no better.
 template <int M, int P, typename W>
 AVX2_FN inline void KnPassAvx2(const Geometry& g, const float* x, const W* w, int64 k,
                                float* acc) {
@@ -234,7 +236,7 @@ template <int M, typename W>
 AVX2_FN void KnRowsAvx2(const Geometry& g, const float* x, const W* w, int64 k0, int64 k1,
                         float* acc) {
   int64 k = k0;
-  if constexpr (M == 1 && sizeof(W) == 4) {
+  if constexpr (sizeof(W) == 4) {
     for (; k + 8 <= k1; k += 8) KnPassAvx2<M, 8>(g, x, w, k, acc);
   }
   for (; k + 4 <= k1; k += 4) KnPassAvx2<M, 4>(g, x, w, k, acc);
