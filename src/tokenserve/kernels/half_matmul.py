@@ -59,9 +59,8 @@ def screened_logits(x, screen, scale, row_bound, weight, bias, layout: str,
     """The screened LM head in one op (engine/screened_head.py has the math): x float32
     [M, K] (normed); screen float16 or int8 [N, K] with scale [N] (int8) or [0]; row_bound
     [N]; weight the head, float32 or bfloat16, [N, K] ("nk") or [K, N] ("kn"); bias [N] or
-    [0]. Returns
-    [M, N]: the float32 logit of every entry that could be a row's argmax, the screen's
-    value elsewhere. Compiled op only: callers check `is_compiled` first."""
+    [0]. Returns [M, N]: the float32 logit of every entry that could be a row's argmax, the
+    screen's value elsewhere. Compiled op only: callers check `is_compiled` first."""
     op = LIBRARY.module()
     if op is None:
         raise RuntimeError(f"the screened head needs the compiled op: {kernel_status()}")
