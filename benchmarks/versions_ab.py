@@ -3,7 +3,9 @@
 
 Each round runs, for each model and each tree in turn, a fresh process that loads the model
 with `tokenserve.LLM` from that tree (PYTHONPATH) and decodes prompts of 32 random tokens,
-128 new tokens each, greedy, eos ignored: one prompt (best of two), then 8 and 32 at once.
+128 new tokens each, greedy, eos ignored: one prompt (best of two), then 8, 16 and 32 at
+once; and "prefill": one 32-token prompt for one new token, ten times, as prompt tokens per
+second over the median call (the engine's part of the time to first token).
 The two trees alternate inside a round, so both see the same minutes of this noisy machine;
 the table gives each tree's median and the median of the per-round ratios (after / before).
 
@@ -57,12 +59,22 @@ def run(n):
     started = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     return sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - started)
-run(1); run(32)
-print(json.dumps({"1": max(run(1) for _ in range(2)), "8": run(8), "32": run(32),
+def prefill():
+    one = SamplingParams(max_tokens=1, ignore_eos=True)
+    times = []
+    for _ in range(10):
+        prompt = [[int(t) for t in rng.integers(0, 50000, 32)]]
+        started = time.perf_counter()
+        llm.generate(prompt, one, use_tqdm=False)
+        times.append(time.perf_counter() - started)
+    return 32 / float(np.median(times))
+run(1); run(32); prefill()
+print(json.dumps({"1": max(run(1) for _ in range(2)), "8": run(8), "16": run(16),
+                  "32": run(32), "prefill": prefill(),
                   "precision": str(llm.engine.runner.precision),
                   "source": tokenserve.__file__}))
 """
-POINTS = ("1", "8", "32")
+POINTS = ("1", "8", "16", "32", "prefill")
 
 
 def run_worker(tree: Path, export: str, name: str) -> dict:
@@ -122,7 +134,8 @@ def main(argv=None) -> int:
                                       for p in POINTS) for name, r in result.items()))
 
     summary: dict = {}
-    table = Table(title="tokenserve.LLM tok/s, before -> after (medians over rounds)")
+    table = Table(title="tokenserve.LLM output tok/s (prefill: prompt tok/s), before -> after "
+                  "(medians over rounds)")
     for column in ("model", "precision", "sequences", "before", "after", "after/before",
                    "min-max ratio"):
         table.add_column(column, justify="left" if column in ("model", "precision") else "right")

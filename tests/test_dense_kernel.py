@@ -17,11 +17,14 @@ from tokenserve.kernels import dense as kd
 # of six rows by 16 columns: a K of several chunks and a short last one, an N of three
 # column blocks with a short last panel, and row counts that leave one to five rows after
 # the tiles of six; from 24 rows "nk" packs blocks of 64 weight rows transposed (K and N
-# not multiples of 8 or 16: the zero-padded tails).
+# not multiples of 8 or 16: the zero-padded tails). Each thread owns a range of the packed
+# chunks and takes the others' from the back when its own are done: one chunk (17, 33, 18)
+# is fewer than the threads, three (12, 192, 40) split unequally.
 CASES = [(0, 16, 8), (1, 64, 8), (3, 37, 21), (9, 100, 34), (17, 33, 18), (2, 768, 3072),
          (3, 300, 40), (4, 768, 259), (13, 768, 259), (53, 70, 35),
          (1, 131, 21), (2, 257, 13), (1, 768, 2304), (8, 200, 2100), (38, 130, 48),
-         (32, 768, 2304), (5, 257, 37), (6, 768, 130), (7, 131, 300), (1, 140, 24), (3, 140, 24)]
+         (32, 768, 2304), (5, 257, 37), (6, 768, 130), (7, 131, 300), (1, 140, 24), (3, 140, 24),
+         (12, 192, 40)]
 
 
 @pytest.fixture(scope="module")

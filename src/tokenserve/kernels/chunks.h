@@ -86,6 +86,51 @@ void RunChunks(tensorflow::thread::ThreadPool* pool, int64_t workers, int64_t nu
   }
 }
 
+// Runs body(item, worker, next) once for each item in [0, num_items), like RunChunks, but
+// each worker owns one contiguous range of items and takes them front to back, so it knows
+// the item it will most likely take next (`next`, -1 if none) and can prefetch its data
+// while it computes this one. A worker whose range is done takes items from the back of
+// the others' ranges, so a pool thread that wakes late costs its range's tail, not the op,
+// and the ranges meet where the work does. (With one shared counter, the next item a
+// worker takes is unknown, and a wrong guess prefetches into the other core's cache.)
+template <typename Body>
+void RunRanges(tensorflow::thread::ThreadPool* pool, int64_t workers, int64_t num_items,
+               const Body& body) {
+  const int64_t ranges = std::max<int64_t>(1, std::min(workers, num_items));
+  // a range's undone items [front, back), as front << 32 | back, so one compare-and-swap
+  // takes an item from either end
+  std::unique_ptr<std::atomic<uint64_t>[]> range(new std::atomic<uint64_t>[ranges]);
+  for (int64_t r = 0; r < ranges; ++r) {
+    const uint64_t front = r * num_items / ranges, back = (r + 1) * num_items / ranges;
+    range[r].store(front << 32 | back, std::memory_order_relaxed);
+  }
+  // takes one item from range r's front (or back); -1 when the range is done
+  auto take = [&](int64_t r, bool from_front, int64_t* next) -> int64_t {
+    uint64_t v = range[r].load(std::memory_order_relaxed);
+    for (;;) {
+      const uint64_t front = v >> 32, back = v & 0xffffffffu;
+      if (front >= back) return -1;
+      const uint64_t taken = v + (from_front ? uint64_t{1} << 32 : ~uint64_t{0});
+      if (range[r].compare_exchange_weak(v, taken, std::memory_order_relaxed)) {
+        const int64_t item = from_front ? front : back - 1;
+        *next = back - front > 1 ? (from_front ? item + 1 : item - 1) : -1;
+        return item;
+      }
+    }
+  };
+  // The ranges are touched only inside chunks, which RunChunks waits for, so a pool thread
+  // that wakes after the op returned never sees them.
+  RunChunks(pool, ranges, ranges, [&](int64_t own, int64_t worker) {
+    int64_t next;
+    for (int64_t item; (item = take(own, true, &next)) >= 0;) body(item, worker, next);
+    for (int64_t r = 1; r < ranges; ++r) {
+      for (int64_t item; (item = take((own + r) % ranges, false, &next)) >= 0;) {
+        body(item, worker, next);
+      }
+    }
+  });
+}
+
 }  // namespace tokenserve
 
 #endif  // TOKENSERVE_KERNELS_CHUNKS_H_
