@@ -262,10 +262,10 @@ AVX2_FN void KnRowsAvx2(const Geometry& g, const float* x, const W* w, int64 k0,
 // each panel it computes, so the reads spread over the compute. And its stores went 4 KB
 // apart, one per panel, all into one L1 set: the panels are now kPanelPad floats further
 // apart. Twelve GPT-2-small MLPs (up with GELU, down with the residual), in process,
-// alternating per call, 20 rounds: 32 rows 34-46 -> 31-37 ms (1.27x), 16 rows 23-25 -> 19-20
-// (1.34x); either change alone: the prefetch 1.08-1.13x, the padding 1.00-1.04x (the copy
-// then waited on the loads anyway). Prefetching into L1 instead was 1.3x slower: it evicts
-// the panel and x the tiles are reading.
+// alternating per call, 20 rounds, medians of the ratios: 1.21-1.27x at 32 rows, 1.34x at
+// 16; either change alone: the prefetch 1.08-1.18x, the padding 1.02-1.04x (the copy then
+// still waited on its loads). Prefetching into L1 instead was 1.25-1.4x slower: it evicts
+// the panel and the rows of x that the tiles are reading.
 constexpr int64 kPanel = 16;      // columns of one packed panel: two ymm registers
 constexpr int64 kTileRowsX = 6;   // rows of x per register tile
 constexpr int64 kPackDepth = 64;  // weight rows per work item
@@ -352,7 +352,6 @@ struct NextItem {
 // acc[:, j0 .. j1) (= or +=, `first`) x[:, k0 .. k1) @ W[k0 .. k1, j0 .. j1); acc is
 // [M, N]. pack: ceil((j1 - j0) / kPanel) * kPanelStride floats of scratch. Prefetches the
 // rows of `next` into L2 as it goes.
-
 template <typename W>
 AVX2_FN void KnPackedAvx2(const Geometry& g, const float* x, const W* w, int64 k0,
                           int64 k1, int64 j0, int64 j1, bool first, float* pack, float* acc,
