@@ -343,19 +343,21 @@ AVX2_FN void PanelRowsAvx2(int64 m, int64 depth, const float* x, int64 ldx, cons
   }
 }
 
-// The work item a worker expects to take next, whose weight rows it prefetches while its
-// current panels compute: rows [k0, k1) by columns [j0, j1); none when k1 == k0.
-struct NextItem {
+// A work item of the packed kernel: weight rows [k0, k1) by columns [j0, j1) (none when
+// k1 == k0).
+struct PackedItem {
   int64 k0 = 0, k1 = 0, j0 = 0, j1 = 0;
 };
 
-// acc[:, j0 .. j1) (= or +=, `first`) x[:, k0 .. k1) @ W[k0 .. k1, j0 .. j1); acc is
-// [M, N]. pack: ceil((j1 - j0) / kPanel) * kPanelStride floats of scratch. Prefetches the
-// rows of `next` into L2 as it goes.
+// acc[:, j0 .. j1) (= or +=, `first`) x[:, k0 .. k1) @ W[k0 .. k1, j0 .. j1) for the bounds
+// of `item`; acc is [M, N]. pack: ceil((j1 - j0) / kPanel) * kPanelStride floats of scratch.
+// Prefetches the rows of `next` (the item this worker expects to take next) into L2 as it
+// goes.
 template <typename W>
-AVX2_FN void KnPackedAvx2(const Geometry& g, const float* x, const W* w, int64 k0,
-                          int64 k1, int64 j0, int64 j1, bool first, float* pack, float* acc,
-                          const NextItem& next = NextItem()) {
+AVX2_FN void KnPackedAvx2(const Geometry& g, const float* x, const W* w,
+                          const PackedItem& item, bool first, float* pack, float* acc,
+                          const PackedItem& next) {
+  const int64 k0 = item.k0, k1 = item.k1, j0 = item.j0, j1 = item.j1;
   const int64 depth = k1 - k0, width = j1 - j0, panels = (width + kPanel - 1) / kPanel;
   const int64 stride = depth * kPanel + kPanelPad;
   for (int64 k = k0; k < k1; ++k) {  // the chunk's weight rows, front to back
@@ -697,7 +699,7 @@ void ComputeKnPacked(const Geometry& g, const Args<W>& a, tensorflow::thread::Th
   std::vector<char> started(workers * blocks, 0);
   auto bounds = [&](int64 item) {
     const int64 chunk = item / blocks, block = item % blocks;
-    NextItem b;
+    PackedItem b;
     b.k0 = chunk * kPackDepth;
     b.k1 = std::min(g.K, b.k0 + kPackDepth);
     b.j0 = block * width;
@@ -709,10 +711,9 @@ void ComputeKnPacked(const Geometry& g, const Args<W>& a, tensorflow::thread::Th
       partial[worker].reset(new float[g.M * g.N]);
       pack[worker].reset(new float[pack_floats]);
     }
-    const NextItem b = bounds(item);
     char& seen = started[worker * blocks + item % blocks];
-    KnPackedAvx2(g, a.x, a.w, b.k0, b.k1, b.j0, b.j1, !seen, pack[worker].get(),
-                 partial[worker].get(), next >= 0 ? bounds(next) : NextItem());
+    KnPackedAvx2(g, a.x, a.w, bounds(item), !seen, pack[worker].get(), partial[worker].get(),
+                 next >= 0 ? bounds(next) : PackedItem());
     seen = 1;
   });
   // worker 0's buffer (made here if it took no item) collects every column block
