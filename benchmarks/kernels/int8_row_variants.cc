@@ -3,9 +3,11 @@
 // with x quantized to int8 per block of 32 (the op's scheme), against a loop that only reads
 // W, each on 2 threads splitting N:
 //
-//   rows      the op's AVX2 path at 1-8 rows of x (Int8RowsAvx2 in
-//             src/tokenserve/kernels/int8_matmul.cc): one weight row at a time, prefetched
-//             1 KB ahead, four accumulators; per 32 weights sign + maddubs + madd + cvt + fma
+//   rows      the op's AVX2 path at 1-8 rows of x before it prefetched into L2: one weight
+//             row at a time, prefetched 1 KB ahead into L1, four accumulators; per 32
+//             weights sign + maddubs + madd + cvt + fma
+//   L2 16K    the same, also prefetching 16 KB (32 KB, 64 KB) ahead into L2; 32 KB is the
+//             op's (Int8RowsAvx2 in src/tokenserve/kernels/int8_matmul.cc)
 //   2 rows    two weight rows per pass sharing each load of x
 //   int16     x widened to int16 once, W widened per block, madd only (no sign trick)
 //   read      xor of every 32 bytes of W: what the memory gives
@@ -55,7 +57,7 @@ __m256i Pairs(const int8_t* w, const int8_t* x, const int8_t* ax) {
 // The op's one-row loop: one weight row at a time, prefetched kPrefetch bytes ahead, four
 // accumulators over consecutive blocks; `dot` turns one 32-block of the row and of x into
 // its 8 int32 partial sums.
-template <typename BlockDot>
+template <int64 kL2Ahead = 0, typename BlockDot>
 void OneRowAtATime(const int8_t* q, int64 n0, int64 n1, int64 K, const X& x, float* y,
                    BlockDot dot) {
   for (int64 n = n0; n < n1; ++n) {
@@ -66,6 +68,11 @@ void OneRowAtATime(const int8_t* q, int64 n0, int64 n1, int64 K, const X& x, flo
       const char* ahead = reinterpret_cast<const char*>(w + j * kBlock) + kPrefetch;
       _mm_prefetch(ahead, _MM_HINT_T0);
       _mm_prefetch(ahead + 64, _MM_HINT_T0);
+      if (kL2Ahead > 0) {
+        const char* far = reinterpret_cast<const char*>(w + j * kBlock) + kL2Ahead;
+        _mm_prefetch(far, _MM_HINT_T1);
+        _mm_prefetch(far + 64, _MM_HINT_T1);
+      }
       for (int i = 0; i < 4; ++i) {
         const int64 o = (j + i) * kBlock;
         acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot(w + o, o)),
@@ -79,6 +86,13 @@ void OneRowAtATime(const int8_t* q, int64 n0, int64 n1, int64 K, const X& x, flo
 
 void Rows(const int8_t* q, int64 n0, int64 n1, int64 K, const X& x, float* y) {
   OneRowAtATime(q, n0, n1, K, x, y, [&x](const int8_t* w, int64 o) {
+    return Pairs(w, &x.q[o], &x.abs_q[o]);
+  });
+}
+
+template <int64 kL2Ahead>
+void RowsL2(const int8_t* q, int64 n0, int64 n1, int64 K, const X& x, float* y) {
+  OneRowAtATime<kL2Ahead>(q, n0, n1, K, x, y, [&x](const int8_t* w, int64 o) {
     return Pairs(w, &x.q[o], &x.abs_q[o]);
   });
 }
@@ -163,7 +177,9 @@ int main() {
   }
   x.d.assign(K / kBlock, 0.01f);
   const struct { const char* name; Kernel kernel; } kernels[] = {
-      {"rows", Rows}, {"2 rows", TwoRows}, {"int16", Int16}, {"read", Read}};
+      {"rows", Rows},         {"L2 16K", RowsL2<16384>}, {"L2 32K", RowsL2<32768>},
+      {"L2 64K", RowsL2<65536>}, {"2 rows", TwoRows},       {"int16", Int16},
+      {"read", Read}};
   const struct { const char* name; int64 N; int copies, loops; } cases[] = {
       {"dram", 50257, 2, 1}, {"hot", 512, 1, 5000}};
   for (const auto& c : cases) {

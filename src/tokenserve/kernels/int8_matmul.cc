@@ -102,6 +102,14 @@ constexpr int64_t kChunkCycles = 40000;  // work per chunk handed between thread
 // 8 GB/s, against 12 for a plain numpy sum. (Prefetching a whole tile ahead at once, tried
 // before, was slower: docs/performance.md.)
 constexpr int64_t kRowPrefetch = 1024;
+// And into L2 this many bytes ahead, as far as the worker's next chunk reaches
+// (Tile::prefetch_end). The stream into L1 alone left the row kernel at 0.70-0.78 of a plain
+// two-thread read loop over GPT-2's int8 LM head on a 2-core Zen 5 (AVX2 code; 27-31 against
+// 38-41 GB/s); with the L2 prefetch 16, 32 or 64 KB ahead, 0.81-1.04, most runs 0.92-0.99
+// (benchmarks/kernels/int8_row_variants.cc, seven runs; the three distances within noise of
+// each other). In the engine, one int8 sequence 1.16x (1.09-1.19; alternating processes,
+// 5 rounds, AVX2 cap), 8-32 sequences 1.01-1.02x.
+constexpr int64_t kRowPrefetchL2 = 32768;
 
 // Shapes of one call and how K splits into weight groups and activation blocks.
 struct Geometry {
@@ -127,6 +135,9 @@ struct Tile {
   const int8_t* q;      // q + n0 * K
   const float* scale;   // scale + n0 * G
   int64 n0, count;
+  // the row kernels prefetch weights into L2 up to here (the end of what this worker reads
+  // next); nullptr: not at all
+  const int8_t* prefetch_end = nullptr;
 };
 
 // ---------------------------------------------------------------------------------------
@@ -361,6 +372,11 @@ AVX2_FN void Int8RowsAvx2(const Geometry& g, const QuantizedRows& xq, const Tile
           const char* ahead = reinterpret_cast<const char*>(wg + j * kBlock) + kRowPrefetch;
           _mm_prefetch(ahead, _MM_HINT_T0);
           _mm_prefetch(ahead + 64, _MM_HINT_T0);
+          const int8_t* far = wg + j * kBlock + kRowPrefetchL2;
+          if (far < t.prefetch_end) {
+            _mm_prefetch(reinterpret_cast<const char*>(far), _MM_HINT_T1);
+            _mm_prefetch(reinterpret_cast<const char*>(far) + 64, _MM_HINT_T1);
+          }
           for (int i = 0; i < 4; ++i) {
             const int64 o = (j + i) * kBlock;
             acc[i] = Int8DotAvx2(xg + o, ag + o, dg[j + i], wg + o, acc[i]);
@@ -392,7 +408,7 @@ AVX2_FN void Int8RowsAvx2(const Geometry& g, const QuantizedRows& xq, const Tile
 template <int R>
 AVX2_FN __attribute__((always_inline)) inline void Int8RowGroupAvx2(
     const Geometry& g, const QuantizedRows& xq, int64 m0, const int8_t* w, const float* scale,
-    int64 n, float* y) {
+    int64 n, const int8_t* prefetch_end, float* y) {
   const int64 G = g.G, group = g.group, blocks = g.blocks, tail = g.tail;
   const int64 row_blocks = g.RowBlocks();
   const int64 full = tail == kBlock ? blocks : blocks - 1;
@@ -430,8 +446,10 @@ AVX2_FN __attribute__((always_inline)) inline void Int8RowGroupAvx2(
     __m256 acc[R];
     for (int i = 0; i < R; ++i) acc[i] = _mm256_setzero_ps();
     for (int64 j = 0; j < full; ++j) {
-      if (!(j & 1)) {  // one cache line per two blocks
+      if (!(j & 1)) {  // one cache line per two blocks, into L1 and further ahead into L2
         _mm_prefetch(reinterpret_cast<const char*>(wg + j * kBlock + kRowPrefetch), _MM_HINT_T0);
+        const int8_t* far = wg + j * kBlock + kRowPrefetchL2;
+        if (far < prefetch_end) _mm_prefetch(reinterpret_cast<const char*>(far), _MM_HINT_T1);
       }
       block(wg + j * kBlock, b0 + j, acc);
     }
@@ -461,14 +479,14 @@ AVX2_FN void Int8RowsManyAvx2(const Geometry& g, const QuantizedRows& xq, const 
     const int64 n = t.n0 + r;
     int64 m = 0;
     if (g.M == 5) {  // one sequence checking four drafts: one group of five, not 4 + 1
-      Int8RowGroupAvx2<5>(g, xq, 0, w, scale, n, y);
+      Int8RowGroupAvx2<5>(g, xq, 0, w, scale, n, t.prefetch_end, y);
       continue;
     }
-    for (; m + 4 <= g.M; m += 4) Int8RowGroupAvx2<4>(g, xq, m, w, scale, n, y);
+    for (; m + 4 <= g.M; m += 4) Int8RowGroupAvx2<4>(g, xq, m, w, scale, n, t.prefetch_end, y);
     switch (g.M - m) {
-      case 3: Int8RowGroupAvx2<3>(g, xq, m, w, scale, n, y); break;
-      case 2: Int8RowGroupAvx2<2>(g, xq, m, w, scale, n, y); break;
-      case 1: Int8RowGroupAvx2<1>(g, xq, m, w, scale, n, y); break;
+      case 3: Int8RowGroupAvx2<3>(g, xq, m, w, scale, n, t.prefetch_end, y); break;
+      case 2: Int8RowGroupAvx2<2>(g, xq, m, w, scale, n, t.prefetch_end, y); break;
+      case 1: Int8RowGroupAvx2<1>(g, xq, m, w, scale, n, t.prefetch_end, y); break;
       default: break;
     }
   }
@@ -852,10 +870,15 @@ void Int8MatmulRows(tensorflow::thread::ThreadPool* pool, const Geometry& g, con
   const int64 workers = std::max(1, pool->NumThreads());
   // float kernel's dequantized tile, one per worker
   std::vector<std::vector<float>> bufs(int8 ? 0 : workers);
-  RunChunks(pool, workers, num_chunks, [&](int64 chunk, int64 worker) {
+  // Each worker takes a contiguous range of chunks front to back (RunRanges), so its weights
+  // are one stream across its chunks, and the row kernels prefetch into L2 to the end of the
+  // chunk it takes next when that one follows this one.
+  RunRanges(pool, workers, num_chunks, [&](int64 chunk, int64 worker, int64 next) {
     std::vector<float>* buf = int8 ? nullptr : &bufs[worker];
     if (buf && buf->empty()) buf->resize(kTile * g.padded);
     const int64 end = std::min(tiles, (chunk + 1) * tiles_per_chunk);
+    const int64 stream_end = next == chunk + 1 ? std::min(tiles, end + tiles_per_chunk) : end;
+    const int8_t* prefetch_end = qp + std::min(g.N, stream_end * kTile) * g.K;
     for (int64 tile = chunk * tiles_per_chunk; tile < end; ++tile) {
       const int64 n0 = tile * kTile;
       // Software prefetch of the weights kPrefetchTiles tiles ahead: with the hardware
@@ -868,7 +891,8 @@ void Int8MatmulRows(tensorflow::thread::ThreadPool* pool, const Geometry& g, con
         const int64 bytes = std::min<int64>(kTile, g.N - ahead) * g.K;
         for (int64 off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, 0, 3);
       }
-      const Tile t{qp + n0 * g.K, sp + n0 * g.G, n0, std::min<int64>(kTile, g.N - n0)};
+      const Tile t{qp + n0 * g.K, sp + n0 * g.G, n0, std::min<int64>(kTile, g.N - n0),
+                   prefetch_end};
       if (int8) {
         Int8Tile(g, xq, t, isa, y);
       } else {
