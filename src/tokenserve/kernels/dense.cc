@@ -29,8 +29,10 @@
 // (KnPackedAvx2); otherwise (scalar, or K too short to split) it splits N into 2 x threads
 // column ranges, each walked row by row over K into float accumulators for up to 8 rows of
 // x at a time, which stay in L1/L2; "nk" splits N
-// into tiles of rows, each row a dot product with every row of x, or from 24 rows with AVX2
-// into blocks of 64 rows transposed into the same register tiles (NkPackedAvx2).
+// into tiles of rows, a contiguous range of them per thread, each row a dot product with
+// every row of x, or from 24 rows with AVX2 into blocks of 64 rows transposed into the same
+// register tiles (NkPackedAvx2). Where a thread reads weights faster than it computes (up
+// to 8 rows of x), it prefetches them into L2 well ahead of the hardware prefetcher.
 // Accumulation is float32, in a different order from XLA's, so results match it to float
 // rounding, not bit for bit.
 //
@@ -203,9 +205,9 @@ AVX2_FN void KnRangeAvx2(const Geometry& g, const float* x, int64 rows, const W*
 // so the sums are the same bits. The hardware prefetcher follows the streams of float32
 // rows, but not all the way: a prefetch of each row 8 weights ahead into L1 measured no
 // better, while spreading a prefetch of the next pass's rows into L2 over this pass
-// (`ahead`) brought the pass from 0.92 of a plain two-thread read loop to 0.98-0.99 (the 48
-// block matrices of GPT-2-small at one row of x, standalone, 2-core Zen 5 with AVX2 code,
-// eight alternating rounds), and one float32 sequence in the engine 1.10x (alternating
+// (`ahead`) brought the pass from 0.91-0.92 of a plain two-thread read loop to 0.98-0.99
+// (benchmarks/kernels/kn_row_variants.cc: the 48 block matrices of GPT-2-small at one row
+// of x, 2-core Zen 5 with AVX2 code, eight alternating rounds), and one float32 sequence in the engine 1.10x (alternating
 // processes, 4 rounds, AVX2 cap). The prefetch changes no result.
 template <int M, int P, typename W>
 AVX2_FN inline void KnPassAvx2(const Geometry& g, const float* x, const W* w, int64 k,

@@ -15,9 +15,10 @@
 // int8 weights op, int8_matmul.cc, quantizes x per block of 32, and that made thousands of
 // candidates a row on SmolLM2).
 //
-// Work split: weight rows in tiles of kTileRows, taken by the calling thread and TF's
-// intra-op threads (chunks.h). Each weight row is read once, front to back, a single
-// sequential stream software-prefetched kRowPrefetch bytes ahead, and each 8 weights of it
+// Work split: weight rows in tiles of kTileRows, a contiguous range of them for the calling
+// thread and for each of TF's intra-op threads (RunRanges in chunks.h). Each weight row is
+// read once, front to back, a single sequential stream software-prefetched kRowPrefetch
+// bytes ahead into L1 and kRowPrefetchL2 into L2, and each 8 weights of it
 // become floats (float16: one F16C instruction, vcvtph2ps; int8: a sign extension and a
 // conversion) that feed up to four rows of x. On a 2-core AVX2-only EPYC, against four
 // weight rows interleaved (as dense.cc's "nk" float32 kernel), one row at a time took
