@@ -131,6 +131,13 @@ void RunRanges(tensorflow::thread::ThreadPool* pool, int64_t workers, int64_t nu
   });
 }
 
+// The end (exclusive) of the items a RunRanges worker reads back to back from `item` on:
+// past `next` when that follows `item`, else just `item`. Kernels that prefetch ahead of
+// their stream stop there.
+inline int64_t RangeStreamEnd(int64_t item, int64_t next) {
+  return next == item + 1 ? item + 2 : item + 1;
+}
+
 }  // namespace tokenserve
 
 #endif  // TOKENSERVE_KERNELS_CHUNKS_H_

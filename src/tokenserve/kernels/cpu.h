@@ -4,6 +4,8 @@
 #ifndef TOKENSERVE_KERNELS_CPU_H_
 #define TOKENSERVE_KERNELS_CPU_H_
 
+#include <cstdint>
+
 #if defined(__x86_64__) || defined(__i386__)
 #include <cpuid.h>
 #include <immintrin.h>
@@ -48,6 +50,14 @@ TOKENSERVE_AVX2_FMA inline float HorizontalSum(__m256 v) {
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
+}
+
+// Every cache line of [p, p + bytes) into L2 (not L1: a stream prefetched far ahead would
+// evict what the kernel is reading now). A prefetch never faults, so p may run past the end
+// of an array.
+inline void PrefetchL2(const void* p, int64_t bytes) {
+  const char* line = static_cast<const char*>(p);
+  for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(line + off, _MM_HINT_T1);
 }
 
 TOKENSERVE_AVX2_FMA inline float HorizontalMax(__m256 v) {

@@ -232,10 +232,7 @@ AVX2_FN inline void KnPassAvx2(const Geometry& g, const float* x, const W* w, in
       }
     }
     if (ahead != nullptr) {  // the next pass's P rows into L2, 8 * P weights a step
-      const char* line = reinterpret_cast<const char*>(ahead + j * P);
-      for (int i = 0; i < 8 * P * static_cast<int>(sizeof(W)); i += 64) {
-        _mm_prefetch(line + i, _MM_HINT_T1);
-      }
+      cpu::PrefetchL2(ahead + j * P, 8 * P * sizeof(W));
     }
     __m256 v[P];
     for (int i = 0; i < P; ++i) v[i] = Load8(rows[i] + j);
@@ -413,8 +410,7 @@ AVX2_FN void KnPackedAvx2(const Geometry& g, const float* x, const W* w,
     // the next item's rows, spread evenly over this item's panels
     for (int64 r = next.k0 + p * next_rows / panels; r < next.k0 + (p + 1) * next_rows / panels;
          ++r) {
-      const char* row = reinterpret_cast<const char*>(w + r * g.N + next.j0);
-      for (int64 b = 0; b < next_bytes; b += 64) _mm_prefetch(row + b, _MM_HINT_T1);
+      cpu::PrefetchL2(w + r * g.N + next.j0, next_bytes);
     }
   }
 }
@@ -538,12 +534,7 @@ AVX2_FN void NkTileAvx2(const Geometry& g, const float* x, const W* w, int64 n0,
   for (; n + 4 <= n1; n += 4) {
     const W* w0 = w + n * g.K;
     const W* far = w0 + kNkPrefetchL2Rows * g.K;  // four rows further ahead, into L2
-    if (far + 4 * g.K <= prefetch_end) {
-      const char* line = reinterpret_cast<const char*>(far);
-      for (int64 off = 0; off < 4 * g.K * static_cast<int64>(sizeof(W)); off += 64) {
-        _mm_prefetch(line + off, _MM_HINT_T1);
-      }
-    }
+    if (far + 4 * g.K <= prefetch_end) cpu::PrefetchL2(far, 4 * g.K * sizeof(W));
     for (int64 r = 0; r < g.M; r += 3) {
       const float* xr = x + r * g.K;
       float* zr = z + r * g.N + n;
@@ -908,7 +899,7 @@ void ComputeNk(const Geometry& g, const Args<W>& a, tensorflow::thread::ThreadPo
     const int64 n0 = tile * kTileRows, n1 = std::min(g.N, n0 + kTileRows);
 #ifdef TOKENSERVE_X86
     if (avx2) {
-      const int64 end = next == tile + 1 ? std::min(g.N, n1 + kTileRows) : n1;
+      const int64 end = std::min(g.N, RangeStreamEnd(tile, next) * kTileRows);
       NkTileAvx2(g, a.x, a.w, n0, n1, a.w + end * g.K, zp);
       return;
     }

@@ -159,10 +159,7 @@ AVX2_FN void TileAvx2(const Geometry& g, const float* x, const W* w, const float
   for (int64 n = n0; n < n1; ++n) {
     const W* wn = w + n * g.K;
     const W* far = wn + rows_ahead * g.K;
-    if (far + g.K <= prefetch_end) {
-      const char* line = reinterpret_cast<const char*>(far);
-      for (int64 off = 0; off < row_bytes; off += 64) _mm_prefetch(line + off, _MM_HINT_T1);
-    }
+    if (far + g.K <= prefetch_end) cpu::PrefetchL2(far, row_bytes);
     const float sn = scale == nullptr ? 1.f : scale[n];
     for (int64 r = 0; r < g.M; r += 4) {
       const float* xr = x + r * g.K;
@@ -191,10 +188,9 @@ void ProductTile(bool avx2, const Geometry& g, const float* x, const W* w, const
   TileScalar<W>(g, x, w, scale, n0, n1, y);
 }
 
-// The weight row where a worker's stream stops after `tile`: the end of the tile it takes
-// next when that one follows (RunRanges), else the end of this one.
+// The weight row where a worker's stream stops after `tile` (RunRanges).
 int64 StreamEnd(const Geometry& g, int64 tile, int64 next) {
-  return std::min(g.N, (next == tile + 1 ? tile + 2 : tile + 1) * kTileRows);
+  return std::min(g.N, RangeStreamEnd(tile, next) * kTileRows);
 }
 
 // Whether an op with this isa attribute takes the AVX2 path here: float16 needs F16C too

@@ -874,7 +874,7 @@ void Int8MatmulRows(tensorflow::thread::ThreadPool* pool, const Geometry& g, con
     std::vector<float>* buf = int8 ? nullptr : &bufs[worker];
     if (buf && buf->empty()) buf->resize(kTile * g.padded);
     const int64 end = std::min(tiles, (chunk + 1) * tiles_per_chunk);
-    const int64 stream_end = next == chunk + 1 ? std::min(tiles, end + tiles_per_chunk) : end;
+    const int64 stream_end = std::min(tiles, RangeStreamEnd(chunk, next) * tiles_per_chunk);
     const int8_t* prefetch_end = qp + std::min(g.N, stream_end * kTile) * g.K;
     for (int64 tile = chunk * tiles_per_chunk; tile < end; ++tile) {
       const int64 n0 = tile * kTile;
