@@ -5,8 +5,8 @@ Each round runs, for each model and each tree in turn, a fresh process that load
 with `tokenserve.LLM` from that tree (PYTHONPATH) and decodes prompts of 32 random tokens,
 128 new tokens each, greedy, eos ignored: one prompt (best of two), the same sampled at
 temperature 0.8 ("1 sampled": the whole LM head, as most chat requests read it), then 8, 16
-and 32 at once; and "prefill": one 32-token prompt for one new token, ten times, as prompt tokens per
-second over the median call (the engine's part of the time to first token).
+and 32 at once; and "prefill": one 32-token prompt for one new token, ten times, as prompt
+tokens per second over the median call (the engine's part of the time to first token).
 The two trees alternate inside a round, so both see the same minutes of this noisy machine;
 the table gives each tree's median and the median of the per-round ratios (after / before).
 
