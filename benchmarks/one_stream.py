@@ -9,7 +9,10 @@ in an order that rotates by round; the ratios are taken round by round (the same
 and their median is reported, with their spread.
 
 Workload as headline.py's: GPT-2 small (random weights), a random 32-token prompt (sent as
-text, as the headline's unstreamed column), 128 new tokens, greedy, eos ignored.
+text, as the headline's unstreamed column), 128 new tokens, greedy, eos ignored. With
+`--temperature T`, every system samples instead, plainly (no top-k, top-p, min-p or
+repetition penalty: OpenAI's default request at T = 1; llama.cpp's server applies its own
+defaults for those unless told, so it is told).
 
   serve-<fmt>     `tokenserve serve` on the float32 and the int8 export; more serve flags
                   as serve-<fmt>:<flag>=<value>, e.g. serve-float32:head_screen=float16
@@ -61,8 +64,8 @@ RATIOS = [("serve-float32", "hf"), ("serve-float32", "llamacpp-f32"),
 class Server:
     """An OpenAI-compatible server in its own process, asked for unstreamed completions."""
 
-    def __init__(self, name: str, command: list[str], port: int, texts):
-        self.name, self.texts = name, texts
+    def __init__(self, name: str, command: list[str], port: int, texts, sampling: dict):
+        self.name, self.texts, self.sampling = name, texts, sampling
         self.url = f"http://127.0.0.1:{port}"
         self.log = open(Path(tempfile.gettempdir()) / f"one-stream-{name}.log", "w")
         self.process = subprocess.Popen(command, stdout=self.log, stderr=self.log)
@@ -76,7 +79,7 @@ class Server:
         for _ in range(requests):
             answer = httpx.post(self.url + "/v1/completions", timeout=300, json={
                 "model": "gpt2", "prompt": next(self.texts), "max_tokens": NEW_TOKENS,
-                "temperature": 0, "ignore_eos": True})
+                "ignore_eos": True, **self.sampling})
             answer.raise_for_status()
             tokens += answer.json()["usage"]["completion_tokens"]
         wall = time.perf_counter() - started
@@ -88,7 +91,7 @@ class Server:
         arrivals = []
         with httpx.stream("POST", self.url + "/v1/completions", timeout=300, json={
                 "model": "gpt2", "prompt": next(self.texts), "max_tokens": NEW_TOKENS,
-                "temperature": 0, "ignore_eos": True, "stream": True}) as answer:
+                "ignore_eos": True, "stream": True, **self.sampling}) as answer:
             answer.raise_for_status()
             for line in answer.iter_lines():
                 if line.startswith("data:") and line.strip() != "data: [DONE]":
@@ -104,12 +107,13 @@ class Server:
 class HFWorker:
     """hf_tf_xla.py in rounds mode: one compiled batch-1 generate per request."""
 
-    def __init__(self, python: Path):
+    def __init__(self, python: Path, temperature: float):
         self.name = "hf"
         self.log = open(Path(tempfile.gettempdir()) / "one-stream-hf.log", "w")
         self.process = subprocess.Popen(
             [str(python), str(HERE / "peers" / "hf_tf_xla.py"), "--mode", "rounds",
-             "--prompt-len", str(PROMPT_LEN), "--new-tokens", str(NEW_TOKENS)],
+             "--prompt-len", str(PROMPT_LEN), "--new-tokens", str(NEW_TOKENS),
+             "--temperature", str(temperature)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True)
 
     def _read(self) -> dict:
@@ -139,7 +143,20 @@ class HFWorker:
         self.process.wait(60)
 
 
-def start_systems(names: list[str], workdir: Path, hf_venv: Path, llama_venv: Path) -> list:
+def sampling_fields(system: str, temperature: float) -> dict:
+    """The request's sampling fields: greedy, or plain temperature sampling, spelled out
+    for llama.cpp (its server's defaults are top_k 40, top_p 0.95, min_p 0.05 and a
+    repetition penalty of 1.1)."""
+    if temperature == 0:
+        return {"temperature": 0}
+    if system.startswith("llamacpp-"):
+        return {"temperature": temperature, "top_k": 0, "top_p": 1.0, "min_p": 0.0,
+                "repeat_penalty": 1.0}
+    return {"temperature": temperature, "top_p": 1.0}
+
+
+def start_systems(names: list[str], workdir: Path, hf_venv: Path, llama_venv: Path,
+                  temperature: float = 0.0) -> list:
     models = {fmt: export(workdir / f"gpt2-{fmt}", "none" if fmt == "float32" else fmt)
               for fmt in ("float32", "int8")}
     systems = []
@@ -155,7 +172,7 @@ def start_systems(names: list[str], workdir: Path, hf_venv: Path, llama_venv: Pa
                 TOKENSERVE, "serve", "--model_name", "gpt2", "--model_base_path",
                 str(models[fmt]), "--port", str(ports[0]),
                 "--rest_api_port", str(ports[1]), "--openai_port", str(ports[2]), *extra],
-                ports[2], texts))
+                ports[2], texts, sampling_fields(name, temperature)))
         elif name.startswith("llamacpp-"):
             qtype = name.removeprefix("llamacpp-")
             python = llama_venv / "bin" / "python"
@@ -171,13 +188,14 @@ def start_systems(names: list[str], workdir: Path, hf_venv: Path, llama_venv: Pa
             systems.append(Server(name, [
                 str(python), "-m", "llama_cpp.server", "--model", str(gguf), "--model_alias",
                 "gpt2", "--n_ctx", "1024", "--n_threads", "2", "--n_threads_batch", "2",
-                "--host", "127.0.0.1", "--port", str(port)], port, texts))
+                "--host", "127.0.0.1", "--port", str(port)], port, texts,
+                sampling_fields(name, temperature)))
         elif name == "hf":
             python = hf_venv / "bin" / "python"
             if not python.exists():
                 console.print("skipping hf: run bash benchmarks/peers/setup_hf_tf.sh")
                 continue
-            systems.append(HFWorker(python))
+            systems.append(HFWorker(python, temperature))
     return systems
 
 
@@ -208,7 +226,9 @@ def plot(report: dict, path: Path) -> None:
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("round")
     ax.set_ylabel("output tok/s, one stream")
-    ax.set_title("GPT-2 small, 32-token prompt, 128 new tokens, greedy: interleaved rounds")
+    temperature = report["workload"]["temperature"]
+    how = f"temperature {temperature:g}" if temperature else "greedy"
+    ax.set_title(f"GPT-2 small, 32-token prompt, 128 new tokens, {how}: interleaved rounds")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -222,6 +242,8 @@ def main(argv=None) -> int:
                         default=["serve-float32", "serve-int8", "hf", "llamacpp-f32",
                                  "llamacpp-q8_0"])
     parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="> 0: every system samples plainly at this temperature")
     parser.add_argument("--requests", type=int, default=2,
                         help="requests per system per round (default 2)")
     parser.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()) / "headline")
@@ -233,9 +255,11 @@ def main(argv=None) -> int:
     machine = machine_info()
     console.print(machine_summary(machine))
     args.workdir.mkdir(parents=True, exist_ok=True)
-    systems = start_systems(args.systems, args.workdir, args.hf_venv, args.llama_cpp_venv)
+    systems = start_systems(args.systems, args.workdir, args.hf_venv, args.llama_cpp_venv,
+                            args.temperature)
     report = {"workload": {"model": "gpt2-small random", "prompt_tokens": PROMPT_LEN,
-                           "new_tokens": NEW_TOKENS, "greedy": True, "ignore_eos": True,
+                           "new_tokens": NEW_TOKENS, "greedy": args.temperature == 0,
+                           "temperature": args.temperature, "ignore_eos": True,
                            "requests_per_round": args.requests},
               "machine": machine, "rounds": {s.name: [] for s in systems}}
     try:
@@ -266,8 +290,9 @@ def main(argv=None) -> int:
 
     bandwidth = " -> ".join(f"{machine[k]['all_threads_gb_s']:.1f}"
                             for k in ("read_bandwidth_start", "read_bandwidth_end"))
-    table = Table(title=f"one stream, {args.rounds} interleaved rounds of {args.requests} "
-                        f"requests (two threads read {bandwidth} GB/s)")
+    how = f"temperature {args.temperature:g}" if args.temperature else "greedy"
+    table = Table(title=f"one stream, {how}, {args.rounds} interleaved rounds of "
+                        f"{args.requests} requests (two threads read {bandwidth} GB/s)")
     for column in ("system", "median tok/s", "min", "max", "ITL p50 ms, median", "min",
                    "max"):
         table.add_column(column, justify="left" if column == "system" else "right")

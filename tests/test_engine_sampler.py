@@ -325,3 +325,58 @@ def test_top_p_walks_twice_and_picks_as_sorting_the_nucleus(shape, top_p):
         uniform = np.random.default_rng(seed).random()
         _, redone = sampler(temperature=1.0, top_p=top_p)._softmax(logits.copy())
         assert drawn == nucleus_pick(redone, top_p, uniform)
+
+
+@pytest.mark.parametrize("temperature", [0.5, 1.0, 2.0])
+def test_plain_sampling_draws_from_the_softmax(temperature):
+    """Plain temperature sampling is the argmax of logits plus T x Gumbel noise: over 20,000
+    draws of one seeded sequence, each token's frequency is its softmax probability within
+    4.5 standard deviations (the seed fixes the draws, so this cannot flake)."""
+    logits = np.array([2.0, 1.0, 0.5, 0.0, -1.0, -np.inf, 3.0], np.float32)
+    one = SequenceSampler(SamplingParams(temperature=temperature, seed=11), 0, logits.size, [])
+    assert one.samples_by_noise
+    n = 20_000
+    counts = np.bincount([one.sample(logits) for _ in range(n)], minlength=logits.size)
+    want = np.exp((logits - logits.max()) / temperature)
+    want /= want.sum()
+    sigma = np.sqrt(n * want * (1 - want))
+    assert counts[5] == 0  # -inf: never
+    assert np.all(np.abs(counts - n * want) <= 4.5 * sigma + 1e-9), (counts, n * want)
+
+
+def test_only_plain_temperature_sampling_draws_by_noise():
+    assert SamplingParams(temperature=0.7).samples_by_noise
+    assert SamplingParams(temperature=0.7, repetition_penalty=1.2).samples_by_noise
+    for cut in (dict(top_k=5), dict(top_p=0.9), dict(min_p=0.1), dict(temperature=0.0)):
+        assert not SamplingParams(**{"temperature": 0.7, **cut}).samples_by_noise, cut
+    assert SamplingParams(temperature=0.7).needs_only_noisy_argmax
+    assert SamplingParams().needs_only_noisy_argmax  # greedy: no noise
+    for needs_more in (dict(logprobs=0), dict(presence_penalty=0.5), dict(top_p=0.9)):
+        assert not SamplingParams(temperature=0.7, **needs_more).needs_only_noisy_argmax
+
+
+def test_noise_a_step_added_gives_the_token_the_logits_give():
+    """The engine's screened head returns logits + the row's noise, exact only where the
+    argmax could be (engine/screened_head.py): a sampler that handed its noise to the step
+    picks the token that a sampler with the same seed picks from the plain logits, however
+    low the entries that cannot win are. And the draws go on in step: 300 tokens."""
+    rng = np.random.default_rng(4)
+    plain, screened = (sampler(temperature=0.9, seed=21) for _ in range(2))
+    for step in range(300):
+        logits = rng.normal(0.0, 2.0, VOCAB).astype(np.float32)
+        logits[rng.integers(0, VOCAB, 20)] = -np.inf  # masked tokens
+        noise = screened.noise_for_step()
+        returned = logits + noise
+        best = returned.max()
+        losers = returned < best - 1.0  # entries a screen rules out keep any lower value
+        returned[losers] -= rng.uniform(0.0, 1.0, int(losers.sum())).astype(np.float32)
+        assert screened.sample(returned) == plain.sample(logits), step
+    infinite = np.zeros(VOCAB, np.float32)
+    infinite[[7, 70]] = np.inf
+    infinite[9] = np.nan
+    picked = set()
+    for _ in range(100):
+        token = screened.sample(infinite + screened.noise_for_step())
+        assert screened.saw_nonfinite
+        picked.add(token)
+    assert picked == {7, 70}  # the +inf tokens share the draws, a NaN is never one

@@ -1,7 +1,8 @@
 """The LM head's int8 and float16 screens: their error bounds hold, and they pick the
-float32 argmax (engine/screened_head.py); in the engine, greedy steps take them and give the
-tokens of the float32 head, and no step with a sampled, penalized, logprobs or structured
-row does."""
+float32 argmax, or with noise the argmax of the float32 logits plus it
+(engine/screened_head.py); in the engine, greedy and plainly sampled steps take them and
+give the tokens of the float32 head, and no step with a top-p, penalized, logprobs or
+structured row does."""
 
 from __future__ import annotations
 
@@ -107,6 +108,59 @@ def test_the_one_op_head_is_the_tf_ops_head(layout, dtype, isa):
     rounding = 4 * 40 * 2.0 ** -24 * (np.abs(x[rows]) @ np.abs(held).T) + 1e-7
     out = clear & ~candidate
     assert np.all(np.abs(got[out] - approx[out]) <= rounding[out])
+
+
+@pytest.mark.parametrize("isa", ["auto", "scalar"])
+@pytest.mark.parametrize("dtype", ["int8", "float16"])
+@pytest.mark.parametrize("layout", ["nk", "kn"])
+def test_with_noise_the_op_screens_the_argmax_of_logits_plus_noise(layout, dtype, isa):
+    """A sampled row's draw is the argmax of its logits plus T x Gumbel noise
+    (engine/sampler.py); the op adds the noise and screens that argmax. Over 30 draws of
+    noise at several temperatures (and a greedy row of zeros): the argmax of what it returns
+    is the argmax of the float32 logits plus the noise, every entry that could win holds
+    exactly that sum, and the others the screen's value plus the noise. The TF-ops
+    reference agrees."""
+    from tokenserve.kernels.half_matmul import half_matmul, int8_row_matmul, screened_logits
+
+    weights = _weights(vocab=1000, width=40, seed=8)
+    rng = np.random.default_rng(9)
+    bias = rng.standard_normal(1000).astype(np.float32) if layout == "kn" else None
+    head = ScreenedHead(tf.constant(weights if layout == "nk" else weights.T), layout,
+                        None if bias is None else tf.constant(bias), dtype=dtype)
+    x = rng.standard_normal((5, 40)).astype(np.float32)
+    x[1] *= 20.0
+    x[2] = weights[3] * 30  # a tied pair far ahead (nk), noise or not
+    # the float32 logits as the op computes a candidate: summed in double, rounded once
+    logits = (x.astype(np.float64) @ weights.T.astype(np.float64)).astype(np.float32)
+    if bias is not None:
+        logits = logits + bias
+    none = tf.zeros([0])
+    if dtype == "int8":
+        approx = int8_row_matmul(tf.constant(x), head.screen, head.scale, isa=isa).numpy()
+    else:
+        approx = half_matmul(tf.constant(x), head.screen, isa=isa).numpy()
+    approx += 0.0 if bias is None else bias
+    temperatures = np.array([1.0, 0.3, 2.0, 1.0, 0.0], np.float32)[:, None]  # row 4 greedy
+    screened = 0
+    for _ in range(30):
+        gumbel = -np.log(rng.standard_exponential((5, 1000)).astype(np.float32))
+        noise = (temperatures * gumbel).astype(np.float32)
+        got = screened_logits(tf.constant(x), head.screen,
+                              none if head.scale is None else head.scale, head.row_bound,
+                              head.weight, none if bias is None else tf.constant(bias),
+                              layout=layout, isa=isa, noise=tf.constant(noise)).numpy()
+        want = logits + noise
+        assert list(got.argmax(-1)) == list(want.argmax(-1))
+        reference = head.reference(tf.constant(x), tf.constant(noise)).numpy()
+        assert list(reference.argmax(-1)) == list(want.argmax(-1))
+        exact = got == want
+        assert exact[np.arange(5), want.argmax(-1)].all()
+        # elsewhere the screen's value plus the noise, up to the op's own rounding
+        _, bound = (t.numpy() for t in head.bounds(tf.constant(x)))
+        assert np.all(np.abs(got - want) <= bound * 1.001 + 1e-5)
+        np.testing.assert_allclose(got[~exact], (approx + noise)[~exact], rtol=1e-5, atol=1e-4)
+        screened += (~exact).mean() > 0.9
+    assert screened == 30  # a screen, not the vocabulary recomputed
 
 
 @pytest.mark.parametrize("isa", ["auto", "scalar"])
@@ -275,14 +329,15 @@ def test_greedy_steps_take_the_screen_and_keep_their_tokens(screened_and_plain, 
 
 def test_a_step_with_a_row_that_needs_its_distribution_reads_the_float32_head(
         screened_and_plain):
-    """Mixed batches: greedy rows beside a logprobs, a penalized, a sampled (seeded) and a
-    structured one. Those steps must not screen: their logprobs and tokens are exactly
-    the unscreened engine's."""
+    """Mixed batches: greedy rows beside a logprobs, a penalized and a top-p sampled
+    (seeded) one. Those steps must not screen: their logprobs and tokens are exactly the
+    unscreened engine's."""
     screened, plain = screened_and_plain
     greedy = SamplingParams(max_tokens=12, ignore_eos=True)
     others = [SamplingParams(max_tokens=12, ignore_eos=True, logprobs=2),
               SamplingParams(max_tokens=12, ignore_eos=True, repetition_penalty=1.3),
-              SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.8, seed=5)]
+              SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.8, top_p=0.9,
+                             seed=5)]
     for other in others:
         params = [greedy, other, greedy]
         runner = screened.engine.runner
@@ -303,6 +358,27 @@ def test_a_step_with_a_row_that_needs_its_distribution_reads_the_float32_head(
                 np.testing.assert_allclose([lp.logprob] + [v for _, v in lp.top],
                                            [want_lp.logprob] + [v for _, v in want_lp.top],
                                            rtol=0, atol=1e-6)
+
+
+def test_plainly_sampled_steps_take_the_screen_and_keep_their_tokens(screened_and_plain):
+    """Seeded requests with plain temperature sampling (OpenAI's default request), beside
+    a greedy one and two completions of one prompt: their steps screen the head, with each
+    sampled row's noise, and every token is the unscreened engine's."""
+    screened, plain = screened_and_plain
+    params = [SamplingParams(max_tokens=14, ignore_eos=True, temperature=0.8, seed=5),
+              SamplingParams(max_tokens=14, ignore_eos=True),
+              SamplingParams(max_tokens=14, ignore_eos=True, temperature=1.3, seed=9, n=2)]
+    runner = screened.engine.runner
+    before = runner.num_sampled_screened_steps
+    got = screened.generate(PROMPTS[:3], params, use_tqdm=False)
+    assert runner.num_sampled_screened_steps >= before + 13
+    want = plain.generate(PROMPTS[:3], params, use_tqdm=False)
+    for g, w in zip(got, want):
+        assert [c.token_ids for c in g.outputs] == [c.token_ids for c in w.outputs]
+    assert got[2].outputs[0].token_ids != got[2].outputs[1].token_ids  # two streams
+    # and alone: a seeded request's tokens do not depend on what shares its steps
+    alone = screened.generate(PROMPTS[:1], params[:1], use_tqdm=False)
+    assert alone[0].outputs[0].token_ids == got[0].outputs[0].token_ids
 
 
 def test_only_plain_greedy_requests_need_only_the_argmax():
@@ -333,16 +409,17 @@ def test_the_warmup_traces_every_head_a_request_can_need(exported, precision):
     try:
         step = engine.engine.runner.step
         traced = set(step._heads)
-        assert "screened" in traced and len(traced) >= 2, traced
+        assert {"screened", "screened-noisy"} <= traced and len(traced) >= 3, traced
         if precision == "bfloat16" and not step.fused_every_step:
-            assert traced == {"screened", "fused", "xla"}
+            assert traced == {"screened", "screened-noisy", "fused", "xla"}
 
         async def requests():
-            for params in (SamplingParams(max_tokens=3, temperature=0.7, seed=1),
-                           SamplingParams(max_tokens=3, logprobs=1),
-                           SamplingParams(max_tokens=3)):
-                async for _ in engine.generate([5, 6, 7], params, f"r{params.temperature}"
-                                               f"{params.logprobs}"):
+            for i, params in enumerate((
+                    SamplingParams(max_tokens=3, temperature=0.7, seed=1),
+                    SamplingParams(max_tokens=3, temperature=0.7, top_k=4),
+                    SamplingParams(max_tokens=3, logprobs=1),
+                    SamplingParams(max_tokens=3))):
+                async for _ in engine.generate([5, 6, 7], params, f"r{i}"):
                     pass
 
         asyncio.run(requests())

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Peer system: Hugging Face transformers' TF GPT-2 with XLA `generate`, greedy.
+"""Peer system: Hugging Face transformers' TF GPT-2 with XLA `generate`, greedy (or sampled).
 
 Runs INSIDE its own virtualenv (tensorflow 2.21 + tf-keras 2.21 + transformers 4.57; create it
 with `bash benchmarks/peers/setup_hf_tf.sh`): transformers 5 dropped TensorFlow. It imports only
@@ -11,7 +11,9 @@ Model: `TFGPT2LMHeadModel(GPT2Config())` with random weights (GPT-2 small: 12 la
 spec may set any GPT2Config field under "model" (the benchmarks pass their own shapes).
 
 Generation is HF's documented TF XLA recipe: `tf.function(model.generate, jit_compile=True)`
-called with greedy settings (`do_sample=False, num_beams=1`) and `max_new_tokens=N`. XLA
+called with greedy settings (`do_sample=False, num_beams=1`) and `max_new_tokens=N`; with
+`--temperature T` > 0, plain temperature sampling instead (`do_sample=True, temperature=T,
+top_k=0, top_p=1.0`: no cut, as OpenAI's default request). XLA
 compiles once per input shape and per Python argument, so inputs are padded to fixed lengths
 (left padding with an attention mask, as HF requires for decoder-only models). TF's generate
 ignores `min_new_tokens` (only the PyTorch side implements it), so generation that never stops
@@ -70,7 +72,7 @@ import time
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 DEFAULTS = {"mode": "decode", "batch_size": 1, "prompt_len": 32, "new_tokens": 128,
-            "repeats": 3, "seed": 0, "prompt_seed": 0, "tiny": False,
+            "repeats": 3, "seed": 0, "prompt_seed": 0, "tiny": False, "temperature": 0.0,
             "prompt_bucket": 128, "output_bucket": 32}
 TINY = {"n_layer": 2, "n_embd": 128, "n_head": 4, "vocab_size": 512, "n_positions": 256}
 ENV_VARS = ("ONEDNN_MAX_CPU_ISA", "XLA_FLAGS", "TF_ENABLE_ONEDNN_OPTS", "TF_XLA_FLAGS")
@@ -97,6 +99,8 @@ def parse_spec(argv: list[str] | None) -> dict:
     parser.add_argument("--output-bucket", type=int, default=None,
                         help="jobs mode: round max_new_tokens up to a multiple of this "
                              "(default 32)")
+    parser.add_argument("--temperature", type=float, default=None,
+                        help="> 0: plain temperature sampling instead of greedy")
     parser.add_argument("--tiny", action="store_true", default=None,
                         help="2-layer width-128 vocab-512 model (quick checks)")
     args = parser.parse_args(argv)
@@ -133,12 +137,17 @@ def build_model(spec: dict):
 
 
 class XlaGenerator:
-    """`tf.function(model.generate, jit_compile=True)`, greedy, never stopping early."""
+    """`tf.function(model.generate, jit_compile=True)`, greedy or sampled, never stopping
+    early."""
 
-    def __init__(self, model, config):
+    def __init__(self, model, config, temperature: float = 0.0):
         import tensorflow as tf
 
         self.tf = tf
+        # greedy, or plain temperature sampling (no top-k or top-p cut: HF's top_k
+        # defaults to 50)
+        self.sampling = (dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0)
+                         if temperature > 0 else dict(do_sample=False))
         self.eos = int(config.eos_token_id)
         self.pad = self.eos
         self.generate_fn = tf.function(model.generate, jit_compile=True)
@@ -153,7 +162,7 @@ class XlaGenerator:
         out = self.generate_fn(
             input_ids=tf.constant(input_ids, tf.int32),
             attention_mask=tf.constant(attention_mask, tf.int32),
-            do_sample=False, num_beams=1, max_new_tokens=new_tokens,
+            num_beams=1, max_new_tokens=new_tokens, **self.sampling,
             # TF generate ignores min_new_tokens; min_length counts the (padded) prompt.
             min_length=prompt_len + new_tokens,
             pad_token_id=self.pad, eos_token_id=self.eos)
@@ -364,7 +373,7 @@ def main(argv: list[str] | None = None) -> int:
         start = time.perf_counter()
         model, config = build_model(spec)
         build_s = time.perf_counter() - start
-        gen = XlaGenerator(model, config)
+        gen = XlaGenerator(model, config, float(spec["temperature"]))
         log(f"GPT-2 {config.n_layer} layers, width {config.n_embd}, {config.n_head} heads, "
             f"vocab {config.vocab_size}, context {config.n_positions}: "
             f"{model.count_params():,} params; mode {spec['mode']}, batch {spec['batch_size']}")
@@ -375,7 +384,7 @@ def main(argv: list[str] | None = None) -> int:
         result.update({
             "system": "hf-tf-xla", "mode": spec["mode"],
             "generate": ("tf.function(TFGPT2LMHeadModel.generate, jit_compile=True), "
-                         "do_sample=False, num_beams=1, min_length=prompt+new, pad=eos"),
+                         f"{gen.sampling}, num_beams=1, min_length=prompt+new, pad=eos"),
             "model": {key: getattr(config, key) for key in
                       ("n_layer", "n_embd", "n_head", "n_inner", "vocab_size", "n_positions",
                        "eos_token_id")},

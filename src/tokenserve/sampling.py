@@ -136,3 +136,20 @@ class SamplingParams:
         decides the argmax)."""
         return (self.temperature == 0.0 and not self.needs_penalties and self.logprobs is None
                 and self.structured is None)
+
+    @property
+    def samples_by_noise(self) -> bool:
+        """Plain temperature sampling, with no top-k, top-p or min-p cut: each token is then
+        drawn as the argmax of the (penalized) logits plus temperature times Gumbel noise
+        (engine/sampler.py), which is a draw from their softmax."""
+        return (self.temperature > 0.0 and self.top_k == 0 and self.top_p >= 1.0
+                and self.min_p == 0.0)
+
+    @property
+    def needs_only_noisy_argmax(self) -> bool:
+        """Each token is the argmax of the model's logits plus the sequence's own noise
+        (none when greedy): greedy or plain temperature sampling, with no penalties,
+        logprobs or structured output. The engine may then compute only what decides that
+        argmax."""
+        return ((self.temperature == 0.0 or self.samples_by_noise) and not self.needs_penalties
+                and self.logprobs is None and self.structured is None)

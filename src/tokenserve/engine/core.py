@@ -258,7 +258,7 @@ class LLMEngine:
                 seq.request.prefill_time_s += duration
             else:
                 seq.request.decode_time_s += duration
-            if seq.num_pending_tokens == 0:
+            if item.samples:  # (now num_pending_tokens == 0; the runner asks the same)
                 sampling.append(seq)
                 rows.append(row_of_last)
         deltas: dict[str, list[CompletionOutput]] = {}

@@ -125,6 +125,7 @@ class ModelRunner:
                          "float32 (oneDNN has no bf16 matmul on this CPU)")
             self.step.screened_head = self._screened_head(engine_config, screen)
             self.num_screened_steps = 0  # steps whose LM head ran the screen
+            self.num_sampled_screened_steps = 0  # of those, steps with sampled rows
             if config.model.weight_format == "int8":
                 from tokenserve.kernels.int8_matmul import kernel_status
 
@@ -262,20 +263,43 @@ class ModelRunner:
         num_rows = self._bucket(num_wanted, only_decode=False,
                                 xla=xla and not self.step.fused_head)
         last = np.concatenate([last, np.zeros([num_rows - num_wanted], np.int32)])
-        # greedy rows need only each row's argmax: the head's screen gives it exactly (a
-        # bfloat16 model's after fused steps, whose head computes in float32 as the screen
-        # does: its graph steps' head computes in bfloat16)
+        # greedy rows need only each row's argmax, and plainly sampled ones the argmax of
+        # logits + their noise (engine/sampler.py): the head's screen gives either exactly
+        # (a bfloat16 model's after fused steps, whose head computes in float32 as the
+        # screen does: its graph steps' head computes in bfloat16)
         screened = (self.step.screened_head is not None
                     and num_wanted <= knobs.max_screened_head_rows
                     and self.step.float32_rows(fused)
-                    and all(s.seq.request.params.needs_only_argmax for s in out.scheduled))
+                    and all(s.seq.request.params.needs_only_argmax
+                            or (s.seq.request.params.needs_only_noisy_argmax
+                                and not s.draft_ids)
+                            for s in out.scheduled))
         self.num_screened_steps += screened
+        noise = self._noise(out, num_rows) if screened else None
+        self.num_sampled_screened_steps += noise is not None
         step = self.step.step_function(len(decode_groups), bool(prefill), fused)
         out = step(np.asarray(token_ids + padding, np.int32),
                    np.asarray(positions + padding, np.int32),
                    np.asarray(write_rows + padding, np.int32), decode_groups,
                    prefill_inputs, last)
-        return self.step.logits(out, fused, screened).numpy()[:num_wanted]
+        return self.step.logits(out, fused, screened, noise).numpy()[:num_wanted]
+
+    def _noise(self, out: SchedulerOutput, num_rows: int) -> np.ndarray | None:
+        """[num_rows, vocab] float32: the noise of each sampled row the engine draws from
+        after this step (SequenceSampler.noise_for_step), zeros elsewhere; None when no
+        row samples. Takes the noise from the samplers: called once the step is sure to
+        screen its head with it."""
+        rows, row = [], 0
+        for item in out.scheduled:
+            row += item.num_logits
+            if item.samples and item.seq.request.params.samples_by_noise:
+                rows.append((row - 1, item.seq.state.sampler))
+        if not rows:
+            return None
+        noise = np.zeros([num_rows, self.vocab_size], np.float32)
+        for row, sampler in rows:
+            noise[row] = sampler.noise_for_step()
+        return noise
 
     def warm_up_heads(self) -> None:
         """Traces and runs once every LM head a step can end in (TransformerStep.
@@ -292,8 +316,11 @@ class ModelRunner:
             float32 = step.float32_rows(fused)
             hidden = tf.ones([1, self.config.model.hidden_size],
                              tf.float32 if float32 else self.model.compute_dtype)
-            for screened in (False, True) if float32 else (False,):
-                step.head_function(fused, screened)(hidden).numpy()
+            if float32:  # greedy rows, and plainly sampled ones with their noise
+                step.head_function(fused, True)(hidden).numpy()
+                step.head_function(fused, True, noisy=True)(
+                    hidden, tf.zeros([1, self.vocab_size], tf.float32)).numpy()
+            step.head_function(fused)(hidden).numpy()
 
     def xla_programs(self) -> list[tuple[int, int]]:
         """The (tokens, LM-head rows) shapes whose XLA programs the steps can run: every token

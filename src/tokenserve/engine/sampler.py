@@ -1,8 +1,20 @@
 """Per-sequence sampling in NumPy: penalties, temperature, top-k, top-p, min-p, logprobs.
 
 Each sequence owns its random stream (seeded from the request's seed and its index) and
-draws exactly one uniform number per sampled token, so a seeded request gives the same
-tokens whatever else shares its batch. Greedy rows are decided together in one argmax.
+draws from it a fixed amount per sampled token, so a seeded request gives the same tokens
+whatever else shares its batch. Greedy rows are decided together in one argmax.
+
+Two ways to draw:
+- **Plain temperature sampling** (no top-k, top-p or min-p cut; OpenAI's default request)
+  draws one exponential number E_i per vocabulary entry and takes the argmax of
+  logits_i + T * -log(E_i): -log(E) is Gumbel noise, and the argmax of logits / T plus
+  independent Gumbel noise is a draw from softmax(logits / T) (the Gumbel-max trick). Being
+  an argmax, it lets the engine screen the LM head for sampled rows as for greedy ones
+  (engine/screened_head.py): the step adds the noise and returns logits + noise, exact
+  wherever that argmax could be. The noise for a token is drawn once (`noise`), whichever
+  head the step ran, so the token is the same either way.
+- **With a cut**, one uniform number per token, walked down the distribution most likely
+  first (inverse transform sampling), only as far as the draw needs.
 """
 
 from __future__ import annotations
@@ -131,6 +143,10 @@ class SequenceSampler:
         self.guide = guide
         """The sequence's structured-output constraint (engine.guided.Guide), or None."""
         self.rng = np.random.default_rng(None if params.seed is None else params.seed + index)
+        self.vocab_size = vocab_size
+        self._noise = None          # the next token's noise once drawn (noise()), else None
+        self._noise_buffer = None   # its memory, kept between tokens (see _buffer)
+        self._noise_in_logits = False  # a step added that noise to the logits it returned
         self.counts = None
         self.saw_nonfinite = False
         """Whether the logits of the last sample() held a NaN or +inf (a broken model)."""
@@ -142,6 +158,34 @@ class SequenceSampler:
     @property
     def is_greedy(self) -> bool:
         return self.params.temperature == 0.0 and self.counts is None
+
+    @property
+    def samples_by_noise(self) -> bool:
+        """Draws as the argmax of logits + noise (params.samples_by_noise)."""
+        return self.params.samples_by_noise
+
+    def noise(self) -> np.ndarray:
+        """The next token's noise: float32 [vocab], T * -log(E) with E ~ Exp(1) per entry
+        (numpy's ziggurat, 0.2 ms over 50k entries), drawn once per token from this
+        sequence's stream and kept until sample() takes it."""
+        if self._noise is None:
+            if self._noise_buffer is None:
+                self._noise_buffer = np.empty(self.vocab_size, np.float32)
+            noise = self.rng.standard_exponential(out=self._noise_buffer, dtype=np.float32)
+            # E = 0 would be infinite noise; float32's smallest positive value gives 103.3
+            np.maximum(noise, np.float32(np.finfo(np.float32).smallest_subnormal), out=noise)
+            np.log(noise, out=noise)
+            noise *= np.float32(-self.params.temperature)
+            self._noise = noise
+        return self._noise
+
+    def noise_for_step(self) -> np.ndarray:
+        """noise(), handed to a step that adds it to the logits it returns for this
+        sequence: the next sample() takes those logits as they are. The runner calls this
+        only for a row the engine samples from after the step (ScheduledSeq.samples)."""
+        noise = self.noise()
+        self._noise_in_logits = True
+        return noise
 
     def observe(self, token_id: int) -> None:
         if self.counts is not None:
@@ -158,6 +202,8 @@ class SequenceSampler:
     def sample(self, logits: np.ndarray) -> int:
         """logits: float [vocab] -> the chosen token id."""
         p = self.params
+        if p.samples_by_noise:
+            return self._noisy_argmax(logits)
         scores = self._scores(logits)
         if p.temperature == 0.0:
             return self._greedy(scores)
@@ -196,6 +242,34 @@ class SequenceSampler:
         if not probs.any():  # p(draft) was 1 within rounding: nothing else to draw
             return int(draft)
         return int(candidates[self._pick_whole(probs, self.rng.random())])
+
+    def _noisy_argmax(self, logits: np.ndarray) -> int:
+        """The argmax of the (penalized) logits plus this token's noise: a draw from their
+        softmax at this temperature. Where a step added the noise already
+        (noise_for_step), `logits` are that sum.
+
+        Non-finite logits follow _make_finite's rules, as the softmax's draw: +inf tokens
+        share the mass equally (the argmax of the noise among them), a NaN is never drawn,
+        and a row with nothing finite draws every token equally. From a step's sum the
+        logits are taken back as sum - noise: a NaN or an infinity stays one, and the
+        entries that could win are exact (the screen recomputes them)."""
+        noise = self.noise()
+        if self._noise_in_logits:
+            perturbed = np.asarray(logits, np.float32)
+            scores = None
+        else:
+            scores = self._scores(logits)
+            perturbed = np.add(scores, noise, out=_buffer("perturbed", noise.size, np.float32))
+        self._noise, self._noise_in_logits = None, False
+        token = int(np.argmax(perturbed))  # a NaN, or else a +inf, if there is any
+        best = perturbed[token]
+        self.saw_nonfinite = is_nonfinite(best)
+        if np.isfinite(best):
+            return token
+        if scores is None:
+            scores = np.subtract(perturbed, noise, dtype=np.float32)
+        _make_finite(scores)
+        return int(np.argmax(scores + noise))
 
     def _greedy(self, scores: np.ndarray) -> int:
         token = int(np.argmax(scores))  # a NaN, or else a +inf, if there is any

@@ -67,6 +67,13 @@ class ScheduledSeq:
         """Rows of logits the step returns for this sequence."""
         return 1 + len(self.draft_ids)
 
+    @property
+    def samples(self) -> bool:
+        """Whether the engine draws the sequence's next token from this step's last row of
+        logits: no drafts, and the step computes every token the sequence has (a prefill
+        chunk before the last does not)."""
+        return not self.draft_ids and self.start + self.num_new_tokens >= len(self.seq.token_ids)
+
 
 @dataclass
 class SchedulerOutput:

@@ -28,6 +28,12 @@ the plain head at four sequences); these ops leave x exact. A row with a weight 
 not finite is a candidate on every step (its bound is infinite), so its float32 logit is
 what the step returns.
 
+A sampled row takes the same screen. Plain temperature sampling draws a token as the
+argmax of logits + T * g, with g Gumbel noise per vocabulary entry (engine/sampler.py), so
+the noise is added to both bounds of every entry (it is exact: only the addition's rounding
+widens them) and the candidates are those that could be that argmax; what the step returns
+is logits + noise, exact for every candidate. A greedy row in the same step has zero noise.
+
 A bfloat16 model's head is screened the same way: its fused dense op (kernels/dense.cc)
 widens the bfloat16 weights exactly and computes in float32, so w_i above is the widened
 row, and the candidates are recomputed from it.
@@ -119,7 +125,7 @@ class ScreenedHead:
 
     def bounds(self, x):
         """x [S, D] float32 -> (approximate logits [S, vocab] with the bias, their error
-        bounds)."""
+        bounds, without the rounding of any noise added to them)."""
         if self.scale is not None:
             approx = int8_row_matmul(x, self.screen, self.scale)
         else:
@@ -128,17 +134,23 @@ class ScreenedHead:
             approx = approx + self.bias
         return approx, tf.norm(x, axis=-1, keepdims=True) * self.row_bound
 
-    def __call__(self, x):
-        """x [S, D] float32 (normed) -> [S, vocab] float32: the float32 logits of every
-        entry that could be a row's argmax, the screen's approximation elsewhere. One op
-        (kernels/half_matmul.cc); `reference` is the same in TF ops."""
+    def __call__(self, x, noise=None):
+        """x [S, D] float32 (normed), noise float32 [S, vocab] or None -> [S, vocab]
+        float32: logits + noise, exact (the float32 logits plus the noise) for every entry
+        that could be the argmax of a row's logits + noise, the screen's approximation plus
+        the noise elsewhere. One op (kernels/half_matmul.cc); `reference` is the same in TF
+        ops."""
         return screened_logits(
             x, self.screen, self._none if self.scale is None else self.scale, self.row_bound,
-            self.weight, self._none if self.bias is None else self.bias, layout=self.layout)
+            self.weight, self._none if self.bias is None else self.bias, layout=self.layout,
+            noise=noise)
 
-    def reference(self, x):
+    def reference(self, x, noise=None):
         """`__call__` as TF ops over `bounds`; the candidates' logits summed in float32."""
         approx, bound = self.bounds(x)
+        if noise is not None:  # with the rounding of the addition, as the op has it
+            approx = approx + noise
+            bound = bound + tf.abs(approx) * 2.0 ** -22
         floor = tf.reduce_max(approx - bound, axis=-1, keepdims=True)        # [S, 1]
         candidates = tf.where(approx + bound >= floor)                      # [C, 2]
         rows, entries = candidates[:, 0], candidates[:, 1]
@@ -150,4 +162,6 @@ class ScreenedHead:
         exact = tf.reduce_sum(weights * tf.gather(x, rows), axis=-1)        # [C]
         if self.bias is not None:
             exact = exact + tf.gather(self.bias, entries)
+        if noise is not None:
+            exact = exact + tf.gather_nd(noise, candidates)
         return tf.tensor_scatter_nd_update(approx, candidates, exact)

@@ -183,8 +183,9 @@ class TransformerStep(tf.Module):
         # is compiled, per token bucket or per row bucket.
         self.fused_head = False
         # The LM head through an int8 or float16 screen (engine/screened_head.py) for steps
-        # whose rows are all greedy: set by the runner before any step is traced, float32 or
-        # (after fused steps) bfloat16 weights.
+        # whose rows need only an argmax (greedy, or plainly sampled with their noise): set
+        # by the runner before any step is traced, float32 or (after fused steps) bfloat16
+        # weights.
         self.screened_head = None
         self._write_rows = None  # write_rows' traced scatter, made on first use
         self._dense_programs = None  # dense_programs' graph, made on first use
@@ -294,13 +295,16 @@ class TransformerStep(tf.Module):
         return kdense.dense(x, m.token_embedding, layout="nk")
 
     def _head_screened(self, x):
+        return self._head_screened_noisy(x, None)
+
+    def _head_screened_noisy(self, x, noise):
         m = self.model
         if self.kernel_dense:  # float32 x (a bfloat16 model's only after fused steps)
             x = self._norm_k(x, self._fused_final_norm)
         else:
             c = m.config
             x = norm(x, m.final_norm.weights_dict(), c.norm, c.norm_eps)
-        return self.screened_head(x)
+        return self.screened_head(x, noise)
 
     # -- attention over the paged cache (graph mode, never XLA) ------------------------------
     def _to_cache(self, rows):
@@ -434,23 +438,30 @@ class TransformerStep(tf.Module):
         graph step's are bfloat16."""
         return fused_dense or self.model.compute_dtype == "float32"
 
-    def logits(self, step_output, fused_dense: bool, screened: bool = False):
+    def logits(self, step_output, fused_dense: bool, screened: bool = False, noise=None):
         """A step's output as float32 logits [S, vocab]: the step's own where it ran its
-        head, else its hidden rows through head_function."""
+        head, else its hidden rows through head_function. noise: float32 [S, vocab] or
+        None, added to a screened head's logits (ScreenedHead)."""
         if self.screened_head is None:
             return step_output
+        if screened and noise is not None:
+            return self.head_function(fused_dense, True, noisy=True)(
+                step_output, tf.constant(noise, tf.float32))
         return self.head_function(fused_dense, screened)(step_output)
 
-    def head_function(self, fused_dense: bool, screened: bool = False):
+    def head_function(self, fused_dense: bool, screened: bool = False, noisy: bool = False):
         """With a screen, the LM head a step's hidden rows go through: [S, D] -> float32
         logits [S, vocab].
 
         A function of its own, called after the step on its output (a tensor, never a
         NumPy copy): which head runs depends on the rows' sampling, not on the step's
         kind, so one trace per head serves every step graph, where heads inside the step
-        would trace every step kind twice. `screened`: greedy rows only, through
-        `screened_head`."""
-        if screened and self.screened_head is not None:
+        would trace every step kind twice. `screened`: rows that need only an argmax,
+        through `screened_head`; `noisy`: that head with a second input, noise [S, vocab]
+        added to the logits (sampled rows' draws)."""
+        if screened and noisy and self.screened_head is not None:
+            kind, head = "screened-noisy", self._head_screened_noisy
+        elif screened and self.screened_head is not None:
             kind, head = "screened", self._head_screened
         else:
             head = self._head_fn(fused_dense)
@@ -459,8 +470,10 @@ class TransformerStep(tf.Module):
             # the rows as the step leaves them: float32 after the fused ops, whatever the
             # weights; a bfloat16 graph step's (the "xla" kind there) in bfloat16
             dtype = self.model.compute_dtype if kind == "xla" else tf.float32
-            spec = tf.TensorSpec([None, self.model.config.hidden_size], dtype)
-            traced = tf.function(head, input_signature=[spec], autograph=False)
+            specs = [tf.TensorSpec([None, self.model.config.hidden_size], dtype)]
+            if kind == "screened-noisy":
+                specs.append(tf.TensorSpec([None, None], tf.float32))
+            traced = tf.function(head, input_signature=specs, autograph=False)
             self._heads[kind] = FlatCall(traced.get_concrete_function(), int32_inputs=False)
         return self._heads[kind]
 

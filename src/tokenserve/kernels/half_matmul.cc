@@ -7,7 +7,9 @@
 //                             float32 scale per row (per output)
 //   TokenserveScreenedLogits  the whole screened head: one of those products, the bounds,
 //                             and the exact logits of the candidates from the head as the
-//                             model holds it (float32, or bfloat16 widened exactly)
+//                             model holds it (float32, or bfloat16 widened exactly); with
+//                             per-row noise, the argmax of logits + noise (a sampled row's
+//                             Gumbel draw) instead of the argmax of the logits
 //
 // A greedy decode step of a few sequences reads one of these copies of the head (half or a
 // quarter of the float32 head's bytes) and needs its products only to rule tokens out, so
@@ -238,6 +240,12 @@ REGISTER_OP("TokenserveInt8RowMatmul")
 // logit of every entry whose upper bound reaches it. As TF ops that was nine more ops over
 // [M, vocab] (norm, bound, max, compare, where, two gathers, a product, a scatter), about
 // 0.9 ms of a 2.6 ms GPT-2-small head at one row.
+//
+// With noise [M, N] (an empty tensor for none), the op screens the argmax of logits + noise
+// instead, and returns logits + noise: the same bounds hold for each entry, since the noise
+// is exact; the one addition's float32 rounding is covered by two units in the last place
+// of the sum on each side (NoiseSlack). A sampled row's Gumbel noise makes that argmax its
+// draw (engine/sampler.py), and a greedy row's noise row is zeros.
 REGISTER_OP("TokenserveScreenedLogits")
     .Input("x: float")          // [M, K]: the final norm's output
     .Input("screen: T")         // [N, K]: the head's float16 or int8 copy
@@ -245,6 +253,7 @@ REGISTER_OP("TokenserveScreenedLogits")
     .Input("row_bound: float")  // [N]: r_i, the bound on |(w_i - h_i) . x| / ||x||
     .Input("weight: Tw")        // the head: [N, K] ("nk") or [K, N] ("kn")
     .Input("bias: float")       // [N], or [0] for none
+    .Input("noise: float")      // [M, N], or empty for none: added to the logits
     .Output("logits: float")    // [M, N]
     .Attr("T: {half, int8}")
     .Attr("Tw: {float, bfloat16} = DT_FLOAT")  // a bfloat16 model's head, widened exactly
@@ -318,6 +327,11 @@ class RowMatmulOp : public OpKernel {
   bool avx2_ = false;
 };
 
+// The float32 rounding of an entry's logit + noise, on each side of the screen: two units in
+// the last place of the sum (2^-22 of it; rounding is at most half a unit, and the exact
+// recomputation is rounded once more).
+inline float NoiseSlack(float sum) { return std::fabs(sum) * 0x1p-22f; }
+
 // W: the screen's type (Half or int8_t); V: the head's (float, or BFloat16 for a bfloat16
 // model, whose logits the fused dense op computes in float32 from the widened weights)
 template <typename W, typename V>
@@ -338,6 +352,7 @@ class ScreenedLogitsOp : public OpKernel {
     const Tensor& row_bound = ctx->input(3);
     const Tensor& weight = ctx->input(4);
     const Tensor& bias = ctx->input(5);
+    const Tensor& noise = ctx->input(6);
     OP_REQUIRES(ctx, x.dims() == 2 && screen.dims() == 2 && weight.dims() == 2,
                 InvalidArgument("x, screen and weight must be matrices, got ",
                                 x.shape().DebugString(), ", ", screen.shape().DebugString(),
@@ -359,9 +374,15 @@ class ScreenedLogitsOp : public OpKernel {
                                 row_bound.shape().DebugString(), ", ",
                                 scale.shape().DebugString(), " and ",
                                 bias.shape().DebugString()));
+    const bool noisy = noise.NumElements() > 0;
+    OP_REQUIRES(ctx, !noisy || (noise.dims() == 2 && noise.dim_size(0) == g.M &&
+                                noise.dim_size(1) == g.N),
+                InvalidArgument("noise must be [M, N] = [", g.M, ", ", g.N,
+                                "] or empty, got ", noise.shape().DebugString()));
     Tensor* out = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({g.M, g.N}), &out));
     if (g.M == 0 || g.N == 0) return;
+    const float* zp = noisy ? noise.flat<float>().data() : nullptr;
     const float* xp = x.flat<float>().data();
     const W* sp = screen.flat<W>().data();
     const float* scp = int8 ? scale.flat<float>().data() : nullptr;
@@ -378,6 +399,10 @@ class ScreenedLogitsOp : public OpKernel {
       norms[m] = std::sqrt(sum);
     }
     auto bound = [&](int64 m, int64 n) { return static_cast<float>(norms[m] * rb[n]); };
+    // with noise: the bound plus the rounding of the addition (NoiseSlack)
+    auto reach = [&](int64 m, int64 n, float value) {
+      return zp != nullptr ? bound(m, n) + NoiseSlack(value) : bound(m, n);
+    };
     auto* pool = ctx->device()->tensorflow_cpu_worker_threads()->workers;
     const int64 workers = std::max(1, pool->NumThreads());
     const int64 tiles = (g.N + kTileRows - 1) / kTileRows;
@@ -396,9 +421,11 @@ class ScreenedLogitsOp : public OpKernel {
       for (int64 m = 0; m < g.M; ++m) {
         float* ym = y + m * g.N;
         float best = kNone;
+        const float* zm = zp != nullptr ? zp + m * g.N : nullptr;
         for (int64 n = n0; n < n1; ++n) {
           if (bp != nullptr) ym[n] += bp[n];
-          const float low = ym[n] - bound(m, n);
+          if (zm != nullptr) ym[n] += zm[n];
+          const float low = ym[n] - reach(m, n, ym[n]);
           if (low > best) best = low;
         }
         tile_floor[tile * g.M + m] = best;
@@ -416,7 +443,7 @@ class ScreenedLogitsOp : public OpKernel {
         float* ym = y + m * g.N;
         const float* xm = xp + m * g.K;
         for (int64 n = n0; n < n1; ++n) {
-          if (!(ym[n] + bound(m, n) >= floor[m])) continue;
+          if (!(ym[n] + reach(m, n, ym[n]) >= floor[m])) continue;
           double sum = 0;
           if (kn_) {
             for (int64 k = 0; k < g.K; ++k) sum += double(ToFloat(wp[k * g.N + n])) * xm[k];
@@ -425,6 +452,7 @@ class ScreenedLogitsOp : public OpKernel {
             for (int64 k = 0; k < g.K; ++k) sum += double(ToFloat(wn[k])) * xm[k];
           }
           ym[n] = static_cast<float>(sum) + (bp != nullptr ? bp[n] : 0.f);
+          if (zp != nullptr) ym[n] += zp[m * g.N + n];
         }
       }
     });

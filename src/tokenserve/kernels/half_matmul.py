@@ -55,16 +55,20 @@ def int8_row_matmul_fallback(x, w, scale) -> tf.Tensor:
 
 
 def screened_logits(x, screen, scale, row_bound, weight, bias, layout: str,
-                    isa: str = "auto") -> tf.Tensor:
+                    isa: str = "auto", noise=None) -> tf.Tensor:
     """The screened LM head in one op (engine/screened_head.py has the math): x float32
     [M, K] (normed); screen float16 or int8 [N, K] with scale [N] (int8) or [0]; row_bound
     [N]; weight the head, float32 or bfloat16, [N, K] ("nk") or [K, N] ("kn"); bias [N] or
-    [0]. Returns [M, N]: the float32 logit of every entry that could be a row's argmax, the
-    screen's value elsewhere. Compiled op only: callers check `is_compiled` first."""
+    [0]; noise float32 [M, N] or None (or empty). Returns [M, N]: the float32 logit (plus
+    noise) of every entry that could be the argmax of a row's logits plus its noise, the
+    screen's value (plus noise) elsewhere. Compiled op only: callers check `is_compiled`
+    first."""
     op = LIBRARY.module()
     if op is None:
         raise RuntimeError(f"the screened head needs the compiled op: {kernel_status()}")
-    return op.tokenserve_screened_logits(x, screen, scale, row_bound, weight, bias,
+    if noise is None:
+        noise = tf.zeros([0, 0], tf.float32)
+    return op.tokenserve_screened_logits(x, screen, scale, row_bound, weight, bias, noise,
                                          layout=layout, isa=isa)
 
 
