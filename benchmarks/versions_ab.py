@@ -4,7 +4,8 @@
 Each round runs, for each model and each tree in turn, a fresh process that loads the model
 with `tokenserve.LLM` from that tree (PYTHONPATH) and decodes prompts of 32 random tokens,
 128 new tokens each, greedy, eos ignored: one prompt (best of two), the same sampled at
-temperature 0.8 ("1 sampled": the whole LM head, as most chat requests read it), then 8, 16
+temperature 0.8 ("1 sampled", as most chat requests are: before 2026-12-05 such a row read
+the whole LM head, since then it takes the head screen with its noise), then 8, 16
 and 32 at once; and "prefill": one 32-token prompt for one new token, ten times, as prompt
 tokens per second over the median call (the engine's part of the time to first token).
 The two trees alternate inside a round, so both see the same minutes of this noisy machine;
@@ -54,7 +55,7 @@ precision = sys.argv[2]
 kwargs = {"precision": precision} if precision in ("auto", "float32", "bfloat16") else {}
 llm = LLM(sys.argv[1], max_num_seqs=32, **kwargs)
 params = SamplingParams(max_tokens=128, ignore_eos=True)
-# sampled, as most chat requests are: the whole LM head in the model's precision, no screen
+# sampled, as most chat requests are (no top-p cut): a Gumbel draw, screened since 2026-12-05
 sampled = SamplingParams(max_tokens=128, ignore_eos=True, temperature=0.8, seed=0)
 rng = np.random.default_rng(0)
 def run(n, params=params):
