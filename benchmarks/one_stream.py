@@ -11,8 +11,8 @@ and their median is reported, with their spread.
 Workload as headline.py's: GPT-2 small (random weights), a random 32-token prompt (sent as
 text, as the headline's unstreamed column), 128 new tokens, greedy, eos ignored. With
 `--temperature T`, every system samples instead, plainly (no top-k, top-p, min-p or
-repetition penalty: OpenAI's default request at T = 1; llama.cpp's server applies its own
-defaults for those unless told, so it is told).
+repetition penalty, as OpenAI's API samples when a request names only a temperature;
+llama.cpp's server applies its own defaults for those unless told, so it is told).
 
   serve-<fmt>     `tokenserve serve` on the float32 and the int8 export; more serve flags
                   as serve-<fmt>:<flag>=<value>, e.g. serve-float32:head_screen=float16

@@ -5,7 +5,8 @@ draws from it a fixed amount per sampled token, so a seeded request gives the sa
 whatever else shares its batch. Greedy rows are decided together in one argmax.
 
 Two ways to draw:
-- **Plain temperature sampling** (no top-k, top-p or min-p cut; OpenAI's default request)
+- **Plain temperature sampling** (no top-k, top-p or min-p cut; what OpenAI's API does with
+  a request that names only a temperature)
   draws one exponential number E_i per vocabulary entry and takes the argmax of
   logits_i + T * -log(E_i): -log(E) is Gumbel noise, and the argmax of logits / T plus
   independent Gumbel noise is a draw from softmax(logits / T) (the Gumbel-max trick). Being
