@@ -334,7 +334,7 @@ def test_plain_sampling_draws_from_the_softmax(temperature):
     4.5 standard deviations (the seed fixes the draws, so this cannot flake)."""
     logits = np.array([2.0, 1.0, 0.5, 0.0, -1.0, -np.inf, 3.0], np.float32)
     one = SequenceSampler(SamplingParams(temperature=temperature, seed=11), 0, logits.size, [])
-    assert one.samples_by_noise
+    assert one.params.samples_by_noise
     n = 20_000
     counts = np.bincount([one.sample(logits) for _ in range(n)], minlength=logits.size)
     want = np.exp((logits - logits.max()) / temperature)

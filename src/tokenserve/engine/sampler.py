@@ -160,11 +160,6 @@ class SequenceSampler:
     def is_greedy(self) -> bool:
         return self.params.temperature == 0.0 and self.counts is None
 
-    @property
-    def samples_by_noise(self) -> bool:
-        """Draws as the argmax of logits + noise (params.samples_by_noise)."""
-        return self.params.samples_by_noise
-
     def noise(self) -> np.ndarray:
         """The next token's noise: float32 [vocab], T * -log(E) with E ~ Exp(1) per entry
         (numpy's ziggurat, 0.2 ms over 50k entries), drawn once per token from this
