@@ -13,7 +13,8 @@ Two ways to draw:
   an argmax, it lets the engine screen the LM head for sampled rows as for greedy ones
   (engine/screened_head.py): the step adds the noise and returns logits + noise, exact
   wherever that argmax could be. The noise for a token is drawn once (`noise`), whichever
-  head the step ran, so the token is the same either way.
+  head the step ran, so the token is the same either way (up to float32 rounding where two
+  sums tie within it: the screen recomputes its candidates in another order than the head).
 - **With a cut**, one uniform number per token, walked down the distribution most likely
   first (inverse transform sampling), only as far as the draw needs.
 """
