@@ -8,7 +8,8 @@
 #
 # VENV defaults to $LLAMA_CPP_VENV, else benchmarks/.venv-llama-cpp. Building llama.cpp takes
 # about 10 minutes on 2 cores (it needs a C++ compiler; cmake comes from PyPI). Idempotent:
-# a VENV that already imports the pinned version is left as it is.
+# a VENV that already imports the pinned version, built with the same CMake arguments (kept
+# in VENV/.llama-cpp-cmake-args), is left as it is.
 set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
