@@ -285,8 +285,8 @@ AVX2_FN void KnRowsAvx2(const Geometry& g, const float* x, const W* w, int64 k0,
 // The copy still took 37 % of the op (32 rows, AVX2 stand-in on a Zen 5), for two reasons.
 // Its loads waited on memory: each row's slice starts a new page, and the hardware
 // prefetcher is idle while the panels compute. So each worker owns a range of work items
-// (RunRanges), knows its next one, and prefetches that item's rows into L2, one row after
-// each panel it computes, so the reads spread over the compute. And its stores went 4 KB
+// (RunRanges), knows its next one, and prefetches that item's rows into L2 from inside the
+// tile loops (LinePrefetch), so the reads spread over the compute. And its stores went 4 KB
 // apart, one per panel, all into one L1 set: the panels are now kPanelPad floats further
 // apart. Twelve GPT-2-small MLPs (up with GELU, down with the residual), in process,
 // alternating per call, 20 rounds, medians of the ratios: 1.21-1.27x at 32 rows, 1.34x at
@@ -312,13 +312,41 @@ AVX2_FN __attribute__((always_inline)) inline void FmaRow(const float* x, __m256
   hi = _mm256_fmadd_ps(a, b1, hi);
 }
 
+// The lines of a weight block (`rows` rows of `bytes` each, `stride` bytes apart) that a
+// worker will read next, prefetched into L2 one line at a time from inside the tile loops:
+// every 2^shift iterations of a tile's k loop issue one. A burst of prefetches, a whole
+// weight row's 64 lines after each panel, stalled on the few line-fill buffers a core has
+// (perf put half the packing function's samples on its prefetch loop, at 32 rows), while
+// the FMAs waited; one line now and then keeps the loads in flight behind the compute.
+struct LinePrefetch {
+  const char* row = nullptr;  // the current row's start; nullptr: nothing (left) to fetch
+  int64 offset = 0, bytes = 0, stride = 0, rows_left = 0;
+  int64 mask = ~int64{0};     // issue when (k & mask) == mask; all ones: never
+
+  AVX2_FN inline void Step() {
+    if (row == nullptr) return;
+    _mm_prefetch(row + offset, _MM_HINT_T1);
+    offset += 64;
+    if (offset >= bytes) {
+      offset = 0;
+      row = --rows_left > 0 ? row + stride : nullptr;
+    }
+  }
+  // whatever the loops did not issue
+  AVX2_FN void Rest() {
+    while (row != nullptr) Step();
+  }
+};
+
 template <int R>
 AVX2_FN void PanelTileAvx2(int64 depth, const float* x, int64 ldx, const float* panel,
-                           int64 cols, bool first, float* out, int64 ldo) {
+                           int64 cols, bool first, float* out, int64 ldo,
+                           LinePrefetch* pf = nullptr) {
   static_assert(R >= 1 && R <= 6, "one to six rows of x");
   __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00;
   __m256 c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
   const float* p = panel;
+  const int64 mask = pf != nullptr ? pf->mask : ~int64{0};
   for (int64 k = 0; k < depth; ++k, p += kPanel) {
     const __m256 b0 = _mm256_loadu_ps(p), b1 = _mm256_loadu_ps(p + 8);
     const float* xk = x + k;
@@ -328,6 +356,7 @@ AVX2_FN void PanelTileAvx2(int64 depth, const float* x, int64 ldx, const float* 
     if constexpr (R > 3) FmaRow(xk + 3 * ldx, b0, b1, c30, c31);
     if constexpr (R > 4) FmaRow(xk + 4 * ldx, b0, b1, c40, c41);
     if constexpr (R > 5) FmaRow(xk + 5 * ldx, b0, b1, c50, c51);
+    if ((k & mask) == mask) pf->Step();
   }
   const __m256 rows[6][2] = {{c00, c01}, {c10, c11}, {c20, c21},
                              {c30, c31}, {c40, c41}, {c50, c51}};
@@ -353,19 +382,21 @@ AVX2_FN void PanelTileAvx2(int64 depth, const float* x, int64 ldx, const float* 
 // out[r, 0 .. cols) (= or +=, `first`) x[r, 0 .. depth) @ panel for all m rows of x: tiles
 // of kTileRowsX rows, then one tile of the rows left.
 AVX2_FN void PanelRowsAvx2(int64 m, int64 depth, const float* x, int64 ldx, const float* panel,
-                           int64 cols, bool first, float* out, int64 ldo) {
+                           int64 cols, bool first, float* out, int64 ldo,
+                           LinePrefetch* pf = nullptr) {
   int64 r = 0;
   for (; r + kTileRowsX <= m; r += kTileRowsX) {
-    PanelTileAvx2<kTileRowsX>(depth, x + r * ldx, ldx, panel, cols, first, out + r * ldo, ldo);
+    PanelTileAvx2<kTileRowsX>(depth, x + r * ldx, ldx, panel, cols, first, out + r * ldo, ldo,
+                              pf);
   }
   x += r * ldx;
   out += r * ldo;
   switch (m - r) {
-    case 1: PanelTileAvx2<1>(depth, x, ldx, panel, cols, first, out, ldo); break;
-    case 2: PanelTileAvx2<2>(depth, x, ldx, panel, cols, first, out, ldo); break;
-    case 3: PanelTileAvx2<3>(depth, x, ldx, panel, cols, first, out, ldo); break;
-    case 4: PanelTileAvx2<4>(depth, x, ldx, panel, cols, first, out, ldo); break;
-    case 5: PanelTileAvx2<5>(depth, x, ldx, panel, cols, first, out, ldo); break;
+    case 1: PanelTileAvx2<1>(depth, x, ldx, panel, cols, first, out, ldo, pf); break;
+    case 2: PanelTileAvx2<2>(depth, x, ldx, panel, cols, first, out, ldo, pf); break;
+    case 3: PanelTileAvx2<3>(depth, x, ldx, panel, cols, first, out, ldo, pf); break;
+    case 4: PanelTileAvx2<4>(depth, x, ldx, panel, cols, first, out, ldo, pf); break;
+    case 5: PanelTileAvx2<5>(depth, x, ldx, panel, cols, first, out, ldo, pf); break;
     default: break;
   }
 }
@@ -401,18 +432,27 @@ AVX2_FN void KnPackedAvx2(const Geometry& g, const float* x, const W* w,
       std::fill(dst + n, dst + kPanel, 0.f);
     }
   }
+  // the next item's rows, spread over this item's tile loops: one line every 2^shift k
+  // iterations, the largest power of two that still issues them all
+  LinePrefetch pf;
   const int64 next_rows = next.k1 - next.k0;
-  const int64 next_bytes = (next.j1 - next.j0) * static_cast<int64>(sizeof(W));
+  if (next_rows > 0) {
+    pf.row = reinterpret_cast<const char*>(w + next.k0 * g.N + next.j0);
+    pf.bytes = (next.j1 - next.j0) * static_cast<int64>(sizeof(W));
+    pf.stride = g.N * static_cast<int64>(sizeof(W));
+    pf.rows_left = next_rows;
+    const int64 lines = next_rows * ((pf.bytes + 63) / 64);
+    const int64 iterations = panels * depth * ((g.M + kTileRowsX - 1) / kTileRowsX);
+    int64 shift = 0;
+    while (shift < 6 && (iterations >> (shift + 1)) >= lines) ++shift;
+    pf.mask = (int64{1} << shift) - 1;
+  }
   for (int64 p = 0; p < panels; ++p) {
     const float* panel = pack + p * stride;
     const int64 cols = std::min(kPanel, width - p * kPanel);
-    PanelRowsAvx2(g.M, depth, x + k0, g.K, panel, cols, first, acc + j0 + p * kPanel, g.N);
-    // the next item's rows, spread evenly over this item's panels
-    for (int64 r = next.k0 + p * next_rows / panels; r < next.k0 + (p + 1) * next_rows / panels;
-         ++r) {
-      cpu::PrefetchL2(w + r * g.N + next.j0, next_bytes);
-    }
+    PanelRowsAvx2(g.M, depth, x + k0, g.K, panel, cols, first, acc + j0 + p * kPanel, g.N, &pf);
   }
+  pf.Rest();
 }
 
 // "nk" (a tied embedding [N, K] as the LM head) for 24 or more rows of x: the same register
