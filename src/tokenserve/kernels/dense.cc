@@ -546,8 +546,11 @@ AVX2_FN void NkPackedAvx2(const Geometry& g, const float* x, const W* w, int64 n
 // at a time 6.44 ms; four rows 5.51; four rows with the rows 4, 8 or 12 ahead prefetched
 // 4.75, 4.68, 5.02 (numpy's sgemv: 3.9-4.7 in other runs of the same hour). At M = 8 and 16,
 // one row of x per pass 12.4 and 18.4 ms, three 10.2 and 14.6.
+// far (kPrefetch only): four rows further on, into L2 a line of each per line of these
+// (nullptr: none).
 template <int R, bool kPrefetch, typename W>
-AVX2_FN inline void NkQuadAvx2(const Geometry& g, const float* x, const W* w0, float* z) {
+AVX2_FN inline void NkQuadAvx2(const Geometry& g, const float* x, const W* w0, float* z,
+                               const W* far) {
   const int64 vec = g.K / 8 * 8;
   const int64 ahead = kNkPrefetchRows * g.K;  // floats
   const W* ws[4] = {w0, w0 + g.K, w0 + 2 * g.K, w0 + 3 * g.K};
@@ -561,6 +564,11 @@ AVX2_FN inline void NkQuadAvx2(const Geometry& g, const float* x, const W* w0, f
       // the tile's or W's end too: a prefetch never faults)
       for (int i = 0; i < 4; ++i) {
         _mm_prefetch(reinterpret_cast<const char*>(ws[i] + ahead + k), _MM_HINT_T0);
+      }
+      if (far != nullptr) {
+        for (int i = 0; i < 4; ++i) {
+          _mm_prefetch(reinterpret_cast<const char*>(far + i * g.K + k), _MM_HINT_T1);
+        }
       }
     }
     __m256 xv[R];
@@ -583,8 +591,8 @@ AVX2_FN inline void NkQuadAvx2(const Geometry& g, const float* x, const W* w0, f
 
 template <int R, typename W>
 AVX2_FN inline void NkRowsAvx2(bool prefetch, const Geometry& g, const float* x, const W* w0,
-                               float* z) {
-  prefetch ? NkQuadAvx2<R, true>(g, x, w0, z) : NkQuadAvx2<R, false>(g, x, w0, z);
+                               float* z, const W* far) {
+  prefetch ? NkQuadAvx2<R, true>(g, x, w0, z, far) : NkQuadAvx2<R, false>(g, x, w0, z, far);
 }
 
 template <typename W>
@@ -593,16 +601,18 @@ AVX2_FN void NkTileAvx2(const Geometry& g, const float* x, const W* w, int64 n0,
   int64 n = n0;
   for (; n + 4 <= n1; n += 4) {
     const W* w0 = w + n * g.K;
-    const W* far = w0 + kNkPrefetchL2Rows * g.K;  // four rows further ahead, into L2
-    if (far + 4 * g.K <= prefetch_end) cpu::PrefetchL2(far, 4 * g.K * sizeof(W));
+    // four rows further ahead, into L2: a line at a time from the first pass over these
+    // (a burst of all their lines here stalled on the core's few line-fill buffers)
+    const W* far = w0 + kNkPrefetchL2Rows * g.K;
+    if (far + 4 * g.K > prefetch_end) far = nullptr;
     for (int64 r = 0; r < g.M; r += 3) {
       const float* xr = x + r * g.K;
       float* zr = z + r * g.N + n;
       const bool first = r == 0;  // reads the four rows from memory: prefetch ahead
       switch (std::min<int64>(3, g.M - r)) {
-        case 1: NkRowsAvx2<1>(first, g, xr, w0, zr); break;
-        case 2: NkRowsAvx2<2>(first, g, xr, w0, zr); break;
-        default: NkRowsAvx2<3>(first, g, xr, w0, zr); break;
+        case 1: NkRowsAvx2<1>(first, g, xr, w0, zr, far); break;
+        case 2: NkRowsAvx2<2>(first, g, xr, w0, zr, far); break;
+        default: NkRowsAvx2<3>(first, g, xr, w0, zr, far); break;
       }
     }
   }

@@ -116,9 +116,11 @@ constexpr int64 kRowPrefetch = 1024;
 // tenth of the time, and one sequence measured 0.99x (0.97-1.01, 5 rounds): within noise.
 constexpr int64 kRowPrefetchL2 = 32768;
 
+// far: the row kRowPrefetchL2 bytes ahead, prefetched into L2 a line for each line of this
+// one (nullptr: none)
 template <typename W, int R>
 AVX2_FN inline void RowAvx2(const Geometry& g, const float* x, const W* wn, float scale,
-                            float* y) {
+                            float* y, const char* far) {
   // U accumulators per row of x: FMA latency (4-5 cycles) would otherwise hold one or two
   // rows of x to a few bytes of weights per cycle
   constexpr int U = R <= 2 ? 4 : 2;
@@ -134,6 +136,7 @@ AVX2_FN inline void RowAvx2(const Geometry& g, const float* x, const W* wn, floa
     for (int u = 0; u < U; ++u) {
       if (((k + 8 * u) & (kPerLine - 1)) == 0) {
         _mm_prefetch(ahead + sizeof(W) * (k + 8 * u), _MM_HINT_T0);
+        if (far != nullptr) _mm_prefetch(far + sizeof(W) * (k + 8 * u), _MM_HINT_T1);
       }
     }
     __m256 wv[U];
@@ -142,6 +145,13 @@ AVX2_FN inline void RowAvx2(const Geometry& g, const float* x, const W* wn, floa
       for (int u = 0; u < U; ++u) {
         s[r][u] = _mm256_fmadd_ps(wv[u], _mm256_loadu_ps(x + r * g.K + k + 8 * u), s[r][u]);
       }
+    }
+  }
+  if (far != nullptr) {  // the lines past the vector loop's
+    const int64 bytes = g.K * static_cast<int64>(sizeof(W));
+    for (int64 off = (vec * static_cast<int64>(sizeof(W)) + 63) / 64 * 64; off < bytes;
+         off += 64) {
+      _mm_prefetch(far + off, _MM_HINT_T1);
     }
   }
   for (int r = 0; r < R; ++r) {
@@ -160,17 +170,22 @@ AVX2_FN void TileAvx2(const Geometry& g, const float* x, const W* w, const float
   const int64 rows_ahead = std::max<int64>(1, kRowPrefetchL2 / std::max<int64>(1, row_bytes));
   for (int64 n = n0; n < n1; ++n) {
     const W* wn = w + n * g.K;
-    const W* far = wn + rows_ahead * g.K;
-    if (far + g.K <= prefetch_end) cpu::PrefetchL2(far, row_bytes);
+    // The row rows_ahead further on, into L2: a line at a time from the first pass over
+    // this row (RowAvx2), where a burst of the row's lines here had stalled on the core's
+    // few line-fill buffers (a third of this function's samples, float32 engine step).
+    const W* far_row = wn + rows_ahead * g.K;
+    const char* far = far_row + g.K <= prefetch_end ? reinterpret_cast<const char*>(far_row)
+                                                    : nullptr;
     const float sn = scale == nullptr ? 1.f : scale[n];
     for (int64 r = 0; r < g.M; r += 4) {
       const float* xr = x + r * g.K;
       float* yr = y + r * g.N + n;
+      const char* f = r == 0 ? far : nullptr;
       switch (std::min<int64>(4, g.M - r)) {
-        case 1: RowAvx2<W, 1>(g, xr, wn, sn, yr); break;
-        case 2: RowAvx2<W, 2>(g, xr, wn, sn, yr); break;
-        case 3: RowAvx2<W, 3>(g, xr, wn, sn, yr); break;
-        default: RowAvx2<W, 4>(g, xr, wn, sn, yr); break;
+        case 1: RowAvx2<W, 1>(g, xr, wn, sn, yr, f); break;
+        case 2: RowAvx2<W, 2>(g, xr, wn, sn, yr, f); break;
+        case 3: RowAvx2<W, 3>(g, xr, wn, sn, yr, f); break;
+        default: RowAvx2<W, 4>(g, xr, wn, sn, yr, f); break;
       }
     }
   }
