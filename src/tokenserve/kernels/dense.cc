@@ -323,6 +323,21 @@ struct LinePrefetch {
   int64 offset = 0, bytes = 0, stride = 0, rows_left = 0;
   int64 mask = ~int64{0};     // issue when (k & mask) == mask; all ones: never
 
+  // Fetch `rows` rows of `row_bytes` from `first`, `row_stride` bytes apart, over about
+  // `iterations` k iterations of tile loops: one line every 2^s of them, the largest s
+  // (at most 6) that still issues them all.
+  void Start(const void* first, int64 row_bytes, int64 row_stride, int64 rows,
+             int64 iterations) {
+    row = static_cast<const char*>(first);
+    bytes = row_bytes;
+    stride = row_stride;
+    rows_left = rows;
+    const int64 lines = rows * ((row_bytes + 63) / 64);
+    int64 shift = 0;
+    while (shift < 6 && (iterations >> (shift + 1)) >= lines) ++shift;
+    mask = (int64{1} << shift) - 1;
+  }
+
   AVX2_FN inline void Step() {
     if (row == nullptr) return;
     _mm_prefetch(row + offset, _MM_HINT_T1);
@@ -432,20 +447,12 @@ AVX2_FN void KnPackedAvx2(const Geometry& g, const float* x, const W* w,
       std::fill(dst + n, dst + kPanel, 0.f);
     }
   }
-  // the next item's rows, spread over this item's tile loops: one line every 2^shift k
-  // iterations, the largest power of two that still issues them all
+  // the next item's rows, spread over this item's tile loops
   LinePrefetch pf;
-  const int64 next_rows = next.k1 - next.k0;
-  if (next_rows > 0) {
-    pf.row = reinterpret_cast<const char*>(w + next.k0 * g.N + next.j0);
-    pf.bytes = (next.j1 - next.j0) * static_cast<int64>(sizeof(W));
-    pf.stride = g.N * static_cast<int64>(sizeof(W));
-    pf.rows_left = next_rows;
-    const int64 lines = next_rows * ((pf.bytes + 63) / 64);
-    const int64 iterations = panels * depth * ((g.M + kTileRowsX - 1) / kTileRowsX);
-    int64 shift = 0;
-    while (shift < 6 && (iterations >> (shift + 1)) >= lines) ++shift;
-    pf.mask = (int64{1} << shift) - 1;
+  if (next.k1 > next.k0) {
+    pf.Start(w + next.k0 * g.N + next.j0, (next.j1 - next.j0) * static_cast<int64>(sizeof(W)),
+             g.N * static_cast<int64>(sizeof(W)), next.k1 - next.k0,
+             panels * depth * ((g.M + kTileRowsX - 1) / kTileRowsX));
   }
   for (int64 p = 0; p < panels; ++p) {
     const float* panel = pack + p * stride;
@@ -524,14 +531,8 @@ AVX2_FN void NkPackedAvx2(const Geometry& g, const float* x, const W* w, int64 n
     LinePrefetch pf;
     const int64 next_rows = std::min(kPanel, stream_end - n - kPanel);
     if (next_rows > 0) {
-      pf.row = reinterpret_cast<const char*>(w + (n + kPanel) * g.K);
-      pf.bytes = next_rows * g.K * static_cast<int64>(sizeof(W));
-      pf.rows_left = 1;
-      const int64 lines = (pf.bytes + 63) / 64;
-      const int64 iterations = g.K * ((g.M + kTileRowsX - 1) / kTileRowsX);
-      int64 shift = 0;
-      while (shift < 6 && (iterations >> (shift + 1)) >= lines) ++shift;
-      pf.mask = (int64{1} << shift) - 1;
+      pf.Start(w + (n + kPanel) * g.K, next_rows * g.K * static_cast<int64>(sizeof(W)), 0, 1,
+               g.K * ((g.M + kTileRowsX - 1) / kTileRowsX));
     }
     PanelRowsAvx2(g.M, g.K, x, g.K, panel, cols, true, z + n, g.N, &pf);
     pf.Rest();
