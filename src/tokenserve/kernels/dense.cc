@@ -355,13 +355,12 @@ struct LinePrefetch {
 
 template <int R>
 AVX2_FN void PanelTileAvx2(int64 depth, const float* x, int64 ldx, const float* panel,
-                           int64 cols, bool first, float* out, int64 ldo,
-                           LinePrefetch* pf = nullptr) {
+                           int64 cols, bool first, float* out, int64 ldo, LinePrefetch& pf) {
   static_assert(R >= 1 && R <= 6, "one to six rows of x");
   __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00;
   __m256 c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
   const float* p = panel;
-  const int64 mask = pf != nullptr ? pf->mask : ~int64{0};
+  const int64 mask = pf.mask;
   for (int64 k = 0; k < depth; ++k, p += kPanel) {
     const __m256 b0 = _mm256_loadu_ps(p), b1 = _mm256_loadu_ps(p + 8);
     const float* xk = x + k;
@@ -371,7 +370,7 @@ AVX2_FN void PanelTileAvx2(int64 depth, const float* x, int64 ldx, const float* 
     if constexpr (R > 3) FmaRow(xk + 3 * ldx, b0, b1, c30, c31);
     if constexpr (R > 4) FmaRow(xk + 4 * ldx, b0, b1, c40, c41);
     if constexpr (R > 5) FmaRow(xk + 5 * ldx, b0, b1, c50, c51);
-    if ((k & mask) == mask) pf->Step();
+    if ((k & mask) == mask) pf.Step();
   }
   const __m256 rows[6][2] = {{c00, c01}, {c10, c11}, {c20, c21},
                              {c30, c31}, {c40, c41}, {c50, c51}};
@@ -397,8 +396,7 @@ AVX2_FN void PanelTileAvx2(int64 depth, const float* x, int64 ldx, const float* 
 // out[r, 0 .. cols) (= or +=, `first`) x[r, 0 .. depth) @ panel for all m rows of x: tiles
 // of kTileRowsX rows, then one tile of the rows left.
 AVX2_FN void PanelRowsAvx2(int64 m, int64 depth, const float* x, int64 ldx, const float* panel,
-                           int64 cols, bool first, float* out, int64 ldo,
-                           LinePrefetch* pf = nullptr) {
+                           int64 cols, bool first, float* out, int64 ldo, LinePrefetch& pf) {
   int64 r = 0;
   for (; r + kTileRowsX <= m; r += kTileRowsX) {
     PanelTileAvx2<kTileRowsX>(depth, x + r * ldx, ldx, panel, cols, first, out + r * ldo, ldo,
@@ -457,7 +455,7 @@ AVX2_FN void KnPackedAvx2(const Geometry& g, const float* x, const W* w,
   for (int64 p = 0; p < panels; ++p) {
     const float* panel = pack + p * stride;
     const int64 cols = std::min(kPanel, width - p * kPanel);
-    PanelRowsAvx2(g.M, depth, x + k0, g.K, panel, cols, first, acc + j0 + p * kPanel, g.N, &pf);
+    PanelRowsAvx2(g.M, depth, x + k0, g.K, panel, cols, first, acc + j0 + p * kPanel, g.N, pf);
   }
   pf.Rest();
 }
@@ -534,7 +532,7 @@ AVX2_FN void NkPackedAvx2(const Geometry& g, const float* x, const W* w, int64 n
       pf.Start(w + (n + kPanel) * g.K, next_rows * g.K * static_cast<int64>(sizeof(W)), 0, 1,
                g.K * ((g.M + kTileRowsX - 1) / kTileRowsX));
     }
-    PanelRowsAvx2(g.M, g.K, x, g.K, panel, cols, true, z + n, g.N, &pf);
+    PanelRowsAvx2(g.M, g.K, x, g.K, panel, cols, true, z + n, g.N, pf);
     pf.Rest();
   }
 }
