@@ -147,12 +147,9 @@ AVX2_FN inline void RowAvx2(const Geometry& g, const float* x, const W* wn, floa
       }
     }
   }
+  const int64 issued = (vec * static_cast<int64>(sizeof(W)) + 63) / 64 * 64;
   if (far != nullptr) {  // the lines past the vector loop's
-    const int64 bytes = g.K * static_cast<int64>(sizeof(W));
-    for (int64 off = (vec * static_cast<int64>(sizeof(W)) + 63) / 64 * 64; off < bytes;
-         off += 64) {
-      _mm_prefetch(far + off, _MM_HINT_T1);
-    }
+    cpu::PrefetchL2(far + issued, g.K * static_cast<int64>(sizeof(W)) - issued);
   }
   for (int r = 0; r < R; ++r) {
     __m256 total = s[r][0];
