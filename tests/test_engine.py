@@ -81,6 +81,41 @@ def test_an_abort_while_the_step_computes_leaves_that_step_and_the_others_intact
     assert requests[1].seqs[0].output_ids == reference_greedy(model, prompts[1], 6, -1)
 
 
+def test_an_abort_that_no_step_follows_still_moves_the_queue_gauges(llms):
+    """A client that leaves while its request is the last one: the engine goes idle and no
+    step reports the emptied queues, so the abort itself must (the gauges had stayed at one
+    running request and its cache share until the next request came)."""
+    from prometheus_client import CollectorRegistry
+
+    from tokenserve.observability.llm_metrics import LLMMetrics
+
+    _, llm, _ = llms
+    engine = llm.engine
+    registry = CollectorRegistry()
+    labels = {"model_name": engine.model_name, "model_version": engine.version}
+
+    def gauge(name: str) -> float | None:
+        return registry.get_sample_value(name, labels)
+
+    saved, engine.stats = engine.stats, LLMMetrics(registry)
+    try:
+        engine.add_request(engine.make_request(llm.tokenizer.encode(PROMPTS[0]),
+                                               SamplingParams(max_tokens=6, ignore_eos=True),
+                                               "leaves-last"))
+        engine.step()
+        assert gauge("vllm:num_requests_running") == 1
+        assert gauge("vllm:kv_cache_usage_perc") > 0
+        engine.abort("leaves-last")
+        assert not engine.has_work
+        assert gauge("vllm:num_requests_running") == 0
+        assert gauge("vllm:num_requests_waiting") == 0
+        assert gauge("vllm:kv_cache_usage_perc") == 0
+        assert registry.get_sample_value("vllm:request_success_total",
+                                         {**labels, "finished_reason": "abort"}) == 1
+    finally:
+        engine.stats = saved
+
+
 def test_greedy_output_is_the_same_alone_and_in_a_busy_mixed_batch(llms):
     _, llm, _ = llms
     params = SamplingParams(max_tokens=16, ignore_eos=True)

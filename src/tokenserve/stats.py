@@ -77,6 +77,21 @@ class StepStats:
 
 
 @dataclass(frozen=True)
+class SchedulerStats:
+    """The scheduler's queues after they changed outside a step: a request aborted (its
+    client left, or its deadline passed) frees its place and its cache at once, and when it
+    was the last one no step follows to report that. Gauges of running and waiting requests
+    and of cache usage take these values, as they take a step's."""
+
+    model: str
+    version: str
+    time: float
+    num_running: int
+    num_waiting: int
+    cache_usage: float
+
+
+@dataclass(frozen=True)
 class RejectionStats:
     """A request refused before it reached the engine queue."""
 
@@ -93,6 +108,9 @@ class StatsSink:
         pass
 
     def on_step(self, stats: StepStats) -> None:
+        pass
+
+    def on_scheduler(self, stats: SchedulerStats) -> None:
         pass
 
     def on_rejection(self, stats: RejectionStats) -> None:

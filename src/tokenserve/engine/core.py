@@ -24,7 +24,7 @@ from tokenserve.engine.sampler import SequenceSampler, greedy_batch, sample_batc
 from tokenserve.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from tokenserve.errors import InvalidRequestError, PromptTooLongError
 from tokenserve.sampling import SamplingParams
-from tokenserve.stats import RequestStats, StatsSink, StepStats
+from tokenserve.stats import RequestStats, SchedulerStats, StatsSink, StepStats
 
 log = logging.getLogger(__name__)
 
@@ -151,7 +151,14 @@ class LLMEngine:
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stops a request at once and frees its cache; returns its final output."""
         request = self.scheduler.abort(request_id)
-        return None if request is None else self._final(request, [])
+        if request is None:
+            return None
+        # the queues' gauges move now: when this was the last request, no step follows
+        self.stats.on_scheduler(SchedulerStats(
+            model=self.model_name, version=self.version, time=time.time(),
+            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+            cache_usage=self.scheduler.cache.usage))
+        return self._final(request, [])
 
     @property
     def has_work(self) -> bool:

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily
 
-from tokenserve.stats import RejectionStats, RequestStats, StatsSink, StepStats, VersionState
+from tokenserve.stats import (RejectionStats, RequestStats, SchedulerStats, StatsSink, StepStats,
+                              VersionState)
 
 LABELS = ("model_name", "model_version")
 
@@ -216,9 +217,7 @@ class LLMMetrics(StatsSink):
 
     def on_step(self, stats: StepStats) -> None:
         labels = (stats.model, stats.version)
-        self.num_requests_running.labels(*labels).set(stats.num_running)
-        self.num_requests_waiting.labels(*labels).set(stats.num_waiting)
-        self.kv_cache_usage.labels(*labels).set(stats.cache_usage)
+        self._set_scheduler_gauges(stats)
         self.num_preemptions.labels(*labels).inc(stats.num_preemptions)
         if stats.num_nonfinite_logits:
             self.nonfinite_logits.labels(*labels).inc(stats.num_nonfinite_logits)
@@ -230,6 +229,15 @@ class LLMMetrics(StatsSink):
             self.iteration_tokens.labels(*labels).observe(stats.num_batched_tokens)
         if stats.num_running > 0:
             self.batch_size.labels(*labels).observe(stats.num_running)
+
+    def on_scheduler(self, stats: SchedulerStats) -> None:
+        self._set_scheduler_gauges(stats)
+
+    def _set_scheduler_gauges(self, stats: StepStats | SchedulerStats) -> None:
+        labels = (stats.model, stats.version)
+        self.num_requests_running.labels(*labels).set(stats.num_running)
+        self.num_requests_waiting.labels(*labels).set(stats.num_waiting)
+        self.kv_cache_usage.labels(*labels).set(stats.cache_usage)
 
     def on_request(self, stats: RequestStats) -> None:
         """Counts tokens from the finished request, so counters equal the usage reported."""

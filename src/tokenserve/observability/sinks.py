@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import logging
 
-from tokenserve.stats import RejectionStats, RequestStats, StatsSink, StepStats
+from tokenserve.stats import (RejectionStats, RequestStats, SchedulerStats, StatsSink,
+                              StepStats)
 
 log = logging.getLogger(__name__)
 
@@ -29,6 +30,9 @@ class FanOutSink(StatsSink):
 
     def on_step(self, stats: StepStats) -> None:
         self._forward("on_step", stats)
+
+    def on_scheduler(self, stats: SchedulerStats) -> None:
+        self._forward("on_scheduler", stats)
 
     def on_rejection(self, stats: RejectionStats) -> None:
         self._forward("on_rejection", stats)
