@@ -118,16 +118,17 @@ class ChatRun:
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         self.request, self.model_id, self.request_id = request, model_id, request_id
         self.tokenizer = engine.tokenizer
-        self.tool_choice = tool_choice_of(request)
+        self.tool_choice = tool_choice_of(request.tools, request.tool_choice)
         self.tool_format = ToolCallFormat.of_template(engine.config.chat_template)
         structured = structured_output(request)
-        forced = forced_call_grammar(request, self.tool_choice, self.tool_format)
+        forced = forced_call_grammar(request.tools, self.tool_choice, self.tool_format,
+                                     request.parallel_tool_calls)
         check_structured(forced, "tools")
         if forced is not None and structured is not None:
             raise bad_request("A required or named tool_choice cannot be combined with another "
                               "output constraint.", "tool_choice")
         prompt_ids = chat_prompt_ids(request.messages, engine, request.add_generation_prompt,
-                                     tools=template_tools(request))
+                                     tools=template_tools(request.tools))
         if request.max_completion_tokens is not None:
             requested, param = request.max_completion_tokens, "max_completion_tokens"
         else:

@@ -66,9 +66,9 @@ def _public_message(error: BaseException, status: int) -> str:
     return f"Internal server error ({type(error).__name__})."
 
 
-def _validation_message(error: ValidationError) -> tuple[str, str | None]:
+def _validation_message(error: ValidationError, where: str = "") -> tuple[str, str | None]:
     first = error.errors()[0]
-    param = ".".join(str(part) for part in first["loc"]) or None
+    param = ".".join([where] * bool(where) + [str(part) for part in first["loc"]]) or None
     extra = f" ({error.error_count() - 1} more errors)" if error.error_count() > 1 else ""
     return f"{param or 'body'}: {first['msg']}{extra}", param
 
@@ -211,6 +211,22 @@ async def read_json(request: Request, model: type[Model], max_bytes: int,
         return model.model_validate(value, strict=True)
     except ValidationError as error:
         message, param = _validation_message(error)
+        raise bad_request(message, param, "invalid_type") from None
+
+
+def validated(model: type[Model], value, where: str) -> Model:
+    """`value` (part of a request body, at `where`: "input.2") validated as `model`, as
+    read_json validates a whole body; errors name the field from the body's top.
+
+    Raises:
+        InvalidRequestError: not an object, or wrong field types.
+    """
+    if not isinstance(value, dict):
+        raise bad_request(f"{where}: must be a JSON object.", where, "invalid_type")
+    try:
+        return model.model_validate(value, strict=True)
+    except ValidationError as error:
+        message, param = _validation_message(error, where)
         raise bad_request(message, param, "invalid_type") from None
 
 

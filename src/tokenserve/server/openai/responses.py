@@ -8,6 +8,11 @@ conversation (this turn's `instructions` first; earlier instructions are not car
 OpenAI's API), so the prefix cache skips the part an earlier turn computed. Ids are
 random (192 bits); with API keys, a response is visible only to the key that created it,
 and to any other key it does not exist (404).
+
+Function tools go the way chat completions' do (tools.py): the template renders them,
+calls are parsed out of the text as it streams and become function_call output items, and
+"required" or a named tool_choice constrains decoding to valid calls. The client's results
+come back as function_call_output input items, which become tool messages.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from collections.abc import AsyncIterator
 from fastapi import Request
 from starlette.concurrency import run_in_threadpool
 
+from tokenserve.engine.guided import check_structured
 from tokenserve.engine.outputs import FinishReason
 from tokenserve.engine.protocol import EngineClient
 from tokenserve.errors import ModelNotFoundError
@@ -28,12 +34,17 @@ from tokenserve.sampling import SamplingParams
 
 from .chat import chat_prompt_ids
 from .config import OpenAIServerConfig
+from .http import validated
 from .params import bad_request, max_new_tokens, request_timeout
-from .responses_schemas import (INPUT_ROLES, InputItemList, InputTokensDetails, OutputMessage,
+from .responses_schemas import (INPUT_ITEMS, INPUT_ROLES, FunctionCallInput,
+                                FunctionCallOutputInput, FunctionToolChoice, InputItemList,
+                                InputTokensDetails, OutputFunctionCall, OutputMessage,
                                 OutputText, ResponseCreateRequest, ResponseObject,
                                 ResponseUsage)
-from .schemas import ChatMessage
+from .schemas import ChatMessage, FunctionDefinition, NamedFunction, NamedToolChoice, Tool
 from .streams import MergedOutputs
+from .tools import (ToolCallFormat, ToolCallStream, forced_call_grammar, template_tools,
+                    tool_choice_of)
 
 
 class ResponseNotFoundError(ModelNotFoundError):
@@ -58,39 +69,111 @@ def key_owner(request: Request, config: OpenAIServerConfig) -> str:
     return hashlib.sha256(authorization.removeprefix("Bearer ").strip().encode()).hexdigest()
 
 
-def input_messages(body: ResponseCreateRequest) -> tuple[list[dict], list[dict]]:
-    """(plain messages, input items as the API lists them) of a request's `input`.
+def _text_parts(content, where: str) -> list[dict]:
+    """A message's or a call output's content as text parts.
 
     Raises:
-        InvalidRequestError: an unsupported role or content part.
+        InvalidRequestError: a part that is not text.
+    """
+    parts = ([{"type": "input_text", "text": content}] if isinstance(content, str) else
+             [part.model_dump(exclude_none=True) for part in content])
+    for j, part in enumerate(parts):
+        if part["type"] not in ("input_text", "output_text", "text") or \
+                not isinstance(part.get("text"), str):
+            raise bad_request(f"{where}.{j}: only text content is served.", f"{where}.{j}",
+                              "unsupported_parameter")
+    return parts
+
+
+def _call_ids(messages: list[dict]) -> set[str]:
+    return {call["id"] for m in messages for call in m.get("tool_calls") or ()}
+
+
+def input_messages(body: ResponseCreateRequest, history: list[dict] = ()
+                   ) -> tuple[list[dict], list[dict]]:
+    """(chat messages, input items as the API lists them) of a request's `input`.
+
+    Messages are plain dicts as chat templates take them: {"role", "content"}, with
+    "tool_calls" on an assistant message (function_call items, consecutive ones merged into
+    one message, as chat completions send them) and "tool_call_id" on a tool message
+    (function_call_output). `history` is the stored conversation the input continues.
+
+    Raises:
+        InvalidRequestError: an item of a type not served, an unsupported role or content
+            part, or a function_call_output whose call_id no call in the conversation has.
     """
     if isinstance(body.input, str):
-        items = [{"role": "user", "content": [{"type": "input_text", "text": body.input}]}]
+        body_items = [{"role": "user", "content": body.input}]
     else:
-        items = []
-        for i, item in enumerate(body.input):
-            if item.role not in INPUT_ROLES:
-                raise bad_request(f"input.{i}.role: role '{item.role}' is not supported; use "
-                                  f"one of {', '.join(INPUT_ROLES)}.", f"input.{i}.role")
-            parts = ([{"type": "input_text", "text": item.content}]
-                     if isinstance(item.content, str) else
-                     [part.model_dump(exclude_none=True) for part in item.content])
-            for j, part in enumerate(parts):
-                if part["type"] not in ("input_text", "output_text", "text") or \
-                        not isinstance(part.get("text"), str):
-                    raise bad_request(f"input.{i}.content.{j}: only text content is served.",
-                                      f"input.{i}.content.{j}", "unsupported_parameter")
-            items.append({"role": item.role, "content": parts})
-    messages = [{"role": "system" if item["role"] == "developer" else item["role"],
-                 "content": "".join(part["text"] for part in item["content"])}
-                for item in items]
-    listed = [{"id": new_id("msg"), "type": "message", "status": "completed", **item}
-              for item in items]
+        body_items = body.input
+    messages, listed = [], []
+    known_calls = _call_ids(history)
+    for i, raw in enumerate(body_items):
+        if not isinstance(raw, dict):
+            raise bad_request(f"input.{i}: an input item must be an object.", f"input.{i}",
+                              "invalid_type")
+        kind = raw.get("type", "message")
+        if kind not in INPUT_ITEMS:
+            raise bad_request(f"input.{i}.type: input items of type '{kind}' are not served; "
+                              f"use one of {', '.join(INPUT_ITEMS)}.", f"input.{i}.type",
+                              "unsupported_parameter")
+        item = validated(INPUT_ITEMS[kind], raw, f"input.{i}")
+        if isinstance(item, FunctionCallInput):
+            call = {"id": item.call_id, "type": "function",
+                    "function": {"name": item.name, "arguments": item.arguments}}
+            last = messages[-1] if messages else None
+            if last is not None and last["role"] == "assistant":
+                last.setdefault("tool_calls", []).append(call)
+            else:
+                messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
+            known_calls.add(item.call_id)
+            listed.append({"id": item.id or new_id("fc"), "type": "function_call",
+                           "call_id": item.call_id, "name": item.name,
+                           "arguments": item.arguments, "status": "completed"})
+            continue
+        if isinstance(item, FunctionCallOutputInput):
+            if item.call_id not in known_calls:
+                raise bad_request(f"input.{i}.call_id: no function call with call_id "
+                                  f"'{item.call_id}' in this conversation.",
+                                  f"input.{i}.call_id")
+            parts = _text_parts(item.output, f"input.{i}.output")
+            messages.append({"role": "tool", "tool_call_id": item.call_id,
+                             "content": "".join(part["text"] for part in parts)})
+            listed.append({"id": item.id or new_id("fco"), "type": "function_call_output",
+                           "call_id": item.call_id, "output": item.output if isinstance(
+                               item.output, str) else parts, "status": "completed"})
+            continue
+        if item.role not in INPUT_ROLES:
+            raise bad_request(f"input.{i}.role: role '{item.role}' is not supported; use "
+                              f"one of {', '.join(INPUT_ROLES)}.", f"input.{i}.role")
+        parts = _text_parts(item.content, f"input.{i}.content")
+        messages.append({"role": "system" if item.role == "developer" else item.role,
+                         "content": "".join(part["text"] for part in parts)})
+        listed.append({"id": new_id("msg"), "type": "message", "status": "completed",
+                       "role": item.role, "content": parts})
     return messages, listed
 
 
+def chat_tools(body: ResponseCreateRequest) -> tuple[list[Tool] | None, object]:
+    """The request's function tools and tool_choice in chat completions' shape (tools.py
+    takes that one)."""
+    tools = None if body.tools is None else [
+        Tool(type="function", function=FunctionDefinition(
+            name=t.name, description=t.description, parameters=t.parameters, strict=t.strict))
+        for t in body.tools]
+    choice = body.tool_choice
+    if isinstance(choice, FunctionToolChoice):
+        choice = NamedToolChoice(type="function", function=NamedFunction(name=choice.name))
+    return tools, choice
+
+
 class ResponseRun:
-    """One POST /v1/responses from validation to its stored result."""
+    """One POST /v1/responses from validation to its stored result.
+
+    Output items come in the order the model wrote them: a message with its text, then one
+    function_call item per call (tools.py finds calls in the text as it streams; text after
+    the calls is dropped, as in chat completions). A response with calls and no text has only
+    the calls; one with neither, one empty message."""
 
     def __init__(self, body: ResponseCreateRequest, engine: EngineClient, model_id: str,
                  config: OpenAIServerConfig, previous, owner: str,
@@ -103,29 +186,61 @@ class ResponseRun:
         self.body, self.model_id, self.owner = body, model_id, owner
         self.response_id, self.message_id = new_id("resp"), new_id("msg")
         self.history = list(previous.conversation) if previous is not None else []
-        self.new_messages, self.input_items = input_messages(body)
+        self.new_messages, self.input_items = input_messages(body, self.history)
+        tools, choice = chat_tools(body)
+        self.tool_choice = tool_choice_of(tools, choice)
+        tool_format = ToolCallFormat.of_template(engine.config.chat_template)
+        forced = forced_call_grammar(tools, self.tool_choice, tool_format,
+                                     body.parallel_tool_calls)
+        check_structured(forced, "tools")
         system = [{"role": "system", "content": body.instructions}] if body.instructions else []
-        messages = [ChatMessage(role=m["role"], content=m["content"])
+        messages = [ChatMessage.model_validate(m)
                     for m in system + self.history + self.new_messages]
-        self.prompt_ids = chat_prompt_ids(messages, engine)
+        self.prompt_ids = chat_prompt_ids(messages, engine, tools=template_tools(tools))
         max_tokens = max_new_tokens(body.max_output_tokens, "max_output_tokens",
                                     len(self.prompt_ids), engine.max_model_len, default=None)
         self.params = SamplingParams(
             max_tokens=max_tokens, temperature=1.0 if body.temperature is None
-            else body.temperature, top_p=1.0 if body.top_p is None else body.top_p)
+            else body.temperature, top_p=1.0 if body.top_p is None else body.top_p,
+            structured=forced)
         timeout_s = request_timeout(None, config.request_timeout_s)
         self.outputs = MergedOutputs(engine, [self.prompt_ids], self.params, self.response_id,
                                      timeout_s=timeout_s, trace_context=trace,
                                      final_only=not body.stream)
         self.created_at = time.time()
-        self.text, self.output_ids, self.finish_reason = "", [], None
+        self.output_ids, self.finish_reason = [], None
+        self.content = ""  # the message's text: what the model wrote outside calls
+        self.calls: list[dict] = []  # {"id", "call_id", "name", "arguments"} as written
+        self.parser = ToolCallStream(tool_format) if self.tool_choice != "none" else None
+
+    @property
+    def has_message(self) -> bool:
+        return bool(self.content) or not self.calls
+
+    def _message(self, status: str) -> OutputMessage:
+        return OutputMessage(id=self.message_id, status=status,
+                             content=[OutputText(text=self.content)])
+
+    def _call(self, index: int, status: str = "completed") -> OutputFunctionCall:
+        return OutputFunctionCall(status=status, **self.calls[index])
+
+    def _echoed_tool_choice(self) -> str | dict:
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return {"type": "function", "name": self.tool_choice.function.name}
+        return self.tool_choice
 
     def _response(self, status: str) -> ResponseObject:
         done = status != "in_progress"
-        message_status = {"completed": "completed", "incomplete": "incomplete"}.get(
-            status, "in_progress")
-        output = [OutputMessage(id=self.message_id, status=message_status,
-                                content=[OutputText(text=self.text)])] if done else []
+        output = []
+        if done:
+            # a call cut off by max_output_tokens is incomplete; the message before it is not
+            cut = status == "incomplete" and self.parser is not None and self.calls \
+                and not self.parser.calls[-1]["done"]
+            if self.has_message:
+                output.append(self._message("completed" if self.calls or status == "completed"
+                                            else "incomplete"))
+            output += [self._call(i, "incomplete" if cut and i == len(self.calls) - 1
+                                  else "completed") for i in range(len(self.calls))]
         body = self.body
         return ResponseObject(
             id=self.response_id, created_at=self.created_at, status=status, model=self.model_id,
@@ -134,7 +249,9 @@ class ResponseRun:
             max_output_tokens=body.max_output_tokens, temperature=self.params.temperature,
             top_p=self.params.top_p, store=body.store, metadata=body.metadata or {},
             incomplete_details={"reason": "max_output_tokens"} if status == "incomplete"
-            else None,
+            else None, parallel_tool_calls=body.parallel_tool_calls,
+            tool_choice=self._echoed_tool_choice(),
+            tools=[tool.model_dump() for tool in body.tools or ()],
             usage=ResponseUsage(input_tokens=len(self.prompt_ids),
                                 input_tokens_details=InputTokensDetails(
                                     cached_tokens=self.outputs.num_cached_tokens),
@@ -147,13 +264,39 @@ class ResponseRun:
         async for _, output in self.outputs:
             for seq in output.outputs:
                 self.output_ids += seq.token_ids
-                self.text += seq.text
                 if seq.finish_reason is not None:
                     if self.outputs.deadline_passed(seq.finish_reason):
                         raise self.outputs.deadline_error()
                     self.finish_reason = seq.finish_reason
                 if seq.text:
                     yield seq.text
+
+    async def _pieces(self) -> AsyncIterator[tuple[str, int, str]]:
+        """The output as it streams: ("text", 0, delta) for the message and ("call", index,
+        arguments delta) for call `index`, whose first piece opens it (self.calls grows)."""
+        async for delta in self._deltas():
+            for piece in self._split(delta):
+                yield piece
+        for piece in self._split(None):  # what the parser held back, at the end
+            yield piece
+
+    def _split(self, delta: str | None) -> list[tuple[str, int, str]]:
+        if self.parser is None:
+            content, calls = delta or "", []
+        elif delta is None:
+            content, calls = self.parser.finish(), []
+        else:
+            content, calls = self.parser.feed(delta)
+        self.content += content
+        pieces = [("text", 0, content)] if content else []
+        for call in calls:
+            if call.id is not None:
+                self.calls.append({"id": new_id("fc"), "call_id": call.id,
+                                   "name": call.function.name, "arguments": ""})
+            arguments = call.function.arguments or ""
+            self.calls[call.index]["arguments"] += arguments
+            pieces.append(("call", call.index, arguments))
+        return pieces
 
     def _final(self) -> ResponseObject:
         return self._response("incomplete" if self.finish_reason is FinishReason.LENGTH
@@ -162,42 +305,93 @@ class ResponseRun:
     def stored(self, response: ResponseObject):
         from tokenserve.state.response_store import StoredResponse
 
-        conversation = self.history + self.new_messages + [{"role": "assistant",
-                                                            "content": self.text}]
+        reply = {"role": "assistant", "content": self.content}
+        if self.calls:
+            reply["tool_calls"] = [{"id": call["call_id"], "type": "function",
+                                    "function": {"name": call["name"],
+                                                 "arguments": call["arguments"]}}
+                                   for call in self.calls]
         return StoredResponse(id=self.response_id, owner=self.owner,
                               response=response.model_dump(), input_items=self.input_items,
-                              conversation=conversation,
+                              conversation=self.history + self.new_messages + [reply],
                               token_ids=self.prompt_ids + self.output_ids)
 
     async def response(self) -> ResponseObject:
-        async for _ in self._deltas():
+        async for _ in self._pieces():
             pass
         return self._final()
 
     async def events(self, save) -> AsyncIterator[str]:
-        """The typed SSE events of a streamed response, as OpenAI sends them."""
+        """The typed SSE events of a streamed response, as OpenAI sends them: each output
+        item added, its deltas, its done events, then the next item."""
         number = iter(range(1 << 62))
 
         def event(kind: str, **fields) -> str:
             data = {"type": kind, "sequence_number": next(number), **fields}
             return f"event: {kind}\ndata: {json.dumps(data)}\n\n"
 
+        message_place = {"item_id": self.message_id, "output_index": 0, "content_index": 0}
+
+        def open_message() -> list[str]:
+            item = {"id": self.message_id, "type": "message", "role": "assistant",
+                    "status": "in_progress", "content": []}
+            part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+            return [event("response.output_item.added", output_index=0, item=item),
+                    event("response.content_part.added", part=part, **message_place)]
+
+        def close_message(status: str) -> list[str]:
+            message = self._message(status).model_dump()
+            return [event("response.output_text.done", text=self.content, logprobs=[],
+                          **message_place),
+                    event("response.content_part.done", part=message["content"][0],
+                          **message_place),
+                    event("response.output_item.done", output_index=0, item=message)]
+
+        def close_call(index: int, status: str = "completed") -> list[str]:
+            item = self._call(index, status).model_dump()
+            place = {"item_id": item["id"], "output_index": index + bool(self.content)}
+            return [event("response.function_call_arguments.done",
+                          arguments=item["arguments"], name=item["name"], **place),
+                    event("response.output_item.done", output_index=place["output_index"],
+                          item=item)]
+
         started = self._response("in_progress").model_dump()
         yield event("response.created", response=started)
         yield event("response.in_progress", response=started)
-        item = {"id": self.message_id, "type": "message", "role": "assistant",
-                "status": "in_progress", "content": []}
-        place = {"item_id": self.message_id, "output_index": 0, "content_index": 0}
-        empty_part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
-        yield event("response.output_item.added", output_index=0, item=item)
-        yield event("response.content_part.added", part=empty_part, **place)
-        async for delta in self._deltas():
-            yield event("response.output_text.delta", delta=delta, logprobs=[], **place)
+        opened = None  # the open item: "message" or a call's index
+        async for kind, index, delta in self._pieces():
+            if kind == "text":
+                if opened is None:
+                    opened = "message"
+                    for text in open_message():
+                        yield text
+                yield event("response.output_text.delta", delta=delta, logprobs=[],
+                            **message_place)
+                continue
+            if opened != index:  # a call begins: the item before it is complete
+                for text in (close_message("completed") if opened == "message" else
+                             close_call(opened) if opened is not None else []):
+                    yield text
+                opened = index
+                # the call as it opens: its arguments come in the deltas (the first one
+                # already in self.calls)
+                item = {**self._call(index, "in_progress").model_dump(), "arguments": ""}
+                yield event("response.output_item.added",
+                            output_index=index + bool(self.content), item=item)
+            if delta:
+                yield event("response.function_call_arguments.delta", delta=delta,
+                            item_id=self.calls[index]["id"],
+                            output_index=index + bool(self.content))
         final = self._final()
-        message = final.output[0].model_dump()
-        yield event("response.output_text.done", text=self.text, logprobs=[], **place)
-        yield event("response.content_part.done", part=message["content"][0], **place)
-        yield event("response.output_item.done", output_index=0, item=message)
+        if opened is None:  # no text and no call: one empty message
+            for text in open_message():
+                yield text
+            opened = "message"
+        statuses = {item.id: item.status for item in final.output}
+        last = close_message(statuses[self.message_id]) if opened == "message" else \
+            close_call(opened, statuses[self.calls[opened]["id"]])
+        for text in last:
+            yield text
         await save(final)
         kind = "response.completed" if final.status == "completed" else "response.incomplete"
         yield event(kind, response=final.model_dump())

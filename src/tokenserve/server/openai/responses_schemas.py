@@ -28,12 +28,66 @@ class InputMessage(BaseModel):
     content: str | list[InputContentPart]
 
 
+class FunctionCallInput(BaseModel):
+    """An input item of type "function_call": a call the model made in an earlier turn, as
+    the client sends it back (ResponseFunctionToolCallParam)."""
+
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["function_call"]
+    call_id: str = Field(min_length=1)
+    name: str
+    arguments: str
+    id: str | None = None
+    status: str | None = None
+
+
+class FunctionCallOutputInput(BaseModel):
+    """An input item of type "function_call_output": the client's result of a call."""
+
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["function_call_output"]
+    call_id: str = Field(min_length=1)
+    output: str | list[InputContentPart]
+    id: str | None = None
+    status: str | None = None
+
+
+INPUT_ITEMS = {"message": InputMessage, "function_call": FunctionCallInput,
+               "function_call_output": FunctionCallOutputInput}
+"""The input item types served, by `type` (an easy input message, {"role", "content"}, has
+none: "message"). Each item is validated on its own (responses.input_messages), so an error
+names the item's own field (input.2.call_id) rather than a branch of a union."""
+
+
+class FunctionTool(BaseModel):
+    """A tool of type "function" (FunctionToolParam): the definition at the top level, where
+    chat completions nest it under `function`. Other tool types (web search, file search,
+    MCP ...) run on OpenAI's side and are refused here."""
+
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["function"]
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict | None = None
+    strict: bool | None = None
+
+
+class FunctionToolChoice(BaseModel):
+    """tool_choice naming one function (ToolChoiceFunction)."""
+
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["function"]
+    name: str
+
+
 class ResponseCreateRequest(BaseModel):
-    """POST /v1/responses. Tools, reasoning and background mode are not served."""
+    """POST /v1/responses. Function tools are served; reasoning, background mode and tools
+    that run on OpenAI's side are not."""
 
     model_config = ConfigDict(extra="ignore")
     model: str | None = None
-    input: str | list[InputMessage]
+    input: str | list[Any]
+    """Text, or input items (INPUT_ITEMS)."""
     instructions: str | None = None
     previous_response_id: str | None = None
     store: bool = True
@@ -42,7 +96,9 @@ class ResponseCreateRequest(BaseModel):
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     metadata: dict[str, str] | None = None
-    tools: list[Any] | None = None
+    tools: list[FunctionTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | FunctionToolChoice | None = None
+    parallel_tool_calls: bool = True
 
 
 class OutputText(BaseModel):
@@ -58,6 +114,18 @@ class OutputMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     status: Literal["in_progress", "completed", "incomplete"]
     content: list[OutputText] = Field(default_factory=list)
+
+
+class OutputFunctionCall(BaseModel):
+    """An output item of type "function_call" (ResponseFunctionToolCall): `call_id` is what
+    the client's function_call_output names."""
+
+    id: str
+    type: Literal["function_call"] = "function_call"
+    call_id: str
+    name: str
+    arguments: str
+    status: Literal["in_progress", "completed", "incomplete"]
 
 
 class InputTokensDetails(BaseModel):
@@ -82,7 +150,7 @@ class ResponseObject(BaseModel):
     created_at: float
     status: Literal["completed", "incomplete", "in_progress", "failed"]
     model: str
-    output: list[OutputMessage] = Field(default_factory=list)
+    output: list[OutputMessage | OutputFunctionCall] = Field(default_factory=list)
     instructions: str | None = None
     previous_response_id: str | None = None
     max_output_tokens: int | None = None
@@ -92,9 +160,9 @@ class ResponseObject(BaseModel):
     metadata: dict[str, str] = Field(default_factory=dict)
     incomplete_details: dict | None = None
     error: dict | None = None
-    parallel_tool_calls: bool = False
-    tool_choice: str = "none"
-    tools: list = Field(default_factory=list)
+    parallel_tool_calls: bool = True
+    tool_choice: str | dict = "none"
+    tools: list[dict] = Field(default_factory=list)
     text: dict = Field(default_factory=lambda: {"format": {"type": "text"}})
     usage: ResponseUsage | None = None
 

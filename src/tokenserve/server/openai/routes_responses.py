@@ -11,7 +11,6 @@ from .config import OpenAIServerConfig
 from .http import EventStream, read_json, unless_disconnected, with_error_event
 from .models import ModelResolver
 from .openapi import GENERATION_ERRORS, request_body, responses
-from .params import bad_request
 from .responses import ResponseRun, input_items_page, key_owner, owned_response
 from .responses_schemas import (DeletedResponse, InputItemList, ResponseCreateRequest,
                                 ResponseObject)
@@ -28,9 +27,6 @@ def responses_router(models: ModelResolver, config: OpenAIServerConfig, store) -
     async def create(request: Request) -> Response:
         body = await read_json(request, ResponseCreateRequest, config.max_body_bytes,
                                config.max_json_depth)
-        if body.tools:
-            raise bad_request("tools are not served by this server.", "tools",
-                              "unsupported_parameter")
         previous = None if body.previous_response_id is None else await owned_response(
             store, request, config, body.previous_response_id, "previous_response_id")
         model_id = body.model or models.default_model()

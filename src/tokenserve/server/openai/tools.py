@@ -22,8 +22,8 @@ import uuid
 from tokenserve.sampling import GuideKind, StructuredOutput
 
 from .params import bad_request
-from .schemas import (ChatCompletionRequest, DeltaFunctionCall, DeltaToolCall, FunctionCall,
-                      NamedToolChoice, ToolCall)
+from .schemas import (DeltaFunctionCall, DeltaToolCall, FunctionCall, NamedToolChoice, Tool,
+                      ToolCall)
 
 OPEN_TAG, CLOSE_TAG = "<tool_call>", "</tool_call>"
 
@@ -46,15 +46,16 @@ class ToolCallFormat(enum.Enum):
         return "parameters" if self is ToolCallFormat.LLAMA3_JSON else "arguments"
 
 
-def tool_choice_of(request: ChatCompletionRequest) -> str | NamedToolChoice:
-    """The effective tool_choice ("none", "auto", "required" or a named function).
+def tool_choice_of(tools: list[Tool] | None, tool_choice) -> str | NamedToolChoice:
+    """The effective tool_choice ("none", "auto", "required" or a named function) of a
+    request's `tools` and `tool_choice` (chat's shape; the Responses API converts to it).
 
     Raises:
         InvalidRequestError: a choice that names no given tool, or tools with another
             output constraint.
     """
-    tools = request.tools or []
-    choice = request.tool_choice or ("auto" if tools else "none")
+    tools = tools or []
+    choice = tool_choice or ("auto" if tools else "none")
     if choice != "none" and not tools:
         raise bad_request("tool_choice needs 'tools'.", "tool_choice")
     if isinstance(choice, NamedToolChoice):
@@ -78,13 +79,12 @@ def call_schema(tools, fmt: ToolCallFormat) -> dict:
                                     "key_separator": ": ", "coerce_one_of": True}}
 
 
-def forced_call_grammar(request: ChatCompletionRequest, choice, fmt: ToolCallFormat
+def forced_call_grammar(tools: list[Tool], choice, fmt: ToolCallFormat, parallel: bool
                         ) -> StructuredOutput | None:
     """With tool_choice "required" or a named function: a Lark grammar that admits only
-    valid calls (several with parallel_tool_calls); otherwise None."""
+    valid calls (several where `parallel`); otherwise None."""
     if choice in ("none", "auto"):
         return None
-    tools = request.tools
     if isinstance(choice, NamedToolChoice):
         tools = [t for t in tools if t.function.name == choice.function.name]
     body = "%json " + json.dumps(call_schema(tools, fmt))
@@ -92,16 +92,16 @@ def forced_call_grammar(request: ChatCompletionRequest, choice, fmt: ToolCallFor
         call = body
     else:
         call = f'"{OPEN_TAG}\\n" {body} "\\n{CLOSE_TAG}"'
-    repeat = ' ("\\n" call)*' if request.parallel_tool_calls else ""
+    repeat = ' ("\\n" call)*' if parallel else ""
     return StructuredOutput(GuideKind.GRAMMAR, f"start: call{repeat}\ncall: {call}\n")
 
 
-def template_tools(request: ChatCompletionRequest) -> list[dict] | None:
+def template_tools(tools: list[Tool] | None) -> list[dict] | None:
     """The tools as HF chat templates take them ([{"type": "function", "function": {...}}])."""
-    if not request.tools:
+    if not tools:
         return None
     return [{"type": "function", "function": t.function.model_dump(exclude_none=True)}
-            for t in request.tools]
+            for t in tools]
 
 
 _HEAD = re.compile(r'\s*(?:<tool_call>)?\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*'

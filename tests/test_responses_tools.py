@@ -1,0 +1,167 @@
+"""Function tools on the Responses API, with the official `openai` client against real
+servers (the built-in model, whose 512-token context holds the tools' listing, and the
+shared tiny Llama for refusals; both the default chat template): forced calls that validate against
+the tool's schema even from a random model, their streamed events, function_call_output
+turns (stored or sent whole, the same prompt either way), and precise 400s."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import jsonschema
+import openai
+import pytest
+
+from test_openai_harness import API_KEY, MODEL, RealServer, shared_server
+
+WEATHER = {"type": "function", "name": "get_weather", "description": "Current weather.",
+           "parameters": {"type": "object", "additionalProperties": False,
+                          "required": ["city", "unit"],
+                          "properties": {"city": {"type": "string", "maxLength": 8},
+                                         "unit": {"enum": ["celsius", "fahrenheit"]}}},
+           "strict": True}
+TIME = {"type": "function", "name": "get_time", "strict": True,
+        "parameters": {"type": "object", "additionalProperties": False, "required": ["zone"],
+                       "properties": {"zone": {"enum": ["UTC", "CET"]}}}}
+SCHEMAS = {t["name"]: t["parameters"] for t in (WEATHER, TIME)}
+ASK = "Weather in Oslo?"
+
+
+@pytest.fixture(scope="module")
+def server(pytestconfig, tmp_path_factory):
+    return shared_server(pytestconfig, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def builtin_server():
+    from tokenserve.export.cached_exports import builtin_export
+
+    server = RealServer(builtin_export())
+    yield server
+    server.close()
+
+
+@pytest.fixture(scope="module")
+def client(builtin_server):
+    return openai.OpenAI(base_url=builtin_server.url + "/v1", api_key=API_KEY, max_retries=0)
+
+
+def forced_call(client, **options):
+    options = {"tools": [WEATHER, TIME], "tool_choice": "required",
+               "parallel_tool_calls": False, "max_output_tokens": 160, "temperature": 1.0,
+               **options}
+    return client.responses.create(model=MODEL, input=ASK, **options)
+
+
+def check_call(item, names=("get_weather", "get_time")):
+    assert item.type == "function_call" and item.status == "completed"
+    assert item.call_id.startswith("call_") and item.id.startswith("fc_")
+    assert item.name in names
+    jsonschema.validate(json.loads(item.arguments), SCHEMAS[item.name])
+
+
+def test_required_gives_one_valid_function_call_item(client):
+    response = forced_call(client)
+    assert response.status == "completed"
+    assert [item.type for item in response.output] == ["function_call"]
+    check_call(response.output[0])
+    assert response.tool_choice == "required" and response.parallel_tool_calls is False
+    assert [tool.name for tool in response.tools] == ["get_weather", "get_time"]
+    assert response.output_text == ""
+
+
+def test_a_named_function_is_the_one_called(client):
+    response = forced_call(client, tool_choice={"type": "function", "name": "get_time"})
+    assert len(response.output) == 1
+    check_call(response.output[0], names=("get_time",))
+    assert response.tool_choice.type == "function" and response.tool_choice.name == "get_time"
+
+
+def test_streamed_call_events_add_up_to_the_final_item(client):
+    events = list(forced_call(client, tools=[WEATHER], stream=True))
+    kinds = [event.type for event in events]
+    assert kinds[:3] == ["response.created", "response.in_progress",
+                         "response.output_item.added"]
+    assert kinds[-3:] == ["response.function_call_arguments.done",
+                          "response.output_item.done", "response.completed"]
+    assert set(kinds[3:-3]) == {"response.function_call_arguments.delta"}
+    assert len(kinds) - 6 > 1  # the arguments stream, they do not arrive at the end
+    assert [event.sequence_number for event in events] == list(range(len(events)))
+    added, done, final = events[2].item, events[-2].item, events[-1].response.output[0]
+    assert added.status == "in_progress" and added.arguments == ""
+    assert added.id == done.id == final.id and added.call_id == done.call_id == final.call_id
+    streamed = "".join(e.delta for e in events if e.type.endswith("arguments.delta"))
+    assert streamed == events[-3].arguments == done.arguments == final.arguments
+    assert {e.item_id for e in events if e.type.endswith("arguments.delta")} == {final.id}
+    check_call(final, names=("get_weather",))
+
+
+def test_a_function_call_output_continues_a_stored_response_as_a_whole_input_would(client):
+    """Turn two by previous_response_id renders the same prompt as the whole conversation
+    sent at once (the user's message, the call, its output): same input tokens, same greedy
+    answer."""
+    first = forced_call(client, tools=[WEATHER])
+    call = first.output[0]
+    result = {"type": "function_call_output", "call_id": call.call_id,
+              "output": '{"temperature": "RESULT-21C"}'}
+    options = dict(model=MODEL, tools=[WEATHER], tool_choice="none", temperature=0.0,
+                   max_output_tokens=6)
+    stored = client.responses.create(input=[result], previous_response_id=first.id, **options)
+    whole = client.responses.create(
+        input=[{"role": "user", "content": ASK},
+               {"type": "function_call", "call_id": call.call_id, "name": call.name,
+                "arguments": call.arguments}, result], store=False, **options)
+    assert stored.usage.input_tokens == whole.usage.input_tokens
+    assert stored.usage.input_tokens > first.usage.input_tokens
+    assert stored.output_text == whole.output_text
+    assert [item.type for item in stored.output] == ["message"]
+    items = client.responses.input_items.list(stored.id).data
+    assert [(item.type, item.call_id) for item in items] == [("function_call_output",
+                                                              call.call_id)]
+
+
+def test_the_call_and_its_output_reach_the_prompt(builtin_server):
+    """The rendered prompt holds the call and its result: each makes the prompt longer,
+    the result by at least its twenty words (input tokens of one-token responses)."""
+    server = builtin_server
+
+    def input_tokens(items):
+        response = httpx.post(server.url + "/v1/responses", headers=server.headers,
+                              json={"model": MODEL, "input": items, "max_output_tokens": 1,
+                                    "store": False})
+        assert response.status_code == 200, response.text
+        return response.json()["usage"]["input_tokens"]
+
+    ask = {"role": "user", "content": ASK}
+    call = {"type": "function_call", "call_id": "call_1", "name": "get_weather",
+            "arguments": '{"city": "Oslo", "unit": "celsius"}'}
+    output = {"type": "function_call_output", "call_id": "call_1", "output": "RESULT " * 20}
+    alone, with_call, with_output = (input_tokens([ask]), input_tokens([ask, call]),
+                                     input_tokens([ask, call, output]))
+    assert alone < with_call < with_output
+    assert with_output - with_call >= 20  # the twenty words of the result are in it
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"input": [{"type": "function_call_output", "call_id": "call_nope", "output": "x"}]},
+     "input.0.call_id"),
+    ({"input": [{"type": "function_call_output", "output": "x"}]}, "input.0.call_id"),
+    ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": 3}]},
+     "input.0.arguments"),
+    ({"input": [{"type": "reasoning", "summary": []}]}, "input.0.type"),
+    ({"input": ["hello"]}, "input.0"),
+    ({"tools": [{"type": "web_search"}]}, "tools.0.type"),
+    ({"tools": [{"type": "function", "name": "bad name"}]}, "tools.0.name"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice"),
+    ({"tools": [{"type": "function", "name": "f", "parameters": {"type": "strin"}}],
+      "tool_choice": "required"}, "tools"),
+])
+def test_bad_tool_requests_get_400_naming_the_field(server, body, param):
+    response = httpx.post(server.url + "/v1/responses", headers=server.headers,
+                          json={"model": MODEL, "input": ASK, "max_output_tokens": 5, **body})
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param, response.text
+    assert httpx.post(server.url + "/v1/responses", headers=server.headers, json={
+        "model": MODEL, "input": ASK, "max_output_tokens": 2}).status_code == 200
