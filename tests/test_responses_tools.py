@@ -1,8 +1,9 @@
-"""Function tools on the Responses API, with the official `openai` client against real
-servers (the built-in model, whose 512-token context holds the tools' listing, and the
-shared tiny Llama for refusals; both the default chat template): forced calls that validate against
-the tool's schema even from a random model, their streamed events, function_call_output
-turns (stored or sent whole, the same prompt either way), and precise 400s."""
+"""Function tools and structured output on the Responses API, with the official `openai`
+client against real servers (the built-in model, whose 512-token context holds the tools'
+listing, and the shared tiny Llama for refusals; both the default chat template): forced
+calls that validate against the tool's schema even from a random model, their streamed
+events, function_call_output turns (stored or sent whole, the same prompt either way),
+text.format through `responses.parse`, and precise 400s for what is not served."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import httpx
 import jsonschema
 import openai
 import pytest
+from pydantic import BaseModel, Field
 
 from test_openai_harness import API_KEY, MODEL, RealServer, shared_server
 
@@ -143,6 +145,31 @@ def test_the_call_and_its_output_reach_the_prompt(builtin_server):
     assert with_output - with_call >= 20  # the twenty words of the result are in it
 
 
+class Package(BaseModel):
+    name: str = Field(max_length=16)
+    version: int = Field(ge=1, le=99)
+
+
+def test_text_format_json_schema_parses_into_the_model(client):
+    response = client.responses.parse(model=MODEL, input="Describe a Python package.",
+                                      text_format=Package, max_output_tokens=60,
+                                      temperature=0)
+    assert response.status == "completed"
+    assert isinstance(response.output_parsed, Package)  # the client validated it
+    assert response.text.format.type == "json_schema"
+    assert response.text.format.name == "Package"
+
+
+def test_text_format_json_object_gives_an_object(client):
+    response = client.responses.create(model=MODEL, input="Some JSON:", temperature=0,
+                                       max_output_tokens=60,
+                                       text={"format": {"type": "json_object"}})
+    if response.status == "completed":  # a cut-off object is not JSON yet
+        assert isinstance(json.loads(response.output_text), dict)
+    else:
+        assert response.output_text.startswith("{")
+
+
 @pytest.mark.parametrize("body,param", [
     ({"input": [{"type": "function_call_output", "call_id": "call_nope", "output": "x"}]},
      "input.0.call_id"),
@@ -157,6 +184,20 @@ def test_the_call_and_its_output_reach_the_prompt(builtin_server):
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice"),
     ({"tools": [{"type": "function", "name": "f", "parameters": {"type": "strin"}}],
       "tool_choice": "required"}, "tools"),
+    ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema"),
+    ({"text": {"format": {"type": "json_schema", "schema": {"type": "object"}}}},
+     "text.format.name"),
+    ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "strin"}}}},
+     "text.format.schema"),
+    ({"text": {"format": {"type": "xml"}}}, "text.format.type"),
+    ({"tools": [WEATHER], "tool_choice": "required",
+      "text": {"format": {"type": "json_object"}}}, "tool_choice"),
+    ({"conversation": "conv_1"}, "conversation"),
+    ({"prompt": {"id": "pmpt_1"}}, "prompt"),
+    ({"background": True}, "background"),
+    ({"top_logprobs": 2}, "top_logprobs"),
+    ({"include": ["message.output_text.logprobs"]}, "include.0"),
+    ({"max_tool_calls": 2}, "max_tool_calls"),
 ])
 def test_bad_tool_requests_get_400_naming_the_field(server, body, param):
     response = httpx.post(server.url + "/v1/responses", headers=server.headers,

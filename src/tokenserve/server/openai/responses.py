@@ -30,17 +30,17 @@ from tokenserve.engine.guided import check_structured
 from tokenserve.engine.outputs import FinishReason
 from tokenserve.engine.protocol import EngineClient
 from tokenserve.errors import ModelNotFoundError
-from tokenserve.sampling import SamplingParams
+from tokenserve.sampling import GuideKind, SamplingParams, StructuredOutput
 
 from .chat import chat_prompt_ids
 from .config import OpenAIServerConfig
 from .http import validated
-from .params import bad_request, max_new_tokens, request_timeout
+from .params import JSON_OBJECT_SCHEMA, bad_request, max_new_tokens, request_timeout
 from .responses_schemas import (INPUT_ITEMS, INPUT_ROLES, FunctionCallInput,
                                 FunctionCallOutputInput, FunctionToolChoice, InputItemList,
                                 InputTokensDetails, OutputFunctionCall, OutputMessage,
                                 OutputText, ResponseCreateRequest, ResponseObject,
-                                ResponseUsage)
+                                ResponseUsage, TextFormat)
 from .schemas import ChatMessage, FunctionDefinition, NamedFunction, NamedToolChoice, Tool
 from .streams import MergedOutputs
 from .tools import (ToolCallFormat, ToolCallStream, forced_call_grammar, template_tools,
@@ -154,6 +154,62 @@ def input_messages(body: ResponseCreateRequest, history: list[dict] = ()
     return messages, listed
 
 
+# include values that only add what a served response holds anyway, or name tools that run
+# on OpenAI's side (so there is nothing of theirs to include)
+_SERVED_INCLUDES = {"reasoning.encrypted_content", "file_search_call.results",
+                    "web_search_call.results", "web_search_call.action.sources",
+                    "message.input_image.image_url", "computer_call_output.output.image_url",
+                    "code_interpreter_call.outputs"}
+
+
+def check_unsupported(body: ResponseCreateRequest) -> None:
+    """Refuses fields that would change the answer and are not served here.
+
+    Raises:
+        InvalidRequestError: naming the first such field (code unsupported_parameter).
+    """
+    refused = [("conversation", body.conversation is not None,
+                "Conversations are not served; continue with previous_response_id."),
+               ("prompt", body.prompt is not None, "Stored prompt templates are not served."),
+               ("background", bool(body.background), "Background mode is not served."),
+               ("top_logprobs", bool(body.top_logprobs), "Logprobs are not served on "
+                "/v1/responses; chat completions return them."),
+               ("max_tool_calls", body.max_tool_calls is not None,
+                "max_tool_calls is not served; parallel_tool_calls: false allows one call.")]
+    for name, is_set, why in refused:
+        if is_set:
+            raise bad_request(f"'{name}' is not supported by this server. {why}", name,
+                              "unsupported_parameter")
+    for i, value in enumerate(body.include or ()):
+        if value not in _SERVED_INCLUDES:
+            raise bad_request(f"include.{i}: '{value}' is not supported by this server.",
+                              f"include.{i}", "unsupported_parameter")
+
+
+def text_format(body: ResponseCreateRequest) -> StructuredOutput | None:
+    """The output constraint of text.format (json_object or json_schema), checked.
+
+    Raises:
+        InvalidRequestError: a json_schema format without a name or a schema, or a schema
+            the guide cannot take.
+    """
+    spec = body.text.format if body.text is not None else None
+    if spec is None or spec.type == "text":
+        return None
+    if spec.type == "json_object":
+        structured, param = StructuredOutput(GuideKind.JSON_SCHEMA, JSON_OBJECT_SCHEMA), \
+            "text.format"
+    else:
+        for field, value in (("name", spec.name), ("schema", spec.schema_)):
+            if value is None:
+                raise bad_request(f"text.format.{field}: a format of type 'json_schema' needs "
+                                  f"a '{field}'.", f"text.format.{field}", "invalid_type")
+        structured, param = StructuredOutput(GuideKind.JSON_SCHEMA,
+                                             json.dumps(spec.schema_)), "text.format.schema"
+    check_structured(structured, param)
+    return structured
+
+
 def chat_tools(body: ResponseCreateRequest) -> tuple[list[Tool] | None, object]:
     """The request's function tools and tool_choice in chat completions' shape (tools.py
     takes that one)."""
@@ -183,6 +239,7 @@ class ResponseRun:
         Raises:
             InvalidRequestError / PromptTooLongError: the request cannot be served.
         """
+        check_unsupported(body)
         self.body, self.model_id, self.owner = body, model_id, owner
         self.response_id, self.message_id = new_id("resp"), new_id("msg")
         self.history = list(previous.conversation) if previous is not None else []
@@ -193,6 +250,10 @@ class ResponseRun:
         forced = forced_call_grammar(tools, self.tool_choice, tool_format,
                                      body.parallel_tool_calls)
         check_structured(forced, "tools")
+        structured = text_format(body)
+        if forced is not None and structured is not None:
+            raise bad_request("A required or named tool_choice cannot be combined with a "
+                              "text.format constraint.", "tool_choice")
         system = [{"role": "system", "content": body.instructions}] if body.instructions else []
         messages = [ChatMessage.model_validate(m)
                     for m in system + self.history + self.new_messages]
@@ -202,7 +263,7 @@ class ResponseRun:
         self.params = SamplingParams(
             max_tokens=max_tokens, temperature=1.0 if body.temperature is None
             else body.temperature, top_p=1.0 if body.top_p is None else body.top_p,
-            structured=forced)
+            structured=forced or structured)
         timeout_s = request_timeout(None, config.request_timeout_s)
         self.outputs = MergedOutputs(engine, [self.prompt_ids], self.params, self.response_id,
                                      timeout_s=timeout_s, trace_context=trace,
@@ -252,6 +313,8 @@ class ResponseRun:
             else None, parallel_tool_calls=body.parallel_tool_calls,
             tool_choice=self._echoed_tool_choice(),
             tools=[tool.model_dump() for tool in body.tools or ()],
+            text={"format": (body.text.format if body.text is not None else TextFormat(
+                type="text")).model_dump(by_alias=True, exclude_none=True)},
             usage=ResponseUsage(input_tokens=len(self.prompt_ids),
                                 input_tokens_details=InputTokensDetails(
                                     cached_tokens=self.outputs.num_cached_tokens),

@@ -80,6 +80,23 @@ class FunctionToolChoice(BaseModel):
     name: str
 
 
+class TextFormat(BaseModel):
+    """text.format: "text" (the default), "json_object", or "json_schema" with the schema at
+    this level (chat completions' response_format nests it under `json_schema`)."""
+
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = Field(default=None, pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    schema_: dict | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class TextConfig(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    format: TextFormat = Field(default_factory=lambda: TextFormat(type="text"))
+
+
 class ResponseCreateRequest(BaseModel):
     """POST /v1/responses. Function tools are served; reasoning, background mode and tools
     that run on OpenAI's side are not."""
@@ -99,6 +116,15 @@ class ResponseCreateRequest(BaseModel):
     tools: list[FunctionTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | FunctionToolChoice | None = None
     parallel_tool_calls: bool = True
+    text: TextConfig | None = None
+    # Fields that would change the answer and are not served: refused (400) when set
+    # (responses.check_unsupported), never silently ignored.
+    conversation: Any = None
+    prompt: Any = None
+    background: bool | None = None
+    top_logprobs: int | None = None
+    include: list[str] | None = None
+    max_tool_calls: int | None = None
 
 
 class OutputText(BaseModel):
