@@ -6,7 +6,7 @@ with `tokenserve.LLM` from that tree (PYTHONPATH) and decodes prompts of 32 rand
 128 new tokens each, greedy, eos ignored: one prompt (best of two), the same sampled at
 temperature 0.8 ("1 sampled", as most chat requests are: before 2026-12-05 such a row read
 the whole LM head, since then it takes the head screen with its noise), then 8, 16
-and 32 at once; and "prefill": one 32-token prompt for one new token, ten times, as prompt
+and 32 at once, and 32 sampled; and "prefill": one 32-token prompt for one new token, ten times, as prompt
 tokens per second over the median call (the engine's part of the time to first token).
 The two trees alternate inside a round, so both see the same minutes of this noisy machine;
 the table gives each tree's median and the median of the per-round ratios (after / before).
@@ -75,11 +75,11 @@ def prefill():
 run(1); run(32); prefill()
 print(json.dumps({"1": max(run(1) for _ in range(2)),
                   "1 sampled": max(run(1, sampled) for _ in range(2)), "8": run(8), "16": run(16),
-                  "32": run(32), "prefill": prefill(),
+                  "32": run(32), "32 sampled": run(32, sampled), "prefill": prefill(),
                   "precision": str(llm.engine.runner.precision),
                   "source": tokenserve.__file__}))
 """
-POINTS = ("1", "1 sampled", "8", "16", "32", "prefill")
+POINTS = ("1", "1 sampled", "8", "16", "32", "32 sampled", "prefill")
 
 
 def run_worker(tree: Path, export: str, name: str) -> dict:

@@ -106,6 +106,24 @@ def test_greedy_rows_and_sampled_rows_share_one_batch():
     assert first[0] == 17 and first == second  # a seed reproduces its draw
 
 
+def test_a_large_batch_draws_each_row_as_it_would_alone():
+    """From 8 sampled rows the draws split over two threads (sample_batch); every row still
+    draws from its own stream, so each token is the one that row draws in a batch of one,
+    over several tokens, with greedy, plain, top-p, top-k and penalized rows mixed."""
+    kinds = [dict(), dict(temperature=1.0), dict(temperature=0.7, top_p=0.9),
+             dict(temperature=1.2, top_k=40), dict(temperature=1.0, presence_penalty=0.5)]
+    params = [dict(kinds[i % len(kinds)], seed=i) for i in range(20)]
+    logits = np.random.default_rng(5).standard_normal((len(params), VOCAB)).astype(np.float32)
+    batch = [sampler(**p) for p in params]
+    alone = [sampler(**p) for p in params]
+    for _ in range(4):
+        tokens, _ = sample_batch(logits, batch)
+        assert tokens == [sample_batch(logits[i:i + 1], [s])[0][0] for i, s in enumerate(alone)]
+        for s, t in zip(batch + alone, tokens + tokens):
+            s.observe(t)
+        logits = np.roll(logits, 1, axis=1)
+
+
 def full_sort_pick(probs: np.ndarray, uniform: float) -> int:
     """The reference: walk the whole distribution most likely first (ties: lower id first)."""
     order = np.lexsort((np.arange(probs.size), -probs))

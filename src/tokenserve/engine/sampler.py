@@ -22,7 +22,9 @@ Two ways to draw:
 from __future__ import annotations
 
 import functools
+import os
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -30,6 +32,11 @@ from tokenserve.engine.outputs import TokenLogprob
 from tokenserve.sampling import SamplingParams
 
 _CANDIDATES = 256  # the likeliest tokens a walk sorts first; past them, buckets (or a full sort)
+# Sampled rows in one batch from which their draws are split over two threads. A draw is
+# numpy that releases the GIL (the exponential fill, the ufuncs, argmax), 0.27 ms over
+# GPT-2's 50,257 entries; 32 sampled rows took 8.7 ms a step on one thread and 4.7 on two,
+# a tenth of a 32-sequence float32 step on two cores, between steps when TF's threads wait.
+_SPLIT_ROWS = 8
 _SPARSE_WORDS = 8  # masks with at most this many non-zero words (256 tokens) go token by token
 _ID_BITS = np.uint64(32)
 
@@ -452,11 +459,36 @@ def sample_batch(logits: np.ndarray, samplers: list[SequenceSampler]
         best, bad = greedy_batch(logits if len(greedy) == len(samplers) else logits[greedy])
         for i, token, is_bad in zip(greedy, best, bad):
             tokens[i], broken[i] = token, is_bad
-    for i, sampler in enumerate(samplers):
-        if not sampler.is_greedy:
-            tokens[i] = sampler.sample(logits[i])
-            broken[i] = sampler.saw_nonfinite
+    sampled = [i for i, s in enumerate(samplers) if not s.is_greedy]
+
+    def draw(rows: list[int]) -> None:  # each row its own sampler: no state is shared
+        for i in rows:
+            tokens[i] = samplers[i].sample(logits[i])
+            broken[i] = samplers[i].saw_nonfinite
+
+    if len(sampled) >= _SPLIT_ROWS and _helper() is not None:
+        half = _helper().submit(draw, sampled[::2])
+        draw(sampled[1::2])
+        half.result()
+    else:
+        draw(sampled)
     return tokens, broken
+
+
+_HELPER: list[ThreadPoolExecutor | None] = []
+_HELPER_LOCK = threading.Lock()
+
+
+def _helper() -> ThreadPoolExecutor | None:
+    """One thread that takes half of a large batch's draws (sample_batch); None where this
+    process may run on one core only. Shared by the process's engines: a draw never waits
+    on anything, so an engine's half waits at most for another's."""
+    if not _HELPER:
+        with _HELPER_LOCK:
+            if not _HELPER:
+                _HELPER.append(ThreadPoolExecutor(1, thread_name_prefix="tokenserve-sample")
+                               if len(os.sched_getaffinity(0)) > 1 else None)
+    return _HELPER[0]
 
 
 def apply_token_masks(logits: np.ndarray, rows: list[int], masks: np.ndarray) -> None:
