@@ -3,7 +3,8 @@ client against real servers (the built-in model, whose 512-token context holds t
 listing, and the shared tiny Llama for refusals; both the default chat template): forced
 calls that validate against the tool's schema even from a random model, their streamed
 events, function_call_output turns (stored or sent whole, the same prompt either way),
-text.format through `responses.parse`, and precise 400s for what is not served."""
+text.format through `responses.parse`, logprobs as chat completions give them, and precise
+400s for what is not served."""
 
 from __future__ import annotations
 
@@ -170,6 +171,35 @@ def test_text_format_json_object_gives_an_object(client):
         assert response.output_text.startswith("{")
 
 
+def test_logprobs_are_chat_completions_logprobs_for_the_same_conversation(client):
+    """The same user message, greedy: the Responses API's logprobs are the tokens, logprobs
+    and alternatives chat completions give, streamed or not."""
+    text = "def add(a, b):"
+    chat = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": text}], temperature=0,
+        max_tokens=8, logprobs=True, top_logprobs=2).choices[0].logprobs.content
+
+    def rows(entries):  # tokens exactly, logprobs to float32 noise (steps batch otherwise)
+        return [(e.token, pytest.approx(e.logprob, abs=1e-3),
+                 [(t.token, pytest.approx(t.logprob, abs=1e-3)) for t in e.top_logprobs])
+                for e in entries]
+
+    options = dict(model=MODEL, input=text, temperature=0, max_output_tokens=8,
+                   include=["message.output_text.logprobs"], top_logprobs=2)
+    plain = client.responses.create(**options).output[0].content[0].logprobs
+    assert rows(plain) == rows(chat) and all(len(e.top_logprobs) == 2 for e in plain)
+    assert len(plain) == 8
+    events = list(client.responses.create(stream=True, **options))
+    streamed = [e for event in events if event.type == "response.output_text.delta"
+                for e in event.logprobs]
+    final = events[-1].response.output[0].content[0].logprobs
+    assert rows(final) == rows(chat)
+    assert rows(streamed) == rows(final)[:len(streamed)] and streamed
+    without = client.responses.create(model=MODEL, input=text, temperature=0,
+                                      max_output_tokens=8)
+    assert without.output[0].content[0].logprobs == []
+
+
 @pytest.mark.parametrize("body,param", [
     ({"input": [{"type": "function_call_output", "call_id": "call_nope", "output": "x"}]},
      "input.0.call_id"),
@@ -195,8 +225,9 @@ def test_text_format_json_object_gives_an_object(client):
     ({"conversation": "conv_1"}, "conversation"),
     ({"prompt": {"id": "pmpt_1"}}, "prompt"),
     ({"background": True}, "background"),
-    ({"top_logprobs": 2}, "top_logprobs"),
-    ({"include": ["message.output_text.logprobs"]}, "include.0"),
+    ({"top_logprobs": 21}, "top_logprobs"),
+    ({"include": ["file_search_call.results", "no.such.output"]}, "include.1"),
+    ({"tools": [WEATHER], "include": ["message.output_text.logprobs"]}, "include"),
     ({"max_tool_calls": 2}, "max_tool_calls"),
 ])
 def test_bad_tool_requests_get_400_naming_the_field(server, body, param):

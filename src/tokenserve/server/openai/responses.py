@@ -34,6 +34,7 @@ from tokenserve.sampling import GuideKind, SamplingParams, StructuredOutput
 
 from .chat import chat_prompt_ids
 from .config import OpenAIServerConfig
+from .formatting import chat_logprobs
 from .http import validated
 from .params import JSON_OBJECT_SCHEMA, bad_request, max_new_tokens, request_timeout
 from .responses_schemas import (INPUT_ITEMS, INPUT_ROLES, FunctionCallInput,
@@ -154,9 +155,10 @@ def input_messages(body: ResponseCreateRequest, history: list[dict] = ()
     return messages, listed
 
 
-# include values that only add what a served response holds anyway, or name tools that run
-# on OpenAI's side (so there is nothing of theirs to include)
-_SERVED_INCLUDES = {"reasoning.encrypted_content", "file_search_call.results",
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
+# include values served: the logprobs, and those that only add what a served response holds
+# anyway or name tools that run on OpenAI's side (so there is nothing of theirs to include)
+_SERVED_INCLUDES = {LOGPROBS_INCLUDE, "reasoning.encrypted_content", "file_search_call.results",
                     "web_search_call.results", "web_search_call.action.sources",
                     "message.input_image.image_url", "computer_call_output.output.image_url",
                     "code_interpreter_call.outputs"}
@@ -172,8 +174,6 @@ def check_unsupported(body: ResponseCreateRequest) -> None:
                 "Conversations are not served; continue with previous_response_id."),
                ("prompt", body.prompt is not None, "Stored prompt templates are not served."),
                ("background", bool(body.background), "Background mode is not served."),
-               ("top_logprobs", bool(body.top_logprobs), "Logprobs are not served on "
-                "/v1/responses; chat completions return them."),
                ("max_tool_calls", body.max_tool_calls is not None,
                 "max_tool_calls is not served; parallel_tool_calls: false allows one call.")]
     for name, is_set, why in refused:
@@ -254,6 +254,12 @@ class ResponseRun:
         if forced is not None and structured is not None:
             raise bad_request("A required or named tool_choice cannot be combined with a "
                               "text.format constraint.", "tool_choice")
+        wants_logprobs = LOGPROBS_INCLUDE in (body.include or ()) or bool(body.top_logprobs)
+        if wants_logprobs and self.tool_choice != "none":
+            raise bad_request("Logprobs together with tools are not served: the text the calls "
+                              "are parsed from is not the message's.", "include",
+                              "unsupported_parameter")
+        self.tokenizer = engine.tokenizer
         system = [{"role": "system", "content": body.instructions}] if body.instructions else []
         messages = [ChatMessage.model_validate(m)
                     for m in system + self.history + self.new_messages]
@@ -263,7 +269,8 @@ class ResponseRun:
         self.params = SamplingParams(
             max_tokens=max_tokens, temperature=1.0 if body.temperature is None
             else body.temperature, top_p=1.0 if body.top_p is None else body.top_p,
-            structured=forced or structured)
+            structured=forced or structured,
+            logprobs=(body.top_logprobs or 0) if wants_logprobs else None)
         timeout_s = request_timeout(None, config.request_timeout_s)
         self.outputs = MergedOutputs(engine, [self.prompt_ids], self.params, self.response_id,
                                      timeout_s=timeout_s, trace_context=trace,
@@ -271,6 +278,8 @@ class ResponseRun:
         self.created_at = time.time()
         self.output_ids, self.finish_reason = [], None
         self.content = ""  # the message's text: what the model wrote outside calls
+        self.logprobs: list[dict] = []  # the message's tokens', with logprobs asked for
+        self._pending: list[dict] = []  # logprobs of tokens whose text is not out yet
         self.calls: list[dict] = []  # {"id", "call_id", "name", "arguments"} as written
         self.parser = ToolCallStream(tool_format) if self.tool_choice != "none" else None
 
@@ -280,7 +289,7 @@ class ResponseRun:
 
     def _message(self, status: str) -> OutputMessage:
         return OutputMessage(id=self.message_id, status=status,
-                             content=[OutputText(text=self.content)])
+                             content=[OutputText(text=self.content, logprobs=self.logprobs)])
 
     def _call(self, index: int, status: str = "completed") -> OutputFunctionCall:
         return OutputFunctionCall(status=status, **self.calls[index])
@@ -323,16 +332,25 @@ class ResponseRun:
             if done else None)
 
     async def _deltas(self) -> AsyncIterator[str]:
-        """Text deltas of the one sequence; records its tokens and finish reason."""
+        """Text deltas of the one sequence; records its tokens, their logprobs (held in
+        _pending until text comes out with them) and its finish reason."""
         async for _, output in self.outputs:
             for seq in output.outputs:
                 self.output_ids += seq.token_ids
+                if seq.logprobs:
+                    self._pending += [entry.model_dump() for entry in
+                                      chat_logprobs(self.tokenizer, seq.logprobs)]
                 if seq.finish_reason is not None:
                     if self.outputs.deadline_passed(seq.finish_reason):
                         raise self.outputs.deadline_error()
                     self.finish_reason = seq.finish_reason
                 if seq.text:
                     yield seq.text
+
+    def _take_logprobs(self) -> list[dict]:
+        taken, self._pending = self._pending, []
+        self.logprobs += taken
+        return taken
 
     async def _pieces(self) -> AsyncIterator[tuple[str, int, str]]:
         """The output as it streams: ("text", 0, delta) for the message and ("call", index,
@@ -351,6 +369,8 @@ class ResponseRun:
         else:
             content, calls = self.parser.feed(delta)
         self.content += content
+        if self.parser is None and delta is None:  # the last tokens' logprobs, text or not
+            self._take_logprobs()
         pieces = [("text", 0, content)] if content else []
         for call in calls:
             if call.id is not None:
@@ -404,8 +424,8 @@ class ResponseRun:
 
         def close_message(status: str) -> list[str]:
             message = self._message(status).model_dump()
-            return [event("response.output_text.done", text=self.content, logprobs=[],
-                          **message_place),
+            return [event("response.output_text.done", text=self.content,
+                          logprobs=self.logprobs, **message_place),
                     event("response.content_part.done", part=message["content"][0],
                           **message_place),
                     event("response.output_item.done", output_index=0, item=message)]
@@ -428,8 +448,8 @@ class ResponseRun:
                     opened = "message"
                     for text in open_message():
                         yield text
-                yield event("response.output_text.delta", delta=delta, logprobs=[],
-                            **message_place)
+                yield event("response.output_text.delta", delta=delta,
+                            logprobs=self._take_logprobs(), **message_place)
                 continue
             if opened != index:  # a call begins: the item before it is complete
                 for text in (close_message("completed") if opened == "message" else

@@ -117,21 +117,25 @@ class ResponseCreateRequest(BaseModel):
     tool_choice: Literal["none", "auto", "required"] | FunctionToolChoice | None = None
     parallel_tool_calls: bool = True
     text: TextConfig | None = None
-    # Fields that would change the answer and are not served: refused (400) when set
-    # (responses.check_unsupported), never silently ignored.
+    # Fields that would change the answer and are not served (these four, and include values
+    # other than logprobs): refused (400) when set (responses.check_unsupported), never
+    # silently ignored.
     conversation: Any = None
     prompt: Any = None
     background: bool | None = None
-    top_logprobs: int | None = None
-    include: list[str] | None = None
     max_tool_calls: int | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    include: list[str] | None = None
+    """Extra output to include; "message.output_text.logprobs" is served."""
 
 
 class OutputText(BaseModel):
     type: Literal["output_text"] = "output_text"
     text: str
     annotations: list = Field(default_factory=list)
-    logprobs: list = Field(default_factory=list)
+    logprobs: list[dict] = Field(default_factory=list)
+    """Per token {"token", "logprob", "bytes", "top_logprobs"}, with include
+    "message.output_text.logprobs" (or top_logprobs)."""
 
 
 class OutputMessage(BaseModel):
