@@ -69,6 +69,19 @@ def shared_server(pytestconfig, tmp_path_factory) -> "RealServer":
     return _EXPORTED["server"]
 
 
+def shared_builtin_server(pytestconfig) -> "RealServer":
+    """One server process of the built-in model (the default chat template, a 512-token
+    context, room for tool listings) for every module that uses it, stopped when the
+    session ends."""
+    if "builtin_server" not in _EXPORTED:
+        from tokenserve.export.cached_exports import builtin_export
+
+        server = RealServer(builtin_export())
+        _EXPORTED["builtin_server"] = server
+        pytestconfig.add_cleanup(server.close)
+    return _EXPORTED["builtin_server"]
+
+
 class RealServer:
     """The server subprocess: `url` (OpenAI HTTP), `grpc_target`, `num_unfinished()`."""
 

@@ -16,7 +16,7 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from test_openai_harness import API_KEY, MODEL, RealServer, shared_server
+from test_openai_harness import API_KEY, MODEL, shared_builtin_server, shared_server
 
 WEATHER = {"type": "function", "name": "get_weather", "description": "Current weather.",
            "parameters": {"type": "object", "additionalProperties": False,
@@ -37,12 +37,8 @@ def server(pytestconfig, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def builtin_server():
-    from tokenserve.export.cached_exports import builtin_export
-
-    server = RealServer(builtin_export())
-    yield server
-    server.close()
+def builtin_server(pytestconfig):
+    return shared_builtin_server(pytestconfig)
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ import jsonschema
 import openai
 import pytest
 
-from test_openai_harness import API_KEY, MODEL, RealServer, shared_server
+from test_openai_harness import API_KEY, MODEL, RealServer, shared_builtin_server, shared_server
 from tokenserve.server.openai.tools import ToolCallFormat, ToolCallStream, parse_tool_calls
 
 WEATHER = {"type": "function", "function": {
@@ -90,13 +90,8 @@ def server(pytestconfig, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def builtin_server():
-    """The built-in model (its template is the default one; 512-token context)."""
-    from tokenserve.export.cached_exports import builtin_export
-
-    server = RealServer(builtin_export())
-    yield server
-    server.close()
+def builtin_server(pytestconfig):
+    return shared_builtin_server(pytestconfig)
 
 
 @pytest.fixture(scope="module")
