@@ -207,22 +207,16 @@ async def read_json(request: Request, model: type[Model], max_bytes: int,
         raise bad_request("Request body must be a JSON object.", code="invalid_json")
     if _SURROGATE_ESCAPE.search(text):
         _refuse_lone_surrogates(value)
-    try:
-        return model.model_validate(value, strict=True)
-    except ValidationError as error:
-        message, param = _validation_message(error)
-        raise bad_request(message, param, "invalid_type") from None
+    return validated(model, value)
 
 
-def validated(model: type[Model], value, where: str) -> Model:
-    """`value` (part of a request body, at `where`: "input.2") validated as `model`, as
-    read_json validates a whole body; errors name the field from the body's top.
+def validated(model: type[Model], value: dict, where: str = "") -> Model:
+    """`value` validated strictly as `model`: a whole request body, or the part of one at
+    `where` ("input.2"), whose errors then name the field from the body's top.
 
     Raises:
-        InvalidRequestError: not an object, or wrong field types.
+        InvalidRequestError: wrong field types (code invalid_type).
     """
-    if not isinstance(value, dict):
-        raise bad_request(f"{where}: must be a JSON object.", where, "invalid_type")
     try:
         return model.model_validate(value, strict=True)
     except ValidationError as error:
