@@ -1,7 +1,7 @@
 """Building and loading tokenserve's custom TensorFlow ops (shared by every op module).
 
 Each op is one C++ file next to this one (`int8_matmul.cc`, `paged_attention.cc`,
-`dense.cc`, `half_matmul.cc`), compiled
+`dense.cc`, `half_matmul.cc`; `helpers.cc` is their shared runtime), compiled
 on first use with the local g++ and TensorFlow's own compile flags into
 `tokenserve.user_cache.cache_dir("kernels")` as `<stem>-<hash>.so`. The hash covers the source,
 the TF version, the compile and link flags and the CPU's feature flags, so a cached build is
@@ -18,12 +18,16 @@ Environment:
   per op (read first):  TOKENSERVE_INT8_KERNEL=fallback, TOKENSERVE_INT8_KERNEL_MARCH=...,
                         TOKENSERVE_PAGED_ATTENTION_KERNEL=fallback,
                         TOKENSERVE_DENSE_KERNEL=fallback, TOKENSERVE_HALF_KERNEL=fallback
+  TOKENSERVE_KERNEL_SPIN_US=2000    how long the ops' helper threads keep polling for work
+                                    after their last chunk before they sleep (chunks.h);
+                                    0: no helper team, ops wake TF's pool threads instead
 
 `python -m tokenserve.kernels.build` builds every op and prints each one's status.
 """
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import logging
 import os
@@ -143,11 +147,34 @@ def build_library(source: Path, arch: list[str]) -> Path:
     return target
 
 
+RUNTIME_SOURCE = Path(__file__).with_name("helpers.cc")
+_runtime: list[object] = []  # the runtime library once loaded (or the reason it is not)
+
+
+def load_runtime(arch: list[str]) -> None:
+    """Builds (if needed) and loads the op libraries' runtime (`helpers.cc`: the process's
+    one helper team) with its symbols global, once per process, before any op library: each
+    op library then finds it instead of starting a team of its own. On failure the op
+    libraries still work, each with its own team."""
+    with _lock:
+        if _runtime:
+            return
+        try:
+            _runtime.append(ctypes.CDLL(str(build_library(RUNTIME_SOURCE, arch)),
+                                        mode=os.RTLD_NOW | os.RTLD_GLOBAL))
+        except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+            log.warning("kernel runtime unavailable, each op library keeps its own helper "
+                        "threads: %s", str(e).strip().splitlines()[0] if str(e).strip()
+                        else type(e).__name__)
+            _runtime.append(str(e))
+
+
 def load_library(source: Path, arch: list[str], what: str) -> tuple[object, str] | str:
     """Builds (if needed) and loads `source`: (op module, build flags), or the reason it is
     unavailable (str; logged as a warning naming `what`). Callers keep the outcome (one build
     attempt per process); the same .so is only passed to tf.load_op_library once."""
     try:
+        load_runtime(arch)
         path = build_library(source, arch)
         with _lock:
             if path not in _libraries:

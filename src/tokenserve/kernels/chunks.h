@@ -1,5 +1,5 @@
-// Splitting one op's work between its calling thread and TF's intra-op pool, without
-// waiting for pool threads that wake up too late to help.
+// Splitting one op's work between its calling thread and helper threads, without waiting
+// for helpers that wake up too late to help.
 //
 // Why not ThreadPool::ParallelFor: it returns only when every shard it scheduled has run.
 // On these VMs a pool thread that was asleep starts 15-100 us after it is woken (waking an
@@ -10,14 +10,31 @@
 // left, then waits only for chunks another thread has already taken. A pool thread that
 // wakes after that finds no chunk and returns; it touches only the shared counters, which
 // it co-owns, never the caller's stack.
+//
+// Helpers that stay awake: waking a pool thread per op still cost most ops their helper.
+// An op of tens of microseconds (a small model's matrix, an int8 matrix) was often done by
+// the caller alone before the helper started. So the chunks go first to a team of helper
+// threads of our own (one fewer than the pool's threads), shared by every op library of
+// the process, that keep polling for the next op's chunks for a while after their last one
+// (TOKENSERVE_KERNEL_SPIN_US, default 2000 us; 0 turns the team off) and then sleep until
+// an op wakes them. During generation the steps come back to back, so the helpers stay
+// awake from one op to the next, as llama.cpp's threads and OpenMP's do; an idle server's
+// helpers sleep. One op at a time uses the team; an op that finds it busy (another model
+// stepping in the same process) uses the pool as before.
 #ifndef TOKENSERVE_KERNELS_CHUNKS_H_
 #define TOKENSERVE_KERNELS_CHUNKS_H_
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
+#include <condition_variable>
 #include <cstdint>
+#include <cstdlib>
 #include <memory>
+#include <mutex>
+#include <pthread.h>
 #include <thread>
+#include <vector>
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
@@ -54,10 +71,150 @@ void Drain(Counters& counters, const Body* body, int64_t worker) {
   }
 }
 
+
+// The process's helper team. Its state is shared by every op library through the small
+// runtime library (helpers.cc) that the loader makes global before loading any op library;
+// without it each library has a team of its own.
+struct HelperTeam {
+  // job << 48 | workers << 40 | num_chunks << 20 | next chunk: one compare-and-swap claims
+  // a chunk of the job it names, so a helper never runs a chunk of a job that has ended,
+  // and reads `run` and `body` only after claiming (the caller rewrites them only once
+  // every chunk of the job before is done)
+  std::atomic<uint64_t> ticket{0};
+  std::atomic<int64_t> done{0};
+  void (*run)(const void*, int64_t, int64_t) = nullptr;
+  const void* body = nullptr;
+  std::atomic<bool> busy{false};  // an op is using the team
+  uint64_t job = 0;               // owned by the op holding `busy`
+  int64_t helpers = 0;
+  std::chrono::nanoseconds linger{0};
+  std::atomic<int64_t> sleeping{0};
+  std::mutex mu;
+  std::condition_variable cv;
+  uint64_t wakes = 0;  // guarded by mu
+};
+
+constexpr uint64_t kFieldMask20 = (uint64_t{1} << 20) - 1;
+constexpr int64_t kMaxTeamChunks = int64_t{1} << 20;
+
+// Claims and runs one chunk of the current job as `worker`; false when none is left for it.
+inline bool TakeTeamChunk(HelperTeam& team, int64_t worker) {
+  uint64_t t = team.ticket.load(std::memory_order_acquire);
+  while ((t & kFieldMask20) < ((t >> 20) & kFieldMask20) &&
+         worker < static_cast<int64_t>((t >> 40) & 0xff)) {
+    if (team.ticket.compare_exchange_weak(t, t + 1, std::memory_order_acq_rel)) {
+      team.run(team.body, static_cast<int64_t>(t & kFieldMask20), worker);
+      team.done.fetch_add(1, std::memory_order_release);
+      return true;
+    }
+  }
+  return false;
+}
+
+inline void HelperLoop(HelperTeam* team, int64_t worker) {
+  pthread_setname_np(pthread_self(), "tokenserve-help");  // as tests and `top -H` see them
+  using Clock = std::chrono::steady_clock;
+  auto last = Clock::now();
+  for (int spins = 0;;) {
+    if (TakeTeamChunk(*team, worker)) {
+      spins = 0;
+      last = Clock::now();
+      continue;
+    }
+    if (++spins < 64) {
+      Pause();
+      continue;
+    }
+    spins = 0;
+    // every 64 polls: let a runnable thread of this core in (TF's pool, the server's
+    // threads), and go to sleep once the team has had no chunk for `linger`
+    std::this_thread::yield();
+    if (Clock::now() - last < team->linger) continue;
+    std::unique_lock<std::mutex> lock(team->mu);
+    const uint64_t seen = team->wakes;
+    team->sleeping.fetch_add(1, std::memory_order_seq_cst);
+    const uint64_t t = team->ticket.load(std::memory_order_seq_cst);
+    if ((t & kFieldMask20) >= ((t >> 20) & kFieldMask20)) {  // nothing posted meanwhile
+      team->cv.wait(lock, [&] { return team->wakes != seen; });
+    }
+    team->sleeping.fetch_sub(1, std::memory_order_relaxed);
+    last = Clock::now();
+  }
+}
+
+// A new team of `workers - 1` helper threads (they live as long as the process), or
+// nullptr when TOKENSERVE_KERNEL_SPIN_US is 0 or there is nobody to help.
+inline HelperTeam* NewHelperTeam(int64_t workers) {
+  const char* env = std::getenv("TOKENSERVE_KERNEL_SPIN_US");
+  const long long linger_us = env != nullptr && *env != '\0' ? std::atoll(env) : 2000;
+  if (linger_us <= 0 || workers < 2) return nullptr;
+  auto* team = new HelperTeam;
+  team->helpers = std::min<int64_t>(workers, 255) - 1;
+  team->linger = std::chrono::microseconds(linger_us);
+  for (int64_t worker = 1; worker <= team->helpers; ++worker) {
+    std::thread(HelperLoop, team, worker).detach();
+  }
+  return team;
+}
+
+}  // namespace chunks_internal
+}  // namespace tokenserve
+
+// Defined by the runtime library (helpers.cc) when the loader made it global: the one team
+// of the process, created by its first caller with that caller's worker count.
+extern "C" __attribute__((weak)) void* tokenserve_helper_team(int64_t workers);
+
+namespace tokenserve {
+namespace chunks_internal {
+
+inline HelperTeam* ProcessHelperTeam(int64_t workers) {
+  if (tokenserve_helper_team != nullptr) {
+    return static_cast<HelperTeam*>(tokenserve_helper_team(workers));
+  }
+  static HelperTeam* const team = NewHelperTeam(workers);  // this library's own
+  return team;
+}
+
+// Runs the chunks on the calling thread and the team, if the team is free; false (nothing
+// run) when it is not, or has too few helpers for this op's per-worker scratch.
+template <typename Body>
+bool RunOnTeam(int64_t workers, int64_t num_chunks, const Body& body) {
+  HelperTeam* team = ProcessHelperTeam(workers);
+  if (team == nullptr || num_chunks >= kMaxTeamChunks) return false;
+  if (team->busy.exchange(true, std::memory_order_acquire)) return false;
+  workers = std::min<int64_t>(workers, team->helpers + 1);
+  team->run = [](const void* b, int64_t chunk, int64_t worker) {
+    (*static_cast<const Body*>(b))(chunk, worker);
+  };
+  team->body = &body;
+  team->done.store(0, std::memory_order_relaxed);
+  team->job = (team->job + 1) & 0xffff;
+  team->ticket.store(team->job << 48 | static_cast<uint64_t>(workers) << 40 |
+                         static_cast<uint64_t>(num_chunks) << 20,
+                     std::memory_order_seq_cst);
+  if (team->sleeping.load(std::memory_order_seq_cst) > 0) {
+    std::lock_guard<std::mutex> lock(team->mu);
+    ++team->wakes;
+    team->cv.notify_all();
+  }
+  while (TakeTeamChunk(*team, 0)) {
+  }
+  // what is left is at most one chunk per helper, already running
+  for (int spins = 0; team->done.load(std::memory_order_acquire) < num_chunks; ++spins) {
+    if (spins < 2000) {
+      Pause();
+    } else {
+      std::this_thread::yield();
+    }
+  }
+  team->busy.store(false, std::memory_order_release);
+  return true;
+}
 }  // namespace chunks_internal
 
 // Runs body(chunk, worker) once for each chunk in [0, num_chunks), on the calling thread
-// (worker 0) and up to `workers - 1` pool threads (workers 1, 2, ...), each taking the next
+// (worker 0) and up to `workers - 1` helpers (workers 1, 2, ...: the process's helper team,
+// or pool threads when the team is busy or off), each taking the next
 // chunk from a shared counter. Returns when every chunk has run. Chunks of one worker run
 // one after another, so per-worker scratch (indexed by `worker`) needs no locking.
 template <typename Body>
@@ -68,6 +225,7 @@ void RunChunks(tensorflow::thread::ThreadPool* pool, int64_t workers, int64_t nu
     for (int64_t chunk = 0; chunk < num_chunks; ++chunk) body(chunk, 0);
     return;
   }
+  if (chunks_internal::RunOnTeam(workers, num_chunks, body)) return;
   auto counters = std::make_shared<chunks_internal::Counters>(num_chunks);
   for (int64_t worker = 1; worker < workers; ++worker) {
     pool->Schedule([counters, body_ptr = &body, worker] {
