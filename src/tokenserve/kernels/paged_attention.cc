@@ -62,6 +62,7 @@
 #include "tensorflow/core/framework/types.h"
 #include "tensorflow/core/platform/mutex.h"
 #include "tensorflow/core/platform/threadpool.h"
+#include "chunks.h"
 #include "cpu.h"
 #include "widen.h"
 
@@ -100,6 +101,8 @@ struct Geometry {
 
 // Per-shard scratch: scaled queries [heads, Dh], scores [heads, L], accumulators
 // [heads, Dh], 1 / softmax denominators [heads].
+constexpr int64_t kChunkCycles = 40000;  // work per chunk handed between threads, roughly
+
 struct Scratch {
   std::vector<float> q, scores, acc, inv;
   explicit Scratch(const Geometry& g)
@@ -556,11 +559,19 @@ class PagedDecodeAttentionOp : public OpKernel {
       }
     };
     // Cycles per item, roughly: the key and value values read (~2 cycles each from memory)
-    // plus 2 FMAs per value and query head, 8 per cycle. Eigen's cost model then keeps a small
-    // call on the calling thread and splits big ones.
+    // plus 2 FMAs per value and query head, 8 per cycle. Chunks of about kChunkCycles each:
+    // a small call stays one chunk on the calling thread, a big one is shared with the
+    // ops' helper team (chunks.h), which is awake during generation where a pool thread
+    // woken by ParallelFor is not.
     const int64 cost = g.L * g.span * g.Dh * (4 + g.group / 2) + 500;
-    ctx->device()->tensorflow_cpu_worker_threads()->workers->ParallelFor(g.S * parts, cost,
-                                                                          work);
+    const int64 items = g.S * parts;
+    const int64 wanted = std::max<int64>(1, std::min<int64>(items, items * cost / kChunkCycles));
+    const int64 per_chunk = (items + wanted - 1) / wanted;
+    const int64 num_chunks = (items + per_chunk - 1) / per_chunk;
+    RunChunks(ctx->device()->tensorflow_cpu_worker_threads()->workers, std::max(threads, 1),
+              num_chunks, [&](int64 chunk, int64) {
+                work(chunk * per_chunk, std::min(items, (chunk + 1) * per_chunk));
+              });
   }
 
  private:
