@@ -71,7 +71,6 @@ void Drain(Counters& counters, const Body* body, int64_t worker) {
   }
 }
 
-
 // The process's helper team. Its state is shared by every op library through the small
 // runtime library (helpers.cc) that the loader makes global before loading any op library;
 // without it each library has a team of its own.
@@ -175,8 +174,9 @@ inline HelperTeam* ProcessHelperTeam(int64_t workers) {
   return team;
 }
 
-// Runs the chunks on the calling thread and the team, if the team is free; false (nothing
-// run) when it is not, or has too few helpers for this op's per-worker scratch.
+// Runs the chunks on the calling thread and the team; false (nothing run) when there is no
+// team or another op is using it. Workers past the team's size get no chunk, so per-worker
+// scratch sized for `workers` stays in range.
 template <typename Body>
 bool RunOnTeam(int64_t workers, int64_t num_chunks, const Body& body) {
   HelperTeam* team = ProcessHelperTeam(workers);
