@@ -34,7 +34,6 @@
 #include <mutex>
 #include <pthread.h>
 #include <thread>
-#include <vector>
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
@@ -50,6 +49,18 @@ inline void Pause() {
 #if defined(__x86_64__) || defined(__i386__)
   _mm_pause();
 #endif
+}
+
+// Spins, then yields, until `done` reaches `n`: what is left is at most one chunk per
+// helper, already running (on two cores a helper may be waiting for this very core).
+inline void WaitForDone(const std::atomic<int64_t>& done, int64_t n) {
+  for (int spins = 0; done.load(std::memory_order_acquire) < n; ++spins) {
+    if (spins < 2000) {
+      Pause();
+    } else {
+      std::this_thread::yield();
+    }
+  }
 }
 
 struct Counters {
@@ -84,7 +95,6 @@ struct HelperTeam {
   void (*run)(const void*, int64_t, int64_t) = nullptr;
   const void* body = nullptr;
   std::atomic<bool> busy{false};  // an op is using the team
-  uint64_t job = 0;               // owned by the op holding `busy`
   int64_t helpers = 0;
   std::chrono::nanoseconds linger{0};
   std::atomic<int64_t> sleeping{0};
@@ -96,11 +106,15 @@ struct HelperTeam {
 constexpr uint64_t kFieldMask20 = (uint64_t{1} << 20) - 1;
 constexpr int64_t kMaxTeamChunks = int64_t{1} << 20;
 
+// Whether the job a ticket names has a chunk nobody has claimed yet.
+inline bool HasUnclaimedChunk(uint64_t ticket) {
+  return (ticket & kFieldMask20) < ((ticket >> 20) & kFieldMask20);
+}
+
 // Claims and runs one chunk of the current job as `worker`; false when none is left for it.
 inline bool TakeTeamChunk(HelperTeam& team, int64_t worker) {
   uint64_t t = team.ticket.load(std::memory_order_acquire);
-  while ((t & kFieldMask20) < ((t >> 20) & kFieldMask20) &&
-         worker < static_cast<int64_t>((t >> 40) & 0xff)) {
+  while (HasUnclaimedChunk(t) && worker < static_cast<int64_t>((t >> 40) & 0xff)) {
     if (team.ticket.compare_exchange_weak(t, t + 1, std::memory_order_acq_rel)) {
       team.run(team.body, static_cast<int64_t>(t & kFieldMask20), worker);
       team.done.fetch_add(1, std::memory_order_release);
@@ -132,8 +146,7 @@ inline void HelperLoop(HelperTeam* team, int64_t worker) {
     std::unique_lock<std::mutex> lock(team->mu);
     const uint64_t seen = team->wakes;
     team->sleeping.fetch_add(1, std::memory_order_seq_cst);
-    const uint64_t t = team->ticket.load(std::memory_order_seq_cst);
-    if ((t & kFieldMask20) >= ((t >> 20) & kFieldMask20)) {  // nothing posted meanwhile
+    if (!HasUnclaimedChunk(team->ticket.load(std::memory_order_seq_cst))) {  // none posted since
       team->cv.wait(lock, [&] { return team->wakes != seen; });
     }
     team->sleeping.fetch_sub(1, std::memory_order_relaxed);
@@ -188,8 +201,9 @@ bool RunOnTeam(int64_t workers, int64_t num_chunks, const Body& body) {
   };
   team->body = &body;
   team->done.store(0, std::memory_order_relaxed);
-  team->job = (team->job + 1) & 0xffff;
-  team->ticket.store(team->job << 48 | static_cast<uint64_t>(workers) << 40 |
+  // only the op holding `busy` writes the ticket, so the last job's number is its own
+  const uint64_t job = ((team->ticket.load(std::memory_order_relaxed) >> 48) + 1) & 0xffff;
+  team->ticket.store(job << 48 | static_cast<uint64_t>(workers) << 40 |
                          static_cast<uint64_t>(num_chunks) << 20,
                      std::memory_order_seq_cst);
   if (team->sleeping.load(std::memory_order_seq_cst) > 0) {
@@ -199,14 +213,7 @@ bool RunOnTeam(int64_t workers, int64_t num_chunks, const Body& body) {
   }
   while (TakeTeamChunk(*team, 0)) {
   }
-  // what is left is at most one chunk per helper, already running
-  for (int spins = 0; team->done.load(std::memory_order_acquire) < num_chunks; ++spins) {
-    if (spins < 2000) {
-      Pause();
-    } else {
-      std::this_thread::yield();
-    }
-  }
+  WaitForDone(team->done, num_chunks);
   team->busy.store(false, std::memory_order_release);
   return true;
 }
@@ -233,15 +240,21 @@ void RunChunks(tensorflow::thread::ThreadPool* pool, int64_t workers, int64_t nu
     });
   }
   chunks_internal::Drain(*counters, &body, 0);
-  // What is left is at most one chunk per helper, already running: spin briefly, then yield
-  // (on two cores the helper may be waiting for this very core).
-  for (int spins = 0; counters->done.load(std::memory_order_acquire) < num_chunks; ++spins) {
-    if (spins < 2000) {
-      chunks_internal::Pause();
-    } else {
-      std::this_thread::yield();
-    }
-  }
+  chunks_internal::WaitForDone(counters->done, num_chunks);
+}
+
+// Work per chunk handed between threads, in cycles, roughly.
+constexpr int64_t kChunkCycles = 40000;
+
+// `items` of about `cost` cycles each cut into chunks of about kChunkCycles: a small call
+// stays one chunk (on the calling thread), a big one is shared. At most `items` chunks.
+struct ChunkSplit {
+  int64_t per_chunk, num_chunks;
+};
+inline ChunkSplit SplitIntoChunks(int64_t items, int64_t cost) {
+  const int64_t wanted = std::max<int64_t>(1, std::min(items, items * cost / kChunkCycles));
+  const int64_t per_chunk = std::max<int64_t>(1, (items + wanted - 1) / wanted);
+  return {per_chunk, (items + per_chunk - 1) / per_chunk};
 }
 
 // Runs body(item, worker, next) once for each item in [0, num_items), like RunChunks, but

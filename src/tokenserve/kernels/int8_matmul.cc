@@ -93,7 +93,6 @@ constexpr int kPrefetchTiles = 2;  // how far ahead weights are prefetched (1..8
 // tile kernel's 9.6 / 14.9 / 25.2-25.7 (M = 2 then used the one-row kernel per row of x);
 // at M = 12 they tied and at M = 24 the tile kernel was 1.1x faster (x no longer fits L1).
 constexpr int64_t kRowKernelMaxRows = 8;
-constexpr int64_t kChunkCycles = 40000;  // work per chunk handed between threads, roughly
 // The row kernels also prefetch their weight stream this many bytes ahead, a cache line at a
 // time as they go. On a 2-core AVX2-only EPYC (GPT-2-small's int8 matrices, distances
 // alternated in one process, 12 rounds): M = 1 10.25 -> 9.07 ms (768 bytes 9.31, 1,536
@@ -861,12 +860,11 @@ void Int8MatmulRows(tensorflow::thread::ThreadPool* pool, const Geometry& g, con
   if (int8) QuantizeRows(g, xp, avx2, row_kernel, &xq);
   // Cost of one tile in cycles, roughly (measured per core: ~16 int8 multiply-adds and
   // ~7 weight bytes from DRAM per cycle). Chunks of about kChunkCycles each: a small call
-  // stays one chunk on the calling thread, a large one is shared with the pool.
+  // stays one chunk on the calling thread, a large one is shared (chunks.h).
   const int64 cost = kTile * g.K * (g.M + 3) / 16;
   const int64 tiles = (g.N + kTile - 1) / kTile;
-  const int64 wanted = std::max<int64>(1, std::min(tiles, tiles * cost / kChunkCycles));
-  const int64 tiles_per_chunk = (tiles + wanted - 1) / wanted;
-  const int64 num_chunks = (tiles + tiles_per_chunk - 1) / tiles_per_chunk;  // <= wanted
+  const ChunkSplit split = SplitIntoChunks(tiles, cost);
+  const int64 tiles_per_chunk = split.per_chunk, num_chunks = split.num_chunks;
   const int64 workers = std::max(1, pool->NumThreads());
   // float kernel's dequantized tile, one per worker
   std::vector<std::vector<float>> bufs(int8 ? 0 : workers);

@@ -101,8 +101,6 @@ struct Geometry {
 
 // Per-shard scratch: scaled queries [heads, Dh], scores [heads, L], accumulators
 // [heads, Dh], 1 / softmax denominators [heads].
-constexpr int64_t kChunkCycles = 40000;  // work per chunk handed between threads, roughly
-
 struct Scratch {
   std::vector<float> q, scores, acc, inv;
   explicit Scratch(const Geometry& g)
@@ -565,12 +563,10 @@ class PagedDecodeAttentionOp : public OpKernel {
     // woken by ParallelFor is not.
     const int64 cost = g.L * g.span * g.Dh * (4 + g.group / 2) + 500;
     const int64 items = g.S * parts;
-    const int64 wanted = std::max<int64>(1, std::min<int64>(items, items * cost / kChunkCycles));
-    const int64 per_chunk = (items + wanted - 1) / wanted;
-    const int64 num_chunks = (items + per_chunk - 1) / per_chunk;
+    const ChunkSplit split = SplitIntoChunks(items, cost);
     RunChunks(ctx->device()->tensorflow_cpu_worker_threads()->workers, std::max(threads, 1),
-              num_chunks, [&](int64 chunk, int64) {
-                work(chunk * per_chunk, std::min(items, (chunk + 1) * per_chunk));
+              split.num_chunks, [&](int64 chunk, int64) {
+                work(chunk * split.per_chunk, std::min(items, (chunk + 1) * split.per_chunk));
               });
   }
 
