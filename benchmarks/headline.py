@@ -13,7 +13,7 @@ greedy, ignore_eos. Same machine, same run, each system in its own process:
                  and static batch 8 (its own venv: bash benchmarks/peers/setup_hf_tf.sh).
   llamacpp-<t>   llama.cpp through llama-cpp-python's OpenAI server, on the same weights
                  written as GGUF (benchmarks/peers/gpt2_gguf.py; t = f32 or q8_0, its 8-bit
-                 format), 2 threads, measured with the same client at 1 stream. That server
+                 format), a thread per usable CPU, measured with the same client at 1 stream. That server
                  runs one request at a time, so it has no 32-stream figure (its own venv:
                  bash benchmarks/peers/setup_llama_cpp.sh).
 
@@ -51,6 +51,7 @@ from rich.table import Table
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+from tokenserve.cpu_quota import usable_cpus  # noqa: E402
 from machine import machine_info, machine_summary  # noqa: E402
 from read_bandwidth import read_bandwidth  # noqa: E402
 
@@ -219,7 +220,7 @@ def bench_llama_cpp(venv: Path, export_dir: Path, workdir: Path, qtype: str) -> 
         subprocess.run([PYTHON, str(HERE / "peers" / "gpt2_gguf.py"), str(export_dir),
                         "--output-dir", str(workdir), "--types", qtype], check=True)
     port = free_port()
-    threads = str(len(os.sched_getaffinity(0)))
+    threads = str(usable_cpus())  # as tokenserve sizes TF's pools under a CPU quota
     log = open(Path(tempfile.gettempdir()) / f"headline-llamacpp-{qtype}.log", "w")
     server = subprocess.Popen(
         [str(python), "-m", "llama_cpp.server", "--model", str(gguf_path),

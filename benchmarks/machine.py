@@ -19,6 +19,8 @@ import platform
 import re
 import subprocess
 
+from tokenserve.cpu_quota import cpu_quota
+
 # The ISA extensions that decide which oneDNN/XLA kernels run (bf16 and int8 paths included).
 KEY_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "avx_vnni")
 # Variables that cap or switch the CPU kernels; recorded when set.
@@ -83,6 +85,8 @@ def machine_info() -> dict:
         "threads_per_core": _int(lscpu.get("Thread(s) per core")),
         "cpu_affinity": (len(os.sched_getaffinity(0))
                          if hasattr(os, "sched_getaffinity") else None),
+        # a cgroup CPU quota (a container's --cpus, a Kubernetes limit), in CPUs
+        "cpu_quota": quota.cpus if (quota := cpu_quota()) is not None else None,
         "hypervisor": lscpu.get("Hypervisor vendor"),
         "isa": {flag: flag in flags for flag in KEY_FLAGS},
         "cpu_flags": flags_str,

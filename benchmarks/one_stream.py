@@ -17,7 +17,7 @@ llama.cpp's server applies its own defaults for those unless told, so it is told
   serve-<fmt>     `tokenserve serve` on the float32 and the int8 export; more serve flags
                   as serve-<fmt>:<flag>=<value>, e.g. serve-float32:head_screen=float16
   llamacpp-<t>    llama.cpp's OpenAI server (llama-cpp-python) on the same weights as GGUF
-                  f32 and q8_0, 2 threads (its own venv: bash benchmarks/peers/setup_llama_cpp.sh)
+                  f32 and q8_0, a thread per usable CPU (its own venv: bash benchmarks/peers/setup_llama_cpp.sh)
   hf              HF transformers' TF GPT-2, XLA `generate`, batch 1, in a worker that keeps
                   its compiled function (its own venv: bash benchmarks/peers/setup_hf_tf.sh)
 
@@ -52,6 +52,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from headline import (  # noqa: E402
     NEW_TOKENS, PROMPT_LEN, TOKENSERVE, export, free_port, prompt_texts, wait_until_serving)
+from tokenserve.cpu_quota import usable_cpus  # noqa: E402
 from machine import machine_info, machine_summary  # noqa: E402
 from read_bandwidth import read_bandwidth  # noqa: E402
 
@@ -184,10 +185,10 @@ def start_systems(names: list[str], workdir: Path, hf_venv: Path, llama_venv: Pa
                 subprocess.run([sys.executable, str(HERE / "peers" / "gpt2_gguf.py"),
                                 str(models["float32"]), "--output-dir", str(workdir),
                                 "--types", qtype], check=True)
-            port = free_port()
+            port, threads = free_port(), str(usable_cpus())
             systems.append(Server(name, [
                 str(python), "-m", "llama_cpp.server", "--model", str(gguf), "--model_alias",
-                "gpt2", "--n_ctx", "1024", "--n_threads", "2", "--n_threads_batch", "2",
+                "gpt2", "--n_ctx", "1024", "--n_threads", threads, "--n_threads_batch", threads,
                 "--host", "127.0.0.1", "--port", str(port)], port, texts,
                 sampling_fields(name, temperature)))
         elif name == "hf":

@@ -182,6 +182,21 @@ def test_probes_ports_and_flags_are_what_the_server_serves(overlay):
     assert checked >= 1
 
 
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_thread_pools_are_sized_to_the_containers_cpu_request(overlay):
+    # no CPU limit: without these TF would size its pools to every core of the node
+    checked = 0
+    for _, container in tokenserve_containers(render(overlay)):
+        assert "cpu" in container["resources"]["requests"]
+        env = {e["name"]: e.get("valueFrom", {}).get("resourceFieldRef")
+               for e in container.get("env", [])}
+        for name in ("TF_NUM_INTRAOP_THREADS", "TF_NUM_INTEROP_THREADS"):
+            assert env.get(name) == {"containerName": container["name"],
+                                     "resource": "requests.cpu", "divisor": "1"}, name
+        checked += 1
+    assert checked >= 1
+
+
 def test_prometheus_scrapes_a_path_the_server_serves():
     job = yaml.safe_load(PROMETHEUS_YML.read_text())["scrape_configs"][0]
     assert job["metrics_path"] in openai_routes()

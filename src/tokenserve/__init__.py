@@ -13,12 +13,16 @@ from __future__ import annotations
 
 import importlib
 
+from tokenserve.cpu_quota import size_tensorflow_threads
 from tokenserve.config import (GenerationConfig, LSTMConfig, TrainConfig, TransformerConfig,
                                gpt2_config, llama_config, preset)
 from tokenserve.errors import TokenserveError
 from tokenserve.sampling import SamplingParams
 
 __version__ = "0.1.0"
+
+# before anything creates TensorFlow's context: pools no larger than a container's CPU quota
+size_tensorflow_threads()
 
 _LAZY = {
     "build_model": "tokenserve.model",

@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 
 from tokenserve.config import GenerationConfig
+from tokenserve.cpu_quota import usable_cpus
 from tokenserve.edge.cache import cache_names, write_entries
 from tokenserve.edge.convert import TFLITE_FILE, TFLITE_INFO_FILE
 from tokenserve.errors import ModelLoadError, ModelNotFoundError, PromptTooLongError
@@ -48,11 +49,10 @@ def resolve_tflite_dir(path) -> Path:
 
 
 def default_num_threads() -> int:
-    """The cores this process may run on, at most 4 (a cap for big hosts, where one batch-1
-    sequence cannot keep more threads busy; measured only on 2 cores)."""
-    import os
-
-    return max(1, min(4, len(os.sched_getaffinity(0))))
+    """The cores this process may run on (fewer under a CPU quota), at most 4 (a cap for big
+    hosts, where one batch-1 sequence cannot keep more threads busy; measured only on 2
+    cores)."""
+    return max(1, min(4, usable_cpus()))
 
 
 class LiteRTModel:

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 
 from tokenserve.config import GenerationConfig, TransformerConfig
+from tokenserve.cpu_quota import applied_quota, schedulable_cpus, usable_cpus
 from tokenserve.engine.cache_accounting import BlockAllocator, SlotAllocator
 from tokenserve.engine.config import EngineConfig
 from tokenserve.engine.kv_budget import plan_kv_cache
@@ -94,6 +94,10 @@ class ModelRunner:
                 compute_dtype=model.compute_dtype, max_seq_len=config.max_seq_len,
                 reserved_bytes=reserved)
             log.info("%s", self.kv_plan.describe(config.max_seq_len))
+            if (quota := applied_quota()) is not None:
+                log.info("threads: a CPU quota of %.2g CPUs (%s) on %d schedulable: TensorFlow's "
+                         "pools sized to %d", quota.cpus, quota.cgroup, schedulable_cpus(),
+                         quota.threads)
             num_blocks, block_size = self.kv_plan.num_blocks, self.kv_plan.block_size
             if engine_config.enable_prefix_caching:  # its hash namespace is set by the engine
                 self.cache = PrefixCachingAllocator(num_blocks, block_size)
@@ -369,8 +373,7 @@ class ModelRunner:
         compile_one(shapes[0])  # the smallest bucket's programs, before the threads start
         # XLA compiles a program on one core: a first start (empty persistent cache) compiles
         # on all of them, largest first so the longest compiles do not come last
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
-        with ThreadPoolExecutor(max(1, min(cores, 8))) as pool:
+        with ThreadPoolExecutor(max(1, min(usable_cpus(), 8))) as pool:
             list(pool.map(compile_one, sorted(shapes[1:], reverse=True)))
         return len(shapes)
 

@@ -22,12 +22,12 @@ Two ways to draw:
 from __future__ import annotations
 
 import functools
-import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
+from tokenserve.cpu_quota import usable_cpus
 from tokenserve.engine.outputs import TokenLogprob
 from tokenserve.sampling import SamplingParams
 
@@ -487,7 +487,7 @@ def _helper() -> ThreadPoolExecutor | None:
         with _HELPER_LOCK:
             if not _HELPER:
                 _HELPER.append(ThreadPoolExecutor(1, thread_name_prefix="tokenserve-sample")
-                               if len(os.sched_getaffinity(0)) > 1 else None)
+                               if usable_cpus() > 1 else None)
     return _HELPER[0]
 
 
