@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import importlib
 
-from tokenserve.cpu_quota import size_tensorflow_threads
 from tokenserve.config import (GenerationConfig, LSTMConfig, TrainConfig, TransformerConfig,
                                gpt2_config, llama_config, preset)
+from tokenserve.cpu_quota import size_tensorflow_threads
 from tokenserve.errors import TokenserveError
 from tokenserve.sampling import SamplingParams
 
