@@ -37,6 +37,23 @@ def test_columnar_format():
                                                                                     "b": [True]}}
 
 
+def test_narrow_float_outputs_are_written_as_decimals_and_complex_is_refused():
+    import json
+
+    import ml_dtypes
+
+    for dtype in (tf.bfloat16.as_numpy_dtype, ml_dtypes.float8_e4m3fn, np.float16):
+        values = np.array([3.75, -1.5], dtype)
+        assert json.loads(columnar_json({"y": values})) == {"outputs": [3.75, -1.5]}
+        assert json.loads(row_json({"y": values})) == {"predictions": [3.75, -1.5]}
+        assert columnar_json({"y": np.array(2, dtype)}).endswith('"outputs": 2.0\n}')
+    with pytest.raises(InvalidRequestError,
+                       match="^Failed to write JSON value for tensor type: complex64$"):
+        columnar_json({"z": np.array([1 + 2j], np.complex64)})
+    with pytest.raises(InvalidRequestError, match="complex128"):
+        row_json({"y": np.array([1.0], np.float32), "z": np.array([1j])})
+
+
 @pytest.mark.parametrize("value, single, text", [
     (2.0, True, "2.0"), (0.1, True, "0.1"), (1 / 3, True, "0.333333343"), (1e7, True, "1e+07"),
     (float("nan"), True, "NaN"), (float("-inf"), False, "-Infinity"),

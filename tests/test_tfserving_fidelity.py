@@ -22,7 +22,8 @@ import tfserving_models as M
 
 MODELS = {"half_plus_two": "tensorflow", "half_plus_three": "tensorflow",
           "counter": "tensorflow", "tf2_classifier": "tensorflow",
-          "keras_in_module": "tensorflow", "lite": "tflite", "lite_sigdef": "tflite"}
+          "keras_in_module": "tensorflow", "narrow_floats": "tensorflow", "lite": "tflite",
+          "lite_sigdef": "tflite"}
 
 
 @pytest.fixture(scope="module")
@@ -33,6 +34,7 @@ def server(tmp_path_factory):
     M.write_counter(root / "counter", 123)
     M.write_tf2_classifier(root / "tf2_classifier", 1)
     M.write_keras_in_module(root / "keras_in_module", 1)
+    M.write_narrow_floats(root / "narrow_floats", 1)
     M.write_tflite_half_plus_two(root / "lite", 1)
     M.write_tflite_with_sigdef(root / "lite_sigdef", 1)
     (root / "models.config").write_text(M.model_config(root, MODELS))
@@ -107,6 +109,36 @@ def test_keras_model_held_by_a_module(server):
 
 
 # ---- item 2: tensors reach the model as sent -------------------------------------------------
+
+def test_bfloat16_and_float16_outputs_keep_their_fractions_and_complex_is_refused(server,
+                                                                                  stub):
+    x = [3.75, -1.5, 0.1]  # 0.1 rounds differently in bfloat16 and float16
+    bf16 = [float(v) for v in np.array(x, np.float32).astype(tf.bfloat16.as_numpy_dtype)]
+    half = [float(v) for v in np.array(x, np.float16)]
+    assert bf16[:2] == half[:2] == [3.75, -1.5] and bf16[2] != half[2]
+    # written as float32 decimals are (shortest text that reads back as the same float32)
+    columnar = post(server, "/v1/models/narrow_floats:predict", {"inputs": {"x": x}})
+    assert columnar.status_code == 200, columnar.text
+    outputs = columnar.json()["outputs"]
+    assert np.array_equal(np.float32(outputs["bf16"]), np.float32(bf16))
+    assert np.array_equal(np.float32(outputs["half"]), np.float32(half))
+    rows = post(server, "/v1/models/narrow_floats:predict", {"instances": x}).json()
+    assert [row["bf16"] for row in rows["predictions"]] == outputs["bf16"]
+    assert [row["half"] for row in rows["predictions"]] == outputs["half"]
+    # over gRPC the tensors travel as TF encodes them (half_val bits), dtypes kept
+    response = stub.Predict(predict_request("narrow_floats", x=np.array(x, np.float32)), 30)
+    assert response.outputs["bf16"].dtype == tf.bfloat16.as_datatype_enum
+    assert [float(v) for v in tf.make_ndarray(response.outputs["bf16"])] == bf16
+    assert [float(v) for v in tf.make_ndarray(response.outputs["half"])] == half
+
+    refused = post(server, "/v1/models/narrow_floats:predict",
+                   {"signature_name": "complex", "inputs": {"x": [1.0]}})
+    assert refused.status_code == 400
+    assert refused.json() == {"error": "Failed to write JSON value for tensor type: complex64"}
+    response = stub.Predict(predict_request("narrow_floats", "complex",
+                                            x=np.array([1.0], np.float32)), 30)
+    assert tf.make_ndarray(response.outputs["z"]).tolist() == [1 + 2j]
+
 
 def test_half_plus_two_takes_a_flat_batch_over_grpc_and_rest(server, stub):
     reply = stub.Predict(predict_request("half_plus_two", x=np.array([1.0, 2.0, 5.0],

@@ -189,6 +189,26 @@ def write_tf2_classifier(base: Path, version: int = 1) -> Path:
     return path
 
 
+class _NarrowFloats(tf.Module):
+    @tf.function(input_signature=[tf.TensorSpec([None], tf.float32, name="x")])
+    def narrow(self, x):
+        return {"bf16": tf.cast(x, tf.bfloat16), "half": tf.cast(x, tf.float16)}
+
+    @tf.function(input_signature=[tf.TensorSpec([None], tf.float32, name="x")])
+    def complex(self, x):
+        return {"z": tf.complex(x, 2.0 * x)}
+
+
+def write_narrow_floats(base: Path, version: int = 1) -> Path:
+    """serving_default: x as bfloat16 (`bf16`) and as float16 (`half`); `complex`:
+    z = x + 2xi (complex64), an output JSON cannot carry."""
+    path = _version_dir(base, version)
+    module = _NarrowFloats()
+    tf.saved_model.save(module, str(path), signatures={"serving_default": module.narrow,
+                                                       "complex": module.complex})
+    return path
+
+
 class _KerasHolder(tf.Module):
     def __init__(self):
         super().__init__()

@@ -143,8 +143,28 @@ def _is_bytes_output(name: str, array: np.ndarray) -> bool:
     return array.dtype == object and name.endswith(BYTES_SUFFIX)
 
 
+def _writable(array) -> np.ndarray:
+    """An output as the writer can print it. bfloat16 and the float8 types are ml_dtypes
+    types that numpy does not count as floating (kind "V"), so their scalars would print
+    through int() and lose their fraction: they are widened to float32, exactly. Complex
+    values have no JSON form: TF Serving refuses them with this message, and so do we,
+    rather than drop the imaginary part."""
+    array = np.asarray(array)
+    if array.dtype.kind == "c":
+        raise InvalidRequestError(
+            f"Failed to write JSON value for tensor type: {array.dtype.name}")
+    if array.dtype.kind == "V":
+        try:
+            return array.astype(np.float32)
+        except (TypeError, ValueError):
+            raise InvalidRequestError(
+                f"Failed to write JSON value for tensor type: {array.dtype.name}") from None
+    return array
+
+
 def row_json(outputs: dict[str, np.ndarray]) -> str:
     """`{"predictions": [...]}`: one entry per batch row, an object when several outputs."""
+    outputs = {name: _writable(array) for name, array in outputs.items()}
     batch = 0
     for name, array in sorted(outputs.items()):
         if array.ndim == 0:
@@ -178,6 +198,7 @@ def row_json(outputs: dict[str, np.ndarray]) -> str:
 
 def columnar_json(outputs: dict[str, np.ndarray]) -> str:
     """`{"outputs": ...}`: the tensor itself, or an object of named tensors."""
+    outputs = {name: _writable(array) for name, array in outputs.items()}
     writer = PrettyWriter()
     writer.start_object()
     writer.key("outputs")
@@ -187,7 +208,7 @@ def columnar_json(outputs: dict[str, np.ndarray]) -> str:
     for name, array in sorted(outputs.items()):
         if several:
             writer.key(name)
-        _write_values(writer, np.asarray(array), _is_bytes_output(name, array))
+        _write_values(writer, array, _is_bytes_output(name, array))
     if several:
         writer.end_object()
     writer.end_object()
