@@ -349,6 +349,45 @@ def test_export_cli_with_int8_and_float_export_stream(tokenizer, tmp_path):
 # ------------------------------------------------------------------------------- refusals
 
 
+def test_llama3_rope_freqs_match_transformers_llama3_scaling(tokenizer, tmp_path):
+    """Llama 3.1+ GGUFs carry their RoPE scaling as `rope_freqs.weight`, the divisors
+    llama.cpp's converter computes from config.json. Written here from transformers' own
+    llama3 inverse frequencies; the import must then match transformers running the same
+    weights with that scaling (its GGUF loader does not read the tensor, so its config gets
+    the scaling by hand)."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
+    scaled = transformers.LlamaConfig(hidden_size=64, num_attention_heads=4,
+                                      rope_theta=5000.0, rope_scaling=scaling)
+    inv_freq, _ = ROPE_INIT_FUNCTIONS["llama3"](scaled)
+    divisors = (1.0 / 5000.0 ** (np.arange(0, 16, 2) / 16)) / inv_freq.numpy()
+    path = write_gguf(tmp_path / "llama3.gguf", vocab=bpe_vocab(tokenizer),
+                      extra=[("rope_freqs.weight", divisors.astype(np.float32))])
+    model, _, config = load_gguf(path)
+    assert config.model.rope_freq_factors == tuple(float(d) for d in
+                                                   divisors.astype(np.float32))
+
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    hf_config = transformers.AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    hf_config.rope_parameters = {**scaling, "rope_theta": 5000.0}
+    hf_model = transformers.AutoModelForCausalLM.from_config(hf_config,
+                                                             dtype=torch.float32).eval()
+    tensors = load_gguf_checkpoint(str(path), return_tensors=True,
+                                   model_to_load=hf_model)["tensors"]
+    hf_model.load_state_dict(tensors, strict=False)
+    prompt = list(range(5, 45))  # 40 positions: the slowed pairs turn visibly less
+    with torch.no_grad():
+        expected = hf_model(torch.tensor([prompt])).logits.numpy()
+    np.testing.assert_allclose(model(np.array([prompt], np.int32)).numpy(), expected,
+                               atol=1e-4, rtol=0)
+    # the file without its table is another model: the match above is the scaling's
+    plain = load_gguf(write_gguf(tmp_path / "plain.gguf", vocab=bpe_vocab(tokenizer)))[0]
+    assert np.abs(plain(np.array([prompt], np.int32)).numpy() - expected).max() > 1e-3
+
+
 def test_refusals_name_what_is_unsupported(tokenizer, tmp_path):
     vocab = bpe_vocab(tokenizer)
     gguf_str = gguf.GGUFValueType.STRING
@@ -372,6 +411,9 @@ def test_refusals_name_what_is_unsupported(tokenizer, tmp_path):
             tokenizer_model="bert")
     refused("rope", UnsupportedGGUFError, r"rope scaling 'yarn' is not supported",
             metadata_={"llama.rope.scaling.type": ("yarn", gguf_str)})
+    refused("rope_freqs", ModelLoadError,
+            r"rope_freqs\.weight has 5 values; head_dim 16 rotates 8 pairs",
+            extra=[("rope_freqs.weight", np.ones(5, np.float32))])
     refused("extra", ModelLoadError,
             r"has tensor blk\.0\.attn_q_norm\.weight \(shape \[16\]\), which the llama "
             r"architecture does not use", extra=[("blk.0.attn_q_norm.weight", np.ones(16))])

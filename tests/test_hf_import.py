@@ -42,12 +42,20 @@ def gpt2(tokenizer):
     return transformers.GPT2LMHeadModel(config).eval()
 
 
-def llama(tokenizer, tie=False):
+# Llama 3.1's RoPE scaling with a 16-token "original" context, so that at these prompts' few
+# dozen positions the scaled pairs turn visibly slower than plain RoPE's (head_dim 16, theta
+# 5000: pair 0's wavelength, 2 pi, lies between the bounds 4 and 16 and is blended; the seven
+# longer ones are slowed 8x)
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
+
+
+def llama(tokenizer, tie=False, rope_scaling=None):
     config = transformers.LlamaConfig(
         vocab_size=400, max_position_embeddings=128, hidden_size=64, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, intermediate_size=96,
         tie_word_embeddings=tie, rope_theta=5000.0, rms_norm_eps=1e-6, bos_token_id=1,
-        eos_token_id=2)
+        eos_token_id=2, rope_scaling=rope_scaling)
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config).eval()
     with torch.no_grad():  # HF initialises norms to 1; perturb them so a missed norm shows
@@ -72,7 +80,8 @@ def qwen2(tokenizer):
 
 
 @pytest.fixture(scope="module",
-                params=["gpt2", "llama-gqa-untied", "llama-tied-bf16", "qwen2-biases"])
+                params=["gpt2", "llama-gqa-untied", "llama-tied-bf16", "qwen2-biases",
+                        "llama3-rope-scaling"])
 def imported(request, tokenizer, tmp_path_factory):
     directory = tmp_path_factory.mktemp(request.param)
     if request.param == "gpt2":
@@ -84,6 +93,9 @@ def imported(request, tokenizer, tmp_path_factory):
         assert (directory / "model.safetensors.index.json").exists()  # sharded
     elif request.param == "qwen2-biases":
         hf_model = qwen2(tokenizer)
+        save_checkpoint(directory, hf_model, tokenizer)
+    elif request.param == "llama3-rope-scaling":
+        hf_model = llama(tokenizer, rope_scaling=LLAMA3_ROPE)
         save_checkpoint(directory, hf_model, tokenizer)
     else:
         hf_model = llama(tokenizer, tie=True)
@@ -148,6 +160,55 @@ def test_tokenizer_matches_transformers(imported):
     assert ids == hf_tokenizer.encode(SAMPLE, add_special_tokens=False)
     assert tokenizer.decode(ids) == hf_tokenizer.decode(ids) == SAMPLE
     assert config.chat_template.startswith("{% for m in messages %}")
+
+
+def test_llama3_rope_scaling_is_what_the_import_matches(tokenizer):
+    # the same weights under plain RoPE give other logits (by 50 times the 1e-4 the import is
+    # held to), so the match above is the scaling's
+    scaled = llama(tokenizer, rope_scaling=LLAMA3_ROPE)
+    plain = llama(tokenizer)
+    plain.load_state_dict(scaled.state_dict())
+    with torch.no_grad():
+        a = scaled(torch.tensor([PROMPTS[0]])).logits.numpy()
+        b = plain(torch.tensor([PROMPTS[0]])).logits.numpy()
+    assert np.abs(a - b).max() > 5e-3
+    # and the divisors are transformers' own: its llama3 inverse frequencies, ours divided
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from tokenserve.model.hf import architecture_config
+
+    config = architecture_config({**scaled.config.to_dict(),
+                                  "architectures": ["LlamaForCausalLM"]})
+    inv_freq, _ = ROPE_INIT_FUNCTIONS["llama3"](scaled.config)
+    default = 1.0 / 5000.0 ** (np.arange(0, 16, 2) / 16)
+    np.testing.assert_allclose(default / np.array(config.rope_freq_factors),
+                               inv_freq.numpy(), rtol=1e-6)
+    assert 1.0 < config.rope_freq_factors[0] < 8.0  # the blended pair
+    assert config.rope_freq_factors[1:] == (8.0,) * 7
+    # Llama 3.2 1B's own settings (head_dim 64, theta 500,000): pairs kept, blended and slowed
+    real = transformers.LlamaConfig(
+        hidden_size=2048, num_attention_heads=32, rope_theta=500000.0,
+        rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                      "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
+    factors = np.array(architecture_config(
+        {**real.to_dict(), "architectures": ["LlamaForCausalLM"]}).rope_freq_factors)
+    inv_freq, _ = ROPE_INIT_FUNCTIONS["llama3"](real)
+    default = 1.0 / 500000.0 ** (np.arange(0, 64, 2) / 64)
+    np.testing.assert_allclose(default / factors, inv_freq.numpy(), rtol=1e-6)
+    assert (factors == 1).sum() > 0 and (factors == 32).sum() > 0
+    assert ((factors > 1) & (factors < 32)).sum() > 0
+
+
+def test_other_rope_scaling_is_refused(tmp_path):
+    config = transformers.LlamaConfig(
+        vocab_size=400, hidden_size=64, num_hidden_layers=1, num_attention_heads=4,
+        intermediate_size=96, rope_scaling={"rope_type": "yarn", "factor": 4.0,
+                                            "original_max_position_embeddings": 64})
+    from tokenserve.model.hf import architecture_config
+
+    with pytest.raises(UnsupportedArchitectureError,
+                       match="rope scaling 'yarn' is not supported; supported: default, llama3"):
+        architecture_config({**config.to_dict(), "architectures": ["LlamaForCausalLM"]})
 
 
 def test_errors_name_the_tensor_and_shapes(tokenizer, tmp_path):

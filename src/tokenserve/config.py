@@ -8,6 +8,7 @@ objects (any JSON reader can follow them).
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -40,6 +41,11 @@ class TransformerConfig:
     norm_eps: float = 1e-5
     position: Literal["learned", "rope"] = "learned"
     rope_theta: float = 10000.0
+    rope_freq_factors: tuple[float, ...] = ()
+    """RoPE frequency divisors, one per rotated pair (head_dim / 2): pair i turns at
+    rope_theta ** (-2i / head_dim) / factor_i radians per position. Llama 3.1+'s "llama3"
+    scaling is such a table (llama.cpp stores it as the tensor `rope_freqs.weight`); empty
+    means plain RoPE."""
     mlp: Literal["gelu", "swiglu"] = "gelu"
     """`gelu` is GPT-2's tanh-approximated GELU MLP; `swiglu` is Llama's gated MLP."""
     tie_embeddings: bool = True
@@ -75,6 +81,17 @@ class TransformerConfig:
         _check(self.weight_format in ("float", "int8"),
                f"unknown weight_format {self.weight_format!r}; use float or int8")
         _check(self.position != "rope" or self.head_dim % 2 == 0, "rope needs an even head_dim")
+        # a list from JSON (exports store the config as JSON) or NumPy: a tuple of floats, so
+        # the frozen config stays hashable and compares equal after a round trip
+        object.__setattr__(self, "rope_freq_factors",
+                           tuple(float(f) for f in self.rope_freq_factors))
+        if self.rope_freq_factors:
+            _check(self.position == "rope", "rope_freq_factors need position='rope'")
+            _check(len(self.rope_freq_factors) == self.head_dim // 2,
+                   f"rope_freq_factors has {len(self.rope_freq_factors)} entries; head_dim "
+                   f"{self.head_dim} rotates {self.head_dim // 2} pairs")
+            _check(all(f > 0 and math.isfinite(f) for f in self.rope_freq_factors),
+                   "rope_freq_factors must be positive and finite")
 
 
 @dataclass(frozen=True)
@@ -123,14 +140,16 @@ def gpt2_config(vocab_size: int = 50257, max_seq_len: int = 1024, hidden_size: i
 def llama_config(vocab_size: int, max_seq_len: int, hidden_size: int, num_layers: int,
                  num_heads: int, num_kv_heads: int, intermediate_size: int,
                  tie_embeddings: bool = False, rope_theta: float = 10000.0,
-                 norm_eps: float = 1e-5) -> TransformerConfig:
+                 norm_eps: float = 1e-5,
+                 rope_freq_factors: tuple[float, ...] = ()) -> TransformerConfig:
     """The Llama family's architecture: RoPE, RMSNorm, SwiGLU, GQA, no biases."""
     return TransformerConfig(
         vocab_size=vocab_size, max_seq_len=max_seq_len, hidden_size=hidden_size,
         num_layers=num_layers, num_heads=num_heads, num_kv_heads=num_kv_heads,
         intermediate_size=intermediate_size, norm="rmsnorm", norm_eps=norm_eps,
-        position="rope", rope_theta=rope_theta, mlp="swiglu", tie_embeddings=tie_embeddings,
-        qkv_bias=False, out_bias=False, mlp_bias=False)
+        position="rope", rope_theta=rope_theta, rope_freq_factors=rope_freq_factors,
+        mlp="swiglu", tie_embeddings=tie_embeddings, qkv_bias=False, out_bias=False,
+        mlp_bias=False)
 
 
 PRESETS: dict[str, ModelConfig] = {

@@ -135,6 +135,8 @@ class EdgeTransformer(tf.Module):
         self.weights = _Weights(arrays)
         if c.position == "rope":  # cos/sin tables [max_len, Dh], gathered by position
             inv_freq = 1.0 / (c.rope_theta ** (np.arange(0, c.head_dim, 2) / c.head_dim))
+            if c.rope_freq_factors:  # Llama 3's scaled low frequencies
+                inv_freq = inv_freq / np.asarray(c.rope_freq_factors)
             angles = np.arange(c.max_seq_len)[:, None] * inv_freq[None, :]
             angles = np.concatenate([angles, angles], axis=-1)
             self._cos = tf.constant(np.cos(angles), tf.float32)

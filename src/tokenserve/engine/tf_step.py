@@ -208,7 +208,7 @@ class TransformerStep(tf.Module):
         if c.position != "rope":
             return None
         return rope_angles(positions[None], c.head_dim, c.rope_theta,
-                           dtype or self.model.compute_dtype)
+                           dtype or self.model.compute_dtype, c.rope_freq_factors)
 
     def _split_qkv(self, qkv, rotary):
         c = self.model.config

@@ -157,13 +157,22 @@ def architecture_config(file: GGUFFile, context: int | None = None) -> Transform
         raise UnsupportedGGUFError(f"partial rotary embeddings ({arch}.rope.dimension_count = "
                                    f"{rotary}, head_dim {head_dim}) are not supported")
     scaling = file.get("rope.scaling.type")
-    if scaling not in (None, "none") or "rope_freqs.weight" in file.tensors:
-        raise UnsupportedGGUFError(f"rope scaling {scaling or 'rope_freqs'!r} is not supported")
+    if scaling not in (None, "none"):
+        raise UnsupportedGGUFError(f"rope scaling {scaling!r} is not supported; supported: "
+                                   f"none, and the per-pair divisors of rope_freqs.weight")
+    # Llama 3.1+'s scaling, as convert_hf_to_gguf writes it: one frequency divisor per pair
+    factors = ()
+    if "rope_freqs.weight" in file.tensors:
+        factors = tuple(float(f) for f in dequantize(file.tensors["rope_freqs.weight"]).ravel())
+        if len(factors) != head_dim // 2:
+            raise ModelLoadError(f"{file.path.name}: rope_freqs.weight has {len(factors)} "
+                                 f"values; head_dim {head_dim} rotates {head_dim // 2} pairs")
     config = llama_config(
         vocab_size=vocab, max_seq_len=max_seq_len, hidden_size=hidden,
         num_layers=int(file.require("block_count")), num_heads=heads,
         num_kv_heads=int(kv_heads), intermediate_size=int(file.require("feed_forward_length")),
         tie_embeddings=tie, rope_theta=float(file.get("rope.freq_base", 10000.0)),
+        rope_freq_factors=factors,
         norm_eps=float(file.get("attention.layer_norm_rms_epsilon", 1e-5)))
     return dataclasses.replace(
         config, qkv_bias="blk.0.attn_q.bias" in file.tensors,
@@ -219,7 +228,9 @@ def _hf_name(config: TransformerConfig, arch: str, name: str) -> str | None:
 def read_weights(file: GGUFFile, config: TransformerConfig) -> dict[str, np.ndarray]:
     """Every tensor dequantized to float32 under its Hugging Face name and layout."""
     arch = file.architecture
-    unknown = sorted(n for n in file.tensors if _hf_name(config, arch, n) is None)
+    # rope_freqs.weight is read into the config (architecture_config), not a weight
+    unknown = sorted(n for n in file.tensors
+                     if _hf_name(config, arch, n) is None and n != "rope_freqs.weight")
     if unknown:
         shape = [int(n) for n in file.tensors[unknown[0]].shape]
         raise ModelLoadError(
@@ -233,6 +244,8 @@ def read_weights(file: GGUFFile, config: TransformerConfig) -> dict[str, np.ndar
             dequantize(tensor)  # raises, naming the tensor and its type
     tensors = {}
     for name, tensor in file.tensors.items():
+        if name == "rope_freqs.weight":
+            continue
         value = dequantize(tensor)
         if arch == "llama" and ".attn_q." in name:
             value = _unpermute(value, config.num_heads)

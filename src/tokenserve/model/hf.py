@@ -31,14 +31,42 @@ def _read_json(path: Path) -> dict:
     return json.loads(path.read_text()) if path.exists() else {}
 
 
-def _rope_theta(hf: dict) -> float:
-    # transformers 5 moved rope_theta into rope_parameters
+def _rope(hf: dict, head_dim: int) -> tuple[float, tuple[float, ...]]:
+    """(rope_theta, rope_freq_factors) of a config.json: plain RoPE, or Llama 3.1+'s
+    "llama3" scaling as the per-pair divisors it amounts to."""
+    # transformers 5 moved rope_theta (and the scaling) into rope_parameters
     params = hf.get("rope_parameters") or {}
-    scaling = hf.get("rope_scaling") or {}
-    kind = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
-    if kind != "default":
-        raise UnsupportedArchitectureError(f"rope scaling {kind!r} is not supported")
-    return float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    scaling = hf.get("rope_scaling") or params
+    kind = scaling.get("rope_type") or scaling.get("type") or "default"
+    theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    if kind == "default":
+        return theta, ()
+    if kind == "llama3":
+        return theta, llama3_rope_factors(
+            theta, head_dim, factor=float(scaling["factor"]),
+            low_freq_factor=float(scaling["low_freq_factor"]),
+            high_freq_factor=float(scaling["high_freq_factor"]),
+            original_context=float(scaling["original_max_position_embeddings"]))
+    raise UnsupportedArchitectureError(f"rope scaling {kind!r} is not supported; "
+                                       f"supported: default, llama3")
+
+
+def llama3_rope_factors(theta: float, head_dim: int, factor: float, low_freq_factor: float,
+                        high_freq_factor: float, original_context: float
+                        ) -> tuple[float, ...]:
+    """Llama 3.1's RoPE scaling as divisors of each pair's frequency: pairs whose wavelength
+    is shorter than original_context / high_freq_factor keep theirs (1), those longer than
+    original_context / low_freq_factor turn `factor` times slower, and the ones between
+    blend the two linearly in original_context / wavelength."""
+    inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    wavelength = 2 * np.pi / inv_freq
+    smooth = (original_context / wavelength - low_freq_factor) / (high_freq_factor
+                                                                   - low_freq_factor)
+    blended = 1.0 / ((1 - smooth) / factor + smooth)
+    divisors = np.where(wavelength < original_context / high_freq_factor, 1.0,
+                        np.where(wavelength > original_context / low_freq_factor, factor,
+                                 blended))
+    return tuple(float(d) for d in divisors)
 
 
 def architecture_config(hf: dict) -> TransformerConfig:
@@ -63,14 +91,15 @@ def architecture_config(hf: dict) -> TransformerConfig:
                 f"head_dim {head_dim} x {heads} heads != hidden_size {hf['hidden_size']}")
         if hf.get("hidden_act", "silu") != "silu":
             raise UnsupportedArchitectureError(f"activation {hf['hidden_act']!r} is not supported")
+        theta, factors = _rope(hf, head_dim)
 
         config = llama_config(
             vocab_size=hf["vocab_size"], max_seq_len=hf["max_position_embeddings"],
             hidden_size=hf["hidden_size"], num_layers=hf["num_hidden_layers"], num_heads=heads,
             num_kv_heads=hf.get("num_key_value_heads") or heads,
             intermediate_size=hf["intermediate_size"],
-            tie_embeddings=hf.get("tie_word_embeddings", False), rope_theta=_rope_theta(hf),
-            norm_eps=hf.get("rms_norm_eps", 1e-6))
+            tie_embeddings=hf.get("tie_word_embeddings", False), rope_theta=theta,
+            rope_freq_factors=factors, norm_eps=hf.get("rms_norm_eps", 1e-6))
         attention_bias = arch == "Qwen2ForCausalLM" or hf.get("attention_bias", False)
         return dataclasses.replace(
             config, qkv_bias=attention_bias,

@@ -13,6 +13,7 @@ import contextvars
 import math
 
 import keras
+import numpy as np
 import tensorflow as tf
 
 from tokenserve.config import TransformerConfig
@@ -126,11 +127,26 @@ def mlp(x, up: dict, down: dict, kind: str):
     return linear(h, down)
 
 
-def rope_angles(positions, head_dim: int, theta: float, dtype):
+def rope_inverse_frequencies(head_dim: int, theta: float,
+                             freq_factors: tuple[float, ...] = ()) -> np.ndarray:
+    """Radians per position of each rotated pair, float32 [head_dim / 2]: theta ** (-2i /
+    head_dim), divided by the config's rope_freq_factors when it has them. Computed in
+    float64 and rounded once, as transformers' float32 inv_freq is within an ulp of it."""
+    inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    if freq_factors:
+        inv_freq = inv_freq / np.asarray(freq_factors, np.float64)
+    return inv_freq.astype(np.float32)
+
+
+def rope_angles(positions, head_dim: int, theta: float, dtype,
+                freq_factors: tuple[float, ...] = ()):
     """Rotary position embedding (Hugging Face's rotate-half convention), first half: cos and
     sin of the angles, [B, T, 1, Dh] each for int32 positions [B, T]. They are the same for q
     and k and for every layer, so they are computed once and applied with apply_rope."""
-    inv_freq = 1.0 / (theta ** (tf.range(0, head_dim, 2, dtype=tf.float32) / head_dim))
+    if not freq_factors:  # the graph every export without scaling has always had
+        inv_freq = 1.0 / (theta ** (tf.range(0, head_dim, 2, dtype=tf.float32) / head_dim))
+    else:
+        inv_freq = tf.constant(rope_inverse_frequencies(head_dim, theta, freq_factors))
     angles = tf.cast(positions, tf.float32)[..., None] * inv_freq  # [B, T, Dh/2]
     angles = tf.concat([angles, angles], axis=-1)[:, :, None, :]  # [B, T, 1, Dh]
     return tf.cast(tf.cos(angles), dtype), tf.cast(tf.sin(angles), dtype)
@@ -219,7 +235,8 @@ class Attention(keras.layers.Layer):
         k = tf.reshape(k, [batch, length, c.num_kv_heads, c.head_dim])
         v = tf.reshape(v, [batch, length, c.num_kv_heads, c.head_dim])
         if c.position == "rope":
-            cos, sin = rope_angles(positions, c.head_dim, c.rope_theta, q.dtype)
+            cos, sin = rope_angles(positions, c.head_dim, c.rope_theta, q.dtype,
+                                   c.rope_freq_factors)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         return q, k, v
 
