@@ -196,6 +196,40 @@ def test_logprobs_are_chat_completions_logprobs_for_the_same_conversation(client
     assert without.output[0].content[0].logprobs == []
 
 
+def test_truncation_auto_drops_the_oldest_turns_that_do_not_fit(client):
+    """A conversation past the built-in model's 512 tokens: refused by default (as OpenAI's
+    "disabled"), answered with "auto" from the newest turns that fit, the same greedy answer
+    chat completions gives for those turns alone; a last message that cannot fit by itself
+    is refused either way."""
+    long = "def f(x):\n    return x + 1\n" * 30  # about 300 tokens
+    conversation = [{"role": "user", "content": long}, {"role": "assistant", "content": long},
+                    {"role": "user", "content": "def add(a, b):"}]
+    options = dict(model=MODEL, input=conversation, temperature=0, max_output_tokens=8)
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.responses.create(**options)
+    assert refused.value.code == "context_length_exceeded"
+    with pytest.raises(openai.BadRequestError):
+        client.responses.create(truncation="disabled", **options)
+
+    answered = client.responses.create(truncation="auto", **options)
+    assert answered.truncation == "auto" and answered.status in ("completed", "incomplete")
+    # both long messages go (dropping the first user turn takes its answer along)
+    chat = client.chat.completions.create(model=MODEL, messages=conversation[2:],
+                                          temperature=0, max_tokens=8)
+    assert answered.output_text == chat.choices[0].message.content
+    assert answered.usage.input_tokens == chat.usage.prompt_tokens
+    streamed = list(client.responses.create(truncation="auto", stream=True, **options))
+    assert streamed[-1].response.output_text == answered.output_text
+
+    too_long = [{"role": "user", "content": "hi"}, {"role": "user", "content": long * 2}]
+    with pytest.raises(openai.BadRequestError) as still:
+        client.responses.create(model=MODEL, input=too_long, max_output_tokens=8,
+                                truncation="auto")
+    assert still.value.code == "context_length_exceeded"
+    assert client.responses.create(model=MODEL, input="hi",
+                                   max_output_tokens=2).truncation == "disabled"
+
+
 @pytest.mark.parametrize("body,param", [
     ({"input": [{"type": "function_call_output", "call_id": "call_nope", "output": "x"}]},
      "input.0.call_id"),
@@ -225,6 +259,7 @@ def test_logprobs_are_chat_completions_logprobs_for_the_same_conversation(client
     ({"include": ["file_search_call.results", "no.such.output"]}, "include.1"),
     ({"tools": [WEATHER], "include": ["message.output_text.logprobs"]}, "include"),
     ({"max_tool_calls": 2}, "max_tool_calls"),
+    ({"truncation": "sometimes"}, "truncation"),
 ])
 def test_bad_tool_requests_get_400_naming_the_field(server, body, param):
     response = httpx.post(server.url + "/v1/responses", headers=server.headers,

@@ -29,7 +29,7 @@ from starlette.concurrency import run_in_threadpool
 from tokenserve.engine.guided import check_structured
 from tokenserve.engine.outputs import FinishReason
 from tokenserve.engine.protocol import EngineClient
-from tokenserve.errors import ModelNotFoundError
+from tokenserve.errors import ModelNotFoundError, PromptTooLongError
 from tokenserve.sampling import GuideKind, SamplingParams, StructuredOutput
 
 from .chat import chat_prompt_ids
@@ -164,6 +164,17 @@ _SERVED_INCLUDES = {LOGPROBS_INCLUDE, "reasoning.encrypted_content", "file_searc
                     "code_interpreter_call.outputs"}
 
 
+def drop_oldest_turn(conversation: list[dict]) -> list[dict]:
+    """The conversation without its oldest turn (truncation "auto"): the first message, then
+    every message before the next user message, so that no tool result is left without its
+    call and the templates that want turns to alternate still get a user message first. The
+    last message always stays."""
+    kept = conversation[1:]
+    while len(kept) > 1 and kept[0]["role"] != "user":
+        kept = kept[1:]
+    return kept
+
+
 def check_unsupported(body: ResponseCreateRequest) -> None:
     """Refuses fields that would change the answer and are not served here.
 
@@ -261,11 +272,20 @@ class ResponseRun:
                               "unsupported_parameter")
         self.tokenizer = engine.tokenizer
         system = [{"role": "system", "content": body.instructions}] if body.instructions else []
-        messages = [ChatMessage.model_validate(m)
-                    for m in system + self.history + self.new_messages]
-        self.prompt_ids = chat_prompt_ids(messages, engine, tools=template_tools(tools))
-        max_tokens = max_new_tokens(body.max_output_tokens, "max_output_tokens",
-                                    len(self.prompt_ids), engine.max_model_len, default=None)
+        conversation = self.history + self.new_messages
+        while True:
+            messages = [ChatMessage.model_validate(m) for m in system + conversation]
+            try:
+                self.prompt_ids = chat_prompt_ids(messages, engine,
+                                                  tools=template_tools(tools))
+                max_tokens = max_new_tokens(body.max_output_tokens, "max_output_tokens",
+                                            len(self.prompt_ids), engine.max_model_len,
+                                            default=None)
+                break
+            except PromptTooLongError:
+                if body.truncation != "auto" or len(conversation) < 2:
+                    raise
+                conversation = drop_oldest_turn(conversation)
         self.params = SamplingParams(
             max_tokens=max_tokens, temperature=1.0 if body.temperature is None
             else body.temperature, top_p=1.0 if body.top_p is None else body.top_p,
@@ -324,6 +344,7 @@ class ResponseRun:
             tools=[tool.model_dump() for tool in body.tools or ()],
             text={"format": (body.text.format if body.text is not None else TextFormat(
                 type="text")).model_dump(by_alias=True, exclude_none=True)},
+            truncation=body.truncation or "disabled",
             usage=ResponseUsage(input_tokens=len(self.prompt_ids),
                                 input_tokens_details=InputTokensDetails(
                                     cached_tokens=self.outputs.num_cached_tokens),

@@ -117,6 +117,9 @@ class ResponseCreateRequest(BaseModel):
     tool_choice: Literal["none", "auto", "required"] | FunctionToolChoice | None = None
     parallel_tool_calls: bool = True
     text: TextConfig | None = None
+    truncation: Literal["auto", "disabled"] | None = None
+    """"auto": a conversation too long for the context drops its oldest messages (after the
+    instructions) until it fits; "disabled" (the default): it is refused with 400."""
     # Fields that would change the answer and are not served (these four, and include values
     # other than logprobs): refused (400) when set (responses.check_unsupported), never
     # silently ignored.
@@ -194,6 +197,7 @@ class ResponseObject(BaseModel):
     tool_choice: str | dict = "none"
     tools: list[dict] = Field(default_factory=list)
     text: dict = Field(default_factory=lambda: {"format": {"type": "text"}})
+    truncation: Literal["auto", "disabled"] = "disabled"
     usage: ResponseUsage | None = None
 
 
