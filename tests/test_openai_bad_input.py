@@ -61,8 +61,8 @@ HTTP_ROWS = [
      "'logit_bias' is not supported"),
     ("unsupported-suffix", C, body(suffix="end"), None, 400, "'suffix' is not supported"),
     ("best-of-above-n", C, body(best_of=3), None, 400, "best_of must equal n"),
-    ("echo-with-logprobs", C, body(echo=True, logprobs=1), None, 400,
-     "echo together with logprobs"),
+    ("echo-with-huge-logprobs", C, body(echo=True, logprobs=21), None, 400,
+     "logprobs must be between 0 and 20"),
     ("image-content-part", CHAT, {"model": MODEL, "messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "http://x"}}]}]}, None, 400,
      "messages.0.content.0: content of type 'image_url' is not supported"),

@@ -117,6 +117,54 @@ def test_completion_logprobs_are_consistent(client):
     assert logprobs.text_offset == sorted(logprobs.text_offset)
 
 
+def test_echo_with_logprobs_scores_the_prompt_as_one_forward_pass(client, tmp_path_factory):
+    """What lm-evaluation-harness sends to score a continuation (echo, logprobs, the prompt
+    as token ids): each prompt token's logprob after the ones before it, the first with
+    none, then the generated tokens' as without echo; streamed the same. The reference is
+    the exported model's full forward pass in this process."""
+    import numpy as np
+
+    from test_openai_harness import tiny_model_dir
+    from tokenserve.export.restore import load_language_model
+
+    model, tokenizer, _, _ = load_language_model(tiny_model_dir(tmp_path_factory),
+                                                 precision="float32")
+    ids = tokenizer.encode(PROMPT + " return a + b")
+    logits = model(np.array([ids], np.int32)).numpy()[0].astype(np.float64)
+    expected = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(
+        -1, keepdims=True)) - logits.max(-1, keepdims=True)
+
+    options = dict(model=MODEL, prompt=ids, max_tokens=3, logprobs=2, echo=True,
+                   temperature=0, extra_body=LONG)
+    out = client.completions.create(**options).choices[0]
+    plain = client.completions.create(**{**options, "echo": False}).choices[0]
+    scored = out.logprobs
+    n = len(ids)
+    assert out.text == tokenizer.decode(ids) + plain.text
+    assert scored.tokens[:n] == [tokenizer.decode([t], skip_special_tokens=False) for t in ids]
+    assert scored.token_logprobs[0] is None and scored.top_logprobs[0] is None
+    np.testing.assert_allclose(scored.token_logprobs[1:n],
+                               [expected[i - 1, ids[i]] for i in range(1, n)], atol=2e-4)
+    for i in range(1, n):  # the two likeliest after each prefix, the chosen one or not
+        # (keyed by text: two tokens that decode alike, such as two halves of a character,
+        # share one key, so one entry can stand for both)
+        best = np.sort(expected[i - 1])[::-1][:2]
+        top = sorted(scored.top_logprobs[i].values(), reverse=True)
+        assert top[0] == pytest.approx(best[0], abs=2e-4)
+        assert all(min(abs(v - best)) < 2e-4 for v in top)
+    assert scored.text_offset[:n] == sorted(scored.text_offset[:n]) and scored.text_offset[0] == 0
+    # the generated part: exactly what the same request without echo gives
+    assert scored.tokens[n:] == plain.logprobs.tokens
+    np.testing.assert_allclose(scored.token_logprobs[n:], plain.logprobs.token_logprobs,
+                               atol=1e-4)
+    assert scored.text_offset[n] == len(tokenizer.decode(ids))
+    streamed = list(client.completions.create(stream=True, **options))
+    tokens = [t for chunk in streamed if chunk.choices and chunk.choices[0].logprobs
+              for t in chunk.choices[0].logprobs.tokens]
+    assert tokens == scored.tokens
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == out.text
+
+
 def test_chat_logprobs_have_tokens_bytes_and_alternatives(client):
     out = client.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=5,

@@ -24,14 +24,17 @@ from pathlib import Path
 
 from tokenserve.engine.config import EngineConfig
 from tokenserve.engine.core import LLMEngine
-from tokenserve.engine.outputs import RequestOutput
-from tokenserve.errors import EngineDeadError, QueueFullError
+from tokenserve.engine.outputs import RequestOutput, TokenLogprob
+from tokenserve.engine.sampler import token_logprob
+from tokenserve.errors import EngineDeadError, InvalidRequestError, QueueFullError
 from tokenserve.observability.memory import (freeze_python_heap, release_freed_memory,
                                              thaw_python_heap)
 from tokenserve.sampling import SamplingParams
 from tokenserve.stats import StatsSink
 
 log = logging.getLogger(__name__)
+# prompt logprobs hold a prompt's whole [tokens, vocab] float32 logits at once
+PROMPT_LOGITS_BYTES = 512 << 20
 _SHORT_WARMUP_PROMPT = 3  # tokens of a warm-up prompt that is not meant to be long
 
 
@@ -131,6 +134,26 @@ class AsyncEngine:
         finally:
             if not finished:  # the caller left early: a disconnect or a cancelled call
                 self.abort(request.request_id)
+
+    def prompt_logprobs(self, prompt_ids: list[int], num_top: int) -> list[TokenLogprob]:
+        """The log-probability of each prompt token after the ones before it (so one entry
+        fewer than the prompt: the first token has none), with `num_top` alternatives, as
+        vLLM's prompt_logprobs. One full forward pass over the prompt, beside the engine's
+        steps rather than inside them (TF runs both; the weights are only read). Blocking.
+
+        Raises:
+            InvalidRequestError: the logits would take more than PROMPT_LOGITS_BYTES.
+        """
+        vocab = self.config.model.vocab_size
+        if len(prompt_ids) * vocab * 4 > PROMPT_LOGITS_BYTES:
+            raise InvalidRequestError(
+                f"prompt logprobs of {len(prompt_ids)} tokens over a {vocab}-token vocabulary "
+                f"would take {len(prompt_ids) * vocab * 4 >> 20} MiB of logits; at most "
+                f"{PROMPT_LOGITS_BYTES >> 20} MiB", "logprobs")
+        self._check_alive()
+        logits = self.engine.runner.prompt_logits(prompt_ids)
+        return [token_logprob(logits[i - 1], prompt_ids[i], num_top)
+                for i in range(1, len(prompt_ids))]
 
     def abort(self, request_id: str) -> None:
         with self._lock:

@@ -37,6 +37,12 @@ class EngineClient(Protocol):
         cancelled) aborts the request and frees its cache at the next step.
         """
 
+    def prompt_logprobs(self, prompt_ids: list[int], num_top: int) -> list:
+        """`TokenLogprob` of each prompt token after the first, given the tokens before it
+        (completions' `echo` with `logprobs`). Blocking.
+
+        Raises: `InvalidRequestError` (a prompt whose logits would be too large)."""
+
     def abort(self, request_id: str) -> None:
         """Stops a request; its stream ends with finish_reason ABORT."""
 

@@ -305,6 +305,13 @@ class ModelRunner:
             noise[row] = sampler.noise_for_step()
         return noise
 
+    def prompt_logits(self, token_ids: list[int]) -> np.ndarray:
+        """float32 [len(token_ids), vocab]: the logits after each prompt token, from one full
+        forward pass outside the paged cache (prompt logprobs, which a step does not keep:
+        it computes the LM head on each sequence's last row only)."""
+        logits = self.model(np.asarray([token_ids], np.int32))
+        return np.asarray(logits, np.float32)[0]
+
     def warm_up_heads(self) -> None:
         """Traces and runs once every LM head a step can end in (TransformerStep.
         head_function), so the first request whose rows need another head than the

@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator
 from tokenserve.engine.protocol import EngineClient
 
 from .config import OpenAIServerConfig
-from .formatting import SSE_DONE, CompletionLogprobsBuilder, sse
+from .formatting import SSE_DONE, CompletionLogprobsBuilder, sse, token_text
 from .params import (check_unsupported, max_new_tokens, prompt_token_ids, request_timeout,
                      sampling_params, structured_output)
 from .schemas import (CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse,
@@ -45,6 +45,11 @@ class CompletionRun:
                                       structured_output(request))
         self.num_prompt_tokens = sum(len(ids) for ids in prompts)
         self.prompt_texts = [self.tokenizer.decode(ids) if request.echo else "" for ids in prompts]
+        # echo with logprobs: the prompt's tokens lead each choice's logprobs, as in OpenAI's
+        # legacy completions and vLLM (how lm-evaluation-harness scores a continuation)
+        self.prompt_logprobs = [self._prompt_part(ids, engine.prompt_logprobs(
+            ids, request.logprobs)) for ids in prompts] \
+            if request.echo and request.logprobs is not None else None
         timeout_s = request_timeout(request.timeout_s, config.request_timeout_s)
         self.outputs = MergedOutputs(engine, prompts, self.params, request_id, request.priority,
                                      timeout_s, trace_context=trace,
@@ -70,6 +75,22 @@ class CompletionRun:
                     yield prompt_index, prompt_index * self.params.n + seq.index, seq
         return choices()
 
+    def _prompt_part(self, ids: list[int], logprobs: list) -> CompletionLogprobs:
+        """The prompt's tokens in completions format: the first with no logprob (nothing came
+        before it), then each after the ones before it."""
+        first = token_text(self.tokenizer, ids[0])
+        part = CompletionLogprobs(tokens=[first], token_logprobs=[None], top_logprobs=[None],
+                                  text_offset=[0])
+        CompletionLogprobsBuilder.extend(
+            part, CompletionLogprobsBuilder(self.tokenizer, len(first)).delta(logprobs))
+        return part
+
+    def _leading_logprobs(self, prompt_index: int) -> CompletionLogprobs:
+        """What a choice's logprobs start with: the prompt's, with echo, else nothing."""
+        if self.prompt_logprobs is None:
+            return CompletionLogprobs()
+        return self.prompt_logprobs[prompt_index].model_copy(deep=True)
+
     def _new_logprobs(self, prompt_index: int) -> CompletionLogprobsBuilder:
         return CompletionLogprobsBuilder(self.tokenizer, len(self.prompt_texts[prompt_index]))
 
@@ -88,7 +109,7 @@ class CompletionRun:
             choice.text += seq.text
             if self.params.logprobs is not None:
                 builder = builders.setdefault(index, self._new_logprobs(prompt_index))
-                choice.logprobs = choice.logprobs or CompletionLogprobs()
+                choice.logprobs = choice.logprobs or self._leading_logprobs(prompt_index)
                 builder.extend(choice.logprobs, builder.delta(seq.logprobs or []))
             if seq.finish_reason is not None:
                 if self.outputs.deadline_passed(seq.finish_reason):
@@ -109,13 +130,16 @@ class CompletionRun:
         builders: dict[int, CompletionLogprobsBuilder] = {}
         async for prompt_index, index, seq in self._choices():
             text = seq.text
-            if self.request.echo and index not in echoed:
+            first = self.request.echo and index not in echoed
+            if first:
                 echoed.add(index)
                 text = self.prompt_texts[prompt_index] + text
             logprobs = None
             if self.params.logprobs is not None:
                 builder = builders.setdefault(index, self._new_logprobs(prompt_index))
-                logprobs = builder.delta(seq.logprobs or [])
+                logprobs = self._leading_logprobs(prompt_index) if first \
+                    else CompletionLogprobs()
+                builder.extend(logprobs, builder.delta(seq.logprobs or []))
             reason = seq.finish_reason.value if seq.finish_reason is not None else None
             chunk = CompletionResponse(
                 id=self.request_id, model=self.model_id,

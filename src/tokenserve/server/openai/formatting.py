@@ -38,8 +38,12 @@ class CompletionLogprobsBuilder:
             text = token_text(self.tokenizer, entry.token_id)
             out.tokens.append(text)
             out.token_logprobs.append(_finite(entry.logprob))
-            out.top_logprobs.append({token_text(self.tokenizer, t): _finite(lp)
-                                     for t, lp in entry.top} or None)
+            # keyed by text: two tokens that decode alike (halves of one character) share a
+            # key, which keeps the likelier one's logprob (`top` is likeliest first)
+            top: dict[str, float] = {}
+            for t, lp in entry.top:
+                top.setdefault(token_text(self.tokenizer, t), _finite(lp))
+            out.top_logprobs.append(top or None)
             out.text_offset.append(self.offset)
             self.offset += len(text)
         return out

@@ -45,9 +45,6 @@ def check_unsupported(request: CompletionRequest | ChatCompletionRequest) -> Non
             raise bad_request(f"best_of must equal n ({request.n}) on this server; "
                               f"got best_of={request.best_of}.", "best_of",
                               "unsupported_parameter")
-        if request.echo and request.logprobs is not None:
-            raise bad_request("echo together with logprobs is not supported (prompt logprobs "
-                              "are not computed).", "echo", "unsupported_parameter")
     elif request.top_logprobs is not None and not request.logprobs:
         raise bad_request("top_logprobs requires logprobs to be true.", "top_logprobs")
 
