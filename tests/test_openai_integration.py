@@ -165,6 +165,37 @@ def test_echo_with_logprobs_scores_the_prompt_as_one_forward_pass(client, tmp_pa
     assert "".join(c.choices[0].text for c in streamed if c.choices) == out.text
 
 
+def test_echo_with_max_tokens_0_scores_the_prompt_alone(client, server):
+    """OpenAI's legacy prompt-scoring call: the prompt back with its logprobs, nothing
+    generated, finished by length; the same numbers as the prompt part of a generating
+    request; streamed as one chunk per choice. Without echo, max_tokens 0 is still a 400."""
+    ids = [5, 17, 33, 90, 140, 7, 8, 9]
+    options = dict(model=MODEL, prompt=ids, max_tokens=0, echo=True, logprobs=1)
+    out = client.completions.create(**options)
+    generating = client.completions.create(**{**options, "max_tokens": 2}).choices[0]
+    choice = out.choices[0]
+    assert (choice.finish_reason, out.usage.completion_tokens) == ("length", 0)
+    assert out.usage.prompt_tokens == len(ids)
+    assert choice.text == generating.text[:len(choice.text)] and choice.text
+    assert choice.logprobs.tokens == generating.logprobs.tokens[:len(ids)]
+    assert choice.logprobs.token_logprobs[0] is None
+    assert choice.logprobs.token_logprobs[1:] == pytest.approx(
+        generating.logprobs.token_logprobs[1:len(ids)], abs=1e-5)
+    streamed = list(client.completions.create(stream=True, n=2,
+                                              stream_options={"include_usage": True},
+                                              **options))
+    chunks = [c for c in streamed if c.choices]
+    assert sorted(c.choices[0].index for c in chunks) == [0, 1]
+    assert all(c.choices[0].text == choice.text and c.choices[0].finish_reason == "length"
+               and c.choices[0].logprobs.tokens == choice.logprobs.tokens for c in chunks)
+    assert streamed[-1].usage.completion_tokens == 0
+    unscored = client.completions.create(model=MODEL, prompt=ids, max_tokens=0, echo=True)
+    assert unscored.choices[0].logprobs is None and unscored.choices[0].text == choice.text
+    with pytest.raises(openai.BadRequestError, match="max_tokens must be at least 1"):
+        client.completions.create(model=MODEL, prompt=ids, max_tokens=0)
+    assert server.num_unfinished() == 0
+
+
 def test_chat_logprobs_have_tokens_bytes_and_alternatives(client):
     out = client.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=5,

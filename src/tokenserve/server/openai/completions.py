@@ -9,14 +9,27 @@ import uuid
 from collections.abc import AsyncIterator
 
 from tokenserve.engine.protocol import EngineClient
+from tokenserve.errors import PromptTooLongError
 
 from .config import OpenAIServerConfig
 from .formatting import SSE_DONE, CompletionLogprobsBuilder, sse, token_text
-from .params import (check_unsupported, max_new_tokens, prompt_token_ids, request_timeout,
-                     sampling_params, structured_output)
+from .params import (bad_request, check_unsupported, max_new_tokens, prompt_token_ids,
+                     request_timeout, sampling_params, structured_output)
 from .schemas import (CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse,
                       PromptTokensDetails, Usage)
 from .streams import MergedOutputs
+
+
+class _NothingToGenerate:
+    """MergedOutputs' stand-in when no sequence runs (echo with max_tokens 0)."""
+
+    num_cached_tokens = 0
+
+    async def start(self) -> None:
+        pass
+
+    async def aclose(self) -> None:
+        pass
 
 
 class CompletionRun:
@@ -37,10 +50,22 @@ class CompletionRun:
         prompts = prompt_token_ids(request.prompt, self.tokenizer,
                                    engine.config.model.vocab_size, config.max_prompts,
                                    engine.max_model_len)
-        max_tokens = min(max_new_tokens(request.max_tokens, "max_tokens", len(ids),
-                                        engine.max_model_len,
-                                        config.default_completion_max_tokens)
-                         for ids in prompts)
+        # echo with max_tokens 0 (OpenAI's legacy API, vLLM): the prompt back, scored when
+        # logprobs are asked for, and nothing generated; the engine is not involved
+        self.prompt_only = bool(request.echo) and request.max_tokens == 0
+        if self.prompt_only:
+            for ids in prompts:
+                if len(ids) > engine.max_model_len:
+                    raise bad_request(
+                        f"This model's maximum context length is {engine.max_model_len} "
+                        f"tokens. However, you requested {len(ids)} tokens in the prompt.",
+                        "prompt", "context_length_exceeded", PromptTooLongError)
+            max_tokens = 1  # only to validate the sampling parameters
+        else:
+            max_tokens = min(max_new_tokens(request.max_tokens, "max_tokens", len(ids),
+                                            engine.max_model_len,
+                                            config.default_completion_max_tokens)
+                             for ids in prompts)
         self.params = sampling_params(request, max_tokens, request.logprobs,
                                       structured_output(request))
         self.num_prompt_tokens = sum(len(ids) for ids in prompts)
@@ -51,9 +76,9 @@ class CompletionRun:
             ids, request.logprobs)) for ids in prompts] \
             if request.echo and request.logprobs is not None else None
         timeout_s = request_timeout(request.timeout_s, config.request_timeout_s)
-        self.outputs = MergedOutputs(engine, prompts, self.params, request_id, request.priority,
-                                     timeout_s, trace_context=trace,
-                                     final_only=not request.stream)
+        self.outputs = _NothingToGenerate() if self.prompt_only else MergedOutputs(
+            engine, prompts, self.params, request_id, request.priority, timeout_s,
+            trace_context=trace, final_only=not request.stream)
         self._num_generated: dict[int, int] = {}
 
     def _usage(self) -> Usage:
@@ -91,6 +116,15 @@ class CompletionRun:
             return CompletionLogprobs()
         return self.prompt_logprobs[prompt_index].model_copy(deep=True)
 
+    def _prompt_only_choices(self) -> list[CompletionChoice]:
+        """Echo with max_tokens 0: each prompt as its choices' whole text, with the prompt's
+        logprobs when asked for; finished by length, as OpenAI's legacy API answered."""
+        n = self.params.n
+        return [CompletionChoice(
+            index=i, text=self.prompt_texts[i // n], finish_reason="length",
+            logprobs=self._leading_logprobs(i // n) if self.params.logprobs is not None
+            else None) for i in range(len(self.prompt_texts) * n)]
+
     def _new_logprobs(self, prompt_index: int) -> CompletionLogprobsBuilder:
         return CompletionLogprobsBuilder(self.tokenizer, len(self.prompt_texts[prompt_index]))
 
@@ -103,6 +137,9 @@ class CompletionRun:
         num_choices = len(self.prompt_texts) * self.params.n
         choices = [CompletionChoice(index=i, text=self.prompt_texts[i // self.params.n])
                    for i in range(num_choices)]
+        if self.prompt_only:
+            return CompletionResponse(id=self.request_id, model=self.model_id,
+                                      choices=self._prompt_only_choices(), usage=self._usage())
         builders: dict[int, CompletionLogprobsBuilder] = {}
         async for prompt_index, index, seq in self._choices():
             choice = choices[index]
@@ -126,6 +163,16 @@ class CompletionRun:
         """
         options = self.request.stream_options
         per_chunk_usage = options is not None and options.continuous_usage_stats
+        if self.prompt_only:
+            for choice in self._prompt_only_choices():
+                yield sse(CompletionResponse(id=self.request_id, model=self.model_id,
+                                             choices=[choice],
+                                             usage=self._usage() if per_chunk_usage else None))
+            if options is not None and options.include_usage:
+                yield sse(CompletionResponse(id=self.request_id, model=self.model_id,
+                                             choices=[], usage=self._usage()))
+            yield SSE_DONE
+            return
         echoed: set[int] = set()
         builders: dict[int, CompletionLogprobsBuilder] = {}
         async for prompt_index, index, seq in self._choices():
