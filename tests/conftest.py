@@ -18,6 +18,17 @@ TINY_TEXT = [
 ] * 20
 
 
+def greedy_by_full_forward(model, prompt_ids, max_tokens: int) -> list[int]:
+    """Greedy decoding by full forward passes of the Keras model, no cache: the reference
+    that cached and served decoding must equal."""
+    import numpy as np
+
+    ids = list(prompt_ids)
+    for _ in range(max_tokens):
+        ids.append(int(np.argmax(model(np.asarray([ids], np.int32)).numpy()[0, -1])))
+    return ids[len(prompt_ids):]
+
+
 @pytest.fixture(scope="session")
 def tokenizer():
     from tokenserve.model.tokenizer import Tokenizer

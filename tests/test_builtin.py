@@ -4,9 +4,9 @@ import json
 import math
 from pathlib import Path
 
-import numpy as np
 import pytest
 
+from conftest import greedy_by_full_forward
 from tokenserve.model.checkpoint import BUILTIN_DIR, load_source
 from tokenserve.train.corpus import Corpus, token_stream
 from tokenserve.train.trainer import holdout_windows, perplexity
@@ -49,9 +49,7 @@ def test_builtin_transformer_writes_an_indented_function_body():
     model, tokenizer, config = load_source("builtin")
     prompt = "def read_config(path):"
     ids = tokenizer.encode(prompt)
-    for _ in range(24):
-        ids.append(int(np.argmax(model(np.array([ids], np.int32)).numpy()[0, -1])))
-    text = tokenizer.decode(ids)
+    text = tokenizer.decode(ids + greedy_by_full_forward(model, ids, 24))
     assert text.startswith(prompt)
     assert text[len(prompt):].startswith("\n    "), text  # a new line, then an indented body
 

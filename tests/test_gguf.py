@@ -13,6 +13,7 @@ from importlib import metadata
 import numpy as np
 import pytest
 
+from conftest import greedy_by_full_forward
 from tokenserve.errors import ModelLoadError, ModelNotFoundError
 from tokenserve.model.gguf import UnsupportedGGUFError, load_gguf, read_gguf
 from tokenserve.model.gguf_tokenizer import build_tokenizer
@@ -225,14 +226,6 @@ def hf_greedy(hf_model, prompt, n):
     return out[0, len(prompt):].tolist()
 
 
-def greedy(model, prompt, n):
-    """Our model's greedy continuation, one full forward pass per token."""
-    ids = list(prompt)
-    for _ in range(n):
-        ids.append(int(np.argmax(model(np.array([ids], np.int32)).numpy()[0, -1])))
-    return ids[len(prompt):]
-
-
 CASES = {
     "llama-f32-gqa-untied": dict(arch="llama", qtype=Q.F32),
     "llama-q8_0-tied": dict(arch="llama", qtype=Q.Q8_0, tie=True, pre="gpt-2"),
@@ -286,7 +279,7 @@ def test_logits_match_transformers_on_ragged_batch(case):
 def test_greedy_tokens_match_transformers(case):
     _, _, (model, _, _), hf_model = case
     prompt = PROMPTS[0]
-    assert greedy(model, prompt, 16) == hf_greedy(hf_model, prompt, 16)
+    assert greedy_by_full_forward(model, prompt, 16) == hf_greedy(hf_model, prompt, 16)
 
 
 def test_config_tokenizer_and_template(case):

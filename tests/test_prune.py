@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conftest import TINY_TEXT, tiny
+from conftest import TINY_TEXT, greedy_by_full_forward, tiny
 from tokenserve.errors import ConfigError
 from tokenserve.model.prune import PruneConfig, prune_model
 
@@ -113,14 +113,6 @@ def test_cli_prune_exports_what_the_engine_serves(tokenizer, tmp_path, capsys):
     assert list(served[0].outputs[0].token_ids) == expected
 
 
-def _greedy(model, prompt_ids, max_tokens):
-    """Greedy decoding by full forward passes of the Keras model, no cache."""
-    ids = list(prompt_ids)
-    for _ in range(max_tokens):
-        ids.append(int(np.argmax(model(np.asarray([ids], np.int32)).numpy()[0, -1])))
-    return ids[len(prompt_ids):]
-
-
 def test_engine_serves_the_pruned_model_token_for_token(tokenizer, windows, tmp_path):
     """GQA groups removed, MLP channels removed and a compensation bias added to a model that
     had none: the export, the engine's paged step and its restore all follow the new shapes."""
@@ -139,7 +131,7 @@ def test_engine_serves_the_pruned_model_token_for_token(tokenizer, windows, tmp_
     llm = LLM(version, max_num_seqs=2, max_num_batched_tokens=16, block_size=4)
     served = llm.generate([prompt], SamplingParams(max_tokens=8, ignore_eos=True),
                                    use_tqdm=False)
-    assert list(served[0].outputs[0].token_ids) == _greedy(pruned, prompt, 8)
+    assert list(served[0].outputs[0].token_ids) == greedy_by_full_forward(pruned, prompt, 8)
 
 
 def test_distilled_finetune_brings_a_pruned_model_under_the_gate(tokenizer, tmp_path):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conftest import tiny
+from conftest import greedy_by_full_forward, tiny
 from tokenserve.errors import ConfigError
 from tokenserve.model.quantize import quantize_model
 
@@ -28,14 +28,6 @@ def int8_export(request, tokenizer, tmp_path_factory):
     model, int8, config = quantized(request.param, tokenizer)
     base = tmp_path_factory.mktemp(f"{request.param}-int8")
     return model, int8, export_model(int8, tokenizer, config, base)
-
-
-def greedy(model, prompt_ids, max_tokens):
-    """Greedy decoding by full forward passes, no cache."""
-    ids = list(prompt_ids)
-    for _ in range(max_tokens):
-        ids.append(int(np.argmax(model(np.asarray([ids], np.int32)).numpy()[0, -1])))
-    return ids[len(prompt_ids):]
 
 
 def test_weights_are_int8_with_a_scale_per_output_channel(int8_export):
@@ -89,7 +81,7 @@ def test_the_export_uses_only_stock_tensorflow_ops_and_matches_the_portable_mode
     exported = ExportedModel(version_dir)
     ids = tokenizer.encode(PROMPTS[0])
     with portable_graphs():
-        expected = greedy(int8, ids, 12)
+        expected = greedy_by_full_forward(int8, ids, 12)
     assert list(exported.stream(ids, SamplingParams(max_tokens=12, ignore_eos=True))) == expected
 
 
@@ -108,7 +100,7 @@ def test_the_engine_serves_int8_with_its_kernel_and_equals_full_forward_passes(i
                            use_tqdm=False)
     assert all(fused for _, _, fused in runner.step._steps)
     for prompt, out in zip(PROMPTS, outputs):
-        assert out.outputs[0].token_ids == greedy(int8, llm.tokenizer.encode(prompt), 10)
+        assert out.outputs[0].token_ids == greedy_by_full_forward(int8, llm.tokenizer.encode(prompt), 10)
 
 
 def test_only_transformers_quantize(tokenizer):

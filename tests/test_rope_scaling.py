@@ -14,7 +14,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from conftest import tiny
+from conftest import greedy_by_full_forward, tiny
 from tokenserve.config import ConfigError, GenerationConfig, preset
 from tokenserve.sampling import SamplingParams
 
@@ -38,13 +38,6 @@ def scaled(tokenizer):
     scaled_model = build_model(architecture, seed=0)
     scaled_model.set_weights(model.get_weights())
     return scaled_model, model, config
-
-
-def greedy_by_full_forward(model, prompt, n):
-    ids = list(prompt)
-    for _ in range(n):
-        ids.append(int(np.argmax(model(np.array([ids], np.int32)).numpy()[0, -1])))
-    return ids[len(prompt):]
 
 
 def test_the_divisors_change_the_model(scaled):
