@@ -34,6 +34,7 @@ from tensorflow.compiler.tf2xla.ops import gen_xla_ops  # DYNAMIC_UPDATE_SLICE i
 from tokenserve.config import LSTMConfig, TransformerConfig
 from tokenserve.edge.cache import cache_names
 from tokenserve.model.layers import mlp, norm
+from tokenserve.model.rope import rope_inverse_frequencies
 
 # exp(-1e4) is exactly 0 in float32, so masked keys drop out as with float32.min, while the
 # score tensor's range stays small enough for int8 calibration to keep some resolution.
@@ -134,9 +135,7 @@ class EdgeTransformer(tf.Module):
                 arrays[f"head/{key}"] = value
         self.weights = _Weights(arrays)
         if c.position == "rope":  # cos/sin tables [max_len, Dh], gathered by position
-            inv_freq = 1.0 / (c.rope_theta ** (np.arange(0, c.head_dim, 2) / c.head_dim))
-            if c.rope_freq_factors:  # Llama 3's scaled low frequencies
-                inv_freq = inv_freq / np.asarray(c.rope_freq_factors)
+            inv_freq = rope_inverse_frequencies(c.head_dim, c.rope_theta, c.rope_freq_factors)
             angles = np.arange(c.max_seq_len)[:, None] * inv_freq[None, :]
             angles = np.concatenate([angles, angles], axis=-1)
             self._cos = tf.constant(np.cos(angles), tf.float32)

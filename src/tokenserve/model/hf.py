@@ -17,6 +17,7 @@ import numpy as np
 
 from tokenserve.config import GenerationConfig, TransformerConfig, gpt2_config, llama_config
 from tokenserve.errors import ConfigError, ModelLoadError, ModelNotFoundError
+from tokenserve.model.rope import llama3_rope_factors
 
 SUPPORTED = ("GPT2LMHeadModel", "LlamaForCausalLM", "Qwen2ForCausalLM")
 # Buffers some checkpoints carry that are not parameters.
@@ -49,24 +50,6 @@ def _rope(hf: dict, head_dim: int) -> tuple[float, tuple[float, ...]]:
             original_context=float(scaling["original_max_position_embeddings"]))
     raise UnsupportedArchitectureError(f"rope scaling {kind!r} is not supported; "
                                        f"supported: default, llama3")
-
-
-def llama3_rope_factors(theta: float, head_dim: int, factor: float, low_freq_factor: float,
-                        high_freq_factor: float, original_context: float
-                        ) -> tuple[float, ...]:
-    """Llama 3.1's RoPE scaling as divisors of each pair's frequency: pairs whose wavelength
-    is shorter than original_context / high_freq_factor keep theirs (1), those longer than
-    original_context / low_freq_factor turn `factor` times slower, and the ones between
-    blend the two linearly in original_context / wavelength."""
-    inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
-    wavelength = 2 * np.pi / inv_freq
-    smooth = (original_context / wavelength - low_freq_factor) / (high_freq_factor
-                                                                   - low_freq_factor)
-    blended = 1.0 / ((1 - smooth) / factor + smooth)
-    divisors = np.where(wavelength < original_context / high_freq_factor, 1.0,
-                        np.where(wavelength > original_context / low_freq_factor, factor,
-                                 blended))
-    return tuple(float(d) for d in divisors)
 
 
 def architecture_config(hf: dict) -> TransformerConfig:

@@ -13,10 +13,10 @@ import contextvars
 import math
 
 import keras
-import numpy as np
 import tensorflow as tf
 
 from tokenserve.config import TransformerConfig
+from tokenserve.model.rope import rope_inverse_frequencies
 
 _INIT_STD = 0.02  # GPT-2 / Llama initializer range
 _RESTORING = contextvars.ContextVar("restoring_weights", default=False)
@@ -127,17 +127,6 @@ def mlp(x, up: dict, down: dict, kind: str):
     return linear(h, down)
 
 
-def rope_inverse_frequencies(head_dim: int, theta: float,
-                             freq_factors: tuple[float, ...] = ()) -> np.ndarray:
-    """Radians per position of each rotated pair, float32 [head_dim / 2]: theta ** (-2i /
-    head_dim), divided by the config's rope_freq_factors when it has them. Computed in
-    float64 and rounded once, as transformers' float32 inv_freq is within an ulp of it."""
-    inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
-    if freq_factors:
-        inv_freq = inv_freq / np.asarray(freq_factors, np.float64)
-    return inv_freq.astype(np.float32)
-
-
 def rope_angles(positions, head_dim: int, theta: float, dtype,
                 freq_factors: tuple[float, ...] = ()):
     """Rotary position embedding (Hugging Face's rotate-half convention), first half: cos and
@@ -146,7 +135,9 @@ def rope_angles(positions, head_dim: int, theta: float, dtype,
     if not freq_factors:  # the graph every export without scaling has always had
         inv_freq = 1.0 / (theta ** (tf.range(0, head_dim, 2, dtype=tf.float32) / head_dim))
     else:
-        inv_freq = tf.constant(rope_inverse_frequencies(head_dim, theta, freq_factors))
+        # rounded to float32 once, from float64: within an ulp of transformers' float32
+        inv_freq = tf.constant(rope_inverse_frequencies(head_dim, theta, freq_factors),
+                               tf.float32)
     angles = tf.cast(positions, tf.float32)[..., None] * inv_freq  # [B, T, Dh/2]
     angles = tf.concat([angles, angles], axis=-1)[:, :, None, :]  # [B, T, 1, Dh]
     return tf.cast(tf.cos(angles), dtype), tf.cast(tf.sin(angles), dtype)
