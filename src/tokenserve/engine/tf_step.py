@@ -248,8 +248,14 @@ class TransformerStep(tf.Module):
         return kdense.dense(x, w["kernel"], w.get("bias"), residual, activation=activation)
 
     def _qkv_k(self, x, rotary, w):
-        return self._split_qkv(self._linear_k(self._norm_k(x, w["attn_norm"]), w["qkv"]),
-                               rotary)
+        return self._split_qkv_k(self._linear_k(self._norm_k(x, w["attn_norm"]), w["qkv"]),
+                                 rotary)
+
+    def _split_qkv_k(self, qkv, rotary):
+        """_split_qkv in one op (kernels/dense.py split_rope); rotary: (cos, sin) [N, Dh]
+        each (_step flattens them once a step) or None."""
+        c = self.model.config
+        return kdense.split_rope(qkv, c.num_heads, c.num_kv_heads, c.head_dim, rotary)
 
     def _finish_block_k(self, x, attn, w, w_next=None):
         """The block's second half -> (x, the next block's QKV projection or None).
@@ -280,7 +286,7 @@ class TransformerStep(tf.Module):
         x, qkv = self._finish_block_k(x, attn, w, w_next)
         if qkv is None:
             return (x, *self._qkv_k(x, rotary, w_next))
-        return (x, *self._split_qkv(qkv, rotary))
+        return (x, *self._split_qkv_k(qkv, rotary))
 
     def _exit_k(self, x, attn, w):
         return self._finish_block_k(x, attn, w)[0]
@@ -307,27 +313,26 @@ class TransformerStep(tf.Module):
         return self.screened_head(x, noise)
 
     # -- attention over the paged cache (graph mode, never XLA) ------------------------------
-    def _to_cache(self, rows):
-        """New K/V rows in the cache's dtype; float16 saturates (no inf from a rare large
-        value) instead of overflowing."""
-        if self.kv_dtype == tf.float16:
-            rows = tf.clip_by_value(rows, -65504.0, 65504.0)
-        return tf.cast(rows, self.kv_dtype)
-
     def _gather_kv(self, rows, cache):
         """rows [S, L] -> keys, values [S, L, Hkv*Dh] in the compute dtype (a 16-bit cache is
         widened after the gather: only the live rows, never the whole cache)."""
         dtype = self.model.compute_dtype
         return tuple(tf.cast(tf.gather(variable, rows), dtype) for variable in cache)
 
-    def _decode_attention(self, q, rows, bias, cache):
+    def _decode_attention(self, q, rows, bias, cache, write=None):
         """q: [S, H, Dh]; rows: [S, L]; bias: [S, 1, L] (0 or -max) -> [S, H*Dh].
 
-        With the fused op, `bias` is the lengths [S] of the contexts instead."""
+        With the fused op, `bias` is the lengths [S] of the contexts instead, and `write`
+        (new keys, new values, their cache rows) or None: the layer's new rows, which the
+        op stores before it attends; q may then have rows past S (padding: zeros out)."""
         c = self.model.config
         if self.fused_attention:
+            scale = 1.0 / math.sqrt(c.head_dim)
+            if write is not None:
+                return paged_attention.paged_write_decode_attention(
+                    q, cache[0], cache[1], rows, bias, *write, scale)
             return paged_attention.paged_decode_attention(q, cache[0], cache[1], rows, bias,
-                                                          1.0 / math.sqrt(c.head_dim))
+                                                          scale)
         keys, values = self._gather_kv(rows, cache)
         num_seqs = tf.shape(q)[0]
         # each head's query spread over all kv-head columns, zero outside its own: one
@@ -366,22 +371,35 @@ class TransformerStep(tf.Module):
                            dtype)
         return split_sizes, num_prefill, padding
 
-    def _layer_attention(self, q, decode_groups, biases, prefill, cache, layout):
-        """q: [N, H, Dh] in packed order -> attention output [N, H*Dh]."""
+    def _layer_attention(self, q, decode_groups, biases, prefill, cache, layout, write=None):
+        """q: [N, H, Dh] in packed order -> attention output [N, H*Dh]. write: the layer's
+        new (keys, values, cache rows) for the fused op's first call to store (the graph
+        orders the later calls, reads of the same variables, after it); None: stored
+        already."""
         c = self.model.config
         width = c.num_heads * c.head_dim
+        if write is not None and len(decode_groups) == 1 and prefill is None:
+            # every query but the bucket padding is the group's, in order: the op attends
+            # them and writes the padding's zeros itself (no split of q, no concat)
+            (rows, _), = decode_groups
+            return self._decode_attention(q, rows, biases[0], cache, write)
         split_sizes, num_prefill, padding = layout
         pieces = tf.split(q, split_sizes, num=len(decode_groups) + 1)
-        outputs = [self._decode_attention(piece, rows, bias, cache)
-                   for piece, (rows, _), bias in zip(pieces, decode_groups, biases)]
+        outputs = []
+        for piece, (rows, _), bias in zip(pieces, decode_groups, biases):
+            outputs.append(self._decode_attention(piece, rows, bias, cache, write))
+            write = None
         if isinstance(prefill, PagedPrefill):
             outputs.append(self._decode_attention(pieces[-1][:num_prefill], prefill.rows,
-                                                  prefill.lengths, cache))
+                                                  prefill.lengths, cache, write))
+            write = None
         elif prefill is not None:
             index, rows, mask, unpack = prefill
             q_prefill = tf.concat([pieces[-1][:num_prefill], tf.zeros_like(q[:1])], 0)
             prefilled = self._prefill_attention(q_prefill, index, rows, mask, cache)
             outputs.append(tf.gather(tf.reshape(prefilled, [-1, width]), unpack))
+        if write is not None:  # _step passes rows only where a fused call takes them
+            raise AssertionError("the layer's new K/V rows were not stored")
         outputs.append(padding)  # bucket padding
         return tf.concat(outputs, 0)
 
@@ -513,11 +531,21 @@ class TransformerStep(tf.Module):
         x = m.embed(token_ids, positions, dtype)                           # [N, D]
         weights = self.fused_weights if fused else self.layer_weights
         rotary = self.rotary(positions, dtype)
+        if fused and rotary is not None:  # split_rope takes [N, Dh] rows
+            rotary = tuple(tf.reshape(t, [-1, m.config.head_dim]) for t in rotary)
         q, k, v = enter(x, rotary, weights[0])
+        # the layer's first fused attention op stores its new rows (a decode group's, else
+        # the paged prefill's), where a scatter per cache would add eight small ops a layer
+        fused_write = self.fused_attention and bool(decode_groups
+                                                    or isinstance(prefill, PagedPrefill))
         for i, cache in enumerate(self.caches):
-            for variable, new_rows in zip(cache, (k, v)):
-                variable.scatter_update(tf.IndexedSlices(self._to_cache(new_rows), write_rows))
-            attn = self._layer_attention(q, decode_groups, biases, prefill, cache, layout)
+            if fused_write:
+                write = (k, v, write_rows)
+            else:
+                write = None
+                paged_attention.scatter_rows(*cache, k, v, write_rows)
+            attn = self._layer_attention(q, decode_groups, biases, prefill, cache, layout,
+                                         write)
             if i + 1 < len(self.caches):
                 x, q, k, v = between(x, attn, rotary, weights[i], weights[i + 1])
         x = tf.gather(exit_(x, attn, weights[-1]), last_tokens)            # [S, D]

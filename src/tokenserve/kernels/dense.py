@@ -147,6 +147,39 @@ def finish_block(attn, x, out, norm, up, down, activation: str = "gelu_tanh",
     return y if next_qkv is None else (y, following)
 
 
+def split_rope(qkv, num_heads: int, num_kv_heads: int, head_dim: int, rotary=None):
+    """float32 qkv [N, (H + 2 Hkv) Dh] -> (q [N, H, Dh], k [N, Hkv Dh], v [N, Hkv Dh]), with
+    rotary = (cos, sin), each [N, Dh] (or None), applied to q and k as
+    model.layers.apply_rope applies it (the same float32 roundings)."""
+    op = LIBRARY.module()
+    if op is None:
+        return split_rope_fallback(qkv, num_heads, num_kv_heads, head_dim, rotary)
+    empty = tf.zeros([0], tf.float32)
+    cos, sin = rotary if rotary is not None else (empty, empty)
+    q, k, v = op.tokenserve_split_rope(qkv, cos, sin, num_heads=num_heads,
+                                       num_kv_heads=num_kv_heads, head_dim=head_dim)
+    return q, k, v
+
+
+def split_rope_fallback(qkv, num_heads: int, num_kv_heads: int, head_dim: int, rotary=None):
+    """split_rope in stock TF ops: the engine's graph path, RoPE written out as
+    model.layers.apply_rope computes it (kernels sit below the model package;
+    tests/test_split_rope.py checks both against apply_rope bit for bit)."""
+    width = num_kv_heads * head_dim
+    q, k, v = tf.split(qkv, [num_heads * head_dim, width, width], -1)
+    q = tf.reshape(q, [-1, num_heads, head_dim])
+    if rotary is not None:
+        cos, sin = (t[:, None, :] for t in rotary)                     # [N, 1, Dh]
+
+        def rotate(x):                                                  # [N, heads, Dh]
+            x1, x2 = tf.split(x, 2, axis=-1)
+            return x * cos + tf.concat([-x2, x1], axis=-1) * sin
+
+        q = rotate(q)
+        k = tf.reshape(rotate(tf.reshape(k, [-1, num_kv_heads, head_dim])), [-1, width])
+    return q, k, v
+
+
 def is_compiled() -> bool:
     """True when the compiled op is loaded and not forced off."""
     return LIBRARY.is_compiled()

@@ -31,6 +31,13 @@
 // comes from the graph: inside tf.function, automatic control dependencies make this op wait
 // for earlier writes to the same variables (see paged_attention.py).
 //
+// TokenservePagedWriteDecodeAttention takes three more inputs, new_keys and new_values
+// T [N, Hkv * Dh] and write_rows int32 [N], and stores those rows (cast to Tcache) before it
+// attends, holding both locks exclusively: one op a layer where the engine's step ran a
+// clip, a cast and a ResourceScatterUpdate per cache. Its writes follow
+// ResourceScatterUpdate's rules (EnsureSparseVariableAccess): a buffer another tensor still
+// references is replaced by a copy first, and the variable goes copy-on-read.
+//
 // Two inner paths with the same math: AVX2+FMA (functions with target attributes, chosen at
 // run time with __builtin_cpu_supports, specialised for Dh = 32, 64, 128 so the loops over Dh
 // unroll; any Dh that is a multiple of 8 up to 256 otherwise) and portable scalar C++ (any Dh;
@@ -374,6 +381,22 @@ void Attend(const Geometry& g, bool avx2, const T* qs, const C* kc, const C* vc,
   AttendScalar<T, C>(g, qs, kc, vc, rows, len, scratch, out);
 }
 
+// A new cache value, converted as tf.cast converts (Eigen's round-to-nearest-even; a NaN
+// stays a NaN); a half cache first saturates at +-65504, as the engine's graph path clips
+// before its cast, so a rare large value does not become an infinity.
+template <typename T, typename C>
+inline C ToCache(T v) {
+  if constexpr (std::is_same_v<T, C>) {
+    return v;
+  } else if constexpr (std::is_same_v<C, Half>) {
+    float x = static_cast<float>(v);
+    x = x > 65504.f ? 65504.f : (x < -65504.f ? -65504.f : x);  // NaN passes through
+    return static_cast<Half>(x);
+  } else {
+    return static_cast<C>(static_cast<float>(v));
+  }
+}
+
 }  // namespace
 
 REGISTER_OP("TokenservePagedDecodeAttention")
@@ -411,6 +434,49 @@ out[s, h*Dh:(h+1)*Dh] = softmax_l(q[s, h] . K[rows[s, l], kv*Dh:(kv+1)*Dh] * sca
 over l < lengths[s], kv = h / (H / Hkv); zeros where lengths[s] == 0.
 )doc");
 
+REGISTER_OP("TokenservePagedWriteDecodeAttention")
+    .Input("q: T")                  // [Q, H, Dh], Q >= S: queries past S get zeros
+    .Input("key_cache: resource")   // variable of Tcache [R, Hkv * Dh]
+    .Input("value_cache: resource")  // variable of Tcache [R, Hkv * Dh]
+    .Input("rows: int32")           // [S, L]
+    .Input("lengths: int32")        // [S]
+    .Input("new_keys: T")           // [N, Hkv * Dh]
+    .Input("new_values: T")         // [N, Hkv * Dh]
+    .Input("write_rows: int32")     // [N]
+    .Output("out: T")               // [Q, H * Dh]
+    .Attr("scale: float")
+    .Attr("T: {float, bfloat16}")
+    .Attr("Tcache: {float, bfloat16, half}")
+    .Attr("isa: {'auto', 'scalar'} = 'auto'")
+    .Attr("kv_heads_per_item: int = 0")
+    .SetIsStateful()
+    .SetShapeFn([](InferenceContext* c) {
+      ShapeHandle q, rows, lengths, new_keys, new_values, write_rows, unused;
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 3, &q));
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(1), 0, &unused));
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(2), 0, &unused));
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(3), 2, &rows));
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(4), 1, &lengths));
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(5), 2, &new_keys));
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(6), 2, &new_values));
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(7), 1, &write_rows));
+      TF_RETURN_IF_ERROR(c->Merge(new_keys, new_values, &unused));
+      DimensionHandle s, n, width;
+      TF_RETURN_IF_ERROR(c->Merge(c->Dim(new_keys, 0), c->Dim(write_rows, 0), &n));
+      TF_RETURN_IF_ERROR(c->Merge(c->Dim(rows, 0), c->Dim(lengths, 0), &s));
+      TF_RETURN_IF_ERROR(c->Multiply(c->Dim(q, 1), c->Dim(q, 2), &width));
+      c->set_output(0, c->Matrix(c->Dim(q, 0), width));
+      return absl::OkStatus();
+    })
+    .Doc(R"doc(
+TokenservePagedDecodeAttention after writing new rows into the cache, in one op:
+key_cache[write_rows[i]] = new_keys[i] and value_cache[write_rows[i]] = new_values[i] in
+order (cast to Tcache as tf.cast does; a half cache saturates at +-65504), then attention
+over rows[s, :lengths[s]] as TokenservePagedDecodeAttention for the first S queries of q;
+queries past S (a step's padding) get zeros. The graph orders it as a write, so later
+reads of the same variables run after it.
+)doc");
+
 REGISTER_OP("TokenservePagedDecodeAttentionInfo")
     .Output("info: string")
     .SetShapeFn([](InferenceContext* c) {
@@ -419,7 +485,7 @@ REGISTER_OP("TokenservePagedDecodeAttentionInfo")
     })
     .Doc("Which instruction set the TokenservePagedDecodeAttention kernel uses on this CPU.");
 
-template <typename T, typename C>
+template <typename T, typename C, bool kWrite>
 class PagedDecodeAttentionOp : public OpKernel {
  public:
   explicit PagedDecodeAttentionOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
@@ -443,13 +509,16 @@ class PagedDecodeAttentionOp : public OpKernel {
                 InvalidArgument("lengths must be [S], got shape ",
                                 lengths.shape().DebugString()));
     Geometry g;
-    g.S = q.dim_size(0);
+    // The writing op attends the first S = rows' queries of q and leaves the rest (the
+    // step's bucket padding) zero; the reading op takes exactly S.
+    const int64 num_queries = q.dim_size(0);
+    g.S = kWrite ? rows.dim_size(0) : num_queries;
     g.H = q.dim_size(1);
     g.Dh = q.dim_size(2);
     g.L = rows.dim_size(1);
     g.scale = scale_;
-    OP_REQUIRES(ctx, rows.dim_size(0) == g.S && lengths.dim_size(0) == g.S,
-                InvalidArgument("q has S = ", g.S, " sequences but rows is ",
+    OP_REQUIRES(ctx, rows.dim_size(0) == g.S && lengths.dim_size(0) == g.S && g.S <= num_queries,
+                InvalidArgument("q has ", num_queries, " queries but rows is ",
                                 rows.shape().DebugString(), " and lengths ",
                                 lengths.shape().DebugString()));
     OP_REQUIRES(ctx, g.Dh > 0, InvalidArgument("q's head size Dh must be positive"));
@@ -483,9 +552,16 @@ class PagedDecodeAttentionOp : public OpKernel {
     tensorflow::mutex* first = key_var->mu();
     tensorflow::mutex* second = value_var->mu();
     if (second < first) std::swap(first, second);
-    tensorflow::tf_shared_lock first_lock(*first);
-    std::optional<tensorflow::tf_shared_lock> second_lock;
-    if (second != first) second_lock.emplace(*second);
+    // The writing op holds both locks exclusively (it may replace a shared buffer, below).
+    std::optional<tensorflow::tf_shared_lock> first_shared, second_shared;
+    std::optional<tensorflow::mutex_lock> first_exclusive, second_exclusive;
+    if (kWrite) {
+      first_exclusive.emplace(*first);
+      if (second != first) second_exclusive.emplace(*second);
+    } else {
+      first_shared.emplace(*first);
+      if (second != first) second_shared.emplace(*second);
+    }
 
     const Tensor* keys = key_var->tensor();
     const Tensor* values = value_var->tensor();
@@ -524,8 +600,20 @@ class PagedDecodeAttentionOp : public OpKernel {
       }
     }
 
+    if (kWrite) {
+      WriteRows(ctx, g, key_var.get(), value_var.get());
+      if (!ctx->status().ok()) return;
+      keys = key_var->tensor();  // a shared buffer was replaced by its copy
+      values = value_var->tensor();
+    }
+
     Tensor* out_tensor = nullptr;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({g.S, g.H * g.Dh}), &out_tensor));
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({num_queries, g.H * g.Dh}),
+                                             &out_tensor));
+    if (num_queries > g.S) {  // zeros (of float and bfloat16 alike)
+      std::memset(out_tensor->flat<T>().data() + g.S * g.H * g.Dh, 0,
+                  (num_queries - g.S) * g.H * g.Dh * sizeof(T));
+    }
     if (g.S == 0 || g.H == 0) return;
 
     const T* qp = q.flat<T>().data();
@@ -571,6 +659,56 @@ class PagedDecodeAttentionOp : public OpKernel {
   }
 
  private:
+  // The new rows into both caches (the lock held exclusively), as ResourceScatterUpdate
+  // would write them: a buffer that another tensor still references is first replaced by a
+  // copy, and the variable is put in copy-on-read mode, as TF's sparse writes do
+  // (EnsureSparseVariableAccess), so a later dense read copies rather than aliasing a buffer
+  // written in place. Duplicate rows: the last write wins (the engine's padding rows all
+  // write the same values to row 0).
+  void WriteRows(OpKernelContext* ctx, const Geometry& g, Var* key_var, Var* value_var) {
+    const Tensor& new_keys = ctx->input(5);
+    const Tensor& new_values = ctx->input(6);
+    const Tensor& write_rows = ctx->input(7);
+    OP_REQUIRES(ctx, write_rows.dims() == 1,
+                InvalidArgument("write_rows must be [N], got shape ",
+                                write_rows.shape().DebugString()));
+    const int64 n = write_rows.dim_size(0);
+    for (const auto& [name, t] : {std::pair<const char*, const Tensor*>{"new_keys", &new_keys},
+                                  {"new_values", &new_values}}) {
+      OP_REQUIRES(ctx, t->dims() == 2 && t->dim_size(0) == n && t->dim_size(1) == g.width,
+                  InvalidArgument(name, " must be [N = ", n, ", ", g.width, "], got shape ",
+                                  t->shape().DebugString()));
+    }
+    const int32_t* where = write_rows.flat<int32_t>().data();
+    for (int64 i = 0; i < n; ++i) {
+      OP_REQUIRES(ctx, where[i] >= 0 && where[i] < g.R,
+                  InvalidArgument("write_rows[", i, "] = ", where[i], " is not in [0, ", g.R,
+                                  ")"));
+    }
+    for (Var* var : {key_var, value_var}) {
+      if (var->copy_on_read_mode.load()) continue;
+      if (!var->tensor()->RefCountIsOne()) {
+        Tensor copy;
+        OP_REQUIRES_OK(ctx, ctx->allocate_temp(var->tensor()->dtype(), var->tensor()->shape(),
+                                               &copy));
+        std::memcpy(copy.data(), var->tensor()->data(), var->tensor()->TotalBytes());
+        *var->tensor() = copy;
+      }
+      var->copy_on_read_mode.store(true);
+    }
+    const std::pair<Var*, const Tensor*> writes[] = {{key_var, &new_keys},
+                                                      {value_var, &new_values}};
+    for (const std::pair<Var*, const Tensor*>& write : writes) {
+      const T* src = write.second->template flat<T>().data();
+      C* dst = write.first->tensor()->template flat<C>().data();
+      for (int64 i = 0; i < n; ++i) {
+        C* row = dst + static_cast<int64>(where[i]) * g.width;
+        const T* from = src + i * g.width;
+        for (int64 j = 0; j < g.width; ++j) row[j] = ToCache<T, C>(from[j]);
+      }
+    }
+  }
+
   float scale_ = 1.f;
   int64 span_ = 0;  // kv heads per item; 0: automatic
   bool avx2_ = false;
@@ -587,12 +725,17 @@ class PagedDecodeAttentionInfoOp : public OpKernel {
 };
 
 // (q, cache) dtypes: the same, or a float32 step over a 16-bit cache.
-#define REGISTER(T, C)                                              \
-  REGISTER_KERNEL_BUILDER(Name("TokenservePagedDecodeAttention")   \
-                              .Device(tensorflow::DEVICE_CPU)       \
-                              .TypeConstraint<T>("T")               \
-                              .TypeConstraint<C>("Tcache"),         \
-                          PagedDecodeAttentionOp<T, C>);
+#define REGISTER(T, C)                                                   \
+  REGISTER_KERNEL_BUILDER(Name("TokenservePagedDecodeAttention")        \
+                              .Device(tensorflow::DEVICE_CPU)            \
+                              .TypeConstraint<T>("T")                    \
+                              .TypeConstraint<C>("Tcache"),              \
+                          PagedDecodeAttentionOp<T, C, false>);          \
+  REGISTER_KERNEL_BUILDER(Name("TokenservePagedWriteDecodeAttention")   \
+                              .Device(tensorflow::DEVICE_CPU)            \
+                              .TypeConstraint<T>("T")                    \
+                              .TypeConstraint<C>("Tcache"),              \
+                          PagedDecodeAttentionOp<T, C, true>);
 REGISTER(float, float)
 REGISTER(bfloat16, bfloat16)
 REGISTER(float, bfloat16)

@@ -14,6 +14,10 @@ sequences (GPT-2-small, 2-core EPYC).
     # q [S, H, Dh]; caches: tf.Variable [R, Hkv*Dh] (or their handles); rows int32 [S, L];
     # lengths int32 [S] (positions 0..lengths-1 are attended; 0 gives zeros) -> [S, H*Dh]
 
+`paged_write_decode_attention` (`TokenservePagedWriteDecodeAttention`) first stores a step's
+new rows into the caches, then attends: the engine's step calls it once a layer in place of
+a cast, a clip and a scatter per cache.
+
 The cache may be stored in fewer bits than q: a float32 step over a bfloat16 or float16
 cache (half the memory) widens each row to float32 as it reads it, exactly, in the op and in
 the fallback alike; the math after that is the float32 cache's.
@@ -54,6 +58,8 @@ OP_TYPE = "TokenservePagedDecodeAttention"
 LIBRARY = kbuild.OpLibrary(Path(__file__).with_name("paged_attention.cc"), "paged attention op",
                            mode_env=MODE_ENV)
 
+WRITE_OP_TYPE = "TokenservePagedWriteDecodeAttention"  # a write: ordered as one
+
 try:  # a read, not a write, for tf.function's automatic control dependencies (private API)
     from tensorflow.python.framework import auto_control_deps_utils as _acd
 
@@ -83,6 +89,65 @@ def paged_decode_attention(q, key_cache, value_cache, rows, lengths, scale: floa
                                                cache_dtype)
     return _call(op, q, key_cache, value_cache, rows, lengths, scale,
                  cache_dtype=cache_dtype)
+
+
+def paged_write_decode_attention(q, key_cache, value_cache, rows, lengths, new_keys,
+                                 new_values, write_rows, scale: float) -> tf.Tensor:
+    """Writes new rows into the caches, then paged_decode_attention over them, as one op.
+
+    new_keys, new_values: [N, Hkv * Dh] in q's dtype, stored at cache rows write_rows int32
+    [N] (converted to the cache's dtype as `to_cache_dtype` converts); the rest as
+    paged_decode_attention. A decode step's every layer otherwise runs a cast (and for a
+    float16 cache a clip) and a ResourceScatterUpdate per cache before its attention: eight
+    small ops a layer, each starting on caches the weight streams have just flushed. The op
+    holds both variables' locks exclusively while it writes and attends; like
+    ResourceScatterUpdate it replaces a buffer that another tensor still references by a
+    copy first, and puts the variables in copy-on-read mode.
+
+    q may hold more queries than rows' S: the first S are attended, and the rest (a step's
+    bucket padding) come out as zero rows, so a step with one decode group needs no split
+    of q and no concat after.
+
+    key_cache, value_cache: tf.Variable (their dtype is the cache's). Without the compiled
+    op: `scatter_update` of each cache, then paged_decode_attention (the same values)."""
+    q = tf.convert_to_tensor(q)
+    op = LIBRARY.module()
+    if op is None:
+        return paged_write_decode_attention_fallback(q, key_cache, value_cache, rows, lengths,
+                                                     new_keys, new_values, write_rows, scale)
+    stored = _cache_dtype(key_cache, value_cache, q.dtype)
+    return op.tokenserve_paged_write_decode_attention(
+        q, _handle(key_cache), _handle(value_cache), tf.cast(rows, tf.int32),
+        tf.cast(lengths, tf.int32), tf.cast(new_keys, q.dtype), tf.cast(new_values, q.dtype),
+        tf.cast(write_rows, tf.int32), scale=float(scale), Tcache=stored)
+
+
+def paged_write_decode_attention_fallback(q, key_cache, value_cache, rows, lengths,
+                                          new_keys, new_values, write_rows,
+                                          scale: float) -> tf.Tensor:
+    """paged_write_decode_attention as graph ops: a scatter per cache, the attention of the
+    first S queries, zero rows for the rest."""
+    q = tf.convert_to_tensor(q)
+    scatter_rows(key_cache, value_cache, new_keys, new_values, write_rows)
+    num_seqs, shape = tf.shape(rows)[0], tf.shape(q)
+    out = paged_decode_attention(q[:num_seqs], key_cache, value_cache, rows, lengths, scale)
+    return tf.concat([out, tf.zeros([shape[0] - num_seqs, shape[1] * shape[2]], q.dtype)], 0)
+
+
+def scatter_rows(key_cache, value_cache, new_keys, new_values, write_rows) -> None:
+    """new_keys, new_values [N, Hkv * Dh] into rows write_rows [N] of the cache variables, in
+    their dtype (`to_cache_dtype`): a ResourceScatterUpdate per cache, the graph path's
+    write."""
+    for cache, new in ((key_cache, new_keys), (value_cache, new_values)):
+        cache.scatter_update(tf.IndexedSlices(to_cache_dtype(new, cache.dtype), write_rows))
+
+
+def to_cache_dtype(rows, dtype) -> tf.Tensor:
+    """New K/V rows in the cache's dtype; a float16 cache saturates at +-65504 (no inf from a
+    rare large value) instead of overflowing."""
+    if tf.as_dtype(dtype) == tf.float16:
+        rows = tf.clip_by_value(rows, -65504.0, 65504.0)
+    return tf.cast(rows, dtype)
 
 
 def compiled_paged_decode_attention(q, key_cache, value_cache, rows, lengths, scale: float,
