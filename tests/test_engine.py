@@ -677,6 +677,18 @@ def bf16_exact(request, tokenizer, tmp_path_factory):
                         jit_compile=False)
 
 
+@pytest.fixture
+def bf16_matmuls(monkeypatch):
+    """The engine as it runs on a CPU whose oneDNN has bf16 matmuls (AVX512-BF16 or AMX):
+    small steps fused, larger ones through the bfloat16 graph. On a CPU without them the
+    engine fuses every step instead (tested below), so here it is told the CPU has them:
+    TF's own bf16 matmuls still run there, only slower (Eigen's, as oneDNN's ops are off by
+    default on such a CPU)."""
+    from tokenserve.engine import tf_step
+
+    monkeypatch.setattr(tf_step, "cpu_has_bf16", lambda: True)
+
+
 def test_bfloat16_fused_steps_compute_float32_with_the_bfloat16_weights(bf16_exact):
     """bfloat16 weights through the fused ops are widened exactly and multiplied in float32:
     on weights that bfloat16 holds exactly, a bfloat16 engine whose steps are all fused gives
@@ -705,7 +717,7 @@ def test_bfloat16_fused_steps_compute_float32_with_the_bfloat16_weights(bf16_exa
     assert blocks and all(op.get_attr("T") == tf.bfloat16 for op in blocks)
 
 
-def test_bfloat16_greedy_steps_screen_the_head_and_keep_their_tokens(bf16_exact):
+def test_bfloat16_greedy_steps_screen_the_head_and_keep_their_tokens(bf16_exact, bf16_matmuls):
     """A bfloat16 engine's greedy steps through the fused ops read the head's int8 screen
     (engine/screened_head.py), which recomputes the candidates from the widened bfloat16
     rows: on weights bfloat16 holds exactly, the float32 engine's greedy tokens. Steps
@@ -738,7 +750,7 @@ def test_bfloat16_greedy_steps_screen_the_head_and_keep_their_tokens(bf16_exact)
     assert llm.engine.runner.step.screened_head is None
 
 
-def test_bfloat16_engine_fuses_small_steps_only(tiny_gpt2_dir):
+def test_bfloat16_engine_fuses_small_steps_only(tiny_gpt2_dir, bf16_matmuls):
     """On auto, a bfloat16 engine runs steps of up to 8 tokens through the fused ops and
     larger ones through its bfloat16 graph (oneDNN's matmuls), with that graph's own head:
     a long prompt's prefill, then its decodes, take both kinds in one request."""
