@@ -79,10 +79,8 @@ import argparse
 import dataclasses
 import datetime as _dt
 import gc
-import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -90,16 +88,13 @@ import traceback
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-
-import numpy as np  # noqa: E402
-from rich.console import Console  # noqa: E402
-from rich.progress import (BarColumn, MofNCompleteColumn, Progress, SpinnerColumn,  # noqa: E402
+import numpy as np
+from rich.progress import (BarColumn, MofNCompleteColumn, Progress, SpinnerColumn,
                            TextColumn, TimeElapsedColumn)
-from rich.table import Table  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from machine import machine_info as cpu_machine_info, machine_summary  # noqa: E402
+from common import RESULTS, make_console, make_table, machine_summary, output_name, write_json
+from common import machine_info as cpu_machine_info
+from peer_systems import HF_SETUP, HF_VENV, hf_model_fields, hf_peer_python, run_hf_peer
 
 EAGER = "eager-keras-nocache"
 GRAPH_NOXLA = "exported-graph-noxla"
@@ -118,14 +113,7 @@ DESCRIPTIONS = {
     HF_TF_XLA: "HF transformers TFGPT2LMHeadModel, tf.function(generate, jit_compile=True), "
                "own random weights, own venv",
 }
-BENCH_DIR = Path(__file__).resolve().parent
-RESULTS_DIR = BENCH_DIR / "results"
-HF_PEER = BENCH_DIR / "peers" / "hf_tf_xla.py"
-HF_VENV = BENCH_DIR / ".venv-hf-tf"
-HF_SETUP = "bash benchmarks/peers/setup_hf_tf.sh"
-
-# Wide enough for the table when output goes to a file or pipe (rich assumes 80 there).
-console = Console(width=None if sys.stdout.isatty() else 140)
+console = make_console(140)
 
 
 # -- measurement ------------------------------------------------------------------------------
@@ -292,24 +280,6 @@ def keras_hub_system(model_config, prompt: list[int], seed: int, jit: str) -> Sy
     return system
 
 
-def run_hf_peer(python: Path, spec: dict, timeout: float | None = None) -> dict:
-    """Runs benchmarks/peers/hf_tf_xla.py with `python` (its venv's) on `spec`; returns its
-    JSON line. Shared with throughput.py."""
-    proc = subprocess.run([str(python), str(HF_PEER), "--spec", "-"], input=json.dumps(spec),
-                          capture_output=True, text=True, timeout=timeout)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-    if proc.returncode != 0 or not lines:
-        log = [line for line in proc.stderr.splitlines()
-               if not line.startswith(("I0000", "W0000", "WARNING: All log messages"))]
-        raise RuntimeError(f"{HF_PEER.name} exited {proc.returncode}:\n" + "\n".join(log[-25:]))
-    return json.loads(lines[-1])
-
-
-def hf_peer_python(venv: Path) -> Path | None:
-    python = venv / "bin" / "python"
-    return python if python.exists() else None
-
-
 class HFPeerSystem(System):
     """The HF transformers TF XLA peer: one subprocess does its warm-up and all the timed
     runs (TF and transformers 4 live in the peer's own venv); `run` hands back its samples."""
@@ -345,7 +315,7 @@ def make_source(quick: bool, seed: int, model_path: str | None = None):
     """(model, tokenizer, generation config): GPT-2 small, a tiny GPT-2 for --quick, or the
     exported model (or `smollm2`) `model_path` names, loaded in float32."""
     if model_path is not None:
-        from tokenserve.evaluate import load_for_eval
+        from tokenserve.tools.evaluate import load_for_eval
 
         model, tokenizer, config, _ = load_for_eval(model_path, "float32")
         return model, tokenizer, config
@@ -417,15 +387,13 @@ def fmt(value: float | None, spec: str) -> str:
 
 
 def print_table(results: dict, workload: dict) -> None:
-    table = Table(title=f"Batch-1 greedy decode: {workload['model_name']}, "
-                        f"{workload['prompt_tokens']}-token prompt, "
-                        f"{workload['new_tokens']} new tokens (medians of "
-                        f"{workload['repeats']} runs)")
-    for header, justify in [("system", "left"), ("new tokens", "right"), ("TTFT ms", "right"),
-                            ("decode tok/s", "right"), ("e2e tok/s", "right"),
-                            ("e2e s", "right"), ("× eager", "right"), ("× keras-hub", "right"),
-                            ("× hf-tf-xla", "right")]:
-        table.add_column(header, justify=justify, no_wrap=True)
+    table = make_table(f"Batch-1 greedy decode: {workload['model_name']}, "
+                       f"{workload['prompt_tokens']}-token prompt, "
+                       f"{workload['new_tokens']} new tokens (medians of "
+                       f"{workload['repeats']} runs)",
+                       ("system", "new tokens", "TTFT ms", "decode tok/s", "e2e tok/s",
+                        "e2e s", "× eager", "× keras-hub", "× hf-tf-xla"),
+                       left=("system",), no_wrap=True)
 
     def base(name: str) -> float | None:
         entry = results.get(name, {})
@@ -485,17 +453,6 @@ def agreement(results: dict, reference: str) -> None:
 
 # -- main -------------------------------------------------------------------------------------
 
-def output_name(benchmark: str, model: str | None, quick: bool) -> str:
-    """`decode.json`, `decode-quick.json`, or with --model `decode-<its name>[-quick].json`,
-    so a run on another model never overwrites the GPT-2 results."""
-    stem = benchmark
-    if model is not None:
-        path = Path(model)
-        name = path.parent.name if path.name.isdigit() else path.name  # a version dir
-        stem += "-" + ("".join(c if c.isalnum() or c in "._-" else "-" for c in name) or "model")
-    return stem + ("-quick" if quick else "") + ".json"
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description="Batch-1 greedy decode benchmark (see the module docstring).")
@@ -536,7 +493,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.new_tokens is None:
         args.new_tokens = 16 if args.quick else 128
     if args.output is None:
-        args.output = RESULTS_DIR / output_name("decode", args.model, args.quick)
+        args.output = RESULTS / output_name("decode", args.model, args.quick)
     for name in ("new_tokens", "prompt_tokens", "eager_new_tokens", "repeats", "prompt_tries"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
@@ -644,7 +601,7 @@ class Run:
         if name in (GRAPH_NOXLA, GRAPH_XLA):
             return OneCallSystem(graph_generate_fn(self.signature(name == GRAPH_XLA), prompt))
         if name == STREAM_XLA:
-            from tokenserve.exported_model import ExportedModel
+            from tokenserve.tools.generate import ExportedModel
             from tokenserve.sampling import SamplingParams
 
             exported = self.loaded["stream"] = ExportedModel(self.paths[True])
@@ -655,9 +612,7 @@ class Run:
             return HFPeerSystem(hf_peer_python(self.args.hf_venv), {
                 "mode": "decode", "batch_size": 1, "prompt_ids": prompt,
                 "repeats": self.args.repeats, "seed": self.args.seed,
-                "model": {"n_layer": arch.num_layers, "n_embd": arch.hidden_size,
-                          "n_head": arch.num_heads, "n_inner": arch.intermediate_size,
-                          "vocab_size": arch.vocab_size, "n_positions": arch.max_seq_len}})
+                "model": hf_model_fields(arch)})
         raise ValueError(name)
 
 
@@ -751,17 +706,17 @@ def print_notes(results: dict) -> None:
 
 def write_report(args: argparse.Namespace, argv: list[str] | None, workload: dict,
                  machine: dict, results: dict) -> None:
-    args.output.parent.mkdir(parents=True, exist_ok=True)
     report = {"benchmark": "decode",
               "timestamp": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
               "command": [Path(sys.argv[0]).name, *sys.argv[1:]] if argv is None else argv,
               "workload": workload, "machine": machine, "systems": results}
-    args.output.write_text(json.dumps(_finite(report), indent=2) + "\n")
+    write_json(args.output, _finite(report))
     console.print(f"wrote {args.output}")
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     machine = machine_info()
     with console.status("loading model" if args.model else "building model"):
         model, tokenizer, config = make_source(args.quick, args.seed, args.model)

@@ -35,10 +35,8 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
-import json
 import os
 import re
-import socket
 import subprocess
 import sys
 import tempfile
@@ -46,24 +44,14 @@ import time
 from pathlib import Path
 
 import httpx
-from rich.console import Console
-from rich.table import Table
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import (RESULTS, make_console, make_table, machine_info, machine_summary, serve,
+                    write_json)
+from headline import export
 
-from machine import machine_info, machine_summary  # noqa: E402
-
-RESULTS = Path(__file__).resolve().parent / "results"
-TOKENSERVE = str(Path(sys.executable).with_name("tokenserve"))
 NUM_REQUESTS = 32
 SETTLE_S = 2.5  # seconds before reading memory, at idle and after the burst
-console = Console(width=160)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+console = make_console(160)
 
 
 def proc_memory(pid: int) -> dict[str, int]:
@@ -90,33 +78,16 @@ def memory_gauges(text: str) -> dict[str, int]:
 
 def run_server(label: str, model_args: list[str], flags: list[str], xla_dir: Path,
                model_id: str, prompt_words: int, max_tokens: int) -> dict:
-    ports = {"--port": free_port(), "--rest_api_port": free_port(),
-             "--openai_port": free_port()}
-    log_path = Path(tempfile.gettempdir()) / f"footprint-{label}.log"
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3",
                TF_XLA_FLAGS=f"--tf_xla_persistent_cache_directory={xla_dir}")
-    started = time.monotonic()
-    with open(log_path, "w") as log:
-        server = subprocess.Popen(
-            [TOKENSERVE, "serve", *model_args, "--metrics_public",
-             *[str(x) for kv in ports.items() for x in kv], *flags],
-            stdout=log, stderr=log, env=env)
-    url = f"http://127.0.0.1:{ports['--openai_port']}"
-    try:
-        ready_s = None
-        while time.monotonic() - started < 900:
-            try:
-                answer = httpx.get(url + "/v1/models", timeout=2)
-                if answer.status_code == 200 and model_id in answer.text:
-                    ready_s = time.monotonic() - started
-                    break
-            except httpx.HTTPError:
-                pass
-            if server.poll() is not None:
-                raise RuntimeError(f"tokenserve serve exited; see {log_path}")
-            time.sleep(0.1)
+    with serve([*model_args, "--metrics_public", *flags], f"footprint-{label}.log",
+               env) as server:
+        url, log_path = server.url, server.log_path
+        ready_s = server.wait_until_serving(timeout_s=900, poll_s=0.1,
+                                            accept=lambda answer: model_id in answer.text)
         time.sleep(SETTLE_S)  # let the allocator settle
-        idle = proc_memory(server.pid)
+        pid = server.process.pid
+        idle = proc_memory(pid)
         gauges = memory_gauges(httpx.get(url + "/metrics", timeout=10).text)
         prompt = " ".join(["the quick brown fox jumps over the lazy dog"] * (prompt_words // 9))
 
@@ -128,9 +99,9 @@ def run_server(label: str, model_args: list[str], flags: list[str], xla_dir: Pat
         with concurrent.futures.ThreadPoolExecutor(NUM_REQUESTS) as pool:
             codes = list(pool.map(one, range(NUM_REQUESTS)))
         burst_s = time.monotonic() - burst_started
-        just_after = proc_memory(server.pid)
+        just_after = proc_memory(pid)
         time.sleep(SETTLE_S)  # as before the idle reading: the engine trims its heap when idle
-        loaded = proc_memory(server.pid)
+        loaded = proc_memory(pid)
         log_lines = log_path.read_text().splitlines()
         memory_lines = [line.strip() for line in log_lines if "memory:" in line]
         phase_lines = [line.strip() for line in log_lines if "ready in" in line
@@ -146,12 +117,6 @@ def run_server(label: str, model_args: list[str], flags: list[str], xla_dir: Pat
                 "burst_tokens_per_s": NUM_REQUESTS * max_tokens / burst_s,
                 "memory_log": memory_lines[-1] if memory_lines else None,
                 "phase_log": phase_lines[-3:], "flags": flags}
-    finally:
-        server.terminate()
-        try:
-            server.wait(60)
-        except subprocess.TimeoutExpired:
-            server.kill()
 
 
 def main() -> None:
@@ -174,10 +139,8 @@ def main() -> None:
     subprocess.run([sys.executable, "-m", "tokenserve.kernels.build"], check=False,
                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     gpt2 = Path(args.gpt2)
-    if args.only != "builtin" and not gpt2.exists():
-        console.print(f"exporting gpt2-small to {gpt2} ...")
-        subprocess.run([TOKENSERVE, "export", "gpt2-small", "--output", str(gpt2), "--no-xla"],
-                       check=True, stdout=subprocess.DEVNULL)
+    if args.only != "builtin":
+        export(gpt2, "none")
     common = ["--max_num_seqs", "32"] + (
         [f"--kv_cache_dtype={args.kv_cache_dtype}"] if args.kv_cache_dtype else []) + (
         args.serve_args.split())
@@ -197,12 +160,10 @@ def main() -> None:
             results[label] = run_server(label, model_args, flags, xla_dir, model_id, words,
                                         max_tokens)
             console.print(results[label])
-    table = Table(title="tokenserve serve: memory and time to ready")
-    for column in ("run", "ready s", "RSS idle MB", "anon idle", "file idle", "PSS idle",
-                   "RSS at burst end", "RSS after 32 req MB", "anon", "file", "PSS",
-                   "peak MB", "requests ok",
-                   "burst tok/s"):
-        table.add_column(column, justify="right")
+    table = make_table("tokenserve serve: memory and time to ready",
+                       ("run", "ready s", "RSS idle MB", "anon idle", "file idle", "PSS idle",
+                        "RSS at burst end", "RSS after 32 req MB", "anon", "file", "PSS",
+                        "peak MB", "requests ok", "burst tok/s"))
     for label, r in results.items():
         table.add_row(label, f"{r['ready_s']:.1f}", *(f"{r[key] / 1e6:.0f}" for key in (
             "rss_idle", "rss_anon_idle", "rss_file_idle", "pss_idle", "rss_just_after",
@@ -212,8 +173,7 @@ def main() -> None:
     console.print(table)
     for label, r in results.items():
         console.print(f"{label}: {r['memory_log']}")
-    Path(args.output).write_text(json.dumps(
-        {"machine": machine_info(), "results": results}, indent=2) + "\n")
+    write_json(Path(args.output), {"machine": machine_info(), "results": results})
     console.print(f"wrote {args.output}")
 
 

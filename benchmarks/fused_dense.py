@@ -23,26 +23,9 @@ import argparse
 import os
 import statistics
 import sys
-from pathlib import Path
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-sys.path.insert(0, str(Path(__file__).parent))
-from machine import machine_summary, write_result  # noqa: E402
-
-from tokenserve.stats import StatsSink  # noqa: E402
-
-RESULTS = Path(__file__).parent / "results"
-
-
-class Steps(StatsSink):
-    """Durations of the steps that decode exactly `decode` rows and prefill `prefill`."""
-
-    def __init__(self, decode: int, prefill: int):
-        self.decode, self.prefill, self.durations = decode, prefill, []
-
-    def on_step(self, stats) -> None:
-        if (stats.num_decode_tokens, stats.num_prefill_tokens) == (self.decode, self.prefill):
-            self.durations.append(stats.duration_s)
+from common import make_console, make_table, machine_summary, result_path, write_result
+from step_times import StepTimes
 
 
 def main() -> int:
@@ -56,10 +39,9 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--name", default="", help="suffix of the results file")
     args = parser.parse_args()
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
     import numpy as np
-    from rich.console import Console
-    from rich.table import Table
     from tqdm import tqdm
 
     from tokenserve import LLM
@@ -92,10 +74,10 @@ def main() -> int:
                                                                    unit="run"):
         llm = engines[setting]
         for _ in range(3 if kind == "prefill" else 1):  # a prefill is one step: take three
-            sink = Steps(*counted)
+            sink = StepTimes()
             llm.engine.stats = sink
             llm.generate(prompts, params, use_tqdm=False)
-            times[setting, kind, size] += sink.durations
+            times[setting, kind, size] += sink.durations(*counted)
 
     results = []
     for kind, size, *_ in cases:
@@ -107,10 +89,9 @@ def main() -> int:
                                               if durations else None)
         results.append(row)
 
-    table = Table(title="engine step (ms, median) by max_fused_dense_tokens, float32")
-    table.add_column("step")
-    for setting in engines:
-        table.add_column(f"fused <= {setting}" if setting else "XLA only", justify="right")
+    table = make_table("engine step (ms, median) by max_fused_dense_tokens, float32",
+                       ["step", *(f"fused <= {setting}" if setting else "XLA only"
+                                  for setting in engines)], left=("step",))
     first = args.settings[0]
     for row in results:
         label = (f"decode {row['size']} seqs" if row["kind"] == "decode"
@@ -123,9 +104,9 @@ def main() -> int:
             cells.append("-" if median is None else
                          f"{median:.1f}" + (f" ({ratio:.2f}x)" if setting != first else ""))
         table.add_row(label, *cells)
-    console = Console()
+    console = make_console(80)
     console.print(table)
-    out = RESULTS / f"fused-dense{'-' + args.name if args.name else ''}.json"
+    out = result_path("fused-dense", args.name)
     info = write_result(out, rounds=args.rounds, new_tokens=args.new_tokens, results=results)
     console.print(machine_summary(info))
     console.print(f"wrote {out}")

@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -43,8 +42,6 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
-RESULTS = HERE / "results"
 PROMPT = ("<|im_start|>user\nWrite a Python function that checks whether a string is a "
           "palindrome.<|im_end|>\n<|im_start|>assistant\n")
 SYSTEMS = ("tokenserve-auto", "tokenserve-int8", "llamacpp")
@@ -63,7 +60,6 @@ def _serve(generate) -> None:
 
 
 def tokenserve_worker(export: str, precision: str) -> None:
-    sys.path.insert(0, str(ROOT / "src"))
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     from tokenserve import LLM, SamplingParams
     from tokenserve.engine.config import EngineConfig
@@ -96,38 +92,14 @@ def llamacpp_worker(gguf: str) -> None:
 
 # -- the driver ------------------------------------------------------------------------------
 
-class Worker:
-    def __init__(self, name: str, command: list[str], log_dir: Path):
-        self.name = name
-        self.log = open(log_dir / f"{name}.log", "w")
-        self.process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                        stderr=self.log, text=True)
-
-    def _read(self) -> dict:
-        line = self.process.stdout.readline()
-        if not line:
-            raise RuntimeError(f"worker {self.name} exited; see {self.log.name}")
-        return json.loads(line)
-
-    def ready(self) -> None:
-        self._read()
-
-    def measure(self, requests: int, tokens: int) -> float:
-        total_tokens, total_s = 0, 0.0
-        for _ in range(requests):
-            self.process.stdin.write(f"{tokens}\n")
-            self.process.stdin.flush()
-            result = self._read()
-            total_tokens += result["tokens"]
-            total_s += result["seconds"]
-        return total_tokens / total_s
-
-    def stop(self) -> None:
-        self.process.stdin.close()
-        try:
-            self.process.wait(30)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
+def measure(worker, requests: int, tokens: int) -> float:
+    """Generated tokens over the generations' wall time, for `requests` generations."""
+    total_tokens, total_s = 0, 0.0
+    for _ in range(requests):
+        result = worker.ask(str(tokens))
+        total_tokens += result["tokens"]
+        total_s += result["seconds"]
+    return total_tokens / total_s
 
 
 def export_once(source: str, workdir: Path, quantize: str) -> Path:
@@ -135,7 +107,7 @@ def export_once(source: str, workdir: Path, quantize: str) -> Path:
     target = workdir / f"{source.replace('/', '_')}-{quantize}"
     if not (target / "1").is_dir():
         print(f"exporting {source} ({quantize}) to {target} ...", flush=True)
-        subprocess.run([str(ROOT / ".venv" / "bin" / "tokenserve"), "export", source,
+        subprocess.run([str(Path(sys.executable).with_name("tokenserve")), "export", source,
                         "--output", str(target), "--quantize", quantize], check=True)
     return target
 
@@ -143,14 +115,9 @@ def export_once(source: str, workdir: Path, quantize: str) -> Path:
 def gguf_path(source: str) -> str:
     if source.endswith(".gguf"):
         return source
-    sys.path.insert(0, str(ROOT / "src"))
     from tokenserve.model.checkpoint import packaged_gguf
 
     return str(packaged_gguf(source))
-
-
-def spread(values: list[float]) -> dict:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
 def main() -> int:
@@ -175,53 +142,49 @@ def main() -> int:
         llamacpp_worker(args.model)
         return 0
 
-    from rich.console import Console
-    from rich.table import Table
-
-    sys.path.insert(0, str(HERE))
-    from machine import machine_info, machine_summary
+    from common import (LineWorker, make_console, make_table, machine_info, machine_summary,
+                        result_path, rotated, spread, write_json)
+    from peer_systems import LLAMA_CPP_SETUP
     from read_bandwidth import read_bandwidth
 
-    console = Console()
+    console = make_console(80)
     args.workdir.mkdir(parents=True, exist_ok=True)
     me = [sys.executable, str(Path(__file__).resolve())]
     commands = {}
-    if "tokenserve-auto" in args.systems:
-        commands["tokenserve-auto"] = me + ["--worker", "tokenserve", "--model", str(
-            export_once(args.source, args.workdir, "none")), "--precision", "auto"]
-    if "tokenserve-int8" in args.systems:
-        commands["tokenserve-int8"] = me + ["--worker", "tokenserve", "--model", str(
-            export_once(args.source, args.workdir, "int8")), "--precision", "auto"]
+    for name, quantize in (("tokenserve-auto", "none"), ("tokenserve-int8", "int8")):
+        if name in args.systems:
+            commands[name] = me + ["--worker", "tokenserve", "--model", str(
+                export_once(args.source, args.workdir, quantize)), "--precision", "auto"]
     if "llamacpp" in args.systems:
         python = args.llama_cpp_venv / "bin" / "python"
         if not python.exists():
             raise SystemExit(f"no llama.cpp venv at {args.llama_cpp_venv}: run "
-                             f"bash benchmarks/peers/setup_llama_cpp.sh")
+                             f"{LLAMA_CPP_SETUP}")
         commands["llamacpp"] = [str(python), str(Path(__file__).resolve()), "--worker",
                                 "llamacpp", "--model", gguf_path(args.source)]
     info = machine_info()
     console.print(machine_summary(info))
     bandwidth_start = read_bandwidth()
-    workers = {name: Worker(name, command, args.workdir) for name, command in commands.items()}
+    workers = {name: LineWorker(name, command, args.workdir / f"{name}.log")
+               for name, command in commands.items()}
     rounds: dict[str, list[float]] = {name: [] for name in workers}
     try:
         for worker in workers.values():
-            worker.ready()
+            worker.read()  # {"ready": true}
         names = list(workers)
         for r in range(args.rounds):
-            order = names[r % len(names):] + names[:r % len(names)]
-            for name in order:
-                rounds[name].append(workers[name].measure(args.requests, args.tokens))
+            for name in rotated(names, r):
+                rounds[name].append(measure(workers[name], args.requests, args.tokens))
             console.print(f"round {r + 1}: " + ", ".join(
                 f"{name} {rounds[name][-1]:.1f}" for name in names))
     finally:
         for worker in workers.values():
-            worker.stop()
+            worker.stop(timeout_s=30)
     bandwidth_end = read_bandwidth()
-    table = Table(title=f"one stream of {args.tokens} tokens from {args.source}, in process, "
-                        f"{args.rounds} interleaved rounds (tok/s)")
-    for column in ("system", "median", "min-max", "vs llama.cpp, round by round"):
-        table.add_column(column, justify="left" if column == "system" else "right")
+    table = make_table(f"one stream of {args.tokens} tokens from {args.source}, in process, "
+                       f"{args.rounds} interleaved rounds (tok/s)",
+                       ("system", "median", "min-max", "vs llama.cpp, round by round"),
+                       left=("system",))
     summary = {}
     for name, values in rounds.items():
         entry = {"tok_s": spread(values), "rounds": values}
@@ -237,13 +200,11 @@ def main() -> int:
     console.print(table)
     console.print(f"two threads read {bandwidth_start['all_threads_gb_s']:.1f} GB/s at the "
                   f"start, {bandwidth_end['all_threads_gb_s']:.1f} at the end")
-    RESULTS.mkdir(exist_ok=True)
-    path = RESULTS / f"gguf-one-stream{'-' + args.name if args.name else ''}.json"
-    path.write_text(json.dumps({
+    path = write_json(result_path("gguf-one-stream", args.name), {
         "machine": info, "source": args.source, "tokens": args.tokens,
         "requests": args.requests, "rounds": args.rounds,
         "read_bandwidth": {"start": bandwidth_start, "end": bandwidth_end},
-        "systems": summary}, indent=2))
+        "systems": summary})
     console.print(f"wrote {path}")
     return 0
 

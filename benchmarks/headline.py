@@ -32,13 +32,12 @@ To approximate an AVX2-only CPU on a bigger one:
         python benchmarks/headline.py
 """
 
+
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -46,27 +45,16 @@ import time
 from pathlib import Path
 
 import httpx
-from rich.console import Console
-from rich.table import Table
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-from tokenserve.cpu_quota import usable_cpus  # noqa: E402
-from machine import machine_info, machine_summary  # noqa: E402
-from read_bandwidth import read_bandwidth  # noqa: E402
+from common import (RESULTS, TOKENSERVE, Server, make_console, make_table, machine_info,
+                    machine_summary, serve, write_json)
+from peer_systems import (HF_SETUP, HF_VENV, LLAMA_CPP_SETUP, LLAMA_CPP_VENV, gguf_of,
+                          hf_peer_python, llama_cpp_server, llama_cpp_threads, run_hf_cli)
+from read_bandwidth import read_bandwidth
 
-ROOT = HERE.parent
-RESULTS = HERE / "results"
 PYTHON = sys.executable
-TOKENSERVE = str(Path(PYTHON).with_name("tokenserve"))
-console = Console(width=None if sys.stdout.isatty() else 150)
+console = make_console(150)
 PROMPT_LEN, NEW_TOKENS = 32, 128
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def export(base: Path, quantize: str) -> Path:
@@ -75,22 +63,6 @@ def export(base: Path, quantize: str) -> Path:
         subprocess.run([TOKENSERVE, "export", "gpt2-small", "--output", str(base), "--no-xla",
                         "--quantize", quantize], check=True, stdout=subprocess.DEVNULL)
     return base
-
-
-def wait_until_serving(url: str, server: subprocess.Popen, what: str, log_name: str,
-                       timeout_s: float) -> None:
-    """Returns once `url`/v1/models answers 200; raises if `server` exits first."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(url + "/v1/models", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        if server.poll() is not None:
-            raise RuntimeError(f"{what} exited; see {log_name}")
-        time.sleep(1)
-    raise RuntimeError(f"{what} did not answer within {timeout_s:.0f} s; see {log_name}")
 
 
 def client_run(url: str, concurrency: int, num_requests: int) -> dict:
@@ -111,28 +83,19 @@ def client_run(url: str, concurrency: int, num_requests: int) -> dict:
 def bench_serve(base: Path, label: str, points: list[tuple[int, int]]) -> dict:
     """Starts `tokenserve serve` on `base`, runs `tokenserve bench` for each
     (concurrency, requests) point, stops the server."""
-    ports = {"--port": free_port(), "--rest_api_port": free_port(),
-             "--openai_port": free_port()}
-    log = open(Path(tempfile.gettempdir()) / f"headline-{label}.log", "w")
-    server = subprocess.Popen(
-        [TOKENSERVE, "serve", "--model_name", "gpt2", "--model_base_path", str(base),
-         *[str(x) for kv in ports.items() for x in kv]], stdout=log, stderr=log)
-    url = f"http://127.0.0.1:{ports['--openai_port']}"
-    try:
-        wait_until_serving(url, server, "tokenserve serve", log.name, timeout_s=600)
+    with serve(["--model_name", "gpt2", "--model_base_path", str(base)],
+               f"headline-{label}.log") as server:
+        server.wait_until_serving(timeout_s=600)
         results = {}
         for concurrency, num_requests in points:
-            run = client_run(url, concurrency, num_requests)
+            run = client_run(server.url, concurrency, num_requests)
             results[concurrency] = {k: run[k] for k in (
                 "output_throughput", "p50_ttft_ms", "p99_ttft_ms", "p50_itl_ms", "p99_itl_ms",
                 "p50_tpot_ms", "completed", "failed")}
         # one stream again without streaming, measured as the llama.cpp peer is
-        results[1]["unstreamed"] = count_tokens_unstreamed(url, 8, base)
-        chose = [line.strip() for line in open(log.name) if "computing in" in line]
+        results[1]["unstreamed"] = count_tokens_unstreamed(server.url, 8, base)
+        chose = [line.strip() for line in open(server.log_path) if "computing in" in line]
         return {"points": results, "precision_log": chose[-1] if chose else None}
-    finally:
-        server.terminate()
-        server.wait(60)
 
 
 LLM_WORKER = """
@@ -161,16 +124,13 @@ def bench_llm(base: Path) -> dict:
 
 
 def bench_hf(venv: Path, batch_sizes: list[int]) -> dict:
-    python = venv / "bin" / "python"
-    if not python.exists():
-        return {"skipped": f"no {venv}: run bash benchmarks/peers/setup_hf_tf.sh"}
+    python = hf_peer_python(venv)
+    if python is None:
+        return {"skipped": f"no {venv}: run {HF_SETUP}"}
     results = {}
     for batch in batch_sizes:
-        out = subprocess.run(
-            [str(python), str(HERE / "peers" / "hf_tf_xla.py"), "--batch-size", str(batch),
-             "--prompt-len", str(PROMPT_LEN), "--new-tokens", str(NEW_TOKENS),
-             "--repeats", "3"], check=True, capture_output=True, text=True).stdout
-        run = json.loads(out.strip().splitlines()[-1])
+        run = run_hf_cli(python, ["--batch-size", str(batch), "--prompt-len", str(PROMPT_LEN),
+                                  "--new-tokens", str(NEW_TOKENS), "--repeats", "3"])
         results[batch] = {"tok_s": run["median"]["tok_s"],
                           "ttft_est_ms": run["median"]["ttft_est_s"] * 1e3,
                           "runs": [{k: r[k] for k in ("wall_s", "tok_s")} for r in run["runs"]]}
@@ -214,52 +174,87 @@ def bench_llama_cpp(venv: Path, export_dir: Path, workdir: Path, qtype: str) -> 
     """llama-cpp-python's server on the GGUF of `export_dir`'s weights, at 1 stream."""
     python = venv / "bin" / "python"
     if not python.exists():
-        return {"skipped": f"no {venv}: run bash benchmarks/peers/setup_llama_cpp.sh"}
-    gguf_path = workdir / f"gpt2-{qtype}.gguf"
-    if not gguf_path.exists():
-        subprocess.run([PYTHON, str(HERE / "peers" / "gpt2_gguf.py"), str(export_dir),
-                        "--output-dir", str(workdir), "--types", qtype], check=True)
-    port = free_port()
-    threads = str(usable_cpus())  # as tokenserve sizes TF's pools under a CPU quota
-    log = open(Path(tempfile.gettempdir()) / f"headline-llamacpp-{qtype}.log", "w")
-    server = subprocess.Popen(
-        [str(python), "-m", "llama_cpp.server", "--model", str(gguf_path),
-         "--model_alias", "gpt2", "--n_ctx", "1024", "--n_threads", threads,
-         "--n_threads_batch", threads, "--host", "127.0.0.1", "--port", str(port)],
-        stdout=log, stderr=log)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_until_serving(url, server, "llama_cpp.server", log.name, timeout_s=300)
-        try:
-            run = client_run(url, 1, 8)
-        except subprocess.CalledProcessError as error:
-            if server.poll() is None:
-                raise
-            raise RuntimeError(f"llama_cpp.server exited with status {server.returncode} "
-                               f"during the run (a negative status is a signal); see "
-                               f"{log.name}") from error
+        return {"skipped": f"no {venv}: run {LLAMA_CPP_SETUP}"}
+    gguf = gguf_of(export_dir, workdir, qtype)
+    with llama_cpp_server(python, gguf, f"headline-llamacpp-{qtype}.log") as server:
+        server.wait_until_serving(timeout_s=300)
+        run = llama_cpp_client_run(server)
         # The server streams no usage, and the random model's tokens past the tokenizer's
         # 8,192 render as empty text, so the client cannot count streamed tokens: output
         # tok/s comes from the same requests sent without streaming, whose usage is exact
         # (tokens / wall time, one request at a time, as the client's throughput is).
-        counted = count_tokens_unstreamed(url, 8, export_dir)
+        counted = count_tokens_unstreamed(server.url, 8, export_dir)
         version = subprocess.run([str(python), "-c", "import llama_cpp; "
                                   "print(llama_cpp.__version__)"],
                                  capture_output=True, text=True).stdout.strip()
         return {"points": {1: {**{k: run[k] for k in (
                     "p50_ttft_ms", "p99_ttft_ms", "p50_itl_ms", "p99_itl_ms", "completed",
                     "failed")}, "unstreamed": counted}},
-                "llama_cpp_python": version, "threads": int(threads)}
-    finally:
-        server.terminate()
-        server.wait(60)
+                "llama_cpp_python": version, "threads": llama_cpp_threads()}
+
+
+def llama_cpp_client_run(server: Server) -> dict:
+    """client_run at one stream, saying so when the llama.cpp server died during it."""
+    try:
+        return client_run(server.url, 1, 8)
+    except subprocess.CalledProcessError as error:
+        if server.process.poll() is None:
+            raise
+        raise RuntimeError(f"llama_cpp.server exited with status {server.process.returncode} "
+                           f"during the run (a negative status is a signal); see "
+                           f"{server.log_path}") from error
+
+
+def load_report(path: Path) -> dict:
+    """The systems already in a result file (`--append`), with JSON's string keys of the
+    points and batch sizes made ints again."""
+    systems = json.loads(path.read_text())["systems"]
+    for name, result in systems.items():
+        if name.startswith(("serve", "llamacpp")) and "points" in result:
+            result["points"] = {int(k): v for k, v in result["points"].items()}
+        elif name.startswith("hf") and "skipped" not in result:
+            systems[name] = {int(k): v for k, v in result.items()}
+    return systems
+
+
+def print_table(report: dict) -> None:
+    table = make_table("GPT-2 small, 32-token prompt, 128 new tokens, greedy (output tok/s)",
+                       ("system", "1 stream", "1 stream unstreamed", "TTFT p50 ms",
+                        "ITL p50 ms", "32 streams", "ITL p50 ms @32", "notes"),
+                       left=("system", "notes"))
+    for name, result in report["systems"].items():
+        if name.startswith("serve"):
+            one, many = result["points"][1], result["points"][32]
+            unstreamed = one.get("unstreamed", {}).get("output_throughput")
+            table.add_row(f"tokenserve serve ({name[6:]})", f"{one['output_throughput']:.1f}",
+                          f"{unstreamed:.1f}" if unstreamed else "",
+                          f"{one['p50_ttft_ms']:.0f}", f"{one['p50_itl_ms']:.1f}",
+                          f"{many['output_throughput']:.1f}", f"{many['p50_itl_ms']:.1f}",
+                          (result["precision_log"] or "").split("computing in ")[-1][:60])
+        elif name.startswith("llamacpp") and "points" in result:
+            one = result["points"][1]
+            table.add_row(f"llama.cpp server ({name[9:]})", "",
+                          f"{one['unstreamed']['output_throughput']:.1f}",
+                          f"{one['p50_ttft_ms']:.0f}", f"{one['p50_itl_ms']:.1f}", "", "",
+                          f"llama-cpp-python {result['llama_cpp_python']}, "
+                          f"{result['threads']} threads, one request at a time")
+        elif name.startswith("llm"):
+            table.add_row(f"tokenserve.LLM ({name[4:]})", f"{result['1']:.1f}", "", "", "",
+                          f"{result['32']:.1f}", "", "in-process, 32 prompts at once")
+        elif "skipped" in result:
+            table.add_row(name, "", "", "", "", "", "", result["skipped"])
+        else:
+            table.add_row("HF TF + XLA generate", f"{result[1]['tok_s']:.1f}", "",
+                          f"~{result[1]['ttft_est_ms']:.0f}", "", f"{result[8]['tok_s']:.1f}",
+                          "", "batch 1 / static batch 8; TTFT estimated")
+    console.print(table)
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()) / "headline")
-    parser.add_argument("--hf-venv", type=Path, default=HERE / ".venv-hf-tf")
-    parser.add_argument("--llama-cpp-venv", type=Path, default=HERE / ".venv-llama-cpp")
+    parser.add_argument("--hf-venv", type=Path, default=HF_VENV)
+    parser.add_argument("--llama-cpp-venv", type=Path, default=LLAMA_CPP_VENV)
     parser.add_argument("--systems", nargs="+",
                         default=["serve-float32", "serve-int8", "llm-float32", "llm-int8", "hf",
                                  "llamacpp-f32", "llamacpp-q8_0"])
@@ -280,12 +275,7 @@ def main(argv=None) -> int:
                            "new_tokens": NEW_TOKENS, "greedy": True, "ignore_eos": True},
               "machine": machine, "systems": {}}
     if args.append and args.output.exists():
-        report["systems"] = json.loads(args.output.read_text())["systems"]
-        for name, result in report["systems"].items():  # JSON made the int keys strings
-            if name.startswith(("serve", "llamacpp")) and "points" in result:
-                result["points"] = {int(k): v for k, v in result["points"].items()}
-            elif name.startswith("hf") and "skipped" not in result:
-                report["systems"][name] = {int(k): v for k, v in result.items()}
+        report["systems"] = load_report(args.output)
     for system in args.systems:
         console.print(f"[bold]{system}[/bold] ...")
         if system == "hf" or system.startswith("llamacpp-"):
@@ -307,38 +297,8 @@ def main(argv=None) -> int:
                 report["systems"][system] = bench_serve(base, system, [(1, 8), (32, 64)])
             else:
                 report["systems"][system] = bench_llm(base)
-        args.output.parent.mkdir(parents=True, exist_ok=True)
-        args.output.write_text(json.dumps(report, indent=2) + "\n")  # partial results survive
-
-    table = Table(title="GPT-2 small, 32-token prompt, 128 new tokens, greedy (output tok/s)")
-    for column in ("system", "1 stream", "1 stream unstreamed", "TTFT p50 ms", "ITL p50 ms",
-                   "32 streams", "ITL p50 ms @32", "notes"):
-        table.add_column(column, justify="left" if column in ("system", "notes") else "right")
-    for name, result in report["systems"].items():
-        if name.startswith("serve"):
-            one, many = result["points"][1], result["points"][32]
-            unstreamed = one.get("unstreamed", {}).get("output_throughput")
-            table.add_row(f"tokenserve serve ({name[6:]})", f"{one['output_throughput']:.1f}",
-                          f"{unstreamed:.1f}" if unstreamed else "", f"{one['p50_ttft_ms']:.0f}", f"{one['p50_itl_ms']:.1f}",
-                          f"{many['output_throughput']:.1f}", f"{many['p50_itl_ms']:.1f}",
-                          (result["precision_log"] or "").split("computing in ")[-1][:60])
-        elif name.startswith("llamacpp") and "points" in result:
-            one = result["points"][1]
-            table.add_row(f"llama.cpp server ({name[9:]})", "",
-                          f"{one['unstreamed']['output_throughput']:.1f}",
-                          f"{one['p50_ttft_ms']:.0f}", f"{one['p50_itl_ms']:.1f}", "", "",
-                          f"llama-cpp-python {result['llama_cpp_python']}, "
-                          f"{result['threads']} threads, one request at a time")
-        elif name.startswith("llm"):
-            table.add_row(f"tokenserve.LLM ({name[4:]})", f"{result['1']:.1f}", "", "", "",
-                          f"{result['32']:.1f}", "", "in-process, 32 prompts at once")
-        elif "skipped" in result:
-            table.add_row(name, "", "", "", "", "", "", result["skipped"])
-        else:
-            table.add_row("HF TF + XLA generate", f"{result[1]['tok_s']:.1f}", "",
-                          f"~{result[1]['ttft_est_ms']:.0f}", "", f"{result[8]['tok_s']:.1f}",
-                          "", "batch 1 / static batch 8; TTFT estimated")
-    console.print(table)
+        write_json(args.output, report)  # partial results survive
+    print_table(report)
     console.print(f"wrote {args.output}")
     return 0
 

@@ -31,22 +31,15 @@ Run:  python benchmarks/int8_matmul.py [--reps 7] [--configs default avx2] [--qu
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+from common import (RESULTS, add_config_arguments, machine_info, make_console, make_table,
+                    print_child_header, run_child, size_pair, write_json)
+from read_bandwidth import read_bandwidth
 
-from machine import machine_info, machine_summary  # noqa: E402
-from read_bandwidth import read_bandwidth  # noqa: E402
-
-RESULTS = Path(__file__).resolve().parent / "results"
 SHAPES = [(768, 2304), (768, 768), (768, 3072), (3072, 768), (768, 50257)]
 BATCHES = [1, 8, 32]
 WORKING_SET = 40e6  # int8 weight bytes cycled through per call: more than a 32 MB L3
@@ -117,15 +110,9 @@ def measure(shapes, batches, reps: int) -> list[dict]:
 
 def run_config(name: str, reps: int, shapes, batches) -> dict:
     """Measures one configuration in a child process with its environment."""
-    env = {**os.environ, **CONFIGS[name]}
-    with tempfile.TemporaryDirectory() as tmp:
-        output = Path(tmp, "result.json")
-        command = [sys.executable, __file__, "--child", name, "--reps", str(reps),
-                   "--child-output", str(output),
-                   "--shapes", *[f"{k}x{n}" for k, n in shapes],
-                   "--batches", *map(str, batches)]
-        subprocess.run(command, env=env, check=True)
-        return json.loads(output.read_text())
+    return run_child(["--child", name, "--reps", str(reps),
+                      "--shapes", *[f"{k}x{n}" for k, n in shapes],
+                      "--batches", *map(str, batches)], CONFIGS[name])
 
 
 def child(name: str, reps: int, shapes, batches, output: Path) -> None:
@@ -143,19 +130,16 @@ def child(name: str, reps: int, shapes, batches, output: Path) -> None:
               "loadavg_after": list(os.getloadavg()),
               # a plain read of the same hour: at M = 1 the op can read no faster
               "read_bandwidth": read_bandwidth(reps=5)}
-    output.write_text(json.dumps(result))
+    write_json(output, result)
 
 
 def table(name: str, result: dict):
-    from rich.table import Table
-
     env = ", ".join(f"{k}={v}" for k, v in result["env"].items() if v) or "no ISA caps"
     read = result["read_bandwidth"]["all_threads_gb_s"]
-    out = Table(title=f"{name}: {env} — median ms per matmul (weights from DRAM); numpy "
-                      f"sums read {read:.1f} GB/s on every core in this hour")
-    for header in ["K x N", "M", *METHODS, "int8 GB/s", "of that read", "vs f32 XLA", "vs f32",
-                   "vs f32 XLA, cpu time"]:
-        out.add_column(header, justify="right")
+    out = make_table(f"{name}: {env} — median ms per matmul (weights from DRAM); numpy sums "
+                     f"read {read:.1f} GB/s on every core in this hour",
+                     ["K x N", "M", *METHODS, "int8 GB/s", "of that read", "vs f32 XLA",
+                      "vs f32", "vs f32 XLA, cpu time"])
     for row in result["rows"]:
         cpu = row["cpu_ms"]["f32 XLA"] / row["cpu_ms"]["int8 op"]
         out.add_row(f"{row['k']}x{row['n']}", str(row["m"]),
@@ -166,31 +150,23 @@ def table(name: str, result: dict):
     return out
 
 
-def parse_shape(text: str) -> tuple[int, int]:
-    k, n = text.lower().split("x")
-    return int(k), int(n)
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--reps", type=int, default=7)
-    parser.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS))
-    parser.add_argument("--shapes", nargs="+", type=parse_shape, default=SHAPES)
+    add_config_arguments(parser, CONFIGS)
+    parser.add_argument("--shapes", nargs="+", type=size_pair, default=SHAPES)
     parser.add_argument("--batches", nargs="+", type=int, default=BATCHES)
     parser.add_argument("--quick", action="store_true", help="M = 1 and 32, 3 reps")
     parser.add_argument("--output", type=Path, default=RESULTS / "int8_matmul.json")
-    parser.add_argument("--child", choices=list(CONFIGS), help=argparse.SUPPRESS)
-    parser.add_argument("--child-output", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     if args.quick:
         args.reps, args.batches = 3, [1, 32]
     if args.child:
         child(args.child, args.reps, args.shapes, args.batches, args.child_output)
         return 0
 
-    from rich.console import Console
-
-    console = Console(width=160)
+    console = make_console(160)
     report = {"methods": {
         "f32": "tf.matmul, float32 weights, graph-mode tf.function",
         "f32 XLA": "the same with jit_compile=True",
@@ -201,13 +177,9 @@ def main(argv=None) -> int:
     for name in args.configs:
         report["configs"][name] = result = run_config(name, args.reps, args.shapes,
                                                       args.batches)
-        console.print(machine_summary(result["machine"]), markup=False)
-        console.print(f"{result['kernel_status']}; load average "
-                      f"{result['loadavg_before'][0]:.1f} -> {result['loadavg_after'][0]:.1f}",
-                      markup=False)
+        print_child_header(console, result)
         console.print(table(name, result))
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(report, indent=2) + "\n")
+    write_json(args.output, report)
     console.print(f"wrote {args.output}")
     return 0
 

@@ -23,36 +23,35 @@ Run:  python benchmarks/kv_capacity.py [--precision bfloat16] [--steps 10]
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
-from rich.console import Console
-from rich.table import Table
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+from common import (RESULTS, make_console, make_table, machine_info, machine_summary, pyplot,
+                    write_json)
 
-from machine import machine_info, machine_summary  # noqa: E402
-
-RESULTS = Path(__file__).resolve().parent / "results"
-console = Console(width=120)
+console = make_console(120)
 
 
 def make_dense_step_class():
     import tensorflow as tf
 
-    from tokenserve.engine.tf_step import TransformerStep
+    from tokenserve.engine.step.attention import PagedAttention
+    from tokenserve.engine.step.transformer import TransformerStep
 
-    class DenseReadStep(TransformerStep):
-        def _gather_kv(self, rows, cache):
+    class DenseReadAttention(PagedAttention):
+        def gather_kv(self, rows, cache):
             keys, values = cache
             return (tf.gather(tf.convert_to_tensor(keys), rows),
                     tf.gather(tf.convert_to_tensor(values), rows))
+
+    class DenseReadStep(TransformerStep):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            a = self.attention
+            self.attention = DenseReadAttention(a.config, a.kv_width, a.compute_dtype, a.fused)
 
     return DenseReadStep
 
@@ -70,7 +69,7 @@ def measure(model, config, precision: str, capacity_per_seq: int, live: int, ste
                                  max_cache_tokens=num_seqs * capacity_per_seq)
     original = None
     if dense:
-        import tokenserve.engine.tf_step as tf_step
+        import tokenserve.engine.step.transformer as tf_step
         original = tf_step.TransformerStep
         tf_step.TransformerStep = make_dense_step_class()
     try:
@@ -114,6 +113,7 @@ def main(argv=None) -> int:
     parser.add_argument("--capacities", type=int, nargs="+", default=[256, 1024, 4096])
     parser.add_argument("--output", type=Path, default=RESULTS / "kv_capacity.json")
     args = parser.parse_args(argv)
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
     from tokenserve.config import GenerationConfig, preset
     from tokenserve.model.precision import resolve_precision
@@ -137,10 +137,9 @@ def main(argv=None) -> int:
                                     "step_s": [float(t) for t in times]})
     base = {r["system"]: r["median_step_s"] for r in results["runs"]
             if r["capacity_per_seq"] == args.capacities[0]}
-    table = Table(title=f"Decode step vs cache capacity: 32 seqs x {args.live} live positions, "
-                        f"{precision}")
-    for header in ("system", "capacity/seq", "cache rows", "step ms (median)", "× smallest"):
-        table.add_column(header, justify="right")
+    table = make_table(f"Decode step vs cache capacity: 32 seqs x {args.live} live positions, "
+                       f"{precision}", ("system", "capacity/seq", "cache rows",
+                                        "step ms (median)", "× smallest"))
     for run in results["runs"]:
         run["ratio_to_smallest"] = run["median_step_s"] / base[run["system"]]
         table.add_row(run["system"], str(run["capacity_per_seq"]),
@@ -151,14 +150,9 @@ def main(argv=None) -> int:
     paged = [r for r in results["runs"] if r["system"] == "paged"]
     results["target"] = {"paged_ratio_largest_vs_smallest": paged[-1]["ratio_to_smallest"],
                          "limit": 1.2, "met": paged[-1]["ratio_to_smallest"] <= 1.2}
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(results, indent=2) + "\n")
+    write_json(args.output, results)
 
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
     for system in ("paged", "dense-read"):
         runs = [r for r in results["runs"] if r["system"] == system]

@@ -26,10 +26,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import json
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -37,11 +35,8 @@ import tempfile
 import time
 from pathlib import Path
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-sys.path.insert(0, str(Path(__file__).parent))
-from machine import machine_info, machine_summary  # noqa: E402
+from common import RESULTS, free_port, machine_info, machine_summary, pyplot, write_json
 
-RESULTS = Path(__file__).parent / "results"
 ANSWER_TOKENS = 64
 MODES = ("no-cache", "local", "redis-2-replicas", "alternate-2-replicas", "sticky-2-replicas")
 DEFAULT_MODES = MODES
@@ -79,12 +74,6 @@ def export_model(base: Path, max_seq_len: int) -> Path:
                               eos_token_id=tokenizer.eos_token_id,
                               pad_token_id=tokenizer.pad_token_id, name="gpt2-small-2k")
     return export(build_model(architecture, seed=0), tokenizer, config, base, jit_compile=False)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def start_redis(directory: Path) -> tuple[subprocess.Popen, str]:
@@ -268,12 +257,9 @@ def print_table(modes: list[dict]) -> None:
 
 
 def plot(report: dict, path: Path) -> None:
-    import matplotlib
     import matplotlib.ticker
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     workload = report["workload"]
     fig, ax = plt.subplots(figsize=(7.5, 4.2))
     for mode in report["modes"]:
@@ -298,8 +284,7 @@ def plot(report: dict, path: Path) -> None:
 
 
 def write(report: dict, name: str) -> None:
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / f"{name}.json").write_text(json.dumps(report, indent=1) + "\n")
+    write_json(RESULTS / f"{name}.json", report, indent=1)
 
 
 def main() -> int:
@@ -322,6 +307,7 @@ def main() -> int:
     parser.add_argument("--note", default=None,
                         help="a remark stored in the JSON (e.g. why the workload was reduced)")
     args = parser.parse_args()
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     if args.quick:
         args.conversations, args.turns = 4, 3
     modes_wanted = args.modes.split(",")

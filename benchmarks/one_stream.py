@@ -32,12 +32,11 @@ and the read rate at the start and the end, and a PNG of tok/s by round beside i
     .venv/bin/python benchmarks/one_stream.py --rounds 6
 """
 
+
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -45,34 +44,28 @@ from pathlib import Path
 
 import httpx
 import numpy as np
-from rich.console import Console
-from rich.table import Table
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-from headline import (  # noqa: E402
-    NEW_TOKENS, PROMPT_LEN, TOKENSERVE, export, free_port, prompt_texts, wait_until_serving)
-from tokenserve.cpu_quota import usable_cpus  # noqa: E402
-from machine import machine_info, machine_summary  # noqa: E402
-from read_bandwidth import read_bandwidth  # noqa: E402
+from common import (RESULTS, Server, make_console, make_table, machine_info, machine_summary,
+                    pyplot, rotated, serve, spread, write_json)
+from headline import NEW_TOKENS, PROMPT_LEN, export, prompt_texts
+from peer_systems import (HF_SETUP, HF_VENV, LLAMA_CPP_SETUP, LLAMA_CPP_VENV, HFRounds,
+                          gguf_of, hf_peer_python, llama_cpp_server)
+from read_bandwidth import read_bandwidth
 
-RESULTS = HERE / "results"
-console = Console(width=None if sys.stdout.isatty() else 150)
+console = make_console(150)
 RATIOS = [("serve-float32", "hf"), ("serve-float32", "llamacpp-f32"),
           ("serve-int8", "llamacpp-q8_0"), ("serve-int8", "hf")]
 
 
-class Server:
+class OpenAISystem:
     """An OpenAI-compatible server in its own process, asked for unstreamed completions."""
 
-    def __init__(self, name: str, command: list[str], port: int, texts, sampling: dict):
-        self.name, self.texts, self.sampling = name, texts, sampling
-        self.url = f"http://127.0.0.1:{port}"
-        self.log = open(Path(tempfile.gettempdir()) / f"one-stream-{name}.log", "w")
-        self.process = subprocess.Popen(command, stdout=self.log, stderr=self.log)
+    def __init__(self, name: str, server: Server, texts, sampling: dict):
+        self.name, self.server, self.texts, self.sampling = name, server, texts, sampling
+        self.url = server.url
 
     def ready(self) -> None:
-        wait_until_serving(self.url, self.process, self.name, self.log.name, timeout_s=600)
+        self.server.wait_until_serving(timeout_s=600)
         self.measure(1)  # the first request of a process pays one-time costs
 
     def measure(self, requests: int) -> dict:
@@ -101,37 +94,23 @@ class Server:
         return float(np.median(gaps)) * 1e3
 
     def stop(self) -> None:
-        self.process.terminate()
-        self.process.wait(60)
+        self.server.stop()
 
 
-class HFWorker:
+class HFSystem:
     """hf_tf_xla.py in rounds mode: one compiled batch-1 generate per request."""
 
     def __init__(self, python: Path, temperature: float):
         self.name = "hf"
-        self.log = open(Path(tempfile.gettempdir()) / "one-stream-hf.log", "w")
-        self.process = subprocess.Popen(
-            [str(python), str(HERE / "peers" / "hf_tf_xla.py"), "--mode", "rounds",
-             "--prompt-len", str(PROMPT_LEN), "--new-tokens", str(NEW_TOKENS),
-             "--temperature", str(temperature)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True)
-
-    def _read(self) -> dict:
-        line = self.process.stdout.readline()
-        if not line:
-            raise RuntimeError(f"the HF worker exited; see {self.log.name}")
-        return json.loads(line)
+        self.peer = HFRounds(python, PROMPT_LEN, NEW_TOKENS, temperature, "one-stream-hf.log")
 
     def ready(self) -> None:
-        assert self._read().get("ready")
+        self.peer.ready()
 
     def measure(self, requests: int) -> dict:
         tokens, wall, steps = 0, 0.0, []
         for _ in range(requests):
-            self.process.stdin.write("go\n")
-            self.process.stdin.flush()
-            run = self._read()
+            run = self.peer.generate()
             tokens, wall = tokens + run["generated"], wall + run["wall_s"]
             steps.append(run["step_s"])
         # HF streams nothing: its ITL is one decode step of generate, (N-token call - 2-token
@@ -140,8 +119,7 @@ class HFWorker:
                 "itl_ms": statistics.median(steps) * 1e3}
 
     def stop(self) -> None:
-        self.process.stdin.close()
-        self.process.wait(60)
+        self.peer.stop()
 
 
 def sampling_fields(system: str, temperature: float) -> dict:
@@ -168,40 +146,26 @@ def start_systems(names: list[str], workdir: Path, hf_venv: Path, llama_venv: Pa
             fmt, *flags = name.removeprefix("serve-").split(":")
             extra = [part for flag in flags for part in ("--" + flag.split("=", 1)[0],
                                                          flag.split("=", 1)[1])]
-            ports = [free_port() for _ in range(3)]
-            systems.append(Server(name, [
-                TOKENSERVE, "serve", "--model_name", "gpt2", "--model_base_path",
-                str(models[fmt]), "--port", str(ports[0]),
-                "--rest_api_port", str(ports[1]), "--openai_port", str(ports[2]), *extra],
-                ports[2], texts, sampling_fields(name, temperature)))
+            server = serve(["--model_name", "gpt2", "--model_base_path", str(models[fmt]),
+                            *extra], f"one-stream-{name}.log")
+            systems.append(OpenAISystem(name, server, texts,
+                                        sampling_fields(name, temperature)))
         elif name.startswith("llamacpp-"):
-            qtype = name.removeprefix("llamacpp-")
             python = llama_venv / "bin" / "python"
             if not python.exists():
-                console.print(f"skipping {name}: run bash benchmarks/peers/setup_llama_cpp.sh")
+                console.print(f"skipping {name}: run {LLAMA_CPP_SETUP}")
                 continue
-            gguf = workdir / f"gpt2-{qtype}.gguf"
-            if not gguf.exists():
-                subprocess.run([sys.executable, str(HERE / "peers" / "gpt2_gguf.py"),
-                                str(models["float32"]), "--output-dir", str(workdir),
-                                "--types", qtype], check=True)
-            port, threads = free_port(), str(usable_cpus())
-            systems.append(Server(name, [
-                str(python), "-m", "llama_cpp.server", "--model", str(gguf), "--model_alias",
-                "gpt2", "--n_ctx", "1024", "--n_threads", threads, "--n_threads_batch", threads,
-                "--host", "127.0.0.1", "--port", str(port)], port, texts,
-                sampling_fields(name, temperature)))
+            gguf = gguf_of(models["float32"], workdir, name.removeprefix("llamacpp-"))
+            systems.append(OpenAISystem(name, llama_cpp_server(python, gguf,
+                                                               f"one-stream-{name}.log"),
+                                        texts, sampling_fields(name, temperature)))
         elif name == "hf":
-            python = hf_venv / "bin" / "python"
-            if not python.exists():
-                console.print("skipping hf: run bash benchmarks/peers/setup_hf_tf.sh")
+            python = hf_peer_python(hf_venv)
+            if python is None:
+                console.print(f"skipping hf: run {HF_SETUP}")
                 continue
-            systems.append(HFWorker(python, temperature))
+            systems.append(HFSystem(python, temperature))
     return systems
-
-
-def spread(values: list[float]) -> dict:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
 def round_ratios(rounds: dict, key: str) -> dict:
@@ -214,12 +178,9 @@ def round_ratios(rounds: dict, key: str) -> dict:
 
 
 def plot(report: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     from matplotlib.ticker import MaxNLocator
 
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(8, 4.5))
     for name, rounds in report["rounds"].items():
         ax.plot(range(1, len(rounds) + 1), [r["tok_s"] for r in rounds], marker="o",
@@ -237,6 +198,30 @@ def plot(report: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def print_tables(report: dict, args) -> None:
+    machine = report["machine"]
+    bandwidth = " -> ".join(f"{machine[k]['all_threads_gb_s']:.1f}"
+                            for k in ("read_bandwidth_start", "read_bandwidth_end"))
+    how = f"temperature {args.temperature:g}" if args.temperature else "greedy"
+    table = make_table(f"one stream, {how}, {args.rounds} interleaved rounds of "
+                       f"{args.requests} requests (two threads read {bandwidth} GB/s)",
+                       ("system", "median tok/s", "min", "max", "ITL p50 ms, median", "min",
+                        "max"), left=("system",))
+    for name, s in report["tok_s"].items():
+        itl = report["itl_ms"][name]
+        table.add_row(name, f"{s['median']:.1f}", f"{s['min']:.1f}", f"{s['max']:.1f}",
+                      f"{itl['median']:.1f}", f"{itl['min']:.1f}", f"{itl['max']:.1f}")
+    console.print(table)
+    table = make_table("ratios taken round by round (HF's ITL: one step of generate)",
+                       ("ratio", "tok/s median", "min", "max", "ITL median", "min", "max"),
+                       left=("ratio",))
+    for name, s in report["ratios"].items():
+        itl = report["itl_ratios"][name]
+        table.add_row(name, *[f"{v:.2f}x" for v in (s["median"], s["min"], s["max"],
+                                                     itl["median"], itl["min"], itl["max"])])
+    console.print(table)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--systems", nargs="+",
@@ -248,8 +233,8 @@ def main(argv=None) -> int:
     parser.add_argument("--requests", type=int, default=2,
                         help="requests per system per round (default 2)")
     parser.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()) / "headline")
-    parser.add_argument("--hf-venv", type=Path, default=HERE / ".venv-hf-tf")
-    parser.add_argument("--llama-cpp-venv", type=Path, default=HERE / ".venv-llama-cpp")
+    parser.add_argument("--hf-venv", type=Path, default=HF_VENV)
+    parser.add_argument("--llama-cpp-venv", type=Path, default=LLAMA_CPP_VENV)
     parser.add_argument("--output", type=Path, default=RESULTS / "one-stream.json")
     args = parser.parse_args(argv)
 
@@ -270,10 +255,9 @@ def main(argv=None) -> int:
         # idle servers take no CPU, so the read rate is measured with all of them up
         machine["read_bandwidth_start"] = read_bandwidth(reps=5)
         for r in range(args.rounds):
-            order = systems[r % len(systems):] + systems[:r % len(systems)]
-            for system in order:
+            for system in rotated(systems, r):
                 run = system.measure(args.requests)
-                if isinstance(system, Server):
+                if isinstance(system, OpenAISystem):
                     run["itl_ms"] = system.itl_ms()
                 report["rounds"][system.name].append(run)
             console.print(f"round {r + 1}/{args.rounds}: " + ", ".join(
@@ -288,35 +272,12 @@ def main(argv=None) -> int:
     report["itl_ms"] = {name: spread([r["itl_ms"] for r in runs]) for name, runs in rounds.items()}
     report["ratios"] = round_ratios(rounds, "tok_s")
     report["itl_ratios"] = round_ratios(rounds, "itl_ms")
-
-    bandwidth = " -> ".join(f"{machine[k]['all_threads_gb_s']:.1f}"
-                            for k in ("read_bandwidth_start", "read_bandwidth_end"))
-    how = f"temperature {args.temperature:g}" if args.temperature else "greedy"
-    table = Table(title=f"one stream, {how}, {args.rounds} interleaved rounds of "
-                        f"{args.requests} requests (two threads read {bandwidth} GB/s)")
-    for column in ("system", "median tok/s", "min", "max", "ITL p50 ms, median", "min",
-                   "max"):
-        table.add_column(column, justify="left" if column == "system" else "right")
-    for name, s in report["tok_s"].items():
-        itl = report["itl_ms"][name]
-        table.add_row(name, f"{s['median']:.1f}", f"{s['min']:.1f}", f"{s['max']:.1f}",
-                      f"{itl['median']:.1f}", f"{itl['min']:.1f}", f"{itl['max']:.1f}")
-    console.print(table)
-    table = Table(title="ratios taken round by round (HF's ITL: one step of generate)")
-    for column in ("ratio", "tok/s median", "min", "max", "ITL median", "min", "max"):
-        table.add_column(column, justify="left" if column == "ratio" else "right")
-    for name, s in report["ratios"].items():
-        itl = report["itl_ratios"][name]
-        table.add_row(name, *[f"{v:.2f}x" for v in (s["median"], s["min"], s["max"],
-                                                     itl["median"], itl["min"], itl["max"])])
-    console.print(table)
-
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(report, indent=2) + "\n")
+    print_tables(report, args)
+    write_json(args.output, report)
     plot(report, args.output.with_suffix(".png"))
     console.print(f"wrote {args.output} and {args.output.with_suffix('.png')}")
     return 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    sys.exit(main())

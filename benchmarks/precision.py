@@ -18,23 +18,15 @@ Run:  python benchmarks/precision.py [--windows 64] [--steps 10]
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import sys
 from pathlib import Path
 
 import numpy as np
-from rich.console import Console
-from rich.table import Table
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+from common import (RESULTS, make_console, make_table, machine_info, machine_summary,
+                    write_json)
 
-from machine import machine_info, machine_summary  # noqa: E402
-
-RESULTS = Path(__file__).resolve().parent / "results"
-console = Console(width=120)
+console = make_console(120)
 GATE = 0.05
 
 
@@ -63,6 +55,7 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--output", type=Path, default=RESULTS / "precision.json")
     args = parser.parse_args(argv)
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
     from kv_capacity import measure
 
@@ -81,9 +74,9 @@ def main(argv=None) -> int:
     report["speed"]["speedup"] = (report["speed"]["float32"]["median_step_s"]
                                   / report["speed"]["bfloat16"]["median_step_s"])
 
-    table = Table(title="bf16 vs fp32: held-out perplexity of the built-in models")
-    for header in ("model", "windows", "fp32 ppl", "bf16 ppl", "change", f"within {GATE:.0%}"):
-        table.add_column(header, justify="right")
+    table = make_table("bf16 vs fp32: held-out perplexity of the built-in models",
+                       ("model", "windows", "fp32 ppl", "bf16 ppl", "change",
+                        f"within {GATE:.0%}"))
     for q in report["quality"]:
         table.add_row(q["source"], str(q["windows"]), f"{q['fp32']:.3f}", f"{q['bf16']:.3f}",
                       f"{q['relative_change']:+.2%}", str(abs(q["relative_change"]) <= GATE))
@@ -94,8 +87,7 @@ def main(argv=None) -> int:
                   f"{speed['float32']['median_step_s'] * 1000:.1f} ms, bf16 "
                   f"{speed['bfloat16']['median_step_s'] * 1000:.1f} ms "
                   f"({speed['speedup']:.2f}x)")
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(report, indent=2) + "\n")
+    write_json(args.output, report)
     console.print(f"wrote {args.output}")
     return 0
 

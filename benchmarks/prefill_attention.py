@@ -25,21 +25,15 @@ Run:  python benchmarks/prefill_attention.py [--reps 9] [--name NAME]
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import statistics
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+from common import (make_console, make_table, machine_info, machine_summary, result_path,
+                    write_json)
 
-from machine import machine_info, machine_summary  # noqa: E402
-
-RESULTS = Path(__file__).resolve().parent / "results"
 HEADS, HEAD_DIM, CACHE_ROWS, BLOCK = 12, 64, 32 * 1024, 16
 SHAPES = [(1, 32, 0), (1, 128, 0), (1, 512, 0), (1, 512, 1000), (4, 128, 300), (1, 100, 1500)]
 
@@ -49,11 +43,10 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=9)
     parser.add_argument("--name", default="", help="suffix of the results file")
     args = parser.parse_args()
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
     import numpy as np
     import tensorflow as tf
-    from rich.console import Console
-    from rich.table import Table
 
     from tokenserve.kernels import paged_attention as pa
     from tokenserve.model.layers import attend
@@ -121,19 +114,15 @@ def main() -> None:
               f"graph {medians['graph']:.2f} ms", flush=True)
 
     machine = machine_info()
-    table = Table(title="prefill attention, one layer (GPT-2-small: 12 heads x 64, float16 "
-                        "cache)", caption=machine_summary(machine))
-    for column in ("chunks x tokens", "cached before", "op ms", "graph ms", "graph / op",
-                   "max |diff|"):
-        table.add_column(column, justify="right")
+    table = make_table("prefill attention, one layer (GPT-2-small: 12 heads x 64, float16 "
+                       "cache)", ("chunks x tokens", "cached before", "op ms", "graph ms",
+                                  "graph / op", "max |diff|"), caption=machine_summary(machine))
     for r in results:
         table.add_row(f"{r['chunks']} x {r['tokens']}", str(r["cached"]), f"{r['op_ms']:.2f}",
                       f"{r['graph_ms']:.2f}", f"{r['speedup']:.2f}x", f"{r['max_abs_diff']:.1e}")
-    Console().print(table)
-    RESULTS.mkdir(exist_ok=True)
-    path = RESULTS / f"prefill-attention{'-' + args.name if args.name else ''}.json"
-    path.write_text(json.dumps({"machine": machine, "reps": args.reps, "results": results},
-                               indent=1))
+    make_console(80).print(table)
+    path = write_json(result_path("prefill-attention", args.name),
+                      {"machine": machine, "reps": args.reps, "results": results}, indent=1)
     print(f"wrote {path}")
 
 

@@ -25,24 +25,8 @@ import statistics
 import sys
 from pathlib import Path
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-sys.path.insert(0, str(Path(__file__).parent))
-from machine import machine_summary, write_result  # noqa: E402
-
-from tokenserve.stats import StatsSink  # noqa: E402
-
-RESULTS = Path(__file__).parent / "results"
-
-
-class DecodeSteps(StatsSink):
-    """Keeps the durations of pure decode steps of exactly `seqs` rows."""
-
-    def __init__(self, seqs: int):
-        self.seqs, self.durations = seqs, []
-
-    def on_step(self, stats) -> None:
-        if stats.num_prefill_tokens == 0 and stats.num_decode_tokens == self.seqs:
-            self.durations.append(stats.duration_s)
+from common import make_console, make_table, machine_summary, result_path, write_result
+from step_times import StepTimes
 
 
 def parse_shapes(text: str) -> list[tuple[int, int]]:
@@ -67,10 +51,9 @@ def main() -> int:
                         help="the engines' precision (default float32; auto: what serve picks "
                              "for this CPU)")
     args = parser.parse_args()
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
     import numpy as np
-    from rich.console import Console
-    from rich.table import Table
     from tqdm import tqdm
 
     from tokenserve import LLM
@@ -95,10 +78,10 @@ def main() -> int:
         work = [(r, path) for r in range(args.rounds) for path in args.models]
         for _, path in tqdm(work, desc=f"{seqs}x{context}", unit="run", dynamic_ncols=True):
             llm = engines[path]
-            sink = DecodeSteps(seqs)
+            sink = StepTimes()
             llm.engine.stats = sink
             llm.generate(prompts, params, use_tqdm=False)
-            steps[path] += sink.durations
+            steps[path] += sink.durations(seqs, 0)
         del engines
         if not all(steps.values()):
             raise SystemExit(f"{seqs}x{context}: no step decoded all {seqs} sequences at once; "
@@ -113,18 +96,18 @@ def main() -> int:
                             "step_ms_p90": 1e3 * float(np.percentile(steps[path], 90)),
                             "ratio_to_reference": median / reference})
 
-    table = Table(title=f"engine decode step, {computes_in}")
-    for column in ("model", "seqs x context", "steps", "median ms", "p10-p90 ms", "vs first"):
-        table.add_column(column, justify="left" if column == "model" else "right")
+    table = make_table(f"engine decode step, {computes_in}",
+                       ("model", "seqs x context", "steps", "median ms", "p10-p90 ms",
+                        "vs first"), left=("model",))
     for r in results:
         label = Path(r["model"]).parent.name if Path(r["model"]).name.isdigit() else r["model"]
         table.add_row(label, f"{r['seqs']} x {r['context']}", str(r["decode_steps"]),
                       f"{r['step_ms_median']:.1f}",
                       f"{r['step_ms_p10']:.1f}-{r['step_ms_p90']:.1f}",
                       f"{r['ratio_to_reference']:.2f}x")
-    console = Console()
+    console = make_console(80)
     console.print(table)
-    out = RESULTS / f"pruning-step{'-' + args.name if args.name else ''}.json"
+    out = result_path("pruning-step", args.name)
     info = write_result(out, new_tokens=args.new_tokens, rounds=args.rounds,
                         precision=computes_in, results=results)
     console.print(machine_summary(info))

@@ -23,9 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
-from machine import machine_info, machine_summary, write_result
+from common import RESULTS, machine_info, machine_summary, write_result
 
-RESULTS = Path(__file__).resolve().parent / "results"
 ARRAY_BYTES = 256 * 1024 * 1024
 
 

@@ -24,20 +24,14 @@ Output: a table and benchmarks/results/screened-head[-NAME].json with the machin
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+from common import (make_console, make_table, machine_info, machine_summary, result_path,
+                    rotated, write_json)
 
-from machine import machine_info, machine_summary  # noqa: E402
-
-RESULTS = Path(__file__).resolve().parent / "results"
 CANDIDATES: list[int] = []  # per screened row, appended from inside the step's head
 _ORIGINAL: list = []  # ScreenedHead.__call__ while record_candidates has replaced it
 SCREENS = ("int8", "float16")
@@ -49,7 +43,7 @@ def record_candidates() -> None:
     import numpy as np
     import tensorflow as tf
 
-    from tokenserve.engine import screened_head
+    from tokenserve.engine.step import head as screened_head
 
     original = screened_head.ScreenedHead.__call__
 
@@ -67,7 +61,7 @@ def record_candidates() -> None:
 
 
 def restore_candidates() -> None:
-    from tokenserve.engine import screened_head
+    from tokenserve.engine.step import head as screened_head
 
     screened_head.ScreenedHead.__call__ = _ORIGINAL.pop()
 
@@ -120,8 +114,7 @@ def bench_model(path: str, seqs: list[int], rounds: int, tokens: int,
             prompts = [[int(t) for t in rng.integers(100, vocab - 100, 32)]
                        for _ in range(num_seqs)]
             answers = {}
-            names = list(engines)
-            for name in names[round_ % len(names):] + names[:round_ % len(names)]:
+            for name in rotated(list(engines), round_):
                 started = time.perf_counter()
                 outputs = engines[name].generate(prompts, params, use_tqdm=False)
                 rates[name].append(num_seqs * tokens / (time.perf_counter() - started))
@@ -151,21 +144,18 @@ def main() -> None:
                         help="the engines' compute dtype (bfloat16: the int8 screen only)")
     parser.add_argument("--name", default="", help="suffix of the results file")
     args = parser.parse_args()
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     screens, ratios = screens_for(args.precision), ratios_for(args.precision)
-
-    from rich.console import Console
-    from rich.table import Table
 
     results = [bench_model(m, args.seqs, args.rounds, args.tokens, args.precision)
                for m in args.models]
     machine = machine_info()
-    table = Table(title=f"greedy decode, {args.precision}, LM head screened in "
-                        f"{' or '.join(screens)} or not (in-process)",
-                  caption=machine_summary(machine))
-    for column in ("model", "seqs", "plain tok/s", *(f"{s} tok/s" for s in screens),
-                   *(f"{a}/{b}" for a, b in ratios), "same tokens",
-                   *(f"{screen} candidates / row (median, p90, max)" for screen in screens)):
-        table.add_column(column, justify="right")
+    table = make_table(f"greedy decode, {args.precision}, LM head screened in "
+                       f"{' or '.join(screens)} or not (in-process)",
+                       ("model", "seqs", "plain tok/s", *(f"{s} tok/s" for s in screens),
+                        *(f"{a}/{b}" for a, b in ratios), "same tokens",
+                        *(f"{screen} candidates / row (median, p90, max)" for screen in screens)),
+                       caption=machine_summary(machine))
 
     def counts(c):
         return f"{c['median']:.0f}, {c['p90']:.0f}, {c['max']}" if c["rows"] else "-"
@@ -177,12 +167,10 @@ def main() -> None:
                           *(f"{r[f'{a}/{b}']:.2f}x" for a, b in ratios),
                           "yes" if r["same_tokens"] else "NO",
                           *(counts(r["candidates"][screen]) for screen in screens))
-    Console().print(table)
-    RESULTS.mkdir(exist_ok=True)
-    path = RESULTS / f"screened-head{'-' + args.name if args.name else ''}.json"
-    path.write_text(json.dumps({"machine": machine, "precision": args.precision,
-                                "rounds": args.rounds,
-                                "tokens": args.tokens, "results": results}, indent=1))
+    make_console(80).print(table)
+    path = write_json(result_path("screened-head", args.name),
+                      {"machine": machine, "precision": args.precision, "rounds": args.rounds,
+                       "tokens": args.tokens, "results": results}, indent=1)
     print(f"wrote {path}")
 
 

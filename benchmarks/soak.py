@@ -35,10 +35,7 @@ import asyncio
 import json
 import os
 import random
-import socket
-import subprocess
 import sys
-import tempfile
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -46,13 +43,8 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+from common import RESULTS, machine_info, machine_summary, pyplot, serve, write_json
 
-from machine import machine_info, machine_summary  # noqa: E402
-
-RESULTS = Path(__file__).resolve().parent / "results"
 KEY = "sk-soak"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 MODEL = "builtin"
@@ -62,42 +54,24 @@ MIX = [("completion", 25), ("completion-stream", 15), ("chat", 10), ("chat-strea
        ("predict", 10), ("grpc-generate", 5), ("disconnect", 10), ("bad", 15)]
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+class SoakServer:
+    """`tokenserve serve` on the built-in model, on free loopback ports, with the soak's
+    key, deadline and queue limits; its RSS and open file descriptors from /proc."""
 
-
-class Server:
-    """`tokenserve serve` in a subprocess, on free loopback ports."""
-
-    def __init__(self, args, log_path: Path):
-        self.ports = {name: free_port() for name in ("grpc", "rest", "openai")}
-        self.log = open(log_path, "w")
-        command = [sys.executable, "-m", "tokenserve", "serve", "--host=127.0.0.1",
-                   f"--port={self.ports['grpc']}", f"--rest_api_port={self.ports['rest']}",
-                   f"--openai_port={self.ports['openai']}", f"--api_key={KEY}",
-                   f"--request_timeout_s={args.request_timeout_s}",
-                   f"--max_num_seqs={args.max_num_seqs}",
-                   f"--max_queue_requests={args.max_queue_requests}"]
-        self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT,
-                                        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"))
-        self.openai = f"http://127.0.0.1:{self.ports['openai']}"
-        self.rest = f"http://127.0.0.1:{self.ports['rest']}"
-        self.grpc = f"127.0.0.1:{self.ports['grpc']}"
+    def __init__(self, args):
+        self.server = serve(["--host=127.0.0.1", f"--api_key={KEY}",
+                             f"--request_timeout_s={args.request_timeout_s}",
+                             f"--max_num_seqs={args.max_num_seqs}",
+                             f"--max_queue_requests={args.max_queue_requests}"],
+                            "tokenserve-soak-server.log",
+                            dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"))
+        self.process, self.log_path = self.server.process, self.server.log_path
+        self.openai = self.server.url
+        self.rest = f"http://127.0.0.1:{self.server.ports['rest']}"
+        self.grpc = f"127.0.0.1:{self.server.ports['grpc']}"
 
     def wait_ready(self, timeout_s: float = 900) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"server exited: see {self.log.name}")
-            try:
-                if httpx.get(self.openai + "/ready", timeout=5).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(1)
-        raise TimeoutError("server did not become ready")
+        self.server.wait_until_serving(timeout_s, path="/ready")
 
     def rss_mb(self) -> float:
         for line in Path(f"/proc/{self.process.pid}/status").read_text().splitlines():
@@ -109,12 +83,7 @@ class Server:
         return len(os.listdir(f"/proc/{self.process.pid}/fd"))
 
     def stop(self) -> None:
-        self.process.terminate()
-        try:
-            self.process.wait(60)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-        self.log.close()
+        self.server.stop()
 
 
 def bad_request(rng: random.Random) -> tuple[str, str, dict, bytes]:
@@ -141,7 +110,7 @@ def bad_request(rng: random.Random) -> tuple[str, str, dict, bytes]:
 
 
 class Soak:
-    def __init__(self, args, server: Server):
+    def __init__(self, args, server: SoakServer):
         self.args, self.server = args, server
         self.rng = random.Random(args.seed)
         self.outcomes: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
@@ -279,7 +248,7 @@ class Soak:
                                  "open_fds": self.server.open_fds()})
 
 
-def scrape_gauges(server: Server) -> dict[str, float]:
+def scrape_gauges(server: SoakServer) -> dict[str, float]:
     text = httpx.get(server.openai + "/metrics", headers=AUTH, timeout=30).text
     totals = {"vllm:num_requests_running": 0.0, "vllm:num_requests_waiting": 0.0}
     for line in text.splitlines():
@@ -330,11 +299,7 @@ def summarize(soak: Soak, gauges: dict[str, float], args) -> dict:
 
 
 def plot(result: dict, timeline: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     samples = result["samples"]
     fig, (top, middle, bottom) = plt.subplots(3, 1, figsize=(9, 8), sharex=True)
     t = [s["t"] for s in samples]
@@ -381,11 +346,9 @@ def main() -> int:
     args = parser.parse_args()
     if args.warmup_s is None:
         args.warmup_s = 0.2 * args.duration
-    args.output.parent.mkdir(parents=True, exist_ok=True)
     print(machine_summary(machine_info()))
-    log_path = Path(tempfile.gettempdir()) / "tokenserve-soak-server.log"
-    print(f"server log: {log_path}")
-    server = Server(args, log_path)
+    server = SoakServer(args)
+    print(f"server log: {server.log_path}")
     try:
         server.wait_ready()
         soak = Soak(args, server)
@@ -396,7 +359,7 @@ def main() -> int:
     finally:
         server.stop()
     result = summarize(soak, gauges, args)
-    args.output.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
+    write_json(args.output.with_suffix(".json"), result, indent=1)
     plot(result, soak.timeline, args.output.with_suffix(".png"))
     print(f"duration {args.duration:.0f} s, rate {args.rate}/s, {result['requests']} requests")
     for route, row in result["routes"].items():

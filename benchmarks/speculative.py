@@ -36,22 +36,15 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import subprocess
-import sys
-import tempfile
 import time
 from pathlib import Path
 
 import httpx
-from rich.console import Console
-from rich.table import Table
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from headline import free_port, wait_until_serving  # noqa: E402
-from machine import machine_info, machine_summary, write_result  # noqa: E402
+from common import (RESULTS, make_console, make_table, machine_info, machine_summary, serve,
+                    write_result)
 
-TOKENSERVE = str(Path(sys.executable).with_name("tokenserve"))
-console = Console(width=None if sys.stdout.isatty() else 150)
+console = make_console(150)
 NEW_TOKENS = 128
 
 CODE = '''def read_config(path):
@@ -86,7 +79,7 @@ def requests_for(model: str, export: Path | None, temperature: float = 0.0
         return [("/v1/chat/completions",
                  {"messages": [{"role": "user", "content": c}], **sampling}) for c in CHATS]
     if model == "builtin":
-        from tokenserve.evaluate import heldout_texts
+        from tokenserve.tools.evaluate import heldout_texts
 
         texts = [t for t in heldout_texts() if len(t) > 2000][:6]
         return [("/v1/completions", {"prompt": t[:600], **sampling}) for t in texts]
@@ -112,17 +105,13 @@ def spec_counters(url: str) -> dict[str, float]:
 
 def serve_and_run(model: str, export: Path | None, drafts: int,
                   requests: list[tuple[str, dict]], extra: list[str] = ()) -> dict:
-    port = free_port()
-    command = [TOKENSERVE, "serve", "--model_name", model, "--openai_port", str(port),
-               "--port", str(free_port()), "--rest_api_port", str(free_port()),
-               "--num_speculative_tokens", str(drafts), *(extra if drafts else ())]
+    flags = ["--model_name", model, "--num_speculative_tokens", str(drafts),
+             *(extra if drafts else ())]
     if export is not None:
-        command += ["--model_base_path", str(export)]
-    log = open(Path(tempfile.gettempdir()) / f"speculative-{model}-{drafts}.log", "w")
-    server = subprocess.Popen(command, stdout=log, stderr=log)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_until_serving(url, server, "tokenserve serve", log.name, timeout_s=900)
+        flags += ["--model_base_path", str(export)]
+    with serve(flags, f"speculative-{model}-{drafts}.log") as server:
+        server.wait_until_serving(timeout_s=900)
+        url = server.url
         runs, before = [], {}
         for i, (path, body) in enumerate([requests[0]] + requests):  # the first: a warm-up
             if i == 1:
@@ -141,9 +130,6 @@ def serve_and_run(model: str, export: Path | None, drafts: int,
         after = spec_counters(url)
         return {"runs": runs, "median_tok_s": statistics.median(r["tok_s"] for r in runs),
                 **{f"{name}_tokens": after[name] - before[name] for name in after}}
-    finally:
-        server.terminate()
-        server.wait(60)
 
 
 def check_cost(export: Path, drafts: list[int]) -> dict:
@@ -179,7 +165,7 @@ def check_cost(export: Path, drafts: list[int]) -> dict:
 def streams_in_process(model: str, counts: list[int], drafts: int) -> dict:
     """Total tok/s of `n` held-out code prompts at once, plain and drafting, for each n."""
     from tokenserve import LLM, SamplingParams
-    from tokenserve.evaluate import heldout_texts, resolve_model_path
+    from tokenserve.tools.evaluate import heldout_texts, resolve_model_path
 
     path = resolve_model_path(model)
     prompts = [t[:600] for t in heldout_texts() if len(t) > 2000][:max(counts)]
@@ -220,8 +206,7 @@ def main(argv=None) -> int:
     parser.add_argument("--streams", choices=["smollm2", "builtin"],
                         help="only run several streams at once in-process on this model")
     parser.add_argument("--stream-counts", type=int, nargs="+", default=[1, 2, 4, 8])
-    parser.add_argument("--output", type=Path,
-                        default=Path(__file__).resolve().parent / "results" / "speculative.json")
+    parser.add_argument("--output", type=Path, default=RESULTS / "speculative.json")
     args = parser.parse_args(argv)
     console.print(machine_summary(machine_info()))
     if args.check_cost:
@@ -251,11 +236,10 @@ def main(argv=None) -> int:
         results[model] = {"plain": plain, "speculative": drafted, "same_text": same,
                           "speedup": drafted["median_tok_s"] / plain["median_tok_s"]}
     how = "greedy" if args.temperature == 0 else f"temperature {args.temperature:g}"
-    table = Table(title=f"One stream, {how}, up to {NEW_TOKENS} new tokens, through "
-                        f"tokenserve serve (tok/s, median over requests)")
-    for column in ("model", "plain", f"drafts {args.drafts}", "speedup",
-                   "tokens per step", "drafts kept", "same text"):
-        table.add_column(column, justify="left" if column == "model" else "right")
+    table = make_table(f"One stream, {how}, up to {NEW_TOKENS} new tokens, through "
+                       f"tokenserve serve (tok/s, median over requests)",
+                       ("model", "plain", f"drafts {args.drafts}", "speedup",
+                        "tokens per step", "drafts kept", "same text"), left=("model",))
     for model, r in results.items():
         s = r["speculative"]
         tokens = sum(x["tokens"] for x in s["runs"])

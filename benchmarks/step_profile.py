@@ -36,17 +36,11 @@ import tempfile
 import time
 from pathlib import Path
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+import numpy as np
 
-import numpy as np  # noqa: E402
-from rich.console import Console  # noqa: E402
-from rich.table import Table  # noqa: E402
+from common import RESULTS, make_console, make_table, machine_info, machine_summary, write_json
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from machine import machine_info, machine_summary  # noqa: E402
-
-RESULTS = Path(__file__).resolve().parent / "results"
-console = Console(width=None if sys.stdout.isatty() else 140)
+console = make_console(140)
 
 
 def export_preset(name: str, directory: Path) -> Path:
@@ -58,39 +52,33 @@ def export_preset(name: str, directory: Path) -> Path:
 
 
 class Timed:
-    """Wraps the engine's runner so each step's prepare and TF time are recorded."""
+    """Wraps the engine's runner so each step's TF time (the step, then its LM head) is
+    recorded in `tf_s`."""
 
     def __init__(self, runner):
         self.runner = runner
         self.tf_s = 0.0
         step = runner.step
         if hasattr(step, "step_function"):
-            original = step.step_function
+            step.step_function = self._timing(step.step_function, restart=True)
+            # the LM head, called after the step: its time adds on
+            step.head_function = self._timing(step.head_function, restart=False)
 
-            def timed_function(*key):
-                fn = original(*key)
+    def _timing(self, make, restart: bool):
+        """`make(*key)` -> a function, made to record each call's time (to its output's
+        arrival as NumPy): the step's restarts `tf_s`, the head's adds to it."""
+        def timed_make(*key, **options):
+            fn = make(*key, **options)
 
-                def call(*args):
-                    started = time.perf_counter()
-                    out = fn(*args)
-                    out.numpy()
-                    self.tf_s = time.perf_counter() - started
-                    return out
-                return call
-            step.step_function = timed_function
-            original_head = step.head_function
-
-            def timed_head(*key):  # the LM head, called after the step: its time adds on
-                fn = original_head(*key)
-
-                def call(*args):
-                    started = time.perf_counter()
-                    out = fn(*args)
-                    out.numpy()
-                    self.tf_s += time.perf_counter() - started
-                    return out
-                return call
-            step.head_function = timed_head
+            def call(*args):
+                started = time.perf_counter()
+                out = fn(*args)
+                out.numpy()
+                took = time.perf_counter() - started
+                self.tf_s = took if restart else self.tf_s + took
+                return out
+            return call
+        return timed_make
 
 
 def profile_ops(logdir: str, num_steps: int) -> dict[str, float]:
@@ -112,7 +100,7 @@ def profile_ops(logdir: str, num_steps: int) -> dict[str, float]:
 def run_point(engine, timed: Timed, num_seqs: int, max_tokens: int, profile: bool) -> dict:
     import tensorflow as tf
 
-    from tokenserve.engine.tf_step import FlatCall
+    from tokenserve.engine.step.flat_call import FlatCall
     from tokenserve.sampling import SamplingParams
 
     executor = FlatCall.EXECUTOR
@@ -136,7 +124,7 @@ def run_point(engine, timed: Timed, num_seqs: int, max_tokens: int, profile: boo
         num_full += full
         if tracing and profiled == 0:
             # TF's profiler sees no graph op run by the single-threaded executor the engine
-            # uses (tf_step.FlatCall), so the profiled steps run on the default one
+            # uses (engine/step/flat_call.py), so the profiled steps run on the default one
             FlatCall.EXECUTOR = ""
             tf.profiler.experimental.start(logdir)
         output = engine.execute(scheduled)
@@ -171,7 +159,7 @@ def dense_only_ms(runner, num_tokens: int) -> float:
     if not getattr(step, "jit_dense", False):
         return float("nan")
     width = step.model.config.hidden_size
-    weights = step.layer_weights
+    weights, blocks = step.layer_weights, step.graph_blocks
     x = tf.random.normal([num_tokens, width])
     attn = tf.random.normal([num_tokens, width])
     positions = tf.zeros([num_tokens], tf.int32)
@@ -179,10 +167,10 @@ def dense_only_ms(runner, num_tokens: int) -> float:
     @tf.function
     def chain(x):
         rotary = step.rotary(positions)
-        q, k, v = step._enter(x, rotary, weights[0])
+        q, k, v = blocks.enter(x, rotary, weights[0])
         for i in range(len(weights) - 1):
-            x, q, k, v = step._between(x, attn, rotary, weights[i], weights[i + 1])
-        return step._head(step._exit(x, attn, weights[-1]))
+            x, q, k, v = blocks.between(x, attn, rotary, weights[i], weights[i + 1])
+        return blocks.head(blocks.exit(x, attn, weights[-1]))
 
     chain(x).numpy()
     times = []
@@ -202,8 +190,10 @@ def main(argv=None) -> int:
     parser.add_argument("--no-profile", dest="profile", action="store_false")
     parser.add_argument("--output", type=Path, default=RESULTS / "step_profile.json")
     args = parser.parse_args(argv)
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
     from tokenserve.engine.llm import LLM
+    from tokenserve.engine.step.packing import bucket_size
 
     machine = machine_info()
     console.print(machine_summary(machine))
@@ -217,15 +207,14 @@ def main(argv=None) -> int:
     for num_seqs in args.num_seqs:
         run_point(engine, timed, num_seqs, 4, profile=False)
         point = run_point(engine, timed, num_seqs, args.max_tokens, args.profile)
-        point["dense_only_ms"] = dense_only_ms(engine.runner,
-                                               engine.runner._bucket(num_seqs, True, True))
+        point["dense_only_ms"] = dense_only_ms(
+            engine.runner, bucket_size(num_seqs, engine.engine_config.batch_sizes, True, True))
         points.append(point)
 
-    table = Table(title=f"engine decode step, {Path(str(model_dir)).name} "
-                        f"({engine.runner.precision}), median ms")
-    for column in ("seqs", "schedule", "prepare", "tf step", "update", "total", "tok/s",
-                   "XLA dense alone", "graph ops", "top graph ops"):
-        table.add_column(column, justify="right" if column != "top graph ops" else "left")
+    table = make_table(f"engine decode step, {Path(str(model_dir)).name} "
+                       f"({engine.runner.precision}), median ms",
+                       ("seqs", "schedule", "prepare", "tf step", "update", "total", "tok/s",
+                        "XLA dense alone", "graph ops", "top graph ops"), left=("top graph ops",))
     for p in points:
         m = p["median_ms"]
         top = ", ".join(f"{k} {v:.2f}" for k, v in list(p["graph_ops_ms"].items())[:4])
@@ -234,11 +223,10 @@ def main(argv=None) -> int:
                       f"{p['num_seqs'] / m['total'] * 1e3:.1f}", f"{p['dense_only_ms']:.2f}",
                       f"{p['graph_ops_total_ms']:.2f}", top)
     console.print(table)
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps({
+    write_json(args.output, {
         "workload": {"model": str(model_dir), "precision": engine.runner.precision,
                      "prompt_tokens": 32, "max_tokens": args.max_tokens},
-        "machine": machine, "points": points}, indent=2) + "\n")
+        "machine": machine, "points": points})
     console.print(f"wrote {args.output}")
     return 0
 

@@ -28,12 +28,11 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import statistics
 import time
 from pathlib import Path
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+from common import RESULTS, machine_info, write_json
 
 SCHEMA = {"type": "array", "minItems": 32, "maxItems": 64, "items": {
     "type": "object", "additionalProperties": False, "required": ["id", "kind", "name"],
@@ -122,7 +121,7 @@ async def main_async(args) -> dict:
     return {
         "model": str(model_dir), "concurrency": args.concurrency, "max_tokens": args.max_tokens,
         "temperature": args.temperature,
-        "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform()},
+        "machine": machine_info(),
         "throughput": results,
         "ttft_ms": {"free_median": statistics.median(free_ttft) * 1e3,
                     "json_cached_median": statistics.median(json_ttft) * 1e3,
@@ -141,9 +140,9 @@ def main() -> None:
     parser.add_argument("--temperature", type=float, default=0.0,
                         help="sample every request at this temperature (default: greedy)")
     parser.add_argument("--ttft-reps", type=int, default=30)
-    parser.add_argument("--out", default=str(Path(__file__).parent / "results" /
-                                             "structured.json"))
+    parser.add_argument("--out", default=str(RESULTS / "structured.json"))
     args = parser.parse_args()
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     report = asyncio.run(main_async(args))
     print(f"\n{'workload':<10}{'tokens':>8}{'seconds':>9}{'tok/s':>9}{'vs free':>9}"
           f"{'paired median':>15}")
@@ -156,7 +155,7 @@ def main() -> None:
     t = report["ttft_ms"]
     print(f"\nTTFT median: free {t['free_median']:.1f} ms, cached JSON schema "
           f"{t['json_cached_median']:.1f} ms, added {t['added_median']:+.2f} ms")
-    Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+    write_json(Path(args.out), report, indent=1)
     print(f"wrote {args.out}")
 
 

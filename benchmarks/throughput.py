@@ -73,31 +73,23 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import json
 import os
 import queue
-import sys
 import threading
 import time
 from pathlib import Path
 
 import numpy as np
-from rich.console import Console
-from rich.table import Table
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+from common import (RESULTS, make_console, make_table, machine_info, machine_summary,
+                    output_name, percentiles, pyplot, write_json)
+from peer_systems import HF_SETUP, HF_VENV, hf_model_fields, hf_peer_python, run_hf_peer
+from step_times import StepTimes
 
-from decode import HF_SETUP, HF_VENV, hf_peer_python, output_name, run_hf_peer  # noqa: E402
-from machine import machine_info, machine_summary  # noqa: E402
+from tokenserve.config import GenerationConfig, preset
+from tokenserve.sampling import SamplingParams
 
-from tokenserve.config import GenerationConfig, preset  # noqa: E402
-from tokenserve.sampling import SamplingParams  # noqa: E402
-from tokenserve.stats import StatsSink  # noqa: E402
-
-console = Console(width=150)
-RESULTS = Path(__file__).resolve().parent / "results"
+console = make_console(150)
 
 
 # -- workload ---------------------------------------------------------------------------------
@@ -141,22 +133,13 @@ class ModTokenizer:
 
 
 # -- systems ----------------------------------------------------------------------------------
-class StepRecorder(StatsSink):
-    """Keeps (duration, decode tokens, prefill tokens) of each engine step."""
-
-    def __init__(self):
-        self.steps: list[tuple[float, int, int]] = []
-
-    def on_step(self, stats) -> None:
-        self.steps.append((stats.duration_s, stats.num_decode_tokens, stats.num_prefill_tokens))
-
-    def decode_steps(self, num_seqs: int) -> dict:
-        """Median duration of the pure-decode steps that decoded `num_seqs` sequences."""
-        times = [d for d, decode, prefill in self.steps if decode == num_seqs and not prefill]
-        if not times:
-            return {"num_steps": 0}
-        median = float(np.median(times))
-        return {"num_steps": len(times), "median_step_s": median, "tok_s": num_seqs / median}
+def decode_steps(steps: StepTimes, num_seqs: int) -> dict:
+    """Median duration of the pure-decode steps that decoded `num_seqs` sequences."""
+    times = steps.durations(num_seqs, 0)
+    if not times:
+        return {"num_steps": 0}
+    median = float(np.median(times))
+    return {"num_steps": len(times), "median_step_s": median, "tok_s": num_seqs / median}
 
 
 class EngineSystem:
@@ -171,7 +154,7 @@ class EngineSystem:
         engine_config = EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=512,
                                      precision=precision)
         runner = ModelRunner(model, config, engine_config)
-        self.steps = StepRecorder()
+        self.steps = StepTimes()
         self.engine = AsyncEngine(LLMEngine(runner, ModTokenizer(tokenizer), engine_config,
                                             stats=self.steps))
         self.engine.start()
@@ -361,10 +344,6 @@ async def drive(system, jobs: list[Job], rate: float | None, concurrency: int | 
     return max(j.done for j in jobs) - start
 
 
-def pct(values) -> dict:
-    return {f"p{q}": float(np.percentile(values, q)) for q in (50, 95, 99)}
-
-
 def summarize(jobs: list[Job], wall: float) -> dict:
     ttft = np.array([j.first - j.sent for j in jobs])
     e2e = np.array([j.done - j.sent for j in jobs])
@@ -374,7 +353,8 @@ def summarize(jobs: list[Job], wall: float) -> dict:
     return {"num_requests": len(jobs), "output_tokens": int(total), "wall_s": wall,
             "output_tok_s": total / wall, "request_s": len(jobs) / wall,
             "mean_requests_in_flight": in_flight,
-            "ttft_s": pct(ttft), "tpot_s": pct(tpot), "e2e_s": pct(e2e)}
+            "ttft_s": percentiles(ttft), "tpot_s": percentiles(tpot),
+            "e2e_s": percentiles(e2e)}
 
 
 def run_point(system, base_jobs, label, rate, concurrency, seed) -> dict:
@@ -383,12 +363,12 @@ def run_point(system, base_jobs, label, rate, concurrency, seed) -> dict:
     jobs = [Job(j.index, j.prompt_ids, j.max_tokens) for j in base_jobs]
     recorder = getattr(system, "steps", None)
     if recorder is not None:
-        recorder.steps.clear()
+        recorder.clear()
     with tqdm(total=len(jobs), desc=f"{system.name:9s} {label}", unit="req", leave=False) as bar:
         wall = asyncio.run(drive(system, jobs, rate, concurrency, seed, lambda: bar.update(1)))
     result = summarize(jobs, wall)
     if recorder is not None and concurrency:
-        result["full_batch_decode_steps"] = recorder.decode_steps(concurrency)
+        result["full_batch_decode_steps"] = decode_steps(recorder, concurrency)
     console.print(f"  {system.name:9s} {label:14s} {result['output_tok_s']:7.1f} tok/s  "
                   f"TTFT p99 {result['ttft_s']['p99']:6.2f}s  "
                   f"TPOT p50 {result['tpot_s']['p50'] * 1000:6.1f}ms")
@@ -401,19 +381,12 @@ def measure_decode_floor(system: EngineSystem, num_seqs: int, max_tokens: int = 
     no attention. A step of `num_seqs` sequences with real contexts costs this plus attention,
     so `num_seqs / median` bounds the engine's decode rate at that many streams."""
     jobs = [Job(-1 - i, [5], max_tokens) for i in range(num_seqs)]
-    system.steps.steps.clear()
+    system.steps.clear()
     asyncio.run(drive(system, jobs, None, num_seqs, 0, lambda: None))
-    return system.steps.decode_steps(num_seqs)
+    return decode_steps(system.steps, num_seqs)
 
 
 # -- the HF transformers TF XLA peer ---------------------------------------------------------
-def hf_model_fields(arch) -> dict:
-    """GPT2Config fields of the same shape as our model."""
-    return {"n_layer": arch.num_layers, "n_embd": arch.hidden_size, "n_head": arch.num_heads,
-            "n_inner": arch.intermediate_size, "vocab_size": arch.vocab_size,
-            "n_positions": arch.max_seq_len}
-
-
 def run_hf_closed_loop(python: Path, arch, base_jobs: list[Job], batch_size: int,
                        concurrency: int, args) -> tuple[dict, dict]:
     """The HF peer serves `base_jobs` in order in static batches of `batch_size`, back to
@@ -436,7 +409,7 @@ def run_hf_closed_loop(python: Path, arch, base_jobs: list[Job], batch_size: int
         job.num_output = base.max_tokens
         jobs.append(job)
     result = summarize(jobs, max(done))
-    result["first_token_computed_est_s"] = pct(
+    result["first_token_computed_est_s"] = percentiles(
         [r["first_token_est_s"] - job.sent for r, job in zip(peer["jobs"], jobs)])
     result["batches"] = [{k: b[k] for k in ("prompt_len", "new_tokens", "longest_prompt",
                                             "longest_output", "rows", "start_s", "wall_s",
@@ -459,9 +432,8 @@ def print_decode_table(report: dict) -> None:
     if not rows:
         return
     num_seqs = report["workload"]["concurrency"]
-    table = Table(title=f"Engine decode steps of {num_seqs} sequences (no prefill in the step)")
-    for header in ("steps", "count", "median step", "tok/s"):
-        table.add_column(header, justify="left" if header == "steps" else "right")
+    table = make_table(f"Engine decode steps of {num_seqs} sequences (no prefill in the step)",
+                       ("steps", "count", "median step", "tok/s"), left=("steps",))
     for label, r in rows.items():
         if r.get("num_steps"):
             table.add_row(label, str(r["num_steps"]), f"{r['median_step_s'] * 1000:.1f}ms",
@@ -482,13 +454,12 @@ def system_label(name: str, info: dict) -> str:
 
 
 def print_table(report: dict) -> None:
-    table = Table(title=f"Serving throughput, {report['workload']['model']} "
-                        f"({report['workload']['num_requests']} requests, prompts "
-                        f"{report['workload']['input_range']}, outputs "
-                        f"{report['workload']['output_range']})")
-    for header in ("system", "load", "out tok/s", "× static", "TTFT p50", "TTFT p95",
-                   "TTFT p99", "TPOT p50", "TPOT p95", "TPOT p99"):
-        table.add_column(header, justify="left" if header in ("system", "load") else "right")
+    table = make_table(f"Serving throughput, {report['workload']['model']} "
+                       f"({report['workload']['num_requests']} requests, prompts "
+                       f"{report['workload']['input_range']}, outputs "
+                       f"{report['workload']['output_range']})",
+                       ("system", "load", "out tok/s", "× static", "TTFT p50", "TTFT p95",
+                        "TTFT p99", "TPOT p50", "TPOT p95", "TPOT p99"), left=("system", "load"))
     for label, systems in report["points"].items():
         static = systems.get("static", {}).get("output_tok_s")
         for name, r in systems.items():
@@ -526,11 +497,7 @@ def print_table(report: dict) -> None:
 
 
 def plot(report: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.5))
     by_system: dict[str, list] = {}
     for label, systems in report["points"].items():
@@ -598,6 +565,7 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output", type=Path, default=None)
     args = parser.parse_args(argv)
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     unknown = set(args.systems) - {"engine", "static", "keras-hub", "hf-tf-xla"}
     if unknown:
         parser.error(f"unknown systems {sorted(unknown)}")
@@ -618,7 +586,7 @@ def main(argv=None) -> int:
     precision = resolve_precision(args.precision)
     tokenizer = None  # ModTokenizer's default: the built-in one, ids taken modulo its vocab
     if args.model:
-        from tokenserve.evaluate import load_for_eval
+        from tokenserve.tools.evaluate import load_for_eval
 
         model, tokenizer, config, _ = load_for_eval(args.model, precision)
         arch = config.model
@@ -731,8 +699,7 @@ def main(argv=None) -> int:
     console.print(machine_summary(report["machine"]), markup=False)
     print_table(report)
     print_decode_table(report)
-    output.parent.mkdir(parents=True, exist_ok=True)
-    output.write_text(json.dumps(report, indent=2) + "\n")
+    write_json(output, report)
     plot(report, output.with_suffix(".png"))
     console.print(f"wrote {output} and {output.with_suffix('.png')}")
     return 0

@@ -34,17 +34,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-from rich.console import Console
-from rich.progress import Progress
-from rich.table import Table
+from common import (RESULTS, make_console, make_table, machine_info, machine_summary, spread,
+                    write_json)
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-from machine import machine_info, machine_summary  # noqa: E402
-
-ROOT = HERE.parent
+ROOT = Path(__file__).resolve().parents[1]
 PYTHON = sys.executable
-console = Console(width=None if sys.stdout.isatty() else 150)
+console = make_console(150)
 
 WORKER = """
 import json, sys, time
@@ -108,7 +103,7 @@ def main(argv=None) -> int:
     parser.add_argument("--model", action="append", required=True,
                         metavar="NAME=BEFORE_EXPORT:AFTER_EXPORT")
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--output", type=Path, default=HERE / "results" / "versions-ab.json")
+    parser.add_argument("--output", type=Path, default=RESULTS / "versions-ab.json")
     args = parser.parse_args(argv)
     models = {}
     for spec in args.model:
@@ -120,6 +115,8 @@ def main(argv=None) -> int:
     trees = {"before": args.before.resolve(), "after": args.after.resolve()}
     info = machine_info()
     console.print(machine_summary(info))
+
+    from rich.progress import Progress
 
     rounds: list[dict] = []
     with Progress(console=console, transient=True) as progress:
@@ -139,33 +136,29 @@ def main(argv=None) -> int:
                                       for p in POINTS) for name, r in result.items()))
 
     summary: dict = {}
-    table = Table(title="tokenserve.LLM output tok/s (prefill: prompt tok/s), before -> after "
-                  "(medians over rounds)")
-    for column in ("model", "precision", "sequences", "before", "after", "after/before",
-                   "min-max ratio"):
-        table.add_column(column, justify="left" if column in ("model", "precision") else "right")
+    table = make_table("tokenserve.LLM output tok/s (prefill: prompt tok/s), before -> after "
+                       "(medians over rounds)", ("model", "precision", "sequences", "before",
+                                                 "after", "after/before", "min-max ratio"),
+                       left=("model", "precision"))
     for name in models:
         for point in POINTS:
             before = [r[name]["before"][point] for r in rounds]
             after = [r[name]["after"][point] for r in rounds]
-            ratios = [a / b for a, b in zip(after, before)]
+            ratio = spread(a / b for a, b in zip(after, before))
             summary.setdefault(name, {})[point] = {
                 "before": statistics.median(before), "after": statistics.median(after),
-                "ratio_median": statistics.median(ratios), "ratio_min": min(ratios),
-                "ratio_max": max(ratios)}
+                **{f"ratio_{k}": v for k, v in ratio.items()}}
             precision = (f"{rounds[0][name]['before']['precision']} -> "
                          f"{rounds[0][name]['after']['precision']}")
             table.add_row(name, precision, point, f"{statistics.median(before):.1f}",
-                          f"{statistics.median(after):.1f}",
-                          f"{statistics.median(ratios):.2f}x",
-                          f"{min(ratios):.2f}-{max(ratios):.2f}")
+                          f"{statistics.median(after):.1f}", f"{ratio['median']:.2f}x",
+                          f"{ratio['min']:.2f}-{ratio['max']:.2f}")
     console.print(table)
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps({
+    write_json(args.output, {
         "machine": info, "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
         "trees": {side: {"path": str(tree), "commit": commit(tree)}
                   for side, tree in trees.items()},
-        "models": models, "rounds": rounds, "summary": summary}, indent=2) + "\n")
+        "models": models, "rounds": rounds, "summary": summary})
     console.print(f"wrote {args.output}")
     return 0
 

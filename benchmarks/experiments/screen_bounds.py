@@ -3,7 +3,7 @@
 of the head in other formats than the engine's: int8 with one scale per row (the default),
 float16, and int4 with one scale per group of 32, 64 or 128 weights or per row.
 
-The screen (engine/screened_head.py) bounds each entry's error by Cauchy-Schwarz,
+The screen (engine/step/head.py) bounds each entry's error by Cauchy-Schwarz,
 |w_i.x - h_i.x| <= ||w_i - h_i|| ||x||, and every entry whose upper bound reaches the best
 lower bound is recomputed from the float32 head. This greedy-decodes a few prompts through
 an in-process engine, keeps the hidden rows its screened head saw (the final norm's
@@ -13,7 +13,8 @@ candidate is one float32 row read again, a copy of fewer bytes saves a fixed rea
 
 Output: a table and benchmarks/results/screen-bounds[-NAME].json with the machine's flags.
 
-Run:  python benchmarks/screen_bounds.py EXPORT_DIR [--tokens 40] [--name NAME]
+Run from the repository's root:
+      python -m benchmarks.experiments.screen_bounds EXPORT_DIR [--tokens 40] [--name NAME]
       (EXPORT_DIR: an exported float32 model, e.g. `tokenserve export gpt2-small
       --output /tmp/gpt2 --no-xla`)
 """
@@ -21,18 +22,11 @@ Run:  python benchmarks/screen_bounds.py EXPORT_DIR [--tokens 40] [--name NAME]
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+from benchmarks.common import (make_console, make_table, machine_info, machine_summary,
+                               result_path, write_json)
 
-from machine import machine_info, machine_summary  # noqa: E402
-
-RESULTS = Path(__file__).resolve().parent / "results"
 PROMPTS = ["def read_config(path):", "The quick brown fox", "import numpy as np\n",
            "Once upon a time"]
 # (name, bits, weights per scale; 0: one scale per row); float16 has no scale
@@ -72,14 +66,13 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=40, help="greedy tokens per prompt")
     parser.add_argument("--name", default="", help="suffix of the results file")
     args = parser.parse_args()
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
     import numpy as np
     import tensorflow as tf
-    from rich.console import Console
-    from rich.table import Table
 
     from tokenserve import LLM, SamplingParams
-    from tokenserve.engine import screened_head
+    from tokenserve.engine.step import head as screened_head
     from tokenserve.engine.config import EngineConfig
 
     seen: list = []
@@ -106,10 +99,10 @@ def main() -> None:
     rows = np.concatenate([x.reshape(-1, x.shape[-1]) for x in seen]).astype(np.float64)
     weight = head.weight.numpy().astype(np.float64)
     weight = weight if head.layout == "nk" else weight.T
-    table = Table(title=f"screen candidates per row, {len(rows)} hidden rows, "
-                        f"head {weight.shape[0]} x {weight.shape[1]}")
-    for column in ("copy", "bytes per weight", "median", "mean", "p90", "max"):
-        table.add_column(column, justify="left" if column == "copy" else "right")
+    table = make_table(f"screen candidates per row, {len(rows)} hidden rows, "
+                       f"head {weight.shape[0]} x {weight.shape[1]}",
+                       ("copy", "bytes per weight", "median", "mean", "p90", "max"),
+                       left=("copy",))
     results = []
     for name, bits, group in FORMATS:
         counts = candidates(weight, rows, copy_of(weight, bits, group))
@@ -120,15 +113,13 @@ def main() -> None:
         results.append(entry)
         table.add_row(name, f"{entry['bytes_per_weight']:.3f}", f"{entry['median']:.0f}",
                       f"{entry['mean']:.1f}", f"{entry['p90']:.0f}", str(entry["max"]))
-    console = Console()
+    console = make_console(80)
     info = machine_info()
     console.print(machine_summary(info))
     console.print(table)
-    RESULTS.mkdir(exist_ok=True)
-    path = RESULTS / f"screen-bounds{'-' + args.name if args.name else ''}.json"
-    path.write_text(json.dumps({"machine": info, "model": str(args.model),
-                                "num_rows": len(rows), "vocab": weight.shape[0],
-                                "width": weight.shape[1], "formats": results}, indent=2))
+    path = write_json(result_path("screen-bounds", args.name), {
+        "machine": info, "model": str(args.model), "num_rows": len(rows),
+        "vocab": weight.shape[0], "width": weight.shape[1], "formats": results})
     console.print(f"wrote {path}")
 
 

@@ -14,7 +14,8 @@
 // The variants alternate within each round (the order reversed every other round), and the
 // table gives medians over rounds of GB/s and of the ratio to `read` in the same round.
 //
-//   g++ -O3 -std=c++17 -pthread -o /tmp/kn_row_variants benchmarks/kernels/kn_row_variants.cc
+//   g++ -O3 -std=c++17 -pthread -o /tmp/kn_row_variants \
+//       benchmarks/experiments/kernels/kn_row_variants.cc
 //   /tmp/kn_row_variants [rounds]
 #include <immintrin.h>
 

@@ -15,8 +15,8 @@
 // "dram": W is GPT-2's LM head (768 x 50257, 38.6 MB) in two copies, so it comes from DRAM;
 // "hot": a 768 x 512 matrix (384 KB) that stays in the L2 caches, run 5,000 times.
 //
-//   g++ -O3 -march=native -std=c++17 -pthread -o /tmp/int8_row_variants
-//       benchmarks/kernels/int8_row_variants.cc && /tmp/int8_row_variants   (one line)
+//   g++ -O3 -march=native -std=c++17 -pthread -o /tmp/int8_row_variants \
+//       benchmarks/experiments/kernels/int8_row_variants.cc && /tmp/int8_row_variants
 #include <immintrin.h>
 
 #include <algorithm>

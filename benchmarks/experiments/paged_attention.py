@@ -28,28 +28,24 @@ Two configurations, each in its own process (the ISA caps must be set before TF 
 
 Output: a table per configuration and benchmarks/results/paged_attention.json.
 
-Run:  python benchmarks/paged_attention.py [--reps 9] [--configs default avx2] [--quick]
+Run from the repository's root:
+      python -m benchmarks.experiments.paged_attention [--reps 9] [--configs default avx2]
+          [--quick]
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+from benchmarks.common import (RESULTS, add_config_arguments, machine_info, make_console,
+                               make_table, print_child_header, run_child, size_pair,
+                               write_json)
 
-from machine import machine_info, machine_summary  # noqa: E402
-
-RESULTS = Path(__file__).resolve().parent / "results"
 LAYERS, HEADS, KV_HEADS, HEAD_DIM = 12, 12, 12, 64
 CACHE_ROWS, BLOCK = 32 * 1024, 16
 SHAPES = [(1, 160), (8, 160), (32, 160), (32, 512), (32, 1024)]
@@ -175,15 +171,10 @@ def measure(shapes, dtypes, reps: int) -> list[dict]:
 
 def run_config(name: str, reps: int, shapes, dtypes) -> dict:
     """Measures one configuration in a child process with its environment."""
-    env = {**os.environ, **CONFIGS[name]}
     dtypes = [dtype for dtype in dtypes if dtype in CONFIG_DTYPES[name]]
-    with tempfile.TemporaryDirectory() as tmp:
-        output = Path(tmp, "result.json")
-        command = [sys.executable, __file__, "--child", name, "--reps", str(reps),
-                   "--child-output", str(output), "--shapes", *[f"{s}x{n}" for s, n in shapes],
-                   "--dtypes", *dtypes]
-        subprocess.run(command, env=env, check=True)
-        return json.loads(output.read_text())
+    return run_child(["--child", name, "--reps", str(reps),
+                      "--shapes", *[f"{s}x{n}" for s, n in shapes], "--dtypes", *dtypes],
+                     CONFIGS[name])
 
 
 def child(name: str, reps: int, shapes, dtypes, output: Path) -> None:
@@ -199,18 +190,15 @@ def child(name: str, reps: int, shapes, dtypes, output: Path) -> None:
               "loadavg_before": list(os.getloadavg()),
               "rows": measure(shapes, dtypes, reps),
               "loadavg_after": list(os.getloadavg())}
-    output.write_text(json.dumps(result))
+    write_json(output, result)
 
 
 def table(name: str, result: dict):
-    from rich.table import Table
-
     env = ", ".join(f"{k}={v}" for k, v in result["env"].items() if v) or "no ISA caps"
-    out = Table(title=f"{name}: {env} — median ms for {LAYERS} layers of decode attention "
-                      f"(H={HEADS}, Dh={HEAD_DIM}, cache {CACHE_ROWS} rows)")
-    for header in ["dtype", "S x L", "op ms", "graph ms", "speedup", "speedup (cpu time)",
-                   "op GB/s", "op vs graph"]:
-        out.add_column(header, justify="right")
+    out = make_table(f"{name}: {env} — median ms for {LAYERS} layers of decode attention "
+                     f"(H={HEADS}, Dh={HEAD_DIM}, cache {CACHE_ROWS} rows)",
+                     ["dtype", "S x L", "op ms", "graph ms", "speedup", "speedup (cpu time)",
+                      "op GB/s", "op vs graph"])
     for row in result["rows"]:
         out.add_row(row["dtype"], f"{row['s']}x{row['l']}", f"{row['ms']['op']:.2f}",
                     f"{row['ms']['graph']:.2f}", f"{row['speedup']:.2f}x",
@@ -219,31 +207,23 @@ def table(name: str, result: dict):
     return out
 
 
-def parse_shape(text: str) -> tuple[int, int]:
-    s, length = text.lower().split("x")
-    return int(s), int(length)
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--reps", type=int, default=9)
-    parser.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS))
-    parser.add_argument("--shapes", nargs="+", type=parse_shape, default=SHAPES)
+    add_config_arguments(parser, CONFIGS)
+    parser.add_argument("--shapes", nargs="+", type=size_pair, default=SHAPES)
     parser.add_argument("--dtypes", nargs="+", choices=DTYPES, default=DTYPES)
     parser.add_argument("--quick", action="store_true", help="1x160 and 32x160, 3 reps")
     parser.add_argument("--output", type=Path, default=RESULTS / "paged_attention.json")
-    parser.add_argument("--child", choices=list(CONFIGS), help=argparse.SUPPRESS)
-    parser.add_argument("--child-output", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     if args.quick:
         args.reps, args.shapes = 3, [(1, 160), (32, 160)]
     if args.child:
         child(args.child, args.reps, args.shapes, args.dtypes, args.child_output)
         return 0
 
-    from rich.console import Console
-
-    console = Console(width=160)
+    console = make_console(160)
     report = {"methods": {
         "op": "compiled TokenservePagedDecodeAttention (rows read in place from the variables)",
         "graph": "TransformerStep._decode_attention (d8b9600): ResourceGather copies + "
@@ -253,13 +233,9 @@ def main(argv=None) -> int:
         "cache_rows": CACHE_ROWS, "block_size": BLOCK, "reps": args.reps, "configs": {}}
     for name in args.configs:
         report["configs"][name] = result = run_config(name, args.reps, args.shapes, args.dtypes)
-        console.print(machine_summary(result["machine"]), markup=False)
-        console.print(f"{result['kernel_status']}; load average "
-                      f"{result['loadavg_before'][0]:.1f} -> {result['loadavg_after'][0]:.1f}",
-                      markup=False)
+        print_child_header(console, result)
         console.print(table(name, result))
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(report, indent=2) + "\n")
+    write_json(args.output, report)
     console.print(f"wrote {args.output}")
     return 0
 
