@@ -1,0 +1,243 @@
+// GGUF weight blocks as a file stores them, and the q8 activation blocks that their integer
+// dot products pair with (llama.cpp's vec_dot_type idea).
+//
+// ggml stores a weight [out, in] with `in` contiguous: each output's row is a run of blocks.
+// The block types read here hold 32 values each:
+//   Q4_0  18 bytes: fp16 d, 16 bytes of nibbles            w = d * (nibble - 8)
+//   Q4_1  20 bytes: fp16 d, fp16 m, 16 bytes of nibbles    w = d * nibble + m
+//   Q8_0  34 bytes: fp16 d, 32 int8 q                      w = d * q
+// A nibble byte j holds value j in its low half and value j + 16 in its high half.
+//
+// Each type decodes to the same form: 32 small integers v (0..15 unsigned for the 4-bit types,
+// -128..127 for Q8_0), a scale d and an offset c, with w = d * v + c for the whole block
+// (Q4_0: c = -8 d; Q4_1: c = m; Q8_0: c = 0). Activations are quantized once per matmul into
+// Q8 blocks of 32 with a float scale dx and the float sum sx = dx * sum(qx) (llama.cpp's Q8_1,
+// with float fields), so one block's contribution to an output is
+//   sum_j w_j x_j ~= d * dx * sum_j v_j qx_j + c * sx
+// one integer dot product (maddubs/madd, or dpbusd) and two float multiply-adds. One activation
+// format serves every type: Q8_0 weights ignore sx.
+//
+// The K-quants fit the same form. Q4_K and Q5_K super-blocks of 256 values are 8 sub-blocks
+// of 32 with w = (d * scale_j) * v - (dmin * min_j): per 32 values, a scale, an offset and
+// unsigned v (0..15 or 0..31, so maddubs' pair sums still cannot saturate). Q6_K's sub-blocks
+// are 16 values with w = (d * scale_j) * (v - 32): two scales per 32, so its decoded block will
+// carry one scale per half and its dot product two halves. (llama.cpp pairs the K-quants with
+// Q8_K, one scale per 256 and integer sub-block scales; per-32 float activation scales cost a
+// few more float operations a block and lose less precision.)
+#ifndef TOKENSERVE_KERNELS_GGUF_BLOCKS_H_
+#define TOKENSERVE_KERNELS_GGUF_BLOCKS_H_
+
+#include <algorithm>
+#include <cfloat>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+#include "cpu.h"
+
+namespace tokenserve {
+namespace gguf {
+
+using int64 = int64_t;
+
+constexpr int kBlock = 32;  // values per block of every type here, and per activation block
+
+// IEEE half (the blocks' fp16 fields) to float, exactly; what F16C's vcvtph2ps computes.
+inline float HalfToFloat(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16;
+  const uint32_t exponent = (h >> 10) & 0x1f, mantissa = h & 0x3ff;
+  uint32_t bits;
+  if (exponent == 0x1f) {  // infinity or NaN
+    bits = sign | 0x7f800000u | (mantissa << 13);
+  } else if (exponent == 0) {  // zero or subnormal: mantissa * 2^-24
+    const float f = std::ldexp(static_cast<float>(mantissa), -24);
+    return sign ? -f : f;
+  } else {
+    bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+inline uint16_t LoadHalfBits(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, sizeof(h));  // blocks are 18, 20 or 34 bytes apart: unaligned
+  return h;
+}
+
+// ---- block types --------------------------------------------------------------------------
+// Each: kBytes a block, kSigned (v signed: the dot product needs the sign trick), kHasOffset
+// (c != 0 can occur: the sx term is needed), and scalar Decode.
+
+struct Q4_0 {
+  static constexpr const char* kName = "q4_0";
+  static constexpr int kBytes = 18;
+  static constexpr int kNibbles = 2;  // offset of the nibbles in the block
+  static constexpr bool kSigned = false, kHasOffset = true;
+  static float Offset(const uint8_t*, float d) { return -8.f * d; }
+};
+
+struct Q4_1 {
+  static constexpr const char* kName = "q4_1";
+  static constexpr int kBytes = 20;
+  static constexpr int kNibbles = 4;
+  static constexpr bool kSigned = false, kHasOffset = true;
+  static float Offset(const uint8_t* block, float) { return HalfToFloat(LoadHalfBits(block + 2)); }
+};
+
+struct Q8_0 {
+  static constexpr const char* kName = "q8_0";
+  static constexpr int kBytes = 34;
+  static constexpr bool kSigned = true, kHasOffset = false;
+  static float Offset(const uint8_t*, float) { return 0.f; }
+};
+
+inline float Scale(const uint8_t* block) { return HalfToFloat(LoadHalfBits(block)); }
+
+// The block's 32 values v (as int8: 0..15 or -128..127).
+template <class Type>
+void DecodeValues(const uint8_t* block, int8_t* v) {
+  if constexpr (Type::kSigned) {
+    std::memcpy(v, block + 2, kBlock);
+  } else {
+    const uint8_t* nibbles = block + Type::kNibbles;
+    for (int j = 0; j < kBlock / 2; ++j) {
+      v[j] = static_cast<int8_t>(nibbles[j] & 0x0f);
+      v[j + kBlock / 2] = static_cast<int8_t>(nibbles[j] >> 4);
+    }
+  }
+}
+
+// ---- activations ----------------------------------------------------------------------------
+
+// x [M, K] (K a multiple of 32) as Q8 blocks: row m's block b holds 32 int8 at
+// q[(m * blocks + b) * 32], its scale at d[m * blocks + b] and dx * sum(qx) at s[...].
+// x ~= q * d. A block holding a NaN or an infinity gets q = 0 and d = s = NaN, so the outputs
+// it feeds become NaN (as a float matmul's would) rather than finite garbage.
+struct Q8Rows {
+  int64 blocks = 0;  // per row: K / 32
+  std::vector<int8_t> q;
+  std::vector<float> d, s;
+  const int8_t* Values(int64 m, int64 b) const { return q.data() + (m * blocks + b) * kBlock; }
+  int64 Index(int64 m, int64 b) const { return m * blocks + b; }
+};
+
+// One block, scalar: the same operations as the AVX2 version (multiply by 127 / amax in
+// float, round half to even), so both give the same bytes and scales.
+inline void QuantizeBlockScalar(const float* x, int8_t* q, float* d, float* s) {
+  float amax = 0.f;
+  bool finite = true;
+  for (int i = 0; i < kBlock; ++i) {
+    finite = finite && std::isfinite(x[i]);
+    amax = std::max(amax, std::fabs(x[i]));
+  }
+  if (!finite) {
+    std::memset(q, 0, kBlock);
+    *d = *s = NAN;
+    return;
+  }
+  const float inv = amax > 0.f ? 127.f / amax : 0.f;
+  int32_t sum = 0;
+  for (int i = 0; i < kBlock; ++i) {
+    q[i] = static_cast<int8_t>(std::nearbyint(x[i] * inv));
+    sum += q[i];
+  }
+  *d = amax / 127.f;
+  *s = *d * static_cast<float>(sum);
+}
+
+#ifdef TOKENSERVE_CPU_X86
+// What every SIMD function here and in gguf_kernels.h is compiled for (on top of the build's
+// flags); call them only after cpu::HasAvx2FmaF16c().
+#define TOKENSERVE_GGUF_SIMD __attribute__((target("avx2,fma,f16c")))
+
+TOKENSERVE_GGUF_SIMD inline float ScaleF16c(const uint8_t* block) {
+  return _cvtsh_ss(LoadHalfBits(block));
+}
+
+// The block's 32 values in order, one byte each (0..15, or Q8_0's int8).
+template <class Type>
+TOKENSERVE_GGUF_SIMD __attribute__((always_inline)) inline __m256i LoadValues(
+    const uint8_t* block) {
+  if constexpr (Type::kSigned) {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 2));
+  } else {
+    const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + Type::kNibbles));
+    // low halves are values 0..15 (lower 128 bits), high halves 16..31 (upper 128 bits)
+    const __m256i both = _mm256_set_m128i(_mm_srli_epi16(packed, 4), packed);
+    return _mm256_and_si256(both, _mm256_set1_epi8(0x0f));
+  }
+}
+
+template <class Type>
+TOKENSERVE_GGUF_SIMD __attribute__((always_inline)) inline float LoadOffset(const uint8_t* block,
+                                                                           float d) {
+  if constexpr (std::is_same_v<Type, Q4_1>) return _cvtsh_ss(LoadHalfBits(block + 2));
+  return Type::Offset(block, d);
+}
+
+TOKENSERVE_GGUF_SIMD inline void QuantizeBlockAvx2(const float* x, int8_t* q, float* d, float* s) {
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  const __m256 largest = _mm256_set1_ps(FLT_MAX);
+  __m256 v[4];
+  __m256 amax = _mm256_setzero_ps();
+  __m256 bad = _mm256_setzero_ps();  // lanes that saw a NaN or an infinity
+  for (int i = 0; i < 4; ++i) {
+    v[i] = _mm256_loadu_ps(x + 8 * i);
+    const __m256 a = _mm256_andnot_ps(sign, v[i]);
+    amax = _mm256_max_ps(amax, a);
+    bad = _mm256_or_ps(bad, _mm256_cmp_ps(a, largest, _CMP_NLE_UQ));
+  }
+  if (_mm256_movemask_ps(bad)) {
+    std::memset(q, 0, kBlock);
+    *d = *s = NAN;
+    return;
+  }
+  const float max_abs = cpu::HorizontalMax(amax);
+  const __m256 inv = _mm256_set1_ps(max_abs > 0.f ? 127.f / max_abs : 0.f);
+  __m256i i32[4];
+  for (int i = 0; i < 4; ++i) {
+    i32[i] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[i], inv),
+                                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  }
+  // the sum of the 32 integers, before packing (exact in int32)
+  const __m256i sum8 = _mm256_add_epi32(_mm256_add_epi32(i32[0], i32[1]),
+                                        _mm256_add_epi32(i32[2], i32[3]));
+  __m128i sum4 = _mm_add_epi32(_mm256_castsi256_si128(sum8), _mm256_extracti128_si256(sum8, 1));
+  sum4 = _mm_add_epi32(sum4, _mm_shuffle_epi32(sum4, _MM_SHUFFLE(1, 0, 3, 2)));
+  sum4 = _mm_add_epi32(sum4, _mm_shuffle_epi32(sum4, _MM_SHUFFLE(2, 3, 0, 1)));
+  // packing works per 128-bit lane; the permute restores element order
+  const __m256i i8 = _mm256_packs_epi16(_mm256_packs_epi32(i32[0], i32[1]),
+                                        _mm256_packs_epi32(i32[2], i32[3]));
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), _mm256_permutevar8x32_epi32(i8, order));
+  *d = max_abs / 127.f;
+  *s = *d * static_cast<float>(_mm_cvtsi128_si32(sum4));
+}
+#endif  // TOKENSERVE_CPU_X86
+
+// x [M, K] into `out`, every block of every row (K a multiple of 32).
+inline void QuantizeRows(const float* x, int64 M, int64 K, bool simd, Q8Rows* out) {
+  out->blocks = K / kBlock;
+  out->q.resize(M * K);
+  out->d.resize(M * out->blocks);
+  out->s.resize(M * out->blocks);
+  for (int64 i = 0; i < M * out->blocks; ++i) {
+    const float* src = x + i * kBlock;  // row m's block b is x[m * K + b * 32]: contiguous
+#ifdef TOKENSERVE_CPU_X86
+    if (simd) {
+      QuantizeBlockAvx2(src, out->q.data() + i * kBlock, &out->d[i], &out->s[i]);
+      continue;
+    }
+#endif
+    QuantizeBlockScalar(src, out->q.data() + i * kBlock, &out->d[i], &out->s[i]);
+  }
+}
+
+}  // namespace gguf
+}  // namespace tokenserve
+
+#endif  // TOKENSERVE_KERNELS_GGUF_BLOCKS_H_

@@ -1,0 +1,235 @@
+// The inner kernels of the GGUF-block matmul (gguf_matmul.cc): output rows [n0, n0 + count)
+// of y[M, N] = x @ dequant(w).T, from the quantized activations (gguf_blocks.h) and the
+// weight rows' blocks as stored. Each has a portable scalar version and SIMD ones.
+//
+//   Rows*  one weight row at a time, read front to back (one sequential stream the hardware
+//          prefetcher follows), each block decoded once for up to four rows of x held in
+//          registers. Decode (M = 1..8) takes these.
+//   Tile*  four weight rows decoded once into a small per-thread buffer (L1), then every row of
+//          x swept over them: a prefill chunk decodes each block once, not once per 4 rows.
+//
+// The SIMD kernels are templates over the block type and the integer dot product:
+//   MaddAvx2    _mm256_maddubs_epi16 + _mm256_madd_epi16 (u8 x s8 pairs, then pairs of those)
+//   DpbusdVnni  one _mm256_dpbusd_epi32 (four u8 x s8 products per int32 lane), compiled only
+//               where the build's flags include AVX512-VNNI and AVX512VL
+// Both give the same int32 lanes, so the two paths differ only where the scalar path does:
+// float summation order.
+#ifndef TOKENSERVE_KERNELS_GGUF_KERNELS_H_
+#define TOKENSERVE_KERNELS_GGUF_KERNELS_H_
+
+#include <cstdint>
+#include <vector>
+
+#include "cpu.h"
+#include "gguf_blocks.h"
+
+namespace tokenserve {
+namespace gguf {
+
+// Where the kernels write: y[m * ldy + n] for output row n and row m of x.
+struct Output {
+  float* y;
+  int64 ldy;
+};
+
+// ---- scalar ---------------------------------------------------------------------------------
+// The same formula per block as the SIMD kernels: (d * dx) * dot + c * sx.
+template <class Type>
+void RowsScalar(const Q8Rows& xq, int64 M, const uint8_t* w, int64 row_bytes, int64 n0,
+                int64 count, Output out) {
+  int8_t v[kBlock];
+  for (int64 r = 0; r < count; ++r) {
+    const uint8_t* row = w + (n0 + r) * row_bytes;
+    for (int64 m = 0; m < M; ++m) out.y[m * out.ldy + n0 + r] = 0.f;
+    for (int64 b = 0; b < xq.blocks; ++b) {
+      const uint8_t* block = row + b * Type::kBytes;
+      DecodeValues<Type>(block, v);
+      const float d = Scale(block), c = Type::Offset(block, d);
+      for (int64 m = 0; m < M; ++m) {
+        const int8_t* qx = xq.Values(m, b);
+        int32_t dot = 0;
+        for (int j = 0; j < kBlock; ++j) dot += int32_t{v[j]} * int32_t{qx[j]};
+        const int64 i = xq.Index(m, b);
+        float part = d * xq.d[i] * static_cast<float>(dot);
+        if constexpr (Type::kHasOffset) part += c * xq.s[i];
+        out.y[m * out.ldy + n0 + r] += part;
+      }
+    }
+  }
+}
+
+#ifdef TOKENSERVE_CPU_X86
+// ---- SIMD -------------------------------------------------------------------------------------
+
+struct MaddAvx2 {
+  static constexpr const char* kName = "AVX2+FMA";
+  TOKENSERVE_GGUF_SIMD __attribute__((always_inline)) static inline __m256i Dot(__m256i u,
+                                                                               __m256i s) {
+    // |u| <= 128, |s| <= 127: a pair sums to at most 32512, so maddubs never saturates
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+  }
+};
+
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define TOKENSERVE_GGUF_VNNI 1
+struct DpbusdVnni {
+  static constexpr const char* kName = "AVX512-VNNI";
+  TOKENSERVE_GGUF_SIMD __attribute__((always_inline)) static inline __m256i Dot(__m256i u,
+                                                                               __m256i s) {
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+  }
+};
+#endif
+
+// The dot product's operands from a block's values w and an activation block x: unsigned u
+// and signed s with u * s == w * x per byte. 4-bit values are already unsigned; Q8_0's move
+// their sign onto x (|w| <= 128 read as unsigned, sign(x, w) within +-127).
+template <class Type>
+TOKENSERVE_GGUF_SIMD __attribute__((always_inline)) inline __m256i Unsigned(__m256i w) {
+  if constexpr (Type::kSigned) return _mm256_abs_epi8(w);
+  return w;
+}
+template <class Type>
+TOKENSERVE_GGUF_SIMD __attribute__((always_inline)) inline __m256i Signed(__m256i x, __m256i w) {
+  if constexpr (Type::kSigned) return _mm256_sign_epi8(x, w);
+  return x;
+}
+
+// How far ahead of the block in use the row kernels prefetch their weight stream into L1.
+constexpr int64 kPrefetchBytes = 1024;
+
+// Rows m0 .. m0 + R - 1 of x against one weight row.
+template <class Type, class Dot, int R>
+TOKENSERVE_GGUF_SIMD __attribute__((always_inline)) inline void RowGroup(
+    const Q8Rows& xq, int64 m0, const uint8_t* row, float* y, int64 ldy) {
+  __m256 acc[R];
+  float corr[R];
+  for (int i = 0; i < R; ++i) {
+    acc[i] = _mm256_setzero_ps();
+    corr[i] = 0.f;
+  }
+  for (int64 b = 0; b < xq.blocks; ++b) {
+    const uint8_t* block = row + b * Type::kBytes;
+    _mm_prefetch(reinterpret_cast<const char*>(block) + kPrefetchBytes, _MM_HINT_T0);
+    const __m256i w = LoadValues<Type>(block);
+    const __m256i u = Unsigned<Type>(w);
+    const float d = ScaleF16c(block);
+    const float c = LoadOffset<Type>(block, d);
+    for (int i = 0; i < R; ++i) {
+      const int64 at = xq.Index(m0 + i, b);
+      const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq.q.data() + at * kBlock));
+      const __m256i dot = Dot::Dot(u, Signed<Type>(x, w));
+      acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(d * xq.d[at]), acc[i]);
+      if constexpr (Type::kHasOffset) corr[i] += c * xq.s[at];
+    }
+  }
+  for (int i = 0; i < R; ++i) y[(m0 + i) * ldy] = cpu::HorizontalSum(acc[i]) + corr[i];
+}
+
+// Output rows [n0, n0 + count), one weight row at a time against every row of x, four rows
+// of x at a time.
+template <class Type, class Dot>
+TOKENSERVE_GGUF_SIMD void RowsSimd(const Q8Rows& xq, int64 M, const uint8_t* w, int64 row_bytes,
+                                   int64 n0, int64 count, Output out) {
+  for (int64 n = n0; n < n0 + count; ++n) {
+    const uint8_t* row = w + n * row_bytes;
+    float* y = out.y + n;
+    int64 m = 0;
+    for (; m + 4 <= M; m += 4) RowGroup<Type, Dot, 4>(xq, m, row, y, out.ldy);
+    switch (M - m) {
+      case 3: RowGroup<Type, Dot, 3>(xq, m, row, y, out.ldy); break;
+      case 2: RowGroup<Type, Dot, 2>(xq, m, row, y, out.ldy); break;
+      case 1: RowGroup<Type, Dot, 1>(xq, m, row, y, out.ldy); break;
+      default: break;
+    }
+  }
+}
+
+constexpr int kTileRows = 4;  // weight rows decoded together by the tile kernel
+
+// A tile's decoded weights, one per thread, reused from tile to tile: for weight row r and
+// block b, 32 unsigned operands at u[(r * blocks + b) * 32], the values themselves at w[...]
+// (Q8_0's signs), and d, c at [r * blocks + b].
+struct TileBuffer {
+  std::vector<uint8_t> u;
+  std::vector<int8_t> w;
+  std::vector<float> d, c;
+};
+
+template <class Type>
+TOKENSERVE_GGUF_SIMD void DecodeTile(const uint8_t* rows, int64 row_bytes, int64 blocks,
+                                     TileBuffer* t) {
+  t->u.resize(kTileRows * blocks * kBlock);
+  if (Type::kSigned) t->w.resize(kTileRows * blocks * kBlock);
+  t->d.resize(kTileRows * blocks);
+  t->c.resize(kTileRows * blocks);
+  for (int r = 0; r < kTileRows; ++r) {
+    for (int64 b = 0; b < blocks; ++b) {
+      const uint8_t* block = rows + r * row_bytes + b * Type::kBytes;
+      const int64 at = r * blocks + b;
+      const __m256i w = LoadValues<Type>(block);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(t->u.data() + at * kBlock), Unsigned<Type>(w));
+      if constexpr (Type::kSigned) {
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(t->w.data() + at * kBlock), w);
+      }
+      t->d[at] = ScaleF16c(block);
+      t->c[at] = LoadOffset<Type>(block, t->d[at]);
+    }
+  }
+}
+
+// sum_b c[b] * s[b] over one weight row's offsets and one row of x's sums.
+TOKENSERVE_GGUF_SIMD inline float OffsetSum(const float* c, const float* s, int64 blocks) {
+  __m256 acc = _mm256_setzero_ps();
+  int64 b = 0;
+  for (; b + 8 <= blocks; b += 8) {
+    acc = _mm256_fmadd_ps(_mm256_loadu_ps(c + b), _mm256_loadu_ps(s + b), acc);
+  }
+  float total = cpu::HorizontalSum(acc);
+  for (; b < blocks; ++b) total += c[b] * s[b];
+  return total;
+}
+
+// Output rows [n0, n0 + 4): the four weight rows decoded once, then every row of x.
+template <class Type, class Dot>
+TOKENSERVE_GGUF_SIMD void TileSimd(const Q8Rows& xq, int64 M, const uint8_t* w, int64 row_bytes,
+                                   int64 n0, TileBuffer* t, Output out) {
+  const int64 blocks = xq.blocks;
+  DecodeTile<Type>(w + n0 * row_bytes, row_bytes, blocks, t);
+  const uint8_t* u = t->u.data();
+  const int8_t* wv = t->w.data();
+  const float* d = t->d.data();
+  for (int64 m = 0; m < M; ++m) {
+    const int8_t* xrow = xq.Values(m, 0);
+    const float* dx = xq.d.data() + xq.Index(m, 0);
+    __m256 acc[kTileRows];
+    for (int r = 0; r < kTileRows; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64 b = 0; b < blocks; ++b) {
+      const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xrow + b * kBlock));
+      for (int r = 0; r < kTileRows; ++r) {
+        const int64 at = r * blocks + b;
+        const __m256i ur = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(u + at * kBlock));
+        __m256i s = x;
+        if constexpr (Type::kSigned) {
+          s = _mm256_sign_epi8(x, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wv + at * kBlock)));
+        }
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(Dot::Dot(ur, s)),
+                                 _mm256_set1_ps(d[at] * dx[b]), acc[r]);
+      }
+    }
+    float* y = out.y + m * out.ldy + n0;
+    for (int r = 0; r < kTileRows; ++r) {
+      float total = cpu::HorizontalSum(acc[r]);
+      if constexpr (Type::kHasOffset) {
+        total += OffsetSum(t->c.data() + r * blocks, xq.s.data() + xq.Index(m, 0), blocks);
+      }
+      y[r] = total;
+    }
+  }
+}
+#endif  // TOKENSERVE_CPU_X86
+
+}  // namespace gguf
+}  // namespace tokenserve
+
+#endif  // TOKENSERVE_KERNELS_GGUF_KERNELS_H_

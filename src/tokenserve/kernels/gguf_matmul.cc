@@ -1,0 +1,253 @@
+// TokenserveGgufMatmul: y[M, N] = x[M, K] @ dequant(blocks).T on the CPU, with the weights
+// kept as a GGUF file stores them: blocks is uint8 [N, K / 32 * block bytes], each output's
+// row of Q4_0, Q4_1 or Q8_0 blocks (gguf_blocks.h) exactly as ggml lays out a [N, K] tensor.
+//
+// As llama.cpp does on x86: x is quantized once per call into Q8 blocks of 32, then each
+// weight block meets each activation block in one integer dot product (AVX2 maddubs + madd,
+// or AVX512-VNNI dpbusd where the build's flags include it), the block scales folded in with
+// FMA (gguf_kernels.h). The weight rows are split over the op's threads in contiguous ranges
+// (chunks.h), as the int8 op splits its rows. No repacking: the op reads the stored bytes.
+//
+// Up to kRowKernelMaxRows rows of x (decode) each weight row is read once, front to back;
+// with more (prefill chunks) four weight rows at a time are decoded into a per-thread buffer
+// and every row of x sweeps them.
+
+#include <algorithm>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "tensorflow/core/framework/op.h"
+#include "tensorflow/core/framework/op_kernel.h"
+#include "tensorflow/core/framework/shape_inference.h"
+#include "tensorflow/core/platform/threadpool.h"
+#include "chunks.h"
+#include "cpu.h"
+#include "gguf_blocks.h"
+#include "gguf_kernels.h"
+
+namespace tokenserve {
+namespace {
+
+using gguf::int64;
+using tensorflow::OpKernel;
+using tensorflow::OpKernelConstruction;
+using tensorflow::OpKernelContext;
+using tensorflow::Tensor;
+using tensorflow::TensorShape;
+using tensorflow::errors::InvalidArgument;
+using tensorflow::shape_inference::InferenceContext;
+using tensorflow::shape_inference::ShapeHandle;
+
+// Up to this many rows of x, one weight row at a time against all of them (RowsSimd): the
+// weights are one sequential stream and each block is decoded once for every four rows of x.
+// Above, the tile kernel: decoding once per tile and not once per four rows of x wins.
+constexpr int64 kRowKernelMaxRows = 8;
+
+enum class Isa { kScalar, kAvx2, kAvx512Vnni };
+
+bool CpuHasVnni() {
+#ifdef TOKENSERVE_GGUF_VNNI
+  static const bool has = cpu::HasAvx2FmaF16c() && __builtin_cpu_supports("avx512vl") &&
+                          __builtin_cpu_supports("avx512vnni");
+  return has;
+#else
+  return false;
+#endif
+}
+
+Isa ChooseIsa(const std::string& attr) {
+  if (attr == "scalar" || !cpu::HasAvx2FmaF16c()) return Isa::kScalar;
+  if (attr == "avx2" || !CpuHasVnni()) return Isa::kAvx2;
+  return Isa::kAvx512Vnni;
+}
+
+const char* IsaName(Isa isa) {
+  switch (isa) {
+    case Isa::kAvx512Vnni: return "AVX512-VNNI";
+    case Isa::kAvx2: return "AVX2+FMA+F16C";
+    default: return "scalar (no AVX2+FMA+F16C)";
+  }
+}
+
+// One call's shapes: x [M, K], blocks [N, row_bytes], y [M, N].
+struct Geometry {
+  int64 M, K, N, row_bytes;
+};
+
+int BlockBytes(const std::string& type) {
+  if (type == "q4_0") return gguf::Q4_0::kBytes;
+  if (type == "q4_1") return gguf::Q4_1::kBytes;
+  return gguf::Q8_0::kBytes;
+}
+
+// Why blocks [n, row_bytes] of `type` cannot hold rows of K values, or "" when they can.
+std::string BlocksMismatch(const std::string& type, int64 K, int64 row_bytes) {
+  if (K % gguf::kBlock != 0) {
+    return "x's K = " + std::to_string(K) + " does not divide into " + type + " blocks of " +
+           std::to_string(gguf::kBlock) + " values";
+  }
+  const int64 want = K / gguf::kBlock * BlockBytes(type);
+  if (row_bytes != want) {
+    return type + " weights for K = " + std::to_string(K) + " need " + std::to_string(want) +
+           " bytes a row (" + std::to_string(K / gguf::kBlock) + " blocks of " +
+           std::to_string(BlockBytes(type)) + "), but blocks has " + std::to_string(row_bytes);
+  }
+  return "";
+}
+
+// y = x @ dequant(w).T for one block type and dot product, rows split over the pool.
+template <class Type, class Dot>
+void MatmulSimd(tensorflow::thread::ThreadPool* pool, const Geometry& g, const gguf::Q8Rows& xq,
+                const uint8_t* w, float* y) {
+#ifdef TOKENSERVE_CPU_X86
+  const int64 workers = std::max(1, pool->NumThreads());
+  const gguf::Output out{y, g.N};
+  if (g.M <= kRowKernelMaxRows) {
+    // cycles a weight row, roughly: a block's decode, and its dot product per row of x
+    const ChunkSplit split = SplitIntoChunks(g.N, xq.blocks * (8 + 6 * g.M));
+    RunRanges(pool, workers, split.num_chunks, [&](int64 chunk, int64, int64) {
+      const int64 n0 = chunk * split.per_chunk;
+      gguf::RowsSimd<Type, Dot>(xq, g.M, w, g.row_bytes, n0,
+                                std::min(split.per_chunk, g.N - n0), out);
+    });
+    return;
+  }
+  const int64 tiles = (g.N + gguf::kTileRows - 1) / gguf::kTileRows;
+  const ChunkSplit split = SplitIntoChunks(tiles, gguf::kTileRows * xq.blocks * (8 + 6 * g.M));
+  std::vector<gguf::TileBuffer> buffers(workers);
+  RunChunks(pool, workers, split.num_chunks, [&](int64 chunk, int64 worker) {
+    const int64 end = std::min(tiles, (chunk + 1) * split.per_chunk);
+    for (int64 tile = chunk * split.per_chunk; tile < end; ++tile) {
+      const int64 n0 = tile * gguf::kTileRows;
+      if (n0 + gguf::kTileRows <= g.N) {
+        gguf::TileSimd<Type, Dot>(xq, g.M, w, g.row_bytes, n0, &buffers[worker], out);
+      } else {  // N % 4 rows left over
+        gguf::RowsSimd<Type, Dot>(xq, g.M, w, g.row_bytes, n0, g.N - n0, out);
+      }
+    }
+  });
+#endif
+}
+
+template <class Type>
+void MatmulScalar(tensorflow::thread::ThreadPool* pool, const Geometry& g,
+                  const gguf::Q8Rows& xq, const uint8_t* w, float* y) {
+  const int64 workers = std::max(1, pool->NumThreads());
+  const ChunkSplit split = SplitIntoChunks(g.N, xq.blocks * 40 * (1 + g.M));
+  RunChunks(pool, workers, split.num_chunks, [&](int64 chunk, int64) {
+    const int64 n0 = chunk * split.per_chunk;
+    gguf::RowsScalar<Type>(xq, g.M, w, g.row_bytes, n0, std::min(split.per_chunk, g.N - n0),
+                           gguf::Output{y, g.N});
+  });
+}
+
+template <class Type>
+void Matmul(tensorflow::thread::ThreadPool* pool, Isa isa, const Geometry& g,
+            const gguf::Q8Rows& xq, const uint8_t* w, float* y) {
+#ifdef TOKENSERVE_GGUF_VNNI
+  if (isa == Isa::kAvx512Vnni) return MatmulSimd<Type, gguf::DpbusdVnni>(pool, g, xq, w, y);
+#endif
+#ifdef TOKENSERVE_CPU_X86
+  if (isa != Isa::kScalar) return MatmulSimd<Type, gguf::MaddAvx2>(pool, g, xq, w, y);
+#endif
+  MatmulScalar<Type>(pool, g, xq, w, y);
+}
+
+}  // namespace
+
+REGISTER_OP("TokenserveGgufMatmul")
+    .Input("x: float")       // [M, K], K a multiple of 32
+    .Input("blocks: uint8")  // [N, K / 32 * block bytes]: a GGUF [N, K] tensor's bytes
+    .Output("y: float")      // [M, N]
+    .Attr("block_type: {'q4_0', 'q4_1', 'q8_0'}")
+    .Attr("isa: {'auto', 'avx2', 'scalar'} = 'auto'")
+    .SetShapeFn([](InferenceContext* c) {
+      ShapeHandle x, blocks;
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 2, &x));
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(1), 2, &blocks));
+      std::string type;
+      TF_RETURN_IF_ERROR(c->GetAttr("block_type", &type));
+      if (c->ValueKnown(c->Dim(x, 1)) && c->ValueKnown(c->Dim(blocks, 1))) {
+        const std::string why = BlocksMismatch(type, c->Value(c->Dim(x, 1)),
+                                               c->Value(c->Dim(blocks, 1)));
+        if (!why.empty()) return InvalidArgument(why);
+      }
+      c->set_output(0, c->Matrix(c->Dim(x, 0), c->Dim(blocks, 0)));
+      return absl::OkStatus();
+    })
+    .Doc("y = x @ dequant(blocks).T; blocks: GGUF Q4_0/Q4_1/Q8_0 rows as stored.");
+
+REGISTER_OP("TokenserveGgufMatmulInfo")
+    .Output("info: string")
+    .SetShapeFn([](InferenceContext* c) {
+      c->set_output(0, c->Scalar());
+      return absl::OkStatus();
+    })
+    .Doc("Which instruction set the TokenserveGgufMatmul kernel uses on this CPU.");
+
+namespace {
+
+class GgufMatmulOp : public OpKernel {
+ public:
+  explicit GgufMatmulOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    std::string isa;
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("block_type", &type_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("isa", &isa));
+    isa_ = ChooseIsa(isa);
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    const Tensor& x = ctx->input(0);
+    const Tensor& blocks = ctx->input(1);
+    OP_REQUIRES(ctx, x.dims() == 2,
+                InvalidArgument("x must be [M, K], got shape ", x.shape().DebugString()));
+    OP_REQUIRES(ctx, blocks.dims() == 2,
+                InvalidArgument("blocks must be [N, bytes a row], got shape ",
+                                blocks.shape().DebugString()));
+    const Geometry g{x.dim_size(0), x.dim_size(1), blocks.dim_size(0), blocks.dim_size(1)};
+    const std::string why = BlocksMismatch(type_, g.K, g.row_bytes);
+    OP_REQUIRES(ctx, why.empty(), InvalidArgument(why));
+    Tensor* y_tensor = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({g.M, g.N}), &y_tensor));
+    float* y = y_tensor->flat<float>().data();
+    if (g.M == 0 || g.N == 0) return;
+    if (g.K == 0) {  // an empty sum
+      std::fill(y, y + g.M * g.N, 0.f);
+      return;
+    }
+    gguf::Q8Rows xq;
+    gguf::QuantizeRows(x.flat<float>().data(), g.M, g.K, isa_ != Isa::kScalar, &xq);
+    auto* pool = ctx->device()->tensorflow_cpu_worker_threads()->workers;
+    const uint8_t* w = blocks.flat<uint8_t>().data();
+    if (type_ == "q4_0") {
+      Matmul<gguf::Q4_0>(pool, isa_, g, xq, w, y);
+    } else if (type_ == "q4_1") {
+      Matmul<gguf::Q4_1>(pool, isa_, g, xq, w, y);
+    } else {
+      Matmul<gguf::Q8_0>(pool, isa_, g, xq, w, y);
+    }
+  }
+
+ private:
+  std::string type_;
+  Isa isa_ = Isa::kScalar;
+};
+
+class GgufMatmulInfoOp : public OpKernel {
+ public:
+  explicit GgufMatmulInfoOp(OpKernelConstruction* ctx) : OpKernel(ctx) {}
+  void Compute(OpKernelContext* ctx) override {
+    Tensor* out = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({}), &out));
+    out->scalar<tensorflow::tstring>()() = IsaName(ChooseIsa("auto"));
+  }
+};
+
+REGISTER_KERNEL_BUILDER(Name("TokenserveGgufMatmul").Device(tensorflow::DEVICE_CPU),
+                        GgufMatmulOp);
+REGISTER_KERNEL_BUILDER(Name("TokenserveGgufMatmulInfo").Device(tensorflow::DEVICE_CPU),
+                        GgufMatmulInfoOp);
+
+}  // namespace
+}  // namespace tokenserve

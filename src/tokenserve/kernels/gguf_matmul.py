@@ -1,0 +1,155 @@
+"""Matrix multiply by GGUF weights kept in the blocks the file stores (Q4_0, Q4_1, Q8_0).
+
+ggml stores a [N, K] weight (N outputs, K inputs contiguous) as N rows of blocks of 32
+values: Q4_0 18 bytes a block, Q4_1 20, Q8_0 34. The op (`gguf_matmul.cc`) takes those bytes
+as they are, a uint8 tensor [N, K / 32 * block bytes], so an import can keep a tensor as the
+file holds it (4.5-8.5 bits a weight instead of 32):
+
+    tensor = gguf.GGUFReader(path).tensors[i]                 # e.g. blk.0.attn_q.weight
+    y = gguf_matmul(x, tensor.data, tensor.tensor_type.name)  # x [M, K] -> y [M, N]
+
+The compiled op quantizes x once per call into int8 blocks of 32 (a float scale each; error up
+to 1/254 of the block's absmax per value) and takes integer dot products against the weight
+blocks, as llama.cpp does. Without a compiler, or with TOKENSERVE_GGUF_KERNEL=fallback, a
+pure-TF path dequantizes the whole weight each call and multiplies in float32: exact up to
+float rounding, slower, and what stock TensorFlow can run.
+
+Environment (building and loading are shared with the other ops: tokenserve.kernels.build):
+  TOKENSERVE_GGUF_KERNEL=fallback   use the pure-TF path (read each time a graph is traced)
+  TOKENSERVE_GGUF_KERNEL_MARCH=...  target of the build ("native", "avx2" or any -march value)
+
+`python -m tokenserve.kernels.gguf_matmul` builds the op and prints kernel_status().
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import tensorflow as tf
+
+from tokenserve.kernels import build as kbuild
+
+MODE_ENV = "TOKENSERVE_GGUF_KERNEL"
+MARCH_ENV = "TOKENSERVE_GGUF_KERNEL_MARCH"
+
+LIBRARY = kbuild.OpLibrary(Path(__file__).with_name("gguf_matmul.cc"), "GGUF block matmul op",
+                           mode_env=MODE_ENV, march_env=MARCH_ENV)
+
+BLOCK_VALUES = 32  # values a block, for every type here
+BLOCK_BYTES = {"q4_0": 18, "q4_1": 20, "q8_0": 34}  # fp16 scale (+ fp16 min), then values
+
+
+def block_type_name(block_type) -> str:
+    """The op's name for a block type: "q4_1" from "Q4_1", "q4_1" or a
+    gguf.GGMLQuantizationType. Raises ValueError for a type without a kernel."""
+    name = str(getattr(block_type, "name", block_type)).lower()
+    if name not in BLOCK_BYTES:
+        raise ValueError(f"no GGUF block kernel for {name!r}; "
+                         f"supported: {', '.join(sorted(BLOCK_BYTES))}")
+    return name
+
+
+def blocks_mismatch(block_type, k: int, row_bytes: int) -> str | None:
+    """Why rows of `row_bytes` bytes of `block_type` cannot hold K values (the op's message),
+    or None when they can."""
+    name = block_type_name(block_type)
+    if k % BLOCK_VALUES:
+        return f"x's K = {k} does not divide into {name} blocks of {BLOCK_VALUES} values"
+    want = k // BLOCK_VALUES * BLOCK_BYTES[name]
+    if row_bytes != want:
+        return (f"{name} weights for K = {k} need {want} bytes a row ({k // BLOCK_VALUES} "
+                f"blocks of {BLOCK_BYTES[name]}), but blocks has {row_bytes}")
+    return None
+
+
+def _check_static_shapes(x: tf.Tensor, blocks: tf.Tensor, name: str) -> None:
+    if x.shape.rank != 2 or blocks.shape.rank != 2:
+        raise ValueError(f"gguf_matmul needs x [M, K] and blocks [N, bytes a row], got "
+                         f"{x.shape} and {blocks.shape}")
+    k, row_bytes = x.shape[1], blocks.shape[1]
+    if k is not None and row_bytes is not None:
+        why = blocks_mismatch(name, k, row_bytes)
+        if why:
+            raise ValueError(why)
+
+
+def gguf_matmul(x, blocks, block_type) -> tf.Tensor:
+    """x [M, K] @ dequant(blocks [N, K / 32 * block bytes] uint8).T -> [M, N] in x's dtype.
+
+    block_type: "q4_0", "q4_1" or "q8_0" (any case, or a gguf.GGMLQuantizationType).
+    x is float32; bfloat16 and float16 are computed in float32 and cast back. Uses the compiled
+    op when it is available, else `gguf_matmul_fallback`; works eagerly and inside tf.function
+    (the choice is made when the graph is traced). Raises ValueError when the shapes, as far
+    as they are known, do not fit (the op refuses them at run time otherwise).
+    """
+    name = block_type_name(block_type)
+    x = tf.convert_to_tensor(x)
+    if x.dtype in (tf.bfloat16, tf.float16):
+        return tf.cast(gguf_matmul(tf.cast(x, tf.float32), blocks, name), x.dtype)
+    if x.dtype != tf.float32:
+        raise TypeError(f"gguf_matmul needs float32 (or bfloat16/float16) x, got {x.dtype.name}")
+    blocks = tf.convert_to_tensor(blocks, tf.uint8)
+    _check_static_shapes(x, blocks, name)
+    op = LIBRARY.module()
+    if op is None:
+        return gguf_matmul_fallback(x, blocks, name)
+    return op.tokenserve_gguf_matmul(x, blocks, block_type=name)
+
+
+def dequantize_blocks(blocks, block_type) -> tf.Tensor:
+    """Pure TF: uint8 [N, K / 32 * block bytes] -> float32 [N, K], what gguf.quants.dequantize
+    gives for the same bytes (up to float rounding of Q4_1's d * v + m)."""
+    name = block_type_name(block_type)
+    size = BLOCK_BYTES[name]
+    blocks = tf.convert_to_tensor(blocks, tf.uint8)
+    n = tf.shape(blocks)[0]
+    b = tf.reshape(blocks, [n, -1, size])  # [N, K / 32, block bytes]
+    d = tf.cast(tf.bitcast(b[..., 0:2], tf.float16), tf.float32)[..., None]  # [N, K / 32, 1]
+    if name == "q8_0":
+        w = tf.cast(tf.bitcast(b[..., 2:], tf.int8), tf.float32) * d
+    else:
+        nibbles = b[..., size - BLOCK_VALUES // 2:]  # byte j: value j low, value j + 16 high
+        v = tf.cast(tf.concat([tf.bitwise.bitwise_and(nibbles, 15),
+                               tf.bitwise.right_shift(nibbles, 4)], axis=-1), tf.float32)
+        if name == "q4_0":
+            w = (v - 8.0) * d
+        else:
+            m = tf.cast(tf.bitcast(b[..., 2:4], tf.float16), tf.float32)[..., None]
+            w = v * d + m
+    return tf.reshape(w, [n, -1])
+
+
+def gguf_matmul_fallback(x, blocks, block_type) -> tf.Tensor:
+    """Pure-TF x [M, K] float32 @ dequantize_blocks(blocks).T: exact up to float rounding (no
+    activation quantization), but it writes a float32 copy of the weights every call."""
+    name = block_type_name(block_type)
+    x = tf.convert_to_tensor(x, tf.float32)
+    blocks = tf.convert_to_tensor(blocks, tf.uint8)
+    _check_static_shapes(x, blocks, name)
+    return tf.matmul(x, dequantize_blocks(blocks, name), transpose_b=True)
+
+
+def compiled_gguf_matmul(x, blocks, block_type, isa: str = "auto") -> tf.Tensor:
+    """The compiled op with its kernel choice exposed (tests and benchmarks), no static checks:
+    the op's own refusal is what callers see.
+
+    isa: "auto" (AVX512-VNNI where the build and the CPU have it, else AVX2+FMA+F16C where the
+        CPU has that), "avx2" (at most AVX2) or "scalar" (the portable path).
+    Raises RuntimeError if the op is unavailable.
+    """
+    loaded = LIBRARY.load()
+    if isinstance(loaded, str):
+        raise RuntimeError(f"GGUF block matmul op unavailable: {loaded}")
+    return loaded[0].tokenserve_gguf_matmul(x, blocks, block_type=block_type_name(block_type),
+                                            isa=isa)
+
+
+def kernel_status() -> str:
+    """One line: which path gguf_matmul takes here, and why (builds the op if needed)."""
+    return LIBRARY.status("tokenserve_gguf_matmul_info", ", int8 activations per 32-block")
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    print(kernel_status())
