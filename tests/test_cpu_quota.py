@@ -1,4 +1,4 @@
-"""TensorFlow's thread pools sized to a container's CPU quota (tokenserve/cpu_quota.py).
+"""TensorFlow's thread pools sized to a container's CPU quota (tokenserve/host/cpu_quota.py).
 
 The parsing is checked on cgroup trees written here (v1 and v2, nested limits, containers
 whose cgroup path is outside the mounted subtree); the whole effect in a real cgroup with
@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from tokenserve import cpu_quota
-from tokenserve.cpu_quota import CpuQuota
+from tokenserve.host import cpu_quota
+from tokenserve.host.cpu_quota import CpuQuota
 
 V1_MOUNTS = ("31 23 0:28 / /sys/fs/cgroup rw,relatime - tmpfs tmpfs rw,mode=755\n"
              "32 31 0:29 {root} {point} rw,relatime - cgroup cgroup rw,cpu,cpuacct\n"

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from tests.conftest import TINY_TEXT, tiny
-from tokenserve import evaluate
+from tokenserve.tools import evaluate
 from tokenserve.cli.main import main
 from tokenserve.errors import ConfigError, InvalidRequestError, ModelNotFoundError
 from tokenserve.train.corpus import token_stream

@@ -11,7 +11,7 @@ import pytest
 import tensorflow as tf
 
 from tokenserve.export.exporter import export_model
-from tokenserve.exported_model import ExportedModel
+from tokenserve.tools.generate import ExportedModel
 from tokenserve.export.module import GenerationModule
 from tokenserve.lifecycle.warmup_replay import read_warmup
 from tokenserve.sampling import SamplingParams

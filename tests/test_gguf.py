@@ -309,7 +309,7 @@ def test_export_cli_with_int8_and_float_export_stream(tokenizer, tmp_path):
     import tensorflow as tf
 
     from tokenserve.export.exporter import export_model
-    from tokenserve.exported_model import ExportedModel
+    from tokenserve.tools.generate import ExportedModel
     from tokenserve.sampling import SamplingParams
 
     path = write_gguf(tmp_path / "tiny.gguf", qtype=Q.Q4_1, embed_qtype=Q.Q8_0, tie=True,
@@ -466,7 +466,7 @@ def test_eval_and_generate_find_smollm2_by_name(monkeypatch, tokenizer, tmp_path
     """`tokenserve eval smollm2` and `generate --model smollm2` use the packaged export, as
     serve does. A tiny export stands in for it, so the 2-minute import is not run here."""
     from tests.conftest import tiny
-    from tokenserve import evaluate
+    from tokenserve.tools import evaluate
     from tokenserve.cli.main import main
     from tokenserve.export import cached_exports
     from tokenserve.export.exporter import export_model

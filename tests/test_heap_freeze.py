@@ -35,7 +35,7 @@ def test_start_freezes_the_heap_and_shutdown_thaws_it(model_dir):
 
 
 def test_collector_paused_freezes_what_the_block_made_and_restores_the_collector():
-    from tokenserve.python_heap import collector_paused
+    from tokenserve.host.python_heap import collector_paused
 
     gc.unfreeze()
     assert gc.isenabled()

@@ -9,7 +9,7 @@ import tensorflow as tf
 
 from tokenserve.errors import ModelLoadError
 from tokenserve.export.exporter import export_model
-from tokenserve.exported_model import ExportedModel
+from tokenserve.tools.generate import ExportedModel
 from tokenserve.model.hf import UnsupportedArchitectureError, load_hf
 from tokenserve.sampling import SamplingParams
 

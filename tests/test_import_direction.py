@@ -1,11 +1,15 @@
 """Imports flow one way: cli -> server -> engine -> runner -> model/export, with the lifecycle
-beside the engine and observability at the bottom (docs/architecture.md#layers).
+beside the engine and observability, base and host at the bottom (docs/architecture.md#layers).
 
 Every `import` and `from ... import` of every module in src/tokenserve, at module level or
 inside a function, is read with `ast` (nothing is imported), mapped to its layer, and must
 point to the importer's own group or to a lower layer. Groups that share a layer (the engine
 and the lifecycle, say) do not import each other. A new import that runs back up fails here;
 the few that exist on purpose are listed in ALLOWED_BACK_IMPORTS with their reason.
+
+Inside one group the layers say nothing, so the same imports must also form no cycle: no
+module may reach itself by following imports, wherever in the file they are. An import
+inside a function hides a cycle from Python (both modules load) but not from the design.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("kernels", "state"),
     ("observability",),
     ("base",),
+    ("host",),
 ]
 """Top to bottom. A module may import its own group and every group of a lower layer."""
 
@@ -35,15 +40,12 @@ GROUPS: dict[str, str] = {
     "tokenserve.__main__": "cli",
     "tokenserve.cli": "cli",
     "tokenserve.server": "server",
-    # tools: commands' workhorses above the engine (eval, optimize, TFLite, training, the load
-    # generator, generation through an export's own signatures)
-    "tokenserve.evaluate": "tools",
-    "tokenserve.optimize_variants": "tools",
+    # tools: commands' workhorses above the engine (eval, optimize, generation through an
+    # export's own signatures; TFLite, training, the load generator)
+    "tokenserve.tools": "tools",
     "tokenserve.edge": "tools",
     "tokenserve.bench": "tools",
     "tokenserve.train": "tools",
-    "tokenserve.exported_model": "tools",
-    "tokenserve.token_stream": "tools",
     "tokenserve.engine": "engine",
     "tokenserve.engine.runner": "runner",
     "tokenserve.engine.tf_step": "runner",
@@ -54,14 +56,16 @@ GROUPS: dict[str, str] = {
     "tokenserve.kernels": "kernels",
     "tokenserve.state": "state",
     "tokenserve.observability": "observability",
-    # plain data every layer reads: configs, errors, sampling parameters, stats, the user
-    # cache directory, and the package itself (its __init__ imports only these eagerly)
+    # plain data every layer reads: configs, errors, sampling parameters, stats, and the
+    # package itself (its __init__ imports only these and host eagerly)
     "tokenserve": "base",
     "tokenserve.config": "base",
     "tokenserve.errors": "base",
     "tokenserve.sampling": "base",
     "tokenserve.stats": "base",
-    "tokenserve.user_cache": "base",
+    # what the machine gives (CPU quota and flags, the user cache directory, the Python
+    # heap): standard library only, so every layer may read it
+    "tokenserve.host": "host",
 }
 """Module prefix -> group; the longest matching prefix wins."""
 
@@ -137,6 +141,63 @@ def violations(edited: dict[Path, str] | None = None) -> list[str]:
     return found
 
 
+def import_graph(edited: dict[Path, str] | None = None) -> dict[str, set[str]]:
+    """module -> the tokenserve modules it imports (anywhere in the file); `edited` replaces
+    some files' text. Importing `a.b.c` also runs `a` and `a.b`'s __init__, but a package's
+    own modules import from it all the time: only the modules an import names are edges."""
+    edited, known = edited or {}, {module_name(p) for p in modules()}
+    return {module_name(p): {m for m in imports_of(p, edited.get(p))
+                             if m in known and m != module_name(p)} for p in modules()}
+
+
+def cycles(edited: dict[Path, str] | None = None) -> list[list[str]]:
+    """Each set of modules that import each other around a loop (a strongly connected
+    component of the import graph, found with Tarjan's algorithm), as one shortest loop
+    through its first module: [a, b, ..., a]."""
+    graph = import_graph(edited)
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(module: str) -> None:
+        index[module] = low[module] = len(index)
+        stack.append(module)
+        for imported in sorted(graph[module]):
+            if imported not in index:
+                visit(imported)
+                low[module] = min(low[module], low[imported])
+            elif imported in stack:
+                low[module] = min(low[module], index[imported])
+        if low[module] == index[module]:
+            component = set(stack[stack.index(module):])
+            del stack[stack.index(module):]
+            if len(component) > 1:
+                found.append(_loop_through(min(component), graph, component))
+
+    for module in sorted(graph):
+        if module not in index:
+            visit(module)
+    return sorted(found)
+
+
+def _loop_through(start: str, graph: dict[str, set[str]], component: set[str]) -> list[str]:
+    """The shortest path start -> ... -> start inside `component` (breadth first)."""
+    paths = {start: [start]}
+    frontier = [start]
+    while frontier:
+        following = []
+        for module in frontier:
+            for imported in sorted(graph[module] & component):
+                if imported == start:
+                    return paths[module] + [start]
+                if imported not in paths:
+                    paths[imported] = paths[module] + [imported]
+                    following.append(imported)
+        frontier = following
+    raise AssertionError(f"{start} is in a cycle but no path leads back to it")
+
+
 def test_every_module_has_a_layer():
     assert [module_name(p) for p in modules() if group_of(module_name(p)) is None] == []
 
@@ -158,9 +219,39 @@ def test_every_listed_exception_still_exists():
     ("engine/runner.py", "from tokenserve.engine.core import LLMEngine"),
     ("observability/stack.py", "from tokenserve.server.openai import build_openai_app"),
     ("export/module.py", "from tokenserve.sampling import SamplingParams\n"
-                         "from tokenserve.token_stream import sample_tokens"),
+                         "from tokenserve.tools.token_stream import sample_tokens"),
 ])
 def test_a_new_back_import_is_caught(source, line):
     """The check can fail: each of these lines, added to a real module, is reported."""
     path = PACKAGE / source
     assert violations({path: path.read_text() + "\n" + line + "\n"}) != []
+
+
+def test_no_import_cycles():
+    assert [" -> ".join(loop) for loop in cycles()] == []
+
+
+@pytest.mark.parametrize("source, text, expected", [
+    # module level, inside one group (the layers alone allow it)
+    ("model/layers.py", "from tokenserve.model.transformer import TransformerLM",
+     {"tokenserve.model.layers", "tokenserve.model.transformer"}),
+    # inside a function, relative
+    ("server/ui/stats.py", "def _ui():\n    from .files import StaticUI\n",
+     {"tokenserve.server.ui.stats", "tokenserve.server.ui.files"}),
+    # inside a function, around three modules: the TFLite converter reading the holdout
+    # fraction from evaluate, which loads .tflite files through the runner, which reads the
+    # converter's file names
+    ("edge/convert.py", "def _fraction():\n    from tokenserve.tools.evaluate import "
+                        "heldout_fraction\n",
+     {"tokenserve.edge.convert", "tokenserve.tools.evaluate", "tokenserve.edge.runner"}),
+    # a GGUF file's reader importing the importer that reads it
+    ("model/gguf_file.py", "def _load():\n    from tokenserve.model.gguf import load_gguf\n",
+     {"tokenserve.model.gguf_file", "tokenserve.model.gguf"}),
+])
+def test_a_new_cycle_is_caught(source, text, expected):
+    """The check can fail: each of these, added to a real module, closes a loop that is
+    reported with exactly the modules on it (whatever other cycle there may be)."""
+    path = PACKAGE / source
+    planted = cycles({path: path.read_text() + "\n" + text + "\n"})
+    assert expected in [set(loop) for loop in planted]
+    assert violations({path: path.read_text() + "\n" + text + "\n"}) == []

@@ -132,7 +132,7 @@ def test_greedy_output_and_logits_match_a_float32_cache(tiny_model, tokenizer, k
 
 def test_builtin_perplexity_moves_less_than_a_tenth_of_a_percent():
     """`tokenserve eval builtin --reference builtin --kv-cache-dtype D`, on 8k tokens."""
-    from tokenserve import evaluate
+    from tokenserve.tools import evaluate
 
     model, tokenizer, config, _ = evaluate.load_for_eval("builtin", "float32")
     windows = evaluate.heldout_windows(tokenizer, config.max_seq_len, 8192)

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from tokenserve.optimize_variants import GATE_PERCENT, VariantResult, rejected, write_report
+from tokenserve.tools.optimize import GATE_PERCENT, VariantResult, rejected, write_report
 
 
 def test_gate_rejects_over_five_percent_and_nan():

@@ -13,7 +13,7 @@ from tokenserve.model.prune import PruneConfig, prune_model
 
 @pytest.fixture(scope="module")
 def windows(tokenizer):
-    from tokenserve.evaluate import text_windows
+    from tokenserve.tools.evaluate import text_windows
 
     return text_windows(TINY_TEXT[:4], tokenizer, context=32, max_tokens=128)
 
@@ -93,7 +93,7 @@ def test_bad_fractions_are_refused(tokenizer, windows):
 def test_cli_prune_exports_what_the_engine_serves(tokenizer, tmp_path, capsys):
     from tokenserve import LLM
     from tokenserve.cli.main import main
-    from tokenserve.exported_model import ExportedModel
+    from tokenserve.tools.generate import ExportedModel
     from tokenserve.sampling import SamplingParams
 
     data = tmp_path / "code.py"
@@ -138,8 +138,8 @@ def test_distilled_finetune_brings_a_pruned_model_under_the_gate(tokenizer, tmp_
     """A tiny Llama trained on the tiny corpus loses more than the 5 % gate when half its
     heads go, and a short distilled fine-tune brings it back under."""
     from tokenserve.config import TrainConfig
-    from tokenserve.evaluate import perplexity, stream_windows
-    from tokenserve.optimize_variants import rejected
+    from tokenserve.tools.evaluate import perplexity, stream_windows
+    from tokenserve.tools.optimize import rejected
     from tokenserve.train.corpus import token_stream
     from tokenserve.train.finetune import calibration_windows, finetune
     from tokenserve.train.trainer import Trainer
@@ -164,8 +164,8 @@ def test_builtin_pruned_and_distilled_passes_the_gate(tmp_path):
     """The built-in Transformer less a quarter of its KV groups, fine-tuned as `tokenserve
     prune --finetune-steps 300` does, stays within 5 % of its held-out perplexity (without
     the fine-tune it is 25 % worse), on 256- and on 512-token held-out windows."""
-    from tokenserve.evaluate import load_float_source, perplexity, stream_windows
-    from tokenserve.optimize_variants import rejected
+    from tokenserve.tools.evaluate import load_float_source, perplexity, stream_windows
+    from tokenserve.tools.optimize import rejected
     from tokenserve.train.finetune import calibration_windows, finetune, training_streams
 
     model, tokenizer, _ = load_float_source(None)

@@ -52,7 +52,7 @@ def test_int8_logits_stay_close_to_float32(name, tokenizer):
 
 def test_perplexity_gate_on_the_built_in_transformer():
     """int8 must cost under +1 % perplexity on the held-out split (llama.cpp's q8_0: ~0.1 %)."""
-    from tokenserve.evaluate import heldout_windows, perplexity
+    from tokenserve.tools.evaluate import heldout_windows, perplexity
     from tokenserve.model.checkpoint import load_source
 
     model, tokenizer, _ = load_source("builtin")
@@ -67,7 +67,7 @@ def test_the_export_uses_only_stock_tensorflow_ops_and_matches_the_portable_mode
         int8_export, tokenizer):
     from tensorflow.core.protobuf import saved_model_pb2
 
-    from tokenserve.exported_model import ExportedModel
+    from tokenserve.tools.generate import ExportedModel
     from tokenserve.model.layers import portable_graphs
     from tokenserve.sampling import SamplingParams
 

@@ -63,7 +63,7 @@ def test_export_keeps_the_divisors_and_the_engine_and_signatures_use_them(scaled
     from tokenserve.engine.config import EngineConfig
     from tokenserve.engine.llm import LLM
     from tokenserve.export.exporter import export_model
-    from tokenserve.exported_model import ExportedModel
+    from tokenserve.tools.generate import ExportedModel
 
     model, _, config = scaled
     path = export_model(model, tokenizer, config, tmp_path)

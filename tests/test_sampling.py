@@ -7,7 +7,7 @@ import pytest
 from tokenserve.engine.sampler import SequenceSampler, sample_batch
 from tokenserve.errors import InvalidRequestError
 from tokenserve.sampling import SamplingParams
-from tokenserve.token_stream import sample_tokens
+from tokenserve.tools.token_stream import sample_tokens
 
 LOGITS = np.log(np.array([0.5, 0.3, 0.15, 0.05], np.float32))
 EOS = 3

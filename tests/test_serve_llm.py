@@ -184,7 +184,7 @@ def test_one_seed_gives_the_same_tokens_on_the_cli_offline_and_through_the_serve
     export's own signatures), the offline `LLM` and the server's engine all pick tokens with
     the engine's sampler, so a seeded, sampled (not greedy) request gives the same text."""
     from tokenserve import LLM, SamplingParams
-    from tokenserve.exported_model import ExportedModel
+    from tokenserve.tools.generate import ExportedModel
 
     prompt, max_tokens, sampled = "def add(a, b):", 24, dict(temperature=1.0, top_p=0.9, seed=7)
     version_dir = server["base"] / "1"

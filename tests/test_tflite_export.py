@@ -12,7 +12,7 @@ from tokenserve.edge.convert import (TFLITE_FILE, TFLiteOptions, UnsupportedOpsE
                                      export_tflite, flex_ops, opcode_names)
 from tokenserve.edge.runner import LiteRTModel, is_tflite_path
 from tokenserve.export.exporter import export_model
-from tokenserve.exported_model import ExportedModel
+from tokenserve.tools.generate import ExportedModel
 from tokenserve.sampling import SamplingParams
 
 FAMILIES = ["tiny-gpt2", "tiny-llama", "tiny-lstm"]
@@ -85,7 +85,7 @@ def table_readers(tflite_model: bytes, shape: list[int]) -> set[tuple[str, int]]
 
 @pytest.mark.parametrize("name", ["tiny-gpt2", "tiny-llama"])
 def test_quantized_variants_shrink_and_stay_close(name, tokenizer, tmp_path, calibration_file):
-    from tokenserve.evaluate import perplexity, text_windows
+    from tokenserve.tools.evaluate import perplexity, text_windows
 
     model, config = tiny(name, tokenizer)
     windows = text_windows(TINY_TEXT[:4], tokenizer, context=48, max_tokens=192)
@@ -111,7 +111,7 @@ def test_quantized_variants_shrink_and_stay_close(name, tokenizer, tmp_path, cal
 def test_builtin_int8_passes_the_perplexity_gate(tmp_path):
     """Full int8 of the built-in model (default calibration on its training split) stays
     within the 5 % perplexity gate on held-out text, at under 30 % of the float32 file."""
-    from tokenserve.evaluate import load_float_source, perplexity, stream_windows
+    from tokenserve.tools.evaluate import load_float_source, perplexity, stream_windows
     from tokenserve.train.finetune import training_streams
 
     model, tokenizer, config = load_float_source("builtin")

@@ -15,7 +15,7 @@ import importlib
 
 from tokenserve.config import (GenerationConfig, LSTMConfig, TrainConfig, TransformerConfig,
                                gpt2_config, llama_config, preset)
-from tokenserve.cpu_quota import size_tensorflow_threads
+from tokenserve.host.cpu_quota import size_tensorflow_threads
 from tokenserve.errors import TokenserveError
 from tokenserve.sampling import SamplingParams
 
@@ -27,7 +27,7 @@ size_tensorflow_threads()
 _LAZY = {
     "build_model": "tokenserve.model",
     "export_model": "tokenserve.export.exporter",
-    "ExportedModel": "tokenserve.exported_model",
+    "ExportedModel": "tokenserve.tools.generate",
     "LLM": "tokenserve.engine.llm",
     "AsyncEngine": "tokenserve.engine.async_engine",
     "EngineConfig": "tokenserve.engine.config",

@@ -45,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
     import time
     from pathlib import Path
 
-    from tokenserve import evaluate
+    from tokenserve.tools import evaluate
     from tokenserve.errors import ConfigError
 
     started = time.perf_counter()

@@ -30,8 +30,8 @@ def run(args: argparse.Namespace) -> int:
     import time
 
     from tokenserve.edge.runner import is_tflite_path
-    from tokenserve.evaluate import resolve_model_path
-    from tokenserve.exported_model import ExportedModel
+    from tokenserve.tools.evaluate import resolve_model_path
+    from tokenserve.tools.generate import ExportedModel
     from tokenserve.export.cached_exports import builtin_export
     from tokenserve.sampling import SamplingParams
 

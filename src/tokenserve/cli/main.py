@@ -8,8 +8,8 @@ import logging
 import os
 import sys
 
-from tokenserve.python_heap import collector_paused
-from tokenserve.user_cache import cache_dir
+from tokenserve.host.python_heap import collector_paused
+from tokenserve.host.user_cache import cache_dir
 from tokenserve.errors import TokenserveError
 
 

@@ -6,7 +6,7 @@ import argparse
 
 
 def add_parser(commands) -> None:
-    from tokenserve.optimize_variants import VARIANTS
+    from tokenserve.tools.optimize import VARIANTS
 
     p = commands.add_parser(
         "optimize", help="build and measure fp32/bf16/int8/TFLite/pruned variants of a model",
@@ -44,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from tokenserve.errors import ConfigError
-    from tokenserve.optimize_variants import VARIANTS, Optimizer, print_table, write_report
+    from tokenserve.tools.optimize import VARIANTS, Optimizer, print_table, write_report
 
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     unknown = sorted(set(variants) - set(VARIANTS))
@@ -60,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
                           reuse=args.reuse)
     results = optimizer.run()
     title = f"tokenserve optimize {optimizer.source}"
-    from tokenserve.kernels.build import cpu_flags
+    from tokenserve.host.cpu_flags import cpu_flags
 
     meta = {"source": optimizer.source, "machine": platform.processor() or platform.machine(),
             "cpu_count": os.cpu_count(), "cpu_flags": cpu_flags(),

@@ -51,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
 
     from tokenserve.errors import ConfigError
     from tokenserve.export.exporter import export_model
-    from tokenserve.evaluate import load_float_source
+    from tokenserve.tools.evaluate import load_float_source
     from tokenserve.model.prune import PruneConfig, prune_model
     from tokenserve.train.finetune import calibration_windows, finetune, training_streams
 

@@ -263,7 +263,7 @@ def run(args: argparse.Namespace) -> int:
               "because --model_config_file is set", file=sys.stderr)
     config = config_from_args(args)
     llm = llm_config_from_args(args)
-    from tokenserve.python_heap import collector_paused
+    from tokenserve.host.python_heap import collector_paused
 
     with collector_paused():  # the web stack's imports
         from tokenserve.server.launch import run as launch

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
+from tokenserve.config import TrainConfig
 from tokenserve.errors import ConfigError
 
 QUANTIZE_MODES = ("none", "float16", "dynamic-int8", "int8")
@@ -89,10 +90,8 @@ def calibration_stream(tokenizer, path: str | None) -> np.ndarray:
             texts = [Path(path).read_text(encoding="utf-8")]
         except (OSError, UnicodeDecodeError) as error:
             raise ConfigError(f"cannot read calibration file {path}: {error}") from error
-    else:
-        from tokenserve.evaluate import heldout_fraction
-
-        texts = Corpus.from_stdlib(heldout_fraction()).train_texts
+    else:  # the built-in models' training split, as `tokenserve train` made it
+        texts = Corpus.from_stdlib(TrainConfig().holdout_fraction).train_texts
     stream = token_stream([t for t in texts if t.strip()], tokenizer)
     if len(stream) < 4:
         raise ConfigError(f"calibration data {path or 'builtin'} holds too few tokens")

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from tokenserve.config import GenerationConfig, TransformerConfig
-from tokenserve.cpu_quota import applied_quota, schedulable_cpus, usable_cpus
+from tokenserve.host.cpu_quota import applied_quota, schedulable_cpus, usable_cpus
 from tokenserve.engine.cache_accounting import BlockAllocator, SlotAllocator
 from tokenserve.engine.config import EngineConfig
 from tokenserve.engine.kv_budget import plan_kv_cache

@@ -27,7 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from tokenserve.cpu_quota import usable_cpus
+from tokenserve.host.cpu_quota import usable_cpus
 from tokenserve.engine.outputs import TokenLogprob
 from tokenserve.sampling import SamplingParams
 

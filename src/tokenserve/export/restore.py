@@ -1,7 +1,7 @@
 """Reads a tokenserve export back: its version directory, and its weights into a fresh Keras
 model (`load_language_model`, how the engine's runner and `tokenserve eval` load a model).
 
-Generating through the export's own signatures is `tokenserve.exported_model.ExportedModel`.
+Generating through the export's own signatures is `tokenserve.tools.generate.ExportedModel`.
 """
 
 from __future__ import annotations

@@ -3,9 +3,9 @@
 Each op is one C++ file next to this one (`int8_matmul.cc`, `paged_attention.cc`,
 `dense.cc`, `half_matmul.cc`; `helpers.cc` is their shared runtime), compiled
 on first use with the local g++ and TensorFlow's own compile flags into
-`tokenserve.user_cache.cache_dir("kernels")` as `<stem>-<hash>.so`. The hash covers the source,
-the TF version, the compile and link flags and the CPU's feature flags, so a cached build is
-never reused for another source, TF or CPU. A build writes a temporary file and renames it
+`tokenserve.host.user_cache.cache_dir("kernels")` as `<stem>-<hash>.so`. The hash covers the
+source, the TF version, the compile and link flags and the CPU's feature flags, so a cached
+build is never reused for another source, TF or CPU. A build writes a temporary file and renames it
 into place (atomic), so concurrent builders and loaders are safe. A library is loaded once
 per process (by .so path); each op module remembers its own outcome (the module, or why it
 is unavailable) and falls back to pure TF when it has none.
@@ -31,7 +31,6 @@ import ctypes
 import hashlib
 import logging
 import os
-import platform
 import shutil
 import subprocess
 import tempfile
@@ -41,7 +40,8 @@ from pathlib import Path
 
 import tensorflow as tf
 
-from tokenserve.user_cache import cache_dir
+from tokenserve.host.cpu_flags import cpu_flags
+from tokenserve.host.user_cache import cache_dir
 
 log = logging.getLogger("tokenserve.kernels")
 
@@ -91,18 +91,6 @@ def _no_avx512fp16() -> tuple[str, ...]:
     except (OSError, subprocess.SubprocessError):
         return ()
     return ("-mno-avx512fp16",) if probe.returncode == 0 else ()
-
-
-def cpu_flags() -> str:
-    """The CPU's feature flags (Linux), so a cached build is never reused on another CPU."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith(("flags", "Features")):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return f"{platform.machine()} {platform.processor()}"
 
 
 def build_library(source: Path, arch: list[str]) -> Path:

@@ -4,7 +4,7 @@ A decode step (batch 1..32) is bound by reading the weights, so they are stored 
 (one byte each, 4x less than float32) with float32 scales, and multiplied by a TF custom op
 written in C++ with AVX2 intrinsics (`int8_matmul.cc`). The op is compiled from source on
 first use with the local g++ and TensorFlow's own compile flags, and cached under
-`tokenserve.user_cache.cache_dir("kernels")`. Without a compiler, or with
+`tokenserve.host.user_cache.cache_dir("kernels")`. Without a compiler, or with
 TOKENSERVE_INT8_KERNEL=fallback, a pure-TF fallback computes nearly the same numbers
 (it dequantizes the whole weight each call, so it is slower than float32).
 

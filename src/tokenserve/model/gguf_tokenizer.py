@@ -9,7 +9,7 @@ model not listed here is refused by name.
 from __future__ import annotations
 
 from tokenserve.errors import ModelLoadError
-from tokenserve.model.gguf import GGUFFile, UnsupportedGGUFError
+from tokenserve.model.gguf_file import GGUFFile, UnsupportedGGUFError
 
 TOKENIZER_MODELS = ("gpt2", "llama")
 

@@ -6,11 +6,11 @@ from __future__ import annotations
 import os
 import re
 
+from tokenserve.host.cpu_flags import cpu_flags as flags_line
+
 
 def cpu_flags() -> set[str]:
     """The CPU's feature flags, as the kernel builds key their cache on them."""
-    from tokenserve.kernels.build import cpu_flags as flags_line
-
     return set(flags_line().split())
 
 

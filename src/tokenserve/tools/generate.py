@@ -22,7 +22,7 @@ from tokenserve.export.module import buckets
 from tokenserve.export.restore import resolve_version_dir
 from tokenserve.model.tokenizer import Tokenizer
 from tokenserve.sampling import SamplingParams
-from tokenserve.token_stream import sample_tokens
+from tokenserve.tools.token_stream import sample_tokens
 
 
 def _bucket(size: int, limit: int) -> int:

@@ -99,7 +99,7 @@ class Optimizer:
                  finetune_steps: int = 300, heads: float = 0.25, calibration_windows: int = 32,
                  progress: bool = True,
                  variants=VARIANTS, engine: bool = True, reuse: bool = False):
-        from tokenserve.evaluate import load_float_source
+        from tokenserve.tools.evaluate import load_float_source
 
         self.output = Path(output)
         self.models_dir = self.output / "models"
@@ -122,7 +122,7 @@ class Optimizer:
         return self._streams
 
     def windows(self) -> np.ndarray:
-        from tokenserve.evaluate import stream_windows
+        from tokenserve.tools.evaluate import stream_windows
 
         context = min(self.config.max_seq_len, 256)
         return stream_windows(self.streams()[1], context, self.eval_tokens)
@@ -208,15 +208,15 @@ class Optimizer:
 
     # -- measuring --------------------------------------------------------------------------
     def _load(self, path: Path, fmt: str, precision: str):
-        from tokenserve.evaluate import load_for_eval
+        from tokenserve.tools.evaluate import load_for_eval
 
         model, *_ = load_for_eval(path, precision)
         return model
 
     def measure(self, name: str, path: Path, fmt: str, note: str, reference) -> VariantResult:
         from tokenserve.edge.runner import LiteRTModel
-        from tokenserve.evaluate import perplexity
-        from tokenserve.exported_model import ExportedModel
+        from tokenserve.tools.evaluate import perplexity
+        from tokenserve.tools.generate import ExportedModel
 
         precision = "bfloat16" if name == "bf16" else "float32"
         model = self._load(path, fmt, precision)

@@ -20,7 +20,7 @@ FINETUNE_LEARNING_RATE = 3e-4
 def training_streams(tokenizer, data_files=None):
     """(train stream, held-out stream) of token ids: the files in `data_files` (split 90/10),
     or the built-in models' stdlib training and held-out splits (disjoint by file)."""
-    from tokenserve.evaluate import heldout_fraction, read_texts
+    from tokenserve.tools.evaluate import heldout_fraction, read_texts
     from tokenserve.train.corpus import Corpus, token_stream
 
     if data_files:
