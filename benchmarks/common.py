@@ -258,12 +258,20 @@ def run_child(args: list[str], env: dict[str, str]) -> dict:
         return json.loads(output.read_text())
 
 
-def print_child_header(console, result: dict) -> None:
-    """What a child configuration ran on, above its table: the CPU and ISA caps, the custom
-    op's build and the load average before and after."""
-    console.print(machine_summary(result["machine"]), markup=False)
-    console.print(f"{result['kernel_status']}; load average {result['loadavg_before'][0]:.1f}"
-                  f" -> {result['loadavg_after'][0]:.1f}", markup=False)
+def measure_configs(configs: list[str], run_config, table, report: dict, output: Path) -> None:
+    """For each configuration: `run_config(name)` (its child's result, kept in
+    report["configs"]), what it ran on and `table(name, result)` printed; then the report
+    written to `output`."""
+    console = make_console(160)
+    for name in configs:
+        report["configs"][name] = result = run_config(name)
+        console.print(machine_summary(result["machine"]), markup=False)
+        console.print(f"{result['kernel_status']}; load average "
+                      f"{result['loadavg_before'][0]:.1f} -> {result['loadavg_after'][0]:.1f}",
+                      markup=False)
+        console.print(table(name, result))
+    write_json(output, report)
+    console.print(f"wrote {output}")
 
 
 # -- figures ---------------------------------------------------------------------------------

@@ -36,8 +36,8 @@ import sys
 import time
 from pathlib import Path
 
-from common import (RESULTS, add_config_arguments, machine_info, make_console, make_table,
-                    print_child_header, run_child, size_pair, write_json)
+from common import (RESULTS, add_config_arguments, machine_info, make_table, measure_configs,
+                    run_child, size_pair, write_json)
 from read_bandwidth import read_bandwidth
 
 SHAPES = [(768, 2304), (768, 768), (768, 3072), (3072, 768), (768, 50257)]
@@ -166,7 +166,6 @@ def main(argv=None) -> int:
         child(args.child, args.reps, args.shapes, args.batches, args.child_output)
         return 0
 
-    console = make_console(160)
     report = {"methods": {
         "f32": "tf.matmul, float32 weights, graph-mode tf.function",
         "f32 XLA": "the same with jit_compile=True",
@@ -174,13 +173,9 @@ def main(argv=None) -> int:
         "int8 op fa": "compiled TokenserveInt8Matmul, float activations",
         "fallback": "pure-TF int8: cast + scale + tf.matmul, graph mode"},
         "reps": args.reps, "working_set_int8_bytes": WORKING_SET, "configs": {}}
-    for name in args.configs:
-        report["configs"][name] = result = run_config(name, args.reps, args.shapes,
-                                                      args.batches)
-        print_child_header(console, result)
-        console.print(table(name, result))
-    write_json(args.output, report)
-    console.print(f"wrote {args.output}")
+    measure_configs(args.configs, lambda name: run_config(name, args.reps, args.shapes,
+                                                          args.batches),
+                    table, report, args.output)
     return 0
 
 

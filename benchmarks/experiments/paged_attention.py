@@ -42,9 +42,8 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks.common import (RESULTS, add_config_arguments, machine_info, make_console,
-                               make_table, print_child_header, run_child, size_pair,
-                               write_json)
+from benchmarks.common import (RESULTS, add_config_arguments, machine_info, make_table,
+                               measure_configs, run_child, size_pair, write_json)
 
 LAYERS, HEADS, KV_HEADS, HEAD_DIM = 12, 12, 12, 64
 CACHE_ROWS, BLOCK = 32 * 1024, 16
@@ -223,7 +222,6 @@ def main(argv=None) -> int:
         child(args.child, args.reps, args.shapes, args.dtypes, args.child_output)
         return 0
 
-    console = make_console(160)
     report = {"methods": {
         "op": "compiled TokenservePagedDecodeAttention (rows read in place from the variables)",
         "graph": "TransformerStep._decode_attention (d8b9600): ResourceGather copies + "
@@ -231,12 +229,9 @@ def main(argv=None) -> int:
                  "softmax"},
         "layers": LAYERS, "heads": HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM,
         "cache_rows": CACHE_ROWS, "block_size": BLOCK, "reps": args.reps, "configs": {}}
-    for name in args.configs:
-        report["configs"][name] = result = run_config(name, args.reps, args.shapes, args.dtypes)
-        print_child_header(console, result)
-        console.print(table(name, result))
-    write_json(args.output, report)
-    console.print(f"wrote {args.output}")
+    measure_configs(args.configs, lambda name: run_config(name, args.reps, args.shapes,
+                                                          args.dtypes),
+                    table, report, args.output)
     return 0
 
 
