@@ -7,8 +7,8 @@ The engine keeps each layer's keys and values in two resource variables of [R, H
 shared lock, like ResourceGather; never densely, so no copy of the cache) and does scores,
 float32 softmax and the weighted sum of the values per sequence (split into spans of its kv
 heads when there are few sequences) on TF's intra-op threads, with AVX2+FMA where the CPU has
-it. benchmarks/paged_attention.py: 1.7-2x faster than the graph path at batch 1, ~3x at 32
-sequences (GPT-2-small, 2-core EPYC).
+it. benchmarks/experiments/paged_attention.py: 1.7-2x faster than the graph path at batch 1,
+~3x at 32 sequences (GPT-2-small, 2-core EPYC).
 
     out = paged_decode_attention(q, key_cache, value_cache, rows, lengths, 1 / sqrt(Dh))
     # q [S, H, Dh]; caches: tf.Variable [R, Hkv*Dh] (or their handles); rows int32 [S, L];
