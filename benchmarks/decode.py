@@ -347,7 +347,7 @@ def random_prompt(rng: np.random.Generator, length: int, low: int, high: int,
 
 
 def machine_info() -> dict:
-    """benchmarks/machine.py's CPU record (model, flags, cores, ISA environment) plus the
+    """common.machine_info's CPU record (model, flags, cores, ISA environment) plus the
     library versions and the load average."""
     import keras
     import tensorflow as tf
