@@ -1,4 +1,4 @@
-"""The autoscaling signal, end to end on a real local cluster (tests/cluster.py).
+"""The autoscaling signal, end to end on a real local cluster (deploy/local/cluster.py).
 
 Prometheus scrapes the three replicas with the manifests' scrape job; the test runs the
 prometheus-adapter rule's query (deploy/prometheus/adapter-rules.yaml, filled in as the
@@ -16,7 +16,8 @@ import httpx
 import pytest
 import yaml
 
-from cluster import DEPLOY, Cluster, adapter_query, missing_parts
+from deploy.local.cluster import Cluster, missing_parts
+from deploy.local.configs import DEPLOY, adapter_query
 from cluster_load import Load, completions_task
 
 pytestmark = [pytest.mark.slow,

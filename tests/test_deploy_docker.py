@@ -17,7 +17,8 @@ from pathlib import Path
 
 import httpx
 
-from cluster import DEPLOY, free_port
+from deploy.local.cluster import free_port
+from deploy.local.configs import DEPLOY
 
 DOCKERFILE = DEPLOY / "docker" / "Dockerfile"
 ENTRYPOINT = DEPLOY / "docker" / "entrypoint.sh"

@@ -1,7 +1,7 @@
 """SIGKILL one replica of a real local cluster under continuous streaming load, and count.
 
-Three `tokenserve serve` replicas, Redis, Prometheus and nginx (tests/cluster.py). Nine
-clients stream completions back to back through the gateway (plus three Responses-API
+Three `tokenserve serve` replicas, Redis, Prometheus and nginx (deploy/local/cluster.py).
+Nine clients stream completions back to back through the gateway (plus three Responses-API
 conversations when the server has `POST /v1/responses`); a few seconds in, one replica gets
 SIGKILL. Then:
   - only streams that were in flight on the killed replica fail, and each fails within 1 s of
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import httpx
 import pytest
 
-from cluster import Cluster, missing_parts
+from deploy.local.cluster import Cluster, missing_parts
 from cluster_load import Load, Outcome, completions_task, conversation_task
 
 pytestmark = pytest.mark.skipif(bool(missing_parts()),

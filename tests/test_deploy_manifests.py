@@ -20,8 +20,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from cluster import (ADAPTER_RULES, DEPLOY, NGINX_CONF, PROMETHEUS_YML, Replica,
-                     render_nginx, render_upstreams)
+from deploy.local.cluster import Replica
+from deploy.local.configs import (ADAPTER_RULES, DEPLOY, NGINX_CONF, PROMETHEUS_YML, render_nginx,
+                                  render_upstreams)
 
 K8S = DEPLOY / "k8s"
 OVERLAYS = ["base", "overlays/production", "overlays/canary"]

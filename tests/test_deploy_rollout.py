@@ -1,4 +1,4 @@
-"""Rollouts on a real local cluster (tests/cluster.py), with counts.
+"""Rollouts on a real local cluster (deploy/local/cluster.py), with counts.
 
 - Rolling restart: each replica in turn leaves the gateway (as a terminating pod leaves its
   Service while preStop sleeps; here by an nginx reload), gets SIGTERM, drains its streams,
@@ -18,7 +18,7 @@ import grpc
 import httpx
 import pytest
 
-from cluster import Cluster, missing_parts
+from deploy.local.cluster import Cluster, missing_parts
 from cluster_load import Load, completions_task
 
 pytestmark = [pytest.mark.slow,

@@ -2,14 +2,12 @@
 
 Debian's `redis-server` and `prometheus`, N `tokenserve serve` replicas (the built-in model,
 the Kubernetes ConfigMaps' model, batching and monitoring configs), and nginx with
-deploy/nginx/nginx.conf. Used by tests/test_deploy_*.py and by deploy/local/up.sh:
+deploy/nginx/nginx.conf, each config rendered for loopback by configs.py. Run by
+deploy/local/up.sh, which installs the programs first, and used by tests/test_deploy_*.py:
 
-    python tests/cluster.py --replicas 3        # up until Ctrl-C; prints the gateway's ports
+    python -m deploy.local.cluster --replicas 3   # from the repository root; up until Ctrl-C
 
-What differs from Kubernetes, each on purpose: nginx's `listen` lines move to free loopback
-ports and `upstreams.conf` lists the replicas' ports (`render_upstreams`); Prometheus' job
-gets static targets labelled like pods (`render_prometheus`); the model configs'
-`base_path` points at a local model repository.
+It prints the gateway's ports, the replicas' and where their logs are.
 """
 
 from __future__ import annotations
@@ -17,7 +15,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import re
 import shutil
 import signal
 import socket
@@ -32,14 +29,9 @@ from pathlib import Path
 import httpx
 import yaml
 
-ROOT = Path(__file__).resolve().parents[1]
-DEPLOY = ROOT / "deploy"
-NGINX_CONF = DEPLOY / "nginx" / "nginx.conf"
-K8S_CONFIG = DEPLOY / "k8s" / "base" / "config"
-CANARY_MODELS_CONFIG = DEPLOY / "k8s" / "overlays" / "canary" / "models.config"
-PROMETHEUS_YML = DEPLOY / "prometheus" / "prometheus.yml"
-ADAPTER_RULES = DEPLOY / "prometheus" / "adapter-rules.yaml"
-NAMESPACE = "local"
+from deploy.local.configs import (CANARY_MODELS_CONFIG, K8S_CONFIG, local_models_config,
+                                  render_nginx, render_prometheus, render_upstreams)
+
 READY_TIMEOUT_S = 240.0
 
 
@@ -123,68 +115,6 @@ class Replica:
         return self.process.wait(timeout_s)
 
 
-def render_upstreams(stable: list[Replica], canary: list[Replica], canary_percent: int,
-                     drained: frozenset[str] = frozenset()) -> str:
-    """upstreams.conf for the local cluster: the blocks deploy/nginx/upstreams.conf defines,
-    with loopback ports for servers. With no canary replicas, canary names the stable ones.
-    Replicas named in `drained` are marked `down`, as a pod leaves its Service's endpoints
-    when it starts terminating."""
-    canary = canary or stable
-    split = (f"split_clients $split_key $release {{\n    {canary_percent}% canary;\n"
-             f"    * stable;\n}}\n") if canary_percent else (
-        "split_clients $split_key $release {\n    * stable;\n}\n")
-    blocks = [split]
-    for suffix, group in (("", stable), ("_canary", canary)):
-        for pool, balance, port in (("openai", "least_conn", "openai_port"),
-                                    ("openai_affinity", "hash $affinity_key consistent",
-                                     "openai_port"),
-                                    ("rest", "least_conn", "rest_port"),
-                                    ("grpc", "least_conn", "grpc_port")):
-            name = f"tokenserve_{pool.replace('openai_affinity', 'openai')}{suffix}"
-            if pool == "openai_affinity":
-                name += "_affinity"
-            servers = "".join(f"    server 127.0.0.1:{getattr(r, port)} max_fails=1 "
-                              f"fail_timeout=5s{' down' if r.name in drained else ''};\n"
-                              for r in group)
-            blocks.append(f"upstream {name} {{\n    zone {name} 64k;\n    {balance};\n"
-                          f"{servers}}}\n")
-    return "\n".join(blocks)
-
-
-def render_nginx(openai_port: int, rest_port: int, grpc_port: int) -> str:
-    """deploy/nginx/nginx.conf with its three `listen` lines on loopback ports."""
-    text = NGINX_CONF.read_text()
-    for old, new in (("listen 8000;", f"listen 127.0.0.1:{openai_port};"),
-                     ("listen 8501;", f"listen 127.0.0.1:{rest_port};"),
-                     ("listen 8500 http2;", f"listen 127.0.0.1:{grpc_port} http2;")):
-        assert text.count(old) == 1, old
-        text = text.replace(old, new)
-    return text
-
-
-def render_prometheus(replicas: list[Replica]) -> dict:
-    """deploy/prometheus/prometheus.yml's job with static targets labelled like pods."""
-    config = yaml.safe_load(PROMETHEUS_YML.read_text())
-    job = next(j for j in config["scrape_configs"] if j["job_name"] == "tokenserve")
-    job.pop("kubernetes_sd_configs")
-    job.pop("relabel_configs")
-    job["static_configs"] = [
-        {"targets": [f"127.0.0.1:{r.openai_port}"],
-         "labels": {"namespace": NAMESPACE, "pod": r.name, "release": r.release}}
-        for r in replicas]
-    return config
-
-
-def adapter_query(pods: list[str]) -> str:
-    """The adapter rule's metricsQuery as prometheus-adapter fills it in for one HPA: the
-    series, the pods' namespace and names as label matchers, grouped by pod."""
-    rule = yaml.safe_load(ADAPTER_RULES.read_text())["rules"][0]
-    series = re.search(r"^[^{]+", rule["seriesQuery"]).group(0)
-    matchers = f'namespace="{NAMESPACE}",pod=~"{"|".join(pods)}"'
-    return (rule["metricsQuery"].replace("<<.Series>>", series)
-            .replace("<<.LabelMatchers>>", matchers).replace("<<.GroupBy>>", "pod"))
-
-
 def model_repository(root: Path) -> Path:
     """`root/builtin/{1,2}`: the built-in export as two versions (stable and canary)."""
     from tokenserve.export.cached_exports import builtin_export
@@ -196,13 +126,6 @@ def model_repository(root: Path) -> Path:
         if not (base / version).exists():
             (base / version).symlink_to(exported, target_is_directory=True)
     return base
-
-
-def local_models_config(source: Path, base_path: Path, out: Path) -> Path:
-    """A Kubernetes models.config with `base_path` pointing at the local repository."""
-    text = re.sub(r'base_path: "[^"]*"', f'base_path: "{base_path}"', source.read_text())
-    out.write_text(text)
-    return out
 
 
 class Cluster:

@@ -21,4 +21,4 @@ if [ -n "$missing" ]; then
 fi
 [ -x .venv/bin/tokenserve ] || bash scripts/setup.sh
 .venv/bin/python -c 'import yaml' 2>/dev/null || .venv/bin/python -m pip install --quiet pyyaml
-exec .venv/bin/python tests/cluster.py "$@"
+exec .venv/bin/python -m deploy.local.cluster "$@"
