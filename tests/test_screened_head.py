@@ -1,6 +1,6 @@
 """The LM head's int8 and float16 screens: their error bounds hold, and they pick the
 float32 argmax, or with noise the argmax of the float32 logits plus it
-(engine/screened_head.py); in the engine, greedy and plainly sampled steps take them and
+(engine/step/head.py); in the engine, greedy and plainly sampled steps take them and
 give the tokens of the float32 head, and no step with a top-p, penalized, logprobs or
 structured row does."""
 
@@ -15,7 +15,7 @@ from tokenserve.sampling import SamplingParams
 
 tf = pytest.importorskip("tensorflow")
 
-from tokenserve.engine.screened_head import ScreenedHead  # noqa: E402
+from tokenserve.engine.step.head import ScreenedHead  # noqa: E402
 
 
 def _weights(vocab=3000, width=96, seed=0):

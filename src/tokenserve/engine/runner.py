@@ -1,12 +1,12 @@
 """The model runner: owns the model, its cache tensors and the compiled step.
 
 It turns a SchedulerOutput (plain Python) into the step's index arrays, runs the step and
-returns logits. This, tf_step.py and screened_head.py are the engine's only TensorFlow code.
+returns logits. This and the step package (engine/step/) are the engine's only TensorFlow
+code.
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -19,66 +19,19 @@ from tokenserve.engine.cache_accounting import BlockAllocator, SlotAllocator
 from tokenserve.engine.config import EngineConfig
 from tokenserve.engine.kv_budget import plan_kv_cache
 from tokenserve.engine.prefix_cache import PrefixCachingAllocator
-from tokenserve.engine.scheduler import SchedulerOutput
+from tokenserve.engine.scheduler_output import SchedulerOutput
+from tokenserve.engine.step.packing import bucket_size, pack_tokens, xla_shapes
 
 log = logging.getLogger(__name__)
-
-def _round_up(value: int, multiple: int) -> int:
-    return -(-value // multiple) * multiple
-
-
-def _token_buckets():
-    """1, 2, 4, ... 64, then steps of 64: padding stays under 2x for small steps and under
-    64 tokens for large ones, with a few dozen shapes in all."""
-    size = 1
-    while size < 64:
-        yield size
-        size *= 2
-    while True:
-        yield size
-        size += 64
-
-
-def _token_buckets_upto(limit: int) -> list[int]:
-    return [b for b in itertools.takewhile(lambda b: b <= limit, _token_buckets())]
-
-
-def split_by_context(decode: list, max_groups: int, group_cost: int,
-                     pad: int = EngineConfig.context_pad) -> list[list]:
-    """Splits decode rows into at most `max_groups` groups of similar context length.
-
-    Each group is padded to its longest context, so one group would pad every sequence to the
-    longest in the batch (prompts of 16..512 tokens read about 2x the rows they need). The
-    split minimizes the rows read plus `group_cost` rows per group (each group adds a gather
-    and two matmuls per layer), by dynamic programming over the sorted, padded lengths."""
-    if len(decode) < 2 or max_groups < 2:
-        return [decode]
-    ordered = sorted(decode, key=lambda g: len(g[1]))
-    lengths = [_round_up(len(g[1]), pad) for g in ordered]
-    # a group only ever ends where the padded length changes
-    ends = [i + 1 for i in range(len(lengths))
-            if i + 1 == len(lengths) or lengths[i + 1] != lengths[i]]
-    # cost[e], cuts[e]: the cheapest split of the first ends[e] rows found so far
-    cost = [end * lengths[end - 1] + group_cost for end in ends]
-    cuts = [[end] for end in ends]
-    for _ in range(1, max_groups):
-        new_cost, new_cuts = list(cost), list(cuts)
-        for e, end in enumerate(ends):
-            for p in range(e):
-                candidate = cost[p] + (end - ends[p]) * lengths[end - 1] + group_cost
-                if candidate < new_cost[e]:
-                    new_cost[e], new_cuts[e] = candidate, cuts[p] + [end]
-        cost, cuts = new_cost, new_cuts
-    bounds = [0] + cuts[-1]
-    return [ordered[start:end] for start, end in zip(bounds, bounds[1:])]
 
 
 class ModelRunner:
     """Runs scheduled tokens through a DecoderLM over a paged KV cache or LSTM state slots."""
 
     def __init__(self, model, config: GenerationConfig, engine_config: EngineConfig):
-        from tokenserve.engine.screened_head import ScreenedHead
-        from tokenserve.engine.tf_step import LSTMStep, TransformerStep
+        from tokenserve.engine.step.head import ScreenedHead, build_screen, screen_weights
+        from tokenserve.engine.step.lstm import LSTMStep
+        from tokenserve.engine.step.transformer import TransformerStep
 
         self.model, self.config, self.engine_config = model, config, engine_config
         self.is_transformer = isinstance(config.model, TransformerConfig)
@@ -86,7 +39,7 @@ class ModelRunner:
         if self.is_transformer:
             c = config.model
             # the LM head's screen copy is made after the pool is sized: a fraction counts it
-            screen = self._screen_weights(engine_config)
+            screen = screen_weights(model, config.model.weight_format, engine_config)
             reserved = (ScreenedHead.bytes_for(screen[0].shape, screen[1],
                                                engine_config.head_screen) if screen else 0)
             self.kv_plan = plan_kv_cache(
@@ -127,7 +80,7 @@ class ModelRunner:
             if self.step.fused_every_step and model.compute_dtype == "bfloat16":
                 log.info("dense layers: fused ops for every step, on the bfloat16 weights in "
                          "float32 (oneDNN has no bf16 matmul on this CPU)")
-            self.step.screened_head = self._screened_head(engine_config, screen)
+            self.step.screened_head = build_screen(screen, engine_config)
             self.num_screened_steps = 0  # steps whose LM head ran the screen
             self.num_sampled_screened_steps = 0  # of those, steps with sampled rows
             if config.model.weight_format == "int8":
@@ -137,46 +90,6 @@ class ModelRunner:
         else:
             self.cache = SlotAllocator(engine_config.max_num_seqs)
             self.step = LSTMStep(model, engine_config.max_num_seqs + 1)
-
-    def _screen_weights(self, engine_config: EngineConfig):
-        """(weight, layout, bias) of a float32 or bfloat16 LM head that greedy steps screen,
-        or None (int8 weights, max_screened_head_rows 0, or no compiled screen matmul op).
-        Read before the KV pool is sized, so a memory fraction counts the screen's copy."""
-        model = self.model
-        if (not engine_config.max_screened_head_rows
-                or model.compute_dtype not in ("float32", "bfloat16")
-                or self.config.model.weight_format != "float"):
-            return None
-        from tokenserve.kernels import dense as kdense
-        from tokenserve.kernels import half_matmul
-
-        if not half_matmul.is_compiled():  # its fallback writes a float32 copy: no gain
-            log.info("LM head: no screen (%s)", half_matmul.kernel_status())
-            return None
-        if model.compute_dtype == "bfloat16":
-            # greedy steps through the fused ops screen the head those ops would run: the
-            # bfloat16 weights widened, float32 arithmetic (without the ops, none does)
-            if engine_config.head_screen != "int8" or not kdense.is_compiled():
-                log.info("LM head: no screen (%s)", "a float16 copy is as large as the "
-                         "bfloat16 head" if kdense.is_compiled() else kdense.kernel_status())
-                return None
-        if model.head is None:  # tied: the token embedding [vocab, D]
-            return model.token_embedding, "nk", None
-        weights = model.head.weights_dict()
-        return weights["kernel"], "kn", weights.get("bias")
-
-    def _screened_head(self, engine_config: EngineConfig, screen):
-        """The screen of the head `_screen_weights` chose, or None."""
-        from tokenserve.engine.screened_head import ScreenedHead
-
-        if screen is None:
-            return None
-        head = ScreenedHead(*screen, dtype=engine_config.head_screen)
-        log.info("LM head: greedy steps of up to %d rows screen it in %s (%.1f MB more), "
-                 "then compute in float32 only the entries that could be a row's argmax",
-                 engine_config.max_screened_head_rows, engine_config.head_screen,
-                 head.nbytes / 1e6)
-        return head
 
     @classmethod
     def from_model_dir(cls, version_dir: str | Path, engine_config: EngineConfig):
@@ -199,73 +112,26 @@ class ModelRunner:
         return self._execute_lstm(out)
 
     def _execute_transformer(self, out: SchedulerOutput) -> np.ndarray:
-        block_size = self.cache.block_size
-        offsets = np.arange(block_size)
-        decode, prefill = [], []  # (scheduled index, context rows, start position, count)
-        # the copies taken when the step was scheduled, never the live sequences: an abort
-        # may free their blocks while this runs (ScheduledSeq)
-        for index, scheduled in enumerate(out.scheduled):
-            start, count = scheduled.start, scheduled.num_new_tokens
-            rows = (np.asarray(scheduled.block_ids)[:, None] * block_size + offsets).ravel()
-            (decode if count == 1 else prefill).append((index, rows[:start + count], start, count))
         knobs = self.engine_config
         # The fused attention op reads each sequence's own context length, never the
         # padding of its row table: all decode rows are one group (one op per layer, one step
         # graph per kind). The graph path pads every row to its group's longest context.
         max_groups = 1 if self.step.fused_attention else knobs.max_decode_groups
-        groups = split_by_context(decode, max_groups, knobs.decode_group_cost_rows,
-                                  knobs.context_pad) if decode else []
-
-        # packed order: decode tokens group by group, then prefill tokens, then bucket padding
-        token_ids, positions, write_rows = [], [], []
-        # logits rows, in scheduled order: each sequence's last token, or all of them where
-        # it checks drafts
-        num_logits = [scheduled.num_logits for scheduled in out.scheduled]
-        first_row = np.cumsum([0] + num_logits[:-1])
-        last = np.zeros([sum(num_logits)], np.int32)
-        for item in [g for group in groups for g in group] + prefill:
-            index, rows, start, count = item
-            token_ids.extend(out.scheduled[index].token_ids)
-            positions.extend(range(start, start + count))
-            write_rows.extend(rows[start:start + count])
-            wanted = num_logits[index]
-            last[first_row[index]:first_row[index] + wanted] = np.arange(
-                len(token_ids) - wanted, len(token_ids))
+        packed = pack_tokens(out.scheduled, self.cache.block_size, max_groups,
+                             knobs.decode_group_cost_rows, knobs.context_pad)
+        token_ids, positions, write_rows, decode_groups, prefill_inputs, last = packed
         num_tokens = len(token_ids)
         # a step of a few tokens runs the dense half as fused ops, which take any number of
         # rows: only XLA's programs need the tokens padded to a bucket
         fused = self.step.kernel_dense and (self.step.fused_every_step
                                             or num_tokens <= self.max_fused_dense_tokens)
         xla = self.step.jit_dense and not fused
-        num_padded = self._bucket(num_tokens, only_decode=not prefill, xla=xla)
+        num_padded = bucket_size(num_tokens, knobs.batch_sizes, not prefill_inputs, xla)
         padding = [0] * (num_padded - num_tokens)  # token 0 at position 0, written to row 0
-
-        def context(group):
-            length = _round_up(max((len(g[1]) for g in group), default=1), knobs.context_pad)
-            rows = np.zeros([len(group), length], np.int32)
-            for i, (_, ctx, _, _) in enumerate(group):
-                rows[i, :len(ctx)] = ctx
-            return rows
-
-        decode_groups = [(context(g), np.asarray([s for _, _, s, _ in g], np.int32))
-                         for g in groups]
-        prefill_inputs = ()
-        if prefill:
-            chunk = max(g[3] for g in prefill)
-            num_prefill = sum(g[3] for g in prefill)
-            index = np.full([len(prefill), chunk], num_prefill, np.int32)
-            pos = np.full([len(prefill), chunk], -1, np.int32)
-            unpack, first = [], 0
-            for i, (_, _, start, count) in enumerate(prefill):
-                index[i, :count] = np.arange(first, first + count)
-                pos[i, :count] = np.arange(start, start + count)
-                unpack.extend(range(i * chunk, i * chunk + count))
-                first += count
-            prefill_inputs = (index, context(prefill), pos, np.asarray(unpack, np.int32))
         # the XLA LM head runs on one row per sequence: padded too, so XLA sees few shapes
         num_wanted = len(last)
-        num_rows = self._bucket(num_wanted, only_decode=False,
-                                xla=xla and not self.step.fused_head)
+        num_rows = bucket_size(num_wanted, knobs.batch_sizes, False,
+                               xla and not self.step.fused_head)
         last = np.concatenate([last, np.zeros([num_rows - num_wanted], np.int32)])
         # greedy rows need only each row's argmax, and plainly sampled ones the argmax of
         # logits + their noise (engine/sampler.py): the head's screen gives either exactly
@@ -281,7 +147,7 @@ class ModelRunner:
         self.num_screened_steps += screened
         noise = self._noise(out, num_rows) if screened else None
         self.num_sampled_screened_steps += noise is not None
-        step = self.step.step_function(len(decode_groups), bool(prefill), fused)
+        step = self.step.step_function(len(decode_groups), bool(prefill_inputs), fused)
         out = step(np.asarray(token_ids + padding, np.int32),
                    np.asarray(positions + padding, np.int32),
                    np.asarray(write_rows + padding, np.int32), decode_groups,
@@ -341,24 +207,9 @@ class ModelRunner:
         if not (self.is_transformer and self.step.jit_dense):
             return []
         knobs = self.engine_config
-        max_tokens = max(knobs.max_num_batched_tokens, knobs.max_num_seqs)
-        max_rows = self._bucket(knobs.max_logit_rows, only_decode=False, xla=True)
-        sizes = []
-        for size in _token_buckets():
-            if size > self.max_fused_dense_tokens:
-                sizes.append(size)
-            if size >= max_tokens:
-                break
-        if not sizes:
-            return []
-        if self.step.fused_head:
-            return [(size, 0) for size in sizes]
-        shapes = [(size, min(size, max_rows)) for size in sizes]
-        heads = {rows for _, rows in shapes}
-        # the other head sizes ride along with the smallest token bucket's (compiled first)
-        shapes += [(sizes[0], rows) for rows in _token_buckets_upto(max_rows)
-                   if rows not in heads]
-        return shapes
+        return xla_shapes(max(knobs.max_num_batched_tokens, knobs.max_num_seqs),
+                          knobs.max_logit_rows, self.max_fused_dense_tokens,
+                          self.step.fused_head)
 
     def compile_buckets(self) -> int:
         """Compiles the XLA programs of xla_programs(), so no live step stalls on a compile
@@ -383,18 +234,6 @@ class ModelRunner:
         with ThreadPoolExecutor(max(1, min(usable_cpus(), 8))) as pool:
             list(pool.map(compile_one, sorted(shapes[1:], reverse=True)))
         return len(shapes)
-
-    def _bucket(self, num_tokens: int, only_decode: bool, xla: bool) -> int:
-        """How many tokens (or head rows) the step computes for `num_tokens` real ones.
-
-        TF Serving's allowed_batch_sizes pad decode batches; XLA compiles one program per
-        shape, so a step through XLA is padded to a few bucket sizes."""
-        sizes = self.engine_config.batch_sizes
-        if only_decode and sizes:
-            return next((s for s in sizes if s >= num_tokens), num_tokens)
-        if xla:
-            return next(b for b in _token_buckets() if b >= num_tokens)
-        return num_tokens
 
     def _execute_lstm(self, out: SchedulerOutput) -> np.ndarray:
         count = max(s.num_new_tokens for s in out.scheduled)

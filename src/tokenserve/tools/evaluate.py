@@ -126,7 +126,7 @@ class KVCacheScorer:
         self._steps: dict[int, object] = {}
 
     def _step(self, num_rows: int):
-        from tokenserve.engine.tf_step import TransformerStep
+        from tokenserve.engine.step.transformer import TransformerStep
 
         if num_rows not in self._steps:  # one cache per batch shape (one, plus a last batch)
             step = TransformerStep(self.model, num_rows, kv_dtype=self.kv_dtype)

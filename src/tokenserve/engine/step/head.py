@@ -1,5 +1,8 @@
-"""A float32 or bfloat16 LM head that reads an int8 (or float16) copy of its weights for
-greedy steps, with exact tokens (design notes: docs/engine.md, "The screened LM head").
+"""The LM head's screen: a float32 or bfloat16 head that reads an int8 (or float16) copy of
+its weights for greedy steps, with exact tokens (design notes: docs/engine.md, "The
+screened LM head"). The step runs it as a function of its own after the step's graph
+(TransformerStep.head_function); the other heads are the blocks' (graph_blocks.py,
+fused_blocks.py).
 
 One float32 decode stream is bound by memory reads, and a tied GPT-2-small head is 154 MB
 of the 494 MB a step reads. A greedy step needs only the argmax of each row, so the head
@@ -41,10 +44,16 @@ row, and the candidates are recomputed from it.
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import tensorflow as tf
 
-from tokenserve.kernels.half_matmul import half_matmul, int8_row_matmul, screened_logits
+from tokenserve.engine.config import EngineConfig
+from tokenserve.kernels import dense as kdense
+from tokenserve.kernels import half_matmul as screen_ops
+
+log = logging.getLogger(__name__)
 
 # Float32 rounding of a dot product of length K: at most ~K * 2^-24 of sum |x_j w_j|, which
 # is <= ||x|| ||w||; the screen computes two (the float16 one and the exact one), and the
@@ -127,9 +136,9 @@ class ScreenedHead:
         """x [S, D] float32 -> (approximate logits [S, vocab] with the bias, their error
         bounds, without the rounding of any noise added to them)."""
         if self.scale is not None:
-            approx = int8_row_matmul(x, self.screen, self.scale)
+            approx = screen_ops.int8_row_matmul(x, self.screen, self.scale)
         else:
-            approx = half_matmul(x, self.screen)
+            approx = screen_ops.half_matmul(x, self.screen)
         if self.bias is not None:  # before the screen: the bias moves the argmax
             approx = approx + self.bias
         return approx, tf.norm(x, axis=-1, keepdims=True) * self.row_bound
@@ -140,7 +149,7 @@ class ScreenedHead:
         that could be the argmax of a row's logits + noise, the screen's approximation plus
         the noise elsewhere. One op (kernels/half_matmul.cc); `reference` is the same in TF
         ops."""
-        return screened_logits(
+        return screen_ops.screened_logits(
             x, self.screen, self._none if self.scale is None else self.scale, self.row_bound,
             self.weight, self._none if self.bias is None else self.bias, layout=self.layout,
             noise=noise)
@@ -165,3 +174,39 @@ class ScreenedHead:
         if noise is not None:
             exact = exact + tf.gather_nd(noise, candidates)
         return tf.tensor_scatter_nd_update(approx, candidates, exact)
+
+
+def screen_weights(model, weight_format: str, engine_config: EngineConfig):
+    """(weight, layout, bias) of a float32 or bfloat16 LM head that greedy steps screen,
+    or None (int8 weights, max_screened_head_rows 0, or no compiled screen matmul op).
+    Read before the KV pool is sized, so a memory fraction counts the screen's copy."""
+    if (not engine_config.max_screened_head_rows
+            or model.compute_dtype not in ("float32", "bfloat16")
+            or weight_format != "float"):
+        return None
+    if not screen_ops.is_compiled():  # its fallback writes a float32 copy: no gain
+        log.info("LM head: no screen (%s)", screen_ops.kernel_status())
+        return None
+    if model.compute_dtype == "bfloat16":
+        # greedy steps through the fused ops screen the head those ops would run: the
+        # bfloat16 weights widened, float32 arithmetic (without the ops, none does)
+        if engine_config.head_screen != "int8" or not kdense.is_compiled():
+            log.info("LM head: no screen (%s)", "a float16 copy is as large as the "
+                     "bfloat16 head" if kdense.is_compiled() else kdense.kernel_status())
+            return None
+    if model.head is None:  # tied: the token embedding [vocab, D]
+        return model.token_embedding, "nk", None
+    weights = model.head.weights_dict()
+    return weights["kernel"], "kn", weights.get("bias")
+
+
+def build_screen(screen, engine_config: EngineConfig) -> ScreenedHead | None:
+    """The screen of the head `screen_weights` chose (None: no screen)."""
+    if screen is None:
+        return None
+    head = ScreenedHead(*screen, dtype=engine_config.head_screen)
+    log.info("LM head: greedy steps of up to %d rows screen it in %s (%.1f MB more), "
+             "then compute in float32 only the entries that could be a row's argmax",
+             engine_config.max_screened_head_rows, engine_config.head_screen,
+             head.nbytes / 1e6)
+    return head
