@@ -175,12 +175,14 @@ def test_tf2_signatures_classify_regress_and_multi_inference(server, stub):
         multi.tasks.add(model_spec=model_pb2.ModelSpec(name="tf2_classifier",
                                                        signature_name=signature),
                         method_name=method)
-    # Each TF2 signature has its own input placeholder, and TF Serving's MultiInference runs
-    # one feed: it refuses them, as here.
-    with pytest.raises(grpc.RpcError) as raised:
-        stub.MultiInference(multi)
-    assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert raised.value.details() == "Input tensor must be the same for all Signatures."
+    # Each TF2 signature is its own function with its own input placeholder: each task runs
+    # its signature on the same examples (tests/test_tfserving_multi_inference.py in full).
+    classes, regression = stub.MultiInference(multi).results
+    assert [(c.label, c.score) for c in classes.classification_result.classifications[0]
+            .classes] == [("pos", 3.0), ("neg", -3.0)]
+    assert [r.value for r in regression.regression_result.regressions] == [3.0]
+    assert [r.model_spec.signature_name for r in (classes, regression)] == ["classify",
+                                                                              "regress"]
     rest = post(server, "/v1/models/tf2_classifier:classify", {
         "signature_name": "classify", "examples": [{"x": 1.0}]})
     assert rest.json() == {"results": [[["pos", 2.5], ["neg", -2.5]]]}
@@ -203,6 +205,16 @@ def test_tf1_classify_with_scores_only_multi_inference_and_errors(server, stub):
     assert results[1].regression_result.regressions[0].value == 4.0
     assert [r.model_spec.signature_name for r in results] == ["classify_x_to_y",
                                                               "regress_x_to_y2"]
+    # a TF1 graph is fed once: signatures reading different input tensors are refused
+    multi = inference_pb2.MultiInferenceRequest(input=examples(2.0))
+    for signature in ("regress_x_to_y", "regress_x2_to_y3"):
+        multi.tasks.add(model_spec=model_pb2.ModelSpec(name="half_plus_two",
+                                                       signature_name=signature),
+                        method_name="tensorflow/serving/regress")
+    with pytest.raises(grpc.RpcError) as raised:
+        stub.MultiInference(multi)
+    assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert raised.value.details() == "Input tensor must be the same for all Signatures."
     with pytest.raises(grpc.RpcError) as raised:  # its input is a float tensor, not Examples
         stub.Regress(regression_pb2.RegressionRequest(
             model_spec=model_pb2.ModelSpec(name="half_plus_two",

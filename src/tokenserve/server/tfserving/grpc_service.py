@@ -30,7 +30,7 @@ from tokenserve.errors import InvalidRequestError
 from tokenserve.lifecycle.manager import ModelManager
 from tokenserve.lifecycle.model_config import from_proto
 from tokenserve.server.status import grpc_details
-from tokenserve.server.tfserving import inference, model_info
+from tokenserve.server.tfserving import inference, model_info, multi_inference
 from tokenserve.server.tfserving.tf_status import error_grpc_code, error_message
 
 log = logging.getLogger("tokenserve.tfserving")
@@ -114,7 +114,8 @@ class PredictionServicer(prediction_service_pb2_grpc.PredictionServiceServicer):
         return await self._run(
             "MultiInference", request,
             lambda r: r.tasks[0].model_spec.name if r.tasks else "", context,
-            lambda deadline: inference.multi_inference(self._manager, request, deadline))
+            lambda deadline: multi_inference.multi_inference(self._manager, request,
+                                                             deadline))
 
     async def GetModelMetadata(self, request, context):
         return await self._run("GetModelMetadata", request, lambda r: r.model_spec.name,

@@ -1,9 +1,9 @@
-"""TF Serving's Predict/Classify/Regress/MultiInference on official protos, shared by the
-gRPC servicers, the REST handlers and warmup replay.
+"""TF Serving's Predict/Classify/Regress on official protos, shared by the gRPC servicers,
+the REST handlers, MultiInference (multi_inference.py) and warmup replay.
 
 Every call resolves its ModelSpec through `ModelManager.acquire`, so a version that is
 unloading finishes the calls already running on it. The rules and texts are TF Serving's
-(predict_util.cc, classifier.cc, regressor.cc, multi_inference.cc, util.cc):
+(predict_util.cc, classifier.cc, regressor.cc, util.cc):
 
 - Classify and Regress take any signature whose input is named `inputs` and whose outputs
   fit (`classes`/`scores`, or `outputs`), whatever its method_name, as TF Serving 2.x does
@@ -19,15 +19,14 @@ import time
 import numpy as np
 import tensorflow as tf
 from tensorflow.core.framework import types_pb2
-from tensorflow_serving.apis import (classification_pb2, inference_pb2, model_pb2, predict_pb2,
-                                     regression_pb2)
+from tensorflow_serving.apis import classification_pb2, model_pb2, predict_pb2, regression_pb2
 
 from tokenserve.errors import InvalidRequestError
 from tokenserve.lifecycle.manager import ModelManager
 from tokenserve.lifecycle.servable import (CLASSIFY_METHOD, DEFAULT_SIGNATURE, PREDICT_METHOD,
                                            REGRESS_METHOD, check_inputs_size, signature_def)
 from tokenserve.server.tfserving.codec import array_to_tensor_proto, tensor_proto_to_array
-from tokenserve.server.tfserving.tf_status import internal, unimplemented
+from tokenserve.server.tfserving.tf_status import internal
 
 CLASSIFY_INPUTS = "inputs"
 CLASSIFY_CLASSES = "classes"
@@ -268,105 +267,3 @@ def regress(manager: ModelManager, request: regression_pb2.RegressionRequest,
         return regression_pb2.RegressionResponse(
             model_spec=response_spec(version, request.model_spec.signature_name
                                      or DEFAULT_SIGNATURE), result=result)
-
-
-# ---- MultiInference -----------------------------------------------------------------------
-
-def multi_inference_on(servable, version, request: inference_pb2.MultiInferenceRequest,
-                       deadline: float | None = None) -> inference_pb2.MultiInferenceResponse:
-    """multi_inference.cc: every task's signature must read the same input tensor; each
-    task's result is built from its outputs. TF Serving fetches the union in one Session
-    run; here each signature runs once (outputs shared between signatures are computed
-    once), which gives the same results for any graph without state."""
-    input_tensor = None
-    plans = []
-    fetch: dict[str, tuple[str, str]] = {}  # tensor name -> (signature, output alias)
-    for task in request.tasks:
-        name = task.model_spec.signature_name or DEFAULT_SIGNATURE
-        if name not in servable.signature_defs:
-            raise InvalidRequestError(f"Requested signature not found in model graph: {name}")
-        sig = servable.signature_defs[name]
-        if task.method_name == CLASSIFY_METHOD:
-            wanted = classification_outputs(sig)
-        elif task.method_name == REGRESS_METHOD:
-            wanted = regression_outputs(sig)
-        else:
-            raise unimplemented(f"Unsupported signature method_name: {task.method_name}")
-        tensor = sig.inputs[CLASSIFY_INPUTS].name
-        if input_tensor is None:
-            input_tensor = (name, tensor)
-        elif input_tensor[1] != tensor:
-            raise InvalidRequestError("Input tensor must be the same for all Signatures.")
-        for alias in wanted:
-            fetch.setdefault(sig.outputs[alias].name, (name, alias))
-        plans.append((task, name, sig, wanted))
-    examples = serialized_examples(request.input)
-    computed = {}
-    for name in dict.fromkeys(signature for signature, _ in fetch.values()):
-        aliases = [alias for tensor, (signature, alias) in fetch.items() if signature == name]
-        outputs = servable.run(name, {CLASSIFY_INPUTS: examples}, aliases, remaining(deadline))
-        for alias, value in outputs.items():
-            computed[servable.signature_defs[name].outputs[alias].name] = value
-    response = inference_pb2.MultiInferenceResponse()
-    for task, name, sig, wanted in plans:
-        values = {alias: computed[sig.outputs[alias].name] for alias in wanted}
-        result = response.results.add(model_spec=response_spec(version, name))
-        if task.method_name == CLASSIFY_METHOD:
-            result.classification_result.CopyFrom(classification_result(len(examples), values))
-        else:
-            result.regression_result.CopyFrom(
-                regression_result(len(examples), values[REGRESS_OUTPUTS]))
-    return response
-
-
-def check_multi_inference(request: inference_pb2.MultiInferenceRequest) -> None:
-    """multi_inference_helper.cc: tasks, one model name, distinct signatures."""
-    if not request.tasks:
-        raise InvalidRequestError("Found no tasks in MultiInferenceRequest")
-    names = set()
-    signatures = set()
-    for task in request.tasks:
-        if not task.model_spec.name:
-            raise InvalidRequestError("Found ModelSpec with an empty model name.")
-        names.add(task.model_spec.name)
-        if len(names) > 1:
-            raise InvalidRequestError("All ModelSpecs in a MultiInferenceRequest must access "
-                                      "the same model name.")
-        signature = task.model_spec.signature_name or DEFAULT_SIGNATURE
-        if signature in signatures:
-            raise InvalidRequestError(f"Duplicate evaluation of signature: {signature}")
-        signatures.add(signature)
-
-
-def multi_inference(manager: ModelManager, request: inference_pb2.MultiInferenceRequest,
-                    deadline: float | None = None) -> inference_pb2.MultiInferenceResponse:
-    """Several classify/regress signatures of one model over one shared Input."""
-    check_multi_inference(request)
-    with manager.acquire(**spec_args(request.tasks[0].model_spec)) as version:
-        return multi_inference_on(version.servable, version, request, deadline)
-
-
-def replay_warmup_record(servable, record) -> None:
-    """Runs one PredictionLog from assets.extra (the lifecycle's warmup callback)."""
-    kind = record.WhichOneof("log_type")
-    if kind == "predict_log":
-        predict_on(servable, record.predict_log.request)
-    elif kind == "classify_log":
-        request = record.classify_log.request
-        classify_on(servable, request.model_spec.signature_name, request.input)
-    elif kind == "regress_log":
-        request = record.regress_log.request
-        regress_on(servable, request.model_spec.signature_name, request.input)
-    elif kind == "multi_inference_log":
-        request = record.multi_inference_log.request
-        check_multi_inference(request)
-        multi_inference_on(servable, _WarmupVersion(), request)
-    else:
-        raise InvalidRequestError(f"Unsupported log_type for warmup: {kind}")
-
-
-class _WarmupVersion:
-    """Stands in for the LoadedVersion in a warmup response nobody reads."""
-
-    model_name = ""
-    version = 0

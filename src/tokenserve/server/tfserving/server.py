@@ -29,9 +29,9 @@ from tokenserve.lifecycle.warmup_replay import make_warmup
 from tokenserve.observability.tfserving_metrics import TFServingMetrics
 from tokenserve.server.config import ServeConfig
 from tokenserve.server.tfserving.grpc_service import start_grpc_server
-from tokenserve.server.tfserving.inference import (replay_warmup_record,
-                                                   set_signature_method_name_check)
+from tokenserve.server.tfserving.inference import set_signature_method_name_check
 from tokenserve.server.tfserving.rest import build_rest_app
+from tokenserve.server.tfserving.warmup import replay_warmup_record
 
 log = logging.getLogger("tokenserve.serve")
 
