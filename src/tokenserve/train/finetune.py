@@ -15,17 +15,19 @@ DISTILL_WEIGHT = 0.5  # share of the KL term in the loss; the rest is the LM los
 # About where the built-in model's own schedule ended (1.5e-3 decayed to a tenth): a peak of
 # 1e-3 undid more than it recovered (+24 % perplexity after 150 steps, against +13 %).
 FINETUNE_LEARNING_RATE = 3e-4
+DATA_HELDOUT_SHARE = 0.1  # the tail of --data text held out from scoring and fine-tuning
 
 
 def training_streams(tokenizer, data_files=None):
-    """(train stream, held-out stream) of token ids: the files in `data_files` (split 90/10),
-    or the built-in models' stdlib training and held-out splits (disjoint by file)."""
+    """(train stream, held-out stream) of token ids: the files in `data_files` (the last
+    DATA_HELDOUT_SHARE held out), or the built-in models' stdlib training and held-out
+    splits (disjoint by file)."""
     from tokenserve.tools.evaluate import heldout_fraction, read_texts
     from tokenserve.train.corpus import Corpus, token_stream
 
     if data_files:
         stream = token_stream(read_texts(data_files), tokenizer)
-        cut = int(len(stream) * 0.9)
+        cut = int(len(stream) * (1.0 - DATA_HELDOUT_SHARE))
         return stream[:cut], stream[cut:]
     corpus = Corpus.from_stdlib(heldout_fraction())
     return (token_stream(corpus.train_texts, tokenizer),
