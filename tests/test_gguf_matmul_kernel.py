@@ -17,7 +17,10 @@ from gguf import quants as gguf_quants
 from tokenserve.kernels import gguf_matmul as gm
 
 TYPES = ["q4_0", "q4_1", "q8_0"]
-ROWS = [1, 3, 8, 67, 256]  # decode (1..8: the row kernel) and prefill chunks (the tile kernel)
+# decode of a few streams (the row kernel: to 2 rows for 4-bit blocks, to 8 for Q8_0; its rows
+# of x go in fours, so 2, 3 and 5 reach every remainder) and more (the tile kernel: odd counts
+# reach its single-row tail)
+ROWS = [1, 2, 3, 5, 8, 67, 256]
 # (K, N): K a multiple of 32 but not of 256; N not a multiple of 4 (the tile kernel's leftovers)
 SHAPES = [(608, 13), (96, 6)]
 ISAS = ["auto", "avx2", "scalar"]

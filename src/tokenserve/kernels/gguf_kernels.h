@@ -1,12 +1,9 @@
-// The inner kernels of the GGUF-block matmul (gguf_matmul.cc): output rows [n0, n0 + count)
-// of y[M, N] = x @ dequant(w).T, from the quantized activations (gguf_blocks.h) and the
-// weight rows' blocks as stored. Each has a portable scalar version and SIMD ones.
-//
-//   Rows*  one weight row at a time, read front to back (one sequential stream the hardware
-//          prefetcher follows), each block decoded once for up to four rows of x held in
-//          registers. Decode (M = 1..8) takes these.
-//   Tile*  four weight rows decoded once into a small per-thread buffer (L1), then every row of
-//          x swept over them: a prefill chunk decodes each block once, not once per 4 rows.
+// The row kernels of the GGUF-block matmul (gguf_matmul.cc): output rows [n0, n0 + count) of
+// y[M, N] = x @ dequant(w).T, from the quantized activations (gguf_blocks.h) and the weight
+// rows' blocks as stored, one weight row at a time, read front to back (one sequential stream
+// the hardware prefetcher follows), each block decoded once for up to four rows of x held in
+// registers. Decode steps (a few rows of x) take these; gguf_tiles.h holds the kernel for
+// more rows (prefill chunks, many streams). A portable scalar version and SIMD ones.
 //
 // The SIMD kernels are templates over the block type and the integer dot product:
 //   MaddAvx2    _mm256_maddubs_epi16 + _mm256_madd_epi16 (u8 x s8 pairs, then pairs of those)
@@ -18,7 +15,6 @@
 #define TOKENSERVE_KERNELS_GGUF_KERNELS_H_
 
 #include <cstdint>
-#include <vector>
 
 #include "cpu.h"
 #include "gguf_blocks.h"
@@ -68,6 +64,10 @@ struct MaddAvx2 {
     // |u| <= 128, |s| <= 127: a pair sums to at most 32512, so maddubs never saturates
     return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
   }
+  TOKENSERVE_GGUF_SIMD __attribute__((always_inline)) static inline __m256i Accumulate(
+      __m256i acc, __m256i u, __m256i s) {
+    return _mm256_add_epi32(acc, Dot(u, s));
+  }
 };
 
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
@@ -77,6 +77,10 @@ struct DpbusdVnni {
   TOKENSERVE_GGUF_SIMD __attribute__((always_inline)) static inline __m256i Dot(__m256i u,
                                                                                __m256i s) {
     return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+  }
+  TOKENSERVE_GGUF_SIMD __attribute__((always_inline)) static inline __m256i Accumulate(
+      __m256i acc, __m256i u, __m256i s) {
+    return _mm256_dpbusd_epi32(acc, u, s);
   }
 };
 #endif
@@ -147,88 +151,6 @@ TOKENSERVE_GGUF_SIMD void RowsSimd(const Q8Rows& xq, int64 M, const uint8_t* w, 
   }
 }
 
-constexpr int kTileRows = 4;  // weight rows decoded together by the tile kernel
-
-// A tile's decoded weights, one per thread, reused from tile to tile: for weight row r and
-// block b, 32 unsigned operands at u[(r * blocks + b) * 32], the values themselves at w[...]
-// (Q8_0's signs), and d, c at [r * blocks + b].
-struct TileBuffer {
-  std::vector<uint8_t> u;
-  std::vector<int8_t> w;
-  std::vector<float> d, c;
-};
-
-template <class Type>
-TOKENSERVE_GGUF_SIMD void DecodeTile(const uint8_t* rows, int64 row_bytes, int64 blocks,
-                                     TileBuffer* t) {
-  t->u.resize(kTileRows * blocks * kBlock);
-  if (Type::kSigned) t->w.resize(kTileRows * blocks * kBlock);
-  t->d.resize(kTileRows * blocks);
-  t->c.resize(kTileRows * blocks);
-  for (int r = 0; r < kTileRows; ++r) {
-    for (int64 b = 0; b < blocks; ++b) {
-      const uint8_t* block = rows + r * row_bytes + b * Type::kBytes;
-      const int64 at = r * blocks + b;
-      const __m256i w = LoadValues<Type>(block);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(t->u.data() + at * kBlock), Unsigned<Type>(w));
-      if constexpr (Type::kSigned) {
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(t->w.data() + at * kBlock), w);
-      }
-      t->d[at] = ScaleF16c(block);
-      t->c[at] = LoadOffset<Type>(block, t->d[at]);
-    }
-  }
-}
-
-// sum_b c[b] * s[b] over one weight row's offsets and one row of x's sums.
-TOKENSERVE_GGUF_SIMD inline float OffsetSum(const float* c, const float* s, int64 blocks) {
-  __m256 acc = _mm256_setzero_ps();
-  int64 b = 0;
-  for (; b + 8 <= blocks; b += 8) {
-    acc = _mm256_fmadd_ps(_mm256_loadu_ps(c + b), _mm256_loadu_ps(s + b), acc);
-  }
-  float total = cpu::HorizontalSum(acc);
-  for (; b < blocks; ++b) total += c[b] * s[b];
-  return total;
-}
-
-// Output rows [n0, n0 + 4): the four weight rows decoded once, then every row of x.
-template <class Type, class Dot>
-TOKENSERVE_GGUF_SIMD void TileSimd(const Q8Rows& xq, int64 M, const uint8_t* w, int64 row_bytes,
-                                   int64 n0, TileBuffer* t, Output out) {
-  const int64 blocks = xq.blocks;
-  DecodeTile<Type>(w + n0 * row_bytes, row_bytes, blocks, t);
-  const uint8_t* u = t->u.data();
-  const int8_t* wv = t->w.data();
-  const float* d = t->d.data();
-  for (int64 m = 0; m < M; ++m) {
-    const int8_t* xrow = xq.Values(m, 0);
-    const float* dx = xq.d.data() + xq.Index(m, 0);
-    __m256 acc[kTileRows];
-    for (int r = 0; r < kTileRows; ++r) acc[r] = _mm256_setzero_ps();
-    for (int64 b = 0; b < blocks; ++b) {
-      const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xrow + b * kBlock));
-      for (int r = 0; r < kTileRows; ++r) {
-        const int64 at = r * blocks + b;
-        const __m256i ur = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(u + at * kBlock));
-        __m256i s = x;
-        if constexpr (Type::kSigned) {
-          s = _mm256_sign_epi8(x, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wv + at * kBlock)));
-        }
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(Dot::Dot(ur, s)),
-                                 _mm256_set1_ps(d[at] * dx[b]), acc[r]);
-      }
-    }
-    float* y = out.y + m * out.ldy + n0;
-    for (int r = 0; r < kTileRows; ++r) {
-      float total = cpu::HorizontalSum(acc[r]);
-      if constexpr (Type::kHasOffset) {
-        total += OffsetSum(t->c.data() + r * blocks, xq.s.data() + xq.Index(m, 0), blocks);
-      }
-      y[r] = total;
-    }
-  }
-}
 #endif  // TOKENSERVE_CPU_X86
 
 }  // namespace gguf

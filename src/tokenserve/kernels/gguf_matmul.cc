@@ -8,9 +8,10 @@
 // FMA (gguf_kernels.h). The weight rows are split over the op's threads in contiguous ranges
 // (chunks.h), as the int8 op splits its rows. No repacking: the op reads the stored bytes.
 //
-// Up to kRowKernelMaxRows rows of x (decode) each weight row is read once, front to back;
-// with more (prefill chunks) four weight rows at a time are decoded into a per-thread buffer
-// and every row of x sweeps them.
+// Up to a few rows of x (decode of a few streams) each weight row is read once,
+// front to back (gguf_kernels.h); with more (prefill chunks, many streams) eight weight rows
+// at a time are decoded into a per-thread buffer and every row of x sweeps them
+// (gguf_tiles.h).
 
 #include <algorithm>
 #include <cstdint>
@@ -25,6 +26,7 @@
 #include "cpu.h"
 #include "gguf_blocks.h"
 #include "gguf_kernels.h"
+#include "gguf_tiles.h"
 
 namespace tokenserve {
 namespace {
@@ -41,8 +43,17 @@ using tensorflow::shape_inference::ShapeHandle;
 
 // Up to this many rows of x, one weight row at a time against all of them (RowsSimd): the
 // weights are one sequential stream and each block is decoded once for every four rows of x.
-// Above, the tile kernel: decoding once per tile and not once per four rows of x wins.
-constexpr int64 kRowKernelMaxRows = 8;
+// Above, the tile kernel, whose decode of eight rows is paid once for all rows of x. On a
+// 2-core AVX2-only EPYC (one thread, builds alternated; a shared machine, so only ratios to
+// the int8 op in the same run were steady): with 4-bit blocks the tile kernel was faster from
+// 3 rows (576x1536 in cache, M = 3: 0.10-0.12 against 0.12-0.16 ms; from memory, M = 4 and
+// 8: 0.74-0.86 of the int8 op's time against 0.81-0.98). Q8_0's tile moves x's sign per
+// vector, and there the row kernel stayed faster through 8 rows (from memory 0.70-0.98 of
+// the int8 op's time against 0.94-1.67).
+template <class Type>
+constexpr int64 RowKernelMaxRows() {
+  return Type::kSigned ? 8 : 2;
+}
 
 enum class Isa { kScalar, kAvx2, kAvx512Vnni };
 
@@ -103,7 +114,7 @@ void MatmulSimd(tensorflow::thread::ThreadPool* pool, const Geometry& g, const g
 #ifdef TOKENSERVE_CPU_X86
   const int64 workers = std::max(1, pool->NumThreads());
   const gguf::Output out{y, g.N};
-  if (g.M <= kRowKernelMaxRows) {
+  if (g.M <= RowKernelMaxRows<Type>()) {
     // cycles a weight row, roughly: a block's decode, and its dot product per row of x
     const ChunkSplit split = SplitIntoChunks(g.N, xq.blocks * (8 + 6 * g.M));
     RunRanges(pool, workers, split.num_chunks, [&](int64 chunk, int64, int64) {
@@ -114,7 +125,8 @@ void MatmulSimd(tensorflow::thread::ThreadPool* pool, const Geometry& g, const g
     return;
   }
   const int64 tiles = (g.N + gguf::kTileRows - 1) / gguf::kTileRows;
-  const ChunkSplit split = SplitIntoChunks(tiles, gguf::kTileRows * xq.blocks * (8 + 6 * g.M));
+  // cycles a tile, roughly: its decode, and about 8 per block and row of x
+  const ChunkSplit split = SplitIntoChunks(tiles, xq.blocks * (60 + 8 * g.M));
   std::vector<gguf::TileBuffer> buffers(workers);
   RunChunks(pool, workers, split.num_chunks, [&](int64 chunk, int64 worker) {
     const int64 end = std::min(tiles, (chunk + 1) * split.per_chunk);
@@ -122,7 +134,7 @@ void MatmulSimd(tensorflow::thread::ThreadPool* pool, const Geometry& g, const g
       const int64 n0 = tile * gguf::kTileRows;
       if (n0 + gguf::kTileRows <= g.N) {
         gguf::TileSimd<Type, Dot>(xq, g.M, w, g.row_bytes, n0, &buffers[worker], out);
-      } else {  // N % 4 rows left over
+      } else {  // N % 8 rows left over
         gguf::RowsSimd<Type, Dot>(xq, g.M, w, g.row_bytes, n0, g.N - n0, out);
       }
     }
