@@ -1,4 +1,4 @@
-"""The LM head screen's matmul ops (kernels/half_matmul.cc), float16 weights and int8 weights
+"""The LM head screen's matmul ops (kernels/head_screen.cc), float16 weights and int8 weights
 with a scale per row, against NumPy, both their paths."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import pytest
 
 tf = pytest.importorskip("tensorflow")
 
-from tokenserve.kernels import half_matmul as hm  # noqa: E402
+from tokenserve.kernels import head_screen as hm  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -224,8 +224,8 @@ def test_failed_build_falls_back(monkeypatch, tmp_path):
     monkeypatch.delenv(im.MODE_ENV, raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     monkeypatch.setattr(im.LIBRARY, "_loaded", None)
-    monkeypatch.setattr(im.LIBRARY, "source", bad)
-    assert im.kernel_status().startswith("pure-TF fallback: compiling int8_matmul.cc failed")
+    monkeypatch.setattr(im.LIBRARY, "sources", (bad,))
+    assert im.kernel_status().startswith("pure-TF fallback: compiling int8_matmul failed")
     assert list((tmp_path / "cache" / "tokenserve" / "kernels").iterdir()) == []  # no debris
     x, q, scale = make(2, 64, 4, 1)
     assert relative_error(im.int8_matmul(x, q, scale).numpy(), reference(x, q, scale)) < 1e-6

@@ -184,10 +184,10 @@ def test_a_memory_fraction_counts_the_lm_heads_screen_copy(tokenizer, monkeypatc
     from conftest import tiny
     from tokenserve.engine import kv_budget
     from tokenserve.engine.runner import ModelRunner
-    from tokenserve.kernels import half_matmul
+    from tokenserve.kernels import head_screen
 
-    if screen_rows and not half_matmul.is_compiled():
-        pytest.skip(f"no screen without the op: {half_matmul.kernel_status()}")
+    if screen_rows and not head_screen.is_compiled():
+        pytest.skip(f"no screen without the op: {head_screen.kernel_status()}")
     model, config = tiny("tiny-llama", tokenizer)
     c = config.model
     block_bytes = 4 * c.num_layers * 2 * c.num_kv_heads * c.head_dim * 2

@@ -247,6 +247,7 @@ def test_engine_steps_store_rows_in_the_attention_op(compiled, op_on, tokenizer,
     from tokenserve.engine.config import EngineConfig
     from tokenserve.engine.core import LLMEngine
     from tokenserve.engine.runner import ModelRunner
+    from tokenserve.engine.step.packing import bucket_size
     from tokenserve.sampling import SamplingParams
 
     model, config = tiny(name, tokenizer)
@@ -257,7 +258,8 @@ def test_engine_steps_store_rows_in_the_attention_op(compiled, op_on, tokenizer,
                                                      max_num_seqs=4))
     engine = LLMEngine(runner, tokenizer, runner.engine_config)
     # two decoding sequences: padded to four rows where batch_sizes says so
-    assert runner._bucket(2, only_decode=True, xla=False) == (4 if batch_sizes else 2)
+    assert bucket_size(2, runner.engine_config.batch_sizes, only_decode=True,
+                       xla=False) == (4 if batch_sizes else 2)
     prompts = [[5, 9, 11, 3, 7], [8, 2, 2, 6, 1, 4, 9, 10, 12]]
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     got = {}

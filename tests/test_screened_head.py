@@ -59,11 +59,11 @@ def test_the_bounds_hold_and_the_argmax_is_the_float32_one(layout, dtype):
 @pytest.mark.parametrize("dtype", ["int8", "float16"])
 @pytest.mark.parametrize("layout", ["nk", "kn"])
 def test_the_one_op_head_is_the_tf_ops_head(layout, dtype, isa):
-    """The op (kernels/half_matmul.cc) against `reference`, the same math as TF ops: the same
+    """The op (kernels/screened_logits.cc) against `reference`, the same math as TF ops: the same
     argmax, the screen's values where neither recomputes, and elsewhere values within the
     bound of each other (the op and TF may differ on a candidate at the bound's edge, and
     the op sums candidates in double)."""
-    from tokenserve.kernels.half_matmul import half_matmul, int8_row_matmul, screened_logits
+    from tokenserve.kernels.head_screen import half_matmul, int8_row_matmul, screened_logits
 
     weights = _weights(vocab=1000, width=40, seed=5)
     rng = np.random.default_rng(6)
@@ -120,7 +120,7 @@ def test_with_noise_the_op_screens_the_argmax_of_logits_plus_noise(layout, dtype
     is the argmax of the float32 logits plus the noise, every entry that could win holds
     exactly that sum, and the others the screen's value plus the noise. The TF-ops
     reference agrees."""
-    from tokenserve.kernels.half_matmul import half_matmul, int8_row_matmul, screened_logits
+    from tokenserve.kernels.head_screen import half_matmul, int8_row_matmul, screened_logits
 
     weights = _weights(vocab=1000, width=40, seed=8)
     rng = np.random.default_rng(9)
@@ -169,7 +169,7 @@ def test_a_bfloat16_head_is_screened_against_its_widened_rows(layout, isa):
     """A bfloat16 model's head: the screen's bounds hold against the bfloat16 rows widened
     (what the fused head computes with, in float32), and the op returns their exact logits
     for the candidates; an op that read the 16-bit words as anything else would not."""
-    from tokenserve.kernels.half_matmul import screened_logits
+    from tokenserve.kernels.head_screen import screened_logits
 
     rounded = tf.cast(tf.constant(_weights(vocab=2000, width=72, seed=8)), tf.bfloat16)
     widened = tf.cast(rounded, tf.float32).numpy().astype(np.float64)
@@ -198,7 +198,7 @@ def test_a_bfloat16_head_is_screened_against_its_widened_rows(layout, isa):
 
 
 def test_the_one_op_head_refuses_shapes_that_do_not_fit():
-    from tokenserve.kernels.half_matmul import is_compiled, screened_logits
+    from tokenserve.kernels.head_screen import is_compiled, screened_logits
 
     if not is_compiled():
         pytest.skip("the op is not built here")

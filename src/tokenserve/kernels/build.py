@@ -1,23 +1,27 @@
 """Building and loading tokenserve's custom TensorFlow ops (shared by every op module).
 
-Each op is one C++ file next to this one (`int8_matmul.cc`, `paged_attention.cc`,
-`dense.cc`, `half_matmul.cc`; `helpers.cc` is their shared runtime), compiled
+The ops are C++ files next to this one, one op (or family of ops) a file, grouped into
+libraries (`LIBRARIES`: one per op module, e.g. `dense` = dense.cc, row_ops.cc,
+finish_block.cc, split_rope.cc) with the headers beside them (`op_support.h` holds what
+every op file repeats; `helpers.cc` is the libraries' shared runtime). A library is compiled
 on first use with the local g++ and TensorFlow's own compile flags into
-`tokenserve.host.user_cache.cache_dir("kernels")` as `<stem>-<hash>.so`. The hash covers the
-source, the TF version, the compile and link flags and the CPU's feature flags, so a cached
-build is never reused for another source, TF or CPU. A build writes a temporary file and renames it
-into place (atomic), so concurrent builders and loaders are safe. A library is loaded once
-per process (by .so path); each op module remembers its own outcome (the module, or why it
-is unavailable) and falls back to pure TF when it has none.
+`tokenserve.host.user_cache.cache_dir("kernels")` as `<name>-<hash>.so`. The hash covers
+every source and header, the TF version, the compile and link flags and the CPU's feature
+flags, so a cached build is never reused for other code, TF or CPU. A build writes a
+temporary file and renames it into place (atomic), so concurrent builders and loaders are
+safe. A library is loaded once per process (by .so path); each library remembers its own
+outcome (the module, or why it is unavailable) and its op module falls back to pure TF when
+it has none.
+
+This module imports no op module: each op module takes its entry of `LIBRARIES`.
 
 Environment:
   TOKENSERVE_KERNELS=fallback       every op takes its pure-TF fallback
   TOKENSERVE_KERNELS_MARCH=...      build target of every op: "native" (default), "avx2"
                                     (-mavx2 -mfma: what a generic AVX2 machine runs, to
                                     benchmark that on an AVX-512 one) or any -march value
-  per op (read first):  TOKENSERVE_INT8_KERNEL=fallback, TOKENSERVE_INT8_KERNEL_MARCH=...,
-                        TOKENSERVE_PAGED_ATTENTION_KERNEL=fallback,
-                        TOKENSERVE_DENSE_KERNEL=fallback, TOKENSERVE_HALF_KERNEL=fallback
+  per library (read first): its mode_env (=fallback) and march_env in `LIBRARIES`, e.g.
+                        TOKENSERVE_INT8_KERNEL=fallback, TOKENSERVE_INT8_KERNEL_MARCH=...
   TOKENSERVE_KERNEL_SPIN_US=2000    how long the ops' helper threads keep polling for work
                                     after their last chunk before they sleep (chunks.h);
                                     0: no helper team, ops wake TF's pool threads instead
@@ -35,6 +39,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from collections.abc import Sequence
 from functools import cache
 from pathlib import Path
 
@@ -47,6 +52,7 @@ log = logging.getLogger("tokenserve.kernels")
 
 KERNELS_ENV = "TOKENSERVE_KERNELS"
 MARCH_ENV = "TOKENSERVE_KERNELS_MARCH"
+KERNELS_DIR = Path(__file__).parent
 
 _lock = threading.Lock()
 _libraries: dict[Path, object] = {}  # .so path -> the module tf.load_op_library returned
@@ -93,39 +99,48 @@ def _no_avx512fp16() -> tuple[str, ...]:
     return ("-mno-avx512fp16",) if probe.returncode == 0 else ()
 
 
-def build_library(source: Path, arch: list[str]) -> Path:
-    """Compiles `source` (if not cached) and returns the .so path.
+def compile_flags(arch: list[str]) -> list[str]:
+    """g++'s flags for a library built for `arch` (TF's own, so the ops match its ABI)."""
+    return ["-O3", *arch, "-std=c++17", "-shared", "-fPIC", *tf.sysconfig.get_compile_flags()]
+
+
+def library_path(name: str, sources: Sequence[Path], arch: list[str]) -> Path:
+    """Where library `name` built from `sources` for `arch` is cached: `<name>-<hash>.so`, the
+    hash of every source and of every header beside them (any of which they may include:
+    chunks.h, op_support.h, ...), TF's version, the flags and the CPU's feature flags."""
+    headers = sorted({header for source in sources for header in Path(source).parent.glob("*.h")})
+    code = b"\0".join(path.name.encode() + b"\0" + path.read_bytes()
+                      for path in [*map(Path, sources), *headers])
+    flags = compile_flags(arch) + tf.sysconfig.get_link_flags()
+    key = hashlib.sha256(b"\0".join([code, tf.__version__.encode(), " ".join(flags).encode(),
+                                     cpu_flags().encode()])).hexdigest()[:16]
+    return cache_dir("kernels") / f"{name}-{key}.so"
+
+
+def build_library(name: str, sources: Sequence[Path], arch: list[str]) -> Path:
+    """Compiles `sources` into library `name` (if not cached) and returns the .so path.
 
     Raises RuntimeError when it is not cached and g++ is missing or the build fails (the
-    message names the source and quotes the first error line); no file is left behind then.
+    message names the library and quotes the first error line); no file is left behind then.
     """
-    source = Path(source)
-    # the source and the headers beside it that it may include (chunks.h, cpu.h, ...)
-    code = b"\0".join([source.read_bytes(), *(header.read_bytes()
-                                               for header in sorted(source.parent.glob("*.h")))])
-    compile_flags = ["-O3", *arch, "-std=c++17", "-shared", "-fPIC",
-                     *tf.sysconfig.get_compile_flags()]
-    link_flags = tf.sysconfig.get_link_flags()
-    key = hashlib.sha256(b"\0".join([
-        code, tf.__version__.encode(), " ".join(compile_flags + link_flags).encode(),
-        cpu_flags().encode()])).hexdigest()[:16]
-    out_dir = cache_dir("kernels")
-    target = out_dir / f"{source.stem}-{key}.so"
+    target = library_path(name, sources, arch)
     if target.exists():  # built before (needs no compiler now)
         return target
     compiler = shutil.which("g++")
     if compiler is None:
         raise RuntimeError("g++ not found")
+    out_dir = target.parent
     out_dir.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=out_dir, prefix=f".{source.stem}-", suffix=".so")
+    fd, tmp = tempfile.mkstemp(dir=out_dir, prefix=f".{name}-", suffix=".so")
     os.close(fd)
-    command = [compiler, *compile_flags, str(source), "-o", tmp, *link_flags]
-    log.info("building %s: %s", source.name, " ".join(command))
+    command = [compiler, *compile_flags(arch), *map(str, sources), "-o", tmp,
+               *tf.sysconfig.get_link_flags()]
+    log.info("building %s: %s", name, " ".join(command))
     try:
         result = subprocess.run(command, capture_output=True, text=True, timeout=600)
         if result.returncode != 0:
             errors = [line for line in result.stderr.splitlines() if "error" in line]
-            raise RuntimeError(f"compiling {source.name} failed: "
+            raise RuntimeError(f"compiling {name} failed: "
                                f"{(errors or result.stderr.splitlines() or ['?'])[0]}")
         os.chmod(tmp, 0o755)  # mkstemp made it private; a shared cache needs it readable
         os.replace(tmp, target)  # atomic: a concurrent loader sees all of it or nothing
@@ -135,7 +150,7 @@ def build_library(source: Path, arch: list[str]) -> Path:
     return target
 
 
-RUNTIME_SOURCE = Path(__file__).with_name("helpers.cc")
+RUNTIME_SOURCE = KERNELS_DIR / "helpers.cc"
 _runtime: list[object] = []  # the runtime library once loaded (or the reason it is not)
 
 
@@ -148,7 +163,7 @@ def load_runtime(arch: list[str]) -> None:
         if _runtime:
             return
         try:
-            _runtime.append(ctypes.CDLL(str(build_library(RUNTIME_SOURCE, arch)),
+            _runtime.append(ctypes.CDLL(str(build_library("helpers", [RUNTIME_SOURCE], arch)),
                                         mode=os.RTLD_NOW | os.RTLD_GLOBAL))
         except (OSError, RuntimeError, subprocess.SubprocessError) as e:
             log.warning("kernel runtime unavailable, each op library keeps its own helper "
@@ -157,13 +172,14 @@ def load_runtime(arch: list[str]) -> None:
             _runtime.append(str(e))
 
 
-def load_library(source: Path, arch: list[str], what: str) -> tuple[object, str] | str:
-    """Builds (if needed) and loads `source`: (op module, build flags), or the reason it is
-    unavailable (str; logged as a warning naming `what`). Callers keep the outcome (one build
-    attempt per process); the same .so is only passed to tf.load_op_library once."""
+def load_library(name: str, sources: Sequence[Path], arch: list[str],
+                 what: str) -> tuple[object, str] | str:
+    """Builds (if needed) and loads library `name`: (op module, build flags), or the reason it
+    is unavailable (str; logged as a warning naming `what`). Callers keep the outcome (one
+    build attempt per process); the same .so is only passed to tf.load_op_library once."""
     try:
         load_runtime(arch)
-        path = build_library(source, arch)
+        path = build_library(name, sources, arch)
         with _lock:
             if path not in _libraries:
                 _libraries[path] = tf.load_op_library(str(path))
@@ -175,19 +191,32 @@ def load_library(source: Path, arch: list[str], what: str) -> tuple[object, str]
 
 
 class OpLibrary:
-    """One op source's build-and-load outcome, kept once per process.
+    """One op library: its sources, the variables that force its fallback and pick its build
+    target, the op that names the instruction set its kernels take, and its build-and-load
+    outcome, kept once per process.
+
+    Args:
+        name: the library's name (its .so's, and its op module's).
+        sources: its .cc files, one op or family of ops each (names in KERNELS_DIR).
+        what: what the library is, in messages ("dense op").
+        mode_env: set to "fallback", its ops take their pure-TF fallback.
+        info_op: its op that reports the instruction set of its kernels here.
+        march_env: its build target, read before TOKENSERVE_KERNELS_MARCH (None: none).
+        detail: added after that instruction set in `status` (what its kernels do).
 
     Example:
-        >>> LIBRARY = OpLibrary(Path(__file__).with_name("dense.cc"), "dense op",
-        ...                     mode_env="TOKENSERVE_DENSE_KERNEL")
+        >>> LIBRARY = LIBRARIES["dense"]
         >>> op = LIBRARY.module()   # None: take the pure-TF fallback
-        >>> LIBRARY.status("tokenserve_dense_info")
+        >>> LIBRARY.status()
         'compiled dense op (AVX2+FMA; built with -march=native)'
     """
 
-    def __init__(self, source: Path, what: str, mode_env: str, march_env: str | None = None):
-        self.source, self.what = Path(source), what
+    def __init__(self, name: str, sources: Sequence[str], what: str, mode_env: str,
+                 info_op: str, march_env: str | None = None, detail: str = ""):
+        self.name, self.what = name, what
+        self.sources = tuple(KERNELS_DIR / source for source in sources)
         self.mode_env, self.march_env = mode_env, march_env
+        self.info_op, self.detail = info_op, detail
         self._lock = threading.Lock()
         # (module, build flags) once loaded, or why it is unavailable (str)
         self._loaded: tuple[object, str] | str | None = None
@@ -200,7 +229,8 @@ class OpLibrary:
         with self._lock:
             if self._loaded is None:
                 march = (self.march_env,) if self.march_env else ()
-                self._loaded = load_library(self.source, arch_flags(*march), self.what)
+                self._loaded = load_library(self.name, self.sources, arch_flags(*march),
+                                            self.what)
             return self._loaded
 
     def module(self):
@@ -215,12 +245,8 @@ class OpLibrary:
         """True when the compiled op is loaded and not forced off (builds it if needed)."""
         return self.module() is not None
 
-    def status(self, info_op: str, detail: str = "") -> str:
-        """One line: which path the op takes here, and why (builds it if needed).
-
-        info_op: the library's op that reports the ISA its kernels were compiled for.
-        detail: added after that ISA (what the compiled kernels do differently).
-        """
+    def status(self) -> str:
+        """One line: which path the ops take here, and why (builds them if needed)."""
         forced = self.forced_fallback()
         if forced:
             return f"pure-TF fallback: {forced}=fallback"
@@ -228,8 +254,8 @@ class OpLibrary:
         if isinstance(loaded, str):
             return f"pure-TF fallback: {loaded}"
         op, flags = loaded
-        isa = getattr(op, info_op)().numpy().decode()
-        return f"compiled {self.what} ({isa}{detail}; built with {flags})"
+        isa = getattr(op, self.info_op)().numpy().decode()
+        return f"compiled {self.what} ({isa}{self.detail}; built with {flags})"
 
     def reset(self) -> None:
         """Forgets the outcome, as a fresh process would (tests)."""
@@ -237,15 +263,33 @@ class OpLibrary:
             self._loaded = None
 
 
-def main() -> int:
-    """Builds every op; prints one status line each. Exit status 1 if any is unavailable
-    (forced fallbacks count as fine)."""
-    from tokenserve.kernels import dense, half_matmul, int8_matmul, paged_attention
+INT8_ACTIVATIONS = ", int8 activations per 32-block"
 
+# Every op library, by name: each op module takes its own (`LIBRARIES["dense"]`), and
+# `main` builds them all.
+LIBRARIES = {library.name: library for library in (
+    OpLibrary("int8_matmul", ["int8_matmul.cc", "int8_finish_block.cc"], "int8 matmul op",
+              mode_env="TOKENSERVE_INT8_KERNEL", info_op="tokenserve_int8_matmul_info",
+              march_env="TOKENSERVE_INT8_KERNEL_MARCH", detail=INT8_ACTIVATIONS),
+    OpLibrary("paged_attention", ["paged_attention.cc"], "paged attention op",
+              mode_env="TOKENSERVE_PAGED_ATTENTION_KERNEL",
+              info_op="tokenserve_paged_decode_attention_info"),
+    OpLibrary("dense", ["dense.cc", "row_ops.cc", "finish_block.cc", "split_rope.cc"],
+              "dense op", mode_env="TOKENSERVE_DENSE_KERNEL", info_op="tokenserve_dense_info"),
+    OpLibrary("head_screen", ["head_screen.cc", "screened_logits.cc"], "head screen op",
+              mode_env="TOKENSERVE_HALF_KERNEL", info_op="tokenserve_half_matmul_info"),
+    OpLibrary("gguf_matmul", ["gguf_matmul.cc"], "GGUF block matmul op",
+              mode_env="TOKENSERVE_GGUF_KERNEL", info_op="tokenserve_gguf_matmul_info",
+              march_env="TOKENSERVE_GGUF_KERNEL_MARCH", detail=INT8_ACTIVATIONS),
+)}
+
+
+def main() -> int:
+    """Builds every op library; prints one status line each. Exit status 1 if any is
+    unavailable (forced fallbacks count as fine)."""
     ok = True
-    for name, module in (("int8_matmul", int8_matmul), ("paged_attention", paged_attention),
-                         ("dense", dense), ("half_matmul", half_matmul)):
-        status = module.kernel_status()
+    for name, library in LIBRARIES.items():
+        status = library.status()
         print(f"{name}: {status}")
         ok = ok and (status.startswith("compiled") or "=fallback" in status)
     return 0 if ok else 1

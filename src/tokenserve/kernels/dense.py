@@ -4,9 +4,10 @@ activations, float32 or bfloat16 weights.
 A batch-1 decode step is bound by reading the weights (GPT-2-small: 498 MB of float32 per
 token). XLA's matmuls stream them near the machine's bandwidth, but its CPU runtime spends
 several more milliseconds a step between the small fusions around them (norms, bias adds,
-GELU), and graph-mode TF costs ~10 us per op. `dense.cc` makes each dense layer one op, with
-its bias, activation (GPT-2's tanh GELU, or SwiGLU) and residual add fused, and each norm one
-op; the engine uses them for steps of a few tokens (docs/engine.md, "The step").
+GELU), and graph-mode TF costs ~10 us per op. The dense library makes each dense layer one op
+(`dense.cc`), with its bias, activation (GPT-2's tanh GELU, or SwiGLU) and residual add
+fused, and each norm one op (`row_ops.cc`); the engine uses them for steps of a few tokens
+(docs/engine.md, "The step").
 
     y = dense(x, kernel, bias, residual=x0, activation="gelu_tanh")   # x [M, K] -> [M, N]
     logits = dense(h, embedding, layout="nk")                          # tied LM head
@@ -23,14 +24,12 @@ is built from source on first use (tokenserve.kernels.build).
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 
 import tensorflow as tf
 
 from tokenserve.kernels import build as kbuild
 
-LIBRARY = kbuild.OpLibrary(Path(__file__).with_name("dense.cc"), "dense op",
-                           mode_env="TOKENSERVE_DENSE_KERNEL")
+LIBRARY = kbuild.LIBRARIES["dense"]
 
 ACTIVATIONS = ("none", "gelu_tanh", "swiglu")
 
@@ -187,7 +186,7 @@ def is_compiled() -> bool:
 
 def kernel_status() -> str:
     """One line: which path the dense functions take here, and why (builds the op if needed)."""
-    return LIBRARY.status("tokenserve_dense_info")
+    return LIBRARY.status()
 
 
 if __name__ == "__main__":

@@ -24,17 +24,14 @@ Environment (building and loading are shared with the other ops: tokenserve.kern
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 
 import tensorflow as tf
 
 from tokenserve.kernels import build as kbuild
 
-MODE_ENV = "TOKENSERVE_GGUF_KERNEL"
-MARCH_ENV = "TOKENSERVE_GGUF_KERNEL_MARCH"
-
-LIBRARY = kbuild.OpLibrary(Path(__file__).with_name("gguf_matmul.cc"), "GGUF block matmul op",
-                           mode_env=MODE_ENV, march_env=MARCH_ENV)
+LIBRARY = kbuild.LIBRARIES["gguf_matmul"]
+MODE_ENV = LIBRARY.mode_env  # TOKENSERVE_GGUF_KERNEL
+MARCH_ENV = LIBRARY.march_env  # TOKENSERVE_GGUF_KERNEL_MARCH
 
 BLOCK_VALUES = 32  # values a block, for every type here
 BLOCK_BYTES = {"q4_0": 18, "q4_1": 20, "q8_0": 34}  # fp16 scale (+ fp16 min), then values
@@ -147,7 +144,7 @@ def compiled_gguf_matmul(x, blocks, block_type, isa: str = "auto") -> tf.Tensor:
 
 def kernel_status() -> str:
     """One line: which path gguf_matmul takes here, and why (builds the op if needed)."""
-    return LIBRARY.status("tokenserve_gguf_matmul_info", ", int8 activations per 32-block")
+    return LIBRARY.status()
 
 
 if __name__ == "__main__":

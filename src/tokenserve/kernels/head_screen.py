@@ -1,30 +1,29 @@
-"""x @ w.T with w stored as float16 or as int8 with a scale per row, for the LM head's screen
-(engine/screened_head.py).
+"""The LM head's screen: x @ w.T with w stored as float16 or as int8 with a scale per row,
+and the whole screened head as one op (engine/step/head.py has the math).
 
     y = half_matmul(x, w16)              # x float32 [M, K], w16 float16 [N, K] -> [M, N]
     y = int8_row_matmul(x, q, scale)     # q int8 [N, K], scale float32 [N]: x @ (scale * q).T
 
 A greedy decode step reads a float16 or int8 copy of the head, half or a quarter of the
-float32 one's bytes; x stays float32 and the sums are float32 (`half_matmul.cc`). Uses the
-compiled op when it is available, else the same product in stock TF ops (also forced with
-TOKENSERVE_HALF_KERNEL=fallback or TOKENSERVE_KERNELS=fallback), which writes a float32
-copy of w on every call: correct, but slower than the float32 head it stands in for, so the
-engine screens only where the op is compiled (`is_compiled`).
+float32 one's bytes; x stays float32 and the sums are float32 (`head_screen.cc`,
+`screened_logits.cc`). Uses the compiled op when it is available, else the same product in
+stock TF ops (also forced with TOKENSERVE_HALF_KERNEL=fallback or
+TOKENSERVE_KERNELS=fallback), which writes a float32 copy of w on every call: correct, but
+slower than the float32 head it stands in for, so the engine screens only where the op is
+compiled (`is_compiled`).
 
-`python -m tokenserve.kernels.half_matmul` builds the op and prints kernel_status().
+`python -m tokenserve.kernels.head_screen` builds the op and prints kernel_status().
 """
 
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 
 import tensorflow as tf
 
 from tokenserve.kernels import build as kbuild
 
-LIBRARY = kbuild.OpLibrary(Path(__file__).with_name("half_matmul.cc"), "head screen op",
-                           mode_env="TOKENSERVE_HALF_KERNEL")
+LIBRARY = kbuild.LIBRARIES["head_screen"]
 
 
 def half_matmul(x, w, isa: str = "auto") -> tf.Tensor:
@@ -56,7 +55,7 @@ def int8_row_matmul_fallback(x, w, scale) -> tf.Tensor:
 
 def screened_logits(x, screen, scale, row_bound, weight, bias, layout: str,
                     isa: str = "auto", noise=None) -> tf.Tensor:
-    """The screened LM head in one op (engine/screened_head.py has the math): x float32
+    """The screened LM head in one op (engine/step/head.py has the math): x float32
     [M, K] (normed); screen float16 or int8 [N, K] with scale [N] (int8) or [0]; row_bound
     [N]; weight the head, float32 or bfloat16, [N, K] ("nk") or [K, N] ("kn"); bias [N] or
     [0]; noise float32 [M, N] or None (or empty). Returns [M, N]: the float32 logit (plus
@@ -79,7 +78,7 @@ def is_compiled() -> bool:
 
 def kernel_status() -> str:
     """One line: which path half_matmul takes here, and why (builds the op if needed)."""
-    return LIBRARY.status("tokenserve_half_matmul_info")
+    return LIBRARY.status()
 
 
 if __name__ == "__main__":

@@ -26,7 +26,6 @@ Environment (building and loading are shared with the other ops: tokenserve.kern
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 
 import numpy as np
 import tensorflow as tf
@@ -35,11 +34,9 @@ from tokenserve.kernels import build as kbuild
 
 log = logging.getLogger("tokenserve.kernels")
 
-MODE_ENV = "TOKENSERVE_INT8_KERNEL"
-MARCH_ENV = "TOKENSERVE_INT8_KERNEL_MARCH"
-
-LIBRARY = kbuild.OpLibrary(Path(__file__).with_name("int8_matmul.cc"), "int8 matmul op",
-                           mode_env=MODE_ENV, march_env=MARCH_ENV)
+LIBRARY = kbuild.LIBRARIES["int8_matmul"]
+MODE_ENV = LIBRARY.mode_env  # TOKENSERVE_INT8_KERNEL
+MARCH_ENV = LIBRARY.march_env  # TOKENSERVE_INT8_KERNEL_MARCH
 
 
 # ---------------------------------------------------------------------------------------------
@@ -174,7 +171,7 @@ def compiled_int8_matmul(x, q, scale, activations: str = "int8", isa: str = "aut
 
 def kernel_status() -> str:
     """One line: which path int8_matmul takes here, and why (builds the op if needed)."""
-    return LIBRARY.status("tokenserve_int8_matmul_info", ", int8 activations per 32-block")
+    return LIBRARY.status()
 
 
 if __name__ == "__main__":

@@ -44,7 +44,6 @@ fallback with the same semantics runs (ResourceGather + matmuls + masked softmax
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 
 import tensorflow as tf
 
@@ -52,11 +51,9 @@ from tokenserve.kernels import build as kbuild
 
 log = logging.getLogger("tokenserve.kernels")
 
-MODE_ENV = "TOKENSERVE_PAGED_ATTENTION_KERNEL"
+LIBRARY = kbuild.LIBRARIES["paged_attention"]
+MODE_ENV = LIBRARY.mode_env  # TOKENSERVE_PAGED_ATTENTION_KERNEL
 OP_TYPE = "TokenservePagedDecodeAttention"
-
-LIBRARY = kbuild.OpLibrary(Path(__file__).with_name("paged_attention.cc"), "paged attention op",
-                           mode_env=MODE_ENV)
 
 WRITE_OP_TYPE = "TokenservePagedWriteDecodeAttention"  # a write: ordered as one
 
@@ -263,7 +260,7 @@ def paged_decode_attention_fallback(q, key_cache, value_cache, rows, lengths,
 def kernel_status() -> str:
     """One line: which path paged_decode_attention takes here, and why (builds the op if
     needed)."""
-    return LIBRARY.status("tokenserve_paged_decode_attention_info")
+    return LIBRARY.status()
 
 
 def is_compiled() -> bool:

@@ -1,7 +1,7 @@
 // Row-wise epilogues and norms shared by the dense and int8 ops: an activation (GPT-2's tanh
 // GELU, SwiGLU) with a residual add on a finished product row, and LayerNorm / RMSNorm of a
-// row. One definition, so a fused int8 block (int8_matmul.cc) computes exactly what the
-// separate TokenserveEpilogue and TokenserveNorm ops (dense.cc) compute, bit for bit.
+// row. One definition, so a fused int8 block (int8_finish_block.cc) computes exactly what the
+// separate TokenserveEpilogue and TokenserveNorm ops (row_ops.cc) compute, bit for bit.
 // AVX2+FMA versions (target attributes, chosen at run time) and portable scalar ones.
 #ifndef TOKENSERVE_KERNELS_ROWOPS_H_
 #define TOKENSERVE_KERNELS_ROWOPS_H_

@@ -1,7 +1,7 @@
 // Float32 and bfloat16 values as float32, one at a time or eight at a time (AVX2): the
-// widening shared by every op that reads bfloat16, the KV caches of paged_attention.cc and
-// the weights of dense.cc. A bfloat16 is the top half of a float32, so widening it is a
-// zero-extend and a shift, exact.
+// widening shared by every op that reads bfloat16, the KV caches of the paged attention ops
+// and the weights of the dense ops. A bfloat16 is the top half of a float32, so widening it
+// is a zero-extend and a shift, exact.
 #ifndef TOKENSERVE_KERNELS_WIDEN_H_
 #define TOKENSERVE_KERNELS_WIDEN_H_
 

@@ -51,7 +51,7 @@ import tensorflow as tf
 
 from tokenserve.engine.config import EngineConfig
 from tokenserve.kernels import dense as kdense
-from tokenserve.kernels import half_matmul as screen_ops
+from tokenserve.kernels import head_screen as screen_ops
 
 log = logging.getLogger(__name__)
 
@@ -147,7 +147,7 @@ class ScreenedHead:
         """x [S, D] float32 (normed), noise float32 [S, vocab] or None -> [S, vocab]
         float32: logits + noise, exact (the float32 logits plus the noise) for every entry
         that could be the argmax of a row's logits + noise, the screen's approximation plus
-        the noise elsewhere. One op (kernels/half_matmul.cc); `reference` is the same in TF
+        the noise elsewhere. One op (kernels/screened_logits.cc); `reference` is the same in TF
         ops."""
         return screen_ops.screened_logits(
             x, self.screen, self._none if self.scale is None else self.scale, self.row_bound,
