@@ -7,7 +7,7 @@
 //             row at a time, prefetched 1 KB ahead into L1, four accumulators; per 32
 //             weights sign + maddubs + madd + cvt + fma
 //   L2 16K    the same, also prefetching 16 KB (32 KB, 64 KB) ahead into L2; 32 KB is the
-//             op's (Int8RowsAvx2 in src/tokenserve/kernels/int8_matmul.cc)
+//             op's (Int8RowsAvx2 in src/tokenserve/kernels/int8_rows_avx2.h)
 //   2 rows    two weight rows per pass sharing each load of x
 //   int16     x widened to int16 once, W widened per block, madd only (no sign trick)
 //   read      xor of every 32 bytes of W: what the memory gives

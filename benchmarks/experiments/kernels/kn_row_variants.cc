@@ -4,7 +4,7 @@
 // 2 threads that each take one half of every matrix's rows, against a loop that only reads:
 //
 //   read           four independent sums of every 8 floats: what the memory gives
-//   pass 8         KnPassAvx2<1, 8> in src/tokenserve/kernels/dense.cc before it prefetched:
+//   pass 8         KnPassAvx2<1, 8> in src/tokenserve/kernels/dense_kn.h before it prefetched:
 //                  eight weight rows side by side, the hardware prefetcher alone
 //   pass 8 + L2    the op's: the next pass's eight rows prefetched into L2, spread over this
 //                  pass (8 * P floats a step)
