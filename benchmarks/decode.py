@@ -601,8 +601,8 @@ class Run:
         if name in (GRAPH_NOXLA, GRAPH_XLA):
             return OneCallSystem(graph_generate_fn(self.signature(name == GRAPH_XLA), prompt))
         if name == STREAM_XLA:
-            from tokenserve.tools.generate import ExportedModel
             from tokenserve.sampling import SamplingParams
+            from tokenserve.tools.generate import ExportedModel
 
             exported = self.loaded["stream"] = ExportedModel(self.paths[True])
             return StreamSystem(lambda n: exported.stream(prompt, SamplingParams(max_tokens=n)))

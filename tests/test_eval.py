@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from tests.conftest import TINY_TEXT, tiny
-from tokenserve.tools import evaluate
 from tokenserve.cli.main import main
 from tokenserve.errors import ConfigError, InvalidRequestError, ModelNotFoundError
+from tokenserve.tools import evaluate
 from tokenserve.train.corpus import token_stream
 
 # one exported tiny Transformer (the session fixture of conftest.py, this family only)

@@ -11,10 +11,10 @@ import pytest
 import tensorflow as tf
 
 from tokenserve.export.exporter import export_model
-from tokenserve.tools.generate import ExportedModel
 from tokenserve.export.module import GenerationModule
 from tokenserve.lifecycle.warmup_replay import read_warmup
 from tokenserve.sampling import SamplingParams
+from tokenserve.tools.generate import ExportedModel
 from tests.conftest import tiny
 
 PROMPT = [11, 12, 13, 14, 15, 16, 17, 18]

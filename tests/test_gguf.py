@@ -309,8 +309,8 @@ def test_export_cli_with_int8_and_float_export_stream(tokenizer, tmp_path):
     import tensorflow as tf
 
     from tokenserve.export.exporter import export_model
-    from tokenserve.tools.generate import ExportedModel
     from tokenserve.sampling import SamplingParams
+    from tokenserve.tools.generate import ExportedModel
 
     path = write_gguf(tmp_path / "tiny.gguf", qtype=Q.Q4_1, embed_qtype=Q.Q8_0, tie=True,
                       vocab=bpe_vocab(tokenizer))
@@ -466,10 +466,10 @@ def test_eval_and_generate_find_smollm2_by_name(monkeypatch, tokenizer, tmp_path
     """`tokenserve eval smollm2` and `generate --model smollm2` use the packaged export, as
     serve does. A tiny export stands in for it, so the 2-minute import is not run here."""
     from tests.conftest import tiny
-    from tokenserve.tools import evaluate
     from tokenserve.cli.main import main
     from tokenserve.export import cached_exports
     from tokenserve.export.exporter import export_model
+    from tokenserve.tools import evaluate
 
     model, config = tiny("tiny-llama", tokenizer)
     version = export_model(model, tokenizer, config, tmp_path / "smollm2", jit_compile=False)

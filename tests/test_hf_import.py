@@ -9,9 +9,9 @@ import tensorflow as tf
 
 from tokenserve.errors import ModelLoadError
 from tokenserve.export.exporter import export_model
-from tokenserve.tools.generate import ExportedModel
 from tokenserve.model.hf import UnsupportedArchitectureError, load_hf
 from tokenserve.sampling import SamplingParams
+from tokenserve.tools.generate import ExportedModel
 
 if os.environ.get("CI"):
     # In CI these are installed (the test extra): a missing one is a broken setup, and

@@ -93,8 +93,8 @@ def test_bad_fractions_are_refused(tokenizer, windows):
 def test_cli_prune_exports_what_the_engine_serves(tokenizer, tmp_path, capsys):
     from tokenserve import LLM
     from tokenserve.cli.main import main
-    from tokenserve.tools.generate import ExportedModel
     from tokenserve.sampling import SamplingParams
+    from tokenserve.tools.generate import ExportedModel
 
     data = tmp_path / "code.py"
     data.write_text("".join(TINY_TEXT))

@@ -52,8 +52,8 @@ def test_int8_logits_stay_close_to_float32(name, tokenizer):
 
 def test_perplexity_gate_on_the_built_in_transformer():
     """int8 must cost under +1 % perplexity on the held-out split (llama.cpp's q8_0: ~0.1 %)."""
-    from tokenserve.tools.evaluate import heldout_windows, perplexity
     from tokenserve.model.checkpoint import load_source
+    from tokenserve.tools.evaluate import heldout_windows, perplexity
 
     model, tokenizer, _ = load_source("builtin")
     windows = heldout_windows(tokenizer, 512, 8192)
@@ -67,9 +67,9 @@ def test_the_export_uses_only_stock_tensorflow_ops_and_matches_the_portable_mode
         int8_export, tokenizer):
     from tensorflow.core.protobuf import saved_model_pb2
 
-    from tokenserve.tools.generate import ExportedModel
     from tokenserve.model.layers import portable_graphs
     from tokenserve.sampling import SamplingParams
+    from tokenserve.tools.generate import ExportedModel
 
     _, int8, version_dir = int8_export
     proto = saved_model_pb2.SavedModel()

@@ -12,8 +12,8 @@ from tokenserve.edge.convert import (TFLITE_FILE, TFLiteOptions, UnsupportedOpsE
                                      export_tflite, flex_ops, opcode_names)
 from tokenserve.edge.runner import LiteRTModel, is_tflite_path
 from tokenserve.export.exporter import export_model
-from tokenserve.tools.generate import ExportedModel
 from tokenserve.sampling import SamplingParams
+from tokenserve.tools.generate import ExportedModel
 
 FAMILIES = ["tiny-gpt2", "tiny-llama", "tiny-lstm"]
 GREEDY = SamplingParams(max_tokens=24, ignore_eos=True)

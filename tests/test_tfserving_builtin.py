@@ -13,8 +13,8 @@ def test_serves_builtin_model_without_model_flags(tmp_path):
     process = S.ServerProcess(tmp_path)
     try:
         process.wait_ready("builtin", timeout_s=600)
-        from tokenserve.tools.generate import ExportedModel
         from tokenserve.export.cached_exports import builtin_export
+        from tokenserve.tools.generate import ExportedModel
 
         model = ExportedModel(builtin_export())
         prompt = model.tokenizer.encode("def read_config(path):")

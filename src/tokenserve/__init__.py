@@ -15,8 +15,8 @@ import importlib
 
 from tokenserve.config import (GenerationConfig, LSTMConfig, TrainConfig, TransformerConfig,
                                gpt2_config, llama_config, preset)
-from tokenserve.host.cpu_quota import size_tensorflow_threads
 from tokenserve.errors import TokenserveError
+from tokenserve.host.cpu_quota import size_tensorflow_threads
 from tokenserve.sampling import SamplingParams
 
 __version__ = "0.1.0"

@@ -45,8 +45,8 @@ def run(args: argparse.Namespace) -> int:
     import time
     from pathlib import Path
 
-    from tokenserve.tools import evaluate
     from tokenserve.errors import ConfigError
+    from tokenserve.tools import evaluate
 
     started = time.perf_counter()
     for name in ("max_tokens", "batch_size", "context"):

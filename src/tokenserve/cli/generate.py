@@ -30,10 +30,10 @@ def run(args: argparse.Namespace) -> int:
     import time
 
     from tokenserve.edge.runner import is_tflite_path
-    from tokenserve.tools.evaluate import resolve_model_path
-    from tokenserve.tools.generate import ExportedModel
     from tokenserve.export.cached_exports import builtin_export
     from tokenserve.sampling import SamplingParams
+    from tokenserve.tools.evaluate import resolve_model_path
+    from tokenserve.tools.generate import ExportedModel
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             top_k=args.top_k, top_p=args.top_p, seed=args.seed)

@@ -8,9 +8,9 @@ import logging
 import os
 import sys
 
+from tokenserve.errors import TokenserveError
 from tokenserve.host.python_heap import collector_paused
 from tokenserve.host.user_cache import cache_dir
-from tokenserve.errors import TokenserveError
 
 
 def _library_logs(verbose: bool) -> None:

@@ -10,10 +10,10 @@ from pathlib import Path
 import numpy as np
 
 from tokenserve.config import GenerationConfig
-from tokenserve.host.cpu_quota import usable_cpus
 from tokenserve.edge.cache import cache_names, write_entries
 from tokenserve.edge.convert import TFLITE_FILE, TFLITE_INFO_FILE
 from tokenserve.errors import ModelLoadError, ModelNotFoundError, PromptTooLongError
+from tokenserve.host.cpu_quota import usable_cpus
 from tokenserve.sampling import SamplingParams
 from tokenserve.tools.token_stream import sample_tokens
 

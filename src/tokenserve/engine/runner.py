@@ -14,13 +14,13 @@ from pathlib import Path
 import numpy as np
 
 from tokenserve.config import GenerationConfig, TransformerConfig
-from tokenserve.host.cpu_quota import applied_quota, schedulable_cpus, usable_cpus
 from tokenserve.engine.cache_accounting import BlockAllocator, SlotAllocator
 from tokenserve.engine.config import EngineConfig
 from tokenserve.engine.kv_budget import plan_kv_cache
 from tokenserve.engine.prefix_cache import PrefixCachingAllocator
 from tokenserve.engine.scheduler_output import SchedulerOutput
 from tokenserve.engine.step.packing import bucket_size, pack_tokens, xla_shapes
+from tokenserve.host.cpu_quota import applied_quota, schedulable_cpus, usable_cpus
 
 log = logging.getLogger(__name__)
 

@@ -17,9 +17,9 @@ import sys
 from pathlib import Path
 
 from tokenserve.export.exporter import export_model, version_dirs
+from tokenserve.host.user_cache import cache_dir
 from tokenserve.model.checkpoint import (BUILTIN_DIR, BUILTIN_NAMES, DEFAULT_SOURCE,
                                          PACKAGED_GGUF, load_source, packaged_gguf)
-from tokenserve.host.user_cache import cache_dir
 
 
 _GRAPH_SOURCES = ("export", "model")

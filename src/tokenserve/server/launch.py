@@ -19,11 +19,11 @@ import time
 import uvicorn
 from prometheus_client import CollectorRegistry
 
+from tokenserve.host.python_heap import collector_paused
 from tokenserve.observability.memory import (MemoryGauges, release_file_pages,
                                              release_freed_memory, resident_bytes)
 from tokenserve.observability.memory import describe as describe_memory
 from tokenserve.observability.stack import Observability
-from tokenserve.host.python_heap import collector_paused
 from tokenserve.server.auth import APIKeys, AsyncAPIKeyInterceptor, check_http_authorization
 from tokenserve.server.config import LLMServeConfig, ServeConfig, engine_config_for
 from tokenserve.server.status import http_status

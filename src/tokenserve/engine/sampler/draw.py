@@ -27,8 +27,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from tokenserve.host.cpu_quota import usable_cpus
 from tokenserve.engine.outputs import TokenLogprob
+from tokenserve.host.cpu_quota import usable_cpus
 from tokenserve.sampling import SamplingParams
 
 _CANDIDATES = 256  # the likeliest tokens a walk sorts first; past them, buckets (or a full sort)
