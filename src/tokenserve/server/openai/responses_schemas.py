@@ -55,8 +55,8 @@ class FunctionCallOutputInput(BaseModel):
 INPUT_ITEMS = {"message": InputMessage, "function_call": FunctionCallInput,
                "function_call_output": FunctionCallOutputInput}
 """The input item types served, by `type` (an easy input message, {"role", "content"}, has
-none: "message"). Each item is validated on its own (responses.input_messages), so an error
-names the item's own field (input.2.call_id) rather than a branch of a union."""
+none: "message"). Each item is validated on its own (responses_input.input_messages), so an
+error names the item's own field (input.2.call_id) rather than a branch of a union."""
 
 
 class FunctionTool(BaseModel):
@@ -121,7 +121,7 @@ class ResponseCreateRequest(BaseModel):
     """"auto": a conversation too long for the context drops its oldest messages (after the
     instructions) until it fits; "disabled" (the default): it is refused with 400."""
     # Fields that would change the answer and are not served (these four, and include values
-    # other than logprobs): refused (400) when set (responses.check_unsupported), never
+    # other than logprobs): refused (400) when set (responses_options.check_unsupported), never
     # silently ignored.
     conversation: Any = None
     prompt: Any = None

@@ -1,5 +1,6 @@
 """The Responses API's routes: POST /v1/responses (SSE with `stream: true`), GET and DELETE
-/v1/responses/{id}, GET /v1/responses/{id}/input_items (responses.py holds the rest)."""
+/v1/responses/{id}, GET /v1/responses/{id}/input_items (responses.py and its
+responses_* siblings hold the rest)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ from .config import OpenAIServerConfig
 from .http import EventStream, read_json, unless_disconnected, with_error_event
 from .models import ModelResolver
 from .openapi import GENERATION_ERRORS, request_body, responses
-from .responses import ResponseRun, input_items_page, key_owner, owned_response
+from .responses import ResponseRun
+from .responses_stored import input_items_page, key_owner, owned_response
 from .responses_schemas import (DeletedResponse, InputItemList, ResponseCreateRequest,
                                 ResponseObject)
 from .streams import trace_context
