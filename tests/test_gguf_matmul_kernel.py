@@ -171,7 +171,8 @@ def test_empty_batch_and_graph_mode_without_retrace(compiled):
 
 @pytest.mark.parametrize("k, row_bytes, message", [
     (100, 80, "K = 100 does not divide into q4_1 blocks of 32 values"),
-    (576, 340, "q4_1 weights for K = 576 need 360 bytes a row (18 blocks of 20), but blocks has 340"),
+    (576, 340,
+     "q4_1 weights for K = 576 need 360 bytes a row (18 blocks of 20), but blocks has 340"),
     (64, 36, "need 40 bytes a row"),  # Q4_0's bytes given as Q4_1
 ])
 def test_blocks_that_do_not_fit_are_refused(compiled, k, row_bytes, message):

@@ -70,12 +70,13 @@ inline uint16_t LoadHalfBits(const uint8_t* p) {
 
 // ---- block types --------------------------------------------------------------------------
 // Each: kBytes a block, kSigned (v signed: the dot product needs the sign trick), kHasOffset
-// (c != 0 can occur: the sx term is needed), and scalar Decode.
+// (c != 0 can occur: the sx term is needed), and Offset: c from the block and its scale d.
+// The scale d is every type's first two bytes (Scale); DecodeValues and LoadValues give v.
 
 struct Q4_0 {
   static constexpr const char* kName = "q4_0";
   static constexpr int kBytes = 18;
-  static constexpr int kNibbles = 2;  // offset of the nibbles in the block
+  static constexpr int kNibbles = 2;  // where the nibbles start in the block
   static constexpr bool kSigned = false, kHasOffset = true;
   static float Offset(const uint8_t*, float d) { return -8.f * d; }
 };
@@ -165,7 +166,8 @@ TOKENSERVE_GGUF_SIMD __attribute__((always_inline)) inline __m256i LoadValues(
   if constexpr (Type::kSigned) {
     return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 2));
   } else {
-    const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + Type::kNibbles));
+    const __m128i packed =
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + Type::kNibbles));
     // low halves are values 0..15 (lower 128 bits), high halves 16..31 (upper 128 bits)
     const __m256i both = _mm256_set_m128i(_mm_srli_epi16(packed, 4), packed);
     return _mm256_and_si256(both, _mm256_set1_epi8(0x0f));

@@ -123,7 +123,8 @@ TOKENSERVE_GGUF_SIMD __attribute__((always_inline)) inline void RowGroup(
     const float c = LoadOffset<Type>(block, d);
     for (int i = 0; i < R; ++i) {
       const int64 at = xq.Index(m0 + i, b);
-      const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq.q.data() + at * kBlock));
+      const __m256i x =
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq.q.data() + at * kBlock));
       const __m256i dot = Dot::Dot(u, Signed<Type>(x, w));
       acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(d * xq.d[at]), acc[i]);
       if constexpr (Type::kHasOffset) corr[i] += c * xq.s[at];
