@@ -18,28 +18,15 @@
 #include <string>
 #include <vector>
 
-#include "tensorflow/core/framework/op.h"
-#include "tensorflow/core/framework/op_kernel.h"
-#include "tensorflow/core/framework/shape_inference.h"
-#include "tensorflow/core/platform/threadpool.h"
 #include "chunks.h"
 #include "cpu.h"
 #include "gguf_blocks.h"
 #include "gguf_kernels.h"
 #include "gguf_tiles.h"
+#include "op_support.h"
 
 namespace tokenserve {
 namespace {
-
-using gguf::int64;
-using tensorflow::OpKernel;
-using tensorflow::OpKernelConstruction;
-using tensorflow::OpKernelContext;
-using tensorflow::Tensor;
-using tensorflow::TensorShape;
-using tensorflow::errors::InvalidArgument;
-using tensorflow::shape_inference::InferenceContext;
-using tensorflow::shape_inference::ShapeHandle;
 
 // Up to this many rows of x, one weight row at a time against all of them (RowsSimd): the
 // weights are one sequential stream and each block is decoded once for every four rows of x.
@@ -192,22 +179,17 @@ REGISTER_OP("TokenserveGgufMatmul")
 
 REGISTER_OP("TokenserveGgufMatmulInfo")
     .Output("info: string")
-    .SetShapeFn([](InferenceContext* c) {
-      c->set_output(0, c->Scalar());
-      return absl::OkStatus();
-    })
+    .SetShapeFn(tensorflow::shape_inference::ScalarShape)
     .Doc("Which instruction set the TokenserveGgufMatmul kernel uses on this CPU.");
 
 namespace {
 
 class GgufMatmulOp : public OpKernel {
  public:
-  explicit GgufMatmulOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
-    std::string isa;
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("block_type", &type_));
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("isa", &isa));
-    isa_ = ChooseIsa(isa);
-  }
+  explicit GgufMatmulOp(OpKernelConstruction* ctx)
+      : OpKernel(ctx),
+        type_(StringAttr(ctx, "block_type")),
+        isa_(ChooseIsa(StringAttr(ctx, "isa"))) {}
 
   void Compute(OpKernelContext* ctx) override {
     const Tensor& x = ctx->input(0);
@@ -230,7 +212,7 @@ class GgufMatmulOp : public OpKernel {
     }
     gguf::Q8Rows xq;
     gguf::QuantizeRows(x.flat<float>().data(), g.M, g.K, isa_ != Isa::kScalar, &xq);
-    auto* pool = ctx->device()->tensorflow_cpu_worker_threads()->workers;
+    auto* pool = WorkerPool(ctx);
     const uint8_t* w = blocks.flat<uint8_t>().data();
     if (type_ == "q4_0") {
       Matmul<gguf::Q4_0>(pool, isa_, g, xq, w, y);
@@ -242,24 +224,14 @@ class GgufMatmulOp : public OpKernel {
   }
 
  private:
-  std::string type_;
-  Isa isa_ = Isa::kScalar;
+  const std::string type_;
+  const Isa isa_;
 };
 
-class GgufMatmulInfoOp : public OpKernel {
- public:
-  explicit GgufMatmulInfoOp(OpKernelConstruction* ctx) : OpKernel(ctx) {}
-  void Compute(OpKernelContext* ctx) override {
-    Tensor* out = nullptr;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({}), &out));
-    out->scalar<tensorflow::tstring>()() = IsaName(ChooseIsa("auto"));
-  }
-};
+const char* GgufIsa() { return IsaName(ChooseIsa("auto")); }
 
-REGISTER_KERNEL_BUILDER(Name("TokenserveGgufMatmul").Device(tensorflow::DEVICE_CPU),
-                        GgufMatmulOp);
-REGISTER_KERNEL_BUILDER(Name("TokenserveGgufMatmulInfo").Device(tensorflow::DEVICE_CPU),
-                        GgufMatmulInfoOp);
+REGISTER_KERNEL_BUILDER(Name("TokenserveGgufMatmul").Device(DEVICE_CPU), GgufMatmulOp);
+REGISTER_KERNEL_BUILDER(Name("TokenserveGgufMatmulInfo").Device(DEVICE_CPU), IsaInfoOp<GgufIsa>);
 
 }  // namespace
 }  // namespace tokenserve
