@@ -332,7 +332,7 @@ def test_a_model_that_makes_nan_logits_is_reported_and_keeps_serving(tokenizer, 
                 tokens += out.outputs[0].token_ids
             return tokens
 
-        with caplog.at_level(logging.WARNING, logger="tokenserve.engine.core"):
+        with caplog.at_level(logging.WARNING, logger="tokenserve.engine.output_processor"):
             greedy = asyncio.run(run("greedy", SamplingParams(max_tokens=6, ignore_eos=True)))
             sampled = asyncio.run(run("sampled", SamplingParams(
                 max_tokens=6, temperature=1.0, seed=1, ignore_eos=True)))

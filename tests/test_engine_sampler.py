@@ -1,4 +1,4 @@
-"""The server's sampler (engine/sampler.py), directly: min-p, the three penalties, and top-p's
+"""The server's sampler (engine/sampler/), directly: min-p, the three penalties, and top-p's
 candidate path (the nucleus found among the 256 likeliest tokens without a full sort) against
 the full sort, and whole-distribution sampling against the full sort."""
 
@@ -7,7 +7,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tokenserve.engine.sampler import _CANDIDATES, SequenceSampler, descending, sample_batch
+from tokenserve.engine.sampler.draw import SequenceSampler, sample_batch, token_logprob
+from tokenserve.engine.sampler.verify import verify_draft
+from tokenserve.engine.sampler.walk import CANDIDATES, descending, pick_past_head, pick_whole
 from tokenserve.sampling import SamplingParams
 
 VOCAB = 1000
@@ -87,7 +89,7 @@ def test_top_p_candidate_path_is_taken_and_the_fallback_when_the_head_is_short()
         nucleus = sampler(temperature=1.0, top_p=0.9)._sorted_nucleus(probs)
         mass = probs[nucleus].sum()
         assert mass >= 0.9 - 1e-9 and mass - probs[nucleus[-1]] < 0.9
-    assert len(sampler(temperature=1.0, top_p=0.9)._sorted_nucleus(flat)) > _CANDIDATES
+    assert len(sampler(temperature=1.0, top_p=0.9)._sorted_nucleus(flat)) > CANDIDATES
 
 
 def test_top_p_draws_only_from_the_nucleus():
@@ -136,7 +138,7 @@ def full_sort_pick(probs: np.ndarray, uniform: float) -> int:
 @pytest.mark.parametrize("shape", ["peaked", "flat", "ties"])
 def test_whole_distribution_sampling_sorts_only_the_head_and_picks_as_a_full_sort(shape):
     rng = np.random.default_rng(5)
-    size = 4 * _CANDIDATES
+    size = 4 * CANDIDATES
     if shape == "peaked":    # the draw nearly always lands among the likeliest tokens
         probs = np.exp(rng.normal(0, 4, size))
     elif shape == "flat":    # it often lands past them: the full-sort fallback
@@ -145,7 +147,7 @@ def test_whole_distribution_sampling_sorts_only_the_head_and_picks_as_a_full_sor
         probs = rng.integers(1, 6, size).astype(np.float64)
     probs = (probs / probs.sum()).astype(np.float32)
     for uniform in np.concatenate([rng.random(300), [0.0, 1 - 1e-12]]):
-        assert SequenceSampler._pick_whole(probs, float(uniform)) == full_sort_pick(
+        assert pick_whole(probs, float(uniform)) == full_sort_pick(
             probs, float(uniform))
 
 
@@ -183,8 +185,6 @@ def test_the_nucleus_is_a_prefix_of_the_full_sort_with_both_cuts(params):
 
 
 def test_token_logprob_matches_a_float64_log_softmax_and_orders_ties_by_id():
-    from tokenserve.engine.sampler import token_logprob
-
     rng = np.random.default_rng(2)
     logits = rng.normal(0.0, 3.0, VOCAB).astype(np.float32)
     logits[[40, 7, 900]] = logits.max() + 1.0              # a three-way tie for the best
@@ -203,23 +203,21 @@ def test_token_logprob_matches_a_float64_log_softmax_and_orders_ties_by_id():
 
 def test_a_draw_past_the_head_sorts_one_bucket_and_picks_as_a_full_sort():
     """A flat distribution's draws land past the likeliest 256 tokens; there the sampler sorts
-    only the bucket of values the draw lands in (sampler._pick_past_head), and declines
+    only the bucket of values the draw lands in (walk.pick_past_head), and declines
     (None: the full sort decides) only where a draw lies on a token's border."""
-    from tokenserve.engine.sampler import _pick_past_head
-
     rng = np.random.default_rng(8)
     probs = np.exp(rng.normal(0.0, 1.0, 50_000)).astype(np.float32)
     probs[rng.integers(0, probs.size, 2000)] = probs[5]   # ties inside one bucket
     probs[rng.integers(0, probs.size, 500)] = 0.0        # and tokens that cannot be drawn
     probs /= probs.sum(dtype=np.float64)
-    kth = np.partition(probs, probs.size - _CANDIDATES)[probs.size - _CANDIDATES]
+    kth = np.partition(probs, probs.size - CANDIDATES)[probs.size - CANDIDATES]
     order = np.lexsort((np.arange(probs.size), -probs))
     cumulative = np.cumsum(probs[order], dtype=np.float64)
     head_mass = float(cumulative[np.count_nonzero(probs >= kth) - 1])
     total = float(probs.sum(dtype=np.float64))
     taken = 0
     for uniform in rng.uniform(head_mass / total, 1.0, 300):
-        landed = _pick_past_head(probs, kth, head_mass, float(uniform) * total, total)
+        landed = pick_past_head(probs, kth, head_mass, float(uniform) * total, total)
         taken += landed is not None
         if landed is not None:
             token, before, through = landed
@@ -231,9 +229,9 @@ def test_a_draw_past_the_head_sorts_one_bucket_and_picks_as_a_full_sort():
     # a draw exactly on a border: declined, and the whole walk still picks the full sort's
     for k in rng.integers(np.count_nonzero(probs >= kth), probs.size - 600, 20):
         target = float(cumulative[k])
-        assert _pick_past_head(probs, kth, head_mass, target, total) is None
+        assert pick_past_head(probs, kth, head_mass, target, total) is None
         uniform = target / total
-        assert SequenceSampler._pick_whole(probs, uniform) == full_sort_pick(probs, uniform)
+        assert pick_whole(probs, uniform) == full_sort_pick(probs, uniform)
 
 
 def test_top_k_keeps_exactly_k_tokens_and_the_lower_ids_of_a_tie():
@@ -243,7 +241,7 @@ def test_top_k_keeps_exactly_k_tokens_and_the_lower_ids_of_a_tie():
     # k = 4: the two best and the two lowest ids of the tie
     assert draws({"temperature": 1.0, "top_k": 4}, logits) == {11, 12, 3, 7}
     assert draws({"temperature": 1.0, "top_k": 2}, logits) == {11, 12}
-    candidates, probs = sampler(temperature=1.0, top_k=6)._softmax(logits.copy())
+    candidates, probs = sampler(temperature=1.0, top_k=6).softmax(logits.copy())
     assert list(candidates) == [3, 7, 11, 12, 450, 600] and probs.size == 6
 
 
@@ -289,19 +287,19 @@ def test_a_row_with_nan_or_plus_inf_is_reported_and_minus_inf_is_not(params):
 @pytest.mark.parametrize("params", [dict(), dict(temperature=0.0, repetition_penalty=1.2),
                                     dict(temperature=1.0), dict(temperature=0.7, top_p=0.9)])
 def test_checking_a_draft_against_nan_logits_follows_the_draws_rule(params):
-    """verify() (speculative decoding) takes no NaN either, neither as the draft nor as its
+    """verify_draft() (speculative decoding) takes no NaN either, neither as the draft nor as its
     own pick, and says it saw one; a healthy row after it is not reported."""
     nan_row = np.zeros(VOCAB, np.float32)
     nan_row[3] = np.nan
     nan_row[8] = 1.0
     one = sampler(**params)
     for _ in range(20):
-        assert one.verify(nan_row, draft=3) != 3 and one.saw_nonfinite
+        assert verify_draft(one, nan_row, draft=3) != 3 and one.saw_nonfinite
     if params.get("temperature", 0.0) == 0.0:
-        assert one.verify(nan_row, draft=3) == 8
+        assert verify_draft(one, nan_row, draft=3) == 8
     healthy = np.zeros(VOCAB, np.float32)
     healthy[8] = 5.0
-    one.verify(healthy, draft=8)
+    verify_draft(one, healthy, draft=8)
     assert not one.saw_nonfinite
 
 
@@ -341,7 +339,7 @@ def test_top_p_walks_twice_and_picks_as_sorting_the_nucleus(shape, top_p):
     for seed in range(20):
         drawn = sampler(temperature=1.0, top_p=top_p, seed=seed).sample(logits)
         uniform = np.random.default_rng(seed).random()
-        _, redone = sampler(temperature=1.0, top_p=top_p)._softmax(logits.copy())
+        _, redone = sampler(temperature=1.0, top_p=top_p).softmax(logits.copy())
         assert drawn == nucleus_pick(redone, top_p, uniform)
 
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from tokenserve.engine.guided import grammar_text
-from tokenserve.engine.sampler import apply_token_masks
+from tokenserve.engine.sampler.masks import apply_token_masks
 from tokenserve.errors import InvalidRequestError
 from tokenserve.sampling import GuideKind, SamplingParams, StructuredOutput
 

@@ -70,7 +70,7 @@ GROUPS: dict[str, str] = {
 
 RUNNER_DATA = ("tokenserve.engine.cache_accounting", "tokenserve.engine.config",
                "tokenserve.engine.kv_budget", "tokenserve.engine.prefix_cache",
-               "tokenserve.engine.scheduler")
+               "tokenserve.engine.scheduler_output")
 """What the runner reads from the engine above it: configs, cache accounting and the
 scheduler's output (the dataclass it executes). Never the loop (core, async_engine, llm)."""
 

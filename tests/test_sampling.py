@@ -4,7 +4,7 @@ sampled by the engine's own sampler (docs/architecture.md#one-host-sampler)."""
 import numpy as np
 import pytest
 
-from tokenserve.engine.sampler import SequenceSampler, sample_batch
+from tokenserve.engine.sampler.draw import SequenceSampler, sample_batch
 from tokenserve.errors import InvalidRequestError
 from tokenserve.sampling import SamplingParams
 from tokenserve.tools.token_stream import sample_tokens

@@ -115,7 +115,7 @@ def test_the_one_op_head_is_the_tf_ops_head(layout, dtype, isa):
 @pytest.mark.parametrize("layout", ["nk", "kn"])
 def test_with_noise_the_op_screens_the_argmax_of_logits_plus_noise(layout, dtype, isa):
     """A sampled row's draw is the argmax of its logits plus T x Gumbel noise
-    (engine/sampler.py); the op adds the noise and screens that argmax. Over 30 draws of
+    (engine/sampler/draw.py); the op adds the noise and screens that argmax. Over 30 draws of
     noise at several temperatures (and a greedy row of zeros): the argmax of what it returns
     is the argmax of the float32 logits plus the noise, every entry that could win holds
     exactly that sum, and the others the screen's value plus the noise. The TF-ops

@@ -13,7 +13,8 @@ from tokenserve.engine.async_engine import AsyncEngine
 from tokenserve.engine.config import EngineConfig
 from tokenserve.engine.llm import LLM
 from tokenserve.engine.ngram import NgramDrafter
-from tokenserve.engine.sampler import SequenceSampler
+from tokenserve.engine.sampler.draw import SequenceSampler
+from tokenserve.engine.sampler.verify import verify_draft
 from tokenserve.errors import ConfigError
 from tokenserve.sampling import SamplingParams
 
@@ -122,7 +123,7 @@ def test_a_checked_draft_leaves_the_sampling_distribution_as_it_was(knobs, draft
     params = SamplingParams(temperature=knobs.pop("temperature", 1.0), seed=0, **knobs)
     sampler = SequenceSampler(params, 0, LOGITS.size, PROMPT_IDS)
     draws = 20000
-    got = np.bincount([sampler.verify(LOGITS, draft) for _ in range(draws)],
+    got = np.bincount([verify_draft(sampler, LOGITS, draft) for _ in range(draws)],
                       minlength=LOGITS.size) / draws
     if want[draft] == 0:
         assert got[draft] == 0  # outside top-k / top-p / min-p: never kept
@@ -138,7 +139,7 @@ def test_a_checked_draft_leaves_the_sampling_distribution_as_it_was(knobs, draft
 def test_a_greedy_check_is_the_models_choice_penalties_included():
     sampler = SequenceSampler(SamplingParams(repetition_penalty=2.0), 0, LOGITS.size, [0])
     # token 0's logit halves to 1.0 once it was seen: token 1 (1.6) is the choice
-    assert sampler.verify(LOGITS, 0) == 1 and sampler.verify(LOGITS, 1) == 1
+    assert verify_draft(sampler, LOGITS, 0) == 1 and verify_draft(sampler, LOGITS, 1) == 1
 
 
 # -- the engine -------------------------------------------------------------------------------
@@ -366,7 +367,7 @@ def test_int8_weights_draft_too_and_say_what_it_costs(tokenizer, tmp_path, caplo
                                tmp_path / "int8")
     params = SamplingParams(max_tokens=24, ignore_eos=True)
     want = LLM(version_dir, engine_config()).generate(PROMPTS, params, use_tqdm=False)
-    with caplog.at_level(logging.WARNING, logger="tokenserve.engine.core"):
+    with caplog.at_level(logging.WARNING, logger="tokenserve.engine.spec_decode"):
         llm = LLM(version_dir, engine_config(num_speculative_tokens=DRAFTS,
                                              speculative_max_seqs=8))
     assert any("int8" in r.getMessage() for r in caplog.records)

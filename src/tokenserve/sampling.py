@@ -1,7 +1,7 @@
 """What a request asks of sampling: `SamplingParams` (and its structured-output constraint).
 
 Plain Python, no TensorFlow: every layer from the frontends down to the engine reads it. The
-one host sampler that applies it is the engine's (`engine/sampler.py`); outside the engine,
+one host sampler that applies it is the engine's (`engine/sampler/`); outside the engine,
 `token_stream.sample_tokens` runs that same sampler for one sequence.
 """
 
@@ -141,7 +141,7 @@ class SamplingParams:
     def samples_by_noise(self) -> bool:
         """Plain temperature sampling, with no top-k, top-p or min-p cut: each token is then
         drawn as the argmax of the (penalized) logits plus temperature times Gumbel noise
-        (engine/sampler.py), which is a draw from their softmax."""
+        (engine/sampler/draw.py), which is a draw from their softmax."""
         return (self.temperature > 0.0 and self.top_k == 0 and self.top_p >= 1.0
                 and self.min_p == 0.0)
 

@@ -25,7 +25,7 @@ from pathlib import Path
 from tokenserve.engine.config import EngineConfig
 from tokenserve.engine.core import LLMEngine
 from tokenserve.engine.outputs import RequestOutput, TokenLogprob
-from tokenserve.engine.sampler import token_logprob
+from tokenserve.engine.sampler.draw import token_logprob
 from tokenserve.errors import EngineDeadError, InvalidRequestError, QueueFullError
 from tokenserve.observability.memory import (freeze_python_heap, release_freed_memory,
                                              thaw_python_heap)

@@ -18,7 +18,7 @@ each row allows:
   the built-in vocabulary);
 - every other row (sampled, or whose best few tokens are all ruled out) gets the full
   bitmask, filled for all such rows at once in Rust without the GIL and applied in place
-  (`sampler.apply_token_masks`).
+  (`sampler.masks.apply_token_masks`).
 
 Each row ends with the argmax (greedy) or the distribution (sampled) the full mask gives;
 tests hold both shortcuts to the mask, token by token. Masks are computed after the step, not
@@ -34,12 +34,16 @@ import logging
 import sys
 import threading
 from collections import OrderedDict
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from tokenserve.engine.sampler import apply_token_masks
+from tokenserve.engine.sampler.masks import apply_token_masks
 from tokenserve.errors import InvalidRequestError
 from tokenserve.sampling import GuideKind, StructuredOutput
+
+if TYPE_CHECKING:
+    from tokenserve.engine.sampler.draw import SequenceSampler
 
 log = logging.getLogger(__name__)
 
@@ -216,6 +220,15 @@ class GuidedDecoding:
                 while len(self._compiled) > MAX_COMPILED:
                     self._compiled.popitem(last=False)
         return Guide(compiled.deep_copy())
+
+    def mask(self, logits: np.ndarray, samplers: list[SequenceSampler]) -> np.ndarray:
+        """`logits` (float [S, vocab], a row per sampler: the caller's copy, masked in place)
+        with each row's structured-output constraint applied."""
+        rows = [i for i, sampler in enumerate(samplers) if sampler.guide is not None]
+        if rows:
+            guided = [samplers[i] for i in rows]
+            self.apply(logits, rows, [s.guide for s in guided], [s.is_greedy for s in guided])
+        return logits
 
     def apply(self, logits: np.ndarray, rows: list[int], guides: list[Guide],
               greedy: list[bool]) -> None:

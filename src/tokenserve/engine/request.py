@@ -9,12 +9,13 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from tokenserve.engine.outputs import FinishReason
+from tokenserve.errors import InvalidRequestError, PromptTooLongError
 from tokenserve.sampling import SamplingParams
 
 if TYPE_CHECKING:
     from tokenserve.engine.detokenizer import IncrementalDetokenizer
     from tokenserve.engine.ngram import NgramDrafter
-    from tokenserve.engine.sampler import SequenceSampler
+    from tokenserve.engine.sampler.draw import SequenceSampler
 
 _seq_ids = itertools.count()
 
@@ -128,3 +129,29 @@ class Request:
     @property
     def num_generated_tokens(self) -> int:
         return sum(seq.num_output_tokens for seq in self.seqs)
+
+
+def check_request(prompt_ids: list[int], params: SamplingParams, vocab_size: int,
+                  max_model_len: int, timeout_s: float | None = None) -> None:
+    """Refuses a request no engine step could run.
+
+    Raises:
+        InvalidRequestError: an empty prompt, a token or stop token id outside the
+            vocabulary, or a timeout that is not positive.
+        PromptTooLongError: the prompt and max_tokens do not fit in `max_model_len`.
+    """
+    if not prompt_ids:
+        raise InvalidRequestError("the prompt is empty")
+    bad = [t for t in prompt_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise InvalidRequestError(f"token id {bad[0]} is outside the vocabulary "
+                                  f"(size {vocab_size})")
+    if any(not 0 <= t < vocab_size for t in params.stop_token_ids):
+        raise InvalidRequestError(f"a stop token id is outside the vocabulary "
+                                  f"(size {vocab_size})")
+    if len(prompt_ids) + params.max_tokens > max_model_len:
+        raise PromptTooLongError(
+            f"this model's maximum context length is {max_model_len} tokens; the "
+            f"prompt has {len(prompt_ids)} and max_tokens asks for {params.max_tokens} more")
+    if timeout_s is not None and timeout_s <= 0:
+        raise InvalidRequestError(f"timeout must be positive, got {timeout_s}")

@@ -134,7 +134,7 @@ class ModelRunner:
                                xla and not self.step.fused_head)
         last = np.concatenate([last, np.zeros([num_rows - num_wanted], np.int32)])
         # greedy rows need only each row's argmax, and plainly sampled ones the argmax of
-        # logits + their noise (engine/sampler.py): the head's screen gives either exactly
+        # logits + their noise (engine/sampler/draw.py): the head's screen gives either exactly
         # (a bfloat16 model's after fused steps, whose head computes in float32 as the
         # screen does: its graph steps' head computes in bfloat16)
         screened = (self.step.screened_head is not None

@@ -20,75 +20,15 @@ from __future__ import annotations
 import heapq
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 from tokenserve.engine.cache_accounting import BlockAllocator, SlotAllocator
 from tokenserve.engine.config import EngineConfig
 from tokenserve.engine.kv_tier import KVLoad, KVSave, RemoteKVTier, RemoteLookup
 from tokenserve.engine.outputs import FinishReason
+from tokenserve.engine.prefix_cache import PrefixCacheStats
 from tokenserve.engine.request import Request, Sequence, SequenceStatus
+from tokenserve.engine.scheduler_output import SampledSeq, ScheduledSeq, SchedulerOutput
 from tokenserve.errors import QueueFullError
-
-
-@dataclass(frozen=True)
-class ScheduledSeq:
-    """One sequence's share of a step, with what the runner reads of it copied when it is
-    scheduled: the runner computes without the engine's lock, and an abort in the meantime
-    frees the sequence's blocks (its block_ids become []), which a step built from the live
-    sequence would then read as an empty context."""
-
-    seq: Sequence
-    num_new_tokens: int
-    """Tokens computed this step, starting at `start`."""
-    start: int
-    """The sequence's num_computed_tokens when it was scheduled."""
-    block_ids: tuple[int, ...]
-    token_ids: tuple[int, ...]
-    """The tokens computed this step: the sequence's token_ids[start:start + num_new], or
-    with drafts, its last token and the drafts."""
-    draft_ids: tuple[int, ...] = ()
-    """Drafted tokens checked this step (speculative decoding): the step returns logits for
-    each of its tokens, not only the last."""
-
-    @classmethod
-    def of(cls, seq: Sequence, num_new_tokens: int) -> "ScheduledSeq":
-        start = seq.num_computed_tokens
-        return cls(seq, num_new_tokens, start, tuple(seq.block_ids),
-                   tuple(seq.token_ids[start:start + num_new_tokens]))
-
-    @classmethod
-    def drafting(cls, seq: Sequence, draft_ids: list[int]) -> "ScheduledSeq":
-        """A decoding sequence's last token followed by drafts to check."""
-        return cls(seq, 1 + len(draft_ids), seq.num_computed_tokens, tuple(seq.block_ids),
-                   (seq.token_ids[-1], *draft_ids), tuple(draft_ids))
-
-    @property
-    def num_logits(self) -> int:
-        """Rows of logits the step returns for this sequence."""
-        return 1 + len(self.draft_ids)
-
-    @property
-    def samples(self) -> bool:
-        """Whether the engine draws the sequence's next token from this step's last row of
-        logits: no drafts, and the step computes every token the sequence has (a prefill
-        chunk before the last does not)."""
-        return not self.draft_ids and self.start + self.num_new_tokens >= len(self.seq.token_ids)
-
-
-@dataclass
-class SchedulerOutput:
-    scheduled: list[ScheduledSeq] = field(default_factory=list)
-    preempted: list[Sequence] = field(default_factory=list)
-    kv_transfers: list[KVSave | KVLoad] = field(default_factory=list)
-    """Block copies between the cache and the remote tier, run in order before the step."""
-
-    @property
-    def num_batched_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled and not self.kv_transfers
 
 
 class Scheduler:
@@ -166,6 +106,35 @@ class Scheduler:
         if seq.request.is_finished:
             self.requests.pop(seq.request.request_id, None)
 
+    def update_from_output(self, out: SchedulerOutput, sampled: list[SampledSeq],
+                           duration_s: float) -> None:
+        """Records what a step computed, then ends (and frees at once) each sequence that
+        the output processor found ended, in the order it found them.
+
+        Args:
+            out: the step's scheduled sequences, less those aborted while it computed.
+            sampled: what each sequence that sampled or checked drafts took.
+            duration_s: the step's time, added to each scheduled request's prefill or
+                decode time.
+        """
+        drafted = {s.seq.seq_id: s for s in sampled}
+        for item in out.scheduled:
+            seq, request = item.seq, item.seq.request
+            if item.draft_ids:  # its last token, and the drafts it kept unless it ended
+                took = drafted[seq.seq_id]
+                ended = took.delta.finish_reason is not None
+                seq.num_computed_tokens += 1 + (0 if ended else took.num_accepted)
+                request.decode_time_s += duration_s
+                continue
+            seq.num_computed_tokens += item.num_new_tokens
+            if item.is_prefill:
+                request.prefill_time_s += duration_s
+            else:
+                request.decode_time_s += duration_s
+        for took in sampled:
+            if took.delta.finish_reason is not None:
+                self.finish(took.seq, took.delta.finish_reason, took.delta.stop_reason)
+
     def abort(self, request_id: str) -> Request | None:
         """Finishes every sequence of a request with ABORT; returns it, or None if unknown."""
         request = self.requests.get(request_id)
@@ -191,6 +160,23 @@ class Scheduler:
         return bool(self.waiting or self.running or self._transfers
                     or (self.kv_tier is not None and self.kv_tier.has_finished
                         and not self.kv_tier.is_gathering))
+
+    def prefix_cache_stats(self) -> PrefixCacheStats:
+        """Cumulative counters of the prefix cache and the remote tier (zeros without)."""
+        cache, tier = self.cache, self.kv_tier
+        remote = {} if tier is None else dict(
+            num_remote_query_tokens=tier.num_query_tokens,
+            num_remote_hit_tokens=tier.num_hit_tokens,
+            num_remote_saved_blocks=tier.num_saved_blocks, num_remote_errors=tier.num_errors)
+        return PrefixCacheStats(getattr(cache, "num_query_tokens", 0),
+                                getattr(cache, "num_hit_tokens", 0), **remote)
+
+    def reset_prefix_cache_stats(self) -> None:
+        """Zeroes the prefix-cache query and hit counters, local and remote."""
+        for counters in (self.cache, self.kv_tier):
+            for name in ("num_query_tokens", "num_hit_tokens"):
+                if hasattr(counters, name):
+                    setattr(counters, name, 0)
 
     # -- one step -------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:

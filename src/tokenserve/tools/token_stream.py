@@ -1,7 +1,7 @@
 """One sequence's tokens outside the engine, sampled exactly as the engine samples them.
 
 `tokenserve generate` (`ExportedModel`, `LiteRTModel`) steps an export's own signatures and
-picks each token here with the engine's sampler (`engine/sampler.py`), so one seed gives the
+picks each token here with the engine's sampler (`engine/sampler/`), so one seed gives the
 same tokens on the command line as through the offline `LLM` and the server, given the same
 logits (docs/architecture.md#one-host-sampler). Plain NumPy: no TensorFlow.
 """
@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 
-from tokenserve.engine.sampler import SequenceSampler, sample_batch
+from tokenserve.engine.sampler.draw import SequenceSampler, sample_batch
 from tokenserve.sampling import SamplingParams
 
 

@@ -32,7 +32,7 @@ not finite is a candidate on every step (its bound is infinite), so its float32 
 what the step returns.
 
 A sampled row takes the same screen. Plain temperature sampling draws a token as the
-argmax of logits + T * g, with g Gumbel noise per vocabulary entry (engine/sampler.py), so
+argmax of logits + T * g, with g Gumbel noise per vocabulary entry (engine/sampler/draw.py), so
 the noise is added to both bounds of every entry (it is exact: only the addition's rounding
 widens them) and the candidates are those that could be that argmax; what the step returns
 is logits + noise, exact for every candidate. A greedy row in the same step has zero noise.
