@@ -373,7 +373,7 @@ def test_only_plain_temperature_sampling_draws_by_noise():
 
 def test_noise_a_step_added_gives_the_token_the_logits_give():
     """The engine's screened head returns logits + the row's noise, exact only where the
-    argmax could be (engine/screened_head.py): a sampler that handed its noise to the step
+    argmax could be (engine/step/head.py): a sampler that handed its noise to the step
     picks the token that a sampler with the same seed picks from the plain logits, however
     low the entries that cannot win are. And the draws go on in step: 300 tokens."""
     rng = np.random.default_rng(4)

@@ -69,7 +69,7 @@ def test_bfloat16_fused_steps_compute_float32_with_the_bfloat16_weights(bf16_exa
 
 def test_bfloat16_greedy_steps_screen_the_head_and_keep_their_tokens(bf16_exact, bf16_matmuls):
     """A bfloat16 engine's greedy steps through the fused ops read the head's int8 screen
-    (engine/screened_head.py), which recomputes the candidates from the widened bfloat16
+    (engine/step/head.py), which recomputes the candidates from the widened bfloat16
     rows: on weights bfloat16 holds exactly, the float32 engine's greedy tokens. Steps
     through the bfloat16 graph (a long prefill) keep that graph's own head, as do steps
     with a row that needs its distribution."""

@@ -66,7 +66,7 @@ class EngineConfig:
     """Float32 weights, and bfloat16 ones in steps through the fused ops: greedy steps with
     at most this many rows of logits run the LM head on a smaller copy of it
     (`head_screen`) and recompute in float32 only the entries that could be a row's argmax
-    (engine/screened_head.py): the same tokens, a quarter (int8) or half (float16) of a
+    (engine/step/head.py): the same tokens, a quarter (int8) or half (float16) of a
     float32 head's bytes. Steps with a row that needs its distribution (sampling,
     penalties, logprobs, structured output) read the full head. 0: off."""
     head_screen: str = "int8"
