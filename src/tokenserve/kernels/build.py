@@ -40,6 +40,7 @@ import subprocess
 import tempfile
 import threading
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from functools import cache
 from pathlib import Path
 
@@ -133,21 +134,33 @@ def build_library(name: str, sources: Sequence[Path], arch: list[str]) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=out_dir, prefix=f".{name}-", suffix=".so")
     os.close(fd)
-    command = [compiler, *compile_flags(arch), *map(str, sources), "-o", tmp,
-               *tf.sysconfig.get_link_flags()]
-    log.info("building %s: %s", name, " ".join(command))
+    command = [compiler, *compile_flags(arch)]
     try:
-        result = subprocess.run(command, capture_output=True, text=True, timeout=600)
-        if result.returncode != 0:
-            errors = [line for line in result.stderr.splitlines() if "error" in line]
-            raise RuntimeError(f"compiling {name} failed: "
-                               f"{(errors or result.stderr.splitlines() or ['?'])[0]}")
+        with tempfile.TemporaryDirectory(dir=out_dir, prefix=f".{name}-") as work:
+            # each source is its own translation unit: compiled side by side, then linked
+            objects = [os.path.join(work, f"{i}.o") for i in range(len(sources))]
+            jobs = [[*command, "-c", str(source), "-o", obj]
+                    for source, obj in zip(sources, objects)]
+            with ThreadPoolExecutor(min(len(jobs), os.cpu_count() or 1)) as pool:
+                for _ in pool.map(lambda job: _run(name, job), jobs):
+                    pass
+            _run(name, [*command, *objects, "-o", tmp, *tf.sysconfig.get_link_flags()])
         os.chmod(tmp, 0o755)  # mkstemp made it private; a shared cache needs it readable
         os.replace(tmp, target)  # atomic: a concurrent loader sees all of it or nothing
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
     return target
+
+
+def _run(name: str, command: list[str]) -> None:
+    """One g++ step of building library `name`; RuntimeError quoting its first error line."""
+    log.info("building %s: %s", name, " ".join(command))
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    if result.returncode != 0:
+        errors = [line for line in result.stderr.splitlines() if "error" in line]
+        raise RuntimeError(f"compiling {name} failed: "
+                           f"{(errors or result.stderr.splitlines() or ['?'])[0]}")
 
 
 RUNTIME_SOURCE = KERNELS_DIR / "helpers.cc"
