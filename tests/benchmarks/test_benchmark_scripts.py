@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-ROOT = next(p for p in Path(__file__).resolve().parents if (p / "benchmarks").is_dir())
+from support.paths import REPO_ROOT as ROOT
+
 BENCHMARKS = ROOT / "benchmarks"
 
 

@@ -7,13 +7,13 @@ token ids."""
 from __future__ import annotations
 
 import importlib.util
-from pathlib import Path
 
 import numpy as np
 
-from conftest import TINY_TEXT
+from support.paths import REPO_ROOT
+from support.tiny_models import TINY_TEXT
 
-CONVERTER = Path(__file__).resolve().parents[1] / "benchmarks" / "peers" / "gpt2_gguf.py"
+CONVERTER = REPO_ROOT / "benchmarks" / "peers" / "gpt2_gguf.py"
 
 
 def _converter():

@@ -18,7 +18,7 @@ import yaml
 
 from deploy.local.cluster import Cluster, missing_parts
 from deploy.local.configs import DEPLOY, adapter_query
-from cluster_load import Load, completions_task
+from support.cluster_load import Load, completions_task
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(bool(missing_parts()),

@@ -20,7 +20,7 @@ import httpx
 import pytest
 
 from deploy.local.cluster import Cluster, missing_parts
-from cluster_load import Load, Outcome, completions_task, conversation_task
+from support.cluster_load import Load, Outcome, completions_task, conversation_task
 
 pytestmark = pytest.mark.skipif(bool(missing_parts()),
                                 reason=f"needs {', '.join(missing_parts())} (scripts/setup.sh)")

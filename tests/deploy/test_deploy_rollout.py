@@ -19,7 +19,7 @@ import httpx
 import pytest
 
 from deploy.local.cluster import Cluster, missing_parts
-from cluster_load import Load, completions_task
+from support.cluster_load import Load, completions_task
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(bool(missing_parts()),

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from conftest import TINY_TEXT, tiny
+from support.tiny_models import TINY_TEXT, tiny
 from tokenserve.edge.convert import (TFLITE_FILE, TFLiteOptions, UnsupportedOpsError, convert,
                                      export_tflite, flex_ops, opcode_names)
 from tokenserve.edge.runner import LiteRTModel, is_tflite_path

@@ -1,7 +1,7 @@
 """The continuous-batching engine's control flow on tiny real models (TensorFlow runner, real
 SavedModels): outputs against full forward passes, aborts, preemption, seeds, stop strings,
 streaming, the warm-up and broken logits. The step's internals (its paths, traces and
-compiled programs) are tested in test_engine_step.py."""
+compiled programs) are tested in step/test_engine_step.py."""
 
 from __future__ import annotations
 
@@ -11,20 +11,11 @@ import logging
 import numpy as np
 import pytest
 
-from tokenserve.engine.config import EngineConfig
+from support.engines import PROMPTS, engine_config
+from support.tiny_models import reference_greedy, tiny
 from tokenserve.engine.llm import LLM
 from tokenserve.engine.outputs import FinishReason
 from tokenserve.sampling import SamplingParams
-
-PROMPTS = ["def add(a, b):", "import os", "class Point:\n    def", "for item in items:\n",
-           "x", "PATH = os.path.join('a', 'b')  # ünïcödé"]
-
-
-def engine_config(**options) -> EngineConfig:
-    # the fused dense ops' share pinned, so the same steps take each path on every CPU
-    defaults = dict(max_num_seqs=8, max_num_batched_tokens=24, block_size=4, precision="float32",
-                    max_fused_dense_tokens=4)
-    return EngineConfig(**{**defaults, **options})
 
 
 @pytest.fixture(scope="module")
@@ -34,17 +25,6 @@ def llms(exported):
     roomy = LLM(version_dir, engine_config())
     tight = LLM(version_dir, engine_config(max_cache_tokens=96))  # forces preemption
     return model, roomy, tight
-
-
-def reference_greedy(model, prompt_ids: list[int], max_tokens: int, eos: int) -> list[int]:
-    """Greedy decoding with full forward passes and no cache at all."""
-    ids = list(prompt_ids)
-    for _ in range(max_tokens):
-        token = int(np.argmax(model(np.asarray([ids], np.int32)).numpy()[0, -1]))
-        ids.append(token)
-        if token == eos:
-            break
-    return ids[len(prompt_ids):]
 
 
 def test_greedy_engine_output_equals_full_forward_passes(llms):
@@ -299,8 +279,6 @@ def test_a_model_that_makes_nan_logits_is_reported_and_keeps_serving(tokenizer, 
     warmup's requests find it too, before any user does). With n-gram drafts (a prompt that
     repeats itself, so there are drafts to check), the tokens a step keeps after checking
     drafts are counted the same way, one each."""
-    from conftest import tiny
-
     from tokenserve.engine.async_engine import AsyncEngine
     from tokenserve.export.exporter import export_model
     from tokenserve.stats import StatsSink

@@ -17,22 +17,13 @@ import threading
 import keras
 import pytest
 
-from test_openai_harness import tiny_model_dir
+from support.engines import ASYNC_CONFIG, collect
 from tokenserve.engine.async_engine import AsyncEngine
-from tokenserve.engine.config import EngineConfig
 from tokenserve.engine.core import LLMEngine
 from tokenserve.engine.llm import LLM
 from tokenserve.engine.runner import ModelRunner
 from tokenserve.errors import EngineDeadError
 from tokenserve.sampling import SamplingParams
-
-CONFIG = EngineConfig(max_num_seqs=4, max_num_batched_tokens=32, block_size=4,
-                      precision="float32")
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return tiny_model_dir(tmp_path_factory)
 
 
 class FaultyEngine(LLMEngine):
@@ -67,16 +58,11 @@ class FaultyEngine(LLMEngine):
 
 
 def faulty_engine(model_dir) -> tuple[AsyncEngine, FaultyEngine]:
-    runner, tokenizer = ModelRunner.from_model_dir(model_dir, CONFIG)
-    core = FaultyEngine(runner, tokenizer, CONFIG)
+    runner, tokenizer = ModelRunner.from_model_dir(model_dir, ASYNC_CONFIG)
+    core = FaultyEngine(runner, tokenizer, ASYNC_CONFIG)
     engine = AsyncEngine(core)
     engine.start()
     return engine, core
-
-
-async def collect(engine: AsyncEngine, max_tokens: int = 4, request_id: str | None = None):
-    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-    return [out async for out in engine.generate([5, 6, 7], params, request_id)]
 
 
 def test_a_step_failure_fails_only_its_requests_and_the_engine_goes_on(model_dir):
@@ -178,7 +164,7 @@ def test_versions_loading_at_once_build_with_their_own_dtype(model_dir):
         try:
             start.wait()
             runner, _ = ModelRunner.from_model_dir(model_dir,
-                                                   CONFIG.replace(precision=precision))
+                                                   ASYNC_CONFIG.replace(precision=precision))
             results[index] = runner.precision
         except BaseException as error:  # noqa: BLE001 - reported below
             errors.append(error)
@@ -194,7 +180,7 @@ def test_versions_loading_at_once_build_with_their_own_dtype(model_dir):
 
 
 def test_offline_generation_takes_more_prompts_than_the_queue_and_calls_again(model_dir):
-    llm = LLM(model_dir, CONFIG, max_queue_requests=3)
+    llm = LLM(model_dir, ASYNC_CONFIG, max_queue_requests=3)
     prompts = [[5, 6, 7 + i] for i in range(10)]
     params = SamplingParams(max_tokens=3, ignore_eos=True)
     first = llm.generate(prompts, params, use_tqdm=False)

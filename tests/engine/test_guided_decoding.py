@@ -56,7 +56,7 @@ def builtin_llm():
 @pytest.fixture(scope="module")
 def qwen2_llm(tmp_path_factory):
     pytest.importorskip("torch")
-    from qwen2_tiny import qwen2_tiny_dir
+    from support.qwen2_tiny import qwen2_tiny_dir
 
     from tokenserve.engine.llm import LLM
 

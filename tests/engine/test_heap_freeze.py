@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import gc
 
-from test_engine_hardening import CONFIG, collect, model_dir  # noqa: F401 - a fixture
+from support.engines import ASYNC_CONFIG, collect
 from tokenserve.engine.async_engine import AsyncEngine
 from tokenserve.engine.core import LLMEngine
 from tokenserve.engine.runner import ModelRunner
@@ -20,8 +20,8 @@ def _tracked(obj) -> bool:
 
 def test_start_freezes_the_heap_and_shutdown_thaws_it(model_dir):
     gc.unfreeze()
-    runner, tokenizer = ModelRunner.from_model_dir(model_dir, CONFIG)
-    engine = AsyncEngine(LLMEngine(runner, tokenizer, CONFIG))
+    runner, tokenizer = ModelRunner.from_model_dir(model_dir, ASYNC_CONFIG)
+    engine = AsyncEngine(LLMEngine(runner, tokenizer, ASYNC_CONFIG))
     assert gc.get_freeze_count() == 0 and _tracked(runner)
     engine.start()
     try:

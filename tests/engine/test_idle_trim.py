@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from test_engine_hardening import CONFIG, collect, model_dir  # noqa: F401 - a fixture
+from support.engines import ASYNC_CONFIG, collect
 from tokenserve.engine.async_engine import AsyncEngine
 from tokenserve.engine.config import EngineConfig
 from tokenserve.engine.core import LLMEngine
@@ -22,7 +22,7 @@ def test_an_idle_engine_trims_its_heap_once_after_work_and_not_while_busy(model_
 
     trims = []
     monkeypatch.setattr(async_engine, "release_freed_memory", lambda: trims.append(1))
-    config = CONFIG.replace(idle_trim_s=0.2)
+    config = ASYNC_CONFIG.replace(idle_trim_s=0.2)
     runner, tokenizer = ModelRunner.from_model_dir(model_dir, config)
     engine = AsyncEngine(LLMEngine(runner, tokenizer, config))
     engine.start()
@@ -45,7 +45,7 @@ def test_idle_trim_s_none_never_trims_and_a_negative_one_is_refused(model_dir, m
 
     trims = []
     monkeypatch.setattr(async_engine, "release_freed_memory", lambda: trims.append(1))
-    config = CONFIG.replace(idle_trim_s=None)
+    config = ASYNC_CONFIG.replace(idle_trim_s=None)
     runner, tokenizer = ModelRunner.from_model_dir(model_dir, config)
     engine = AsyncEngine(LLMEngine(runner, tokenizer, config))
     engine.start()

@@ -13,6 +13,7 @@ import textwrap
 
 import pytest
 
+from support.tiny_models import tiny
 from tokenserve.engine.config import EngineConfig
 from tokenserve.engine.kv_budget import plan_kv_cache, resolve_kv_dtype
 from tokenserve.errors import ConfigError
@@ -162,7 +163,6 @@ def test_cli_imports_tensorflow_without_its_optional_modules():
 
 
 def test_runner_allocates_the_planned_pool(tokenizer):
-    from conftest import tiny
     from tokenserve.engine.runner import ModelRunner
 
     model, config = tiny("tiny-llama", tokenizer)
@@ -181,7 +181,6 @@ def test_runner_allocates_the_planned_pool(tokenizer):
 @pytest.mark.parametrize("screen_rows,screen", [(8, "int8"), (8, "float16"), (0, "int8")])
 def test_a_memory_fraction_counts_the_lm_heads_screen_copy(tokenizer, monkeypatch,
                                                            screen_rows, screen):
-    from conftest import tiny
     from tokenserve.engine import kv_budget
     from tokenserve.engine.runner import ModelRunner
     from tokenserve.kernels import head_screen

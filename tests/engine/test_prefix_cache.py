@@ -4,15 +4,13 @@ from __future__ import annotations
 
 import pytest
 
+from support.engines import BLOCK, prefix_engine_config
 from tokenserve.engine.config import EngineConfig
 from tokenserve.engine.outputs import FinishReason
 from tokenserve.engine.prefix_cache import PrefixCachingAllocator, hash_namespace
 from tokenserve.engine.request import Request
 from tokenserve.errors import ConfigError
 from tokenserve.sampling import SamplingParams
-
-BLOCK = 4
-
 
 def allocator(num_blocks: int = 16) -> PrefixCachingAllocator:
     return PrefixCachingAllocator(num_blocks, BLOCK, hash_namespace("m", "1", "float", "f32"))
@@ -109,12 +107,6 @@ def test_remote_tier_needs_prefix_caching_and_a_redis_url():
 
 
 # -- on a tiny real model ------------------------------------------------------------------
-def engine_config(**options) -> EngineConfig:
-    defaults = dict(max_num_seqs=8, max_num_batched_tokens=64, block_size=BLOCK,
-                    precision="float32")
-    return EngineConfig(**{**defaults, **options})
-
-
 SYSTEM = "def add(a, b):\n    return a + b\nclass Point:\n    def __init__(self, x, y):\n"
 TURNS = ["        self.x = x\n", "for item in items:\n", "import os\nimport sys\n"]
 
@@ -124,8 +116,8 @@ def test_prefix_hits_give_exactly_the_greedy_tokens_of_a_cold_run(tiny_gpt2_dir)
 
     params = SamplingParams(max_tokens=12, ignore_eos=True)
     prompts = [SYSTEM + turn for turn in TURNS]
-    cold = LLM(tiny_gpt2_dir, engine_config(enable_prefix_caching=False))
-    warm = LLM(tiny_gpt2_dir, engine_config())
+    cold = LLM(tiny_gpt2_dir, prefix_engine_config(enable_prefix_caching=False))
+    warm = LLM(tiny_gpt2_dir, prefix_engine_config())
     expected = [o.outputs[0].token_ids for o in cold.generate(prompts, params, use_tqdm=False)]
     first = [o.outputs[0].token_ids for o in warm.generate(prompts[:1], params, use_tqdm=False)]
     again = warm.generate(prompts, params, use_tqdm=False)
@@ -149,7 +141,7 @@ def test_shared_blocks_survive_one_sharers_abort(tiny_gpt2_dir):
 
     params = SamplingParams(max_tokens=16, ignore_eos=True)
     prompt = SYSTEM + TURNS[0]
-    llm = LLM(tiny_gpt2_dir, engine_config())
+    llm = LLM(tiny_gpt2_dir, prefix_engine_config())
     expected = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
     engine: LLMEngine = llm.engine
     ids = llm.tokenizer.encode(prompt)

@@ -8,7 +8,8 @@ import asyncio
 import numpy as np
 import pytest
 
-from test_engine import PROMPTS, engine_config, reference_greedy
+from support.engines import PROMPTS, engine_config
+from support.tiny_models import reference_greedy, tiny
 from tokenserve.engine.async_engine import AsyncEngine
 from tokenserve.engine.config import EngineConfig
 from tokenserve.engine.llm import LLM
@@ -357,7 +358,6 @@ def test_int8_weights_draft_too_and_say_what_it_costs(tokenizer, tmp_path, caplo
     import dataclasses
     import logging
 
-    from conftest import tiny
     from tokenserve.export.exporter import export_model
     from tokenserve.model.quantize import quantize_model
 

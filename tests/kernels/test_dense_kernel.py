@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from support.compiled_ops import compiled_op_module
 from tokenserve.kernels import dense as kd
 
 # (M, K, N): empty batch, one row, more rows than one pass over the weights (8), K and N not
@@ -30,8 +31,6 @@ CASES = [(0, 16, 8), (1, 64, 8), (3, 37, 21), (9, 100, 34), (17, 33, 18), (2, 76
 @pytest.fixture(scope="module")
 def compiled():
     """Builds the op once (cached across runs); skips where it cannot be built."""
-    from conftest import compiled_op_module
-
     return compiled_op_module(kd.LIBRARY)
 
 

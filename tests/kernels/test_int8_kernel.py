@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from support.compiled_ops import compiled_op_module
 from tokenserve.kernels import build as kbuild
 from tokenserve.kernels import int8_matmul as im
 
@@ -30,8 +31,6 @@ CASES = [(0, 64, 8, 1), (1, 64, 8, 1), (1, 768, 36, 1), (7, 688, 13, 1), (33, 25
 @pytest.fixture(scope="module")
 def compiled():
     """Builds the op once (cached across runs); skips where it cannot be built."""
-    from conftest import compiled_op_module
-
     return compiled_op_module(im.LIBRARY)
 
 

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from support.compiled_ops import compiled_op_module
 from tokenserve.kernels import build as kbuild
 from tokenserve.kernels import int8_matmul as im
 from tokenserve.kernels import paged_attention as pa
@@ -21,8 +22,6 @@ TOLERANCE = {tf.float32: 1e-5, tf.bfloat16: 2e-2}
 @pytest.fixture(scope="module")
 def compiled():
     """Builds the op once (cached across runs); skips where it cannot be built."""
-    from conftest import compiled_op_module
-
     return compiled_op_module(pa.LIBRARY)
 
 

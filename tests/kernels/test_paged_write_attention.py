@@ -9,6 +9,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from support.compiled_ops import compiled_op_module, use_compiled_op
+from support.tiny_models import greedy_by_full_forward, tiny
 from tokenserve.kernels import paged_attention as pa
 
 BITS = {tf.float32: tf.uint32, tf.bfloat16: tf.uint16, tf.float16: tf.uint16}
@@ -17,15 +19,11 @@ BITS = {tf.float32: tf.uint32, tf.bfloat16: tf.uint16, tf.float16: tf.uint16}
 @pytest.fixture(scope="module")
 def compiled():
     """Builds the op once (cached across runs); skips where it cannot be built."""
-    from conftest import compiled_op_module
-
     return compiled_op_module(pa.LIBRARY)
 
 
 @pytest.fixture
 def op_on(monkeypatch):
-    from conftest import use_compiled_op
-
     use_compiled_op(monkeypatch, pa.LIBRARY)
 
 
@@ -119,8 +117,6 @@ def test_write_attends_the_new_rows_against_float64(compiled, op_on):
 def test_queries_past_the_rows_come_out_zero(compiled, monkeypatch, path):
     """q with more queries than rows (a step's bucket padding after one decode group): the
     first S are the plain call's output, the rest zero rows; the caches are the same."""
-    from conftest import use_compiled_op
-
     use_compiled_op(monkeypatch, pa.LIBRARY)
     if path == "fallback":
         monkeypatch.setenv(pa.MODE_ENV, "fallback")
@@ -207,8 +203,6 @@ def test_bad_inputs_are_refused_and_write_nothing(compiled, op_on, name):
 def test_fallback_stores_and_attends_the_same(compiled, monkeypatch, cache_dtype):
     """Without the compiled op (forced off) the same call scatters and then reads: the same
     caches and, within float rounding, the same output."""
-    from conftest import use_compiled_op
-
     use_compiled_op(monkeypatch, pa.LIBRARY)
     pairs, q, rows, lengths, new_keys, new_values, write_rows = case(cache_dtype)
     out = pa.paged_write_decode_attention(q, *pairs[0], rows, lengths, new_keys, new_values,
@@ -243,7 +237,6 @@ def test_engine_steps_store_rows_in_the_attention_op(compiled, op_on, tokenizer,
     write op, once a layer, and touches the caches only through the attention ops: no
     scatter, no dense read, no XLA (the step's dense programs never take a cache); and the
     engine's greedy tokens are those of full forward passes."""
-    from conftest import greedy_by_full_forward, tiny
     from tokenserve.engine.config import EngineConfig
     from tokenserve.engine.core import LLMEngine
     from tokenserve.engine.runner import ModelRunner

@@ -8,6 +8,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from support.compiled_ops import compiled_op_module, use_compiled_op
+from support.tiny_models import greedy_by_full_forward, tiny
 from tokenserve.kernels import dense as kd
 from tokenserve.model.layers import apply_rope, rope_angles
 
@@ -15,15 +17,11 @@ from tokenserve.model.layers import apply_rope, rope_angles
 @pytest.fixture(scope="module")
 def compiled():
     """Builds the op once (cached across runs); skips where it cannot be built."""
-    from conftest import compiled_op_module
-
     return compiled_op_module(kd.LIBRARY)
 
 
 @pytest.fixture
 def op_on(monkeypatch):
-    from conftest import use_compiled_op
-
     use_compiled_op(monkeypatch, kd.LIBRARY)
 
 
@@ -114,7 +112,6 @@ def test_llama_engine_steps_use_it(compiled, op_on, tokenizer):
     """A tiny Llama's fused decode and prefill steps split and rotate with one op a layer
     (no graph RoPE left: no Neg), and the engine's greedy tokens are those of full forward
     passes; GPT-2 (no RoPE) takes the same op as a plain split."""
-    from conftest import greedy_by_full_forward, tiny
     from tokenserve.engine.config import EngineConfig
     from tokenserve.engine.core import LLMEngine
     from tokenserve.engine.runner import ModelRunner

@@ -4,56 +4,16 @@
 from __future__ import annotations
 
 import threading
-from pathlib import Path
 
 import pytest
 
+from support.fake_loader import FakeLoader, make_version, states
 from tokenserve.errors import (ConfigError, FailedPreconditionError, InvalidRequestError,
                                ModelLoadError, ModelNotFoundError)
 from tokenserve.lifecycle import ModelManager, ModelSpecConfig, VersionPolicy, VersionState
 from tokenserve.lifecycle.model_config import parse_model_server_config
 from tokenserve.lifecycle.server_protos import (parse_batching_parameters,
                                                 parse_monitoring_config)
-
-
-class FakeServable:
-    def __init__(self, path: Path):
-        self.path = path
-        self.closed = False
-        self.signature_defs = {}
-
-    def close(self):
-        self.closed = True
-
-
-class FakeLoader:
-    """Loads any directory without a FAIL file; `gate` (if set) holds loads until set."""
-
-    def __init__(self):
-        self.gate: threading.Event | None = None
-        self.calls: list[Path] = []
-
-    def __call__(self, spec, path: Path):
-        self.calls.append(path)
-        if self.gate is not None:
-            assert self.gate.wait(10)
-        if (path / "FAIL").exists():
-            failure = ModelLoadError(f"cannot load {path}")
-            failure.error_code = "NOT_FOUND"
-            raise failure
-        return FakeServable(path)
-
-
-def make_version(base: Path, version: int, fail: bool = False) -> Path:
-    path = base / str(version)
-    path.mkdir(parents=True)
-    if fail:
-        (path / "FAIL").write_text("x")
-    return path
-
-
-def states(manager, name):
-    return {s.version: s.state for s in manager.model_status(name)}
 
 
 @pytest.fixture

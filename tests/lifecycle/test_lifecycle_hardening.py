@@ -12,7 +12,7 @@ import time
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from test_lifecycle import FakeLoader, make_version, states
+from support.fake_loader import FakeLoader, make_version, states
 from tokenserve.lifecycle import ModelManager, ModelSpecConfig, VersionPolicy, VersionState
 from tokenserve.lifecycle.model_config import read_model_config_file
 from tokenserve.lifecycle.poller import Poller

@@ -10,8 +10,8 @@ import time
 import numpy as np
 import pytest
 
-import servables as S
-import tfserving_models as M
+from support import servables as S
+from support import tfserving_models as M
 from tokenserve.errors import (DeadlineExceededError, FailedPreconditionError,
                                InvalidRequestError, ModelLoadError)
 from tokenserve.lifecycle.savedmodel import SavedModelServable

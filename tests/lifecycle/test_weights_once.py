@@ -3,7 +3,7 @@ TF Serving request, not at load; its signatures are known at once."""
 
 from __future__ import annotations
 
-from conftest import tiny
+from support.tiny_models import tiny
 from tokenserve.lifecycle.servable_loader import load_servable
 from tokenserve.lifecycle.model_config import ModelSpecConfig
 from tokenserve.lifecycle.savedmodel import LazySavedModelServable, SavedModelServable

@@ -13,7 +13,7 @@ from importlib import metadata
 import numpy as np
 import pytest
 
-from conftest import greedy_by_full_forward
+from support.tiny_models import TINY_TEXT, greedy_by_full_forward
 from tokenserve.errors import ModelLoadError, ModelNotFoundError
 from tokenserve.model.gguf import UnsupportedGGUFError, load_gguf, read_gguf
 from tokenserve.model.gguf_tokenizer import build_tokenizer
@@ -56,8 +56,6 @@ def spm_vocab():
     """A SentencePiece-style vocabulary (TinyLlama/Mistral layout): <unk>, <s>, </s>, 256 byte
     tokens, then pieces with scores and no merges."""
     from tokenizers import SentencePieceBPETokenizer
-
-    from conftest import TINY_TEXT
 
     trained = SentencePieceBPETokenizer()
     trained.train_from_iterator(TINY_TEXT, vocab_size=160, show_progress=False)

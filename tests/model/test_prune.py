@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conftest import TINY_TEXT, greedy_by_full_forward, tiny
+from support.tiny_models import TINY_TEXT, greedy_by_full_forward, tiny
 from tokenserve.errors import ConfigError
 from tokenserve.model.prune import PruneConfig, prune_model
 

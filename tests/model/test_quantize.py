@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conftest import greedy_by_full_forward, tiny
+from support.tiny_models import greedy_by_full_forward, tiny
 from tokenserve.errors import ConfigError
 from tokenserve.model.quantize import quantize_model
 

@@ -14,7 +14,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from conftest import greedy_by_full_forward, tiny
+from support.tiny_models import greedy_by_full_forward, tiny
 from tokenserve.config import ConfigError, GenerationConfig, preset
 from tokenserve.sampling import SamplingParams
 

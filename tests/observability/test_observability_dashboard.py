@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import json
 import re
-from pathlib import Path
 
 from prometheus_client import CollectorRegistry
 
+from support.paths import REPO_ROOT
 from tokenserve.observability.llm_metrics import LLMMetrics
 
-DASHBOARD = Path(__file__).resolve().parent.parent / "deploy" / "grafana" / "tokenserve.json"
+DASHBOARD = REPO_ROOT / "deploy" / "grafana" / "tokenserve.json"
 SUFFIXES = {"counter": ("_total",), "gauge": ("",), "histogram": ("_bucket", "_sum", "_count")}
 
 

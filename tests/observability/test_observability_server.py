@@ -14,7 +14,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
-from test_openai_harness import export_tiny_model
+from support.openai_harness import export_tiny_model
 from tokenserve.observability.llm_metrics import LLMMetrics
 from tokenserve.observability.sinks import FanOutSink
 from tokenserve.observability.tracing import RequestTracer, TracingConfig, make_tracer_provider

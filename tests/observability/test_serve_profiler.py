@@ -9,7 +9,7 @@ import threading
 import httpx
 import pytest
 
-import servables as S
+from support import servables as S
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,8 @@ import pytest
 from fastapi.testclient import TestClient
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from fake_engine import FakeEngine
+from support.fake_engine import FakeEngine
+from support.tiny_models import tiny
 from tokenserve.errors import UnauthenticatedError
 from tokenserve.server.auth import (ENV_VAR, APIKeyInterceptor, APIKeys, AsyncAPIKeyInterceptor,
                                     check_http_authorization)
@@ -50,8 +51,6 @@ def test_environment_keys_are_read_when_asked_not_at_import(monkeypatch):
 
 @pytest.fixture(scope="module")
 def http(tokenizer):
-    from conftest import tiny
-
     _, config = tiny("tiny-gpt2", tokenizer)
     app = build_openai_app(StaticModels({"tiny": FakeEngine(tokenizer, config)}),
                            OpenAIServerConfig(api_keys=APIKeys([KEY])))

@@ -6,8 +6,8 @@ import grpc
 import openai
 import pytest
 
-from fake_engine import wait_until
-from test_openai_harness import API_KEY, MODEL, shared_server
+from support.openai_harness import API_KEY, MODEL, shared_server
+from support.waiting import wait_until
 from tokenserve.server.proto.tokenserve import generation_pb2 as pb
 from tokenserve.server.proto.tokenserve import generation_pb2_grpc as pb_grpc
 

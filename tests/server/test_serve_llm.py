@@ -14,7 +14,7 @@ import grpc
 import httpx
 import pytest
 
-from servables import free_port
+from support.servables import free_port
 
 KEY = "sk-serve-test"
 AUTH = {"Authorization": f"Bearer {KEY}"}

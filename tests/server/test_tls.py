@@ -19,8 +19,8 @@ import grpc
 import httpx
 import pytest
 
-from servables import free_port
-from test_openai_harness import tiny_model_dir
+from support.openai_harness import tiny_model_dir
+from support.servables import free_port
 from tokenserve.errors import ConfigError
 from tokenserve.server.tls import SSLConfig
 

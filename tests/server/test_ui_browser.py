@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from servables import free_port
+from support.servables import free_port
 
 KEY = "sk-ui-test"
 MAX_TOKENS = 400  # the built-in model's context is 512 positions

@@ -6,9 +6,9 @@ import threading
 import time
 
 import pytest
-from redis_server import RedisServer, redis_server  # noqa: F401  (fixture)
-from test_prefix_cache import BLOCK, engine_config
 
+from support.engines import BLOCK, prefix_engine_config
+from support.redis_server import RedisServer
 from tokenserve.engine.kv_tier import RemoteKVTier
 from tokenserve.engine.scheduler import Scheduler
 from tokenserve.sampling import SamplingParams
@@ -23,7 +23,7 @@ PARAMS = SamplingParams(max_tokens=10, ignore_eos=True)
 def cold(tiny_gpt2_dir):
     from tokenserve.engine.llm import LLM
 
-    llm = LLM(tiny_gpt2_dir, engine_config(enable_prefix_caching=False))
+    llm = LLM(tiny_gpt2_dir, prefix_engine_config(enable_prefix_caching=False))
     return lambda prompts: [o.outputs[0].token_ids
                             for o in llm.generate(prompts, PARAMS, use_tqdm=False)]
 
@@ -46,7 +46,7 @@ def wait_for_keys(server: RedisServer, minimum: int = 1, timeout_s: float = 30.0
 def test_replica_b_loads_the_blocks_replica_a_computed(tiny_gpt2_dir, cold, redis_server):
     from tokenserve.engine.llm import LLM
 
-    config = engine_config(kv_store=redis_server.url, kv_store_ttl_s=60)
+    config = prefix_engine_config(kv_store=redis_server.url, kv_store_ttl_s=60)
     replica_a, replica_b = LLM(tiny_gpt2_dir, config), LLM(tiny_gpt2_dir, config)
     assert generate(replica_a, [PROMPT]) == cold([PROMPT])
     num_blocks = (len(replica_a.tokenizer.encode(PROMPT)) - 1) // BLOCK
@@ -70,11 +70,11 @@ def test_killing_redis_mid_run_loses_no_request_and_the_store_reconnects(
     server = RedisServer(tmp_path)
     server.start()
     try:
-        llm = LLM(tiny_gpt2_dir, engine_config(kv_store=server.url))
+        llm = LLM(tiny_gpt2_dir, prefix_engine_config(kv_store=server.url))
         prompts = [PROMPT + MORE, MORE + PROMPT, PROMPT]
         assert generate(llm, prompts[:1]) == cold(prompts[:1])
         server.kill()
-        fresh = LLM(tiny_gpt2_dir, engine_config(kv_store=server.url))  # must look up
+        fresh = LLM(tiny_gpt2_dir, prefix_engine_config(kv_store=server.url))  # must look up
         assert generate(fresh, prompts) == cold(prompts)
         assert fresh.engine.prefix_cache_stats().num_remote_errors >= 1
         server.start()  # same port: the store reconnects by itself
@@ -106,7 +106,7 @@ def test_a_sequence_waiting_for_its_lookup_does_not_stall_other_sequences(tiny_g
                                                                           cold):
     from tokenserve.engine.llm import LLM
 
-    llm = LLM(tiny_gpt2_dir, engine_config())
+    llm = LLM(tiny_gpt2_dir, prefix_engine_config())
     engine = llm.engine
     store = GatedStore()
     tier = RemoteKVTier(store, engine.runner.kv_block_shape, engine.runner.kv_dtype, 60.0)
@@ -131,11 +131,11 @@ def test_a_sequence_waiting_for_its_lookup_does_not_stall_other_sequences(tiny_g
 
 
 def test_blocks_of_a_still_running_sequence_are_readable_by_a_second_engine(
-        tiny_gpt2_dir, cold, redis_server):  # noqa: F811
+        tiny_gpt2_dir, cold, redis_server):
     """Full blocks are written as they fill, not when their sequence ends."""
     from tokenserve.engine.llm import LLM
 
-    config = engine_config(kv_store=redis_server.url)
+    config = prefix_engine_config(kv_store=redis_server.url)
     replica_a, replica_b = LLM(tiny_gpt2_dir, config), LLM(tiny_gpt2_dir, config)
     engine = replica_a.engine
     ids = replica_a.tokenizer.encode(PROMPT)
@@ -152,12 +152,12 @@ def test_blocks_of_a_still_running_sequence_are_readable_by_a_second_engine(
 
 
 def test_a_sequence_whose_lookup_answered_while_it_queued_is_admitted_at_the_next_step(
-        tiny_gpt2_dir, cold, redis_server):  # noqa: F811
+        tiny_gpt2_dir, cold, redis_server):
     """The lookup starts when the request arrives, so the first step after its answer
     prefills with the loaded blocks; the greedy tokens are a cold run's."""
     from tokenserve.engine.llm import LLM
 
-    config = engine_config(kv_store=redis_server.url)
+    config = prefix_engine_config(kv_store=redis_server.url)
     replica_a, replica_b = LLM(tiny_gpt2_dir, config), LLM(tiny_gpt2_dir, config)
     generate(replica_a, [PROMPT])
     num_blocks = (len(replica_a.tokenizer.encode(PROMPT)) - 1) // BLOCK

@@ -6,8 +6,8 @@ import threading
 
 import numpy as np
 import pytest
-from redis_server import redis_server  # noqa: F401  (fixture)
 
+from support.engines import prefix_engine_config
 from tokenserve.engine.kv_tier import KVLoad, KVSave, RemoteKVTier
 from tokenserve.engine.request import Request
 from tokenserve.sampling import SamplingParams
@@ -35,7 +35,7 @@ def make_tier(url: str) -> RemoteKVTier:
                         resave_after_s=30)
 
 
-def test_close_with_wait_lets_queued_writes_reach_redis(redis_server):  # noqa: F811
+def test_close_with_wait_lets_queued_writes_reach_redis(redis_server):
     tier = make_tier(redis_server.url)
     hashes = [bytes([i]) * 32 for i in range(1, 9)]
     tier.apply(Rows(16), [KVSave(hashes, list(range(1, 9)))])
@@ -44,7 +44,7 @@ def test_close_with_wait_lets_queued_writes_reach_redis(redis_server):  # noqa: 
 
 
 def test_a_saved_block_is_loaded_back_exactly_and_only_the_chains_leading_hits_count(
-        redis_server):  # noqa: F811
+        redis_server):
     source, target = Rows(8), Rows(8)
     writer, reader = make_tier(redis_server.url), make_tier(redis_server.url)
     first, second, missing = b"\x01" * 32, b"\x02" * 32, b"\x03" * 32
@@ -63,14 +63,12 @@ def test_a_saved_block_is_loaded_back_exactly_and_only_the_chains_leading_hits_c
 
 @pytest.mark.parametrize("kv_cache_dtype", ["float16", "bfloat16"])
 def test_16_bit_blocks_go_from_one_runner_through_redis_into_another_bit_exactly(
-        tiny_gpt2_dir, redis_server, kv_cache_dtype):  # noqa: F811
+        tiny_gpt2_dir, redis_server, kv_cache_dtype):
     """Every 16-bit pattern survives: NaN payloads, infinities, subnormals, negative zero
     (a round trip through float32 would canonicalize NaNs)."""
-    from test_prefix_cache import engine_config
-
     from tokenserve.engine.llm import LLM
 
-    config = engine_config(kv_cache_dtype=kv_cache_dtype, max_cache_tokens=256)
+    config = prefix_engine_config(kv_cache_dtype=kv_cache_dtype, max_cache_tokens=256)
     source, target = (LLM(tiny_gpt2_dir, config).engine.runner for _ in range(2))
     shape = source.kv_block_shape
     bits = np.random.default_rng(0).integers(0, 1 << 16, (2, *shape), dtype=np.uint16)
@@ -107,7 +105,7 @@ class CountingStore(RedisKVStore):
         return super().get_blocks(hashes)
 
 
-def test_concurrent_lookups_of_a_shared_prefix_fetch_it_once(redis_server):  # noqa: F811
+def test_concurrent_lookups_of_a_shared_prefix_fetch_it_once(redis_server):
     source = Rows(8)
     writer = make_tier(redis_server.url)
     shared, own_a, own_b = [bytes([i]) * 32 for i in (1, 2, 3)], b"\x0a" * 32, b"\x0b" * 32

@@ -132,13 +132,3 @@ class FakeEngine:
         texts[i] += delta
         done[i] = reason is not None
         return CompletionOutput(i, delta, [token], logprobs, reason, stop_reason)
-
-
-def wait_until(condition, timeout_s: float = 10.0) -> bool:
-    """Polls `condition()` until true or `timeout_s` passes; returns its last value."""
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            return bool(condition())
-        time.sleep(0.01)
-    return True

@@ -1,7 +1,7 @@
 """A real tokenserve frontend in a subprocess for the integration tests: a tiny exported model,
 the real AsyncEngine, the OpenAI app under uvicorn and the gRPC generation service, on free
-loopback ports. No tests here; `RealServer` is imported by the test_openai_* and
-test_grpc_generate* modules. Run as a script, it is the server process.
+loopback ports. `RealServer` is used by the OpenAI, gRPC generation and observability
+integration tests. Run as a script, it is the server process.
 
 The engine's unfinished-request count is published as a Prometheus gauge through the app's
 /metrics hook, so tests can watch capacity return without reaching into the process.
@@ -35,9 +35,9 @@ MAX_BODY_BYTES = 64 * 1024
 
 def export_tiny_model(base: Path) -> Path:
     """Exports tiny-llama with the shared tiny tokenizer once per base directory."""
-    sys.path.insert(0, str(Path(__file__).parent))
-    from conftest import TINY_TEXT, tiny
-
+    # here, not at the top: run as a script (the server process) this file has only its own
+    # folder on the path
+    from support.tiny_models import TINY_TEXT, tiny
     from tokenserve.export.exporter import export_model
     from tokenserve.model.tokenizer import Tokenizer
 

@@ -4,8 +4,9 @@ template with its tool syntax), imported and exported once per test session. No 
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
+
+from support.tiny_models import TINY_TEXT
 
 QWEN2_CHAT_TEMPLATE = (
     "{%- if tools %}{{- '<|im_start|>system\\n' }}"
@@ -55,9 +56,6 @@ def qwen2_tiny_dir(tmp_path_factory) -> Path:
         return _EXPORTED["dir"]
     import torch
     import transformers
-
-    sys.path.insert(0, str(Path(__file__).parent))
-    from conftest import TINY_TEXT
 
     from tokenserve.export.exporter import export_model
     from tokenserve.model.hf import load_hf

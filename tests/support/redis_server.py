@@ -9,7 +9,8 @@ import time
 from pathlib import Path
 
 import pytest
-from servables import free_port
+
+from support.servables import free_port
 
 
 class RedisServer:
@@ -52,11 +53,3 @@ class RedisServer:
         import redis
 
         return redis.Redis(port=self.port)
-
-
-@pytest.fixture
-def redis_server(tmp_path):
-    server = RedisServer(tmp_path)
-    server.start()
-    yield server
-    server.kill()

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import greedy_by_full_forward
+from support.tiny_models import greedy_by_full_forward
 from tokenserve.model.checkpoint import BUILTIN_DIR, load_source
 from tokenserve.train.corpus import Corpus, token_stream
 from tokenserve.train.trainer import holdout_windows, perplexity

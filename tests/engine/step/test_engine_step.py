@@ -12,7 +12,8 @@ import logging
 import numpy as np
 import pytest
 
-from test_engine import PROMPTS, engine_config, reference_greedy
+from support.engines import PROMPTS, engine_config
+from support.tiny_models import reference_greedy
 from tokenserve.engine.step import packing as runner_module
 from tokenserve.engine.llm import LLM
 from tokenserve.sampling import SamplingParams

@@ -7,7 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from test_engine import PROMPTS, engine_config
+from support.engines import PROMPTS, engine_config
+from support.tiny_models import tiny
 from tokenserve.engine.llm import LLM
 from tokenserve.sampling import SamplingParams
 
@@ -17,7 +18,6 @@ def bf16_exact(request, tokenizer, tmp_path_factory):
     """A tiny transformer whose float32 weights are all bfloat16 values, exported."""
     import tensorflow as tf
 
-    from conftest import tiny
     from tokenserve.export.exporter import export_model
 
     model, config = tiny(request.param, tokenizer, seed=3)

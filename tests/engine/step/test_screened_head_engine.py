@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from test_engine import PROMPTS, engine_config
+from support.engines import PROMPTS, engine_config
 from tokenserve.engine.llm import LLM
 from tokenserve.sampling import SamplingParams
 

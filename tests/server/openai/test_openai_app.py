@@ -10,7 +10,8 @@ import pytest
 from fastapi.testclient import TestClient
 from prometheus_client import CollectorRegistry, Counter
 
-from fake_engine import FakeEngine
+from support.fake_engine import FakeEngine
+from support.tiny_models import tiny
 from tokenserve.errors import ServableUnavailableError
 from tokenserve.server.openai import OpenAIServerConfig, StaticModels, build_openai_app
 from tokenserve.server.openai.chat_template import DEFAULT_CHAT_TEMPLATE, render_chat
@@ -32,8 +33,6 @@ class Rejections(StatsSink):
 
 @pytest.fixture(scope="module")
 def setup(tokenizer):
-    from conftest import tiny
-
     _, config = tiny("tiny-gpt2", tokenizer)
     engines = {"tiny": FakeEngine(tokenizer, config, step_s=0.001),
                "slow": FakeEngine(tokenizer, config, step_s=0.02),
@@ -67,8 +66,6 @@ def test_a_deadline_is_504_when_not_streamed_and_abort_when_streamed(setup):
 
 
 def test_server_timeout_caps_the_request_timeout(tokenizer):
-    from conftest import tiny
-
     engine = FakeEngine(tokenizer, tiny("tiny-gpt2", tokenizer)[1])
     app = build_openai_app(StaticModels({"m": engine}), OpenAIServerConfig(request_timeout_s=5))
     with TestClient(app) as client:
@@ -97,8 +94,6 @@ def test_a_model_without_an_available_version_is_503(tokenizer):
     class NoneAvailable(StaticModels):
         def resolve(self, model_id):
             raise ServableUnavailableError(f"{model_id} has no AVAILABLE version yet")
-
-    from conftest import tiny
 
     engine = FakeEngine(tokenizer, tiny("tiny-gpt2", tokenizer)[1])
     with TestClient(build_openai_app(NoneAvailable({"m": engine}))) as client:
@@ -203,8 +198,6 @@ def test_rejections_are_reported_to_the_stats_sink(setup):
 def test_unknown_model_names_never_become_metric_labels(tokenizer):
     """Names a client makes up (NUL bytes, 8,000 characters) are counted under one label,
     so /metrics does not grow with them (it grew from 94 KB to 6.6 MB in 400 requests)."""
-    from conftest import tiny
-
     from tokenserve.observability.llm_metrics import LLMMetrics
 
     registry = CollectorRegistry()
@@ -250,8 +243,6 @@ def test_w3c_trace_headers_reach_the_engine_and_text_parts_are_joined(setup):
 
 
 def test_a_batched_prompt_refused_by_the_engine_aborts_its_siblings(tokenizer):
-    from conftest import tiny
-
     engine = FakeEngine(tokenizer, tiny("tiny-gpt2", tokenizer)[1], step_s=0.01,
                         max_requests=2)
     with TestClient(build_openai_app(StaticModels({"m": engine}))) as client:

@@ -14,7 +14,8 @@ import grpc
 import httpx
 import pytest
 
-from test_openai_harness import API_KEY, BUSY_MODEL, MAX_BODY_BYTES, MODEL, shared_server
+from support.openai_harness import API_KEY, BUSY_MODEL, MAX_BODY_BYTES, MODEL, shared_server
+from support.paths import REPO_ROOT
 from tokenserve.server.proto.tokenserve import generation_pb2 as pb
 
 C, CHAT = "/v1/completions", "/v1/chat/completions"
@@ -329,9 +330,8 @@ def test_grpc_bad_input(server, row):
 def test_the_documented_matrix_is_the_tested_one():
     """docs/api.md's tables list exactly these rows, in order, with these statuses."""
     import re
-    from pathlib import Path
 
-    doc = (Path(__file__).parent.parent / "docs" / "api.md").read_text()
+    doc = (REPO_ROOT / "docs" / "api.md").read_text()
     http = re.findall(r"^\| H(\d+) \| `([\w-]+)` \|[^|]*\| (\d+) \|", doc, re.M)
     assert [(int(n), rid, int(status)) for n, rid, status in http] == [
         (i + 1, row[0], row[4]) for i, row in enumerate(HTTP_ROWS)]

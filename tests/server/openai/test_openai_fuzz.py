@@ -14,7 +14,7 @@ from collections import Counter
 import httpx
 import pytest
 
-from test_openai_harness import MODEL, shared_server
+from support.openai_harness import MODEL, shared_server
 from tokenserve.server.openai.responses_schemas import ResponseCreateRequest
 from tokenserve.server.openai.schemas import (ChatCompletionRequest, CompletionRequest,
                                               DetokenizeRequest, TokenizeRequest)

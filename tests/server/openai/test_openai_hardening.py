@@ -13,7 +13,8 @@ import pytest
 from fastapi.testclient import TestClient
 from prometheus_client import CollectorRegistry
 
-from fake_engine import FakeEngine
+from support.fake_engine import FakeEngine
+from support.tiny_models import tiny
 from tokenserve.server.auth import APIKeys
 from tokenserve.server.openai import OpenAIServerConfig, StaticModels, build_openai_app
 from tokenserve.server.openai.params import max_chars_per_token
@@ -23,8 +24,6 @@ BIG = ("def add(a, b):\n    return a + b\n" * 70_000)[:2_000_000]  # 2 MB of Pyt
 
 @pytest.fixture(scope="module")
 def engine(tokenizer):
-    from conftest import tiny
-
     return FakeEngine(tokenizer, tiny("tiny-gpt2", tokenizer)[1])
 
 

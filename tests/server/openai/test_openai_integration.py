@@ -9,8 +9,8 @@ import httpx
 import openai
 import pytest
 
-from fake_engine import wait_until
-from test_openai_harness import API_KEY, MODEL, SLOW_MODEL, shared_server
+from support.openai_harness import API_KEY, MODEL, SLOW_MODEL, shared_server
+from support.waiting import wait_until
 
 PROMPT = "def add(a, b):"
 LONG = {"ignore_eos": True}  # random weights: no early eos, so lengths are exact
@@ -124,7 +124,7 @@ def test_echo_with_logprobs_scores_the_prompt_as_one_forward_pass(client, tmp_pa
     the exported model's full forward pass in this process."""
     import numpy as np
 
-    from test_openai_harness import tiny_model_dir
+    from support.openai_harness import tiny_model_dir
     from tokenserve.export.restore import load_language_model
 
     model, tokenizer, _, _ = load_language_model(tiny_model_dir(tmp_path_factory),

@@ -8,7 +8,9 @@ import threading
 import pytest
 from fastapi.testclient import TestClient
 
-from fake_engine import FakeEngine, wait_until
+from support.fake_engine import FakeEngine
+from support.tiny_models import tiny
+from support.waiting import wait_until
 from tokenserve.errors import ModelNotFoundError, ServableUnavailableError
 from tokenserve.lifecycle.manager import ModelManager
 from tokenserve.lifecycle.model_config import ModelSpecConfig
@@ -33,8 +35,6 @@ def test_model_id_forms(text, parsed):
 
 @pytest.fixture(scope="module")
 def config(tokenizer):
-    from conftest import tiny
-
     return tiny("tiny-gpt2", tokenizer)[1]
 
 

@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, Phase, settings
 from schemathesis.checks import (content_type_conformance, not_a_server_error,
                                  response_schema_conformance, status_code_conformance)
 
-from test_openai_harness import shared_server
+from support.openai_harness import shared_server
 
 EXAMPLES_PER_ROUTE = 12
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance,

@@ -13,7 +13,7 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from test_openai_harness import API_KEY, MODEL, shared_server
+from support.openai_harness import API_KEY, MODEL, shared_server
 from tokenserve.server.proto.tokenserve import generation_pb2 as pb
 from tokenserve.server.proto.tokenserve import generation_pb2_grpc as pb_grpc
 

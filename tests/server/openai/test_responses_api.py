@@ -12,9 +12,10 @@ import time
 import httpx
 import openai
 import pytest
-from redis_server import RedisServer
-from servables import free_port
-from test_openai_harness import export_tiny_model
+
+from support.openai_harness import export_tiny_model
+from support.redis_server import RedisServer
+from support.servables import free_port
 
 KEY_A, KEY_B = "key-alice", "key-bob"
 INSTRUCTIONS = "You write Python.\n" * 2  # full KV blocks shared by every turn (of 16)

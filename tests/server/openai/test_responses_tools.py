@@ -16,7 +16,7 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from test_openai_harness import API_KEY, MODEL, shared_builtin_server, shared_server
+from support.openai_harness import API_KEY, MODEL, shared_builtin_server, shared_server
 
 WEATHER = {"type": "function", "name": "get_weather", "description": "Current weather.",
            "parameters": {"type": "object", "additionalProperties": False,

@@ -11,7 +11,7 @@ import jsonschema
 import openai
 import pytest
 
-from test_openai_harness import API_KEY, MODEL, RealServer, shared_builtin_server, shared_server
+from support.openai_harness import API_KEY, MODEL, RealServer, shared_builtin_server, shared_server
 from tokenserve.server.openai.tools import ToolCallFormat, ToolCallStream, parse_tool_calls
 
 WEATHER = {"type": "function", "function": {
@@ -73,7 +73,7 @@ def test_parse_whole_text():
 
 
 def test_template_format_detection():
-    from qwen2_tiny import QWEN2_CHAT_TEMPLATE
+    from support.qwen2_tiny import QWEN2_CHAT_TEMPLATE
 
     assert ToolCallFormat.of_template(QWEN2_CHAT_TEMPLATE) is ToolCallFormat.HERMES
     assert ToolCallFormat.of_template(None) is ToolCallFormat.HERMES
@@ -97,7 +97,7 @@ def builtin_server(pytestconfig):
 @pytest.fixture(scope="module")
 def qwen2_server(tmp_path_factory):
     pytest.importorskip("torch")
-    from qwen2_tiny import qwen2_tiny_dir
+    from support.qwen2_tiny import qwen2_tiny_dir
 
     server = RealServer(qwen2_tiny_dir(tmp_path_factory))
     yield server

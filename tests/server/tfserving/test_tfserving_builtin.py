@@ -5,7 +5,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-import servables as S
+from support import servables as S
 
 
 @pytest.mark.slow  # exports the built-in model into the user cache on first use

@@ -10,7 +10,7 @@ import httpx
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-import servables as S
+from support import servables as S
 from tokenserve.server.config import ServeConfig
 from tokenserve.server.tfserving.server import serve
 

@@ -17,8 +17,8 @@ from tensorflow.core.example import example_pb2, feature_pb2
 from tensorflow_serving.apis import (classification_pb2, inference_pb2, input_pb2, model_pb2,
                                      predict_pb2, prediction_service_pb2_grpc, regression_pb2)
 
-import servables as S
-import tfserving_models as M
+from support import servables as S
+from support import tfserving_models as M
 
 MODELS = {"half_plus_two": "tensorflow", "half_plus_three": "tensorflow",
           "counter": "tensorflow", "tf2_classifier": "tensorflow",

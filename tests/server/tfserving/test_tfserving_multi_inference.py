@@ -17,7 +17,7 @@ from tensorflow_serving.apis import (classification_pb2, inference_pb2, input_pb
                                      prediction_log_pb2, prediction_service_pb2_grpc,
                                      regression_pb2)
 
-import servables as S
+from support import servables as S
 
 CLASSIFY = "tensorflow/serving/classify"
 REGRESS = "tensorflow/serving/regress"

@@ -20,7 +20,7 @@ from tensorflow_serving.apis import (get_model_status_pb2, model_management_pb2,
                                      model_service_pb2_grpc, predict_pb2,
                                      prediction_service_pb2_grpc)
 
-import servables as S
+from support import servables as S
 
 State = get_model_status_pb2.ModelVersionStatus
 

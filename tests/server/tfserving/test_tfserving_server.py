@@ -19,8 +19,8 @@ from tensorflow_serving.apis import (classification_pb2, get_model_metadata_pb2,
                                      model_pb2, model_service_pb2_grpc, predict_pb2,
                                      prediction_service_pb2_grpc, regression_pb2)
 
-import servables as S
-from conftest import tiny
+from support import servables as S
+from support.tiny_models import tiny
 
 MODELS = ("tf2", "keras", "tf1", "lm", "lite", "broken", "badwarmup", "badclassify")
 

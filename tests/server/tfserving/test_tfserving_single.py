@@ -10,7 +10,7 @@ import tensorflow as tf
 from tensorflow_serving.apis import (get_model_status_pb2, model_pb2, model_service_pb2_grpc,
                                      predict_pb2, prediction_service_pb2_grpc)
 
-import servables as S
+from support import servables as S
 
 
 @pytest.fixture(scope="module")

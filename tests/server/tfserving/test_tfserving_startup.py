@@ -13,7 +13,7 @@ import time
 
 import httpx
 
-import servables as S
+from support import servables as S
 
 
 def test_malformed_model_config_prints_tf_servings_parse_error(tmp_path):
