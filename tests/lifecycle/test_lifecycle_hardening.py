@@ -52,11 +52,18 @@ def test_a_refused_config_is_applied_at_a_later_poll(tmp_path):
     make_version(base, 2)
     manager.poll()
     assert wait_for(lambda: states(manager, "m").get(2) == VersionState.LOADING)
-    poller = Poller(manager, 0, lambda: read_model_config_file(config_file), 0.05)
+    reads = []
+
+    def read_config():
+        reads.append(1)
+        return read_model_config_file(config_file)
+
+    poller = Poller(manager, 0, read_config, 0.05)  # its first read: the file before the edit
     config_file.write_text(config_text(base, {"stable": 2}))  # the edit the poller sees
     try:
         poller.start()
-        time.sleep(0.3)  # several polls: each one refused
+        # several polls, each one refused: a read follows the previous poll's apply
+        assert wait_for(lambda: len(reads) >= 5)
         assert manager.labels("m") == {}
         loader.gate.set()
         assert wait_for(lambda: manager.labels("m") == {"stable": 2})

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import time
 from pathlib import Path
 
 import numpy as np
@@ -199,6 +200,22 @@ def copy_half(source: Path, target: Path) -> None:
     """A half-copied version directory: saved_model.pb without its variables."""
     target.mkdir(parents=True)
     shutil.copy(source / "saved_model.pb", target / "saved_model.pb")
+
+
+def wait_until_beat_stops(beat: Path, still_s: float = 1.0, timeout_s: float = 30.0) -> None:
+    """Returns once `beat` (the `wait` signature's iteration count, rewritten every 20 ms while
+    its loop runs) has kept one value for `still_s`: 50 missed beats at the default, so its
+    loop has ended. Fails when it still changes after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    last, since = beat.read_text(), time.monotonic()
+    while time.monotonic() < deadline:
+        time.sleep(0.05)
+        now = beat.read_text()
+        if now != last:
+            last, since = now, time.monotonic()
+        elif time.monotonic() - since >= still_s:
+            return
+    raise AssertionError(f"{beat} still changes after {timeout_s} s: its loop is still running")
 
 
 def float_input(values) -> np.ndarray:

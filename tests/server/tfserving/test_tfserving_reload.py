@@ -21,6 +21,7 @@ from tensorflow_serving.apis import (get_model_status_pb2, model_management_pb2,
                                      prediction_service_pb2_grpc)
 
 from support import servables as S
+from support.file_reads import FileReads
 
 State = get_model_status_pb2.ModelVersionStatus
 
@@ -220,7 +221,10 @@ def test_config_file_change_and_reload_request_under_load(server):
         gone = httpx.post(f"{server.rest}/v1/models/n:predict", json={"instances": [1.0]})
         assert gone.status_code == 404
         assert gone.json() == {"error": "Servable not found for request: Latest(n)"}
-        time.sleep(2.5)  # two config polls: an unchanged file does not undo the request
+        # two config polls: an unchanged file does not undo the request (the first poll's
+        # apply ends before the second poll reads the file)
+        with FileReads(server.config) as reads:
+            wait_for(lambda: reads.count() >= 2, 30, "two reads of the config file")
         assert statuses(server, "n").get(1) == State.END
 
         bad = model_management_pb2.ReloadConfigRequest()
@@ -245,10 +249,7 @@ def test_rest_timeout_is_504_and_the_run_stops(server):
         assert reply.status_code == 504
         assert reply.json() == {"error": "Timed out waiting for notification"}
         assert beat.exists()  # the wait loop did run
-        time.sleep(0.3)
-        last = beat.read_text()
-        time.sleep(1.0)  # 50 beats if the loop were still running
-        assert beat.read_text() == last
+        S.wait_until_beat_stops(beat)  # and stopped with the answer
         fine = httpx.post(f"{server.rest}/v1/models/m:predict", json={"instances": [1.0]})
         assert fine.status_code == 200
     finally:
@@ -270,10 +271,7 @@ def test_grpc_deadline_stops_the_run(server):
             stub.Predict(request, timeout=1.5)
         assert raised.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
         wait_for(beat.exists, 10, "the run started")
-        time.sleep(1.0)
-        last = beat.read_text()
-        time.sleep(1.0)
-        assert beat.read_text() == last
+        S.wait_until_beat_stops(beat)
     finally:
         gate.write_text("open")
 
