@@ -3,7 +3,8 @@
 Debian's `redis-server` and `prometheus`, N `tokenserve serve` replicas (the built-in model,
 the Kubernetes ConfigMaps' model, batching and monitoring configs), and nginx with
 deploy/nginx/nginx.conf, each config rendered for loopback by configs.py. Run by
-deploy/local/up.sh, which installs the programs first, and used by tests/test_deploy_*.py:
+deploy/local/up.sh, which installs the programs first, and used by
+tests/deploy/test_deploy_*.py:
 
     python -m deploy.local.cluster --replicas 3   # from the repository root; up until Ctrl-C
 

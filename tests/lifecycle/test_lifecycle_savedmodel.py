@@ -1,6 +1,6 @@
 """The Session-based SavedModel servable and the TFLite servable, in process: they load TF
-Serving's own test models (rebuilt with tf.compat.v1, tests/tfserving_models.py) and apply TF
-Serving's request rules, with TF Serving's texts
+Serving's own test models (rebuilt with tf.compat.v1, tests/support/tfserving_models.py)
+and apply TF Serving's request rules, with TF Serving's texts
 (docs/migrating-from-tf-serving.md#how-a-request-runs)."""
 
 from __future__ import annotations

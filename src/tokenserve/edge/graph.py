@@ -4,7 +4,7 @@ The engine's graphs (model/layers.py) are shaped for batches and XLA: 5-D einsum
 updates into the cache. The TFLite builtins want 2-D matmuls (FULLY_CONNECTED, which every
 quantization mode handles), 3-D batch matmuls and DYNAMIC_UPDATE_SLICE for the cache. So the
 same arithmetic is written again here, batch 1, from the model's weights; norms and the MLP
-reuse the layers' functional helpers. `tests/test_tflite_export.py` holds both to the same
+reuse the layers' functional helpers. `tests/edge/test_tflite_export.py` holds both to the same
 greedy tokens.
 
 Signatures (batch 1; T is dynamic, the cache length S static):

@@ -7,7 +7,7 @@ checking a few drafted tokens in one step costs little more than computing one. 
 repeats itself (code being edited, a document being summarized or quoted, structured
 output, a model stuck in a loop) then comes out several tokens per step. With greedy
 sampling the output is exactly the same tokens as without drafts; sampled output keeps its
-distribution (SequenceSampler.verify; tests/test_speculative.py).
+distribution (SequenceSampler.verify; tests/engine/test_speculative.py).
 
 Plain Python, no TF: the index is a dict from n-gram to where it first ended, kept up to
 date as tokens are appended, so a proposal costs O(max_n) whatever the sequence's length.

@@ -163,7 +163,7 @@ def split_rope(qkv, num_heads: int, num_kv_heads: int, head_dim: int, rotary=Non
 def split_rope_fallback(qkv, num_heads: int, num_kv_heads: int, head_dim: int, rotary=None):
     """split_rope in stock TF ops: the engine's graph path, RoPE written out as
     model.layers.apply_rope computes it (kernels sit below the model package;
-    tests/test_split_rope.py checks both against apply_rope bit for bit)."""
+    tests/kernels/test_split_rope.py checks both against apply_rope bit for bit)."""
     width = num_kv_heads * head_dim
     q, k, v = tf.split(qkv, [num_heads * head_dim, width, width], -1)
     q = tf.reshape(q, [-1, num_heads, head_dim])

@@ -28,7 +28,7 @@ too), the graph must. Inside a tf.function, automatic control dependencies give 
 that takes a variable's handle a control input on the last earlier write to that variable in
 program order, so a step that scatters a layer's new rows and then calls this op (passing the
 same variables, or their `.handle`) reads the updated rows with no explicit control
-dependency (tests/test_paged_attention.py checks the control inputs). A graph built without
+dependency (tests/kernels/test_paged_attention.py checks the control inputs). A graph built without
 automatic control dependencies (tf.compat.v1 graph mode) would need
 `tf.control_dependencies([key_scatter, value_scatter])` around the call. The op is registered
 as a read-only resource op there (as ResourceGather is), so several reads of the same cache

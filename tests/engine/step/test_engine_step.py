@@ -128,7 +128,7 @@ def test_with_few_sequences_xla_steps_run_the_fused_head_and_compile_no_head(exp
 
 
 def test_auto_fused_dense_share_is_this_cpus_choice_and_logged(exported, caplog):
-    """Left on auto, the runner takes the CPU's choice (tests/test_cpu_choices.py), says so,
+    """Left on auto, the runner takes the CPU's choice (tests/model/test_cpu_choices.py), says so,
     and compiles XLA programs only for steps larger than the fused ops take."""
     from tokenserve.model.precision import choose_fused_dense_tokens
 

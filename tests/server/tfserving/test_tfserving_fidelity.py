@@ -1,6 +1,6 @@
 """`tokenserve serve` against TF Serving's own test models (rebuilt with tf.compat.v1 in
-tests/tfserving_models.py), driven by the official tensorflow-serving-api stubs over gRPC and
-by plain REST, expecting what tensorflow_model_server answers
+tests/support/tfserving_models.py), driven by the official tensorflow-serving-api stubs over
+gRPC and by plain REST, expecting what tensorflow_model_server answers
 (docs/migrating-from-tf-serving.md#apis)."""
 
 from __future__ import annotations
@@ -176,7 +176,7 @@ def test_tf2_signatures_classify_regress_and_multi_inference(server, stub):
                                                        signature_name=signature),
                         method_name=method)
     # Each TF2 signature is its own function with its own input placeholder: each task runs
-    # its signature on the same examples (tests/test_tfserving_multi_inference.py in full).
+    # its signature on the same examples (test_tfserving_multi_inference.py in full).
     classes, regression = stub.MultiInference(multi).results
     assert [(c.label, c.score) for c in classes.classification_result.classifications[0]
             .classes] == [("pos", 3.0), ("neg", -3.0)]

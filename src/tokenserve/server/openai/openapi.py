@@ -4,8 +4,8 @@ The generation routes read their bodies themselves (`http.read_json`: size limit
 depth, strict types, one error shape), so FastAPI cannot infer their request schemas; each
 route names its request model here instead, and `install_openapi` adds those models to the
 document's components. Responses list every status a route can answer with, each with its
-body schema, so a client generator or a fuzzer (schemathesis, in tests/test_openai_schema.py)
-can hold the server to them.
+body schema, so a client generator or a fuzzer (schemathesis, in
+tests/server/openai/test_openai_schema.py) can hold the server to them.
 """
 
 from __future__ import annotations
