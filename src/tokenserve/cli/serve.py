@@ -171,6 +171,10 @@ def _add_llm_flags(p) -> None:
                    help="deadline of each generation request")
     g.add_argument("--max_request_body_bytes", type=int, default=llm.max_body_bytes,
                    help="larger OpenAI request bodies get HTTP 413")
+    g.add_argument("--reasoning_parser", default=llm.reasoning_parser, metavar="NAME",
+                   help="split a thinking model's chat replies into reasoning_content and "
+                        "content, by vLLM's parser names (qwen3, deepseek_r1); auto (the "
+                        "default): for a model whose chat template writes <think>; none: off")
     g.add_argument("--otlp_traces_endpoint", default=None,
                    help="export OpenTelemetry traces (OTLP/HTTP), e.g. http://collector:4318")
     g.add_argument("--tensorboard_logdir", default=None,
@@ -211,7 +215,8 @@ def llm_config_from_args(args: argparse.Namespace):
                           request_timeout_s=args.request_timeout_s,
                           max_body_bytes=args.max_request_body_bytes,
                           state_store=args.state_store, ui=args.ui,
-                          release_file_pages=args.release_file_pages)
+                          release_file_pages=args.release_file_pages,
+                          reasoning_parser=args.reasoning_parser)
 
 
 class _PrintVersion(argparse.Action):
@@ -267,6 +272,9 @@ def run(args: argparse.Namespace) -> int:
 
     with collector_paused():  # the web stack's imports
         from tokenserve.server.launch import run as launch
+        from tokenserve.server.openai.reasoning import check_parser_name
+
+    check_parser_name(llm.reasoning_parser)  # before any model loads
 
     try:
         launch(config, llm)

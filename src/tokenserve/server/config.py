@@ -29,6 +29,9 @@ full-context generation on a loaded CPU, short enough that a stuck request frees
 MAX_BODY_BYTES = 8 * 1024 * 1024
 """Default limit of an OpenAI request body; larger ones get 413 before they are parsed (a
 128k-token prompt is about 0.5 MB)."""
+REASONING_PARSER = "auto"
+"""Default --reasoning_parser: a model whose chat template writes <think> gets its replies'
+reasoning as reasoning_content; any other model's replies are left as they are."""
 
 
 @dataclass
@@ -167,6 +170,9 @@ class LLMServeConfig:
     """Larger OpenAI request bodies get HTTP 413."""
     state_store: str | None = None
     """redis://HOST:PORT/DB for Responses-API conversations; None: an in-process LRU."""
+    reasoning_parser: str = REASONING_PARSER
+    """auto, none, or the parser (vLLM's names: qwen3, deepseek_r1) that splits chat replies
+    into reasoning_content and content (server/openai/reasoning.py); checked at start."""
     ui: bool = True
     """Serve the browser playground and dashboard at / on the OpenAI port (`--noui`: off)."""
     release_file_pages: bool = True

@@ -24,9 +24,9 @@ DEFAULT_CHAT_TEMPLATE = (
     "{{ '\\n' }}"
     "{% endfor %}{% if add_generation_prompt %}# assistant:{% endif %}"
 )
-"""For models without a template, and the built-in models' own: their format (they are code models, and a
-comment-per-turn transcript is what they continue best). Tools are listed first, and calls
-are written in the Hermes style that Qwen2's template uses."""
+"""For models without a template, and the built-in models' own: their format (they are code
+models, and a comment-per-turn transcript is what they continue best). Tools are listed first,
+and calls are written in the Hermes style that Qwen2's template uses."""
 _BUILTIN_CHAT_TEMPLATE = (
     "{% for message in messages %}# {{ message['role'] }}: {{ message['content'] }}\n"
     "{% endfor %}{% if add_generation_prompt %}# assistant:{% endif %}"
@@ -61,11 +61,20 @@ def _compile(template: str) -> jinja2.Template:
     return env.from_string(template)
 
 
+RENDER_VARIABLES = ("messages", "tools", "add_generation_prompt", "bos_token", "eos_token")
+"""What the server itself passes a template: a request's chat_template_kwargs may not set
+these (the request has its own fields for them)."""
+
+
 def render_chat(template: str | None, messages: list[dict], *,
                 add_generation_prompt: bool = True, bos_token: str = "",
-                eos_token: str = "", tools: list[dict] | None = None) -> str:
-    """Renders `messages` ([{"role", "content"}], plus "tool_calls" on assistant turns and
-    "tool_call_id" on tool results) to the prompt text; `tools` as HF templates take them.
+                eos_token: str = "", tools: list[dict] | None = None,
+                template_kwargs: dict | None = None) -> str:
+    """Renders `messages` ([{"role", "content"}], plus "tool_calls" and "reasoning_content" on
+    assistant turns and "tool_call_id" on tool results) to the prompt text; `tools` as HF
+    templates take them. `template_kwargs` are further template variables, as
+    transformers' apply_chat_template takes them (e.g. {"enable_thinking": False} for
+    Qwen3's); none may be one of RENDER_VARIABLES.
 
     Raises:
         InvalidRequestError: the template refuses the messages (e.g. roles that do not
@@ -75,8 +84,10 @@ def render_chat(template: str | None, messages: list[dict], *,
         if not template or template == _BUILTIN_CHAT_TEMPLATE:
             template = DEFAULT_CHAT_TEMPLATE
         compiled = _compile(template)
-        return compiled.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                               bos_token=bos_token, eos_token=eos_token, tools=tools)
+        return compiled.render({**(template_kwargs or {}), "messages": messages,
+                                "add_generation_prompt": add_generation_prompt,
+                                "bos_token": bos_token, "eos_token": eos_token,
+                                "tools": tools})
     except _TemplateRaised as error:
         raise InvalidRequestError(f"The chat template rejected the messages: {error}") from None
     except jinja2.TemplateError as error:

@@ -7,7 +7,9 @@ from typing import Any
 
 from tokenserve.errors import ConfigError
 from tokenserve.server.auth import APIKeys
-from tokenserve.server.config import MAX_BODY_BYTES, REQUEST_TIMEOUT_S
+from tokenserve.server.config import MAX_BODY_BYTES, REASONING_PARSER, REQUEST_TIMEOUT_S
+
+from .reasoning import check_parser_name
 
 
 @dataclass(frozen=True)
@@ -36,6 +38,10 @@ class OpenAIServerConfig:
     """Serve /metrics without an API key (`--metrics_public`). By default it follows
     `api_keys`: metric labels name every served model and version."""
     owned_by: str = "tokenserve"
+    reasoning_parser: str = REASONING_PARSER
+    """How chat replies are split into reasoning_content and content (reasoning.py): "auto"
+    parses a model whose chat template writes <think>, "none" parses none, and a parser name
+    (qwen3, deepseek_r1) parses every model's replies that way."""
 
     def __post_init__(self) -> None:
         if self.max_body_bytes < 1024:
@@ -48,3 +54,4 @@ class OpenAIServerConfig:
             raise ConfigError(f"max_json_depth must be at least 8, got {self.max_json_depth}")
         if self.default_completion_max_tokens < 1:
             raise ConfigError("default_completion_max_tokens must be at least 1")
+        check_parser_name(self.reasoning_parser)

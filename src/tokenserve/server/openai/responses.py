@@ -31,29 +31,32 @@ from tokenserve.engine.protocol import EngineClient
 from tokenserve.errors import PromptTooLongError
 from tokenserve.sampling import SamplingParams
 
-from .chat import chat_prompt_ids
+from .chat_prompt import chat_prompt
 from .config import OpenAIServerConfig
 from .formatting import chat_logprobs
 from .params import bad_request, max_new_tokens, request_timeout
+from .reasoning import reasoning_format
+from .reply_stream import ReplyStream
 from .responses_events import response_events
 from .responses_input import drop_oldest_turn, input_messages, new_id
 from .responses_options import LOGPROBS_INCLUDE, chat_tools, check_unsupported, text_format
 from .responses_schemas import (InputTokensDetails, OutputFunctionCall, OutputMessage,
-                                OutputText, ResponseCreateRequest, ResponseObject,
-                                ResponseUsage, TextFormat)
+                                OutputReasoning, OutputText, ReasoningText,
+                                ResponseCreateRequest, ResponseObject, ResponseUsage,
+                                TextFormat)
 from .schemas import ChatMessage, NamedToolChoice
 from .streams import MergedOutputs
-from .tools import (ToolCallFormat, ToolCallStream, forced_call_grammar, template_tools,
-                    tool_choice_of)
+from .tools import ToolCallFormat, forced_call_grammar, template_tools, tool_choice_of
 
 
 class ResponseRun:
     """One POST /v1/responses from validation to its stored result.
 
-    Output items come in the order the model wrote them: a message with its text, then one
-    function_call item per call (tools.py finds calls in the text as it streams; text after
-    the calls is dropped, as in chat completions). A response with calls and no text has only
-    the calls; one with neither, one empty message."""
+    Output items come in the order the model wrote them: a thinking model's reasoning item,
+    a message with its text, then one function_call item per call (reply_stream.py finds
+    them in the text as it streams; text after the calls is dropped, as in chat
+    completions). A response with reasoning or calls and no text has no message; one with
+    none of them, one empty message."""
 
     def __init__(self, body: ResponseCreateRequest, engine: EngineClient, model_id: str,
                  config: OpenAIServerConfig, previous, owner: str,
@@ -66,8 +69,11 @@ class ResponseRun:
         check_unsupported(body)
         self.body, self.model_id, self.owner = body, model_id, owner
         self.response_id, self.message_id = new_id("resp"), new_id("msg")
+        self.reasoning_id = new_id("rs")
         self.history = list(previous.conversation) if previous is not None else []
-        self.new_messages, self.input_items = input_messages(body, self.history)
+        thinking = reasoning_format(config.reasoning_parser, engine.config.chat_template)
+        self.new_messages, self.input_items = input_messages(body, self.history,
+                                                             thinking is not None)
         tools, choice = chat_tools(body)
         self.tool_choice = tool_choice_of(tools, choice)
         tool_format = ToolCallFormat.of_template(engine.config.chat_template)
@@ -83,14 +89,18 @@ class ResponseRun:
             raise bad_request("Logprobs together with tools are not served: the text the calls "
                               "are parsed from is not the message's.", "include",
                               "unsupported_parameter")
+        if wants_logprobs and thinking is not None:
+            raise bad_request("Logprobs are not served for a model whose replies carry "
+                              "reasoning: the message's text is not the whole output.",
+                              "include", "unsupported_parameter")
         self.tokenizer = engine.tokenizer
         system = [{"role": "system", "content": body.instructions}] if body.instructions else []
         conversation = self.history + self.new_messages
         while True:
             messages = [ChatMessage.model_validate(m) for m in system + conversation]
             try:
-                self.prompt_ids = chat_prompt_ids(messages, engine,
-                                                  tools=template_tools(tools))
+                prompt = chat_prompt(messages, engine, tools=template_tools(tools))
+                self.prompt_ids = prompt.token_ids
                 max_tokens = max_new_tokens(body.max_output_tokens, "max_output_tokens",
                                             len(self.prompt_ids), engine.max_model_len,
                                             default=None)
@@ -110,15 +120,26 @@ class ResponseRun:
                                      final_only=not body.stream)
         self.created_at = time.time()
         self.output_ids, self.finish_reason = [], None
+        self.reasoning = ""  # the reasoning item's text: the think block's
         self.content = ""  # the message's text: what the model wrote outside calls
         self.logprobs: list[dict] = []  # the message's tokens', with logprobs asked for
         self._pending: list[dict] = []  # logprobs of tokens whose text is not out yet
         self.calls: list[dict] = []  # {"id", "call_id", "name", "arguments"} as written
-        self.parser = ToolCallStream(tool_format) if self.tool_choice != "none" else None
+        self.reply = None  # the text is the message's as it is
+        if thinking is not None or self.tool_choice != "none":
+            # a constraint applies from the first token, so what it writes is the answer
+            in_reasoning = (thinking is not None and self.params.structured is None
+                            and thinking.opens_in_reasoning(prompt.text))
+            self.reply = ReplyStream(thinking, in_reasoning,
+                                     tool_format if self.tool_choice != "none" else None)
 
     @property
     def has_message(self) -> bool:
-        return bool(self.content) or not self.calls
+        return bool(self.content) or not (self.calls or self.reasoning)
+
+    def reasoning_item(self, status: str) -> OutputReasoning:
+        return OutputReasoning(id=self.reasoning_id, status=status,
+                               content=[ReasoningText(text=self.reasoning)])
 
     def message_item(self, status: str) -> OutputMessage:
         return OutputMessage(id=self.message_id, status=status,
@@ -136,14 +157,18 @@ class ResponseRun:
         done = status != "in_progress"
         output = []
         if done:
-            # a call cut off by max_output_tokens is incomplete; the message before it is not
-            cut = status == "incomplete" and self.parser is not None and self.calls \
-                and not self.parser.calls[-1]["done"]
+            # the item max_output_tokens cut off is incomplete; those before it are not
+            cut = status == "incomplete" and self.calls \
+                and not self.reply.tools.calls[-1]["done"]
+            if self.reasoning:
+                output.append(self.reasoning_item(
+                    "incomplete" if status == "incomplete" and not (self.content or self.calls)
+                    else "completed"))
             if self.has_message:
-                output.append(self.message_item("completed" if self.calls or status == "completed"
-                                            else "incomplete"))
+                output.append(self.message_item(
+                    "completed" if self.calls or status == "completed" else "incomplete"))
             output += [self.call_item(i, "incomplete" if cut and i == len(self.calls) - 1
-                                  else "completed") for i in range(len(self.calls))]
+                                      else "completed") for i in range(len(self.calls))]
         body = self.body
         return ResponseObject(
             id=self.response_id, created_at=self.created_at, status=status, model=self.model_id,
@@ -187,8 +212,9 @@ class ResponseRun:
         return taken
 
     async def pieces(self) -> AsyncIterator[tuple[str, int, str]]:
-        """The output as it streams: ("text", 0, delta) for the message and ("call", index,
-        arguments delta) for call `index`, whose first piece opens it (self.calls grows)."""
+        """The output as it streams: ("reasoning", 0, delta) for the reasoning item, ("text",
+        0, delta) for the message and ("call", index, arguments delta) for call `index`, whose
+        first piece opens it (self.calls grows)."""
         async for delta in self._deltas():
             for piece in self._split(delta):
                 yield piece
@@ -196,16 +222,18 @@ class ResponseRun:
             yield piece
 
     def _split(self, delta: str | None) -> list[tuple[str, int, str]]:
-        if self.parser is None:
-            content, calls = delta or "", []
-        elif delta is None:
-            content, calls = self.parser.finish(), []
+        """The pieces of a text delta (None: the end of the text)."""
+        if self.reply is None:
+            reasoning, content, calls = "", delta or "", []
         else:
-            content, calls = self.parser.feed(delta)
+            piece = self.reply.feed(delta or "", final=delta is None)
+            reasoning, content, calls = piece.reasoning, piece.content, piece.calls
+        self.reasoning += reasoning
         self.content += content
-        if self.parser is None and delta is None:  # the last tokens' logprobs, text or not
+        if self.reply is None and delta is None:  # the last tokens' logprobs, text or not
             self.take_logprobs()
-        pieces = [("text", 0, content)] if content else []
+        pieces = [("reasoning", 0, reasoning)] if reasoning else []
+        pieces += [("text", 0, content)] if content else []
         for call in calls:
             if call.id is not None:
                 self.calls.append({"id": new_id("fc"), "call_id": call.id,
@@ -217,12 +245,14 @@ class ResponseRun:
 
     def final(self) -> ResponseObject:
         return self.response_object("incomplete" if self.finish_reason is FinishReason.LENGTH
-                              else "completed")
+                                    else "completed")
 
     def stored(self, response: ResponseObject):
         from tokenserve.state.response_store import StoredResponse
 
         reply = {"role": "assistant", "content": self.content}
+        if self.reasoning:  # for templates that show the thinking of a turn's tool calls
+            reply["reasoning_content"] = self.reasoning
         if self.calls:
             reply["tool_calls"] = [{"id": call["call_id"], "type": "function",
                                     "function": {"name": call["name"],

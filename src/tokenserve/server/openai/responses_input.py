@@ -11,7 +11,8 @@ import secrets
 from .http import validated
 from .params import bad_request
 from .responses_schemas import (INPUT_ITEMS, INPUT_ROLES, FunctionCallInput,
-                                FunctionCallOutputInput, ResponseCreateRequest)
+                                FunctionCallOutputInput, ReasoningInput,
+                                ResponseCreateRequest)
 
 
 def new_id(prefix: str) -> str:
@@ -40,14 +41,17 @@ def _call_ids(messages: list[dict]) -> set[str]:
     return {call["id"] for m in messages for call in m.get("tool_calls") or ()}
 
 
-def input_messages(body: ResponseCreateRequest, history: list[dict] = ()
-                   ) -> tuple[list[dict], list[dict]]:
+def input_messages(body: ResponseCreateRequest, history: list[dict] = (),
+                   takes_reasoning: bool = True) -> tuple[list[dict], list[dict]]:
     """(chat messages, input items as the API lists them) of a request's `input`.
 
     Messages are plain dicts as chat templates take them: {"role", "content"}, with
     "tool_calls" on an assistant message (function_call items, consecutive ones merged into
     one message, as chat completions send them) and "tool_call_id" on a tool message
-    (function_call_output). `history` is the stored conversation the input continues.
+    (function_call_output). A reasoning item's text becomes the "reasoning_content" of the
+    assistant message that follows it. `history` is the stored conversation the input
+    continues. `takes_reasoning`: the model's replies carry reasoning, so reasoning items are
+    served (as OpenAI's API, which refuses them for a model that does not reason).
 
     Raises:
         InvalidRequestError: an item of a type not served, an unsupported role or content
@@ -59,6 +63,14 @@ def input_messages(body: ResponseCreateRequest, history: list[dict] = ()
         body_items = body.input
     messages, listed = [], []
     known_calls = _call_ids(history)
+    reasoning = None  # a reasoning item's text, for the assistant message that follows
+
+    def assistant(message: dict) -> None:
+        nonlocal reasoning
+        if reasoning is not None:
+            message["reasoning_content"], reasoning = reasoning, None
+        messages.append(message)
+
     for i, raw in enumerate(body_items):
         if not isinstance(raw, dict):
             raise bad_request(f"input.{i}: an input item must be an object.", f"input.{i}",
@@ -68,15 +80,24 @@ def input_messages(body: ResponseCreateRequest, history: list[dict] = ()
             raise bad_request(f"input.{i}.type: input items of type '{kind}' are not served; "
                               f"use one of {', '.join(INPUT_ITEMS)}.", f"input.{i}.type",
                               "unsupported_parameter")
+        if kind == "reasoning" and not takes_reasoning:
+            raise bad_request(f"input.{i}.type: reasoning items can only be given to a model "
+                              f"whose replies carry reasoning; remove them from the input.",
+                              f"input.{i}.type", "unsupported_parameter")
         item = validated(INPUT_ITEMS[kind], raw, f"input.{i}")
+        if isinstance(item, ReasoningInput):  # it begins an assistant turn
+            reasoning = "".join(part.text or "" for part in item.content or item.summary)
+            listed.append({**item.model_dump(exclude_none=True), "id": item.id or new_id("rs"),
+                           "status": "completed"})
+            continue
         if isinstance(item, FunctionCallInput):
             call = {"id": item.call_id, "type": "function",
                     "function": {"name": item.name, "arguments": item.arguments}}
             last = messages[-1] if messages else None
-            if last is not None and last["role"] == "assistant":
+            if last is not None and last["role"] == "assistant" and reasoning is None:
                 last.setdefault("tool_calls", []).append(call)
             else:
-                messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
+                assistant({"role": "assistant", "content": "", "tool_calls": [call]})
             known_calls.add(item.call_id)
             listed.append({"id": item.id or new_id("fc"), "type": "function_call",
                            "call_id": item.call_id, "name": item.name,
@@ -98,8 +119,13 @@ def input_messages(body: ResponseCreateRequest, history: list[dict] = ()
             raise bad_request(f"input.{i}.role: role '{item.role}' is not supported; use "
                               f"one of {', '.join(INPUT_ROLES)}.", f"input.{i}.role")
         parts = _text_parts(item.content, f"input.{i}.content")
-        messages.append({"role": "system" if item.role == "developer" else item.role,
-                         "content": "".join(part["text"] for part in parts)})
+        text = "".join(part["text"] for part in parts)
+        if item.role == "assistant":
+            assistant({"role": "assistant", "content": text})
+        else:  # a reasoning item not followed by its answer is dropped
+            reasoning = None
+            messages.append({"role": "system" if item.role == "developer" else item.role,
+                             "content": text})
         listed.append({"id": new_id("msg"), "type": "message", "status": "completed",
                        "role": item.role, "content": parts})
     return messages, listed

@@ -52,8 +52,22 @@ class FunctionCallOutputInput(BaseModel):
     status: str | None = None
 
 
+class ReasoningInput(BaseModel):
+    """An input item of type "reasoning": a reasoning output item, as a client that keeps the
+    conversation itself sends it back. Its text becomes the next assistant turn's
+    reasoning_content, which templates that show earlier thinking render."""
+
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["reasoning"]
+    id: str | None = None
+    summary: list[InputContentPart] = Field(default_factory=list)
+    content: list[InputContentPart] | None = None
+    encrypted_content: str | None = None
+    status: str | None = None
+
+
 INPUT_ITEMS = {"message": InputMessage, "function_call": FunctionCallInput,
-               "function_call_output": FunctionCallOutputInput}
+               "function_call_output": FunctionCallOutputInput, "reasoning": ReasoningInput}
 """The input item types served, by `type` (an easy input message, {"role", "content"}, has
 none: "message"). Each item is validated on its own (responses_input.input_messages), so an
 error names the item's own field (input.2.call_id) rather than a branch of a union."""
@@ -98,8 +112,9 @@ class TextConfig(BaseModel):
 
 
 class ResponseCreateRequest(BaseModel):
-    """POST /v1/responses. Function tools are served; reasoning, background mode and tools
-    that run on OpenAI's side are not."""
+    """POST /v1/responses. Function tools are served, and a thinking model's reasoning comes
+    back as a reasoning item; `reasoning` options (effort, summaries), background mode and
+    tools that run on OpenAI's side are not served."""
 
     model_config = ConfigDict(extra="ignore")
     model: str | None = None
@@ -149,6 +164,22 @@ class OutputMessage(BaseModel):
     content: list[OutputText] = Field(default_factory=list)
 
 
+class ReasoningText(BaseModel):
+    type: Literal["reasoning_text"] = "reasoning_text"
+    text: str
+
+
+class OutputReasoning(BaseModel):
+    """An output item of type "reasoning" (ResponseReasoningItem): the thinking model's
+    reasoning as text (no summary is written, nothing is encrypted)."""
+
+    id: str
+    type: Literal["reasoning"] = "reasoning"
+    summary: list = Field(default_factory=list)
+    content: list[ReasoningText] = Field(default_factory=list)
+    status: Literal["in_progress", "completed", "incomplete"]
+
+
 class OutputFunctionCall(BaseModel):
     """An output item of type "function_call" (ResponseFunctionToolCall): `call_id` is what
     the client's function_call_output names."""
@@ -183,7 +214,8 @@ class ResponseObject(BaseModel):
     created_at: float
     status: Literal["completed", "incomplete", "in_progress", "failed"]
     model: str
-    output: list[OutputMessage | OutputFunctionCall] = Field(default_factory=list)
+    output: list[OutputReasoning | OutputMessage | OutputFunctionCall] = Field(
+        default_factory=list)
     instructions: str | None = None
     previous_response_id: str | None = None
     max_output_tokens: int | None = None

@@ -6,7 +6,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
-from .chat import chat_prompt_ids
+from .chat_prompt import chat_prompt_ids
 from .config import OpenAIServerConfig
 from .http import read_json
 from .models import ModelResolver
@@ -36,7 +36,8 @@ def tokens_router(models: ModelResolver, config: OpenAIServerConfig) -> APIRoute
         def token_ids() -> list[int]:
             if body.messages is not None:
                 return chat_prompt_ids(body.messages, engine, body.add_generation_prompt,
-                                       check_length=False)
+                                       check_length=False,
+                                       template_kwargs=body.chat_template_kwargs)
             return encode_text(engine.tokenizer, body.prompt)
 
         ids = await run_in_threadpool(token_ids)

@@ -18,6 +18,14 @@ class _Request(BaseModel):
     model_config = ConfigDict(strict=True, extra="allow")
 
 
+class _WithoutNulls(BaseModel):
+    """Fields left unset (None) are left out of the JSON, as OpenAI sends stream deltas."""
+
+    @model_serializer(mode="wrap")
+    def _without_nulls(self, handler):
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
 class StreamOptions(_Request):
     include_usage: bool = False
     continuous_usage_stats: bool = False
@@ -150,6 +158,8 @@ class ChatMessage(_Request):
     """An assistant turn's calls, sent back with the tools' results."""
     tool_call_id: str | None = None
     """A `tool` message: the call it answers."""
+    reasoning_content: str | None = None
+    """An assistant turn's reasoning, for templates that show it (vLLM's extension)."""
 
 
 class ChatCompletionRequest(_Sampling):
@@ -167,6 +177,8 @@ class ChatCompletionRequest(_Sampling):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     """Default: "auto" with tools, "none" without."""
     parallel_tool_calls: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+    """vLLM extension: further chat template variables, e.g. {"enable_thinking": false}."""
 
 
 class TokenizeRequest(_Request):
@@ -177,6 +189,7 @@ class TokenizeRequest(_Request):
     messages: list[ChatMessage] | None = Field(default=None, min_length=1)
     """As in chat completions, at least one message."""
     add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class DetokenizeRequest(_Request):
@@ -206,9 +219,6 @@ REJECTED_FIELDS: dict[str, tuple[Any, ...]] = {
     "chat_template": (None,),
     "continue_final_message": (None, False),
 }
-
-
-# ---------------------------------------------------------------- responses
 
 
 class ErrorInfo(BaseModel):
@@ -286,11 +296,14 @@ class ChatLogprobs(BaseModel):
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
+    reasoning_content: str | None = None
+    """A thinking model's reasoning (vLLM's and llama.cpp's field); left out when none."""
     tool_calls: list[ToolCall] | None = None
 
     @model_serializer(mode="wrap")
-    def _without_empty_calls(self, handler):
-        return {k: v for k, v in handler(self).items() if k != "tool_calls" or v}
+    def _without_empty_fields(self, handler):
+        return {k: v for k, v in handler(self).items()
+                if k not in ("tool_calls", "reasoning_content") or v}
 
 
 class ChatChoice(BaseModel):
@@ -311,16 +324,12 @@ class ChatCompletionResponse(BaseModel):
     system_fingerprint: str | None = None
 
 
-class DeltaFunctionCall(BaseModel):
+class DeltaFunctionCall(_WithoutNulls):
     name: str | None = None
     arguments: str | None = None
 
-    @model_serializer(mode="wrap")
-    def _without_nulls(self, handler):
-        return {k: v for k, v in handler(self).items() if v is not None}
 
-
-class DeltaToolCall(BaseModel):
+class DeltaToolCall(_WithoutNulls):
     """A streamed tool call: the first delta of a call has its id, type and name; the
     following ones carry pieces of `function.arguments`."""
 
@@ -329,21 +338,14 @@ class DeltaToolCall(BaseModel):
     type: Literal["function"] | None = None
     function: DeltaFunctionCall
 
-    @model_serializer(mode="wrap")
-    def _without_nulls(self, handler):
-        return {k: v for k, v in handler(self).items() if v is not None}
 
-
-class DeltaMessage(BaseModel):
+class DeltaMessage(_WithoutNulls):
     """A chat stream delta; unset fields are left out, as OpenAI sends them."""
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
-
-    @model_serializer(mode="wrap")
-    def _without_nulls(self, handler):
-        return {k: v for k, v in handler(self).items() if v is not None}
 
 
 class ChatChunkChoice(BaseModel):
