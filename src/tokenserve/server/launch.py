@@ -127,7 +127,8 @@ def run(config: ServeConfig, llm: LLMServeConfig = LLMServeConfig(), stop_event=
             return None
         app = build_openai_app(models, OpenAIServerConfig(
             api_keys=keys, metrics_registry=ctx.registry, max_body_bytes=llm.max_body_bytes,
-            request_timeout_s=llm.request_timeout_s, metrics_public=config.metrics_public),
+            request_timeout_s=llm.request_timeout_s, metrics_public=config.metrics_public,
+            reasoning_parser=llm.reasoning_parser),
             stats=observability.sink, response_store=open_response_store(llm.state_store))
         if llm.ui:
             from tokenserve.server.ui import with_ui
