@@ -14,6 +14,7 @@ import tensorflow as tf
 from gguf import GGMLQuantizationType, GGUFReader
 from gguf import quants as gguf_quants
 
+from support.compiled_ops import compiled_op_module
 from tokenserve.kernels import gguf_matmul as gm
 
 TYPES = ["q4_0", "q4_1", "q8_0"]
@@ -29,10 +30,7 @@ ISAS = ["auto", "avx2", "scalar"]
 @pytest.fixture(scope="module")
 def compiled():
     """Builds the op once (cached across runs); skips where it cannot be built."""
-    loaded = gm.LIBRARY.load()
-    if isinstance(loaded, str):
-        pytest.skip(f"compiled {gm.LIBRARY.what} unavailable ({loaded}); the fallback tests run")
-    return loaded[0]
+    return compiled_op_module(gm.LIBRARY)
 
 
 def qtype(name: str) -> GGMLQuantizationType:
