@@ -14,13 +14,14 @@ import json
 import os
 import platform
 import re
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from tokenserve.host.ports import free_port  # noqa: F401  (the scripts' one free port)
 
 RESULTS = Path(__file__).resolve().parent / "results"
 TOKENSERVE = str(Path(sys.executable).with_name("tokenserve"))
@@ -133,13 +134,6 @@ def machine_summary(info: dict) -> str:
 
 
 # -- processes on loopback ports -------------------------------------------------------------
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on now."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 class Server:
     """A server in its own process, its stdout and stderr in a log file in the temp folder.
 

@@ -29,7 +29,6 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 from common import (RESULTS, machine_summary, make_console, make_table, rotated,  # noqa: E402

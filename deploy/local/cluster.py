@@ -18,7 +18,6 @@ import contextlib
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -32,6 +31,7 @@ import yaml
 
 from deploy.local.configs import (CANARY_MODELS_CONFIG, K8S_CONFIG, local_models_config,
                                   render_nginx, render_prometheus, render_upstreams)
+from tokenserve.host.ports import free_port
 
 READY_TIMEOUT_S = 240.0
 
@@ -42,12 +42,6 @@ def _die_with_parent() -> None:
     import ctypes
 
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def tokenserve_bin() -> str:

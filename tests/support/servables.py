@@ -21,6 +21,8 @@ import tensorflow as tf
 from tensorflow.python.data.experimental.ops.testing import sleep  # the SleepDataset op
 from tensorflow_serving.apis import model_pb2, predict_pb2, prediction_log_pb2
 
+from tokenserve.host.ports import free_port  # noqa: F401  (the tests import it from here)
+
 
 class _Module(tf.Module):
     def __init__(self, scale: float, offset: float):
@@ -223,14 +225,6 @@ def float_input(values) -> np.ndarray:
 
 
 # ---- running `tokenserve serve` as a subprocess -------------------------------------------
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
 
 class ServerProcess:
     """`python -m tokenserve serve ARGS` on free ports; stderr goes to a file for asserts."""
