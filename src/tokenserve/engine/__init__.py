@@ -1,2 +1,3 @@
-"""Continuous-batching engine: requests, scheduler, KV-cache accounting (plain Python),
-and the runner (the one module here that imports TensorFlow)."""
+"""Continuous-batching engine: requests, scheduler, KV-cache accounting, sampler/, drafts
+and output processing (plain Python); the runner (runner.py and step/, the engine's only
+TensorFlow); and the loop (core.py, async_engine.py, llm.py)."""

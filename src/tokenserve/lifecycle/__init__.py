@@ -2,8 +2,8 @@
 
 `ModelManager` is the entry point: it owns every model's versions, moves them through
 START -> LOADING -> AVAILABLE -> UNLOADING -> END, and hands out in-flight references with
-`acquire()`. Policy and config code here is plain Python; only the servable loaders import
-TensorFlow.
+`acquire()`. Policy and config code here is plain Python; only the servables (savedmodel,
+session_bundle, object_graph_restore, tflite) and warmup replay import TensorFlow.
 """
 
 from tokenserve.lifecycle.manager import ModelManager
