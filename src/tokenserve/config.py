@@ -227,8 +227,8 @@ class TrainConfig:
     checkpoint_every: int = 250
     precision: Literal["bf16", "fp32"] = "bf16"
     """bf16 is mixed precision (float32 master weights) through oneDNN/AMX, measured 1.5x
-    (Transformer) to 2.1x (LSTM) faster per step than float32 with XLA
-    (benchmarks/train_step.py)."""
+    (Transformer) to 2.1x (LSTM) faster per step than float32 with XLA (a one-time
+    comparison, in docs/benchmark-history.md)."""
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "seq_len", "batch_size", "num_steps", "eval_batches",
