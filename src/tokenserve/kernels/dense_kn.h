@@ -99,7 +99,7 @@ AVX2_FN void KnRangeAvx2(const Geometry& g, const float* x, int64 rows, const W*
 // rows, but not all the way: a prefetch of each row 8 weights ahead into L1 measured no
 // better, while spreading a prefetch of the next pass's rows into L2 over this pass
 // (`ahead`) brought the pass from 0.91-0.92 of a plain two-thread read loop to 0.98-0.99
-// (benchmarks/kernels/kn_row_variants.cc: the 48 block matrices of GPT-2-small at one row
+// (benchmarks/experiments/kernels/kn_row_variants.cc: the 48 block matrices of GPT-2-small at one row
 // of x, 2-core Zen 5 with AVX2 code, eight alternating rounds), and one float32 sequence in
 // the engine 1.10x (alternating processes, 4 rounds, AVX2 cap). bfloat16 rows, four a pass,
 // keep their prefetch into L1 and take the same one into L2 (one line a step): on the Zen 5

@@ -1,4 +1,4 @@
-// The LM head screen's matmuls (engine/screened_head.py), on the CPU, x float32 and the
+// The LM head screen's matmuls (engine/step/head.py), on the CPU, x float32 and the
 // sums float32, w output-major (each output's K weights contiguous, a tied embedding's
 // layout "nk"):
 //

@@ -52,7 +52,7 @@ constexpr int64_t kRowPrefetch = 1024;
 // (Tile::prefetch_end). The stream into L1 alone left the row kernel at 0.70-0.78 of a plain
 // two-thread read loop over GPT-2's int8 LM head on a 2-core Zen 5 (AVX2 code; 27-31 against
 // 38-41 GB/s); with the L2 prefetch 16, 32 or 64 KB ahead, 0.81-1.04, most runs 0.92-0.99
-// (benchmarks/kernels/int8_row_variants.cc, seven runs; the three distances within noise of
+// (benchmarks/experiments/kernels/int8_row_variants.cc, seven runs; the three distances within noise of
 // each other). In the engine, one int8 sequence 1.16x (1.09-1.19; alternating processes,
 // 5 rounds, AVX2 cap), 8-32 sequences 1.01-1.02x.
 constexpr int64_t kRowPrefetchL2 = 32768;

@@ -1,4 +1,4 @@
-// TokenserveScreenedLogits: the LM head's screen (engine/screened_head.py) as one op: the
+// TokenserveScreenedLogits: the LM head's screen (engine/step/head.py) as one op: the
 // products of x with the head's float16 or int8 copy (head_screen_rows.h), the bounds, and
 // the exact logits of the candidates from the head as the model holds it (float32, or
 // bfloat16 widened exactly); with per-row noise, the argmax of logits + noise (a sampled
@@ -18,7 +18,7 @@
 
 namespace tokenserve {
 
-// The whole screened head in one op (engine/screened_head.py has the math): the screen's
+// The whole screened head in one op (engine/step/head.py has the math): the screen's
 // products with the bias, per row of x the best lower bound (floor), then the float32
 // logit of every entry whose upper bound reaches it. As TF ops that was nine more ops over
 // [M, vocab] (norm, bound, max, compare, where, two gathers, a product, a scatter), about
@@ -28,7 +28,7 @@ namespace tokenserve {
 // instead, and returns logits + noise: the same bounds hold for each entry, since the noise
 // is exact; the one addition's float32 rounding is covered by two units in the last place
 // of the sum on each side (NoiseSlack). A sampled row's Gumbel noise makes that argmax its
-// draw (engine/sampler.py), and a greedy row's noise row is zeros.
+// draw (engine/sampler/draw.py), and a greedy row's noise row is zeros.
 REGISTER_OP("TokenserveScreenedLogits")
     .Input("x: float")          // [M, K]: the final norm's output
     .Input("screen: T")         // [N, K]: the head's float16 or int8 copy
