@@ -24,7 +24,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import tensorflow as tf
+from tensorflow.core.example import example_pb2, feature_pb2
 from tensorflow.core.protobuf import meta_graph_pb2
+from tensorflow_serving.apis import input_pb2
 
 v1 = tf.compat.v1
 PREDICT = "tensorflow/serving/predict"
@@ -296,3 +298,13 @@ def model_config(root: Path, models: dict[str, str]) -> str:
     return "model_config_list {\n" + "".join(
         f'  config {{ name: "{name}" base_path: "{root / name}" '
         f'model_platform: "{platform}" }}\n' for name, platform in models.items()) + "}\n"
+
+
+def examples(*values: float) -> input_pb2.Input:
+    """A Classify/Regress/MultiInference input: one tf.Example per value, its float feature "x"."""
+    request_input = input_pb2.Input()
+    for value in values:
+        request_input.example_list.examples.append(example_pb2.Example(
+            features=feature_pb2.Features(feature={"x": feature_pb2.Feature(
+                float_list=feature_pb2.FloatList(value=[value]))})))
+    return request_input

@@ -13,12 +13,12 @@ import httpx
 import numpy as np
 import pytest
 import tensorflow as tf
-from tensorflow.core.example import example_pb2, feature_pb2
-from tensorflow_serving.apis import (classification_pb2, inference_pb2, input_pb2, model_pb2,
+from tensorflow_serving.apis import (classification_pb2, inference_pb2, model_pb2,
                                      predict_pb2, prediction_service_pb2_grpc, regression_pb2)
 
 from support import servables as S
 from support import tfserving_models as M
+from support.tfserving_models import examples
 
 MODELS = {"half_plus_two": "tensorflow", "half_plus_three": "tensorflow",
           "counter": "tensorflow", "tf2_classifier": "tensorflow",
@@ -64,15 +64,6 @@ def predict_request(model: str, signature: str = "", **inputs) -> predict_pb2.Pr
     for key, value in inputs.items():
         request.inputs[key].CopyFrom(tf.make_tensor_proto(value))
     return request
-
-
-def examples(*values: float) -> input_pb2.Input:
-    request_input = input_pb2.Input()
-    for value in values:
-        request_input.example_list.examples.append(example_pb2.Example(
-            features=feature_pb2.Features(feature={"x": feature_pb2.Feature(
-                float_list=feature_pb2.FloatList(value=[value]))})))
-    return request_input
 
 
 def test_every_model_loaded(server):

@@ -12,12 +12,12 @@ from __future__ import annotations
 import grpc
 import pytest
 import tensorflow as tf
-from tensorflow.core.example import example_pb2, feature_pb2
 from tensorflow_serving.apis import (classification_pb2, inference_pb2, input_pb2, model_pb2,
                                      prediction_log_pb2, prediction_service_pb2_grpc,
                                      regression_pb2)
 
 from support import servables as S
+from support.tfserving_models import examples
 
 CLASSIFY = "tensorflow/serving/classify"
 REGRESS = "tensorflow/serving/regress"
@@ -56,15 +56,6 @@ class _HalfPlusTwo(tf.Module):
         return {"y": self.a * x + self.b}
 
 
-def _examples(*values: float) -> input_pb2.Input:
-    request_input = input_pb2.Input()
-    for value in values:
-        request_input.example_list.examples.append(example_pb2.Example(
-            features=feature_pb2.Features(feature={"x": feature_pb2.Feature(
-                float_list=feature_pb2.FloatList(value=[value]))})))
-    return request_input
-
-
 def _multi(request_input, *tasks: tuple[str, str, str]) -> inference_pb2.MultiInferenceRequest:
     """tasks: (model name, signature name, method name)."""
     request = inference_pb2.MultiInferenceRequest(input=request_input)
@@ -85,7 +76,7 @@ def stub(tmp_path_factory):
     # a version is AVAILABLE only once its warmup records ran: this one is a MultiInference
     S.write_warmup_logs(version, [prediction_log_pb2.PredictionLog(
         multi_inference_log=prediction_log_pb2.MultiInferenceLog(request=_multi(
-            _examples(1.0), ("default", "classify_x_to_y", CLASSIFY),
+            examples(1.0), ("default", "classify_x_to_y", CLASSIFY),
             ("default", "regress_x_to_y", REGRESS))))])
     server = S.ServerProcess(root, "--model_name=default",
                              f"--model_base_path={root / 'model'}", rest=False)
@@ -102,7 +93,7 @@ def _spec(signature: str) -> model_pb2.ModelSpec:
 
 
 def test_classify_and_regress_tasks_answer_as_each_signature_alone(stub):
-    request_input = _examples(1.0, 2.0, 5.0)
+    request_input = examples(1.0, 2.0, 5.0)
     response = stub.MultiInference(_multi(
         request_input, ("default", "regress_x_to_y", REGRESS),
         ("default", "classify_x_to_y", CLASSIFY), ("default", "regress_x_to_y2", REGRESS)),
@@ -162,7 +153,7 @@ def test_context_examples_reach_every_task(stub):
 ])
 def test_requests_tf_serving_refuses_stay_refused(stub, tasks, code, details):
     with pytest.raises(grpc.RpcError) as raised:
-        stub.MultiInference(_multi(_examples(1.0), *tasks), timeout=60)
+        stub.MultiInference(_multi(examples(1.0), *tasks), timeout=60)
     assert (raised.value.code(), raised.value.details()) == (code, details)
 
 

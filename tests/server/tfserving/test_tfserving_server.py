@@ -13,13 +13,13 @@ import numpy as np
 import pytest
 import tensorflow as tf
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from tensorflow.core.example import example_pb2, feature_pb2
 from tensorflow_serving.apis import (classification_pb2, get_model_metadata_pb2,
-                                     get_model_status_pb2, inference_pb2, input_pb2,
+                                     get_model_status_pb2, inference_pb2,
                                      model_pb2, model_service_pb2_grpc, predict_pb2,
                                      prediction_service_pb2_grpc, regression_pb2)
 
 from support import servables as S
+from support.tfserving_models import examples
 from support.tiny_models import tiny
 
 MODELS = ("tf2", "keras", "tf1", "lm", "lite", "broken", "badwarmup", "badclassify")
@@ -229,31 +229,22 @@ def test_tflite_with_prefer_tflite_model(server, predictions):
 
 # ---- Classify, Regress, MultiInference on a TF1-style model -----------------------------------
 
-def _examples(*values: float) -> input_pb2.Input:
-    request_input = input_pb2.Input()
-    for value in values:
-        request_input.example_list.examples.append(example_pb2.Example(
-            features=feature_pb2.Features(feature={"x": feature_pb2.Feature(
-                float_list=feature_pb2.FloatList(value=[value]))})))
-    return request_input
-
-
 def test_classify_and_regress_grpc(predictions):
     classified = predictions.Classify(classification_pb2.ClassificationRequest(
         model_spec=model_pb2.ModelSpec(name="tf1", signature_name="classify_x_to_y"),
-        input=_examples(1.0, 3.0)))
+        input=examples(1.0, 3.0)))
     assert [[(c.label, round(c.score, 4)) for c in row.classes]
             for row in classified.result.classifications] == [
         [("pos", 2.5), ("neg", -2.5)], [("pos", 3.5), ("neg", -3.5)]]
     regressed = predictions.Regress(regression_pb2.RegressionRequest(
         model_spec=model_pb2.ModelSpec(name="tf1", signature_name="regress_x_to_y"),
-        input=_examples(1.0, 3.0)))
+        input=examples(1.0, 3.0)))
     assert [r.value for r in regressed.result.regressions] == [2.5, 3.5]
     assert regressed.model_spec.version.value == 1
 
 
 def test_multi_inference_grpc(predictions):
-    request = inference_pb2.MultiInferenceRequest(input=_examples(2.0))
+    request = inference_pb2.MultiInferenceRequest(input=examples(2.0))
     for signature, method in (("classify_x_to_y", "tensorflow/serving/classify"),
                               ("regress_x_to_y2", "tensorflow/serving/regress")):
         request.tasks.add(model_spec=model_pb2.ModelSpec(name="tf1", signature_name=signature),
