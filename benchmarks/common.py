@@ -21,8 +21,6 @@ import tempfile
 import time
 from pathlib import Path
 
-from tokenserve.host.ports import free_port  # noqa: F401  (the scripts' one free port)
-
 RESULTS = Path(__file__).resolve().parent / "results"
 TOKENSERVE = str(Path(sys.executable).with_name("tokenserve"))
 
@@ -134,6 +132,14 @@ def machine_summary(info: dict) -> str:
 
 
 # -- processes on loopback ports -------------------------------------------------------------
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now: tokenserve.host.ports', imported
+    here rather than at the top so this module stays standard library at import time."""
+    from tokenserve.host.ports import free_port as port
+
+    return port()
+
+
 class Server:
     """A server in its own process, its stdout and stderr in a log file in the temp folder.
 
