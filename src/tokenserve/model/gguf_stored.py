@@ -25,7 +25,7 @@ from tokenserve.config import TransformerConfig
 from tokenserve.errors import ModelLoadError
 from tokenserve.kernels.gguf_types import (INT8, format_spec, has_kernel, parse_spec,
                                            row_bytes, type_name)
-from tokenserve.model.gguf_file import GGUFFile, dequantize
+from tokenserve.model.gguf_file import GGUFFile, dequantize, supported_tensor_types
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +84,10 @@ def _rows(file: GGUFFile, config: TransformerConfig, name: str, blocks: bool) ->
 
 def stored_config(file: GGUFFile, config: TransformerConfig) -> TransformerConfig:
     """`config` with weight_format "gguf" and each layer's blocks spec (or int8, logged)."""
-    specs = []
+    specs, readable = [], set(supported_tensor_types())
+    for tensor in file.tensors.values():  # refuse an unreadable type before reading any
+        if not has_kernel(tensor.tensor_type) and tensor.tensor_type.name not in readable:
+            dequantize(tensor)  # raises, naming the tensor and its type
     for layer, names in layer_sources(file, config).items():
         tensors = [_tensor(file, name) for name in names]
         kinds = [type_name(t.tensor_type) for t in tensors]
