@@ -134,6 +134,19 @@ def test_stock_tensorflow_runs_the_export_through_dequantized_blocks(stored_expo
     np.testing.assert_array_equal(predicted["predicted_id"].numpy(), expected)
 
 
+def test_the_exports_generate_signature_streams_the_dequantized_greedy(stored_export,
+                                                                        tokenizer):
+    """What TF Serving's gRPC generate stream runs: the export's own signatures."""
+    from tokenserve.sampling import SamplingParams
+    from tokenserve.tools.generate import ExportedModel
+
+    reference, version_dir = stored_export
+    ids = tokenizer.encode(PROMPTS[0])
+    streamed = ExportedModel(version_dir).stream(ids, SamplingParams(max_tokens=8,
+                                                                      ignore_eos=True))
+    assert list(streamed) == greedy_by_full_forward(reference, ids, 8)
+
+
 def test_types_without_a_kernel_become_int8_and_are_logged(tokenizer, tmp_path, caplog):
     path = write_tiny_gguf(tmp_path / "mixed.gguf", tokenizer, "Q4_0", types={
         "blk.0.attn_v.weight": "Q8_0", "blk.1.ffn_down.weight": "F16",
