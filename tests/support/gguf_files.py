@@ -42,7 +42,8 @@ def tiny_tensors(n_vocab: int, hidden: int, inter: int, layers: int, heads: int,
             b + "attn_v.weight": normal(kv_heads * head_dim, hidden),
             b + "attn_output.weight": normal(hidden, heads * head_dim),
             b + "ffn_norm.weight": norm(), b + "ffn_gate.weight": normal(inter, hidden),
-            b + "ffn_up.weight": normal(inter, hidden), b + "ffn_down.weight": normal(hidden, inter)})
+            b + "ffn_up.weight": normal(inter, hidden),
+            b + "ffn_down.weight": normal(hidden, inter)})
     return tensors
 
 
