@@ -39,7 +39,7 @@ def block_weights(block) -> dict:
     """A Block's variables by role: what the dense functions take as explicit weights."""
     return {"attn_norm": block.attn_norm.weights_dict(), "qkv": block.attn.qkv.weights_dict(),
             "out": block.attn.out.weights_dict(), "mlp_norm": block.mlp_norm.weights_dict(),
-            "up": block.mlp.up.weights_dict(), "down": block.mlp.down.weights_dict()}
+            **block.mlp_weights()}
 
 
 class TransformerStep(tf.Module):
