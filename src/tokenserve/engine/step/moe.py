@@ -1,0 +1,68 @@
+"""A mixture of experts in the engine's step: routing, the grouped experts, expert load.
+
+A step's rows (decode rows and prefill chunks alike, packed into one [N] axis) go through
+the router together; each expert then runs once on the rows that chose it. On the fused
+path that is one op a layer (kernels/moe.py, which reads only the experts with rows); the
+graph path and exported SavedModels take model/moe.py's stock-TF grouping, which reads no
+more. Qwen2-MoE's shared expert rides along as one more expert that every row chooses, its
+gate the sigmoid of its own projection.
+
+Each MoE layer counts the rows routed to each of its experts into an int64 [E] variable
+inside the step (ExpertLoad): no extra output and no host copy per step; the runner reads
+the running totals when asked (metrics, the step profile).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import tensorflow as tf
+
+from tokenserve.config import TransformerConfig
+from tokenserve.kernels import dense as kdense
+from tokenserve.kernels import moe as kmoe
+from tokenserve.model.moe import expert_counts, grouped_experts, route, shared_expert
+
+
+class ExpertLoad:
+    """Rows routed to each expert of each layer since the step was built: one int64 [E]
+    variable per layer, added to by the step's routing."""
+
+    def __init__(self, num_layers: int, num_experts: int):
+        self.counts = [tf.Variable(tf.zeros([num_experts], tf.int64), trainable=False,
+                                   name=f"expert_tokens_{i}") for i in range(num_layers)]
+
+    def attach(self, layer_weights: list[dict]) -> None:
+        """Hands each layer's counter to its routing (as weights["moe"]["load"])."""
+        for weights, counts in zip(layer_weights, self.counts):
+            weights["moe"]["load"] = counts
+
+    def read(self) -> np.ndarray:
+        """int64 [layers, experts]: the running totals."""
+        return np.stack([c.numpy() for c in self.counts])
+
+
+def fused_moe(h, residual, w: dict, config: TransformerConfig):
+    """residual + moe(h) for float32 rows h, residual [M, D]: the router through the dense
+    op, the experts through the grouped op (int8 experts, or no op: the stock-TF grouping,
+    whose matmuls are the int8 op's for int8 weights)."""
+    logits = kdense.dense(h, w["router"]["kernel"])  # the router's weights are never int8
+    expert_ids, gates = route(logits, config.num_experts_per_token,
+                              config.normalize_expert_weights)
+    if "load" in w:
+        w["load"].assign_add(tf.cast(expert_counts(expert_ids, config.num_experts), tf.int64))
+    experts, shared = w["experts"], w.get("shared")
+    if all("kernel" in e["up"] for e in experts):
+        ups = [e["up"]["kernel"] for e in experts]
+        downs = [e["down"]["kernel"] for e in experts]
+        ids, weights = expert_ids, gates
+        if shared is not None:  # one more expert, chosen by every row with its own gate
+            gate = tf.sigmoid(kdense.dense(h, shared["gate"]["kernel"]))          # [M, 1]
+            ids = tf.concat([ids, tf.fill(tf.shape(gate), len(experts))], 1)
+            weights = tf.concat([weights, gate], 1)
+            ups.append(shared["up"]["kernel"])
+            downs.append(shared["down"]["kernel"])
+        y = kmoe.moe_experts(h, ids, weights, ups, downs, residual)
+        if y is not None:
+            return y
+    y = residual + grouped_experts(h, expert_ids, gates, experts)
+    return y if shared is None else y + shared_expert(h, shared)
