@@ -165,22 +165,33 @@ def write_gguf(path: Path, model, tokenizer, drop=(), extra=()) -> Path:
     return path
 
 
-def engine_greedy(model, tokenizer, config, prompts, max_tokens: int, **options):
-    """(greedy token ids per prompt, the runner) from the engine on an in-memory model (no
-    export: a MoE export traces every expert into each signature); `options` override
-    support.engines.engine_config's fields."""
+def moe_engine(model, tokenizer, config, **options):
+    """An LLMEngine on an in-memory model (no export: a MoE export traces every expert into
+    each signature, tens of seconds); `options` override support.engines.engine_config's."""
     from support.engines import engine_config
     from tokenserve.engine.core import LLMEngine
     from tokenserve.engine.runner import ModelRunner
-    from tokenserve.sampling import SamplingParams
 
     knobs = engine_config(**options)
-    runner = ModelRunner(model, config, knobs)
-    engine = LLMEngine(runner, tokenizer, knobs)
+    return LLMEngine(ModelRunner(model, config, knobs), tokenizer, knobs)
+
+
+def greedy(engine, prompts, max_tokens: int) -> list[list[int]]:
+    """Greedy token ids per prompt, the prompts run together on `engine`."""
+    from tokenserve.sampling import SamplingParams
+
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-    requests = [engine.make_request(list(p), params, f"moe-{i}") for i, p in enumerate(prompts)]
+    first = engine.num_steps
+    requests = [engine.make_request(list(p), params, f"moe-{first}-{i}")
+                for i, p in enumerate(prompts)]
     for request in requests:
         engine.add_request(request)
     while engine.has_work:
         engine.step()
-    return [r.seqs[0].output_ids for r in requests], runner
+    return [r.seqs[0].output_ids for r in requests]
+
+
+def engine_greedy(model, tokenizer, config, prompts, max_tokens: int, **options):
+    """(greedy token ids per prompt, the runner) from a fresh moe_engine."""
+    engine = moe_engine(model, tokenizer, config, **options)
+    return greedy(engine, prompts, max_tokens), engine.runner

@@ -1,0 +1,73 @@
+"""A mixture of experts in the engine: a prompt's greedy tokens are the same whatever else is
+in the batch, on each path of the step (the grouped-experts op, the stock-TF grouping after
+the fused dense ops, the graph path), and prefix caching and preemption leave them unchanged.
+(Parity with transformers: tests/model/test_moe_import.py.)"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from support.moe_checkpoints import greedy, moe_engine
+from tokenserve.config import GenerationConfig, llama_config
+from tokenserve.kernels import moe as kmoe
+from tokenserve.kernels.build import KERNELS_ENV
+
+PROMPTS = [[5, 17, 33, 90, 140, 7, 8, 9, 250, 3], [12, 44, 1, 77], [300, 301, 302, 303, 304, 8]]
+OTHERS = [[9] * 13, [100, 200, 300, 50, 60], [7, 8], list(range(20, 41))]
+SHARED = [11, 22, 33, 44, 55, 66, 77, 88, 99, 111, 122, 133]  # three blocks of 4
+
+
+@pytest.fixture(scope="module")
+def moe(tokenizer):
+    """(model, tokenizer, generation config): a random Qwen2-MoE-shaped model built by our
+    code (8 experts, top-2, a shared expert), weights at std 0.1 so no two logits tie."""
+    from tokenserve.model import build_model
+
+    architecture = dataclasses.replace(
+        llama_config(vocab_size=400, max_seq_len=256, hidden_size=64, num_layers=2,
+                     num_heads=4, num_kv_heads=2, intermediate_size=48),
+        num_experts=8, num_experts_per_token=2, shared_expert_size=32,
+        normalize_expert_weights=False)
+    model = build_model(architecture, seed=1)
+    for weight in model.weights:
+        if "norm" not in weight.path:
+            weight.assign(weight * 5.0)
+    config = GenerationConfig(model=architecture, bos_token_id=tokenizer.bos_token_id,
+                              eos_token_id=tokenizer.eos_token_id,
+                              pad_token_id=tokenizer.pad_token_id, name="tiny-moe")
+    return model, tokenizer, config
+
+
+PATHS = {"op": {}, "stock-tf-grouping": {kmoe.LIBRARY.mode_env: "fallback"},
+         "graph": {KERNELS_ENV: "fallback"}}
+
+
+def test_tokens_are_the_same_whatever_else_is_in_the_batch_on_every_path(moe, monkeypatch):
+    expected = None
+    for path, env in PATHS.items():
+        for name in (kmoe.LIBRARY.mode_env, KERNELS_ENV):
+            monkeypatch.delenv(name, raising=False)
+        for name, value in env.items():
+            monkeypatch.setenv(name, value)
+        engine = moe_engine(*moe)
+        step = engine.runner.step
+        assert step.fused_every_step == (path != "graph") and not step.jit_dense
+        alone = [greedy(engine, [p], 10)[0] for p in PROMPTS]
+        mixed = greedy(engine, PROMPTS + OTHERS, 10)  # prefill chunks beside decode rows
+        assert mixed[:len(PROMPTS)] == alone, path
+        expected = expected or alone
+        assert alone == expected, path  # and every path gives the op's tokens
+
+
+def test_prefix_cache_hits_and_preemption_leave_the_tokens_unchanged(moe):
+    prompts = [SHARED + [3, 4, 5], SHARED + [6, 7], SHARED + [8, 9, 10, 12]]
+    cold = greedy(moe_engine(*moe), prompts, 20)
+    warm = moe_engine(*moe, enable_prefix_caching=True)
+    assert greedy(warm, prompts[:1], 20) == cold[:1]
+    assert greedy(warm, prompts, 20) == cold
+    assert warm.prefix_cache_stats().num_hit_tokens >= 12 + 2 * 12
+    tight = moe_engine(*moe, max_cache_tokens=64)  # 3 x (15 + 20) tokens do not fit
+    assert greedy(tight, prompts, 20) == cold
+    assert tight.scheduler.num_preemptions > 0
