@@ -71,3 +71,20 @@ def test_prefix_cache_hits_and_preemption_leave_the_tokens_unchanged(moe):
     tight = moe_engine(*moe, max_cache_tokens=64)  # 3 x (15 + 20) tokens do not fit
     assert greedy(tight, prompts, 20) == cold
     assert tight.scheduler.num_preemptions > 0
+
+
+def test_each_step_reports_its_expert_load_to_the_metrics(moe):
+    from prometheus_client import CollectorRegistry
+
+    from tokenserve.observability.llm_metrics import LLMMetrics
+
+    registry = CollectorRegistry()
+    engine = moe_engine(*moe)
+    engine.stats = LLMMetrics(registry)
+    greedy(engine, PROMPTS, 4)
+    rows = sum(len(p) for p in PROMPTS) + 3 * len(PROMPTS)  # prompts, then 3 decode steps
+    labels = {"model_name": "tiny-moe", "model_version": "", "layer": "1"}
+    # two experts a row; each step observes all 8 experts of the layer
+    assert registry.get_sample_value("tokenserve:moe_expert_tokens_sum", labels) == 2 * rows
+    assert registry.get_sample_value("tokenserve:moe_expert_tokens_count",
+                                     labels) == 8 * engine.num_steps

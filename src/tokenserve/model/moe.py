@@ -73,8 +73,8 @@ def moe_mlp(h, weights: dict, config: TransformerConfig):
     """The mixture of experts on rows h [M, D] -> [M, D], in stock TF ops.
 
     weights: {"router": ..., "experts": [...], and "shared" where the family has one}, as
-    MoE.weights_dict gives them; with "load" (an int64 [E] variable, the engine's), the
-    rows routed to each expert are added to it."""
+    MoE.weights_dict gives them; with "load" (the engine's counter: assign_add takes int64
+    [E]), the rows routed to each expert are added to it."""
     expert_ids, gates = route(linear(h, weights["router"]), config.num_experts_per_token,
                               config.normalize_expert_weights)
     if "load" in weights:

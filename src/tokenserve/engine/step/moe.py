@@ -7,9 +7,9 @@ graph path and exported SavedModels take model/moe.py's stock-TF grouping, which
 more. Qwen2-MoE's shared expert rides along as one more expert that every row chooses, its
 gate the sigmoid of its own projection.
 
-Each MoE layer counts the rows routed to each of its experts into an int64 [E] variable
-inside the step (ExpertLoad): no extra output and no host copy per step; the runner reads
-the running totals when asked (metrics, the step profile).
+Each MoE layer counts the rows routed to each of its experts into its row of an int64
+[layers, experts] variable inside the step (ExpertLoad): no extra output of the step; the
+runner reads the running totals when asked (the engine's step stats, once a step).
 """
 
 from __future__ import annotations
@@ -24,21 +24,32 @@ from tokenserve.model.moe import expert_counts, grouped_experts, route, shared_e
 
 
 class ExpertLoad:
-    """Rows routed to each expert of each layer since the step was built: one int64 [E]
-    variable per layer, added to by the step's routing."""
+    """Rows routed to each expert of each layer since the step was built: one int64
+    [layers, experts] variable, a row of which each layer's routing adds to (a sparse
+    update), read in one copy."""
 
     def __init__(self, num_layers: int, num_experts: int):
-        self.counts = [tf.Variable(tf.zeros([num_experts], tf.int64), trainable=False,
-                                   name=f"expert_tokens_{i}") for i in range(num_layers)]
+        self.counts = tf.Variable(tf.zeros([num_layers, num_experts], tf.int64),
+                                  trainable=False, name="expert_tokens")
 
     def attach(self, layer_weights: list[dict]) -> None:
-        """Hands each layer's counter to its routing (as weights["moe"]["load"])."""
-        for weights, counts in zip(layer_weights, self.counts):
-            weights["moe"]["load"] = counts
+        """Hands each layer its row's counter (weights["moe"]["load"]: counts [E] -> None)."""
+        for i, weights in enumerate(layer_weights):
+            weights["moe"]["load"] = _LayerCounter(self.counts, i)
 
     def read(self) -> np.ndarray:
         """int64 [layers, experts]: the running totals."""
-        return np.stack([c.numpy() for c in self.counts])
+        return self.counts.numpy()
+
+
+class _LayerCounter:
+    """One layer's row of ExpertLoad's variable: assign_add(counts [E]) adds to it."""
+
+    def __init__(self, counts: tf.Variable, layer: int):
+        self.counts, self.layer = counts, layer
+
+    def assign_add(self, counts):
+        self.counts.scatter_add(tf.IndexedSlices(counts[None], tf.constant([self.layer])))
 
 
 def fused_moe(h, residual, w: dict, config: TransformerConfig):
