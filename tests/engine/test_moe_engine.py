@@ -88,3 +88,16 @@ def test_each_step_reports_its_expert_load_to_the_metrics(moe):
     assert registry.get_sample_value("tokenserve:moe_expert_tokens_sum", labels) == 2 * rows
     assert registry.get_sample_value("tokenserve:moe_expert_tokens_count",
                                      labels) == 8 * engine.num_steps
+
+
+def test_int8_experts_through_the_engine_equal_the_int8_models_full_forward_passes(moe):
+    from support.tiny_models import greedy_by_full_forward
+    from tokenserve.model.quantize import quantize_model
+
+    model, tokenizer, config = moe
+    quantized = quantize_model(model)
+    weights = quantized.blocks[0].mlp.weights_dict()
+    assert "q" in weights["experts"][3]["up"] and "kernel" in weights["router"]
+    int8_config = dataclasses.replace(config, model=quantized.config)
+    got = greedy(moe_engine(quantized, tokenizer, int8_config), PROMPTS[:2], 8)
+    assert got == [greedy_by_full_forward(quantized, p, 8) for p in PROMPTS[:2]]
