@@ -101,3 +101,17 @@ def test_int8_experts_through_the_engine_equal_the_int8_models_full_forward_pass
     int8_config = dataclasses.replace(config, model=quantized.config)
     got = greedy(moe_engine(quantized, tokenizer, int8_config), PROMPTS[:2], 8)
     assert got == [greedy_by_full_forward(quantized, p, 8) for p in PROMPTS[:2]]
+
+
+def test_pruning_and_tflite_refuse_a_mixture_of_experts_by_name(moe, tmp_path):
+    import numpy as np
+
+    from tokenserve.edge.convert import export_tflite
+    from tokenserve.errors import ConfigError
+    from tokenserve.model.prune import PruneConfig, prune_model
+
+    model, tokenizer, config = moe
+    with pytest.raises(ConfigError, match="pruning a mixture of experts is not supported"):
+        prune_model(model, np.zeros([1, 8], np.int32), PruneConfig(mlp=0.25))
+    with pytest.raises(ConfigError, match="TFLite export of a mixture of experts"):
+        export_tflite(model, tokenizer, config, tmp_path)
