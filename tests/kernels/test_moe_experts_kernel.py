@@ -121,3 +121,22 @@ def test_fallback_is_none_so_the_caller_takes_the_graph_path(monkeypatch):
     assert kmoe.moe_experts(x, np.zeros([1, 1], np.int32), np.ones([1, 1], np.float32),
                             [np.zeros([D, 2 * F], np.float32)],
                             [np.zeros([F, D], np.float32)]) is None
+
+
+def test_experts_without_rows_are_not_read(op):
+    """Experts 4 and 5 hold NaN weights and no row chooses them: had either path read them
+    (a matmul over them, or a copy into a stacked tensor), NaN would reach some output."""
+    rng = np.random.default_rng(11)
+    weights = experts(rng)
+    for e in (4, 5):
+        weights[e] = tuple(np.full_like(w, np.nan) for w in weights[e])
+    x = rng.normal(0, 1, [7, D]).astype(np.float32)
+    ids = np.stack([[2, rng.choice([0, 1, 3])] for _ in range(7)]).astype(np.int32)
+    gates = rng.uniform(0.1, 1, [7, K]).astype(np.float32)
+    expected = per_token_loop(x, ids, gates, weights)
+    got = kmoe.moe_experts(x, ids, gates, [w[0] for w in weights], [w[1] for w in weights])
+    graph = grouped_experts(tf.constant(x), ids, gates,
+                            [{"up": {"kernel": u}, "down": {"kernel": d}} for u, d in weights])
+    for y in (got.numpy(), graph.numpy()):
+        assert np.isfinite(y).all()
+        np.testing.assert_allclose(y, expected, atol=2e-4, rtol=1e-5)
