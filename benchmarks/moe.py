@@ -172,9 +172,9 @@ def main() -> None:
     for name, arch in archs.items():
         width = (arch.num_experts or 1) * (arch.expert_intermediate_size or
                                            arch.intermediate_size)
-        active = ("" if not arch.num_experts else
-                  f"{med(name, '1', 'active_experts'):.2f} / {med(name, '32', 'active_experts'):.2f}"
-                  f" of {arch.num_experts}")
+        active = "" if not arch.num_experts else (
+            f"{med(name, '1', 'active_experts'):.2f} / "
+            f"{med(name, '32', 'active_experts'):.2f} of {arch.num_experts}")
         table.add_row(name, f"{3 * d * width / 1e6:.1f}", f"{med(name, '1', 'decode_step_ms'):.2f}",
                       f"{med(name, '32', 'tok_s'):.1f}", f"{med(name, '32', 'decode_step_ms'):.1f}",
                       active)
