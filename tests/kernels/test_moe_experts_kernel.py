@@ -140,3 +140,13 @@ def test_experts_without_rows_are_not_read(op):
     for y in (got.numpy(), graph.numpy()):
         assert np.isfinite(y).all()
         np.testing.assert_allclose(y, expected, atol=2e-4, rtol=1e-5)
+
+
+def test_the_op_counts_the_rows_each_expert_ran_on(op):
+    rng = np.random.default_rng(5)
+    weights = experts(rng)
+    ids = np.array([[2, 0], [2, 3], [5, 2]], np.int32)
+    _, counts = kmoe.moe_experts(rng.normal(0, 1, [3, D]).astype(np.float32), ids,
+                                 np.ones([3, 2], np.float32), [w[0] for w in weights],
+                                 [w[1] for w in weights], with_counts=True)
+    assert counts.numpy().tolist() == [1, 0, 3, 1, 0, 1]

@@ -25,9 +25,10 @@ LIBRARY = kbuild.LIBRARIES["moe"]
 
 
 def moe_experts(x, expert_ids, gates, ups: list, downs: list, residual=None,
-                isa: str = "auto"):
+                isa: str = "auto", with_counts: bool = False):
     """residual + sum_j gates[:, j] * expert_{expert_ids[:, j]}(x) as one op, or None where
-    the op is unavailable (the caller takes the stock-TF path then).
+    the op is unavailable (the caller takes the stock-TF path then). with_counts: (y, the
+    rows each expert ran on, int32 [len(ups)]), the counts from the op's own grouping.
 
     x: float32 [M, D]; expert_ids: int32 [M, k] in [0, len(ups)); gates: float32 [M, k];
     ups: [D, 2F] per expert (gate half, then up half), downs: [F, D] per expert, all
@@ -37,9 +38,10 @@ def moe_experts(x, expert_ids, gates, ups: list, downs: list, residual=None,
     if op is None:
         return None
     empty = tf.zeros([0, 0], tf.float32)
-    return op.tokenserve_moe_experts(x, expert_ids, gates,
-                                     empty if residual is None else residual, list(ups),
-                                     list(downs), isa=isa)
+    y, counts = op.tokenserve_moe_experts(x, expert_ids, gates,
+                                          empty if residual is None else residual, list(ups),
+                                          list(downs), isa=isa)
+    return (y, counts) if with_counts else y
 
 
 def is_compiled() -> bool:

@@ -1,5 +1,6 @@
 // TokenserveMoeExperts: a mixture of experts' routed MLPs for one step's rows, grouped by
-// expert: y = residual + sum_j gates[:, j] * expert_{ids[:, j]}(x).
+// expert: y = residual + sum_j gates[:, j] * expert_{ids[:, j]}(x), and counts [N], the rows
+// each expert ran on (the step's expert load, from the grouping itself).
 //
 //   x [M, D] float32 rows; expert_ids [M, k] int32 and gates [M, k] float32 (the router's
 //   choice, computed before the op); residual [M, D] or [0, 0]; up: N matrices [D, 2 F_e]
@@ -34,6 +35,7 @@ REGISTER_OP("TokenserveMoeExperts")
     .Input("up: N * T")           // N x [D, 2 F_e]
     .Input("down: N * T")         // N x [F_e, D]
     .Output("y: float")           // [M, D]
+    .Output("counts: int32")      // [N] rows each expert ran on (the step's expert load)
     .Attr("N: int >= 1")
     .Attr("T: {float, bfloat16} = DT_FLOAT")
     .Attr("isa: {'auto', 'scalar'} = 'auto'")
@@ -41,6 +43,9 @@ REGISTER_OP("TokenserveMoeExperts")
       ShapeHandle x;
       TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 2, &x));
       c->set_output(0, x);
+      int n;
+      TF_RETURN_IF_ERROR(c->GetAttr("N", &n));
+      c->set_output(1, c->Vector(n));
       return absl::OkStatus();
     })
     .Doc("y = residual + sum_j gates[:, j] * swiglu_mlp_{expert_ids[:, j]}(x), grouped by "
@@ -98,6 +103,9 @@ class MoeExpertsOp : public OpKernel {
     std::vector<int64> pairs(m * k), next(start.begin(), start.end() - 1);
     for (int64 p = 0; p < m * k; ++p) pairs[next[id[p]]++] = p;
 
+    Tensor* counts = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(1, TensorShape({n}), &counts));
+    for (int64 e = 0; e < n; ++e) counts->flat<int32_t>()(e) = start[e + 1] - start[e];
     Tensor* y_tensor = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({m, d}), &y_tensor));
     float* y = y_tensor->flat<float>().data();

@@ -59,8 +59,6 @@ def fused_moe(h, residual, w: dict, config: TransformerConfig):
     logits = kdense.dense(h, w["router"]["kernel"])  # the router's weights are never int8
     expert_ids, gates = route(logits, config.num_experts_per_token,
                               config.normalize_expert_weights)
-    if "load" in w:
-        w["load"].assign_add(tf.cast(expert_counts(expert_ids, config.num_experts), tf.int64))
     experts, shared = w["experts"], w.get("shared")
     if all("kernel" in e["up"] for e in experts):
         ups = [e["up"]["kernel"] for e in experts]
@@ -72,8 +70,12 @@ def fused_moe(h, residual, w: dict, config: TransformerConfig):
             weights = tf.concat([weights, gate], 1)
             ups.append(shared["up"]["kernel"])
             downs.append(shared["down"]["kernel"])
-        y = kmoe.moe_experts(h, ids, weights, ups, downs, residual)
-        if y is not None:
-            return y
+        out = kmoe.moe_experts(h, ids, weights, ups, downs, residual, with_counts=True)
+        if out is not None:
+            if "load" in w:  # the op's own grouping counted the rows: no bincount here
+                w["load"].assign_add(tf.cast(out[1][:len(experts)], tf.int64))
+            return out[0]
+    if "load" in w:
+        w["load"].assign_add(tf.cast(expert_counts(expert_ids, config.num_experts), tf.int64))
     y = residual + grouped_experts(h, expert_ids, gates, experts)
     return y if shared is None else y + shared_expert(h, shared)
