@@ -2,7 +2,7 @@
 one thread (plain Python; the TensorFlow is EncoderRunner's).
 
 Each request's inputs queue one by one. A batch takes the oldest waiting input's length
-bucket (the next power of two, at least MIN_BUCKET tokens) and fills up, in arrival order,
+bucket (encoder_shapes.length_bucket: the next power of two, at least 16 tokens) and fills up, in arrival order,
 with waiting inputs of the same bucket, up to `max_batch_inputs` rows and
 `max_batch_tokens` padded tokens; it is padded on the right to its longest input. Oldest
 first, so no bucket starves; one bucket a batch, so a one-line query never pays for a
@@ -26,13 +26,12 @@ import numpy as np
 
 from tokenserve.encoder_config import EncoderConfig, EncoderTask
 from tokenserve.engine.config import EngineConfig
+from tokenserve.engine.encoder_shapes import length_bucket
 from tokenserve.errors import (ConfigError, DeadlineExceededError, EngineDeadError,
                                InvalidRequestError, PromptTooLongError, QueueFullError)
 from tokenserve.stats import RequestStats, StatsSink, StepStats
 
 log = logging.getLogger(__name__)
-MIN_BUCKET = 16
-"""Shortest length bucket: one-sentence inputs (10-20 tokens) share one."""
 
 
 @dataclass(frozen=True)
@@ -65,10 +64,6 @@ class EncoderBatchConfig:
         return cls(max_batch_inputs=engine.max_num_seqs,
                    max_queue_requests=engine.max_queue_requests,
                    max_queue_tokens=engine.max_queue_tokens, batch_wait_s=engine.batch_wait_s)
-
-
-def length_bucket(num_tokens: int) -> int:
-    return max(MIN_BUCKET, 1 << max(num_tokens - 1, 0).bit_length())
 
 
 @dataclass
@@ -211,7 +206,7 @@ class AsyncEncoder:
 
     # -- lifecycle ------------------------------------------------------------------------
     def start(self) -> None:
-        seconds = self.runner.warm_up()
+        seconds = self.runner.warm_up(self.batch.max_batch_inputs)
         log.info("%s encoder warmed up in %.2fs", self.model_name, seconds)
         self._ready = True
         self._thread.start()
