@@ -48,6 +48,9 @@ class EncoderBatchConfig:
     """Waiting input tokens beyond this are refused with QueueFullError."""
     batch_wait_s: float = 0.0
     """When idle, wait this long after the first arrival for others to join the batch."""
+    warm_up: bool = True
+    """Compile the programs of one-sentence batches before serving (EncoderRunner.warm_up);
+    False: each shape compiles when a batch first needs it."""
 
     def __post_init__(self) -> None:
         for name in ("max_batch_inputs", "max_batch_tokens", "max_queue_requests",
@@ -206,8 +209,9 @@ class AsyncEncoder:
 
     # -- lifecycle ------------------------------------------------------------------------
     def start(self) -> None:
-        seconds = self.runner.warm_up(self.batch.max_batch_inputs)
-        log.info("%s encoder warmed up in %.2fs", self.model_name, seconds)
+        if self.batch.warm_up:
+            seconds = self.runner.warm_up(self.batch.max_batch_inputs)
+            log.info("%s encoder warmed up in %.2fs", self.model_name, seconds)
         self._ready = True
         self._thread.start()
 
@@ -299,9 +303,9 @@ class AsyncEncoder:
                     self._num_queued_tokens -= job.num_tokens
                     finished.append((job, np.stack(job.results)))
         for job, result in finished:
-            _settle(job, result)
             if not isinstance(result, BaseException):
-                self._report(job)
+                self._report(job)  # before the caller wakes: its answer implies its stats
+            _settle(job, result)
 
     def _report(self, job: _Job) -> None:
         self.stats.on_request(RequestStats(
