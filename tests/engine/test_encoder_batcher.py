@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 from tokenserve.encoder_config import EncodedInput
-from tokenserve.engine.encoder_batcher import AsyncEncoder, EncoderBatchConfig
+from tokenserve.engine.encoder_batch_config import EncoderBatchConfig
+from tokenserve.engine.encoder_batcher import AsyncEncoder
 from tokenserve.errors import (EngineDeadError, InvalidRequestError, PromptTooLongError,
                                QueueFullError)
 from tokenserve.stats import StatsSink
@@ -63,6 +64,13 @@ def test_concurrent_requests_share_batches_and_equal_single_runs(tiny_encoders):
             len(x.token_ids) for x in inputs)
         assert all(r.scheduled_time is not None and r.first_token_time is None
                    for r in recorder.requests)
+        # one program per padded (rows, length) shape, traced once; a repeat reuses it
+        programs = dict(encoder.runner.programs)
+        assert programs and all(shape[1] in (16, 24, 32, 48) and shape[0] in (1, 4, 8)
+                                for shape in programs)
+        ids = np.full((1, 5), 7, np.int32)  # the (1, 16) shape the single runs compiled
+        again = encoder.runner.run(ids, np.ones_like(ids), np.zeros_like(ids))
+        assert encoder.runner.programs == programs and again.shape == (1, 32)
     finally:
         encoder.shutdown()
 

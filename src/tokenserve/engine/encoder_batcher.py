@@ -2,11 +2,11 @@
 one thread (plain Python; the TensorFlow is EncoderRunner's).
 
 Each request's inputs queue one by one. A batch takes the oldest waiting input's length
-bucket (encoder_shapes.length_bucket: the next power of two, at least 16 tokens) and fills up, in arrival order,
-with waiting inputs of the same bucket, up to `max_batch_inputs` rows and
-`max_batch_tokens` padded tokens; it is padded on the right to its longest input. Oldest
-first, so no bucket starves; one bucket a batch, so a one-line query never pays for a
-neighbour's 256 tokens. Admission, stats and tracing are the generation engine's: a full
+bucket (encoder_shapes.length_bucket: 16, 24, 32, 48, ... tokens) and fills up, in arrival
+order, with waiting inputs of the same bucket, to the largest row bucket (1, 4, 16, ...,
+`max_batch_inputs`) they fill within `max_batch_tokens` padded tokens; the runner pads it to
+its length bucket. Oldest first, so no bucket starves; one bucket a batch, so a one-line
+query never pays for a neighbour's 256 tokens. Admission, stats and tracing are the generation engine's: a full
 queue is QueueFullError (429), each batch a StepStats, each finished request a RequestStats
 (queue and compute spans in its trace).
 """
@@ -25,48 +25,13 @@ from pathlib import Path
 import numpy as np
 
 from tokenserve.encoder_config import EncoderConfig, EncoderTask
-from tokenserve.engine.config import EngineConfig
-from tokenserve.engine.encoder_shapes import length_bucket
-from tokenserve.errors import (ConfigError, DeadlineExceededError, EngineDeadError,
+from tokenserve.engine.encoder_batch_config import EncoderBatchConfig
+from tokenserve.engine.encoder_shapes import length_bucket, row_buckets
+from tokenserve.errors import (DeadlineExceededError, EngineDeadError,
                                InvalidRequestError, PromptTooLongError, QueueFullError)
 from tokenserve.stats import RequestStats, StatsSink, StepStats
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class EncoderBatchConfig:
-    """How the encoder batches and admits."""
-
-    max_batch_inputs: int = 32
-    """Most inputs (rows) in one batch."""
-    max_batch_tokens: int = 8192
-    """Most padded tokens (rows x longest) in one batch; one input always fits."""
-    max_queue_requests: int = 1024
-    """Waiting requests beyond this are refused with QueueFullError (HTTP 429)."""
-    max_queue_tokens: int = 1_000_000
-    """Waiting input tokens beyond this are refused with QueueFullError."""
-    batch_wait_s: float = 0.0
-    """When idle, wait this long after the first arrival for others to join the batch."""
-    warm_up: bool = True
-    """Compile the programs of one-sentence batches before serving (EncoderRunner.warm_up);
-    False: each shape compiles when a batch first needs it."""
-
-    def __post_init__(self) -> None:
-        for name in ("max_batch_inputs", "max_batch_tokens", "max_queue_requests",
-                     "max_queue_tokens"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.batch_wait_s < 0:
-            raise ConfigError(f"batch_wait_s must be >= 0, got {self.batch_wait_s}")
-
-    @classmethod
-    def from_engine_config(cls, engine: EngineConfig) -> "EncoderBatchConfig":
-        """The server's engine flags, read for an encoder: --max_num_seqs rows a batch, the
-        same queue limits and batch wait."""
-        return cls(max_batch_inputs=engine.max_num_seqs,
-                   max_queue_requests=engine.max_queue_requests,
-                   max_queue_tokens=engine.max_queue_tokens, batch_wait_s=engine.batch_wait_s)
 
 
 @dataclass
@@ -125,7 +90,7 @@ class AsyncEncoder:
                        version: str = "", start: bool = True) -> "AsyncEncoder":
         from tokenserve.engine.encoder_runner import EncoderRunner
 
-        runner, tokenizer = EncoderRunner.from_model_dir(path)
+        runner, tokenizer = EncoderRunner.from_model_dir(path, batch.max_batch_inputs)
         encoder = cls(runner, tokenizer, batch, stats, model_name, version)
         if start:
             encoder.start()
@@ -210,7 +175,7 @@ class AsyncEncoder:
     # -- lifecycle ------------------------------------------------------------------------
     def start(self) -> None:
         if self.batch.warm_up:
-            seconds = self.runner.warm_up(self.batch.max_batch_inputs)
+            seconds = self.runner.warm_up()
             log.info("%s encoder warmed up in %.2fs", self.model_name, seconds)
         self._ready = True
         self._thread.start()
@@ -244,19 +209,18 @@ class AsyncEncoder:
             self._run(batch, num_waiting)
 
     def _take_batch(self) -> list[_Input]:
-        """The oldest input's bucket, filled in arrival order (caller holds _lock)."""
+        """The oldest input's length bucket, filled in arrival order to a row bucket (caller
+        holds _lock). A full row bucket wastes no padded rows: 26 waiting one-liners run as 16,
+        then the rest with whatever arrived meanwhile, not as 26 padded to 64."""
         bucket = length_bucket(len(self._waiting[0].token_ids))
-        taken, kept, longest = [], deque(), 0
-        for x in self._waiting:
-            length = len(x.token_ids)
-            if (length_bucket(length) == bucket and len(taken) < self.batch.max_batch_inputs
-                    and (not taken or (len(taken) + 1) * max(longest, length)
-                         <= self.batch.max_batch_tokens)):
-                taken.append(x)
-                longest = max(longest, length)
-            else:
-                kept.append(x)
-        self._waiting = kept
+        limit = max(1, min(self.batch.max_batch_inputs,
+                           self.batch.max_batch_tokens // bucket))
+        same = [x for x in self._waiting if length_bucket(len(x.token_ids)) == bucket]
+        rows = max(b for b in row_buckets(self.batch.max_batch_inputs)
+                   if b <= min(len(same), limit))
+        taken = same[:rows]
+        chosen = {id(x) for x in taken}
+        self._waiting = deque(x for x in self._waiting if id(x) not in chosen)
         return taken
 
     def _run(self, batch: list[_Input], num_waiting: int) -> None:

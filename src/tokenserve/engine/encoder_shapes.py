@@ -17,6 +17,18 @@ def length_bucket(num_tokens: int, max_len: int | None = None) -> int:
     return bucket if max_len is None else max(min(bucket, max_len), num_tokens)
 
 
-def row_bucket(num_rows: int) -> int:
-    """The next power of two >= num_rows."""
-    return 1 << max(num_rows - 1, 0).bit_length()
+def row_buckets(max_rows: int) -> list[int]:
+    """The row counts batches are padded to: 1, 4, 16, 64, ... below max_rows, and max_rows.
+    Few, so that warm-up can compile every one-sentence shape (a shape first met while
+    serving costs its batch a compile: seconds on a busy 2-core VM); a batch pads at most
+    4x its rows, and only a batch of few rows, which is cheap."""
+    buckets, rows = [], 1
+    while rows < max_rows:
+        buckets.append(rows)
+        rows *= 4
+    return buckets + [max_rows]
+
+
+def row_bucket(num_rows: int, max_rows: int) -> int:
+    """The smallest of row_buckets(max_rows) >= num_rows (num_rows itself beyond them)."""
+    return next((b for b in row_buckets(max_rows) if b >= num_rows), num_rows)

@@ -62,7 +62,8 @@ def run(config: ServeConfig, llm: LLMServeConfig = LLMServeConfig(), stop_event=
     with collector_paused():  # imports only: nothing here is garbage (python_heap.py)
         from tokenserve.encoder_config import ENCODER_CONFIG_FILE
         from tokenserve.engine.async_engine import AsyncEngine
-        from tokenserve.engine.encoder_batcher import AsyncEncoder, EncoderBatchConfig
+        from tokenserve.engine.encoder_batch_config import EncoderBatchConfig
+        from tokenserve.engine.encoder_batcher import AsyncEncoder
         from tokenserve.export.exporter import GENERATION_CONFIG_FILE
         from tokenserve.observability.profiler import add_profiler_service
         from tokenserve.server.grpc_generate import add_generation_service

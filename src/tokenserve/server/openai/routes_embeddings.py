@@ -10,7 +10,7 @@ from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
 from tokenserve.encoder_config import EncoderTask
-from tokenserve.errors import ModelNotFoundError, TokenserveError
+from tokenserve.errors import TokenserveError
 
 from .config import OpenAIServerConfig
 from .embedding_schemas import (EmbeddingRequest, EmbeddingResponse, RerankRequest,
@@ -88,7 +88,7 @@ def _first_model_of(models: ModelResolver, task: EncoderTask) -> str:
     for name in models.model_names():
         try:
             tasks.setdefault(getattr(models.resolve(name), "task", None), name)
-        except (TokenserveError, ModelNotFoundError):
+        except TokenserveError:
             continue  # no AVAILABLE version yet, or not served by an engine
     fallback = tasks.get(EncoderTask.EMBED) if task is EncoderTask.SCORE else None
     return tasks.get(task) or fallback or models.default_model()
