@@ -40,7 +40,7 @@ def server(tiny_encoders, tmp_path_factory):
         [sys.executable, "-m", "tokenserve", "serve", f"--port={ports['grpc']}",
          f"--rest_api_port={ports['rest']}", f"--openai_port={ports['openai']}",
          f"--model_config_file={config}", f"--api_key={KEY}", "--precision=float32",
-         "--max_num_seqs=8", "--max_queue_tokens=64", "--noui"],
+         "--max_num_seqs=4", "--max_queue_tokens=64", "--noui"],
         stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"))
     url = f"http://127.0.0.1:{ports['openai']}"
     deadline = time.monotonic() + 300

