@@ -168,6 +168,15 @@ class AsyncEngine:
                                       "with --max_loras N (or --lora_modules)")
         return self.engine.loras.check(path)
 
+    def lora_counts(self) -> dict[str, tuple[int, int]]:
+        """Adapter name -> (requests, generated tokens) so far; {} without adapters."""
+        loras = self.engine.loras
+        if loras is None:
+            return {}
+        with loras._counts_lock:  # noqa: SLF001 - the counts' own lock
+            return {name: (c.num_requests, c.num_generated_tokens)
+                    for name, c in loras.counts.items()}
+
     def abort(self, request_id: str) -> None:
         with self._lock:
             if self._error is not None:  # dead: its state is not to be trusted or touched

@@ -30,6 +30,7 @@ from tokenserve.stats import RejectionStats, StatsSink
 
 from .config import OpenAIServerConfig
 from .http import error_body, error_response
+from .lora import LoraModels, lora_router
 from .models import ModelId, ModelResolver
 from .openapi import install_openapi
 from .responses_schemas import ResponseCreateRequest
@@ -182,6 +183,8 @@ def build_openai_app(models: ModelResolver, config: OpenAIServerConfig | None = 
                    generation_router(models, config), tokens_router(models, config),
                    responses_router(models, config, response_store or MemoryResponseStore())):
         app.include_router(router)
+    if isinstance(models, LoraModels):  # adapters loaded and unloaded live
+        app.include_router(lora_router(models, config.max_body_bytes))
     install_openapi(app, [CompletionRequest, ChatCompletionRequest, TokenizeRequest,
                           DetokenizeRequest, ResponseCreateRequest], bodiless={"/health": 200})
     return app
