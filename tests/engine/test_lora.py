@@ -91,6 +91,7 @@ def test_a_batch_of_three_adapters_and_the_base_matches_peft(checkpoint):
         np.testing.assert_allclose(row, expected, atol=1e-4, rtol=0)
 
 
+@pytest.mark.slow
 def test_graph_steps_match_fused_steps(checkpoint):
     """Steps through the plain TF ops (no fused dense ops) give the same tokens."""
     made, loaded = checkpoint
@@ -131,6 +132,7 @@ def test_the_prefix_cache_keys_on_the_adapter(checkpoint):
     assert engine.prefix_cache_stats().num_hit_tokens > hits  # its own blocks, again
 
 
+@pytest.mark.slow
 def test_an_adapter_row_equals_the_merged_model(checkpoint, tmp_path):
     """Cached decode with the adapter as a delta = full forward passes of the model with the
     adapter merged into its weights (peft's merge_and_unload, imported)."""

@@ -41,11 +41,11 @@ ROLE_MODULES = {"qkv": 3, "out": 1, "up": 2, "down": 1}
 table is this many times the largest adapter rank."""
 
 # torch module path inside a block -> (role, which part of the role's output)
-_LLAMA_MODULES = {"self_attn.q_proj": ("qkv", "q"), "self_attn.k_proj": ("qkv", "k"),
+LLAMA_MODULES = {"self_attn.q_proj": ("qkv", "q"), "self_attn.k_proj": ("qkv", "k"),
                   "self_attn.v_proj": ("qkv", "v"), "self_attn.o_proj": ("out", "all"),
                   "mlp.gate_proj": ("up", "gate"), "mlp.up_proj": ("up", "up"),
                   "mlp.down_proj": ("down", "all")}
-_GPT2_MODULES = {"attn.c_attn": ("qkv", "all"), "attn.c_proj": ("out", "all"),
+GPT2_MODULES = {"attn.c_attn": ("qkv", "all"), "attn.c_proj": ("out", "all"),
                  "mlp.c_fc": ("up", "all"), "mlp.c_proj": ("down", "all")}
 _NAME = re.compile(r"^(?:base_model\.model\.)?(?P<stem>transformer\.h|model\.layers|h)\."
                    r"(?P<layer>\d+)\.(?P<module>[\w.]+)\.lora_(?P<side>[AB])(?:\.\w+)?\.weight$")
@@ -117,7 +117,7 @@ class LoraWeights:
         return sum(a.nbytes + b.nbytes for layer in self.layers for a, b in layer.values())
 
 
-def _role_columns(config: TransformerConfig) -> dict[str, dict[str, tuple[int, int]]]:
+def role_columns(config: TransformerConfig) -> dict[str, dict[str, tuple[int, int]]]:
     """role -> part -> (first, end) output columns of our fused matrix."""
     q = config.num_heads * config.head_dim
     kv = config.num_kv_heads * config.head_dim
@@ -131,7 +131,7 @@ def _role_columns(config: TransformerConfig) -> dict[str, dict[str, tuple[int, i
 
 def role_shapes(config: TransformerConfig) -> dict[str, tuple[int, int]]:
     """role -> (in, out) widths of our fused matrices."""
-    columns = _role_columns(config)
+    columns = role_columns(config)
     ins = {"qkv": config.hidden_size, "out": config.num_heads * config.head_dim,
            "up": config.hidden_size, "down": config.intermediate_size}
     return {role: (ins[role], columns[role]["all"][1]) for role in ROLES}
@@ -195,7 +195,7 @@ def load_adapter(path: str | Path, config: TransformerConfig, max_rank: int) -> 
     path = Path(path)
     options = read_adapter_config(path)
     tensors = _read_tensors(path)
-    columns = _role_columns(config)
+    columns = role_columns(config)
     shapes = role_shapes(config)
     factors: dict[tuple[int, str], dict[str, np.ndarray]] = {}
     for name, value in tensors.items():
@@ -204,7 +204,7 @@ def load_adapter(path: str | Path, config: TransformerConfig, max_rank: int) -> 
             raise LoraTargetError(f"adapter tensor {name!r} is not a LoRA factor of a "
                                   f"transformer block's linear layer")
         gpt2 = match["stem"] != "model.layers"
-        modules = _GPT2_MODULES if gpt2 else _LLAMA_MODULES
+        modules = GPT2_MODULES if gpt2 else LLAMA_MODULES
         if match["module"] not in modules:
             raise LoraTargetError(f"adapter tensor {name!r} targets {match['module']!r}, "
                                   f"which tokenserve does not adapt (targets: "
@@ -231,16 +231,18 @@ def load_adapter(path: str | Path, config: TransformerConfig, max_rank: int) -> 
             raise LoraShapeError(f"layer {layer} {module} has lora_{next(iter(pair))} but "
                                  f"not its other factor")
         a, b = pair["A"], pair["B"]                                        # [r, in], [out, r]
-        role, part = (_GPT2_MODULES if config.mlp == "gelu" else _LLAMA_MODULES)[module]
+        role, part = (GPT2_MODULES if config.mlp == "gelu" else LLAMA_MODULES)[module]
         first, end = columns[role][part]
         width_in = shapes[role][0]
         r = a.shape[0]
         if r > max_rank:
             raise LoraRankError(f"adapter rank {r} (layer {layer} {module}) is above "
                                 f"--max_lora_rank {max_rank}")
-        if a.shape[1] != width_in and role in ("qkv", "up"):
+        # the hidden size is the input of qkv and up, the output of out and down
+        hidden = a.shape[1] if role in ("qkv", "up") else b.shape[0]
+        if hidden != config.hidden_size:
             raise LoraBaseMismatchError(
-                f"adapter's hidden size is {a.shape[1]} (layer {layer} {module}); the "
+                f"adapter's hidden size is {hidden} (layer {layer} {module}); the "
                 f"model's is {config.hidden_size} (another base model?)")
         if a.shape[1] != width_in or b.shape != (end - first, r):
             raise LoraShapeError(
