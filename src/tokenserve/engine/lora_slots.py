@@ -4,8 +4,9 @@ The step's adapter table has `max_loras` slots (slot 0: the base model). Adapter
 registered with the server by name and path; a request carries its adapter (LoraRequest),
 and before each schedule the engine gives the waiting requests' adapters slots, highest
 priority first: a free slot, else the least recently used slot no running sequence reads.
-An adapter that gets none waits on disk, and so do its requests (the scheduler skips them,
-others go ahead). A slot is written between steps, on the engine's thread, in one call: no
+An adapter that gets none waits (on disk, or in a small host cache of adapters checked when
+they were loaded, so writing a slot reads no file on the engine's thread), and so do its
+requests (the scheduler skips them, others go ahead). A slot is written between steps, on the engine's thread, in one call: no
 step ever reads a slot half written, and a slot a running sequence reads is never rewritten.
 """
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
+from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -56,11 +58,59 @@ class LoraSlots:
         """By adapter name, for every adapter a request has used (bounded by the names
         the server registered)."""
         self._counts_lock = threading.Lock()
+        self._host: OrderedDict[LoraRequest, LoraWeights] = OrderedDict()
+        self.max_host_adapters = max(8, 2 * max_loras)
+        """Adapters kept in host memory after their check (LRU); the rest are read again."""
+        self._host_lock = threading.Lock()
 
-    def check(self, path: str | Path) -> LoraWeights:
+    def check(self, path: str | Path, lora: LoraRequest | None = None) -> LoraWeights:
         """Reads and checks an adapter (raising LoraAdapterError subclasses); nothing is
-        loaded into a slot."""
-        return load_adapter(path, self.config, self.max_rank)
+        loaded into a slot. With `lora`, its weights wait in the host cache for its first
+        slot write (any thread: the server checks adapters off the engine's)."""
+        weights = load_adapter(path, self.config, self.max_rank)
+        if lora is not None:
+            self.remember(lora, weights)
+        return weights
+
+    def count_snapshot(self) -> dict[str, tuple[int, int]]:
+        """Adapter name -> (requests, generated tokens) so far."""
+        with self._counts_lock:
+            return {name: (c.num_requests, c.num_generated_tokens)
+                    for name, c in self.counts.items()}
+
+    def remember(self, lora: LoraRequest, weights: LoraWeights) -> None:
+        """Keeps `lora`'s checked weights in the host cache (any thread)."""
+        with self._host_lock:
+            self._host[lora] = weights
+            self._host.move_to_end(lora)
+            while len(self._host) > self.max_host_adapters:
+                self._host.popitem(last=False)
+
+    def warmup_adapter(self) -> LoraRequest:
+        """An adapter of zeros (in the host cache), for warm-up requests that trace the
+        adapter steps' graphs before users' requests meet them; `forget` it after."""
+        lora = LoraRequest("warmup", "", 0)
+        self.remember(lora, LoraWeights(0, [{} for _ in range(self.config.num_layers)]))
+        return lora
+
+    def forget(self, lora: LoraRequest) -> None:
+        """Drops `lora` from its slot (the table keeps its numbers until overwritten) and
+        from the host cache."""
+        slot = self.slot_of(lora)
+        if slot:
+            self.slots[slot] = None
+        with self._host_lock:
+            self._host.pop(lora, None)
+        with self._counts_lock:
+            self.counts.pop(lora.name, None)
+
+    def _weights(self, lora: LoraRequest) -> LoraWeights:
+        with self._host_lock:
+            weights = self._host.get(lora)
+        if weights is None:  # evicted from the host cache (or never checked): from disk
+            weights = self.check(lora.path)
+            self.remember(lora, weights)
+        return weights
 
     def slot_of(self, lora: LoraRequest) -> int:
         """The slot holding `lora`, or 0."""
@@ -99,7 +149,7 @@ class LoraSlots:
                 if not slot:
                     continue  # every slot is read by a running sequence: it waits
                 try:
-                    weights = self.check(request.lora.path)
+                    weights = self._weights(request.lora)
                 except LoraAdapterError as error:
                     failed.append((request, error))
                     continue

@@ -130,12 +130,9 @@ class LoraModels:
             raise LoraNameError(f"LoRA adapter name {name!r} is empty or padded", "lora_name")
         base = self.base_model
         self._check_free(name)
-        with self.models.acquire(base) as engine:
-            check = getattr(engine, "check_lora", None)
-            if check is None:
-                raise InvalidRequestError(f"model {base!r} serves no LoRA adapters")
-            check(path)
         lora = LoraRequest.new(name, path)
+        with self.models.acquire(base) as engine:
+            _slots_of(engine, base).check(path, lora)  # read here, off the engine's thread
         with self._lock:
             self._check_free(name, locked=True)
             self._adapters[name] = (lora, base, int(time.time()))
@@ -177,7 +174,7 @@ class LoraModels:
         try:
             base = self.base_model
             with self.models.acquire(base) as engine:
-                counts = engine.lora_counts() if hasattr(engine, "lora_counts") else {}
+                counts = _slots_of(engine, base).count_snapshot()
         except Exception:  # noqa: BLE001 - no AVAILABLE base version: no series
             counts = {}
         for name, (num_requests, num_tokens) in sorted(counts.items()):
@@ -190,7 +187,16 @@ class LoraModels:
         """Checks the adapters registered at start on a base engine as it loads (raising
         what load would: a bad --lora_modules entry fails the start, with its reason)."""
         for lora in self.adapters().values():
-            engine.check_lora(lora.path)
+            _slots_of(engine, self.base_model).check(lora.path, lora)
+
+
+def _slots_of(engine, base: str):
+    """The LoraSlots of a base engine (AsyncEngine.loras)."""
+    slots = getattr(engine, "loras", None)
+    if slots is None:
+        raise InvalidRequestError(f"model {base!r} serves no LoRA adapters: start the server "
+                                  f"with --max_loras N (or --lora_modules)")
+    return slots
 
 
 def lora_router(models: LoraModels, max_body_bytes: int) -> APIRouter:
