@@ -22,7 +22,9 @@ PROMPTS = [[5, 17, 33, 90, 140, 7, 8, 9, 250, 3], [12, 44, 1, 77], [300, 301, 30
 MAX_TOKENS = 6
 
 
-@pytest.fixture(scope="module", params=["gpt2", "llama",
+# Llama by default; GPT-2 (fused c_attn, Conv1D layout) and Qwen2 (q/v/down only, biases)
+# with -m slow: each family's engines trace their own steps, about 30 s a family here
+@pytest.fixture(scope="module", params=[pytest.param("gpt2", marks=pytest.mark.slow), "llama",
                                         pytest.param("qwen2", marks=pytest.mark.slow)])
 def checkpoint(request, tokenizer, tmp_path_factory):
     from tokenserve.model.hf import load_hf

@@ -17,7 +17,8 @@ PROMPT = [5, 17, 33, 90, 140, 7, 8, 9]
 
 
 # the trainer's XLA step compiles for each: about 40 s a family on a 2-core VM
-@pytest.mark.parametrize("family", [pytest.param("gpt2", marks=pytest.mark.slow), "llama"])
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
 def test_a_trained_adapter_round_trips_through_peft_and_the_engine(family, tokenizer, tmp_path):
     import transformers
 

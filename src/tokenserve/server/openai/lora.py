@@ -55,6 +55,11 @@ class LoraClient:
         return self._engine.generate(prompt_ids, params, request_id, priority, timeout_s,
                                      lora=self.lora, **options)
 
+    def prompt_logprobs(self, prompt_ids, num_top):
+        # a full forward pass of the base model beside the engine: it has no adapter
+        raise InvalidRequestError("prompt logprobs (echo with logprobs) are not served for "
+                                  "LoRA adapters", "logprobs")
+
 
 class LoraModels:
     """A ModelResolver with LoRA adapters as model ids of their own.
