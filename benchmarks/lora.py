@@ -64,8 +64,11 @@ def build_engine(model, tokenizer, config, max_loras: int):
     from tokenserve.engine.core import LLMEngine
     from tokenserve.engine.runner import ModelRunner
 
+    # a KV pool for 32 streams of this workload, not the whole context: two engines of
+    # SmolLM2 with default pools were killed for memory on a 24 GiB VM
     engine_config = EngineConfig(max_num_seqs=32, max_num_batched_tokens=512,
-                                 max_loras=max_loras, max_lora_rank=RANK)
+                                 max_cache_tokens=8192, max_loras=max_loras,
+                                 max_lora_rank=RANK)
     return LLMEngine(ModelRunner(model, config, engine_config), tokenizer, engine_config)
 
 
@@ -200,9 +203,10 @@ def main() -> int:
     parser.add_argument("--max_tokens", type=int, default=48)
     args = parser.parse_args()
     console = make_console()
-    report = {"workload": {"prompt_tokens": PROMPT_LEN, "max_tokens": args.max_tokens,
-                           "rank": RANK, "rounds": args.rounds}, "models": {}}
-    for source in args.models:
+    workload = {"prompt_tokens": PROMPT_LEN, "max_tokens": args.max_tokens, "rank": RANK,
+                "rounds": args.rounds}
+    for source in args.models:  # one result file per model
+        report = {"workload": workload, "models": {}}
         found = measure(source, args, console)
         report["models"][source] = found
         table = make_table(f"{source} ({found['precision']}), tok/s, median of {args.rounds}",
@@ -222,10 +226,10 @@ def main() -> int:
             f"{load['base_arrival_step_s'] * 1e3:.0f} ms on the base and "
             f"{load['load_arrival_step_s'] * 1e3:.0f} ms with its adapter's slot write "
             f"({load['load_step_vs_median']:.2f}x the median step)")
-    path = result_path("lora")
-    info = write_result(path, **report)
-    console.print(f"{machine_summary(info)}; noisy shared machine: compare within this run. "
-                  f"Wrote {path}")
+        path = result_path("lora", source)
+        info = write_result(path, **report)
+        console.print(f"{machine_summary(info)}; noisy shared machine: compare within this "
+                      f"run. Wrote {path}")
     return 0
 
 
