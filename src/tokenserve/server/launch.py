@@ -2,7 +2,7 @@
 
 Every tokenserve language-model version gets its own continuous-batching engine (a manager
 extension: built after warmup, before the version is AVAILABLE, shut down after its streams
-drain). The OpenAI API (port 8000) and the streaming gRPC service (port 8500, beside TF
+drain); every encoder version (embeddings, rerank) its own batcher, the same way. The OpenAI API (port 8000) and the streaming gRPC service (port 8500, beside TF
 Serving's services) resolve model ids through the manager, so hot swaps reach them too.
 With --ssl_config_file every port speaks TLS (server/tls.py).
 """
@@ -60,11 +60,15 @@ def start_http(app, host: str, port: int, tls: SSLConfig | None = None,
 def run(config: ServeConfig, llm: LLMServeConfig = LLMServeConfig(), stop_event=None) -> None:
     """Serves until SIGTERM/SIGINT (or `stop_event`); see `tfserving.server.serve`."""
     with collector_paused():  # imports only: nothing here is garbage (python_heap.py)
+        from tokenserve.encoder_config import ENCODER_CONFIG_FILE
         from tokenserve.engine.async_engine import AsyncEngine
+        from tokenserve.engine.encoder_batch_config import EncoderBatchConfig
+        from tokenserve.engine.encoder_batcher import AsyncEncoder
         from tokenserve.export.exporter import GENERATION_CONFIG_FILE
         from tokenserve.observability.profiler import add_profiler_service
         from tokenserve.server.grpc_generate import add_generation_service
         from tokenserve.server.openai import OpenAIServerConfig, build_openai_app
+        from tokenserve.server.openai.lora import LoraModels
         from tokenserve.server.openai.managed_models import ManagedModels
         from tokenserve.server.tfserving.server import build_context, serve
         from tokenserve.state.response_store import open_response_store
@@ -86,10 +90,26 @@ def run(config: ServeConfig, llm: LLMServeConfig = LLMServeConfig(), stop_event=
     # TF Serving's request counters label configured models only (names come from clients)
     context.metrics.label_models(context.manager.model_names)
     models = ManagedModels(context.manager)
+    if engine_config.max_loras:  # adapters as model ids, loaded and unloaded live
+        models = LoraModels(models, llm.lora_modules)
+        registry.register(models)  # per-adapter request and token counters
     tls = config.ssl_config
     interceptors = [AsyncAPIKeyInterceptor(keys)] if keys.enabled else []
 
+    def encoder_for(version):
+        """An encoder version's batcher (embeddings, rerank), warmed up."""
+        started = time.monotonic()
+        encoder = AsyncEncoder.from_model_dir(
+            version.path, EncoderBatchConfig.from_engine_config(engine_config),
+            stats=observability.sink, model_name=version.model_name,
+            version=str(version.version))
+        encoder.startup_seconds = {"load": time.monotonic() - started}
+        memory.watch(version.model_name, str(version.version), encoder.runner.memory_bytes)
+        return encoder
+
     def engine_for(version):
+        if (version.path / "assets" / ENCODER_CONFIG_FILE).exists():
+            return encoder_for(version)
         if not (version.path / "assets" / GENERATION_CONFIG_FILE).exists():
             return None  # not a tokenserve language model: TF Serving APIs only
         started = time.monotonic()
@@ -98,6 +118,9 @@ def run(config: ServeConfig, llm: LLMServeConfig = LLMServeConfig(), stop_event=
                                             model_name=version.model_name,
                                             version=str(version.version), start=False)
         loaded = time.monotonic()
+        if isinstance(models, LoraModels) and version.model_name == models.base_model:
+            # a bad --lora_modules entry fails the base model's load, with its reason
+            models.check_startup_adapters(engine)
         engine.start()  # warms up: XLA programs (from the persistent cache), one request
         release_freed_memory()  # the checkpoint's read buffers, warmup's temporaries
         if llm.release_file_pages:  # TF's start-up code: mapped, counted in VmRSS, unused
