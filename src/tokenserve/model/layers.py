@@ -278,7 +278,11 @@ class Block(keras.layers.Layer):
         self.attn_norm = Norm(config.norm, config.norm_eps, name="attn_norm")
         self.attn = Attention(config, name="attn")
         self.mlp_norm = Norm(config.norm, config.norm_eps, name="mlp_norm")
-        self.mlp = MLP(config, name="mlp")
+        self.mlp = self.make_mlp(config)
+
+    def make_mlp(self, config: TransformerConfig):
+        """The block's feed-forward layer (a mixture of experts overrides it: model/moe.py)."""
+        return MLP(config, name="mlp")
 
     def build(self, input_shape):
         self.attn_norm.build(input_shape)
@@ -286,8 +290,15 @@ class Block(keras.layers.Layer):
         c = self.attn.config  # heads may be pruned: the attention width can be below hidden
         self.attn.out.build((*input_shape[:-1], c.num_heads * c.head_dim))
         self.mlp_norm.build(input_shape)
+        self.build_mlp(input_shape)
+
+    def build_mlp(self, input_shape):
         self.mlp.up.build(input_shape)
         self.mlp.down.build((None, None, self.mlp.up.units // (2 if self.mlp.kind == "swiglu" else 1)))
+
+    def mlp_weights(self) -> dict:
+        """The feed-forward layer's variables by role, as the engine's step takes them."""
+        return {"up": self.mlp.up.weights_dict(), "down": self.mlp.down.weights_dict()}
 
     def call(self, x, positions, mask):
         x = x + self.attn(self.attn_norm(x), positions, mask)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import tensorflow as tf
 
 from tokenserve.model.layers import apply_rope, linear, mlp, norm
+from tokenserve.model.moe import moe_mlp
 from tokenserve.model.transformer import TransformerLM
 
 
@@ -53,7 +54,10 @@ class GraphBlocks:
     def _finish_block(self, x, attn, w):
         c = self.model.config
         x = x + linear(attn, w["out"])
-        return x + mlp(norm(x, w["mlp_norm"], c.norm, c.norm_eps), w["up"], w["down"], c.mlp)
+        h = norm(x, w["mlp_norm"], c.norm, c.norm_eps)
+        if "moe" in w:  # a mixture of experts, grouped by expert (never under XLA)
+            return x + moe_mlp(h, w["moe"], c)
+        return x + mlp(h, w["up"], w["down"], c.mlp)
 
     def _between(self, x, attn, rotary, w, w_next):
         x = self._finish_block(x, attn, w)

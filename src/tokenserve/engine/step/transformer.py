@@ -28,6 +28,7 @@ from tokenserve.engine.step.attention import PagedAttention, PagedPrefill
 from tokenserve.engine.step.flat_call import FlatCall, spec
 from tokenserve.engine.step.fused_blocks import FusedBlocks
 from tokenserve.engine.step.graph_blocks import GraphBlocks
+from tokenserve.engine.step.moe import ExpertLoad
 from tokenserve.kernels import dense as kdense
 from tokenserve.kernels import paged_attention
 from tokenserve.model.layers import rope_angles
@@ -39,7 +40,7 @@ def block_weights(block) -> dict:
     """A Block's variables by role: what the dense functions take as explicit weights."""
     return {"attn_norm": block.attn_norm.weights_dict(), "qkv": block.attn.qkv.weights_dict(),
             "out": block.attn.out.weights_dict(), "mlp_norm": block.mlp_norm.weights_dict(),
-            "up": block.mlp.up.weights_dict(), "down": block.mlp.down.weights_dict()}
+            **block.mlp_weights()}
 
 
 class TransformerStep(tf.Module):
@@ -86,14 +87,24 @@ class TransformerStep(tf.Module):
         int8 = model.config.weight_format == "int8"
         bf16 = (model.compute_dtype == "bfloat16" and model.config.weight_format == "float"
                 and self.fused_attention)
+        # a mixture of experts never runs under XLA (its row groups have data-dependent
+        # shapes): every step through the fused ops, whose grouped-experts op reads only
+        # the experts with rows (engine/step/moe.py)
+        moe = c.num_experts > 0
         self.kernel_dense = kdense.is_compiled() and (
-            model.compute_dtype == "float32" and (jit_dense or int8) or bf16)
+            model.compute_dtype == "float32" and (jit_dense or int8 or moe) or bf16)
         # bfloat16 on a CPU whose oneDNN has no bf16 matmul (no AVX512-BF16 or AMX, or capped
         # below them): every step through the fused ops, as int8, since the graph's bf16
         # matmuls would be emulated there, or refused by oneDNN (a process abort)
-        self.fused_every_step = self.kernel_dense and (int8 or bf16 and not cpu_has_bf16())
+        self.fused_every_step = self.kernel_dense and (int8 or moe
+                                                       or bf16 and not cpu_has_bf16())
         self.fused_blocks = (FusedBlocks(model, self.layer_weights) if self.kernel_dense
                              else None)
+        self.expert_load = ExpertLoad(c.num_layers, c.num_experts) if moe else None
+        if moe:  # each layer's routing counts its rows per expert into the step's counters
+            self.expert_load.attach(self.layer_weights)
+            if self.fused_blocks is not None:
+                self.expert_load.attach(self.fused_blocks.weights)
         # Whether steps through XLA's dense programs run the LM head as the fused op: set
         # by the runner, before any step is traced, where the head never gets more rows
         # (one per sequence) than the fused ops take as fast as XLA. Then no head program
@@ -103,11 +114,13 @@ class TransformerStep(tf.Module):
         # only an argmax (greedy, or plainly sampled with their noise): set by the runner
         # before any step is traced, float32 or (after fused steps) bfloat16 weights.
         self.screened_head = None
+        # The resident LoRA adapters (lora.py's LoraTable), set by the runner before any
+        # step is traced where the engine serves adapters; None: no adapter steps.
+        self.lora_table = None
         self._write_rows = None  # write_rows' traced scatter, made on first use
         self._dense_programs = None  # dense_programs' graph, made on first use
-        self._steps: dict[tuple[int, bool, bool],
-                          tf.types.experimental.PolymorphicFunction] = {}
-        self._concrete: dict[tuple[int, bool, bool], FlatCall] = {}
+        self._steps: dict[tuple, tf.types.experimental.PolymorphicFunction] = {}
+        self._concrete: dict[tuple, FlatCall] = {}
         self._heads: dict[str, FlatCall] = {}  # head_function's, by kind
 
     def rotary(self, positions, dtype=None):
@@ -120,11 +133,15 @@ class TransformerStep(tf.Module):
                            dtype or self.model.compute_dtype, c.rope_freq_factors)
 
     # -- the step -------------------------------------------------------------------------
-    def step_function(self, num_groups: int, with_prefill: bool, fused_dense: bool = False):
+    def step_function(self, num_groups: int, with_prefill: bool, fused_dense: bool = False,
+                      lora: bool = False):
         """The traced step for `num_groups` decode groups, with or without prefill rows;
-        `fused_dense`: the dense half through kernels/dense.py (only when kernel_dense)."""
+        `fused_dense`: the dense half through kernels/dense.py (only when kernel_dense);
+        `lora`: rows with adapters (lora_table), two more inputs (lora.py)."""
         fused_dense = fused_dense and self.kernel_dense
-        key = (num_groups, with_prefill, fused_dense)
+        lora = lora and self.lora_table is not None
+        # (adapter steps' keys gain a fourth element: base steps keep their keys)
+        key = (num_groups, with_prefill, fused_dense) + (("lora",) if lora else ())
         if key not in self._steps:
             signature = [
                 spec([None]),          # token_ids  [N]  packed, padded to a bucket
@@ -139,15 +156,18 @@ class TransformerStep(tf.Module):
                  spec([None, None]),   # prefill pos   [Sp, Tp] (padding: -1)
                  spec([None])) if with_prefill else (),  # unpack [Np] into [Sp * Tp]
                 spec([None]),          # last_tokens [S] packed index whose logits we need
+                (spec([None]),         # active     [K] the LoRA slots of the step's rows
+                 spec([None])) if lora else (),  # token_slot [N] index into active (-1: none)
             ]
             blocks = self.fused_blocks if fused_dense else self.graph_blocks
             # without a screen there is one head per step kind: inside the step, no second
             # call (head_function)
             head = None if self.screened_head is not None else self._head_fn(fused_dense)
 
-            def step(token_ids, positions, write_rows, decode_groups, prefill, last_tokens):
+            def step(token_ids, positions, write_rows, decode_groups, prefill, last_tokens,
+                     lora_inputs=()):
                 return self._step(blocks, head, fused_dense, token_ids, positions, write_rows,
-                                  decode_groups, prefill, last_tokens)
+                                  decode_groups, prefill, last_tokens, lora_inputs)
             # No AutoGraph: the step's loops and branches are over Python values (layers, the
             # config), and converting them cost 2.4 s of the first trace on a 2-core VM
             # (0.5 s without), and about a fifth of every later one.
@@ -159,7 +179,7 @@ class TransformerStep(tf.Module):
         return self._concrete[key]
 
     def _step(self, blocks, head, fused, token_ids, positions, write_rows, decode_groups,
-              prefill, last_tokens):
+              prefill, last_tokens, lora_inputs=()):
         m = self.model
         num_tokens = tf.shape(token_ids)[0]
         # masks are shared by all layers: build them once
@@ -168,6 +188,8 @@ class TransformerStep(tf.Module):
         dtype = tf.float32 if fused else m.compute_dtype
         layout = self.attention.layout(decode_groups, num_prefill, num_tokens, dtype)
         x = m.embed(token_ids, positions, dtype)                           # [N, D]
+        if lora_inputs:  # each row's adapter delta on every projection
+            blocks = self.lora_table.bind(blocks, *lora_inputs, dtype)
         weights = blocks.weights
         rotary = self.rotary(positions, dtype)
         if fused and rotary is not None:  # split_rope takes [N, Dh] rows
