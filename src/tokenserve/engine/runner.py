@@ -80,7 +80,9 @@ class ModelRunner:
             if self.step.fused_every_step and model.compute_dtype == "bfloat16":
                 log.info("dense layers: fused ops for every step, on the bfloat16 weights in "
                          "float32 (oneDNN has no bf16 matmul on this CPU)")
-            self.step.screened_head = build_screen(screen, engine_config)
+            # a screen reads raw logits: none under Gemma 2's soft-capped ones
+            self.step.screened_head = (None if config.model.final_softcap
+                                       else build_screen(screen, engine_config))
             self.num_screened_steps = 0  # steps whose LM head ran the screen
             self.num_sampled_screened_steps = 0  # of those, steps with sampled rows
             if config.model.weight_format == "int8":
