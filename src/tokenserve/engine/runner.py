@@ -56,6 +56,9 @@ class ModelRunner:
                 self.cache = PrefixCachingAllocator(num_blocks, block_size)
             else:
                 self.cache = BlockAllocator(num_blocks, block_size)
+            windows = [config.model.layer_window(i) for i in range(config.model.num_layers)]
+            if all(windows):  # every layer windowed: blocks behind the widest are given back
+                self.cache.window = max(windows)
             # XLA's float32 dense code beats oneDNN's at every batch size here, but oneDNN's
             # bf16 matmuls beat XLA's, and the int8 kernel is a TF op that XLA cannot compile
             self.step = TransformerStep(

@@ -1,7 +1,8 @@
 """TransformerConfig from a GGUF file's metadata, for the families of this package, with
 llama.cpp's conventions where the file is silent: Gemma 3's local layers turn RoPE at base
 10000 and run five to one global layer, Gemma 2's alternate from a local layer 0, and the
-query scale is 1 / sqrt(head_dim) but for the 27B models (1 / sqrt(hidden / heads))."""
+query scale is `attention.scale`, else 1 / sqrt(head_dim) but for the 27B models (1 /
+sqrt(hidden / heads))."""
 
 from __future__ import annotations
 
@@ -23,7 +24,13 @@ _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}  # where llama.cpp scales by hi
 
 def _windows(file: GGUFFile, arch: str, num_layers: int) -> list[int]:
     window = int(file.get("attention.sliding_window") or 0)
-    pattern = int(file.get("attention.sliding_window_pattern") or _SWA_PATTERN.get(arch, 1))
+    pattern = file.get("attention.sliding_window_pattern") or _SWA_PATTERN.get(arch, 1)
+    if isinstance(pattern, list):  # one flag per layer: windowed or not
+        if len(pattern) != num_layers:
+            raise ModelLoadError(f"{file.path.name}: {arch}.attention.sliding_window_pattern "
+                                 f"has {len(pattern)} flags for {num_layers} layers")
+        return [window if local else 0 for local in pattern]
+    pattern = int(pattern)
     # llama.cpp: layer i is local when i % pattern < pattern - 1 (pattern 1: every layer)
     return [window if pattern == 1 or i % pattern < pattern - 1 else 0
             for i in range(num_layers)]
@@ -59,8 +66,8 @@ def gguf_config(file: GGUFFile, context: int | None = None) -> TransformerConfig
     if embedding is None:
         raise ModelLoadError(f"{file.path.name} has no tensor token_embd.weight")
     gemma = arch in ("gemma2", "gemma3")
-    scale = 0.0
-    if gemma and num_layers == _GEMMA_27B_LAYERS[arch]:
+    scale = float(file.get("attention.scale") or 0.0)
+    if not scale and gemma and num_layers == _GEMMA_27B_LAYERS[arch]:
         scale = 1.0 / math.sqrt(hidden / heads)
     return TransformerConfig(
         vocab_size=int(embedding.shape[-1]), max_seq_len=max_seq_len, hidden_size=hidden,

@@ -6,6 +6,7 @@ dynamic NTK: their frequencies change with the sequence length)."""
 from __future__ import annotations
 
 from tokenserve.errors import ConfigError
+from tokenserve.model.gguf_file import UnsupportedGGUFError
 from tokenserve.model.rope import (linear_rope_factors, llama3_rope_factors,
                                    yarn_attention_factor, yarn_rope_factors)
 
@@ -70,5 +71,5 @@ def gguf_rope(file, theta: float, rotary_dim: int) -> RopeParameters:
         # llama.cpp's attn_factor multiplies the 0.1 ln(factor) + 1 it always applies
         attention = float(file.get("rope.scaling.attn_factor") or 1.0)
         return theta, factors, attention * yarn_attention_factor(factor)
-    raise UnsupportedRopeScalingError(f"rope scaling {kind!r} is not supported; supported: "
-                                      f"none, linear, yarn")
+    raise UnsupportedGGUFError(f"rope scaling {kind!r} is not supported; supported: none, "
+                               f"linear, yarn")
