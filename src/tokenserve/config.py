@@ -247,6 +247,9 @@ class GenerationConfig:
     chat_template: str | None = None
     """A Jinja chat template (as in HF tokenizer_config.json), or None."""
     name: str = "model"
+    add_bos_token: bool = False
+    """Text prompts start with bos_token_id (Gemma): tokenizer_config.json's or the GGUF's
+    `add_bos_token`."""
 
     def __post_init__(self) -> None:
         for name in ("bos_token_id", "eos_token_id", "pad_token_id"):

@@ -272,5 +272,7 @@ def load_gguf(path: str | Path, compute_dtype: str = "float32", context: int | N
         model=config, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
         chat_template=template if isinstance(template, str) else None,
-        name=name or file.path.name.removesuffix(".gguf"))
+        name=name or file.path.name.removesuffix(".gguf"),
+        add_bos_token=bool(file.metadata.get("tokenizer.ggml.add_bos_token", False)))
+    tokenizer.add_bos = generation.add_bos_token
     return model, tokenizer, generation

@@ -243,5 +243,6 @@ def load_hf(directory: str | Path, compute_dtype: str = "float32"):
     generation_config = GenerationConfig(
         model=config, bos_token_id=tokenizer.bos_token_id, eos_token_id=eos,
         pad_token_id=tokenizer.pad_token_id, chat_template=tokenizer_config.get("chat_template"),
-        name=directory.name)
+        name=directory.name, add_bos_token=bool(tokenizer_config.get("add_bos_token", False)))
+    tokenizer.add_bos = generation_config.add_bos_token
     return model, tokenizer, generation_config
