@@ -265,7 +265,10 @@ def load_gguf(path: str | Path, compute_dtype: str = "float32", context: int | N
                              f"but token_embd.weight only {config.vocab_size} rows")
     tensors = read_weights(file, config)
     config = _tie_if_equal(config, tensors)
-    model = build_model(config, dtype=compute_dtype)
+    from tokenserve.model.layers import restoring_weights
+
+    with restoring_weights():  # every weight is assigned below: no random draws first
+        model = build_model(config, dtype=compute_dtype)
     assign_weights(model, config, file, tensors)
     template = file.metadata.get("tokenizer.chat_template")
     generation = GenerationConfig(

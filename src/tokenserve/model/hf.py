@@ -238,7 +238,10 @@ def load_hf(directory: str | Path, compute_dtype: str = "float32"):
     pad = special("pad")
     tokenizer = Tokenizer(hf_tokenizer, bos_token_id=eos if bos is None else bos,
                           eos_token_id=eos, pad_token_id=eos if pad is None else pad)
-    model = build_model(config, dtype=compute_dtype)
+    from tokenserve.model.layers import restoring_weights
+
+    with restoring_weights():  # every weight is assigned below: no random draws first
+        model = build_model(config, dtype=compute_dtype)
     assign_weights(model, config, hf["architectures"][0], read_safetensors(directory))
     generation_config = GenerationConfig(
         model=config, bos_token_id=tokenizer.bos_token_id, eos_token_id=eos,

@@ -347,7 +347,8 @@ class Block(keras.layers.Layer):
         self.attn.build_norms()
         self.mlp_norm.build(input_shape)
         self.mlp.up.build(input_shape)
-        self.mlp.down.build((None, None, self.mlp.up.units // (1 if self.mlp.kind == "gelu" else 2)))
+        gated = self.mlp.kind != "gelu"  # up holds gate and up: twice the MLP's width
+        self.mlp.down.build((None, None, self.mlp.up.units // (2 if gated else 1)))
         if self.post_attn_norm is not None:
             self.post_attn_norm.build(input_shape)
             self.post_mlp_norm.build(input_shape)
