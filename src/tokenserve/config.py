@@ -132,8 +132,9 @@ class TransformerConfig:
         if self.rotary_dim == 0:
             object.__setattr__(self, "rotary_dim", self.head_dim)
         if self.rope_freq_factors:
+            width = "head_dim" if self.rotary_dim == self.head_dim else "rotary_dim"
             _check(len(self.rope_freq_factors) == self.rotary_dim // 2,
-                   f"rope_freq_factors has {len(self.rope_freq_factors)} entries; rotary_dim "
+                   f"rope_freq_factors has {len(self.rope_freq_factors)} entries; {width} "
                    f"{self.rotary_dim} rotates {self.rotary_dim // 2} pairs")
         for name in ("local_rope_theta", "attn_scale", "attn_softcap", "final_softcap"):
             value = getattr(self, name)

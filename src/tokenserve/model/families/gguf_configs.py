@@ -9,10 +9,14 @@ from __future__ import annotations
 import math
 
 from tokenserve.config import TransformerConfig
-from tokenserve.errors import ConfigError, ModelLoadError
+from typing import TYPE_CHECKING
+
+from tokenserve.errors import ConfigError, ModelLoadError, UnsupportedGGUFError
 from tokenserve.model.families.hf_configs import clamp_windows
 from tokenserve.model.families.rope_scaling import gguf_rope
-from tokenserve.model.gguf_file import GGUFFile, UnsupportedGGUFError
+
+if TYPE_CHECKING:  # the reader imports none of the importers' modules; this one neither
+    from tokenserve.model.gguf_file import GGUFFile
 
 GGUF_ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
                       "gemma3": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM"}

@@ -5,8 +5,7 @@ dynamic NTK: their frequencies change with the sequence length)."""
 
 from __future__ import annotations
 
-from tokenserve.errors import ConfigError
-from tokenserve.model.gguf_file import UnsupportedGGUFError
+from tokenserve.errors import ConfigError, UnsupportedGGUFError
 from tokenserve.model.rope import (linear_rope_factors, llama3_rope_factors,
                                    yarn_attention_factor, yarn_rope_factors)
 
@@ -60,16 +59,16 @@ def gguf_rope(file, theta: float, rotary_dim: int) -> RopeParameters:
     kind = file.get("rope.scaling.type")
     if kind in (None, "none"):
         return theta, (), 1.0
+    if kind not in ("linear", "yarn"):
+        raise UnsupportedGGUFError(f"rope scaling {kind!r} is not supported; supported: "
+                                   f"none, linear, yarn")
     factor = float(file.require("rope.scaling.factor"))
     if kind == "linear":
         return theta, linear_rope_factors(rotary_dim, factor), 1.0
-    if kind == "yarn":
-        original = float(file.require("rope.scaling.original_context_length"))
-        factors = yarn_rope_factors(rotary_dim, theta, factor, original,
-                                    float(file.get("rope.scaling.yarn_beta_fast", 32.0)),
-                                    float(file.get("rope.scaling.yarn_beta_slow", 1.0)))
-        # llama.cpp's attn_factor multiplies the 0.1 ln(factor) + 1 it always applies
-        attention = float(file.get("rope.scaling.attn_factor") or 1.0)
-        return theta, factors, attention * yarn_attention_factor(factor)
-    raise UnsupportedGGUFError(f"rope scaling {kind!r} is not supported; supported: none, "
-                               f"linear, yarn")
+    original = float(file.require("rope.scaling.original_context_length"))
+    factors = yarn_rope_factors(rotary_dim, theta, factor, original,
+                                float(file.get("rope.scaling.yarn_beta_fast", 32.0)),
+                                float(file.get("rope.scaling.yarn_beta_slow", 1.0)))
+    # llama.cpp's attn_factor multiplies the 0.1 ln(factor) + 1 it always applies
+    attention = float(file.get("rope.scaling.attn_factor") or 1.0)
+    return theta, factors, attention * yarn_attention_factor(factor)
