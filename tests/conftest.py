@@ -37,3 +37,15 @@ def tiny_gpt2_dir(tokenizer, tmp_path_factory):
 
     model, config = tiny("tiny-gpt2", tokenizer)
     return export_model(model, tokenizer, config, tmp_path_factory.mktemp("tiny-gpt2"))
+
+
+@pytest.fixture(scope="session")
+def tiny_encoders(tmp_path_factory) -> dict:
+    """A tiny embedder (mean pooling, normalized) and a tiny cross-encoder, written by
+    transformers and exported once for the session: {"embed": base path, "rerank": base
+    path, "embed-hf"/"rerank-hf": their transformers folders} (read-only)."""
+    from support.tiny_encoders import export_tiny_encoders
+
+    base = tmp_path_factory.mktemp("tiny-encoders")
+    paths = export_tiny_encoders(base)
+    return {**paths, "embed-hf": base / "embed-hf", "rerank-hf": base / "rerank-hf"}

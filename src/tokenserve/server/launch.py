@@ -2,7 +2,7 @@
 
 Every tokenserve language-model version gets its own continuous-batching engine (a manager
 extension: built after warmup, before the version is AVAILABLE, shut down after its streams
-drain). The OpenAI API (port 8000) and the streaming gRPC service (port 8500, beside TF
+drain); every encoder version (embeddings, rerank) its own batcher, the same way. The OpenAI API (port 8000) and the streaming gRPC service (port 8500, beside TF
 Serving's services) resolve model ids through the manager, so hot swaps reach them too.
 With --ssl_config_file every port speaks TLS (server/tls.py).
 """
@@ -60,7 +60,10 @@ def start_http(app, host: str, port: int, tls: SSLConfig | None = None,
 def run(config: ServeConfig, llm: LLMServeConfig = LLMServeConfig(), stop_event=None) -> None:
     """Serves until SIGTERM/SIGINT (or `stop_event`); see `tfserving.server.serve`."""
     with collector_paused():  # imports only: nothing here is garbage (python_heap.py)
+        from tokenserve.encoder_config import ENCODER_CONFIG_FILE
         from tokenserve.engine.async_engine import AsyncEngine
+        from tokenserve.engine.encoder_batch_config import EncoderBatchConfig
+        from tokenserve.engine.encoder_batcher import AsyncEncoder
         from tokenserve.export.exporter import GENERATION_CONFIG_FILE
         from tokenserve.observability.profiler import add_profiler_service
         from tokenserve.server.grpc_generate import add_generation_service
@@ -89,7 +92,20 @@ def run(config: ServeConfig, llm: LLMServeConfig = LLMServeConfig(), stop_event=
     tls = config.ssl_config
     interceptors = [AsyncAPIKeyInterceptor(keys)] if keys.enabled else []
 
+    def encoder_for(version):
+        """An encoder version's batcher (embeddings, rerank), warmed up."""
+        started = time.monotonic()
+        encoder = AsyncEncoder.from_model_dir(
+            version.path, EncoderBatchConfig.from_engine_config(engine_config),
+            stats=observability.sink, model_name=version.model_name,
+            version=str(version.version))
+        encoder.startup_seconds = {"load": time.monotonic() - started}
+        memory.watch(version.model_name, str(version.version), encoder.runner.memory_bytes)
+        return encoder
+
     def engine_for(version):
+        if (version.path / "assets" / ENCODER_CONFIG_FILE).exists():
+            return encoder_for(version)
         if not (version.path / "assets" / GENERATION_CONFIG_FILE).exists():
             return None  # not a tokenserve language model: TF Serving APIs only
         started = time.monotonic()

@@ -149,7 +149,7 @@ HTTP_ROWS = [
      "the queue is full"),
     ("full-queue-streamed", C, body(model=BUSY_MODEL, prompt="def add(a, b):", stream=True),
      None, 429, "the queue is full"),
-    ("unknown-route", "/v1/embeddings", OK, None, 404, "Not Found"),
+    ("unknown-route", "/v1/audio/speech", OK, None, 404, "Not Found"),
     ("wrong-method", C, None, None, 405, "Method Not Allowed"),
     ("deeply-nested-json", C, NESTED, None, 400, "nested more than 64 levels deep"),
     ("deeply-nested-json-chat", CHAT, NESTED, None, 400, "nested more than 64 levels deep"),
@@ -172,7 +172,7 @@ HTTP_ROWS = [
      "messages: List should have at least 1 item"),
     ("trailing-slash-without-key", C + "/", OK, {}, 401, "Missing API key"),
     ("trailing-slash", C + "/", OK, None, 404, "Not Found"),
-    ("unknown-route-without-key", "/v1/embeddings", OK, {}, 401, "Missing API key"),
+    ("unknown-route-without-key", "/v1/audio/speech", OK, {}, 401, "Missing API key"),
     ("metrics-without-key", "/metrics", None, {}, 401, "Missing API key"),
     # int() refuses a literal of over 4,300 digits with a ValueError json.loads passes on
     ("integer-longer-than-python-reads", C,

@@ -46,7 +46,8 @@ def test_the_schema_documents_every_route_and_its_bodies(server):
                                       "/v1/models/{model_id}", "/v1/completions",
                                       "/v1/chat/completions", "/tokenize", "/detokenize",
                                       "/v1/responses", "/v1/responses/{response_id}",
-                                      "/v1/responses/{response_id}/input_items"}
+                                      "/v1/responses/{response_id}/input_items",
+                                      "/v1/embeddings", "/v1/rerank"}
     completions = document["paths"]["/v1/completions"]["post"]
     assert completions["requestBody"]["content"]["application/json"]["schema"] == {
         "$ref": "#/components/schemas/CompletionRequest"}

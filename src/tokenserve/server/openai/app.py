@@ -4,7 +4,8 @@ Routes, one `APIRouter` per group: routes_health.py (GET /health, liveness; GET 
 readiness of the default model; GET /metrics, Prometheus when a registry is configured),
 routes_models.py (GET /v1/models), routes_generation.py (POST /v1/completions and
 /v1/chat/completions, SSE with `stream: true`), routes_tokens.py (POST /tokenize and
-/detokenize), routes_responses.py (the Responses API), plus GET /openapi.json and /docs (the
+/detokenize), routes_responses.py (the Responses API), routes_embeddings.py (POST
+/v1/embeddings and /v1/rerank, for encoder models), plus GET /openapi.json and /docs (the
 schema). With API keys, every route needs one except
 /health, /ready, /openapi.json and /docs (probes and schema readers carry no keys, and none
 of them tells anything about the models' traffic) and, with `metrics_public`, /metrics. The
@@ -29,10 +30,12 @@ from tokenserve.errors import (InvalidRequestError, ModelNotFoundError, PayloadT
 from tokenserve.stats import RejectionStats, StatsSink
 
 from .config import OpenAIServerConfig
+from .embedding_schemas import EmbeddingRequest, RerankRequest
 from .http import error_body, error_response
 from .models import ModelId, ModelResolver
 from .openapi import install_openapi
 from .responses_schemas import ResponseCreateRequest
+from .routes_embeddings import embeddings_router
 from .routes_generation import generation_router
 from .routes_health import health_router
 from .routes_models import models_router
@@ -180,8 +183,10 @@ def build_openai_app(models: ModelResolver, config: OpenAIServerConfig | None = 
     _install_error_handlers(app, record_rejection)
     for router in (health_router(models, config), models_router(models),
                    generation_router(models, config), tokens_router(models, config),
-                   responses_router(models, config, response_store or MemoryResponseStore())):
+                   responses_router(models, config, response_store or MemoryResponseStore()),
+                   embeddings_router(models, config)):
         app.include_router(router)
     install_openapi(app, [CompletionRequest, ChatCompletionRequest, TokenizeRequest,
-                          DetokenizeRequest, ResponseCreateRequest], bodiless={"/health": 200})
+                          DetokenizeRequest, ResponseCreateRequest, EmbeddingRequest,
+                          RerankRequest], bodiless={"/health": 200})
     return app

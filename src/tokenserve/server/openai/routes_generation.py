@@ -12,6 +12,7 @@ from starlette.concurrency import run_in_threadpool
 from .chat import ChatRun
 from .completions import CompletionRun
 from .config import OpenAIServerConfig
+from .embeddings import require_generator
 from .http import EventStream, read_json, unless_disconnected, with_error_event
 from .models import ModelResolver
 from .openapi import GENERATION_ERRORS, request_body, responses
@@ -30,6 +31,7 @@ def generation_router(models: ModelResolver, config: OpenAIServerConfig) -> APIR
         request.state.model = model_id
         with ExitStack() as held:
             engine = held.enter_context(models.acquire(model_id))  # a reload waits for it
+            require_generator(engine, model_id)
             # Off the event loop: rendering and tokenizing a long prompt takes a while, and
             # every other request and stream on this port waits for the loop.
             run = await run_in_threadpool(make_run, body, engine, model_id, config,

@@ -9,6 +9,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
 from .config import OpenAIServerConfig
+from .embeddings import require_generator
 from .http import EventStream, read_json, unless_disconnected, with_error_event
 from .models import ModelResolver
 from .openapi import GENERATION_ERRORS, request_body, responses
@@ -36,6 +37,7 @@ def responses_router(models: ModelResolver, config: OpenAIServerConfig, store) -
         held = models.acquire(model_id)
         engine = held.__enter__()
         try:
+            require_generator(engine, model_id)
             run = await run_in_threadpool(ResponseRun, body, engine, model_id, config, previous,
                                           key_owner(request, config),
                                           trace_context(request.headers))

@@ -8,6 +8,7 @@ from starlette.concurrency import run_in_threadpool
 
 from .chat_prompt import chat_prompt_ids
 from .config import OpenAIServerConfig
+from .embeddings import require_generator
 from .http import read_json
 from .models import ModelResolver
 from .openapi import BODY_ERRORS, request_body, responses
@@ -22,7 +23,9 @@ def tokens_router(models: ModelResolver, config: OpenAIServerConfig) -> APIRoute
     def resolve(request: Request, model_id: str | None):
         model_id = model_id or models.default_model()
         request.state.model = model_id
-        return models.resolve(model_id)
+        engine = models.resolve(model_id)
+        require_generator(engine, model_id)  # an encoder's tokenizer adds its special tokens
+        return engine
 
     @router.post("/tokenize", openapi_extra=request_body(TokenizeRequest),
                  responses=responses(TokenizeResponse, *BODY_ERRORS))

@@ -78,6 +78,7 @@ def build_context(config: ServeConfig, registry: CollectorRegistry | None = None
     unless given). `lazy_llm_sessions`: a tokenserve language model's SavedModel Session (a
     second copy of the weights the engine already holds) is built on its first TF Serving
     request, and its TF Serving warmup records wait for that too."""
+    from tokenserve.encoder_config import ENCODER_CONFIG_FILE
     from tokenserve.export.exporter import GENERATION_CONFIG_FILE
 
     registry = registry if registry is not None else CollectorRegistry()
@@ -89,7 +90,9 @@ def build_context(config: ServeConfig, registry: CollectorRegistry | None = None
                                      inter_op_threads=config.inter_op_threads)
 
     def lazy(path) -> bool:
-        return lazy_llm_sessions and (path / "assets" / GENERATION_CONFIG_FILE).exists()
+        assets = path / "assets"
+        return lazy_llm_sessions and ((assets / GENERATION_CONFIG_FILE).exists()
+                                      or (assets / ENCODER_CONFIG_FILE).exists())
 
     def warmup(version):
         if lazy(version.path):
