@@ -16,6 +16,10 @@ on), splits the TF step's graph-mode ops by type (einsum, gathers, softmax, ...)
 covered by graph ops is XLA's dense code plus the executor's own overhead; `--dense-only`
 times the dense XLA chain alone for comparison.
 
+For a mixture of experts (--model an MoE export) each point also reports its expert load,
+from the engine's own step stats: experts with rows per layer per step, and the busiest
+expert's share of its layer's rows.
+
 Results: a rich table on stdout and JSON in benchmarks/results/step_profile.json (or
 --output), with the machine's CPU flags and ISA caps.
 
@@ -81,6 +85,37 @@ class Timed:
         return timed_make
 
 
+class ExpertLoad:
+    """A stats sink keeping the last step's expert load (StepStats.expert_tokens: rows per
+    expert per layer; empty for a model without experts)."""
+
+    def __init__(self):
+        self.last = ()
+
+    def on_step(self, stats):
+        self.last = stats.expert_tokens
+
+    def on_request(self, stats):
+        pass
+
+    def on_scheduler(self, stats):
+        pass
+
+    def on_rejection(self, stats):
+        pass
+
+
+def expert_summary(loads: list) -> dict | None:
+    """Full decode steps' expert load: experts with rows per layer (mean), and the busiest
+    expert's share of its layer's rows (median over steps and layers; 1/k is even)."""
+    if not loads:
+        return None
+    loads = np.asarray(loads)                                       # [steps, layers, experts]
+    return {"experts_with_rows_per_layer": float((loads > 0).sum(-1).mean()),
+            "num_experts": int(loads.shape[-1]),
+            "busiest_expert_share": float(np.median(loads.max(-1) / loads.sum(-1)))}
+
+
 def profile_ops(logdir: str, num_steps: int) -> dict[str, float]:
     """Graph-mode op self time per step (ms) by op type, from the profiler's xplane."""
     from tensorflow.python.profiler.internal import _pywrap_profiler_plugin as plugin
@@ -112,6 +147,7 @@ def run_point(engine, timed: Timed, num_seqs: int, max_tokens: int, profile: boo
         engine.add_request(engine.make_request(ids, SamplingParams(max_tokens=max_tokens,
                                                                    ignore_eos=True)))
     parts = collections.defaultdict(list)
+    loads = []  # a mixture of experts' load of each timed full step
     logdir, profiled = tempfile.mkdtemp(prefix="step-profile-"), 0
     num_full = 0  # full-batch decode steps so far; 10-29 are profiled and not timed
     while engine.has_work:
@@ -141,6 +177,8 @@ def run_point(engine, timed: Timed, num_seqs: int, max_tokens: int, profile: boo
             parts["prepare"].append(executed - scheduled_at - timed.tf_s)
             parts["tf"].append(timed.tf_s)
             parts["update"].append(updated - executed)
+            if engine.stats.last:
+                loads.append(engine.stats.last)
     if 0 < profiled < 20:
         tf.profiler.experimental.stop()
     FlatCall.EXECUTOR = executor
@@ -148,7 +186,8 @@ def run_point(engine, timed: Timed, num_seqs: int, max_tokens: int, profile: boo
     medians["total"] = sum(medians.values())
     ops = profile_ops(logdir, profiled) if profiled else {}
     return {"num_seqs": num_seqs, "num_steps": len(parts["tf"]), "median_ms": medians,
-            "graph_ops_ms": ops, "graph_ops_total_ms": sum(ops.values())}
+            "graph_ops_ms": ops, "graph_ops_total_ms": sum(ops.values()),
+            "expert_load": expert_summary(loads)}
 
 
 def dense_only_ms(runner, num_tokens: int) -> float:
@@ -200,6 +239,7 @@ def main(argv=None) -> int:
     model_dir = args.model or export_preset("gpt2-small", Path(tempfile.mkdtemp()) / "gpt2")
     llm = LLM(model_dir, precision=args.precision, max_num_seqs=max(args.num_seqs))
     engine = llm.engine
+    engine.stats = ExpertLoad()
     timed = Timed(engine.runner)
     engine.runner.compile_buckets()
     run_point(engine, timed, 1, 4, profile=False)  # trace the step graphs
@@ -223,6 +263,12 @@ def main(argv=None) -> int:
                       f"{p['num_seqs'] / m['total'] * 1e3:.1f}", f"{p['dense_only_ms']:.2f}",
                       f"{p['graph_ops_total_ms']:.2f}", top)
     console.print(table)
+    for p in points:  # a mixture of experts: how its rows spread over the experts
+        if p["expert_load"]:
+            e = p["expert_load"]
+            console.print(f"{p['num_seqs']} seqs: {e['experts_with_rows_per_layer']:.2f} of "
+                          f"{e['num_experts']} experts with rows per layer per step, the "
+                          f"busiest taking {e['busiest_expert_share']:.0%} of its layer's rows")
     write_json(args.output, {
         "workload": {"model": str(model_dir), "precision": engine.runner.precision,
                      "prompt_tokens": 32, "max_tokens": args.max_tokens},

@@ -86,6 +86,19 @@ class TransformerConfig:
     them unscaled."""
     post_norms: bool = False
     """Norms on the attention and MLP outputs too, before each residual add (Gemma 2 and 3)."""
+    num_experts: int = 0
+    """Routed experts in every block's MLP (a mixture of experts: Mixtral, Qwen-MoE); 0 is
+    one dense MLP. Each expert is a SwiGLU MLP `expert_intermediate_size` wide."""
+    num_experts_per_token: int = 0
+    """Experts each token's row goes through (top-k of the router's softmax)."""
+    expert_intermediate_size: int = 0
+    """Hidden width of one expert (per SwiGLU branch); 0 means intermediate_size."""
+    normalize_expert_weights: bool = True
+    """The top-k router probabilities are renormalised to sum to 1 (Mixtral; Qwen-MoE's
+    norm_topk_prob); False keeps them as the softmax gave them."""
+    shared_expert_size: int = 0
+    """Hidden width of a shared expert every row goes through, scaled by a sigmoid gate
+    (Qwen2-MoE); 0: none."""
     family: Literal["transformer"] = "transformer"
 
     def __post_init__(self) -> None:
@@ -106,6 +119,21 @@ class TransformerConfig:
         _check(self.weight_format in ("float", "int8"),
                f"unknown weight_format {self.weight_format!r}; use float or int8")
         _check(self.position != "rope" or self.head_dim % 2 == 0, "rope needs an even head_dim")
+        if self.num_experts:
+            _check(self.mlp == "swiglu" and not self.mlp_bias,
+                   "experts are SwiGLU MLPs without biases (mlp='swiglu', mlp_bias=False)")
+            _check(0 < self.num_experts_per_token <= self.num_experts,
+                   f"num_experts_per_token must be in 1..{self.num_experts}, got "
+                   f"{self.num_experts_per_token}")
+            _check(self.expert_intermediate_size >= 0 and self.shared_expert_size >= 0,
+                   "expert widths must not be negative")
+            if self.expert_intermediate_size == 0:
+                object.__setattr__(self, "expert_intermediate_size", self.intermediate_size)
+        else:
+            _check(self.num_experts == 0, f"num_experts must not be negative, got "
+                                          f"{self.num_experts}")
+            _check(self.num_experts_per_token == 0 and self.shared_expert_size == 0,
+                   "num_experts_per_token and shared_expert_size need num_experts > 0")
         # a list from JSON (exports store the config as JSON) or NumPy: a tuple of floats, so
         # the frozen config stays hashable and compares equal after a round trip
         object.__setattr__(self, "rope_freq_factors",

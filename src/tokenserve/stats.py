@@ -74,6 +74,9 @@ class StepStats:
     """Tokens chosen this step from logits that held a NaN or +inf: a broken model (its
     weights, or an input it overflows on). Sampling stays defined for them (a NaN is never
     drawn, +inf tokens share the mass), but the text is not what a working model says."""
+    expert_tokens: tuple[tuple[int, ...], ...] = ()
+    """A mixture of experts' load: rows routed to each expert of each layer this step,
+    [layer][expert] (a row counts once for each expert it chose); empty without experts."""
 
 
 @dataclass(frozen=True)

@@ -236,6 +236,8 @@ def export_tflite(model, tokenizer, config, base_path: str | Path,
     from tokenserve.edge.graph import edge_module
     from tokenserve.export.exporter import GENERATION_CONFIG_FILE, TOKENIZER_FILE, staged_version
 
+    if getattr(config.model, "num_experts", 0):
+        raise ConfigError("TFLite export of a mixture of experts is not supported")
     module = edge_module(model, state_mode=options.state_mode,
                          int8_embedding=options.quantize in ("int8", "dynamic-int8"))
     tflite_model = convert(module, options, tokenizer, progress)

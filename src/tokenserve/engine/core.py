@@ -16,6 +16,7 @@ import numpy as np
 
 from tokenserve.config import GenerationConfig
 from tokenserve.engine.config import EngineConfig
+from tokenserve.engine.expert_load import ExpertLoadDelta
 from tokenserve.engine.guided import GuidedDecoding
 from tokenserve.engine.kv_tier import setup_prefix_cache
 from tokenserve.engine.output_processor import OutputProcessor
@@ -69,6 +70,7 @@ class LLMEngine:
         self.guided = GuidedDecoding(tokenizer, self.config.model.vocab_size,
                                      self.config.eos_token_id)
         self.num_steps = 0
+        self.expert_load = ExpertLoadDelta(getattr(runner, "expert_load", None))
 
     @property
     def max_model_len(self) -> int:
@@ -250,4 +252,5 @@ class LLMEngine:
             num_decode_tokens=num_decode, cache_usage=self.scheduler.cache.usage,
             num_preemptions=len(scheduled.preempted),
             num_draft_tokens=sum(len(s.draft_ids) for s in scheduled.scheduled),
-            num_accepted_tokens=num_accepted, num_nonfinite_logits=num_nonfinite))
+            num_accepted_tokens=num_accepted, num_nonfinite_logits=num_nonfinite,
+            expert_tokens=self.expert_load.take()))

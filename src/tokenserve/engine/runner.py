@@ -64,7 +64,8 @@ class ModelRunner:
             self.step = TransformerStep(
                 model, num_blocks * block_size,
                 jit_dense=model.compute_dtype == "float32"
-                and config.model.weight_format == "float", kv_dtype=self.kv_plan.dtype)
+                and config.model.weight_format == "float" and not c.num_experts,
+                kv_dtype=self.kv_plan.dtype)
             self.max_fused_dense_tokens = 0
             if self.step.kernel_dense and not self.step.fused_every_step:
                 from tokenserve.model.precision import choose_fused_dense_tokens
@@ -175,6 +176,12 @@ class ModelRunner:
         for row, sampler in rows:
             noise[row] = sampler.noise_for_step()
         return noise
+
+    def expert_load(self) -> np.ndarray | None:
+        """int64 [layers, experts]: rows routed to each expert since the runner started
+        (a mixture of experts' steps count them), or None for a model without experts."""
+        load = getattr(self.step, "expert_load", None)
+        return None if load is None else load.read()
 
     def prompt_logits(self, token_ids: list[int]) -> np.ndarray:
         """float32 [len(token_ids), vocab]: the logits after each prompt token, from one full

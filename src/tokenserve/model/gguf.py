@@ -32,11 +32,12 @@ from tokenserve.config import GenerationConfig, TransformerConfig, gpt2_config, 
 from tokenserve.errors import ConfigError, ModelLoadError
 from tokenserve.model import families
 from tokenserve.model.families.rope_scaling import gguf_rope
+from tokenserve.model import gguf_moe
 from tokenserve.model.gguf_file import (GGUFFile, UnsupportedGGUFError, dequantize, read_gguf,
                                         supported_tensor_types)
 from tokenserve.model.gguf_tokenizer import build_tokenizer
 
-ARCHITECTURES = ("llama", "qwen2", "gpt2", *families.GGUF_ARCHITECTURES)
+ARCHITECTURES = ("llama", "qwen2", "gpt2", "qwen2moe", *families.GGUF_ARCHITECTURES)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -56,7 +57,7 @@ def architecture_config(file: GGUFFile, context: int | None = None) -> Transform
         return families.gguf_config(file, context)
     if arch == "llama" and file.get("attention.sliding_window"):  # Mistral
         return families.gguf_config(file, context)
-    for key in ("expert_count", "attention.sliding_window"):
+    for key in ("attention.sliding_window",) + (("expert_count",) if arch == "gpt2" else ()):
         if file.get(key):
             raise UnsupportedGGUFError(f"{arch}.{key} = {file.get(key)} is not supported")
     hidden = int(file.require("embedding_length"))
@@ -113,7 +114,7 @@ def architecture_config(file: GGUFFile, context: int | None = None) -> Transform
         config, rope_freq_factors=factors or scaled, rope_attention_factor=attention_factor,
         qkv_bias="blk.0.attn_q.bias" in file.tensors,
         out_bias="blk.0.attn_output.bias" in file.tensors,
-        mlp_bias="blk.0.ffn_up.bias" in file.tensors)
+        mlp_bias="blk.0.ffn_up.bias" in file.tensors, **gguf_moe.moe_fields(file))
 
 
 def _vocab_size(file: GGUFFile) -> int:
@@ -164,13 +165,16 @@ def read_weights(file: GGUFFile, config: TransformerConfig) -> dict[str, np.ndar
     arch = file.architecture
     # rope_freqs.weight is read into the config (architecture_config), not a weight
     unknown = sorted(n for n in file.tensors
-                     if _hf_name(config, arch, n) is None and n != "rope_freqs.weight")
+                     if _hf_name(config, arch, n) is None and n != "rope_freqs.weight"
+                     and not (config.num_experts and gguf_moe.is_expert_tensor(n)))
     if unknown:
         shape = [int(n) for n in file.tensors[unknown[0]].shape]
         raise ModelLoadError(
             f"{file.path.name} has tensor {unknown[0]} (shape {shape}), which the "
             f"{arch} architecture does not use"
             + (f" (and {len(unknown) - 1} more)" if len(unknown) > 1 else ""))
+    if config.num_experts:
+        gguf_moe.check_experts(file, config)
     # refuse an unreadable type before spending time on the others
     readable = set(supported_tensor_types())
     for tensor in file.tensors.values():
@@ -181,6 +185,9 @@ def read_weights(file: GGUFFile, config: TransformerConfig) -> dict[str, np.ndar
         if name == "rope_freqs.weight":
             continue
         value = families.gguf_tensor_value(arch, name, dequantize(tensor))
+        if config.num_experts and gguf_moe.is_expert_tensor(name):
+            tensors.update(gguf_moe.hf_tensors(name, value, gguf_moe.hf_architecture(file)))
+            continue
         if arch == "llama" and ".attn_q." in name:
             value = _unpermute(value, config.num_heads)
         elif arch == "llama" and ".attn_k." in name:
@@ -199,9 +206,11 @@ def assign_weights(model, config: TransformerConfig, file: GGUFFile,
     """Copies the tensors into `model`, naming any missing or misshapen one by its GGUF name."""
     from tokenserve.model.hf import assign_weights as assign_hf
 
-    arch = {"gpt2": "GPT2LMHeadModel", "qwen2": "Qwen2ForCausalLM",
-            **families.GGUF_ARCHITECTURES}.get(file.architecture, "LlamaForCausalLM")
-    if file.architecture == "llama" and config.sliding_windows:
+    arch = gguf_moe.hf_architecture(file) or {"gpt2": "GPT2LMHeadModel",
+                                               "qwen2": "Qwen2ForCausalLM",
+                                               **families.GGUF_ARCHITECTURES}.get(
+        file.architecture, "LlamaForCausalLM")
+    if arch == "LlamaForCausalLM" and config.sliding_windows:
         arch = "MistralForCausalLM"
     if file.architecture == "gpt2" and not config.tie_embeddings:
         # hf.py maps only GPT-2's tied head; an untied one is assigned here

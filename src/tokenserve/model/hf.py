@@ -19,8 +19,9 @@ from tokenserve.config import GenerationConfig, TransformerConfig, gpt2_config, 
 from tokenserve.errors import ConfigError, ModelLoadError, ModelNotFoundError
 from tokenserve.model import families
 from tokenserve.model.families.rope_scaling import hf_rope
+from tokenserve.model.hf_moe import MOE_ARCHITECTURES, check_expert_count, expert_names, moe_fields
 
-SUPPORTED = ("GPT2LMHeadModel", "LlamaForCausalLM", "Qwen2ForCausalLM",
+SUPPORTED = ("GPT2LMHeadModel", "LlamaForCausalLM", "Qwen2ForCausalLM", *MOE_ARCHITECTURES,
              *families.HF_ARCHITECTURES)
 # Buffers some checkpoints carry that are not parameters.
 _IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias", "rotary_emb.inv_freq")
@@ -60,7 +61,7 @@ def architecture_config(hf: dict) -> TransformerConfig:
         return dataclasses.replace(config, intermediate_size=inner,
                                    norm_eps=hf.get("layer_norm_epsilon", 1e-5),
                                    tie_embeddings=hf.get("tie_word_embeddings", True))
-    if arch in ("LlamaForCausalLM", "Qwen2ForCausalLM"):
+    if arch in ("LlamaForCausalLM", "Qwen2ForCausalLM", *MOE_ARCHITECTURES):
         heads = hf["num_attention_heads"]
         head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
         if head_dim * heads != hf["hidden_size"]:
@@ -77,11 +78,12 @@ def architecture_config(hf: dict) -> TransformerConfig:
             intermediate_size=hf["intermediate_size"],
             tie_embeddings=hf.get("tie_word_embeddings", False), rope_theta=theta,
             rope_freq_factors=factors, norm_eps=hf.get("rms_norm_eps", 1e-6))
-        attention_bias = arch == "Qwen2ForCausalLM" or hf.get("attention_bias", False)
+        attention_bias = (arch in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
+                          or hf.get("attention_bias", False))
         return dataclasses.replace(
             config, qkv_bias=attention_bias, rope_attention_factor=attention_factor,
             out_bias=hf.get("attention_bias", False) and arch == "LlamaForCausalLM",
-            mlp_bias=hf.get("mlp_bias", False))
+            mlp_bias=hf.get("mlp_bias", False), **moe_fields(hf, arch))
     raise UnsupportedArchitectureError(
         f"architecture {arch!r} is not supported; supported: {', '.join(SUPPORTED)}")
 
@@ -147,9 +149,11 @@ def _llama_names(config: TransformerConfig) -> dict:
             p + "attn_norm/scale": ([h + "input_layernorm.weight"], keep),
             p + "qkv/kernel": ([a + ".weight" for a in attn], fuse),
             p + "out/kernel": ([h + "self_attn.o_proj.weight"], lambda w: w.T),
-            p + "mlp_norm/scale": ([h + "post_attention_layernorm.weight"], keep),
-            p + "up/kernel": ([h + "mlp.gate_proj.weight", h + "mlp.up_proj.weight"], fuse),
-            p + "down/kernel": ([h + "mlp.down_proj.weight"], lambda w: w.T)})
+            p + "mlp_norm/scale": ([h + "post_attention_layernorm.weight"], keep)})
+        if not config.num_experts:  # a mixture of experts' names: hf_moe.expert_names
+            names.update({
+                p + "up/kernel": ([h + "mlp.gate_proj.weight", h + "mlp.up_proj.weight"], fuse),
+                p + "down/kernel": ([h + "mlp.down_proj.weight"], lambda w: w.T)})
         if config.qkv_bias:
             names[p + "qkv/bias"] = ([a + ".bias" for a in attn], cat)
         if config.out_bias:
@@ -172,6 +176,9 @@ def assign_weights(model, config: TransformerConfig, arch: str, tensors: dict) -
     else:
         names = _llama_names(config)
         tied_head = "lm_head.weight" if config.tie_embeddings else None
+        if config.num_experts:
+            check_expert_count(config, arch, tensors)
+            names.update(expert_names(config, arch))
     used = set()
     variables = {v.path.split("/", 1)[1]: v for v in model.weights}
     for ours, (sources, combine) in names.items():

@@ -333,11 +333,15 @@ class Block(keras.layers.Layer):
         self.attn_norm = Norm(config.norm, config.norm_eps, name="attn_norm")
         self.attn = Attention(config, layer, name="attn")
         self.mlp_norm = Norm(config.norm, config.norm_eps, name="mlp_norm")
-        self.mlp = MLP(config, name="mlp")
+        self.mlp = self.make_mlp(config)
         self.post_attn_norm = self.post_mlp_norm = None
         if config.post_norms:
             self.post_attn_norm = Norm(config.norm, config.norm_eps, name="post_attn_norm")
             self.post_mlp_norm = Norm(config.norm, config.norm_eps, name="post_mlp_norm")
+
+    def make_mlp(self, config: TransformerConfig):
+        """The block's feed-forward layer (a mixture of experts overrides it: model/moe.py)."""
+        return MLP(config, name="mlp")
 
     def build(self, input_shape):
         self.attn_norm.build(input_shape)
@@ -346,15 +350,22 @@ class Block(keras.layers.Layer):
         self.attn.out.build((*input_shape[:-1], c.num_heads * c.head_dim))
         self.attn.build_norms()
         self.mlp_norm.build(input_shape)
-        self.mlp.up.build(input_shape)
-        gated = self.mlp.kind != "gelu"  # up holds gate and up: twice the MLP's width
-        self.mlp.down.build((None, None, self.mlp.up.units // (2 if gated else 1)))
+        self.build_mlp(input_shape)
         if self.post_attn_norm is not None:
             self.post_attn_norm.build(input_shape)
             self.post_mlp_norm.build(input_shape)
 
+    def build_mlp(self, input_shape):
+        self.mlp.up.build(input_shape)
+        gated = self.mlp.kind != "gelu"  # up holds gate and up: twice the MLP's width
+        self.mlp.down.build((None, None, self.mlp.up.units // (2 if gated else 1)))
+
     def _residual(self, x, h, post_norm):
         return x + (h if post_norm is None else post_norm(h))
+
+    def mlp_weights(self) -> dict:
+        """The feed-forward layer's variables by role, as the engine's step takes them."""
+        return {"up": self.mlp.up.weights_dict(), "down": self.mlp.down.weights_dict()}
 
     def call(self, x, positions, mask):
         x = self._residual(x, self.attn(self.attn_norm(x), positions, mask), self.post_attn_norm)

@@ -162,6 +162,8 @@ def prune_model(model, windows: np.ndarray, config: PruneConfig, progress: bool 
         raise ConfigError(f"pruning needs a Transformer, not the {c.family} family")
     if c.weight_format != "float":
         raise ConfigError("prune the float model, then quantize it")
+    if c.num_experts:
+        raise ConfigError("pruning a mixture of experts is not supported")
     windows = np.asarray(windows, np.int32)
     if config.heads > 0:
         head_scores, base = head_importance(model, windows, progress)

@@ -9,6 +9,7 @@ from tokenserve.config import TransformerConfig
 from tokenserve.model.base import DecoderLM
 from tokenserve.model.layers import (Block, Dense, Norm, _normal, int8_linear, soft_cap,
                                      visible)
+from tokenserve.model.moe import MoEBlock
 
 
 class TransformerLM(DecoderLM):
@@ -21,7 +22,8 @@ class TransformerLM(DecoderLM):
         kwargs.setdefault("name", "transformer")
         super().__init__(**kwargs)
         self.config = config
-        self.blocks = [Block(config, i, name=f"block_{i}") for i in range(config.num_layers)]
+        block = MoEBlock if config.num_experts else Block
+        self.blocks = [block(config, i, name=f"block_{i}") for i in range(config.num_layers)]
         self.final_norm = Norm(config.norm, config.norm_eps, name="final_norm")
         self.head = None if config.tie_embeddings else Dense(
             config.vocab_size, False, weight_format=config.weight_format, name="head")

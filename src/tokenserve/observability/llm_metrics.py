@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily
 
+from tokenserve.observability.expert_metrics import ExpertLoadCollector
 from tokenserve.stats import (RejectionStats, RequestStats, SchedulerStats, StatsSink, StepStats,
                               VersionState)
 
@@ -208,6 +209,8 @@ class LLMMetrics(StatsSink):
                                               LOAD_LATENCY_BUCKETS)
         self._prefix_cache = _PrefixCacheCollector()
         registry.register(self._prefix_cache)
+        self.expert_load = ExpertLoadCollector()  # tokenserve:moe_expert_tokens
+        registry.register(self.expert_load)
 
     def watch_prefix_cache(self, model: str, version: str, read) -> None:
         """Exports an engine's prefix-cache counters; `read()` returns its PrefixCacheStats
@@ -229,6 +232,7 @@ class LLMMetrics(StatsSink):
             self.iteration_tokens.labels(*labels).observe(stats.num_batched_tokens)
         if stats.num_running > 0:
             self.batch_size.labels(*labels).observe(stats.num_running)
+        self.expert_load.observe(stats)
 
     def on_scheduler(self, stats: SchedulerStats) -> None:
         self._set_scheduler_gauges(stats)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import tensorflow as tf
 
 from tokenserve.kernels import dense as kdense
+from tokenserve.engine.step.moe import fused_moe
 from tokenserve.kernels.int8_matmul import int8_finish_block, int8_matmul
 from tokenserve.model.layers import soft_cap
 from tokenserve.model.transformer import TransformerLM
@@ -103,6 +104,9 @@ class FusedBlocks:
         With one weight format throughout, a single op takes the block's three matrices and,
         given w_next, the next block's norm and QKV matrix too, back to back; else the
         separate ops (None: the caller projects the next block's QKV itself)."""
+        if "moe" in w:  # a mixture of experts: the router, then the grouped experts' op
+            x = self.linear(attn, w["out"], residual=x)
+            return fused_moe(self.norm(x, w["mlp_norm"]), x, w["moe"], self.model.config), None
         act = "swiglu" if self.model.config.mlp == "swiglu" else "gelu_tanh"
         eps = self.model.config.norm_eps
         for key, fused in (("q", int8_finish_block), ("kernel", kdense.finish_block)):

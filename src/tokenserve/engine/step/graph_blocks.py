@@ -16,6 +16,7 @@ from __future__ import annotations
 import tensorflow as tf
 
 from tokenserve.model.layers import apply_rope, head_norm, linear, mlp, norm
+from tokenserve.model.moe import moe_mlp
 from tokenserve.model.transformer import TransformerLM
 
 
@@ -59,7 +60,11 @@ class GraphBlocks:
         h = linear(attn, w["out"])
         x = x + (norm(h, w["post_attn_norm"], c.norm, c.norm_eps) if "post_attn_norm" in w
                  else h)
-        h = mlp(norm(x, w["mlp_norm"], c.norm, c.norm_eps), w["up"], w["down"], c.mlp)
+        h = norm(x, w["mlp_norm"], c.norm, c.norm_eps)
+        if "moe" in w:  # a mixture of experts, grouped by expert (never under XLA)
+            h = moe_mlp(h, w["moe"], c)
+        else:
+            h = mlp(h, w["up"], w["down"], c.mlp)
         return x + (norm(h, w["post_mlp_norm"], c.norm, c.norm_eps) if "post_mlp_norm" in w
                     else h)
 

@@ -28,6 +28,7 @@ from tokenserve.engine.step.attention import PagedAttention, PagedPrefill
 from tokenserve.engine.step.flat_call import FlatCall, spec
 from tokenserve.engine.step.fused_blocks import FusedBlocks, fused_dense_supports
 from tokenserve.engine.step.graph_blocks import GraphBlocks
+from tokenserve.engine.step.moe import ExpertLoad
 from tokenserve.kernels import dense as kdense
 from tokenserve.kernels import paged_attention
 from tokenserve.model.layers import layer_rope_angles
@@ -39,7 +40,7 @@ def block_weights(block) -> dict:
     """A Block's variables by role: what the dense functions take as explicit weights."""
     found = {"attn_norm": block.attn_norm.weights_dict(), "qkv": block.attn.qkv.weights_dict(),
              "out": block.attn.out.weights_dict(), "mlp_norm": block.mlp_norm.weights_dict(),
-             "up": block.mlp.up.weights_dict(), "down": block.mlp.down.weights_dict()}
+             **block.mlp_weights()}
     for name, layer in (("q_norm", block.attn.q_norm), ("k_norm", block.attn.k_norm),
                         ("post_attn_norm", block.post_attn_norm),
                         ("post_mlp_norm", block.post_mlp_norm)):
@@ -94,14 +95,24 @@ class TransformerStep(tf.Module):
         int8 = model.config.weight_format == "int8"
         bf16 = (model.compute_dtype == "bfloat16" and model.config.weight_format == "float"
                 and self.fused_attention)
+        # a mixture of experts never runs under XLA (its row groups have data-dependent
+        # shapes): every step through the fused ops, whose grouped-experts op reads only
+        # the experts with rows (engine/step/moe.py)
+        moe = c.num_experts > 0
         self.kernel_dense = kdense.is_compiled() and fused_dense_supports(c) and (
-            model.compute_dtype == "float32" and (jit_dense or int8) or bf16)
+            model.compute_dtype == "float32" and (jit_dense or int8 or moe) or bf16)
         # bfloat16 on a CPU whose oneDNN has no bf16 matmul (no AVX512-BF16 or AMX, or capped
         # below them): every step through the fused ops, as int8, since the graph's bf16
         # matmuls would be emulated there, or refused by oneDNN (a process abort)
-        self.fused_every_step = self.kernel_dense and (int8 or bf16 and not cpu_has_bf16())
+        self.fused_every_step = self.kernel_dense and (int8 or moe
+                                                       or bf16 and not cpu_has_bf16())
         self.fused_blocks = (FusedBlocks(model, self.layer_weights) if self.kernel_dense
                              else None)
+        self.expert_load = ExpertLoad(c.num_layers, c.num_experts) if moe else None
+        if moe:  # each layer's routing counts its rows per expert into the step's counters
+            self.expert_load.attach(self.layer_weights)
+            if self.fused_blocks is not None:
+                self.expert_load.attach(self.fused_blocks.weights)
         # Whether steps through XLA's dense programs run the LM head as the fused op: set
         # by the runner, before any step is traced, where the head never gets more rows
         # (one per sequence) than the fused ops take as fast as XLA. Then no head program

@@ -1,0 +1,96 @@
+"""Mixture-of-experts GGUF files: Mixtral (`llama` with `llama.expert_count`) and `qwen2moe`.
+
+llama.cpp's convert_hf_to_gguf stacks each layer's experts into one tensor per role,
+`blk.{i}.ffn_{gate,up,down}_exps.weight` (NumPy [E, out, in] once read), next to the router
+`blk.{i}.ffn_gate_inp.weight` [E, D]; Qwen2-MoE's shared expert is `ffn_{gate,up,down}_shexp`
+with its gate `ffn_gate_inp_shexp` ([D] or [1, D]). Here they are split back into the
+Hugging Face checkpoint's per-expert tensors, so `hf.assign_weights` places them as it
+places a Mixtral or Qwen2-MoE checkpoint's (model/hf_moe.py). A layer's tensors are checked
+first: a missing one, or one holding another number of experts than the file's
+`expert_count`, is refused by its GGUF name.
+"""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+
+from tokenserve.config import TransformerConfig
+from tokenserve.errors import ModelLoadError
+
+_ROUTED = ("ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
+_SHARED = ("ffn_gate_inp_shexp", "ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp")
+_PATTERN = re.compile(r"blk\.(\d+)\.(" + "|".join(_ROUTED + _SHARED) + r")\.weight")
+
+
+def hf_architecture(file) -> str | None:
+    """The Hugging Face architecture a MoE file's tensors are named for, or None."""
+    if file.architecture == "qwen2moe":
+        return "Qwen2MoeForCausalLM"
+    if file.architecture == "llama" and file.get("expert_count"):
+        return "MixtralForCausalLM"
+    return None
+
+
+def moe_fields(file) -> dict:
+    """The TransformerConfig fields of a MoE file's metadata ({} for a dense file)."""
+    if hf_architecture(file) is None:
+        return {}
+    fields = dict(num_experts=int(file.require("expert_count")),
+                  num_experts_per_token=int(file.require("expert_used_count")))
+    if file.architecture == "llama":  # Mixtral: experts as wide as feed_forward_length
+        return dict(fields, expert_intermediate_size=int(file.require("feed_forward_length")),
+                    normalize_expert_weights=True)
+    return dict(fields,
+                expert_intermediate_size=int(file.require("expert_feed_forward_length")),
+                shared_expert_size=int(file.get("expert_shared_feed_forward_length", 0)),
+                normalize_expert_weights=bool(file.get("expert_weights_norm", False)))
+
+
+def is_expert_tensor(name: str) -> bool:
+    return _PATTERN.fullmatch(name) is not None
+
+
+def check_experts(file, config: TransformerConfig) -> None:
+    """Refuses a file missing any layer's router or expert tensor, or whose stacked experts
+    number other than `expert_count`, naming the tensor."""
+    roles = _ROUTED + (_SHARED if config.shared_expert_size else ())
+    for layer in range(config.num_layers):
+        for role in roles:
+            name = f"blk.{layer}.{role}.weight"
+            tensor = file.tensors.get(name)
+            if tensor is None:
+                raise ModelLoadError(f"{file.path.name} is missing tensor {name} "
+                                     f"({file.architecture}.expert_count = "
+                                     f"{config.num_experts})")
+            if role.endswith("_exps"):
+                count = int(tensor.shape[-1])  # GGUF lists the outermost (expert) axis last
+            elif role == "ffn_gate_inp":
+                count = int(tensor.shape[-1])  # [D, E] in GGUF order
+            else:
+                continue
+            if count != config.num_experts:
+                raise ModelLoadError(
+                    f"{file.path.name}: tensor {name} holds {count} experts but "
+                    f"{file.architecture}.expert_count is {config.num_experts}")
+
+
+def hf_tensors(name: str, value: np.ndarray, arch: str) -> dict[str, np.ndarray]:
+    """One GGUF expert tensor as the Hugging Face checkpoint's tensors (experts split)."""
+    layer, role = _PATTERN.fullmatch(name).groups()
+    h = f"model.layers.{layer}."
+    mixtral = arch == "MixtralForCausalLM"
+    if role == "ffn_gate_inp":
+        return {h + ("block_sparse_moe.gate" if mixtral else "mlp.gate") + ".weight": value}
+    if role.endswith("_exps"):
+        kind = role.removeprefix("ffn_").removesuffix("_exps")
+        if mixtral:
+            prefix, suffix = "block_sparse_moe.experts", {"gate": "w1", "up": "w3", "down": "w2"}
+        else:
+            prefix, suffix = "mlp.experts", {k: f"{k}_proj" for k in ("gate", "up", "down")}
+        return {f"{h}{prefix}.{e}.{suffix[kind]}.weight": value[e] for e in range(len(value))}
+    if role == "ffn_gate_inp_shexp":
+        return {h + "mlp.shared_expert_gate.weight": value.reshape(1, -1)}
+    kind = role.removeprefix("ffn_").removesuffix("_shexp")
+    return {f"{h}mlp.shared_expert.{kind}_proj.weight": value}

@@ -1,0 +1,92 @@
+"""Mixture-of-experts checkpoints from Hugging Face: Mixtral and Qwen2-MoE.
+
+Both are the Llama (Qwen2) architecture with each block's MLP replaced by a router and
+SwiGLU experts stored one tensor set per expert: Mixtral's `block_sparse_moe.experts.{e}.w1`
+(gate), `w3` (up) and `w2` (down); Qwen2-MoE's `mlp.experts.{e}.gate_proj/up_proj/down_proj`
+plus `mlp.shared_expert.*` and its sigmoid gate `mlp.shared_expert_gate`. `hf.py` reads the
+rest of the checkpoint; this module gives the config fields and the experts' tensor names.
+"""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+
+from tokenserve.config import TransformerConfig
+from tokenserve.errors import ConfigError, ModelLoadError
+
+MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM")
+
+# where a layer's experts live, by architecture: (router, expert prefix, gate, up, down)
+_LAYOUT = {
+    "MixtralForCausalLM": ("block_sparse_moe.gate", "block_sparse_moe.experts", "w1", "w3", "w2"),
+    "Qwen2MoeForCausalLM": ("mlp.gate", "mlp.experts", "gate_proj", "up_proj", "down_proj"),
+}
+
+
+class UnsupportedMoEError(ConfigError):
+    """A mixture-of-experts layout tokenserve does not import (named in the message)."""
+
+
+def moe_fields(hf: dict, arch: str) -> dict:
+    """The TransformerConfig fields of a MoE config.json ({} for a dense architecture)."""
+    if arch == "MixtralForCausalLM":
+        window = hf.get("sliding_window")
+        if window and window < hf["max_position_embeddings"]:
+            raise UnsupportedMoEError(f"Mixtral sliding_window {window} is not supported")
+        return dict(num_experts=hf["num_local_experts"],
+                    num_experts_per_token=hf["num_experts_per_tok"],
+                    expert_intermediate_size=hf["intermediate_size"],
+                    normalize_expert_weights=True)
+    if arch == "Qwen2MoeForCausalLM":
+        if hf.get("decoder_sparse_step", 1) != 1 or hf.get("mlp_only_layers"):
+            raise UnsupportedMoEError(
+                f"Qwen2-MoE with dense layers (decoder_sparse_step "
+                f"{hf.get('decoder_sparse_step', 1)}, mlp_only_layers "
+                f"{hf.get('mlp_only_layers')}) is not supported")
+        if hf.get("use_sliding_window"):
+            raise UnsupportedMoEError("Qwen2-MoE use_sliding_window is not supported")
+        return dict(num_experts=hf["num_experts"], num_experts_per_token=hf["num_experts_per_tok"],
+                    expert_intermediate_size=hf["moe_intermediate_size"],
+                    normalize_expert_weights=bool(hf.get("norm_topk_prob", False)),
+                    shared_expert_size=hf.get("shared_expert_intermediate_size") or 0)
+    return {}
+
+
+def check_expert_count(config: TransformerConfig, arch: str, tensors: dict) -> None:
+    """Refuses a checkpoint whose layers hold another number of experts than the config
+    says, naming the layer and both counts."""
+    _, experts, *_ = _LAYOUT[arch]
+    pattern = re.compile(rf"model\.layers\.(\d+)\.{re.escape(experts)}\.(\d+)\.")
+    found: dict[int, set[int]] = {}
+    for name in tensors:
+        if match := pattern.match(name):
+            found.setdefault(int(match[1]), set()).add(int(match[2]))
+    for layer in range(config.num_layers):
+        count = len(found.get(layer, ()))
+        if count != config.num_experts:
+            raise ModelLoadError(
+                f"checkpoint layer {layer} has {count} experts ({experts}.N) but the config "
+                f"says {config.num_experts} (num_experts)")
+
+
+def expert_names(config: TransformerConfig, arch: str) -> dict:
+    """our weight name -> (hf tensor names, how to combine them), as hf._llama_names."""
+    fuse = lambda *ws: np.concatenate([w.T for w in ws], axis=1)  # noqa: E731
+    transpose = lambda w: w.T  # noqa: E731
+    router, experts, gate, up, down = _LAYOUT[arch]
+    names = {}
+    for i in range(config.num_layers):
+        p, h = f"block_{i}/", f"model.layers.{i}."
+        names[p + "router/kernel"] = ([h + router + ".weight"], transpose)
+        for e in range(config.num_experts):
+            x = f"{h}{experts}.{e}."
+            names[p + f"expert_{e}_up/kernel"] = ([x + gate + ".weight", x + up + ".weight"], fuse)
+            names[p + f"expert_{e}_down/kernel"] = ([x + down + ".weight"], transpose)
+        if config.shared_expert_size:
+            x = h + "mlp.shared_expert."
+            names[p + "shared_up/kernel"] = ([x + "gate_proj.weight", x + "up_proj.weight"], fuse)
+            names[p + "shared_down/kernel"] = ([x + "down_proj.weight"], transpose)
+            names[p + "shared_gate/kernel"] = ([h + "mlp.shared_expert_gate.weight"], transpose)
+    return names

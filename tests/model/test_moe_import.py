@@ -1,0 +1,147 @@
+"""Mixture-of-experts checkpoints (Mixtral, Qwen2-MoE) from Hugging Face directories and GGUF
+files match `transformers`: logits by full forward pass and by the cached step, and greedy
+tokens over 64 steps through the engine, including checkpoints where one expert gets every
+row and several get none. Bad files are refused by name."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+from support.engines import engine_config
+from support.moe_checkpoints import PROMPTS, engine_greedy, hf_model, save_hf, write_gguf
+from support.tiny_models import greedy_by_full_forward
+from tokenserve.engine.llm import LLM
+from tokenserve.errors import ModelLoadError
+from tokenserve.export.exporter import export_model
+from tokenserve.model.gguf import load_gguf
+from tokenserve.model.hf import load_hf
+from tokenserve.sampling import SamplingParams
+
+if os.environ.get("CI"):
+    import torch
+else:
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+pytest.importorskip("gguf")
+
+# (family, file format, skewed routing)
+CASES = {"mixtral-hf": ("mixtral", "hf", False), "qwen2moe-hf": ("qwen2moe", "hf", False),
+         "mixtral-gguf-skewed": ("mixtral", "gguf", True),
+         "qwen2moe-normed-gguf": ("qwen2moe-normed", "gguf", False),
+         "qwen2moe-hf-skewed": ("qwen2moe", "hf", True)}
+DEFAULT_GREEDY = ("mixtral-gguf-skewed",)  # the others under -m slow (seconds each)
+
+
+_LOADED: dict = {}
+
+
+def load_case(name: str, tokenizer, tmp_path_factory):
+    """(name, transformers model, what tokenserve imported), once per module."""
+    if name not in _LOADED:
+        family, kind, skewed = CASES[name]
+        reference = hf_model(family, skewed=skewed)
+        directory = tmp_path_factory.mktemp(name)
+        if kind == "hf":
+            loaded = load_hf(save_hf(directory, reference, tokenizer))
+        else:
+            loaded = load_gguf(write_gguf(directory / "tiny.gguf", reference, tokenizer))
+        _LOADED[name] = name, reference, loaded
+    return _LOADED[name]
+
+
+@pytest.fixture(params=list(CASES))
+def case(request, tokenizer, tmp_path_factory):
+    return load_case(request.param, tokenizer, tmp_path_factory)
+
+
+def test_logits_match_transformers_by_full_forward_and_cached_step(case):
+    _, reference, (model, _, config) = case
+    assert config.model.num_experts == 8 and config.model.num_experts_per_token == 2
+    expected = []
+    for prompt in PROMPTS:
+        with torch.no_grad():
+            expected.append(reference(torch.tensor([prompt])).logits.numpy()[0])
+        got = model(np.array([prompt], np.int32)).numpy()[0]
+        np.testing.assert_allclose(got, expected[-1], atol=1e-4, rtol=0)
+    # one right-padded batch through the model's cached step: last-token logits
+    width = max(map(len, PROMPTS))
+    batch = np.zeros([len(PROMPTS), width], np.int32)
+    for i, prompt in enumerate(PROMPTS):
+        batch[i, :len(prompt)] = prompt
+    logits, _ = model.step(batch, model.init_state(len(PROMPTS), width),
+                           np.zeros(len(PROMPTS), np.int32),
+                           np.array([len(p) for p in PROMPTS], np.int32))
+    for i, prompt in enumerate(PROMPTS):
+        np.testing.assert_allclose(logits.numpy()[i], expected[i][-1], atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("name", [
+    name if name in DEFAULT_GREEDY else pytest.param(name, marks=pytest.mark.slow)
+    for name in CASES])
+def test_greedy_64_tokens_match_transformers_through_the_engine(name, tokenizer,
+                                                                tmp_path_factory):
+    _, reference, (model, tokenizer, config) = load_case(name, tokenizer, tmp_path_factory)
+    with torch.no_grad():
+        expected = [reference.generate(torch.tensor([p]), max_new_tokens=64, min_new_tokens=64,
+                                       do_sample=False, eos_token_id=None,
+                                       pad_token_id=0)[0, len(p):].tolist() for p in PROMPTS]
+    got, runner = engine_greedy(model, tokenizer, config, PROMPTS, 64)
+    assert got == expected
+    load = runner.expert_load()  # [layers, experts]: rows routed to each
+    num_rows = sum(len(p) for p in PROMPTS) + len(PROMPTS) * 63
+    assert load.shape == (2, 8) and (load.sum(axis=1) == 2 * num_rows).all()
+    if name.endswith("skewed"):  # one expert took every row, four none
+        assert (load[:, 2] == num_rows).all() and (load[:, 4:] == 0).all()
+
+
+@pytest.mark.slow
+def test_greedy_by_full_forward_and_through_an_export_match_transformers(tokenizer, tmp_path):
+    reference = hf_model("qwen2moe")
+    model, hf_tokenizer, config = load_hf(save_hf(tmp_path / "hf", reference, tokenizer))
+    prompt = PROMPTS[1]
+    with torch.no_grad():
+        expected = reference.generate(torch.tensor([prompt]), max_new_tokens=64,
+                                      min_new_tokens=64, do_sample=False, eos_token_id=None,
+                                      pad_token_id=0)[0, len(prompt):].tolist()
+    assert greedy_by_full_forward(model, prompt, 64) == expected
+    llm = LLM(export_model(model, hf_tokenizer, config, tmp_path / "export", jit_compile=False),
+              engine_config())
+    out = llm.generate([prompt], SamplingParams(max_tokens=64, ignore_eos=True), use_tqdm=False)
+    assert out[0].outputs[0].token_ids == expected
+
+
+def test_a_missing_expert_or_a_mismatched_expert_count_is_refused_by_name(tokenizer,
+                                                                         tmp_path):
+    reference = hf_model("mixtral")
+    directory = save_hf(tmp_path / "hf", reference, tokenizer)
+    from safetensors.numpy import load_file, save_file
+
+    tensors = load_file(directory / "model.safetensors")
+    del tensors["model.layers.1.block_sparse_moe.experts.5.w3.weight"]
+    save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ModelLoadError, match=r"missing tensor model\.layers\.1\.block_sparse_moe"
+                                             r"\.experts\.5\.w3\.weight"):
+        load_hf(directory)
+    fewer = save_hf(tmp_path / "fewer", hf_model("mixtral", num_experts=4), tokenizer)
+    config = (fewer / "config.json").read_text().replace('"num_local_experts": 4',
+                                                         '"num_local_experts": 8')
+    (fewer / "config.json").write_text(config)
+    with pytest.raises(ModelLoadError, match=r"layer 0 has 4 experts .* says 8"):
+        load_hf(fewer)
+
+    qwen = hf_model("qwen2moe")
+    with pytest.raises(ModelLoadError, match=r"missing tensor blk\.1\.ffn_up_exps\.weight"):
+        load_gguf(write_gguf(tmp_path / "missing.gguf", qwen, tokenizer,
+                             drop=["blk.1.ffn_up_exps.weight"]))
+    with pytest.raises(ModelLoadError, match=r"missing tensor blk\.0\.ffn_gate_inp_shexp"):
+        load_gguf(write_gguf(tmp_path / "no-shared-gate.gguf", qwen, tokenizer,
+                             drop=["blk.0.ffn_gate_inp_shexp.weight"]))
+    short = np.zeros([7, 64, 32], np.float32)  # 7 experts' down matrices, the file says 8
+    with pytest.raises(ModelLoadError,
+                       match=r"blk\.0\.ffn_down_exps\.weight holds 7 experts but "
+                             r"qwen2moe\.expert_count is 8"):
+        load_gguf(write_gguf(tmp_path / "short.gguf", qwen, tokenizer,
+                             extra=[("blk.0.ffn_down_exps.weight", short)]))
