@@ -87,16 +87,19 @@ struct Q6_K {
     const int8_t* scales = reinterpret_cast<const int8_t*>(block + 192);
     const float d = HalfToFloat(LoadHalfBits(block + 208));
     for (int half = 0; half < 2; ++half, ql += 64, qh += 32, scales += 8, w += 128) {
-      for (int l = 0; l < 32; ++l) {
-        const int s = l / 16;  // sub-blocks of 16: value 32 g + l takes scale 2 g + l / 16
-        const int q0 = ((ql[l] & 0x0f) | (((qh[l] >> 0) & 3) << 4)) - 32;
-        const int q1 = ((ql[l + 32] & 0x0f) | (((qh[l] >> 2) & 3) << 4)) - 32;
-        const int q2 = ((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32;
-        const int q3 = ((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32;
-        w[l] = d * scales[s] * q0;
-        w[l + 32] = d * scales[s + 2] * q1;
-        w[l + 64] = d * scales[s + 4] * q2;
-        w[l + 96] = d * scales[s + 6] * q3;
+      for (int s = 0; s < 2; ++s) {  // sub-blocks of 16: value 32 g + l takes scale 2 g + l / 16
+        const float d0 = d * scales[s], d1 = d * scales[s + 2], d2 = d * scales[s + 4],
+                    d3 = d * scales[s + 6];
+        for (int l = 16 * s; l < 16 * s + 16; ++l) {  // fixed scales: the loop vectorizes
+          const int q0 = ((ql[l] & 0x0f) | (((qh[l] >> 0) & 3) << 4)) - 32;
+          const int q1 = ((ql[l + 32] & 0x0f) | (((qh[l] >> 2) & 3) << 4)) - 32;
+          const int q2 = ((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32;
+          const int q3 = ((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32;
+          w[l] = d0 * q0;
+          w[l + 32] = d1 * q1;
+          w[l + 64] = d2 * q2;
+          w[l + 96] = d3 * q3;
+        }
       }
     }
   }
