@@ -256,12 +256,12 @@ def test_cli_imports_a_checkpoint(tokenizer, tmp_path):
     assert "exported hf (transformer" in result.stdout
     assert (tmp_path / "out" / "1" / "saved_model.pb").exists()
     (tmp_path / "bad").mkdir()
-    (tmp_path / "bad" / "config.json").write_text('{"architectures": ["BertModel"]}')
+    (tmp_path / "bad" / "config.json").write_text('{"architectures": ["T5Model"]}')
     result = subprocess.run([sys.executable, "-m", "tokenserve", "export", "--from-hf",
                              str(tmp_path / "bad"), "--output", str(tmp_path / "out")],
                             capture_output=True, text=True, env=env, timeout=300)
     assert result.returncode == 2 and "Traceback" not in result.stderr
-    assert "'BertModel' is not supported" in result.stderr
+    assert "'T5Model' is not supported" in result.stderr
 
 
 def test_bfloat16_compute_stays_close_to_float32(tokenizer, tmp_path):
