@@ -202,12 +202,12 @@ def test_llama3_rope_scaling_is_what_the_import_matches(tokenizer):
 def test_other_rope_scaling_is_refused(tmp_path):
     config = transformers.LlamaConfig(
         vocab_size=400, hidden_size=64, num_hidden_layers=1, num_attention_heads=4,
-        intermediate_size=96, rope_scaling={"rope_type": "yarn", "factor": 4.0,
-                                            "original_max_position_embeddings": 64})
+        intermediate_size=96, rope_scaling={"rope_type": "dynamic", "factor": 4.0})
+    from tokenserve.errors import ConfigError
     from tokenserve.model.hf import architecture_config
 
-    with pytest.raises(UnsupportedArchitectureError,
-                       match="rope scaling 'yarn' is not supported; supported: default, llama3"):
+    with pytest.raises(ConfigError, match="rope scaling 'dynamic' is not supported; "
+                                          "supported: default, linear, llama3, yarn"):
         architecture_config({**config.to_dict(), "architectures": ["LlamaForCausalLM"]})
 
 
