@@ -37,7 +37,7 @@ from tokenserve.model.gguf_file import (GGUFFile, UnsupportedGGUFError, dequanti
                                         supported_tensor_types)
 from tokenserve.model.gguf_tokenizer import build_tokenizer
 
-ARCHITECTURES = ("llama", "qwen2", "gpt2", "qwen2moe", "qwen3moe", *families.GGUF_ARCHITECTURES)
+ARCHITECTURES = ("llama", "qwen2", "gpt2", *families.GGUF_ARCHITECTURES, "qwen2moe", "qwen3moe")
 
 
 # ---------------------------------------------------------------------------------------------
