@@ -71,10 +71,12 @@ GROUPS: dict[str, str] = {
 """Module prefix -> group; the longest matching prefix wins."""
 
 RUNNER_DATA = ("tokenserve.engine.cache_accounting", "tokenserve.engine.config",
-               "tokenserve.engine.kv_budget", "tokenserve.engine.prefix_cache",
+               "tokenserve.engine.kv_budget", "tokenserve.engine.lora_adapter",
+               "tokenserve.engine.prefix_cache",
                "tokenserve.engine.scheduler_output")
-"""What the runner reads from the engine above it: configs, cache accounting and the
-scheduler's output (the dataclass it executes). Never the loop (core, async_engine, llm)."""
+"""What the runner reads from the engine above it: configs, cache accounting, the scheduler's
+output (the dataclass it executes) and the LoRA adapter format (its roles and widths). Never
+the loop (core, async_engine, llm)."""
 
 ALLOWED_BACK_IMPORTS: dict[tuple[str, str], str] = {}
 """(importer, imported) -> why this import may run up. Keep it short."""

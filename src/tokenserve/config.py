@@ -62,19 +62,6 @@ class TransformerConfig:
     """`float`: weights in the compute dtype. `int8`: the linear layers and the token
     embedding (and with it a tied LM head) hold int8 weights with one float32 scale per
     output channel (`tokenserve export --quantize int8`)."""
-    num_experts: int = 0
-    """Routed experts in every block's MLP (a mixture of experts: Mixtral, Qwen-MoE); 0 is
-    one dense MLP. Each expert is a SwiGLU MLP `expert_intermediate_size` wide."""
-    num_experts_per_token: int = 0
-    """Experts each token's row goes through (top-k of the router's softmax)."""
-    expert_intermediate_size: int = 0
-    """Hidden width of one expert (per SwiGLU branch); 0 means intermediate_size."""
-    normalize_expert_weights: bool = True
-    """The top-k router probabilities are renormalised to sum to 1 (Mixtral; Qwen-MoE's
-    norm_topk_prob); False keeps them as the softmax gave them."""
-    shared_expert_size: int = 0
-    """Hidden width of a shared expert every row goes through, scaled by a sigmoid gate
-    (Qwen2-MoE); 0: none."""
     qk_norm: bool = False
     """An RMSNorm over each head's query and key, before RoPE (Qwen3, Gemma 3)."""
     sliding_windows: tuple[int, ...] = ()
@@ -99,6 +86,19 @@ class TransformerConfig:
     them unscaled."""
     post_norms: bool = False
     """Norms on the attention and MLP outputs too, before each residual add (Gemma 2 and 3)."""
+    num_experts: int = 0
+    """Routed experts in every block's MLP (a mixture of experts: Mixtral, Qwen-MoE); 0 is
+    one dense MLP. Each expert is a SwiGLU MLP `expert_intermediate_size` wide."""
+    num_experts_per_token: int = 0
+    """Experts each token's row goes through (top-k of the router's softmax)."""
+    expert_intermediate_size: int = 0
+    """Hidden width of one expert (per SwiGLU branch); 0 means intermediate_size."""
+    normalize_expert_weights: bool = True
+    """The top-k router probabilities are renormalised to sum to 1 (Mixtral; Qwen-MoE's
+    norm_topk_prob); False keeps them as the softmax gave them."""
+    shared_expert_size: int = 0
+    """Hidden width of a shared expert every row goes through, scaled by a sigmoid gate
+    (Qwen2-MoE); 0: none."""
     family: Literal["transformer"] = "transformer"
 
     def __post_init__(self) -> None:

@@ -380,7 +380,7 @@ def test_refusals_name_what_is_unsupported(tokenizer, tmp_path):
 
     refused("arch", UnsupportedGGUFError,
             r"GGUF architecture 'mamba' is not supported; supported: llama, qwen2, gpt2, "
-            r"qwen3, gemma2, gemma3, phi3",
+            r"qwen2moe, qwen3, gemma2, gemma3, phi3",
             arch="mamba")
     refused("type", UnsupportedGGUFError,
             r"tensor blk\.1\.ffn_down\.weight has type I8, which tokenserve cannot dequantize",

@@ -89,12 +89,13 @@ def _persistent_xla_cache() -> None:
 def build_parser() -> argparse.ArgumentParser:
     """Every command's flags. Building it (and `--help`) imports no TensorFlow: command
     modules import what they run inside `run`."""
-    from tokenserve.cli import bench, eval, export, generate, optimize, prune, serve, train
+    from tokenserve.cli import (bench, eval, export, finetune, generate, optimize, prune, serve,
+                                train)
 
     parser = argparse.ArgumentParser(prog="tokenserve",
                                      description="Token generation serving on TensorFlow.")
     commands = parser.add_subparsers(dest="command", required=True)
-    for module in (generate, export, train, serve, bench, eval, prune, optimize):
+    for module in (generate, export, train, serve, bench, eval, prune, optimize, finetune):
         module.add_parser(commands)
     for command in commands.choices.values():
         command.add_argument("--verbose", action="store_true",

@@ -12,6 +12,7 @@ import argparse
 import dataclasses
 import sys
 
+from tokenserve.cli.lora_flags import add_lora_flags, lora_engine_options, parse_lora_modules
 from tokenserve.errors import ConfigError
 
 # tensorflow_model_server flags that tokenserve accepts and ignores (with a one-line warning),
@@ -154,6 +155,7 @@ def _add_llm_flags(p) -> None:
     g.add_argument("--state_store", default=None, metavar="redis://HOST:PORT/DB",
                    help="keep Responses-API conversations in this Redis (default: in "
                         "process), so any replica continues any conversation")
+    add_lora_flags(p)
     g = p.add_argument_group("OpenAI API and observability")
     g.add_argument("--ui", type=parse_bool, nargs="?", const=True, default=llm.ui,
                    metavar="true|false",
@@ -207,7 +209,8 @@ def llm_config_from_args(args: argparse.Namespace):
                           preempt_for_priority=args.preempt_for_priority,
                           enable_prefix_caching=args.enable_prefix_caching,
                           kv_store=args.kv_store, kv_store_ttl_s=args.kv_store_ttl_s,
-                          idle_trim_s=None if args.idle_trim_s < 0 else args.idle_trim_s)
+                          idle_trim_s=None if args.idle_trim_s < 0 else args.idle_trim_s,
+                          **lora_engine_options(args))
     observability = ObservabilityConfig(otlp_traces_endpoint=args.otlp_traces_endpoint,
                                         tensorboard_logdir=args.tensorboard_logdir,
                                         log_format=args.log_format)
@@ -216,7 +219,8 @@ def llm_config_from_args(args: argparse.Namespace):
                           max_body_bytes=args.max_request_body_bytes,
                           state_store=args.state_store, ui=args.ui,
                           release_file_pages=args.release_file_pages,
-                          reasoning_parser=args.reasoning_parser)
+                          reasoning_parser=args.reasoning_parser,
+                          lora_modules=parse_lora_modules(args.lora_modules))
 
 
 class _PrintVersion(argparse.Action):

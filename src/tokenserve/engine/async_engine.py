@@ -24,6 +24,7 @@ from pathlib import Path
 
 from tokenserve.engine.config import EngineConfig
 from tokenserve.engine.core import LLMEngine
+from tokenserve.engine.lora_adapter import LoraRequest
 from tokenserve.engine.outputs import RequestOutput, TokenLogprob
 from tokenserve.engine.sampler.draw import token_logprob
 from tokenserve.errors import EngineDeadError, InvalidRequestError, QueueFullError
@@ -103,7 +104,8 @@ class AsyncEngine:
     async def generate(self, prompt_ids: list[int], params: SamplingParams,
                        request_id: str | None = None, priority: int = 0,
                        timeout_s: float | None = None, trace_context: dict | None = None,
-                       final_only: bool = False) -> AsyncIterator[RequestOutput]:
+                       final_only: bool = False, lora: LoraRequest | None = None
+                       ) -> AsyncIterator[RequestOutput]:
         """Streams RequestOutput deltas; see EngineClient.generate.
 
         final_only: the same deltas, handed to the caller's event loop all at once when the
@@ -112,7 +114,7 @@ class AsyncEngine:
         GPT-2-small stream spent about 9 % more per token through the server than in process,
         each token crossing to the event loop and through two queues."""
         request = self.engine.make_request(prompt_ids, params, request_id or uuid.uuid4().hex,
-                                           priority, timeout_s, trace_context)
+                                           priority, timeout_s, trace_context, lora)
         queue: asyncio.Queue = asyncio.Queue()
         with self._lock:
             # Checked under the lock that shutdown() and _die() hold while they sweep the
@@ -154,6 +156,11 @@ class AsyncEngine:
         logits = self.engine.runner.prompt_logits(prompt_ids)
         return [token_logprob(logits[i - 1], prompt_ids[i], num_top)
                 for i in range(1, len(prompt_ids))]
+
+    @property
+    def loras(self):
+        """The engine's LoRA slots (lora_slots.py); None: no adapters (max_loras 0)."""
+        return self.engine.loras
 
     def abort(self, request_id: str) -> None:
         with self._lock:
@@ -200,24 +207,30 @@ class AsyncEngine:
                      time.perf_counter() - started)
         length = self._warmup_prompt_len()
         bos, vocab = self.config.bos_token_id, self.config.model.vocab_size
-        first, second = (self.engine.make_request(
-            [token] * length, SamplingParams(max_tokens=max_tokens, ignore_eos=True), name)
-            for token, max_tokens, name in ((bos, 3, "warmup"),
-                                            ((bos + 1) % vocab, 2, "warmup-2")))
-        # prompts the fused ops take: one alone, then one joining it while it decodes (a
-        # short question arriving while others stream), each a step of its own kind
-        shorts = []
-        if length > _SHORT_WARMUP_PROMPT:
-            shorts = [self.engine.make_request([(bos + 2 + i) % vocab] * _SHORT_WARMUP_PROMPT,
-                                               SamplingParams(max_tokens=2 - i, ignore_eos=True),
-                                               f"warmup-{3 + i}") for i in range(2)]
+
+        def requests(lora=None):  # (lora: on the first of each pair)
+            params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (3, 2, 2, 1)]
+            pairs = [(self.engine.make_request([bos] * length, params[0], "warmup", lora=lora),
+                      self.engine.make_request([(bos + 1) % vocab] * length, params[1],
+                                               "warmup-2"))]
+            # prompts the fused ops take: one alone, then one joining it while it decodes (a
+            # short question arriving while others stream), each a step of its own kind
+            if length > _SHORT_WARMUP_PROMPT:
+                pairs.append(tuple(self.engine.make_request(
+                    [(bos + 2 + i) % vocab] * _SHORT_WARMUP_PROMPT, params[2 + i],
+                    f"warmup-{3 + i}", lora=None if i else lora) for i in range(2)))
+            return pairs
         scheduler = self.engine.scheduler
         stats, self.engine.stats = self.engine.stats, StatsSink()
         tier, scheduler.kv_tier = scheduler.kv_tier, None
         try:
-            self._run_alone_then_joined(first, second)
-            if shorts:
-                self._run_alone_then_joined(*shorts)
+            for pair in requests():
+                self._run_alone_then_joined(*pair)
+            if self.engine.loras is not None:  # the adapter steps' kinds, on a zero adapter
+                zero = self.engine.loras.warmup_adapter()
+                for pair in requests(zero):
+                    self._run_alone_then_joined(*pair)
+                self.engine.loras.forget(zero)
             self.engine.runner.warm_up_heads()  # the heads greedy requests did not run
         finally:
             scheduler.kv_tier = tier

@@ -112,8 +112,17 @@ class EngineConfig:
     one step: the fused dense op streams the weights once for up to 8 rows, and a larger
     step costs more than its drafts bring (SmolLM2 at 4 streams with 4 drafts each and no
     cap: 0.88x of plain decoding; docs/performance.md)."""
+    max_loras: int = 0
+    """LoRA adapters resident at once (slots of the step's adapter table, engine/step/
+    lora.py); more registered adapters wait on disk and take a slot in LRU order when a
+    request needs them. 0: no adapters (no table, no adapter steps)."""
+    max_lora_rank: int = 16
+    """Largest adapter rank a slot holds; an adapter above it is refused when loaded."""
 
     def __post_init__(self) -> None:
+        if self.max_loras < 0 or self.max_lora_rank < 1:
+            raise ConfigError(f"max_loras must be >= 0 and max_lora_rank >= 1, got "
+                              f"{self.max_loras} and {self.max_lora_rank}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size",
                      "max_queue_requests", "max_queue_tokens", "context_pad",
                      "max_decode_groups"):

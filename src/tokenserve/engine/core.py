@@ -9,6 +9,7 @@ imports TensorFlow only through its runner.
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 
@@ -19,6 +20,8 @@ from tokenserve.engine.config import EngineConfig
 from tokenserve.engine.expert_load import ExpertLoadDelta
 from tokenserve.engine.guided import GuidedDecoding
 from tokenserve.engine.kv_tier import setup_prefix_cache
+from tokenserve.engine.lora_adapter import LoraRequest
+from tokenserve.engine.lora_slots import LoraSlots
 from tokenserve.engine.output_processor import OutputProcessor
 from tokenserve.engine.outputs import ModelRunnerOutput, RequestOutput
 from tokenserve.engine.prefix_cache import PrefixCacheStats
@@ -30,6 +33,8 @@ from tokenserve.engine.spec_decode import SpeculativeDecoding
 from tokenserve.errors import InvalidRequestError
 from tokenserve.sampling import SamplingParams
 from tokenserve.stats import SchedulerStats, StatsSink, StepStats
+
+log = logging.getLogger(__name__)
 
 
 def _drop_aborted(scheduled: SchedulerOutput, logits: np.ndarray) -> np.ndarray:
@@ -69,6 +74,12 @@ class LLMEngine:
                                                 self.model_name, version)
         self.guided = GuidedDecoding(tokenizer, self.config.model.vocab_size,
                                      self.config.eos_token_id)
+        self.loras = (LoraSlots(self.config.model, engine_config.max_loras,
+                                engine_config.max_lora_rank, runner.write_lora_slot)
+                      if engine_config.max_loras and runner.is_transformer else None)
+        """The resident LoRA adapters; None: this engine serves no adapters."""
+        if self.loras is not None:  # a request waits until its adapter has a slot
+            self.scheduler.can_admit = self.loras.is_ready
         self.num_steps = 0
         self.expert_load = ExpertLoadDelta(getattr(runner, "expert_load", None))
 
@@ -103,15 +114,19 @@ class LLMEngine:
     # -- requests -------------------------------------------------------------------------
     def make_request(self, prompt_ids: list[int], params: SamplingParams,
                      request_id: str | None = None, priority: int = 0,
-                     timeout_s: float | None = None, trace_context: dict | None = None
-                     ) -> Request:
+                     timeout_s: float | None = None, trace_context: dict | None = None,
+                     lora: LoraRequest | None = None) -> Request:
         """Validates a request (raising InvalidRequestError / PromptTooLongError, as
-        check_request) and gives each of its sequences a sampler, detokenizer and drafter."""
+        check_request) and gives each of its sequences a sampler, detokenizer and drafter.
+        `lora`: the adapter it runs with (an engine with LoRA slots only)."""
         vocab = self.config.model.vocab_size
+        if lora is not None and self.loras is None:
+            raise InvalidRequestError("this model serves no LoRA adapters (max_loras is 0)")
         check_request(prompt_ids, params, vocab, self.max_model_len, timeout_s)
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         request = Request(request_id or uuid.uuid4().hex, list(prompt_ids), params,
-                          priority=priority, deadline=deadline, trace_context=trace_context or {})
+                          priority=priority, deadline=deadline, trace_context=trace_context or {},
+                          lora=lora)
         for seq in request.seqs:  # an invalid constraint raises here, before taking a slot
             guide = None if params.structured is None else self.guided.make_guide(
                 params.structured)
@@ -125,6 +140,8 @@ class LLMEngine:
         if request.request_id in self.scheduler.requests:
             raise InvalidRequestError(f"request id {request.request_id!r} is already in use")
         self.scheduler.add(request)
+        if self.loras is not None:
+            self.loras.count(request, 0, new_request=True)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stops a request at once and frees its cache; returns its final output."""
@@ -169,7 +186,16 @@ class LLMEngine:
 
         Returns the aborted requests' final outputs and the scheduler's decision."""
         expired = [self.abort(r.request_id) for r in self.scheduler.expired()]
+        if self.loras is not None:  # slots for the waiting requests' adapters
+            waiting = [seq for _, seq in sorted(self.scheduler.waiting)]
+            expired += [self._fail_adapter(request, error) for request, error in
+                        self.loras.assign(waiting, self.scheduler.running)]
         return [o for o in expired if o is not None], self.scheduler.schedule()
+
+    def _fail_adapter(self, request: Request, error: Exception) -> RequestOutput | None:
+        log.warning("request %s aborted: its LoRA adapter %r no longer loads: %s",
+                    request.request_id, request.lora.name, error)
+        return self.abort(request.request_id)
 
     def execute(self, scheduled: SchedulerOutput) -> ModelRunnerOutput:
         """The runner's compiled step. Touches no Python state, so the async engine runs it
@@ -196,6 +222,9 @@ class LLMEngine:
         sampled = self._sample(scheduled, logits)
         self.scheduler.update_from_output(scheduled, sampled, output.duration_s)
         outputs = self.output_processor.make_outputs(sampled)
+        if self.loras is not None:
+            for took in sampled:
+                self.loras.count(took.seq.request, len(took.delta.token_ids), False)
         self._emit_step_stats(scheduled, output.duration_s,
                               self.spec_decode.num_accepted_tokens - accepted,
                               self.output_processor.num_nonfinite_logits - nonfinite)

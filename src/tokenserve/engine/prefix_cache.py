@@ -95,9 +95,14 @@ class PrefixCachingAllocator(BlockAllocator):
         size = self.block_size
         while len(hashes) < num_blocks:
             start = len(hashes) * size
-            hashes.append(block_hash(hashes[-1] if hashes else self.namespace,
+            hashes.append(block_hash(hashes[-1] if hashes else self._root(seq),
                                      seq.token_ids[start:start + size]))
         return hashes[:num_blocks]
+
+    def _root(self, seq: Sequence) -> bytes:
+        """The namespace, salted by the sequence's LoRA adapter (Request.cache_salt)."""
+        salt = getattr(seq.request, "cache_salt", b"")
+        return hashlib.sha256(self.namespace + salt).digest() if salt else self.namespace
 
     def num_cacheable_blocks(self, seq: Sequence) -> int:
         """Full blocks a fresh `seq` may take from a cache: its last token stays uncomputed."""

@@ -14,6 +14,7 @@ from tokenserve.sampling import SamplingParams
 
 if TYPE_CHECKING:
     from tokenserve.engine.detokenizer import IncrementalDetokenizer
+    from tokenserve.engine.lora_adapter import LoraRequest
     from tokenserve.engine.ngram import NgramDrafter
     from tokenserve.engine.sampler.draw import SequenceSampler
 
@@ -112,6 +113,17 @@ class Request:
     decode_time_s: float = 0.0
     num_nonfinite_logits: int = 0
     """Tokens of this request chosen from logits that held a NaN or +inf."""
+    lora: LoraRequest | None = None
+    """The LoRA adapter its tokens run with; None: the base model."""
+    lora_slot: int = 0
+    """The resident slot of `lora` (engine/lora_slots.py), set before it is admitted; the
+    runner reads it. 0: no adapter."""
+
+    @property
+    def cache_salt(self) -> bytes:
+        """Mixed into the root of its KV blocks' hash chain: two adapters (or an adapter and
+        the base) never share prefix-cache blocks."""
+        return b"" if self.lora is None else self.lora.cache_key.encode()
 
     def __post_init__(self) -> None:
         if not self.seqs:

@@ -25,6 +25,20 @@ from tokenserve.host.cpu_quota import applied_quota, schedulable_cpus, usable_cp
 log = logging.getLogger(__name__)
 
 
+def lora_inputs(slots: list[int], token_seqs: list[int], num_padded: int) -> tuple:
+    """The LoRA step inputs for sequences on resident slots `slots` (0: the base model) and
+    packed tokens of sequences `token_seqs`: (active [K] distinct slots, token_slot
+    [num_padded] each token's index into active, -1 for the base and padding), or () when no
+    row has an adapter (the base step)."""
+    active = sorted({s for s in slots if s})
+    if not active:
+        return ()
+    where = {slot: i for i, slot in enumerate(active)}
+    token_slot = np.full([num_padded], -1, np.int32)
+    token_slot[:len(token_seqs)] = [where.get(slots[i], -1) for i in token_seqs]
+    return np.asarray(active, np.int32), token_slot
+
+
 class ModelRunner:
     """Runs scheduled tokens through a DecoderLM over a paged KV cache or LSTM state slots."""
 
@@ -87,6 +101,14 @@ class ModelRunner:
             # a screen reads raw logits: none under Gemma 2's soft-capped ones
             self.step.screened_head = (None if config.model.final_softcap
                                        else build_screen(screen, engine_config))
+            if engine_config.max_loras:
+                from tokenserve.engine.step.lora import LoraTable
+
+                self.step.lora_table = LoraTable(config.model, engine_config.max_loras,
+                                                 engine_config.max_lora_rank)
+                log.info("LoRA: %d adapter slots of rank up to %d (%.1f MiB)",
+                         engine_config.max_loras, engine_config.max_lora_rank,
+                         self.step.lora_table.num_bytes / 2**20)
             self.num_screened_steps = 0  # steps whose LM head ran the screen
             self.num_sampled_screened_steps = 0  # of those, steps with sampled rows
             if config.model.weight_format == "int8":
@@ -125,7 +147,7 @@ class ModelRunner:
         max_groups = 1 if self.step.fused_attention else knobs.max_decode_groups
         packed = pack_tokens(out.scheduled, self.cache.block_size, max_groups,
                              knobs.decode_group_cost_rows, knobs.context_pad)
-        token_ids, positions, write_rows, decode_groups, prefill_inputs, last = packed
+        token_ids, positions, write_rows, decode_groups, prefill_inputs, last, seqs = packed
         num_tokens = len(token_ids)
         # a step of a few tokens runs the dense half as fused ops, which take any number of
         # rows: only XLA's programs need the tokens padded to a bucket
@@ -153,12 +175,21 @@ class ModelRunner:
         self.num_screened_steps += screened
         noise = self._noise(out, num_rows) if screened else None
         self.num_sampled_screened_steps += noise is not None
-        step = self.step.step_function(len(decode_groups), bool(prefill_inputs), fused)
+        lora = lora_inputs([s.seq.request.lora_slot for s in out.scheduled], seqs, num_padded)
+        step = self.step.step_function(len(decode_groups), bool(prefill_inputs), fused,
+                                       bool(lora))
         out = step(np.asarray(token_ids + padding, np.int32),
                    np.asarray(positions + padding, np.int32),
                    np.asarray(write_rows + padding, np.int32), decode_groups,
-                   prefill_inputs, last)
+                   prefill_inputs, last, lora)
         return self.step.logits(out, fused, screened, noise).numpy()[:num_wanted]
+
+    def write_lora_slot(self, slot: int, layers: list[dict] | None) -> None:
+        """Puts an adapter's factors (LoraWeights.layers) in resident slot `slot` (1..
+        max_loras), or clears it (None). Called between steps, on the engine's thread."""
+        if not self.is_transformer or self.step.lora_table is None:
+            raise ValueError("this runner holds no LoRA slots (max_loras is 0)")
+        self.step.lora_table.write_slot(slot, layers)
 
     def _noise(self, out: SchedulerOutput, num_rows: int) -> np.ndarray | None:
         """[num_rows, vocab] float32: the noise of each sampled row the engine draws from

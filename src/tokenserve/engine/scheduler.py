@@ -53,6 +53,9 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        self.can_admit: Callable[[Sequence], bool] | None = None
+        """Whether a waiting sequence may start now (its LoRA adapter is resident); one
+        that may not stays queued while those behind it are admitted. None: all may."""
 
     # -- queue ----------------------------------------------------------------------------
     @property
@@ -220,8 +223,12 @@ class Scheduler:
                 budget -= num_new
                 continue
             self._preempt(seq, out)  # nothing left to evict: it waits for room itself
+        held_back = []  # waiting sequences can_admit refuses this step
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0][1]
+            if self.can_admit is not None and not self.can_admit(seq):
+                held_back.append(heapq.heappop(self.waiting))
+                continue
             num_hit = self.cache.match_prefix(seq) if not seq.block_ids else None
             if num_hit is not None and self.kv_tier is not None and self.kv_tier.is_loading(seq):
                 lookup = self.kv_tier.take(seq)
@@ -248,6 +255,8 @@ class Scheduler:
                 seq.request.scheduled_time = time.time()
             out.scheduled.append(ScheduledSeq.of(seq, num_new))
             budget -= num_new
+        for item in held_back:
+            heapq.heappush(self.waiting, item)
         out.kv_transfers, self._transfers = self._transfers, []
         return out
 

@@ -37,7 +37,8 @@ from tokenserve.model.gguf_file import (GGUFFile, UnsupportedGGUFError, dequanti
                                         supported_tensor_types)
 from tokenserve.model.gguf_tokenizer import build_tokenizer
 
-ARCHITECTURES = ("llama", "qwen2", "gpt2", *families.GGUF_ARCHITECTURES, "qwen2moe", "qwen3moe")
+ARCHITECTURES = ("llama", "qwen2", "gpt2", "qwen2moe", *families.GGUF_ARCHITECTURES,
+                 "qwen3moe")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -208,10 +209,11 @@ def assign_weights(model, config: TransformerConfig, file: GGUFFile,
     """Copies the tensors into `model`, naming any missing or misshapen one by its GGUF name."""
     from tokenserve.model.hf import assign_weights as assign_hf
 
-    arch = gguf_moe.hf_architecture(file) or {
-        "gpt2": "GPT2LMHeadModel", "qwen2": "Qwen2ForCausalLM",
-        **families.GGUF_ARCHITECTURES}.get(file.architecture, "LlamaForCausalLM")
-    if file.architecture == "llama" and config.sliding_windows:
+    arch = gguf_moe.hf_architecture(file) or {"gpt2": "GPT2LMHeadModel",
+                                               "qwen2": "Qwen2ForCausalLM",
+                                               **families.GGUF_ARCHITECTURES}.get(
+        file.architecture, "LlamaForCausalLM")
+    if arch == "LlamaForCausalLM" and config.sliding_windows:
         arch = "MistralForCausalLM"
     if file.architecture == "gpt2" and not config.tie_embeddings:
         # hf.py maps only GPT-2's tied head; an untied one is assigned here

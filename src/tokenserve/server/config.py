@@ -189,6 +189,13 @@ class LLMServeConfig:
     """Once an engine has warmed up, unmap the shared-library pages start-up touched
     (observability.memory.release_file_pages): about 320 MB less VmRSS, no anonymous memory
     freed; a page that is used again comes back on first access."""
+    lora_modules: dict[str, str] = field(default_factory=dict)
+    """LoRA adapters served from the start, name -> PEFT adapter directory (the engine
+    needs max_loras > 0)."""
+
+    def __post_init__(self) -> None:
+        if self.lora_modules and not self.engine.max_loras:
+            raise ConfigError("--lora_modules needs --max_loras of at least 1")
 
 
 def engine_config_for(config: ServeConfig, base: EngineConfig) -> EngineConfig:

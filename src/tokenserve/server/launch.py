@@ -68,6 +68,7 @@ def run(config: ServeConfig, llm: LLMServeConfig = LLMServeConfig(), stop_event=
         from tokenserve.observability.profiler import add_profiler_service
         from tokenserve.server.grpc_generate import add_generation_service
         from tokenserve.server.openai import OpenAIServerConfig, build_openai_app
+        from tokenserve.server.openai.lora import LoraModels
         from tokenserve.server.openai.managed_models import ManagedModels
         from tokenserve.server.tfserving.server import build_context, serve
         from tokenserve.state.response_store import open_response_store
@@ -89,6 +90,9 @@ def run(config: ServeConfig, llm: LLMServeConfig = LLMServeConfig(), stop_event=
     # TF Serving's request counters label configured models only (names come from clients)
     context.metrics.label_models(context.manager.model_names)
     models = ManagedModels(context.manager)
+    if engine_config.max_loras:  # adapters as model ids, loaded and unloaded live
+        models = LoraModels(models, llm.lora_modules)
+        registry.register(models)  # per-adapter request and token counters
     tls = config.ssl_config
     interceptors = [AsyncAPIKeyInterceptor(keys)] if keys.enabled else []
 
@@ -114,6 +118,9 @@ def run(config: ServeConfig, llm: LLMServeConfig = LLMServeConfig(), stop_event=
                                             model_name=version.model_name,
                                             version=str(version.version), start=False)
         loaded = time.monotonic()
+        if isinstance(models, LoraModels) and version.model_name == models.base_model:
+            # a bad --lora_modules entry fails the base model's load, with its reason
+            models.check_startup_adapters(engine)
         engine.start()  # warms up: XLA programs (from the persistent cache), one request
         release_freed_memory()  # the checkpoint's read buffers, warmup's temporaries
         if llm.release_file_pages:  # TF's start-up code: mapped, counted in VmRSS, unused

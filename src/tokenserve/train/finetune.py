@@ -44,9 +44,11 @@ def calibration_windows(stream, count: int, length: int, seed: int = 0) -> np.nd
 def finetune(model, stream: np.ndarray, holdout: np.ndarray, num_steps: int, workdir,
              learning_rate: float = FINETUNE_LEARNING_RATE, batch_size: int = 4,
              seq_len: int = 512, seed: int = 0, teacher=None,
-             distill_weight: float = DISTILL_WEIGHT, warmup_steps: int | None = None):
+             distill_weight: float = DISTILL_WEIGHT, warmup_steps: int | None = None,
+             trainer_class=None):
     """A brief AdamW fine-tune on `stream` (warmup, then cosine decay to a tenth); with
-    `teacher`, distilled from it. Returns the trainer's TrainResult.
+    `teacher`, distilled from it; `trainer_class`: another Trainer for `model` (LoRA's,
+    train/lora.py). Returns the trainer's TrainResult.
 
     Windows are as long as the model's context (up to `seq_len`): fine-tuned on 256-token
     windows, the pruned built-in model came back to +1.9 % perplexity on 256-token held-out
@@ -61,7 +63,9 @@ def finetune(model, stream: np.ndarray, holdout: np.ndarray, num_steps: int, wor
                          num_steps=num_steps, learning_rate=learning_rate,
                          warmup_steps=warmup, weight_decay=0.0,
                          eval_batches=1, checkpoint_every=max(num_steps, 1), precision="fp32")
-    if teacher is None:
+    if trainer_class is not None:
+        trainer = trainer_class(model, config, workdir)
+    elif teacher is None:
         trainer = Trainer(model, config, workdir)
     else:
         trainer = DistillTrainer(model, teacher, config, workdir, distill_weight)

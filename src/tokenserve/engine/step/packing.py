@@ -113,6 +113,7 @@ class PackedTokens(NamedTuple):
         (padding: Np), context rows [Sp, Lp], positions [Sp, Tp] (padding: -1), unpack [Np]
         into the flattened [Sp * Tp]).
     last_tokens: [sum of num_logits] the packed index of each logits row, in scheduled order.
+    token_seqs: [N] the index into `scheduled` of each packed token's sequence.
     """
     token_ids: list[int]
     positions: list[int]
@@ -120,6 +121,7 @@ class PackedTokens(NamedTuple):
     decode_groups: list[tuple[np.ndarray, np.ndarray]]
     prefill: tuple
     last_tokens: np.ndarray
+    token_seqs: list[int] = []
 
 
 def pack_tokens(scheduled: list, block_size: int, max_groups: int, group_cost: int,
@@ -137,7 +139,7 @@ def pack_tokens(scheduled: list, block_size: int, max_groups: int, group_cost: i
         (decode if count == 1 else prefill).append((index, rows[:start + count], start, count))
     groups = split_by_context(decode, max_groups, group_cost, context_pad) if decode else []
 
-    token_ids, positions, write_rows = [], [], []
+    token_ids, positions, write_rows, token_seqs = [], [], [], []
     # logits rows, in scheduled order: each sequence's last token, or all of them where
     # it checks drafts
     num_logits = [item.num_logits for item in scheduled]
@@ -146,6 +148,7 @@ def pack_tokens(scheduled: list, block_size: int, max_groups: int, group_cost: i
     for item in [g for group in groups for g in group] + prefill:
         index, rows, start, count = item
         token_ids.extend(scheduled[index].token_ids)
+        token_seqs.extend([index] * count)
         positions.extend(range(start, start + count))
         write_rows.extend(rows[start:start + count])
         wanted = num_logits[index]
@@ -174,4 +177,5 @@ def pack_tokens(scheduled: list, block_size: int, max_groups: int, group_cost: i
             unpack.extend(range(i * chunk, i * chunk + count))
             first += count
         prefill_inputs = (index, context(prefill), pos, np.asarray(unpack, np.int32))
-    return PackedTokens(token_ids, positions, write_rows, decode_groups, prefill_inputs, last)
+    return PackedTokens(token_ids, positions, write_rows, decode_groups, prefill_inputs, last,
+                        token_seqs)

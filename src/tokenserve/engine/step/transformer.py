@@ -122,11 +122,13 @@ class TransformerStep(tf.Module):
         # only an argmax (greedy, or plainly sampled with their noise): set by the runner
         # before any step is traced, float32 or (after fused steps) bfloat16 weights.
         self.screened_head = None
+        # The resident LoRA adapters (lora.py's LoraTable), set by the runner before any
+        # step is traced where the engine serves adapters; None: no adapter steps.
+        self.lora_table = None
         self._write_rows = None  # write_rows' traced scatter, made on first use
         self._dense_programs = None  # dense_programs' graph, made on first use
-        self._steps: dict[tuple[int, bool, bool],
-                          tf.types.experimental.PolymorphicFunction] = {}
-        self._concrete: dict[tuple[int, bool, bool], FlatCall] = {}
+        self._steps: dict[tuple, tf.types.experimental.PolymorphicFunction] = {}
+        self._concrete: dict[tuple, FlatCall] = {}
         self._heads: dict[str, FlatCall] = {}  # head_function's, by kind
 
     def rotary(self, positions, dtype=None, layer: int = 0):
@@ -148,11 +150,15 @@ class TransformerStep(tf.Module):
         return [by_rope[c.layer_rope(i)] for i in range(c.num_layers)]
 
     # -- the step -------------------------------------------------------------------------
-    def step_function(self, num_groups: int, with_prefill: bool, fused_dense: bool = False):
+    def step_function(self, num_groups: int, with_prefill: bool, fused_dense: bool = False,
+                      lora: bool = False):
         """The traced step for `num_groups` decode groups, with or without prefill rows;
-        `fused_dense`: the dense half through kernels/dense.py (only when kernel_dense)."""
+        `fused_dense`: the dense half through kernels/dense.py (only when kernel_dense);
+        `lora`: rows with adapters (lora_table), two more inputs (lora.py)."""
         fused_dense = fused_dense and self.kernel_dense
-        key = (num_groups, with_prefill, fused_dense)
+        lora = lora and self.lora_table is not None
+        # (adapter steps' keys gain a fourth element: base steps keep their keys)
+        key = (num_groups, with_prefill, fused_dense) + (("lora",) if lora else ())
         if key not in self._steps:
             signature = [
                 spec([None]),          # token_ids  [N]  packed, padded to a bucket
@@ -167,15 +173,18 @@ class TransformerStep(tf.Module):
                  spec([None, None]),   # prefill pos   [Sp, Tp] (padding: -1)
                  spec([None])) if with_prefill else (),  # unpack [Np] into [Sp * Tp]
                 spec([None]),          # last_tokens [S] packed index whose logits we need
+                (spec([None]),         # active     [K] the LoRA slots of the step's rows
+                 spec([None])) if lora else (),  # token_slot [N] index into active (-1: none)
             ]
             blocks = self.fused_blocks if fused_dense else self.graph_blocks
             # without a screen there is one head per step kind: inside the step, no second
             # call (head_function)
             head = None if self.screened_head is not None else self._head_fn(fused_dense)
 
-            def step(token_ids, positions, write_rows, decode_groups, prefill, last_tokens):
+            def step(token_ids, positions, write_rows, decode_groups, prefill, last_tokens,
+                     lora_inputs=()):
                 return self._step(blocks, head, fused_dense, token_ids, positions, write_rows,
-                                  decode_groups, prefill, last_tokens)
+                                  decode_groups, prefill, last_tokens, lora_inputs)
             # No AutoGraph: the step's loops and branches are over Python values (layers, the
             # config), and converting them cost 2.4 s of the first trace on a 2-core VM
             # (0.5 s without), and about a fifth of every later one.
@@ -187,7 +196,7 @@ class TransformerStep(tf.Module):
         return self._concrete[key]
 
     def _step(self, blocks, head, fused, token_ids, positions, write_rows, decode_groups,
-              prefill, last_tokens):
+              prefill, last_tokens, lora_inputs=()):
         m = self.model
         num_tokens = tf.shape(token_ids)[0]
         # masks (and windowed row tables) are shared by all layers of a window: built once
@@ -198,6 +207,8 @@ class TransformerStep(tf.Module):
         dtype = tf.float32 if fused else m.compute_dtype
         layout = self.attention.layout(decode_groups, num_prefill, num_tokens, dtype)
         x = m.embed(token_ids, positions, dtype)                           # [N, D]
+        if lora_inputs:  # each row's adapter delta on every projection
+            blocks = self.lora_table.bind(blocks, *lora_inputs, dtype)
         weights = blocks.weights
         rotary = self.layer_rotaries(positions, dtype)
         if fused and rotary[0] is not None:  # split_rope takes [N, Dh] rows

@@ -32,6 +32,7 @@ from tokenserve.stats import RejectionStats, StatsSink
 from .config import OpenAIServerConfig
 from .embedding_schemas import EmbeddingRequest, RerankRequest
 from .http import error_body, error_response
+from .lora import LoraModels, lora_router
 from .models import ModelId, ModelResolver
 from .openapi import install_openapi
 from .responses_schemas import ResponseCreateRequest
@@ -186,6 +187,8 @@ def build_openai_app(models: ModelResolver, config: OpenAIServerConfig | None = 
                    responses_router(models, config, response_store or MemoryResponseStore()),
                    embeddings_router(models, config)):
         app.include_router(router)
+    if isinstance(models, LoraModels):  # adapters loaded and unloaded live
+        app.include_router(lora_router(models, config.max_body_bytes))
     install_openapi(app, [CompletionRequest, ChatCompletionRequest, TokenizeRequest,
                           DetokenizeRequest, ResponseCreateRequest, EmbeddingRequest,
                           RerankRequest], bodiless={"/health": 200})

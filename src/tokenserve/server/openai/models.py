@@ -33,6 +33,8 @@ class ModelCard:
     """Unix time the version was loaded."""
     owned_by: str = "tokenserve"
     max_model_len: int | None = None
+    parent: str | None = None
+    """The base model of a LoRA adapter's id; None for a model."""
 
 
 @dataclass(frozen=True)

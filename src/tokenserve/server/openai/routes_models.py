@@ -20,7 +20,8 @@ def models_router(models: ModelResolver) -> APIRouter:
     @router.get("/v1/models", responses=responses(ModelList, 401))
     async def list_models() -> JSONResponse:
         cards = [ModelObject(id=c.id, created=c.created, owned_by=c.owned_by, root=c.root,
-                             max_model_len=c.max_model_len) for c in models.list_models()]
+                             max_model_len=c.max_model_len, parent=c.parent)
+                 for c in models.list_models()]
         return JSONResponse(ModelList(data=cards).model_dump())
 
     @router.get("/v1/models/{model_id:path}", responses=responses(ModelObject, 401, 404))

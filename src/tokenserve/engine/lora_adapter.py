@@ -1,0 +1,275 @@
+"""LoRA adapters in PEFT's layout, read into the step's per-layer low-rank factors (no TF).
+
+A PEFT adapter directory holds `adapter_config.json` (`r`, `lora_alpha`, `target_modules`,
+...) and `adapter_model.safetensors`, whose tensors are named after the torch modules of the
+base model, e.g.
+
+    base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight   [r, in]
+    base_model.model.model.layers.3.self_attn.q_proj.lora_B.weight   [out, r]
+    base_model.model.transformer.h.3.attn.c_attn.lora_A.weight       (GPT-2)
+
+A module's output gains `scale * x @ A.T @ B.T`, scale = alpha / r (alpha / sqrt(r) with
+rslora). Our blocks fuse q/k/v into one `qkv` matrix and gate/up into one `up` matrix, so
+the modules of one fused matrix become one factor pair per role: A [in, sum of ranks] (the
+modules' A side by side) and B [sum of ranks, out] (block-diagonal, each module's B.T in its
+own output columns, the scale folded in). Every check runs here, before anything reaches a
+slot: a refused adapter raises a LoraAdapterError subclass (HTTP 400) naming what is wrong.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from tokenserve.config import TransformerConfig
+from tokenserve.errors import InvalidRequestError
+
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+
+ROLES = ("qkv", "out", "up", "down")
+"""The fused matrices of a block that adapters change, in the step's order."""
+
+ROLE_MODULES = {"qkv": 3, "out": 1, "up": 2, "down": 1}
+"""How many PEFT modules at most share one role (q/k/v; gate/up): a role's rank in the slot
+table is this many times the largest adapter rank."""
+
+# torch module path inside a block -> (role, which part of the role's output)
+LLAMA_MODULES = {"self_attn.q_proj": ("qkv", "q"), "self_attn.k_proj": ("qkv", "k"),
+                  "self_attn.v_proj": ("qkv", "v"), "self_attn.o_proj": ("out", "all"),
+                  "mlp.gate_proj": ("up", "gate"), "mlp.up_proj": ("up", "up"),
+                  "mlp.down_proj": ("down", "all")}
+GPT2_MODULES = {"attn.c_attn": ("qkv", "all"), "attn.c_proj": ("out", "all"),
+                 "mlp.c_fc": ("up", "all"), "mlp.c_proj": ("down", "all")}
+_NAME = re.compile(r"^(?:base_model\.model\.)?(?P<stem>transformer\.h|model\.layers|h)\."
+                   r"(?P<layer>\d+)\.(?P<module>[\w.]+)\.lora_(?P<side>[AB])(?:\.\w+)?\.weight$")
+
+
+_load_ids = itertools.count(1)
+
+
+@dataclass(frozen=True)
+class LoraRequest:
+    """An adapter as a request names it: its name, its directory, and the load that
+    registered it (a name loaded again from another path is another adapter)."""
+
+    name: str
+    path: str
+    load_id: int
+
+    @classmethod
+    def new(cls, name: str, path: str | Path) -> "LoraRequest":
+        return cls(name, str(path), next(_load_ids))
+
+    @property
+    def cache_key(self) -> str:
+        return f"lora:{self.name}#{self.load_id}"
+
+
+class LoraAdapterError(InvalidRequestError):
+    """An adapter that cannot be served (HTTP 400); nothing of it is loaded."""
+
+
+class LoraNotFoundError(LoraAdapterError):
+    """The adapter's directory or one of its two files is missing or unreadable."""
+
+
+class LoraRankError(LoraAdapterError):
+    """The adapter's rank is above the server's --max_lora_rank."""
+
+
+class LoraTargetError(LoraAdapterError):
+    """The adapter changes a module the model lacks or tokenserve does not adapt."""
+
+
+class LoraShapeError(LoraAdapterError):
+    """A factor's shape does not fit its module (or its rank)."""
+
+
+class LoraBaseMismatchError(LoraAdapterError):
+    """The adapter was made for another base model (hidden size, layer count, family)."""
+
+
+class LoraNameError(LoraAdapterError):
+    """An adapter name that is empty, already taken, or the base model's."""
+
+
+@dataclass(frozen=True)
+class LoraWeights:
+    """An adapter as the step takes it.
+
+    layers: per layer, role -> (A float32 [in, R], B float32 [R, out]), the scale folded
+    into B; a role the adapter leaves alone is absent.
+    """
+
+    rank: int
+    """The largest module rank."""
+    layers: list[dict[str, tuple[np.ndarray, np.ndarray]]] = field(repr=False)
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(a.nbytes + b.nbytes for layer in self.layers for a, b in layer.values())
+
+
+def role_columns(config: TransformerConfig) -> dict[str, dict[str, tuple[int, int]]]:
+    """role -> part -> (first, end) output columns of our fused matrix."""
+    q = config.num_heads * config.head_dim
+    kv = config.num_kv_heads * config.head_dim
+    f, d = config.intermediate_size, config.hidden_size
+    up = 2 * f if config.mlp == "swiglu" else f
+    return {"qkv": {"q": (0, q), "k": (q, q + kv), "v": (q + kv, q + 2 * kv),
+                    "all": (0, q + 2 * kv)},
+            "out": {"all": (0, d)}, "up": {"gate": (0, f), "up": (f, 2 * f), "all": (0, up)},
+            "down": {"all": (0, d)}}
+
+
+def role_shapes(config: TransformerConfig) -> dict[str, tuple[int, int]]:
+    """role -> (in, out) widths of our fused matrices."""
+    columns = role_columns(config)
+    ins = {"qkv": config.hidden_size, "out": config.num_heads * config.head_dim,
+           "up": config.hidden_size, "down": config.intermediate_size}
+    return {role: (ins[role], columns[role]["all"][1]) for role in ROLES}
+
+
+def read_adapter_config(path: Path) -> dict:
+    """adapter_config.json of the adapter directory `path`, with the two files checked."""
+    if not path.is_dir():
+        raise LoraNotFoundError(f"LoRA adapter directory {str(path)!r} does not exist")
+    for name in (CONFIG_FILE, WEIGHTS_FILE):
+        if not (path / name).is_file():
+            raise LoraNotFoundError(f"LoRA adapter {str(path)!r} has no {name}")
+    try:
+        config = json.loads((path / CONFIG_FILE).read_text())
+    except (OSError, ValueError) as error:
+        raise LoraNotFoundError(f"{path / CONFIG_FILE} is not readable JSON: {error}") from None
+    if not isinstance(config, dict):
+        raise LoraNotFoundError(f"{path / CONFIG_FILE} is not a JSON object")
+    kind = config.get("peft_type", "LORA")
+    if str(kind).upper() != "LORA":
+        raise LoraTargetError(f"adapter type {kind!r} is not LoRA")
+    refused = [(key, config[key]) for key in ("use_dora", "modules_to_save", "layer_replication")
+               if config.get(key)]
+    if config.get("bias", "none") != "none":
+        refused.append(("bias", config["bias"]))
+    if refused:
+        raise LoraTargetError(f"adapter option {refused[0][0]}={refused[0][1]!r} is not "
+                              f"supported (plain LoRA on the linear layers only)")
+    return config
+
+
+def _read_tensors(path: Path) -> dict[str, np.ndarray]:
+    from safetensors import SafetensorError
+    from safetensors.numpy import load_file
+
+    try:
+        return load_file(str(path / WEIGHTS_FILE))
+    except (SafetensorError, OSError, ValueError) as error:
+        raise LoraNotFoundError(f"{path / WEIGHTS_FILE} is not a readable safetensors "
+                                f"file: {error}") from None
+
+
+def _pattern_value(patterns: dict, module: str, default):
+    """PEFT's rank_pattern / alpha_pattern: a key matching the module's path's end wins."""
+    for key, value in (patterns or {}).items():
+        if module == key or module.endswith("." + key) or re.fullmatch(key, module):
+            return value
+    return default
+
+
+def load_adapter(path: str | Path, config: TransformerConfig, max_rank: int) -> LoraWeights:
+    """Reads and checks a PEFT LoRA adapter against the base model `config`.
+
+    Raises:
+        LoraNotFoundError: a missing directory or file, or one that does not parse.
+        LoraRankError: a module rank above `max_rank`.
+        LoraTargetError: a module tokenserve does not adapt, or the model lacks.
+        LoraShapeError: a factor that does not fit its module.
+        LoraBaseMismatchError: another family, hidden size or layer count.
+    """
+    path = Path(path)
+    options = read_adapter_config(path)
+    tensors = _read_tensors(path)
+    columns = role_columns(config)
+    shapes = role_shapes(config)
+    factors: dict[tuple[int, str], dict[str, np.ndarray]] = {}
+    for name, value in tensors.items():
+        match = _NAME.match(name)
+        if match is None:
+            raise LoraTargetError(f"adapter tensor {name!r} is not a LoRA factor of a "
+                                  f"transformer block's linear layer")
+        gpt2 = match["stem"] != "model.layers"
+        modules = GPT2_MODULES if gpt2 else LLAMA_MODULES
+        if match["module"] not in modules:
+            raise LoraTargetError(f"adapter tensor {name!r} targets {match['module']!r}, "
+                                  f"which tokenserve does not adapt (targets: "
+                                  f"{', '.join(sorted(modules))})")
+        if gpt2 != (config.mlp == "gelu"):
+            raise LoraBaseMismatchError(
+                f"adapter tensor {name!r} is for a {'GPT-2' if gpt2 else 'Llama-family'} "
+                f"model; this model is {'GPT-2' if config.mlp == 'gelu' else 'Llama-family'}")
+        layer = int(match["layer"])
+        if layer >= config.num_layers:
+            raise LoraBaseMismatchError(f"adapter changes layer {layer}; the model has "
+                                        f"{config.num_layers} layers (another base model?)")
+        if value.ndim != 2:
+            raise LoraShapeError(f"adapter tensor {name!r} has shape {value.shape}, not 2-D")
+        factors.setdefault((layer, match["module"]), {})[match["side"]] = value
+    if not factors:
+        raise LoraTargetError(f"{path / WEIGHTS_FILE} holds no LoRA factors")
+
+    layers: list[dict] = [{} for _ in range(config.num_layers)]
+    parts: dict[tuple[int, str], list] = {}
+    rank = 0
+    for (layer, module), pair in sorted(factors.items()):
+        if set(pair) != {"A", "B"}:
+            raise LoraShapeError(f"layer {layer} {module} has lora_{next(iter(pair))} but "
+                                 f"not its other factor")
+        a, b = pair["A"], pair["B"]                                        # [r, in], [out, r]
+        role, part = (GPT2_MODULES if config.mlp == "gelu" else LLAMA_MODULES)[module]
+        first, end = columns[role][part]
+        width_in = shapes[role][0]
+        r = a.shape[0]
+        if r > max_rank:
+            raise LoraRankError(f"adapter rank {r} (layer {layer} {module}) is above "
+                                f"--max_lora_rank {max_rank}")
+        # the hidden size is the input of qkv and up, the output of out and down
+        hidden = a.shape[1] if role in ("qkv", "up") else b.shape[0]
+        if hidden != config.hidden_size:
+            raise LoraBaseMismatchError(
+                f"adapter's hidden size is {hidden} (layer {layer} {module}); the "
+                f"model's is {config.hidden_size} (another base model?)")
+        if a.shape[1] != width_in or b.shape != (end - first, r):
+            raise LoraShapeError(
+                f"layer {layer} {module}: lora_A {a.shape} and lora_B {b.shape} do not fit "
+                f"[{r}, {width_in}] and [{end - first}, {r}]")
+        full = f"model.layers.{layer}.{module}"
+        alpha = float(_pattern_value(options.get("alpha_pattern"), full,
+                                     options.get("lora_alpha", r)))
+        scale = alpha / (math.sqrt(r) if options.get("use_rslora") else r)
+        parts.setdefault((layer, role), []).append((first, end, a, b, scale))
+        rank = max(rank, r)
+    for (layer, role), pieces in parts.items():
+        width_in, width_out = shapes[role]
+        total = sum(a.shape[0] for _, _, a, _, _ in pieces)
+        big_a = np.zeros([width_in, total], np.float32)
+        big_b = np.zeros([total, width_out], np.float32)
+        row = 0
+        for first, end, a, b, scale in pieces:
+            r = a.shape[0]
+            big_a[:, row:row + r] = a.T
+            big_b[row:row + r, first:end] = b.T * scale
+            row += r
+        layers[layer][role] = (big_a, big_b)
+    return LoraWeights(rank, layers)
+
+
+def merged_kernels(weights: LoraWeights) -> list[dict[str, np.ndarray]]:
+    """Per layer, role -> the delta A @ B [in, out] to add to our fused kernel (merging an
+    adapter into the weights: the parity tests' reference and the benchmark's ceiling)."""
+    return [{role: a @ b for role, (a, b) in layer.items()} for layer in weights.layers]

@@ -1,0 +1,178 @@
+"""Which LoRA adapters sit in the step's resident slots (plain Python, no TF).
+
+The step's adapter table has `max_loras` slots (slot 0: the base model). Adapters are
+registered with the server by name and path; a request carries its adapter (LoraRequest),
+and before each schedule the engine gives the waiting requests' adapters slots, highest
+priority first: a free slot, else the least recently used slot no running sequence reads.
+An adapter that gets none waits (on disk, or in a small host cache of adapters checked when
+they were loaded, so writing a slot reads no file on the engine's thread), and so do its
+requests (the scheduler skips them, others go ahead). A slot is written between steps, on the engine's thread, in one call: no
+step ever reads a slot half written, and a slot a running sequence reads is never rewritten.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from tokenserve.config import TransformerConfig
+from tokenserve.engine.lora_adapter import (LoraAdapterError, LoraRequest, LoraWeights,
+                                            load_adapter)
+from tokenserve.engine.request import Request, Sequence
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class AdapterCounts:
+    """Requests and generated tokens of one adapter (the per-adapter metrics)."""
+
+    num_requests: int = 0
+    num_generated_tokens: int = 0
+
+
+class LoraSlots:
+    """The resident slots of one engine, and the adapters' host copies.
+
+    Args:
+        config: the base model's architecture (adapters are checked against it).
+        max_loras: slots (EngineConfig.max_loras).
+        max_rank: largest rank a slot takes (EngineConfig.max_lora_rank).
+        write_slot: (slot, LoraWeights.layers or None) -> None: the runner's slot write.
+    """
+
+    def __init__(self, config: TransformerConfig, max_loras: int, max_rank: int,
+                 write_slot: Callable[[int, list | None], None]):
+        self.config, self.max_loras, self.max_rank = config, max_loras, max_rank
+        self.write_slot = write_slot
+        self.slots: list[LoraRequest | None] = [None] * (max_loras + 1)  # [0]: the base
+        self._last_used = [0] * (max_loras + 1)
+        self._clock = itertools.count(1)
+        self.num_slot_loads = 0
+        self.counts: dict[str, AdapterCounts] = {}
+        """By adapter name, for every adapter a request has used (bounded by the names
+        the server registered)."""
+        self._counts_lock = threading.Lock()
+        self._host: OrderedDict[LoraRequest, LoraWeights] = OrderedDict()
+        self.max_host_adapters = max(8, 2 * max_loras)
+        """Adapters kept in host memory after their check (LRU); the rest are read again."""
+        self._host_lock = threading.Lock()
+
+    def check(self, path: str | Path, lora: LoraRequest | None = None) -> LoraWeights:
+        """Reads and checks an adapter (raising LoraAdapterError subclasses); nothing is
+        loaded into a slot. With `lora`, its weights wait in the host cache for its first
+        slot write (any thread: the server checks adapters off the engine's)."""
+        weights = load_adapter(path, self.config, self.max_rank)
+        if lora is not None:
+            self.remember(lora, weights)
+        return weights
+
+    def count_snapshot(self) -> dict[str, tuple[int, int]]:
+        """Adapter name -> (requests, generated tokens) so far."""
+        with self._counts_lock:
+            return {name: (c.num_requests, c.num_generated_tokens)
+                    for name, c in self.counts.items()}
+
+    def remember(self, lora: LoraRequest, weights: LoraWeights) -> None:
+        """Keeps `lora`'s checked weights in the host cache (any thread)."""
+        with self._host_lock:
+            self._host[lora] = weights
+            self._host.move_to_end(lora)
+            while len(self._host) > self.max_host_adapters:
+                self._host.popitem(last=False)
+
+    def warmup_adapter(self) -> LoraRequest:
+        """An adapter of zeros (in the host cache), for warm-up requests that trace the
+        adapter steps' graphs before users' requests meet them; `forget` it after."""
+        lora = LoraRequest("warmup", "", 0)
+        self.remember(lora, LoraWeights(0, [{} for _ in range(self.config.num_layers)]))
+        return lora
+
+    def forget(self, lora: LoraRequest) -> None:
+        """Drops `lora` from its slot (the table keeps its numbers until overwritten) and
+        from the host cache."""
+        slot = self.slot_of(lora)
+        if slot:
+            self.slots[slot] = None
+        with self._host_lock:
+            self._host.pop(lora, None)
+        with self._counts_lock:
+            self.counts.pop(lora.name, None)
+
+    def _weights(self, lora: LoraRequest) -> LoraWeights:
+        with self._host_lock:
+            weights = self._host.get(lora)
+        if weights is None:  # evicted from the host cache (or never checked): from disk
+            weights = self.check(lora.path)
+            self.remember(lora, weights)
+        return weights
+
+    def slot_of(self, lora: LoraRequest) -> int:
+        """The slot holding `lora`, or 0."""
+        return next((i for i, held in enumerate(self.slots) if i and held == lora), 0)
+
+    def is_ready(self, seq: Sequence) -> bool:
+        """Whether `seq` may be admitted now: no adapter, or its adapter in its slot."""
+        request = seq.request
+        return request.lora is None or self.slots[request.lora_slot] == request.lora
+
+    def count(self, request: Request, num_new_tokens: int, new_request: bool) -> None:
+        """Adds to the adapter's counters (called by the engine as requests progress)."""
+        if request.lora is None:
+            return
+        with self._counts_lock:
+            counts = self.counts.setdefault(request.lora.name, AdapterCounts())
+            counts.num_requests += new_request
+            counts.num_generated_tokens += num_new_tokens
+
+    def assign(self, waiting: Iterable[Sequence], running: Iterable[Sequence]
+               ) -> list[tuple[Request, LoraAdapterError]]:
+        """Gives the adapters of `waiting` (in scheduling order) slots, writing each new
+        one into its slot. Returns the requests whose adapter could not be read (their
+        files gone or changed since they were registered), with the error."""
+        pinned = {seq.request.lora_slot for seq in running if seq.request.lora is not None}
+        failed: list[tuple[Request, LoraAdapterError]] = []
+        for seq in waiting:
+            request = seq.request
+            if request.lora is None or self.slots[request.lora_slot] == request.lora:
+                if request.lora is not None:
+                    self._touch(request.lora_slot, pinned)
+                continue
+            slot = self.slot_of(request.lora)
+            if not slot:
+                slot = self._free_slot(pinned)
+                if not slot:
+                    continue  # every slot is read by a running sequence: it waits
+                try:
+                    weights = self._weights(request.lora)
+                except LoraAdapterError as error:
+                    failed.append((request, error))
+                    continue
+                self.slots[slot] = None  # never a slot named for weights it lacks
+                self.write_slot(slot, weights.layers)
+                self.slots[slot] = request.lora
+                self.num_slot_loads += 1
+                log.info("LoRA adapter %r into slot %d (rank %d)", request.lora.name, slot,
+                         weights.rank)
+            request.lora_slot = slot
+            self._touch(slot, pinned)
+        return failed
+
+    def _touch(self, slot: int, pinned: set[int]) -> None:
+        """Marks `slot` used now and keeps it for this round (a request admitted in this
+        schedule must find its adapter still there)."""
+        self._last_used[slot] = next(self._clock)
+        pinned.add(slot)
+
+    def _free_slot(self, pinned: set[int]) -> int:
+        """An empty slot, else the least recently used one no running sequence reads; 0."""
+        empty = [i for i in range(1, self.max_loras + 1) if self.slots[i] is None]
+        if empty:
+            return empty[0]
+        unused = [i for i in range(1, self.max_loras + 1) if i not in pinned]
+        return min(unused, key=self._last_used.__getitem__, default=0)

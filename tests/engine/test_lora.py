@@ -1,0 +1,155 @@
+"""LoRA adapters in the engine: rows of different adapters and of the base in one step each
+get what transformers + peft give them alone; slots are shared in LRU order; the prefix
+cache never shares blocks across adapters."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+
+from support.lora_models import lora_checkpoint, reference_greedy
+from support.tiny_models import greedy_by_full_forward
+from tokenserve.engine.config import EngineConfig
+from tokenserve.engine.lora_adapter import LoraRequest
+from tokenserve.sampling import SamplingParams
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("peft")
+
+PROMPTS = [[5, 17, 33, 90, 140, 7, 8, 9, 250, 3], [12, 44, 1, 77], [300, 301, 302, 303, 304]]
+MAX_TOKENS = 6
+
+
+# Llama by default; GPT-2 (fused c_attn, Conv1D layout) and Qwen2 (q/v/down only, biases)
+# with -m slow: each family's engines trace their own steps, about 30 s a family here
+@pytest.fixture(scope="module", params=[pytest.param("gpt2", marks=pytest.mark.slow), "llama",
+                                        pytest.param("qwen2", marks=pytest.mark.slow)])
+def checkpoint(request, tokenizer, tmp_path_factory):
+    from tokenserve.model.hf import load_hf
+
+    made = lora_checkpoint(request.param, tokenizer, tmp_path_factory.mktemp(request.param))
+    return made, load_hf(made.directory)
+
+
+def make_engine(loaded, **options):
+    from tokenserve.engine.core import LLMEngine
+    from tokenserve.engine.runner import ModelRunner
+
+    model, tokenizer, config = loaded
+    knobs = dict(max_num_seqs=8, max_num_batched_tokens=48, block_size=4, precision="float32",
+                 max_fused_dense_tokens=4, max_loras=3, max_lora_rank=8,
+                 # exact logits: float32 KV rows, and no screened (approximate) LM head
+                 kv_cache_dtype="float32", max_screened_head_rows=0)
+    engine_config = EngineConfig(**{**knobs, **options})
+    return LLMEngine(ModelRunner(model, config, engine_config), tokenizer, engine_config)
+
+
+def run(engine, jobs: list[tuple[list[int], LoraRequest | None]]) -> list[list[int]]:
+    """Greedy tokens of every (prompt, adapter) job, all queued at once."""
+    params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+    requests = [engine.make_request(prompt, params, lora=lora) for prompt, lora in jobs]
+    for request in requests:
+        engine.add_request(request)
+    while engine.has_work:
+        engine.step()
+    return [request.seqs[0].output_ids for request in requests]
+
+
+def first_logits(engine, jobs) -> np.ndarray:
+    """The logits each job samples its first token from, all in one step."""
+    recorded = []
+    execute = engine.runner.execute
+    engine.runner.execute = lambda out: recorded.append(execute(out)) or recorded[-1]
+    try:
+        params = SamplingParams(max_tokens=1, ignore_eos=True)
+        for prompt, lora in jobs:
+            engine.add_request(engine.make_request(prompt, params, lora=lora))
+        engine.step()
+        while engine.has_work:
+            engine.step()
+    finally:
+        engine.runner.execute = execute
+    return recorded[0]
+
+
+def test_a_batch_of_three_adapters_and_the_base_matches_peft(checkpoint):
+    made, loaded = checkpoint
+    engine = make_engine(loaded)
+    loras = [None] + [LoraRequest.new(f"a{i}", path) for i, (path, _) in
+                      enumerate(made.adapters)]
+    references = [made.hf_model] + [model for _, model in made.adapters]
+    jobs = [(prompt, lora) for prompt in PROMPTS for lora in loras]
+    got = run(engine, jobs)
+    for (prompt, lora), tokens in zip(jobs, got):
+        reference = references[loras.index(lora)]
+        assert tokens == reference_greedy(reference, prompt, MAX_TOKENS), (lora, prompt)
+    # one step carried rows of every adapter and of the base: the logits of each row
+    logits = first_logits(engine, [(PROMPTS[0], lora) for lora in loras])
+    for row, reference in zip(logits, references):
+        with torch.no_grad():
+            expected = reference(torch.tensor([PROMPTS[0]])).logits[0, -1].numpy()
+        np.testing.assert_allclose(row, expected, atol=1e-4, rtol=0)
+
+
+@pytest.mark.slow
+def test_graph_steps_match_fused_steps(checkpoint):
+    """Steps through the plain TF ops (no fused dense ops) give the same tokens."""
+    made, loaded = checkpoint
+    loras = [None, LoraRequest.new("a0", made.adapters[0][0])]
+    jobs = [(PROMPTS[0], lora) for lora in loras] + [(PROMPTS[1], loras[1])]
+    assert (run(make_engine(loaded, max_fused_dense_tokens=0), jobs)
+            == run(make_engine(loaded), jobs))
+
+
+def test_more_adapters_than_slots_take_turns(checkpoint):
+    made, loaded = checkpoint
+    engine = make_engine(loaded, max_loras=1)
+    loras = [LoraRequest.new(f"a{i}", path) for i, (path, _) in enumerate(made.adapters)]
+    jobs = [(PROMPTS[1], lora) for lora in loras] + [(PROMPTS[1], None)]
+    alone = [reference_greedy(model, PROMPTS[1], MAX_TOKENS) for _, model in made.adapters]
+    assert run(engine, jobs) == alone + [reference_greedy(made.hf_model, PROMPTS[1],
+                                                          MAX_TOKENS)]
+    assert engine.loras.num_slot_loads == 3
+    # per-adapter counts: one request and its tokens each
+    assert {name: (c.num_requests, c.num_generated_tokens)
+            for name, c in engine.loras.counts.items()} == {
+        f"a{i}": (1, MAX_TOKENS) for i in range(3)}
+
+
+def test_the_prefix_cache_keys_on_the_adapter(checkpoint):
+    made, loaded = checkpoint
+    if made.family != "llama":
+        pytest.skip("one family is enough: the cache is the same for all")
+    engine = make_engine(loaded, enable_prefix_caching=True)
+    lora = LoraRequest.new("a0", made.adapters[0][0])
+    prompt = PROMPTS[0]
+    adapted = run(engine, [(prompt, lora)])
+    hits = engine.prefix_cache_stats().num_hit_tokens
+    assert run(engine, [(prompt, None)]) == [reference_greedy(made.hf_model, prompt,
+                                                              MAX_TOKENS)]
+    assert engine.prefix_cache_stats().num_hit_tokens == hits  # none of the adapter's blocks
+    assert run(engine, [(prompt, lora)]) == adapted
+    assert engine.prefix_cache_stats().num_hit_tokens > hits  # its own blocks, again
+
+
+@pytest.mark.slow
+def test_an_adapter_row_equals_the_merged_model(checkpoint, tmp_path):
+    """Cached decode with the adapter as a delta = full forward passes of the model with the
+    adapter merged into its weights (peft's merge_and_unload, imported)."""
+    from tokenserve.model.hf import load_hf
+
+    made, loaded = checkpoint
+    if made.family != "gpt2":
+        pytest.skip("one family is enough: the others are held to peft above")
+    path, peft_model = made.adapters[0]
+    merged = copy.deepcopy(peft_model).merge_and_unload()  # the fixture's stays adapted
+    merged.save_pretrained(tmp_path, safe_serialization=True)
+    (tmp_path / "tokenizer.json").write_bytes((made.directory / "tokenizer.json").read_bytes())
+    (tmp_path / "tokenizer_config.json").write_bytes(
+        (made.directory / "tokenizer_config.json").read_bytes())
+    merged_model = load_hf(tmp_path)[0]
+    engine = make_engine(loaded)
+    got = run(engine, [(PROMPTS[0], LoraRequest.new("a0", path))])
+    assert got == [greedy_by_full_forward(merged_model, PROMPTS[0], MAX_TOKENS)]

@@ -1,0 +1,87 @@
+"""Reading PEFT adapters: peft's own files load, and every kind of bad adapter is refused
+with its own error type (HTTP 400) naming what is wrong."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import numpy as np
+import pytest
+
+from support.lora_models import lora_checkpoint
+from tokenserve.engine.lora_adapter import (LoraBaseMismatchError, LoraNotFoundError,
+                                            LoraRankError, LoraShapeError, LoraTargetError,
+                                            load_adapter, merged_kernels)
+
+pytest.importorskip("peft")
+
+
+@pytest.fixture(scope="module")
+def made(tokenizer, tmp_path_factory):
+    from tokenserve.model.hf import architecture_config
+
+    root = tmp_path_factory.mktemp("adapters")
+    found = {}
+    for family in ("gpt2", "llama"):
+        checkpoint = lora_checkpoint(family, tokenizer, root, num_adapters=1)
+        found[family] = (checkpoint, architecture_config(checkpoint.hf_model.config.to_dict()))
+    return found
+
+
+def rewrite(source, target, change):
+    from safetensors.numpy import load_file, save_file
+
+    target.mkdir()
+    (target / "adapter_config.json").write_text((source / "adapter_config.json").read_text())
+    tensors = change(load_file(str(source / "adapter_model.safetensors")))
+    save_file(tensors, str(target / "adapter_model.safetensors"))
+    return target
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_peft_adapters_load_as_the_merged_delta(made, family):
+    """Our per-role factors' product is peft's merged delta, in our fused layout."""
+    import torch
+
+    checkpoint, config = made[family]
+    path, peft_model = checkpoint.adapters[0]
+    weights = load_adapter(path, config, max_rank=4)
+    assert weights.rank == 4 and len(weights.layers) == config.num_layers
+    merged = merged_kernels(weights)
+    base = checkpoint.hf_model.state_dict()  # the weights the adapter was made on
+    with torch.no_grad():
+        merged_model = copy.deepcopy(peft_model).merge_and_unload()
+        delta = {k: v - base[k] for k, v in merged_model.state_dict().items() if k in base}
+    if family == "gpt2":  # Conv1D weights are [in, out], as ours
+        want = delta["transformer.h.1.attn.c_attn.weight"].numpy()
+    else:  # torch Linear is [out, in]; q, k, v side by side along out
+        want = np.concatenate([delta[f"model.layers.1.self_attn.{m}_proj.weight"].numpy().T
+                               for m in "qkv"], axis=1)
+    np.testing.assert_allclose(merged[1]["qkv"], want, atol=1e-6)
+
+
+def test_each_bad_adapter_has_its_own_error(made, tmp_path):
+    checkpoint, config = made["llama"]
+    good = checkpoint.adapters[0][0]
+    with pytest.raises(LoraNotFoundError, match="does not exist"):
+        load_adapter(tmp_path / "nowhere", config, 8)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(LoraNotFoundError, match="adapter_config.json"):
+        load_adapter(tmp_path / "empty", config, 8)
+    with pytest.raises(LoraRankError, match="max_lora_rank 2"):
+        load_adapter(good, config, 2)
+    target = rewrite(good, tmp_path / "target", lambda t: {
+        k.replace("self_attn.o_proj", "self_attn.dense"): v for k, v in t.items()})
+    with pytest.raises(LoraTargetError, match="self_attn.dense"):
+        load_adapter(target, config, 8)
+    shape = rewrite(good, tmp_path / "shape", lambda t: {
+        k: (v[:-1] if "k_proj.lora_B" in k else v) for k, v in t.items()})
+    with pytest.raises(LoraShapeError, match="k_proj"):
+        load_adapter(shape, config, 8)
+    with pytest.raises(LoraBaseMismatchError, match="layers"):
+        load_adapter(good, dataclasses.replace(config, num_layers=1), 8)
+    with pytest.raises(LoraBaseMismatchError, match="hidden size"):
+        load_adapter(good, dataclasses.replace(config, hidden_size=128, head_dim=32), 8)
+    with pytest.raises(LoraBaseMismatchError, match="GPT-2"):
+        load_adapter(made["gpt2"][0].adapters[0][0], config, 8)

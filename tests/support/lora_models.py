@@ -1,0 +1,85 @@
+"""Tiny Hugging Face checkpoints (GPT-2, Llama, Qwen2) with LoRA adapters written by `peft`,
+the references the LoRA tests hold tokenserve to. No tests here."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+FAMILIES = ("gpt2", "llama", "qwen2")
+
+TARGETS = {"gpt2": ["c_attn", "c_proj", "c_fc"],
+           "llama": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                     "down_proj"],
+           "qwen2": ["q_proj", "v_proj", "down_proj"]}
+"""Every module tokenserve adapts (GPT-2, Llama), and a partial set (Qwen2)."""
+
+
+@dataclass
+class LoraCheckpoint:
+    """A tiny checkpoint, its transformers model and adapters (directory, peft model)."""
+
+    family: str
+    directory: Path
+    hf_model: object
+    adapters: list[tuple[Path, object]]
+
+
+def _hf_config(family: str):
+    import transformers
+
+    if family == "gpt2":
+        return transformers.GPT2Config(vocab_size=400, n_positions=128, n_embd=64, n_layer=2,
+                                       n_head=4, bos_token_id=1, eos_token_id=2)
+    kind = transformers.LlamaConfig if family == "llama" else transformers.Qwen2Config
+    return kind(vocab_size=400, max_position_embeddings=128, hidden_size=64,
+                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                intermediate_size=96, tie_word_embeddings=False, bos_token_id=1,
+                eos_token_id=2)
+
+
+def make_adapter(base_dir: Path, out_dir: Path, targets: list[str], seed: int, rank: int = 4):
+    """A peft LoRA adapter of `rank` on the checkpoint in `base_dir`, with random B (peft
+    starts B at zero: such an adapter would change nothing), saved to `out_dir`."""
+    import peft
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    base = transformers.AutoModelForCausalLM.from_pretrained(base_dir).eval()
+    model = peft.get_peft_model(base, peft.LoraConfig(
+        r=rank, lora_alpha=2 * rank, target_modules=targets, init_lora_weights=False)).eval()
+    model.save_pretrained(out_dir)
+    return model
+
+
+def lora_checkpoint(family: str, tokenizer, root: Path, num_adapters: int = 3
+                    ) -> LoraCheckpoint:
+    """Writes a tiny `family` checkpoint under `root` and `num_adapters` adapters for it."""
+    import torch
+    import transformers
+
+    directory = root / f"{family}-base"
+    directory.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(0)
+    hf_model = transformers.AutoModelForCausalLM.from_config(_hf_config(family)).eval()
+    hf_model.save_pretrained(directory, safe_serialization=True)
+    tokenizer.save(directory / "tokenizer.json")
+    (directory / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": "<|bos|>", "eos_token": "<|eos|>", "pad_token": "<|pad|>"}))
+    adapters = []
+    for i in range(num_adapters):
+        out = root / f"{family}-adapter-{i}"
+        adapters.append((out, make_adapter(directory, out, TARGETS[family], seed=i + 1)))
+    return LoraCheckpoint(family, directory, hf_model, adapters)
+
+
+def reference_greedy(hf_model, prompt_ids: list[int], max_tokens: int) -> list[int]:
+    """transformers' (+ peft's) greedy tokens, exactly `max_tokens` of them."""
+    import torch
+
+    with torch.no_grad():
+        out = hf_model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_tokens,
+                                min_new_tokens=max_tokens, do_sample=False)
+    return out[0, len(prompt_ids):].tolist()

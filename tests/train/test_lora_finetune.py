@@ -1,0 +1,64 @@
+"""LoRA fine-tuning writes a PEFT adapter that peft and tokenserve both load, with the same
+logits as the model that was trained."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from support.lora_models import lora_checkpoint
+from tokenserve.engine.lora_adapter import LoraRequest
+from tokenserve.sampling import SamplingParams
+
+torch = pytest.importorskip("torch")
+peft = pytest.importorskip("peft")
+
+PROMPT = [5, 17, 33, 90, 140, 7, 8, 9]
+
+
+# the trainer's XLA step compiles for each: about 40 s a family on a 2-core VM
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_a_trained_adapter_round_trips_through_peft_and_the_engine(family, tokenizer, tmp_path):
+    import transformers
+
+    from tokenserve.engine.config import EngineConfig
+    from tokenserve.engine.core import LLMEngine
+    from tokenserve.engine.runner import ModelRunner
+    from tokenserve.model.hf import load_hf
+    from tokenserve.train.finetune import finetune
+    from tokenserve.train.lora import LoraModel, LoraTrainer
+    from tokenserve.train.trainer import holdout_windows, perplexity
+
+    made = lora_checkpoint(family, tokenizer, tmp_path, num_adapters=0)
+    model, hf_tokenizer, config = load_hf(made.directory)
+    lora = LoraModel(model, rank=4, seed=1)
+    stream = np.random.default_rng(0).integers(3, 60, 4000).astype(np.int32)  # a small
+    holdout = stream[-400:]                                                   # vocabulary
+    windows = holdout_windows(holdout, 32, 4)
+    before = perplexity(lora, windows)
+    np.testing.assert_allclose(before, perplexity(model, windows), rtol=1e-5)  # B starts at 0
+    finetune(lora, stream[:-400], holdout, 4, tmp_path / "work", learning_rate=1e-2,
+             batch_size=2, seq_len=32, trainer_class=LoraTrainer)
+    assert perplexity(lora, windows) < before
+    adapter = lora.save_adapter(tmp_path / "adapter")
+
+    base = transformers.AutoModelForCausalLM.from_pretrained(made.directory).eval()
+    reference = peft.PeftModel.from_pretrained(base, adapter).eval()
+    with torch.no_grad():
+        expected = reference(torch.tensor([PROMPT])).logits.numpy()
+    np.testing.assert_allclose(lora(np.asarray([PROMPT], np.int32)).numpy(), expected,
+                               atol=1e-4, rtol=0)
+
+    engine_config = EngineConfig(max_num_seqs=4, max_num_batched_tokens=32, block_size=4,
+                                 precision="float32", max_loras=1, max_lora_rank=4)
+    engine = LLMEngine(ModelRunner(model, config, engine_config), hf_tokenizer, engine_config)
+    request = engine.make_request(PROMPT, SamplingParams(max_tokens=6, ignore_eos=True),
+                                  lora=LoraRequest.new("trained", adapter))
+    engine.add_request(request)
+    while engine.has_work:
+        engine.step()
+    with torch.no_grad():
+        greedy = reference.generate(torch.tensor([PROMPT]), max_new_tokens=6, min_new_tokens=6,
+                                    do_sample=False)[0, len(PROMPT):].tolist()
+    assert request.seqs[0].output_ids == greedy
