@@ -5,7 +5,8 @@ tokenizer as metadata. `load_gguf` turns one into the same (model, tokenizer, ge
 config) triple as `tokenserve.model.hf.load_hf`:
 
 - Architectures `llama` (Llama, SmolLM, TinyLlama, Mistral, with its sliding window), `qwen2`
-  and `gpt2`; `qwen3`, `gemma2`, `gemma3` and `phi3` through model/families/.
+  and `gpt2`; `qwen3`, `gemma2`, `gemma3` and `phi3` through model/families/; the mixtures
+  of experts `qwen2moe`, `qwen3moe` and Mixtral (`llama` with experts) through gguf_moe.py.
 - Tensor types F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 and the K- and I-quants that
   `gguf.quants.dequantize` implements; every tensor is dequantized to float32 once, at import.
   (`tokenserve export --quantize int8` then re-quantizes the float model for serving.)
@@ -31,16 +32,16 @@ import numpy as np
 
 from tokenserve.config import GenerationConfig, TransformerConfig, gpt2_config, llama_config
 from tokenserve.errors import ConfigError, ModelLoadError
-from tokenserve.model import families
+from tokenserve.model import families, gguf_moe
 from tokenserve.model.families.rope_scaling import gguf_rope
-from tokenserve.model import gguf_moe
 from tokenserve.model.gguf_file import (GGUFFile, UnsupportedGGUFError, dequantize, read_gguf,
                                         supported_tensor_types)
 from tokenserve.model.gguf_tokenizer import build_tokenizer
 
 log = logging.getLogger(__name__)
 
-ARCHITECTURES = ("llama", "qwen2", "gpt2", "qwen2moe", *families.GGUF_ARCHITECTURES)
+ARCHITECTURES = ("llama", "qwen2", "gpt2", "qwen2moe", *families.GGUF_ARCHITECTURES,
+                 "qwen3moe")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -58,6 +59,8 @@ def architecture_config(file: GGUFFile, context: int | None = None) -> Transform
                                    f"supported: {', '.join(ARCHITECTURES)}")
     if arch in families.GGUF_ARCHITECTURES:
         return families.gguf_config(file, context)
+    if arch == "qwen3moe":
+        return gguf_moe.qwen3_moe_config(file, context)
     if arch == "llama" and file.get("attention.sliding_window"):  # Mistral
         return families.gguf_config(file, context)
     for key in ("attention.sliding_window",) + (("expert_count",) if arch == "gpt2" else ()):

@@ -19,7 +19,8 @@ from tokenserve.config import GenerationConfig, TransformerConfig, gpt2_config, 
 from tokenserve.errors import ConfigError, ModelLoadError, ModelNotFoundError
 from tokenserve.model import families
 from tokenserve.model.families.rope_scaling import hf_rope
-from tokenserve.model.hf_moe import MOE_ARCHITECTURES, check_expert_count, expert_names, moe_fields
+from tokenserve.model.hf_moe import (MOE_ARCHITECTURES, check_expert_count, expert_names,
+                                     moe_fields, qwen3_moe_config, qwen3_moe_names)
 
 SUPPORTED = ("GPT2LMHeadModel", "LlamaForCausalLM", "Qwen2ForCausalLM", *MOE_ARCHITECTURES,
              *families.HF_ARCHITECTURES)
@@ -50,6 +51,8 @@ def architecture_config(hf: dict) -> TransformerConfig:
     arch = (hf.get("architectures") or ["<none>"])[0]
     if arch in families.HF_ARCHITECTURES:
         return families.hf_config(hf)
+    if arch == "Qwen3MoeForCausalLM":
+        return qwen3_moe_config(hf)
     if arch == "GPT2LMHeadModel":
         activation = hf.get("activation_function", "gelu_new")
         if activation not in ("gelu_new", "gelu_pytorch_tanh"):
@@ -172,6 +175,10 @@ def assign_weights(model, config: TransformerConfig, arch: str, tensors: dict) -
         tied_head = "lm_head.weight"
     elif arch in families.HF_ARCHITECTURES:
         names = families.hf_tensor_names(config, arch)
+        tied_head = "lm_head.weight" if config.tie_embeddings else None
+    elif arch == "Qwen3MoeForCausalLM":
+        check_expert_count(config, arch, tensors)
+        names = qwen3_moe_names(config)
         tied_head = "lm_head.weight" if config.tie_embeddings else None
     else:
         names = _llama_names(config)
