@@ -136,11 +136,10 @@ def mlp(x, up: dict, down: dict, kind: str):
 
 def rope_angles(positions, head_dim: int, theta: float, dtype,
                 freq_factors: tuple[float, ...] = (), attention_factor: float = 1.0):
-    """Rotary position embedding (Hugging Face's rotate-half convention), first half: cos and
-    sin of the angles, [B, T, 1, Dh] each for int32 positions [B, T]. They are the same for q
-    and k and for every layer of one RoPE base, so they are computed once and applied with
-    apply_rope. head_dim: the rotated width (a partial rotary's rotary_dim, which then is
-    also the last axis of cos and sin); attention_factor scales both (YaRN)."""
+    """RoPE (Hugging Face's rotate-half convention), first half: cos and sin of the angles,
+    [B, T, 1, Dh] each for int32 positions [B, T], shared by q, k and every layer of one base
+    (apply_rope applies them). head_dim: the rotated width (a partial rotary's rotary_dim, then
+    also cos' and sin's last axis); attention_factor scales both (YaRN)."""
     if not freq_factors:  # the graph every export without scaling has always had
         inv_freq = 1.0 / (theta ** (tf.range(0, head_dim, 2, dtype=tf.float32) / head_dim))
     else:

@@ -374,8 +374,7 @@ class ModelObject(BaseModel):
     root: str
     """The model name this id resolves to (an id may name a version or a label)."""
     max_model_len: int | None = None
-    parent: str | None = None
-    """A LoRA adapter's base model (vLLM's field); None for a model."""
+    parent: str | None = None  # a LoRA adapter's base model (vLLM's field); None for a model
 
 
 class ModelList(BaseModel):
