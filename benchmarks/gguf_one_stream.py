@@ -107,8 +107,11 @@ def export_once(source: str, workdir: Path, quantize: str) -> Path:
     target = workdir / f"{source.replace('/', '_')}-{quantize}"
     if not (target / "1").is_dir():
         print(f"exporting {source} ({quantize}) to {target} ...", flush=True)
+        # --dtype float32: without it a GGUF file keeps its blocks as stored (gguf_stored.py
+        # measures that import)
+        dtype = ["--dtype", "float32"] if quantize == "none" else []
         subprocess.run([str(Path(sys.executable).with_name("tokenserve")), "export", source,
-                        "--output", str(target), "--quantize", quantize], check=True)
+                        "--output", str(target), "--quantize", quantize, *dtype], check=True)
     return target
 
 

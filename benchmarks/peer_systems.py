@@ -106,3 +106,25 @@ def llama_cpp_server(python: Path, gguf: Path, log_name: str) -> Server:
                    "--model_alias", "gpt2", "--n_ctx", "1024", "--n_threads", threads,
                    "--n_threads_batch", threads, "--host", "127.0.0.1", "--port", str(port)],
                   f"http://127.0.0.1:{port}", log_name)
+
+
+def bert_gguf_of(workdir: Path, qtype: str) -> Path:
+    """WORKDIR/minilm-QTYPE.gguf: all-MiniLM-L6-v2 as llama.cpp's BERT (f32 or f16),
+    written once by peers/bert_gguf.py."""
+    path = workdir / f"minilm-{qtype}.gguf"
+    if not path.exists():
+        subprocess.run([sys.executable, str(HERE / "peers" / "bert_gguf.py"), "--output-dir",
+                        str(workdir), "--types", qtype], check=True)
+    return path
+
+
+def llama_cpp_embedding_server(python: Path, gguf: Path, log_name: str) -> Server:
+    """llama-cpp-python's OpenAI server on a BERT `gguf` with embeddings on (model alias
+    minilm), on a free port held in `ports["openai"]`. n_ctx and n_batch of 512 hold the
+    longest input BERT takes in one batch, as embeddings need."""
+    port, threads = free_port(), str(llama_cpp_threads())
+    return Server([str(python), "-m", "llama_cpp.server", "--model", str(gguf),
+                   "--model_alias", "minilm", "--embedding", "true", "--n_ctx", "512",
+                   "--n_batch", "512", "--n_threads", threads, "--n_threads_batch", threads,
+                   "--host", "127.0.0.1", "--port", str(port)],
+                  f"http://127.0.0.1:{port}", log_name, ports={"openai": port})

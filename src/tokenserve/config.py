@@ -57,10 +57,15 @@ class TransformerConfig:
     """Width of one attention head; 0 means hidden_size // num_heads. A model pruned by
     `tokenserve prune` keeps its head width with fewer heads, so num_heads * head_dim can be
     less than hidden_size."""
-    weight_format: Literal["float", "int8"] = "float"
+    weight_format: Literal["float", "int8", "gguf"] = "float"
     """`float`: weights in the compute dtype. `int8`: the linear layers and the token
     embedding (and with it a tied LM head) hold int8 weights with one float32 scale per
-    output channel (`tokenserve export --quantize int8`)."""
+    output channel (`tokenserve export --quantize int8`). `gguf`: each of them holds its GGUF
+    file's blocks as stored, or int8 where no kernel reads its type (`gguf_block_types`)."""
+    gguf_block_types: tuple[tuple[str, str], ...] = ()
+    """With weight_format `gguf`: (layer, blocks) pairs, the layer as "block_3/qkv",
+    "token_embedding" or "head", the blocks as kernels/gguf_types.py spells them ("q4_1",
+    or "q4_k*576,q6_k*192" for rows of several types), or "int8"; a layer not listed is int8."""
     num_experts: int = 0
     """Routed experts in every block's MLP (a mixture of experts: Mixtral, Qwen-MoE); 0 is
     one dense MLP. Each expert is a SwiGLU MLP `expert_intermediate_size` wide."""
@@ -91,8 +96,13 @@ class TransformerConfig:
         _check(self.norm in ("layernorm", "rmsnorm"), f"unknown norm {self.norm!r}")
         _check(self.position in ("learned", "rope"), f"unknown position {self.position!r}")
         _check(self.mlp in ("gelu", "swiglu"), f"unknown mlp {self.mlp!r}")
-        _check(self.weight_format in ("float", "int8"),
-               f"unknown weight_format {self.weight_format!r}; use float or int8")
+        _check(self.weight_format in ("float", "int8", "gguf"),
+               f"unknown weight_format {self.weight_format!r}; use float, int8 or gguf")
+        # pairs from JSON are lists: tuples, so the frozen config stays hashable
+        object.__setattr__(self, "gguf_block_types",
+                           tuple((str(k), str(v)) for k, v in self.gguf_block_types))
+        _check(not self.gguf_block_types or self.weight_format == "gguf",
+               "gguf_block_types need weight_format='gguf'")
         _check(self.position != "rope" or self.head_dim % 2 == 0, "rope needs an even head_dim")
         if self.num_experts:
             _check(self.mlp == "swiglu" and not self.mlp_bias,

@@ -33,12 +33,20 @@ def test_auto_is_16_bits_under_any_compute_dtype():
         resolve_kv_dtype("int8", "float32")
 
 
-def test_default_is_max_num_seqs_full_contexts():
-    plan = plan_kv_cache(EngineConfig(max_num_seqs=32), **GPT2)
+def test_default_is_max_num_seqs_full_contexts_within_the_default_budget():
+    plan = plan_kv_cache(EngineConfig(max_num_seqs=16), **GPT2, limit_bytes=64 << 30)
     assert plan.dtype == "float16" and plan.bytes_per_token == F16_TOKEN
-    assert plan.num_tokens == 32 * 1024
-    assert plan.num_bytes == (32 * 1024 + 16) * F16_TOKEN  # + the padding block
-    assert round(plan.num_bytes / 2**20) == 1153  # llama.cpp's f16 cache: 1,152 MiB
+    assert plan.num_tokens == 16 * 1024
+    assert plan.num_bytes == (16 * 1024 + 16) * F16_TOKEN  # + the padding block
+    # 32 full contexts would take 1,153 MiB (llama.cpp's f16 cache: 1,152 MiB): 1 GiB instead
+    plan = plan_kv_cache(EngineConfig(max_num_seqs=32), **GPT2, limit_bytes=64 << 30)
+    assert plan.num_bytes <= 1 << 30 < plan.num_bytes + 16 * F16_TOKEN
+    assert "default budget" in plan.source
+    # an eighth of a small machine, but never less than one full context
+    plan = plan_kv_cache(EngineConfig(max_num_seqs=32), **GPT2, limit_bytes=2 << 30)
+    assert plan.num_bytes <= 2 << 30 >> 3 and plan.num_tokens >= 4096
+    plan = plan_kv_cache(EngineConfig(max_num_seqs=32), **GPT2, limit_bytes=64 << 20)
+    assert plan.num_tokens == 1024
 
 
 def test_capacity_from_a_byte_budget():

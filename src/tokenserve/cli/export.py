@@ -21,15 +21,18 @@ def add_parser(commands) -> None:
                         "*.safetensors, tokenizer.json")
     p.add_argument("--from-gguf", metavar="FILE", default=None,
                    help="import a GGUF file (llama.cpp, Ollama, LM Studio): architectures "
-                        "llama, qwen2, gpt2; F32/F16/BF16, Q8_0, Q4_0, Q4_1, Q5_x and K-quants "
-                        "are dequantized; tokenizer and chat template come from the file")
+                        "llama, qwen2, gpt2; Q4_0, Q4_1 and Q8_0 tensors are kept as stored "
+                        "(other types as int8) unless --dtype or --quantize is given, which "
+                        "dequantize every tensor; tokenizer and chat template come from the "
+                        "file")
     p.add_argument("--context", type=int, default=None, metavar="N",
                    help="GGUF imports (--from-gguf, smollm2): cap the context length at N "
                         "positions; the KV cache per sequence follows it (default: the file's, "
                         "2048 for smollm2)")
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
-                   help="compute dtype of an imported checkpoint (bf16 and fp16 files are "
-                        "accepted either way)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
+                   help="compute dtype of an imported checkpoint (default float32; bf16 and "
+                        "fp16 files are accepted either way). Given for a GGUF file, its "
+                        "tensors are dequantized to it instead of kept as stored")
     p.add_argument("--format", choices=["savedmodel", "tflite"], default="savedmodel",
                    help="savedmodel (default), or tflite: BASE/<version>/model.tflite with "
                         "prefill/decode/score signatures, run by LiteRT (`tokenserve generate "
@@ -77,18 +80,23 @@ def run(args: argparse.Namespace) -> int:
     encoder_dir = _encoder_source(args)
     if encoder_dir is not None:
         return _export_encoder(args, encoder_dir, started)
+    # a GGUF file keeps its quantized blocks unless a dtype or a quantization is chosen
+    keep_blocks = (args.dtype is None and args.quantize == "none"
+                   and args.format == "savedmodel")
+    dtype = args.dtype or "float32"
     if args.from_gguf:
         from tokenserve.model.gguf import load_gguf
 
-        model, tokenizer, config = load_gguf(args.from_gguf, compute_dtype=args.dtype,
-                                             context=args.context)
+        model, tokenizer, config = load_gguf(args.from_gguf, compute_dtype=dtype,
+                                             context=args.context, keep_blocks=keep_blocks)
     elif args.from_hf:
         from tokenserve.model.hf import load_hf
 
-        model, tokenizer, config = load_hf(args.from_hf, compute_dtype=args.dtype)
+        model, tokenizer, config = load_hf(args.from_hf, compute_dtype=dtype)
     else:
         model, tokenizer, config = load_source(args.source, seed=args.seed,
-                                               context=args.context, compute_dtype=args.dtype)
+                                               context=args.context, compute_dtype=dtype,
+                                               keep_blocks=keep_blocks)
     if args.format == "tflite":
         return _export_tflite(args, model, tokenizer, config, started)
     if args.quantize in ("float16", "dynamic-int8"):

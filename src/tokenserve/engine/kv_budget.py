@@ -20,6 +20,12 @@ from tokenserve.observability.memory import resident_bytes
 log = logging.getLogger(__name__)
 
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
+DEFAULT_KV_CACHE_BYTES = 1 << 30
+"""Without a size flag the pool holds max_num_seqs full contexts, but at most this much, or an
+eighth of the memory the process may use if that is less (and at least one full context).
+Sequences take blocks as they grow and most stop far below the context, so a pool for every
+slot at its full length is mostly empty: SmolLM2-135M's 32 x 8,192 positions were 5.6 GiB of
+a 7 GB process. A sequence that finds no free block preempts the newest (recomputed later)."""
 _ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
@@ -78,7 +84,8 @@ def plan_kv_cache(engine_config, *, num_layers: int, kv_width: int, compute_dtyp
                   max_seq_len: int, used_bytes: int | None = None,
                   limit_bytes: int | None = None, reserved_bytes: int = 0) -> KVCachePlan:
     """Sizes the pool from, in order: max_cache_tokens, kv_cache_memory_bytes,
-    kv_cache_memory_fraction, else max_num_seqs * max_seq_len tokens.
+    kv_cache_memory_fraction, else max_num_seqs * max_seq_len tokens within the default
+    budget (DEFAULT_KV_CACHE_BYTES, or an eighth of the memory limit if less).
 
     Args:
         num_layers, kv_width: the model's layers and Hkv * Dh (one K or V row).
@@ -110,6 +117,14 @@ def plan_kv_cache(engine_config, *, num_layers: int, kv_width: int, compute_dtyp
         tokens = engine_config.max_num_seqs * max_seq_len
         num_blocks = -(-tokens // block_size) + 1
         source = f"max_num_seqs={engine_config.max_num_seqs} x {max_seq_len} tokens"
+        limit = memory_limit_bytes() if limit_bytes is None else limit_bytes
+        budget = min(DEFAULT_KV_CACHE_BYTES, limit // 8)
+        one_context = -(-max_seq_len // block_size) + 1
+        if num_blocks * block_bytes > budget:
+            num_blocks = max(budget // block_bytes, one_context)
+            source += (f" capped by the default budget of min(1 GiB, 1/8 of "
+                       f"{limit / 2**30:.1f} GiB allowed) = {budget / 2**20:,.0f} MiB; "
+                       f"--kv_cache_memory_bytes sets another")
     if num_blocks < 2:
         raise ConfigError(f"the KV-cache budget ({source}) holds {max(num_blocks - 1, 0)} "
                           f"blocks of {block_size} tokens ({block_bytes:,} bytes each in "

@@ -32,6 +32,19 @@ class LLM:
         self.tokenizer = tokenizer
         self._num_requests = 0  # request ids stay unique across calls
 
+    @classmethod
+    def from_model(cls, model, tokenizer, config, engine_config: EngineConfig | None = None,
+                   **engine_options) -> "LLM":
+        """An LLM over a model in memory (a DecoderLM and its GenerationConfig), no export."""
+        from tokenserve.engine.runner import ModelRunner
+
+        engine_config = (engine_config or EngineConfig()).replace(**engine_options)
+        llm = cls.__new__(cls)
+        llm.engine = LLMEngine(ModelRunner(model, config, engine_config), tokenizer,
+                               engine_config)
+        llm.tokenizer, llm._num_requests = tokenizer, 0
+        return llm
+
     def generate(self, prompts: str | list[str] | list[list[int]],
                  params: SamplingParams | Seq[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:

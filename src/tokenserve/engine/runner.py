@@ -110,6 +110,10 @@ class ModelRunner:
                 from tokenserve.kernels.int8_matmul import kernel_status
 
                 log.info("int8 weights: %s", kernel_status())
+            elif config.model.weight_format == "gguf":
+                from tokenserve.kernels.gguf_matmul import kernel_status
+
+                log.info("GGUF blocks as stored: %s", kernel_status())
         else:
             self.cache = SlotAllocator(engine_config.max_num_seqs)
             self.step = LSTMStep(model, engine_config.max_num_seqs + 1)

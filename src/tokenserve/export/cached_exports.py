@@ -92,7 +92,8 @@ def packaged_export(source: str, in_child: bool = False) -> Path:
         print(f"importing {path.name} and exporting it to {base} (once for these weights "
               f"and this exporter)",
               file=sys.stderr)
-        model, tokenizer, config = load_source(source)
+        # the file's quantized blocks as stored, as `tokenserve export --from-gguf` keeps them
+        model, tokenizer, config = load_source(source, keep_blocks=True)
         export_model(model, tokenizer, config, base, model_name=source)
     return base
 

@@ -28,13 +28,14 @@ import logging
 import tensorflow as tf
 
 from tokenserve.kernels import build as kbuild
+from tokenserve.kernels.gguf_types import BLOCK_SIZES, KERNEL_TYPES
 
 LIBRARY = kbuild.LIBRARIES["gguf_matmul"]
 MODE_ENV = LIBRARY.mode_env  # TOKENSERVE_GGUF_KERNEL
 MARCH_ENV = LIBRARY.march_env  # TOKENSERVE_GGUF_KERNEL_MARCH
 
 BLOCK_VALUES = 32  # values a block, for every type here
-BLOCK_BYTES = {"q4_0": 18, "q4_1": 20, "q8_0": 34}  # fp16 scale (+ fp16 min), then values
+BLOCK_BYTES = {name: BLOCK_SIZES[name][1] for name in KERNEL_TYPES}  # fp16 scale (+ min), values
 
 
 def block_type_name(block_type) -> str:

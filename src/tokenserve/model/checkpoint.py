@@ -44,9 +44,10 @@ def load_checkpoint(config_path: str | Path):
 
 
 def load_source(source: str | None, seed: int = 0, context: int | None = None,
-                compute_dtype: str = "float32"):
+                compute_dtype: str = "float32", keep_blocks: bool = False):
     """Resolves SOURCE: a built-in name, a preset (random weights), a checkpoint json, a
-    .gguf file or a PACKAGED_GGUF name. context and compute_dtype apply to GGUF imports."""
+    .gguf file or a PACKAGED_GGUF name. context, compute_dtype and keep_blocks (quantized
+    tensors as the file stores them, see gguf.load_gguf) apply to GGUF imports."""
     source = source or DEFAULT_SOURCE
     if source in BUILTIN_NAMES:
         return load_checkpoint(BUILTIN_DIR / f"{BUILTIN_NAMES[source]}.json")
@@ -54,7 +55,8 @@ def load_source(source: str | None, seed: int = 0, context: int | None = None,
         from tokenserve.model.gguf import load_gguf
 
         return load_gguf(packaged_gguf(source), compute_dtype=compute_dtype,
-                         context=context or PACKAGED_GGUF[source][2], name=source)
+                         context=context or PACKAGED_GGUF[source][2], name=source,
+                         keep_blocks=keep_blocks)
     if source in PRESETS:
         return _random_preset(source, seed)
     path = Path(source)
@@ -69,7 +71,8 @@ def load_source(source: str | None, seed: int = 0, context: int | None = None,
     if path.suffix == ".gguf" and path.is_file():
         from tokenserve.model.gguf import load_gguf
 
-        return load_gguf(path, compute_dtype=compute_dtype, context=context)
+        return load_gguf(path, compute_dtype=compute_dtype, context=context,
+                         keep_blocks=keep_blocks)
     if path.exists() or "/" in source or source.endswith(".json"):
         raise ModelNotFoundError(f"model source {source} does not exist or is not a checkpoint")
     raise UnknownPresetError(

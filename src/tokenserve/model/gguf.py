@@ -23,6 +23,7 @@ pre-tokenizer, before any weight is converted.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import re
 from pathlib import Path
 
@@ -34,6 +35,8 @@ from tokenserve.model import gguf_moe
 from tokenserve.model.gguf_file import (GGUFFile, UnsupportedGGUFError, dequantize, read_gguf,
                                         supported_tensor_types)
 from tokenserve.model.gguf_tokenizer import build_tokenizer
+
+log = logging.getLogger(__name__)
 
 ARCHITECTURES = ("llama", "qwen2", "gpt2", "qwen2moe")
 
@@ -242,12 +245,13 @@ def _tie_if_equal(config: TransformerConfig, tensors: dict) -> TransformerConfig
 
 
 def load_gguf(path: str | Path, compute_dtype: str = "float32", context: int | None = None,
-              name: str | None = None):
+              name: str | None = None, keep_blocks: bool = False):
     """(model, tokenizer, generation config) from a GGUF file.
 
     compute_dtype: "float32" or "bfloat16" (as `load_hf`). context: cap the context length
     (the file's is the default). name: the generation config's name (default: the file's
-    stem).
+    stem). keep_blocks: keep quantized tensors as the file stores them (gguf_stored.py; the
+    model computes in float32), instead of dequantizing every tensor to compute_dtype.
     """
     from tokenserve.model import build_model
 
@@ -257,10 +261,21 @@ def load_gguf(path: str | Path, compute_dtype: str = "float32", context: int | N
     if tokenizer.vocab_size > config.vocab_size:
         raise ModelLoadError(f"{file.path.name}: the tokenizer has {tokenizer.vocab_size} tokens "
                              f"but token_embd.weight only {config.vocab_size} rows")
-    tensors = read_weights(file, config)
-    config = _tie_if_equal(config, tensors)
-    model = build_model(config, dtype=compute_dtype)
-    assign_weights(model, config, file, tensors)
+    if keep_blocks and config.num_experts:  # experts' blocks are not kept: dequantized
+        log.info("%s: a mixture of experts is dequantized (blocks are kept for dense "
+                 "models only)", file.path.name)
+        keep_blocks = False
+    if keep_blocks:
+        from tokenserve.model.gguf_stored import assign_stored, stored_config, tie_if_same_blocks
+
+        config = stored_config(file, tie_if_same_blocks(file, config))
+        model = build_model(config, dtype="float32")
+        assign_stored(model, config, file)
+    else:
+        tensors = read_weights(file, config)
+        config = _tie_if_equal(config, tensors)
+        model = build_model(config, dtype=compute_dtype)
+        assign_weights(model, config, file, tensors)
     template = file.metadata.get("tokenizer.chat_template")
     generation = GenerationConfig(
         model=config, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,

@@ -16,6 +16,8 @@ import keras
 import tensorflow as tf
 
 from tokenserve.config import TransformerConfig
+from tokenserve.kernels.gguf_types import layer_format, parse_spec, row_bytes
+from tokenserve.model.gguf_linear import blocks_entries, gguf_linear, gguf_parts
 from tokenserve.model.rope import rope_inverse_frequencies
 
 _INIT_STD = 0.02  # GPT-2 / Llama initializer range
@@ -82,6 +84,8 @@ def linear(x, weights: dict):
     scale [out, 1], through tokenserve's int8 matmul (which never rebuilds float weights)."""
     if "q" in weights:
         y = int8_linear(x, weights["q"], weights["scale"])
+    elif parts := gguf_parts(weights):  # GGUF blocks as the file stores them
+        y = gguf_linear(x, parts, portable=_portable.get())
     else:
         y = tf.matmul(x, tf.cast(weights["kernel"], x.dtype))
     return y + tf.cast(weights["bias"], x.dtype) if "bias" in weights else y
@@ -168,7 +172,9 @@ def attend(q, k, v, mask):
 
 class Dense(keras.layers.Layer):
     """x @ kernel (+ bias); kernel is [in, out], or int8 q [out, in] with a float32 scale per
-    output channel when weight_format is int8."""
+    output channel when weight_format is int8, or, when weight_format is a GGUF blocks spec
+    (kernels/gguf_types.py), uint8 rows of blocks [rows, K / block values * block bytes] per
+    part, as the file stores them."""
 
     def __init__(self, units: int, use_bias: bool, std: float = _INIT_STD,
                  weight_format: str = "float", **kwargs):
@@ -183,6 +189,14 @@ class Dense(keras.layers.Layer):
             self.kernel_scale = self.add_weight(name="kernel_scale", shape=(self.units, 1),
                                                 dtype="float32", initializer="ones",
                                                 trainable=False)
+        elif self.weight_format != "float":  # GGUF blocks: one uint8 variable per part
+            parts = parse_spec(self.weight_format, self.units)
+            self.block_types = [name for name, _ in parts]
+            self.kernel_blocks = [
+                self.add_weight(name="kernel_blocks" if len(parts) == 1 else f"kernel_blocks_{i}",
+                                shape=(rows, row_bytes(name, input_shape[-1])), dtype="uint8",
+                                initializer="zeros", trainable=False)
+                for i, (name, rows) in enumerate(parts)]
         else:
             self.kernel = self.add_weight(name="kernel", shape=(input_shape[-1], self.units),
                                           initializer=_normal(self.std))
@@ -196,6 +210,8 @@ class Dense(keras.layers.Layer):
         """This layer's variables by role, for `linear` (the engine passes them explicitly)."""
         if self.weight_format == "int8":
             found = {"q": self.kernel_q.value, "scale": self.kernel_scale.value}
+        elif self.weight_format != "float":
+            found = blocks_entries(self.block_types, [v.value for v in self.kernel_blocks])
         else:
             found = {"kernel": self.kernel.value}
         if self.use_bias:
@@ -206,15 +222,16 @@ class Dense(keras.layers.Layer):
 class Attention(keras.layers.Layer):
     """Multi-head / grouped-query self-attention with an optional KV cache."""
 
-    def __init__(self, config: TransformerConfig, **kwargs):
+    def __init__(self, config: TransformerConfig, formats: dict | None = None, **kwargs):
         super().__init__(**kwargs)
         self.config = config
         c = config
+        formats = formats or {}  # role -> weight_format (a GGUF import's differ by layer)
         self.qkv = Dense((c.num_heads + 2 * c.num_kv_heads) * c.head_dim, c.qkv_bias,
-                         weight_format=c.weight_format, name="qkv")
+                         weight_format=formats.get("qkv", c.weight_format), name="qkv")
         out_std = _INIT_STD / math.sqrt(2 * c.num_layers)  # GPT-2's scaled residual init
-        self.out = Dense(c.hidden_size, c.out_bias, std=out_std, weight_format=c.weight_format,
-                         name="out")
+        self.out = Dense(c.hidden_size, c.out_bias, std=out_std,
+                         weight_format=formats.get("out", c.weight_format), name="out")
 
     def _project(self, x, positions):
         c = self.config
@@ -257,14 +274,16 @@ class Attention(keras.layers.Layer):
 class MLP(keras.layers.Layer):
     """GPT-2's GELU MLP or Llama's SwiGLU."""
 
-    def __init__(self, config: TransformerConfig, **kwargs):
+    def __init__(self, config: TransformerConfig, formats: dict | None = None, **kwargs):
         super().__init__(**kwargs)
         c = config
         self.kind = c.mlp
+        formats = formats or {}  # role -> weight_format, as Attention's
         width = 2 * c.intermediate_size if c.mlp == "swiglu" else c.intermediate_size
-        self.up = Dense(width, c.mlp_bias, weight_format=c.weight_format, name="up")
+        self.up = Dense(width, c.mlp_bias, weight_format=formats.get("up", c.weight_format),
+                        name="up")
         self.down = Dense(c.hidden_size, c.mlp_bias, std=_INIT_STD / math.sqrt(2 * c.num_layers),
-                          weight_format=c.weight_format, name="down")
+                          weight_format=formats.get("down", c.weight_format), name="down")
 
     def call(self, x):
         return mlp(x, self.up.weights_dict(), self.down.weights_dict(), self.kind)
@@ -275,14 +294,18 @@ class Block(keras.layers.Layer):
 
     def __init__(self, config: TransformerConfig, **kwargs):
         super().__init__(**kwargs)
+        # each projection's weight format: the config's, or its GGUF file's blocks by layer
+        formats = {role: layer_format(config, f"{self.name}/{role}")
+                   for role in ("qkv", "out", "up", "down")}
         self.attn_norm = Norm(config.norm, config.norm_eps, name="attn_norm")
-        self.attn = Attention(config, name="attn")
+        self.attn = Attention(config, formats, name="attn")
         self.mlp_norm = Norm(config.norm, config.norm_eps, name="mlp_norm")
+        self.formats = formats
         self.mlp = self.make_mlp(config)
 
     def make_mlp(self, config: TransformerConfig):
         """The block's feed-forward layer (a mixture of experts overrides it: model/moe.py)."""
-        return MLP(config, name="mlp")
+        return MLP(config, self.formats, name="mlp")
 
     def build(self, input_shape):
         self.attn_norm.build(input_shape)

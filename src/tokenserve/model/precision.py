@@ -30,6 +30,9 @@ def choose_precision(precision: str, weight_format: str = "float") -> tuple[str,
     if weight_format == "int8":
         return "float32", ("int8 weights: the int8 kernel multiplies in float32 "
                            "(bfloat16 would only add casts)")
+    if weight_format == "gguf":
+        return "float32", ("GGUF blocks: the block kernels multiply in float32 "
+                           "(bfloat16 would only add casts)")
     if precision != "auto":
         return precision, "set explicitly"
     if cpu_has_bf16():

@@ -31,6 +31,9 @@ def quantize_model(model, dtype: str = "float32"):
                           f"{config.family} family")
     if config.weight_format == "int8":
         raise ConfigError("the model's weights are already int8")
+    if config.weight_format == "gguf":
+        raise ConfigError("the model keeps its GGUF file's quantized blocks; import the file "
+                          "with keep_blocks=False (the CLI: --quantize int8) to re-quantize")
     quantized = build_model(dataclasses.replace(config, weight_format="int8"), dtype=dtype)
     source = {w.path: w for w in model.weights}
     for weight in quantized.weights:

@@ -7,7 +7,9 @@ import tensorflow as tf
 
 from tokenserve.config import TransformerConfig
 from tokenserve.model.base import DecoderLM
-from tokenserve.model.layers import Block, Dense, Norm, _normal, int8_linear
+from tokenserve.kernels.gguf_types import INT8, layer_format, parse_spec, row_bytes
+from tokenserve.model.gguf_linear import blocks_entries, gguf_embedding
+from tokenserve.model.layers import Block, Dense, Norm, _normal, int8_linear, linear
 from tokenserve.model.moe import MoEBlock
 
 
@@ -25,11 +27,23 @@ class TransformerLM(DecoderLM):
         self.blocks = [block(config, name=f"block_{i}") for i in range(config.num_layers)]
         self.final_norm = Norm(config.norm, config.norm_eps, name="final_norm")
         self.head = None if config.tie_embeddings else Dense(
-            config.vocab_size, False, weight_format=config.weight_format, name="head")
+            config.vocab_size, False, weight_format=layer_format(config, "head"), name="head")
+        # "float", "int8" or a GGUF blocks spec of one type (the embedding's rows)
+        self.embedding_format = layer_format(config, "token_embedding")
+
+    @property
+    def embedding_blocks(self) -> str | None:
+        """The GGUF block type the token embedding is stored in, or None."""
+        return None if self.embedding_format in ("float", INT8) else self.embedding_format
 
     def build(self, input_shape=None):
         c = self.config
-        if c.weight_format == "int8":  # [vocab, D] rows are also the tied head's outputs
+        if self.embedding_blocks:  # [vocab, D] as the GGUF file's rows of blocks
+            [(name, _)] = parse_spec(self.embedding_blocks, c.vocab_size)
+            self.token_embedding_blocks = self.add_weight(
+                name="token_embedding_blocks", shape=(c.vocab_size, row_bytes(name, c.hidden_size)),
+                dtype="uint8", initializer="zeros", trainable=False)
+        elif self.embedding_format == INT8:  # [vocab, D] rows are also the tied head's outputs
             self.token_embedding_q = self.add_weight(
                 name="token_embedding_q", shape=(c.vocab_size, c.hidden_size), dtype="int8",
                 initializer="zeros", trainable=False)
@@ -57,7 +71,10 @@ class TransformerLM(DecoderLM):
         in `dtype` (default the compute dtype; the engine's fused steps take float32 rows
         of bfloat16 weights, summed in float32). Only the gathered rows are cast."""
         dtype = dtype or self.compute_dtype
-        if self.config.weight_format == "int8":
+        if self.embedding_blocks:  # only the looked-up rows are dequantized
+            x = tf.cast(gguf_embedding(self.token_embedding_blocks, self.embedding_blocks,
+                                       token_ids), dtype)
+        elif self.embedding_format == INT8:
             rows = tf.cast(tf.gather(self.token_embedding_q, token_ids), tf.float32)
             x = tf.cast(rows * tf.gather(self.token_embedding_scale, token_ids), dtype)
         else:
@@ -69,7 +86,9 @@ class TransformerLM(DecoderLM):
     def head_logits(self, hidden):
         """Final norm and LM head: hidden states [..., D] -> float32 logits [..., vocab]."""
         hidden = self.final_norm(hidden)
-        if self.head is None and self.config.weight_format == "int8":
+        if self.head is None and self.embedding_blocks:
+            logits = linear(hidden, self.tied_head_weights())
+        elif self.head is None and self.embedding_format == INT8:
             logits = int8_linear(hidden, self.token_embedding_q.value,
                                  self.token_embedding_scale.value)
         elif self.head is None:
@@ -78,6 +97,10 @@ class TransformerLM(DecoderLM):
         else:
             logits = self.head(hidden)
         return tf.cast(logits, tf.float32)
+
+    def tied_head_weights(self) -> dict:
+        """A tied head's weights as `linear` takes them, for a GGUF-blocks embedding."""
+        return blocks_entries([self.embedding_blocks], [self.token_embedding_blocks.value])
 
     def call(self, token_ids):
         """Full forward pass: int32 [B, T] -> float32 logits [B, T, vocab]."""

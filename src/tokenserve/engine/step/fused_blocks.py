@@ -18,6 +18,7 @@ import tensorflow as tf
 from tokenserve.kernels import dense as kdense
 from tokenserve.engine.step.moe import fused_moe
 from tokenserve.kernels.int8_matmul import int8_finish_block, int8_matmul
+from tokenserve.model.gguf_linear import gguf_linear, gguf_parts
 from tokenserve.model.transformer import TransformerLM
 
 
@@ -53,6 +54,8 @@ class FusedBlocks:
         if "q" in w:  # int8 weights: the int8 op, then the same epilogue
             return kdense.epilogue(int8_matmul(x, w["q"], w["scale"]), w.get("bias"), residual,
                                    activation)
+        if parts := gguf_parts(w):  # GGUF blocks: the block op, then the same epilogue
+            return kdense.epilogue(gguf_linear(x, parts), w.get("bias"), residual, activation)
         return kdense.dense(x, w["kernel"], w.get("bias"), residual, activation=activation)
 
     def enter(self, x, rotary, w):
@@ -74,7 +77,9 @@ class FusedBlocks:
         x = self.norm(x, self.final_norm_weights)
         if m.head is not None:
             return self.linear(x, self.head_weights)
-        if m.config.weight_format == "int8":  # tied: the token embedding [vocab, D]
+        if m.embedding_blocks:  # tied: the token embedding's blocks, read once a step
+            return self.linear(x, m.tied_head_weights())
+        if m.embedding_format == "int8":  # tied: the token embedding [vocab, D]
             return int8_matmul(x, m.token_embedding_q, m.token_embedding_scale)
         return kdense.dense(x, m.token_embedding, layout="nk")
 

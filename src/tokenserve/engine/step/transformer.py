@@ -84,7 +84,8 @@ class TransformerStep(tf.Module):
         # weights, and steps of a few tokens for bfloat16 weights too, whose activations
         # there are float32 (the KV cache stays bfloat16, which the attention op reads
         # under a float32 query): so a fused bfloat16 step needs that op too.
-        int8 = model.config.weight_format == "int8"
+        # int8 and GGUF blocks (int8 where a type has no kernel) alike: ops XLA cannot take
+        int8 = model.config.weight_format in ("int8", "gguf")
         bf16 = (model.compute_dtype == "bfloat16" and model.config.weight_format == "float"
                 and self.fused_attention)
         # a mixture of experts never runs under XLA (its row groups have data-dependent
