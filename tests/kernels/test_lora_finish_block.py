@@ -34,25 +34,17 @@ def compiled():
     return compiled_op_module(kd.LIBRARY)
 
 
-LAYERS = 3  # the factors' layers: the op reads `layer`, and layer + 1 for the next QKV
-
-
 def _factors(rng, k, rank, width_in, width_out):
-    """(A [K, L, in, R], B [K, L, R, out]) float32."""
-    a = rng.standard_normal((k, LAYERS, width_in, rank)) / np.sqrt(width_in)
-    b = rng.standard_normal((k, LAYERS, rank, width_out)) * 0.3
-    return tf.constant(a.astype(np.float32)), tf.constant(b.astype(np.float32))
+    a = rng.standard_normal((width_in, k * rank)) / np.sqrt(width_in)
+    b = rng.standard_normal((k * rank, width_out)) * 0.3
+    a, b = a.astype(np.float32), b.astype(np.float32)
+    return tf.constant(a), tf.constant(b)
 
 
-def _delta(x, factors, slots, layer):
-    """Each row's (x @ A[k, layer]) @ B[k, layer] in float64, zeros for slot -1."""
-    a, b = (f.numpy().astype(np.float64) for f in factors)
-    x = np.asarray(x, np.float64)
-    delta = np.zeros([x.shape[0], b.shape[-1]])
-    for row, k in enumerate(slots):
-        if k >= 0:
-            delta[row] = x[row] @ a[k, layer] @ b[k, layer]
-    return tf.constant(delta.astype(np.float32))
+def _delta(x, factors, one_hot):
+    a, b = factors
+    mask = tf.repeat(one_hot, a.shape[1] // one_hot.shape[1], axis=1)
+    return tf.matmul(tf.matmul(x, a) * mask, b)
 
 
 @pytest.mark.parametrize("activation,norm_bias,m,d,f,k", [
@@ -67,29 +59,28 @@ def test_lora_finish_block_equals_the_separate_ops(compiled, activation, norm_bi
     attn = tf.constant(rng.standard_normal((m, d)).astype(np.float32))
     x = tf.constant(rng.standard_normal((m, d)).astype(np.float32) * 3)
     slots = rng.integers(-1, k, size=m)  # -1: a row of the base model
-    token_slot = tf.constant(slots, tf.int32)
-    layer = 1
+    one_hot = tf.one_hot(slots, k, dtype=tf.float32)
     inner = f // 2 if activation == "swiglu" else f
     factors = {"out": _factors(rng, k, 4, d, d), "up": _factors(rng, k, 8, d, f),
                "down": _factors(rng, k, 4, inner, d), "qkv": _factors(rng, k, 12, d, 3 * d)}
-    y, following = kd.lora_finish_block(attn, x, out, norm, up, down, token_slot, factors,
-                                        layer, activation, 1e-5, next_norm=next_norm,
+    y, following = kd.lora_finish_block(attn, x, out, norm, up, down, one_hot, factors,
+                                        activation, 1e-5, next_norm=next_norm,
                                         next_qkv=next_qkv)
-    alone = kd.lora_finish_block(attn, x, out, norm, up, down, token_slot, factors, layer,
-                                 activation, 1e-5)
+    alone = kd.lora_finish_block(attn, x, out, norm, up, down, one_hot, factors, activation,
+                                 1e-5)
 
     x1 = kd.dense(attn, out["kernel"], out.get("bias"), x) + _delta(attn, factors["out"],
-                                                                     slots, layer)
+                                                                     one_hot)
     h = kd.layer_norm(x1, norm["scale"], norm.get("bias"), 1e-5)
-    z = kd.dense(h, up["kernel"], up.get("bias")) + _delta(h, factors["up"], slots, layer)
+    z = kd.dense(h, up["kernel"], up.get("bias")) + _delta(h, factors["up"], one_hot)
     u = kd.epilogue(z, activation=activation)
     expected = kd.dense(u, down["kernel"], down.get("bias"), x1) + _delta(u, factors["down"],
-                                                                          slots, layer)
+                                                                          one_hot)
     np.testing.assert_allclose(y.numpy(), expected.numpy(), rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(alone.numpy(), y.numpy(), rtol=1e-5, atol=1e-5)
     h = kd.layer_norm(expected, next_norm["scale"], next_norm.get("bias"), 1e-5)
     expected_next = kd.dense(h, next_qkv["kernel"], next_qkv.get("bias")) + _delta(
-        h, factors["qkv"], slots, layer + 1)
+        h, factors["qkv"], one_hot)
     np.testing.assert_allclose(following.numpy(), expected_next.numpy(), rtol=1e-4, atol=1e-4)
     # the base model's rows are the plain fused op's
     base = [i for i in range(m) if slots[i] == -1]
@@ -102,15 +93,11 @@ def test_lora_finish_block_refuses_factors_that_do_not_fit(compiled):
     out, norm, up, down = _block_weights(64, 256, "gelu_tanh", True, seed=0)
     rng = np.random.default_rng(0)
     attn = x = tf.zeros([2, 64])
-    token_slot = tf.constant([0, 1], tf.int32)
+    one_hot = tf.one_hot([0, 1], 2)
     factors = {"out": _factors(rng, 2, 4, 64, 64), "up": _factors(rng, 2, 4, 64, 256),
                "down": _factors(rng, 2, 4, 256, 64)}
     bad = dict(factors, up=_factors(rng, 2, 4, 63, 256))
     with pytest.raises(tf.errors.InvalidArgumentError, match="LoRA factors of input 6"):
-        kd.lora_finish_block(attn, x, out, norm, up, down, token_slot, bad, 0)
-    with pytest.raises(tf.errors.InvalidArgumentError, match="token_slot must be"):
-        kd.lora_finish_block(attn, x, out, norm, up, down, tf.zeros([3], tf.int32), factors, 0)
-    with pytest.raises(tf.errors.InvalidArgumentError, match=r"token_slot\[1\] = 2"):
-        kd.lora_finish_block(attn, x, out, norm, up, down, tf.constant([0, 2]), factors, 0)
-    with pytest.raises(tf.errors.InvalidArgumentError, match="outside the factors' 3 layers"):
-        kd.lora_finish_block(attn, x, out, norm, up, down, token_slot, factors, LAYERS)
+        kd.lora_finish_block(attn, x, out, norm, up, down, one_hot, bad)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="one_hot must be"):
+        kd.lora_finish_block(attn, x, out, norm, up, down, tf.zeros([3, 2]), factors)

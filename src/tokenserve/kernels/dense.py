@@ -146,18 +146,17 @@ def finish_block(attn, x, out, norm, up, down, activation: str = "gelu_tanh",
     return y if next_qkv is None else (y, following)
 
 
-def lora_finish_block(attn, x, out, norm, up, down, token_slot, factors: dict, layer: int,
+def lora_finish_block(attn, x, out, norm, up, down, one_hot, factors: dict,
                       activation: str = "gelu_tanh", eps: float = 1e-5, isa: str = "auto",
                       next_norm=None, next_qkv=None):
     """finish_block with each row's LoRA delta on its four projections, in the same one op:
 
-        proj(in)[row] = in[row] @ kernel + bias + (in[row] @ A[k, layer]) @ B[k, layer]
+        proj(in) = in @ kernel + bias + ((in @ A) * mask) @ B
 
-    for the row's adapter k = token_slot[row] (int32 [M]; -1: the base model, no delta),
-    computed per adapter on its rows only. factors: role ("out", "up", "down", "qkv": the
-    next block's, read at layer + 1) -> (A [K, L, in, R], B [K, L, R, out]) float32, the
-    step's K adapters; "qkv" only with next_qkv. Returns what finish_block returns, None
-    likewise."""
+    one_hot [M, K]: each row's adapter among the step's K (zeros: the base model); factors:
+    role ("out", "up", "down", "qkv": the next block's) -> (A [in, K*R], B [K*R, out]) float32,
+    R per role, the K adapters side by side (mask: one_hot's entries repeated R times);
+    "qkv" only with next_qkv. Returns what finish_block returns, None likewise."""
     op = LIBRARY.module()
     if op is None:
         return None
@@ -175,8 +174,8 @@ def lora_finish_block(attn, x, out, norm, up, down, token_slot, factors: dict, l
         next_factors = factors["qkv"]
     y, following = op.tokenserve_lora_finish_block(
         attn, x, out["kernel"], bias(out), norm["scale"], bias(norm), up["kernel"], bias(up),
-        down["kernel"], bias(down), *following, token_slot, *factors["out"], *factors["up"],
-        *factors["down"], *next_factors, layer=layer, activation=activation, eps=eps, isa=isa)
+        down["kernel"], bias(down), *following, one_hot, *factors["out"], *factors["up"],
+        *factors["down"], *next_factors, activation=activation, eps=eps, isa=isa)
     return y if next_qkv is None else (y, following)
 
 

@@ -2,23 +2,20 @@
 // delta on its four projections (output, MLP up, MLP down, the next block's QKV), so a step
 // with adapter rows keeps the base step's one op per layer.
 //
-// Each projection's delta is its row's adapter's low-rank product, computed per adapter on
-// that adapter's rows only (as punica's SGMV does: no product for the other adapters'
-// columns):
+// Each projection's delta is the batched low-rank product the engine's step takes
+// (engine/step/lora.py): for the K adapters of the step side by side,
 //
-//     delta[rows of k] = (in[rows of k] @ A[k, layer]) @ B[k, layer]
+//     delta = ((in @ A) * mask) @ B      A [in, K*R], B [K*R, out], mask [M, K*R]
 //
-// A [K, L, in, R] and B [K, L, R, out] are the step's K adapters' factors of every layer (the
-// slot table's rows, gathered once a step); token_slot [M] each row's adapter among the K
-// (-1: the base model, no delta). `in` is the projection's own input (attn, the MLP norm's
-// rows, the activation's rows, the next norm's rows), all of which this op holds; up's
-// product is finished (bias, delta) and only then activated. The next block's QKV reads
-// layer + 1.
+// where mask's row is 1 on the R columns of that row's adapter (one_hot [M, K], each entry
+// repeated R times: R = A's width / K, per projection), and in is the projection's own input
+// (attn, the MLP norm's rows, the activation's rows, the next norm's rows), all of which
+// this op holds. The delta is added before the bias's epilogue and the activation: up's
+// product is finished (bias, delta) and only then activated.
 //
 // Float32 arithmetic; the block's matrices float32 or bfloat16 (attribute T), the factors
 // float32.
 
-#include <algorithm>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -45,18 +42,17 @@ REGISTER_OP("TokenserveLoraFinishBlock")
     .Input("next_norm_bias: float")   // [D] or [0]
     .Input("next_w: T")               // [D, Nq] or [0, 0]
     .Input("next_bias: float")        // [Nq] or [0]
-    .Input("token_slot: int32")       // [M] each row's adapter among the K (-1: none)
-    .Input("out_a: float")            // [K, L, Da, Ro]
-    .Input("out_b: float")            // [K, L, Ro, D]
-    .Input("up_a: float")             // [K, L, D, Ru]
-    .Input("up_b: float")             // [K, L, Ru, F]
-    .Input("down_a: float")           // [K, L, F or F / 2, Rd]
-    .Input("down_b: float")           // [K, L, Rd, D]
-    .Input("next_a: float")           // [K, L, D, Rq] (any shape without a next block)
-    .Input("next_b: float")           // [K, L, Rq, Nq]
+    .Input("one_hot: float")          // [M, K] each row's adapter among the K (zeros: none)
+    .Input("out_a: float")            // [Da, K*Ro]
+    .Input("out_b: float")            // [K*Ro, D]
+    .Input("up_a: float")             // [D, K*Ru]
+    .Input("up_b: float")             // [K*Ru, F]
+    .Input("down_a: float")           // [F or F / 2, K*Rd]
+    .Input("down_b: float")           // [K*Rd, D]
+    .Input("next_a: float")           // [D, K*Rq] or [0, 0]
+    .Input("next_b: float")           // [K*Rq, Nq] or [0, 0]
     .Output("y: float")               // [M, D]
     .Output("next: float")            // [M, Nq], or [M, 0] without a next block
-    .Attr("layer: int >= 0")          // this block's layer in A and B
     .Attr("activation: {'gelu_tanh', 'swiglu'} = 'gelu_tanh'")
     .Attr("T: {float, bfloat16} = DT_FLOAT")
     .Attr("eps: float = 1e-5")
@@ -69,7 +65,7 @@ REGISTER_OP("TokenserveLoraFinishBlock")
       c->set_output(1, c->Matrix(c->Dim(x, 0), c->Dim(next_w, 1)));
       return absl::OkStatus();
     })
-    .Doc("TokenserveFinishBlock with each row's LoRA delta (in @ A[k]) @ B[k] on out, up, "
+    .Doc("TokenserveFinishBlock with per-row LoRA deltas ((in @ A) * mask) @ B on out, up, "
          "down and next.");
 
 class LoraFinishBlockOp : public OpKernel {
@@ -77,7 +73,6 @@ class LoraFinishBlockOp : public OpKernel {
   explicit LoraFinishBlockOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
     act_ = ActivationAttr(ctx);
     OP_REQUIRES_OK(ctx, ctx->GetAttr("eps", &eps_));
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("layer", &layer_));
     avx2_ = Avx2Attr(ctx);
   }
 
@@ -86,7 +81,7 @@ class LoraFinishBlockOp : public OpKernel {
     const Tensor& x = ctx->input(1);
     const Tensor& up_w = ctx->input(6);
     const Tensor& next_w = ctx->input(12);
-    const Tensor& token_slot = ctx->input(14);
+    const Tensor& one_hot = ctx->input(14);
     OP_REQUIRES(ctx, attn.dims() == 2 && x.dims() == 2 && attn.dim_size(0) == x.dim_size(0),
                 InvalidArgument("attn and x must be [M, Da] and [M, D]"));
     const int64 m = x.dim_size(0), d = x.dim_size(1), da = attn.dim_size(1);
@@ -98,19 +93,10 @@ class LoraFinishBlockOp : public OpKernel {
     const int64 inner = swiglu ? f / 2 : f;
     const bool has_next = next_w.NumElements() > 0;
     const int64 nq = has_next ? next_w.dim_size(1) : 0;
-    OP_REQUIRES(ctx, token_slot.dims() == 1 && token_slot.dim_size(0) == m,
-                InvalidArgument("token_slot must be [M] with M = ", m, ", got ",
-                                token_slot.shape().DebugString()));
-    const int64 k = ctx->input(15).dims() == 4 ? ctx->input(15).dim_size(0) : 0;
-    const int64 layers = k > 0 ? ctx->input(15).dim_size(1) : 0;
-    OP_REQUIRES(ctx, layer_ + (has_next ? 1 : 0) < layers,
-                InvalidArgument("layer ", layer_, has_next ? " (and the next)" : "",
-                                " is outside the factors' ", layers, " layers"));
-    const auto slots = token_slot.flat<int32_t>();
-    for (int64 r = 0; r < m; ++r) {
-      OP_REQUIRES(ctx, slots(r) >= -1 && slots(r) < k,
-                  InvalidArgument("token_slot[", r, "] = ", slots(r), " is outside -1..", k - 1));
-    }
+    OP_REQUIRES(ctx, one_hot.dims() == 2 && one_hot.dim_size(0) == m && one_hot.dim_size(1) > 0,
+                InvalidArgument("one_hot must be [M, K] with M = ", m, ", got ",
+                                one_hot.shape().DebugString()));
+    const int64 k = one_hot.dim_size(1);
     // the matrices (shape-checked as finish_block.cc checks them) and each factor pair
     const int64 mats[][3] = {{2, da, d}, {6, d, f}, {8, inner, d}, {12, d, nq}};
     for (int i = 0; i < 4; ++i) {
@@ -120,12 +106,10 @@ class LoraFinishBlockOp : public OpKernel {
                   InvalidArgument("input ", mat[0], " must be [", mat[1], ", ", mat[2], "]"));
       const Tensor& a = ctx->input(15 + 2 * i);
       const Tensor& b = ctx->input(16 + 2 * i);
-      OP_REQUIRES(ctx, a.dims() == 4 && b.dims() == 4 && a.dim_size(0) == k &&
-                           b.dim_size(0) == k && a.dim_size(1) == layers &&
-                           b.dim_size(1) == layers && a.dim_size(2) == mat[1] &&
-                           b.dim_size(2) == a.dim_size(3) && b.dim_size(3) == mat[2],
-                  InvalidArgument("LoRA factors of input ", mat[0], " must be [K, L, ", mat[1],
-                                  ", R] and [K, L, R, ", mat[2], "] with K = ", k, ", got ",
+      OP_REQUIRES(ctx, a.dims() == 2 && a.dim_size(0) == mat[1] && a.dim_size(1) % k == 0 &&
+                           IsMatrix(b, a.dim_size(1), mat[2]),
+                  InvalidArgument("LoRA factors of input ", mat[0], " must be [", mat[1],
+                                  ", K*R] and [K*R, ", mat[2], "] with K = ", k, ", got ",
                                   a.shape().DebugString(), " and ", b.shape().DebugString()));
     }
     const int64 widths[] = {d, d, f, d};
@@ -147,56 +131,36 @@ class LoraFinishBlockOp : public OpKernel {
     OP_REQUIRES_OK(ctx, ctx->allocate_output(1, TensorShape({m, nq}), &next_tensor));
     if (m == 0 || d == 0) return;
     if (ctx->input(2).dtype() == tensorflow::DT_BFLOAT16) {
-      Run<bfloat16>(ctx, m, d, da, f, inner, nq, has_next, y_tensor, next_tensor);
+      Run<bfloat16>(ctx, m, d, da, f, inner, nq, k, has_next, y_tensor, next_tensor);
     } else {
-      Run<float>(ctx, m, d, da, f, inner, nq, has_next, y_tensor, next_tensor);
+      Run<float>(ctx, m, d, da, f, inner, nq, k, has_next, y_tensor, next_tensor);
     }
   }
 
  private:
-  // y [m, out] += each row's (in @ A[k, layer]) @ B[k, layer], rows of adapter k together;
-  // A = input(a_index) [K, L, width, R], B the next input.
-  void AddDelta(OpKernelContext* ctx, int a_index, int64 layer, int64 m, int64 width,
-                int64 out, const float* in, float* y) {
+  // y [m, out] += ((in [m, width] @ a) * mask) @ b, a = input(a_index), b the next input.
+  void AddDelta(OpKernelContext* ctx, int a_index, int64 m, int64 width, int64 out, int64 k,
+                const float* in, float* y) {
     const Tensor& a = ctx->input(a_index);
-    const Tensor& b = ctx->input(a_index + 1);
-    const int64 k = a.dim_size(0), layers = a.dim_size(1), r = a.dim_size(3);
-    if (r == 0) return;
-    const auto slots = ctx->input(14).flat<int32_t>();
+    const int64 kr = a.dim_size(1), r = kr / k;
+    const float* one_hot = ctx->input(14).flat<float>().data();
     auto* pool = WorkerPool(ctx);
-    std::vector<int64> rows;
-    std::vector<float> xs, t, delta;
-    for (int64 adapter = 0; adapter < k; ++adapter) {
-      rows.clear();
-      for (int64 row = 0; row < m; ++row) {
-        if (slots(row) == adapter) rows.push_back(row);
-      }
-      if (rows.empty()) continue;
-      const int64 n = rows.size();
-      xs.resize(n * width);
-      t.resize(n * r);
-      delta.resize(n * out);
-      for (int64 i = 0; i < n; ++i) {
-        std::copy(in + rows[i] * width, in + (rows[i] + 1) * width, xs.data() + i * width);
-      }
-      const int64 factor = adapter * layers + layer;
-      ComputeDense<float>({n, width, r, r}, {xs.data(), a.flat<float>().data() + factor * width * r,
-                                             nullptr, nullptr, t.data(), Activation::kNone},
-                          true, pool, avx2_);
-      ComputeDense<float>({n, r, out, out}, {t.data(), b.flat<float>().data() + factor * r * out,
-                                             nullptr, nullptr, delta.data(), Activation::kNone},
-                          true, pool, avx2_);
-      for (int64 i = 0; i < n; ++i) {
-        float* yr = y + rows[i] * out;
-        const float* dr = delta.data() + i * out;
-        for (int64 j = 0; j < out; ++j) yr[j] += dr[j];
-      }
+    std::vector<float> t(m * kr), delta(m * out);
+    ComputeDense<float>({m, width, kr, kr}, {in, a.flat<float>().data(), nullptr, nullptr,
+                                             t.data(), Activation::kNone},
+                        true, pool, avx2_);
+    for (int64 row = 0; row < m; ++row) {
+      for (int64 c = 0; c < kr; ++c) t[row * kr + c] *= one_hot[row * k + c / r];
     }
+    ComputeDense<float>({m, kr, out, out}, {t.data(), ctx->input(a_index + 1).flat<float>().data(),
+                                            nullptr, y, delta.data(), Activation::kNone},
+                        true, pool, avx2_);
+    std::copy(delta.begin(), delta.end(), y);
   }
 
   template <typename W>
   void Run(OpKernelContext* ctx, int64 m, int64 d, int64 da, int64 f, int64 inner, int64 nq,
-           bool has_next, Tensor* y_tensor, Tensor* next_tensor) {
+           int64 k, bool has_next, Tensor* y_tensor, Tensor* next_tensor) {
     auto* pool = WorkerPool(ctx);
     auto in = [ctx](int i) { return ctx->input(i).flat<float>().data(); };
     auto weights = [ctx](int i) { return ctx->input(i).flat<W>().data(); };
@@ -205,7 +169,7 @@ class LoraFinishBlockOp : public OpKernel {
     ComputeDense<W>({m, da, d, d}, {in(0), weights(2), Data(ctx->input(3)), in(1), x1.data(),
                                     Activation::kNone},
                     true, pool, avx2_);
-    AddDelta(ctx, 15, layer_, m, da, d, in(0), x1.data());
+    AddDelta(ctx, 15, m, da, d, k, in(0), x1.data());
     // h = norm(x1); z = h @ up_w + up_bias + delta_up(h); u = act(z)
     for (int64 r = 0; r < m; ++r) {
       rowops::NormRow(avx2_, d, x1.data() + r * d, in(4), Data(ctx->input(5)), eps_,
@@ -214,14 +178,14 @@ class LoraFinishBlockOp : public OpKernel {
     ComputeDense<W>({m, d, f, f}, {h.data(), weights(6), Data(ctx->input(7)), nullptr,
                                    z.data(), Activation::kNone},
                     true, pool, avx2_);
-    AddDelta(ctx, 17, layer_, m, d, f, h.data(), z.data());
+    AddDelta(ctx, 17, m, d, f, k, h.data(), z.data());
     rowops::FinishRows(avx2_, m, f, inner, act_, z.data(), nullptr, nullptr, u.data());
     // y = u @ down_w + down_bias + x1 + delta_down(u)
     float* y = y_tensor->flat<float>().data();
     ComputeDense<W>({m, inner, d, d}, {u.data(), weights(8), Data(ctx->input(9)), x1.data(), y,
                                        Activation::kNone},
                     true, pool, avx2_);
-    AddDelta(ctx, 19, layer_, m, inner, d, u.data(), y);
+    AddDelta(ctx, 19, m, inner, d, k, u.data(), y);
     if (!has_next) return;
     // next = next_norm(y) @ next_w + next_bias + delta_next(next_norm(y))
     for (int64 r = 0; r < m; ++r) {
@@ -231,12 +195,11 @@ class LoraFinishBlockOp : public OpKernel {
     ComputeDense<W>({m, d, nq, nq}, {h.data(), weights(12), Data(ctx->input(13)), nullptr, next,
                                      Activation::kNone},
                     true, pool, avx2_);
-    AddDelta(ctx, 21, layer_ + 1, m, d, nq, h.data(), next);
+    AddDelta(ctx, 21, m, d, nq, k, h.data(), next);
   }
 
   Activation act_ = Activation::kGeluTanh;
   float eps_ = 1e-5f;
-  int64 layer_ = 0;
   bool avx2_ = false;
 };
 

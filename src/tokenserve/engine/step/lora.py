@@ -17,10 +17,7 @@ then adds, per token row,
                                            B_k [K*R, out], mask [N, K*R]: 1 on the row's slot
 
 so rows of different adapters and of the base share every matmul, grouped by adapter in the
-K*R axis, and the step never splits by adapter. That is the per-projection path (graph steps,
-the first block's QKV); a fused step's layers run one op each that computes each row's delta
-for its own adapter only, from the gathered [K, L, in, R] factors (kernels/dense.py
-lora_finish_block). Steps with no adapter row run the base step
+K*R axis, and the step never splits by adapter. Steps with no adapter row run the base step
 unchanged (their own traces).
 """
 
@@ -90,24 +87,20 @@ class LoraTable(tf.Module):
         """The step's blocks with the deltas of the `active` slots ([K]) on each token's
         slot (`token_slot` [N], -1: none), inside a trace."""
         num_active = tf.shape(active)[0]
-        gathered, factors = {}, {}
+        factors = {}
         for role in ROLES:
             rank, (w_in, w_out) = self.ranks[role], self.widths[role]
-            a = tf.cast(tf.gather(self.a[role], active), dtype)        # [K, L, in, R]
-            b = tf.cast(tf.gather(self.b[role], active), dtype)        # [K, L, R, out]
-            gathered[role] = (a, b)
-            # the per-projection path's layout (the K slots side by side); a graph prunes
-            # what its step never reads
+            a = tf.gather(self.a[role], active)                       # [K, L, in, R]
             a = tf.reshape(tf.transpose(a, [1, 2, 0, 3]),
                            [self.config.num_layers, w_in, num_active * rank])
+            b = tf.gather(self.b[role], active)                       # [K, L, R, out]
             b = tf.reshape(tf.transpose(b, [1, 0, 2, 3]),
                            [self.config.num_layers, num_active * rank, w_out])
-            factors[role] = (tf.unstack(a), tf.unstack(b))
+            factors[role] = (tf.unstack(tf.cast(a, dtype)), tf.unstack(tf.cast(b, dtype)))
         one_hot = tf.one_hot(token_slot, num_active, dtype=dtype)      # [N, K]; -1: zeros
         masks = {rank: tf.repeat(one_hot, rank, axis=1)                # [N, K*R]
                  for rank in set(self.ranks.values())}
-        return LoraBlocks(blocks, factors, {r: masks[self.ranks[r]] for r in ROLES}, gathered,
-                          token_slot)
+        return LoraBlocks(blocks, factors, {r: masks[self.ranks[r]] for r in ROLES}, one_hot)
 
 
 class LoraBlocks:
@@ -121,9 +114,8 @@ class LoraBlocks:
     where the step is fused, plain TF ops otherwise: no XLA program per number of active
     slots)."""
 
-    def __init__(self, blocks, factors: dict, masks: dict, gathered: dict, token_slot):
-        self.blocks, self.factors, self.masks = blocks, factors, masks
-        self.gathered, self.token_slot = gathered, token_slot  # the fused op's inputs
+    def __init__(self, blocks, factors: dict, masks: dict, one_hot):
+        self.blocks, self.factors, self.masks, self.one_hot = blocks, factors, masks, one_hot
         self.config = blocks.model.config
         self.fused = hasattr(blocks, "linear")
         self.weights = [dict(w, lora_layer=i) for i, w in enumerate(blocks.weights)]
@@ -174,13 +166,18 @@ class LoraBlocks:
             return None
         if w_next is not None and "kernel" not in w_next["qkv"]:
             return None
+        i = w["lora_layer"]
+        factors = {r: (self.factors[r][0][i], self.factors[r][1][i]) for r in ("out", "up",
+                                                                             "down")}
         following = {}
         if w_next is not None:
+            j = w_next["lora_layer"]
+            factors["qkv"] = (self.factors["qkv"][0][j], self.factors["qkv"][1][j])
             following = dict(next_norm=w_next["attn_norm"], next_qkv=w_next["qkv"])
         act = "swiglu" if self.config.mlp == "swiglu" else "gelu_tanh"
         return kdense.lora_finish_block(attn, x, w["out"], w["mlp_norm"], w["up"], w["down"],
-                                        self.token_slot, self.gathered, w["lora_layer"], act,
-                                        self.config.norm_eps, **following)
+                                        self.one_hot, factors, act, self.config.norm_eps,
+                                        **following)
 
     def between(self, x, attn, rotary, w, w_next):
         fused = self._fused_finish(x, attn, w, w_next)
