@@ -9,6 +9,10 @@ and 32 (32 streams, or a prefill chunk), the median time of one matmul by:
   q4_0, q4_1, q8_0
          the GGUF-block op on the same weights quantized by the gguf package; SmolLM2's file
          holds its block matrices as Q4_1 and its head as Q8_0
+  q4_k, q5_k, q6_k
+         the same op on K-quant super-blocks (random bytes with trained-size scales: gguf
+         cannot quantize to them), only where K is a multiple of 256 (SmolLM2's 576 is not;
+         1536x576 and --shapes 2048x2048, a Llama-3.2-1B-like square, are)
 plus the weight bytes each reads per second, and the file's type against f32 and int8.
 
 Like a decode step, each matmul reads its weights from memory, not from cache: one timed call
@@ -37,8 +41,20 @@ from common import (RESULTS, machine_summary, make_console, make_table, rotated,
 SHAPES = [(576, 576), (576, 1536), (1536, 576), (576, 49152)]  # (K inputs, N outputs)
 BATCHES = [1, 32]
 WORKING_SET = 48e6  # bytes of each method's weights cycled through per call: more than L3
-METHODS = ["f32", "int8", "q4_0", "q4_1", "q8_0"]
+METHODS = ["f32", "int8", "q4_0", "q4_1", "q8_0", "q4_k", "q5_k", "q6_k"]
 GGUF_TYPES = ("q4_0", "q4_1", "q8_0")
+K_QUANTS = {"q4_k": (144, [0, 2]), "q5_k": (176, [0, 2]), "q6_k": (210, [208])}
+
+
+def kquant_blocks(n: int, k: int, name: str, rng):
+    """uint8 [N, K / 256 * bytes]: random super-blocks, fp16 scales of trained weights' size."""
+    import numpy as np
+
+    size, offsets = K_QUANTS[name]
+    blocks = rng.integers(0, 256, (n, k // 256, size), dtype=np.uint8)
+    for offset in offsets:
+        blocks[..., offset:offset + 2] = np.frombuffer(np.float16(1e-4).tobytes(), np.uint8)
+    return blocks.reshape(n, -1)
 
 
 def file_type(k: int, n: int) -> str:
@@ -61,6 +77,10 @@ def weights(k: int, n: int, seed: int = 0) -> dict:
     for name in GGUF_TYPES:
         blocks = gguf_quants.quantize(w, GGMLQuantizationType[name.upper()])
         out[name] = ((blocks,), blocks.nbytes)
+    if k % 256 == 0:
+        for name in K_QUANTS:
+            blocks = kquant_blocks(n, k, name, rng)
+            out[name] = ((blocks,), blocks.nbytes)
     return out
 
 
@@ -79,7 +99,8 @@ def product(method: str):
 
 
 def measure(shapes, batches, reps: int) -> list[dict]:
-    """One row per (shape, batch): median ms per matmul of each method."""
+    """One row per (shape, batch): median ms per matmul of each method (the K-quants only
+    where K is a multiple of 256)."""
     import numpy as np
     import tensorflow as tf
 
@@ -93,10 +114,11 @@ def measure(shapes, batches, reps: int) -> list[dict]:
             copies[method] = max(1, int(np.ceil(WORKING_SET / nbytes)))
             # distinct tensors with the same values: only the bytes read matter here
             tensors[method] = [[tf.constant(a) for a in arrays] for _ in range(copies[method])]
+        methods = [method for method in METHODS if method in per_method]
         for m in batches:
             x0 = tf.constant(rng.standard_normal((m, k)).astype(np.float32))
             steps = {}
-            for method in METHODS:
+            for method in methods:
                 def chain(x, fn=product(method), ws=tensors[method]):
                     for w in ws:
                         y = fn(x, *w)
@@ -106,9 +128,9 @@ def measure(shapes, batches, reps: int) -> list[dict]:
                 steps[method] = tf.function(chain)
                 steps[method](x0)
                 steps[method](x0).numpy()  # warm up: trace, fault the weights in
-            times = {method: [] for method in METHODS}
+            times = {method: [] for method in methods}
             for r in range(reps):
-                for method in rotated(METHODS, r):
+                for method in rotated(methods, r):
                     start = time.perf_counter()
                     steps[method](x0).numpy()
                     times[method].append((time.perf_counter() - start) / copies[method])
@@ -117,7 +139,7 @@ def measure(shapes, batches, reps: int) -> list[dict]:
                    "copies": copies,
                    "weight_bytes": {method: nbytes for method, (_, nbytes) in per_method.items()},
                    "gb_s": {method: per_method[method][1] / (ms[method] * 1e-3) / 1e9
-                            for method in METHODS}}
+                            for method in methods}}
             rows.append(row)
             print(f"  {k}x{n} M={m}: " + ", ".join(f"{name} {v:.3f}" for name, v in ms.items()),
                   file=sys.stderr)
@@ -127,12 +149,14 @@ def measure(shapes, batches, reps: int) -> list[dict]:
 def table(rows: list[dict]):
     out = make_table("median ms per matmul (weights from memory); the file's type against "
                      "f32 and int8", ["K x N", "M", *METHODS, "file's type", "its GB/s",
-                                      "vs f32", "vs int8"])
+                                      "vs f32", "vs int8", "q4_k vs int8"])
     for row in rows:
         ms, own = row["ms"], row["file_type"]
-        out.add_row(f"{row['k']}x{row['n']}", str(row["m"]), *[f"{ms[m]:.3f}" for m in METHODS],
+        kq = f"{ms['int8'] / ms['q4_k']:.2f}x" if "q4_k" in ms else "-"
+        out.add_row(f"{row['k']}x{row['n']}", str(row["m"]),
+                    *[f"{ms[m]:.3f}" if m in ms else "-" for m in METHODS],
                     own, f"{row['gb_s'][own]:.1f}", f"{ms['f32'] / ms[own]:.2f}x",
-                    f"{ms['int8'] / ms[own]:.2f}x")
+                    f"{ms['int8'] / ms[own]:.2f}x", kq)
     return out
 
 

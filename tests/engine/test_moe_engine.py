@@ -115,3 +115,30 @@ def test_pruning_and_tflite_refuse_a_mixture_of_experts_by_name(moe, tmp_path):
         prune_model(model, np.zeros([1, 8], np.int32), PruneConfig(mlp=0.25))
     with pytest.raises(ConfigError, match="TFLite export of a mixture of experts"):
         export_tflite(model, tokenizer, config, tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("weight_format", ["float", "int8"])
+def test_qk_norm_experts_take_the_graph_path_and_match_full_forward_passes(moe, weight_format):
+    """A Qwen3-MoE-shaped model (QK-norm, heads 24 wide, renormalised top-2, no shared
+    expert): the fused dense ops have no QK-norm, so every step is the graph path's."""
+    from support.tiny_models import greedy_by_full_forward
+    from tokenserve.model import build_model
+    from tokenserve.model.quantize import quantize_model
+
+    _, tokenizer, config = moe
+    architecture = dataclasses.replace(
+        config.model, qk_norm=True, head_dim=24, shared_expert_size=0,
+        normalize_expert_weights=True)
+    model = build_model(architecture, seed=2)
+    for weight in model.weights:
+        if "norm" not in weight.path:
+            weight.assign(weight * 5.0)
+    if weight_format == "int8":
+        model = quantize_model(model)
+    qwen3 = dataclasses.replace(config, model=model.config)
+    engine = moe_engine(model, tokenizer, qwen3)
+    assert engine.runner.step.fused_blocks is None and not engine.runner.step.jit_dense
+    alone = [greedy(engine, [p], 8)[0] for p in PROMPTS]
+    assert greedy(engine, PROMPTS + OTHERS, 8)[:len(PROMPTS)] == alone
+    assert alone == [greedy_by_full_forward(model, p, 8) for p in PROMPTS]

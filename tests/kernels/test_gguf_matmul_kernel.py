@@ -194,8 +194,8 @@ def test_shapes_known_only_at_run_time_are_refused_by_the_op(compiled):
 
 
 def test_types_without_a_kernel_are_refused():
-    with pytest.raises(ValueError, match="no GGUF block kernel for 'q4_k'"):
-        gm.gguf_matmul(np.ones((1, 256), np.float32), np.zeros((1, 144), np.uint8), "Q4_K")
+    with pytest.raises(ValueError, match="no GGUF block kernel for 'q5_0'"):
+        gm.gguf_matmul(np.ones((1, 256), np.float32), np.zeros((1, 176), np.uint8), "Q5_0")
 
 
 # ---- the pure-TF fallback --------------------------------------------------------------------

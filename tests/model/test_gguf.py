@@ -13,6 +13,7 @@ from importlib import metadata
 import numpy as np
 import pytest
 
+from support.gguf_from_hf import bpe_vocab
 from support.tiny_models import TINY_TEXT, greedy_by_full_forward
 from tokenserve.errors import ModelLoadError, ModelNotFoundError
 from tokenserve.model.gguf import UnsupportedGGUFError, load_gguf, read_gguf
@@ -39,17 +40,6 @@ PROMPTS = [[5, 17, 33, 90, 140, 7, 8, 9, 250, 3], [12, 44, 1, 77], [300, 301, 30
 
 
 # ------------------------------------------------------------------------- writing GGUF files
-
-
-def bpe_vocab(tokenizer):
-    """(tokens, token types, merges) of our byte-level BPE tokenizer, as a GGUF stores them."""
-    state = json.loads(tokenizer.hf.to_str())
-    vocab = state["model"]["vocab"]
-    tokens = sorted(vocab, key=vocab.get)
-    special = {t["content"] for t in state["added_tokens"] if t["special"]}
-    types = [3 if t in special else 1 for t in tokens]
-    merges = [m if isinstance(m, str) else " ".join(m) for m in state["model"]["merges"]]
-    return tokens, types, merges
 
 
 def spm_vocab():
@@ -389,7 +379,8 @@ def test_refusals_name_what_is_unsupported(tokenizer, tmp_path):
             load_gguf(path)
 
     refused("arch", UnsupportedGGUFError,
-            r"GGUF architecture 'mamba' is not supported; supported: llama, qwen2, gpt2",
+            r"GGUF architecture 'mamba' is not supported; supported: llama, qwen2, gpt2, "
+            r"qwen2moe, qwen3, gemma2, gemma3, phi3",
             arch="mamba")
     refused("type", UnsupportedGGUFError,
             r"tensor blk\.1\.ffn_down\.weight has type I8, which tokenserve cannot dequantize",
@@ -400,8 +391,8 @@ def test_refusals_name_what_is_unsupported(tokenizer, tmp_path):
     refused("tokenizer", UnsupportedGGUFError,
             r"GGUF tokenizer model 'bert' is not supported; supported: gpt2, llama",
             tokenizer_model="bert")
-    refused("rope", UnsupportedGGUFError, r"rope scaling 'yarn' is not supported",
-            metadata_={"llama.rope.scaling.type": ("yarn", gguf_str)})
+    refused("rope", UnsupportedGGUFError, r"rope scaling 'longrope' is not supported",
+            metadata_={"llama.rope.scaling.type": ("longrope", gguf_str)})
     refused("rope_freqs", ModelLoadError,
             r"rope_freqs\.weight has 5 values; head_dim 16 rotates 8 pairs",
             extra=[("rope_freqs.weight", np.ones(5, np.float32))])

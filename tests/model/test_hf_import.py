@@ -202,12 +202,12 @@ def test_llama3_rope_scaling_is_what_the_import_matches(tokenizer):
 def test_other_rope_scaling_is_refused(tmp_path):
     config = transformers.LlamaConfig(
         vocab_size=400, hidden_size=64, num_hidden_layers=1, num_attention_heads=4,
-        intermediate_size=96, rope_scaling={"rope_type": "yarn", "factor": 4.0,
-                                            "original_max_position_embeddings": 64})
+        intermediate_size=96, rope_scaling={"rope_type": "dynamic", "factor": 4.0})
+    from tokenserve.errors import ConfigError
     from tokenserve.model.hf import architecture_config
 
-    with pytest.raises(UnsupportedArchitectureError,
-                       match="rope scaling 'yarn' is not supported; supported: default, llama3"):
+    with pytest.raises(ConfigError, match="rope scaling 'dynamic' is not supported; "
+                                          "supported: default, linear, llama3, yarn"):
         architecture_config({**config.to_dict(), "architectures": ["LlamaForCausalLM"]})
 
 
@@ -256,12 +256,12 @@ def test_cli_imports_a_checkpoint(tokenizer, tmp_path):
     assert "exported hf (transformer" in result.stdout
     assert (tmp_path / "out" / "1" / "saved_model.pb").exists()
     (tmp_path / "bad").mkdir()
-    (tmp_path / "bad" / "config.json").write_text('{"architectures": ["BertModel"]}')
+    (tmp_path / "bad" / "config.json").write_text('{"architectures": ["T5Model"]}')
     result = subprocess.run([sys.executable, "-m", "tokenserve", "export", "--from-hf",
                              str(tmp_path / "bad"), "--output", str(tmp_path / "out")],
                             capture_output=True, text=True, env=env, timeout=300)
     assert result.returncode == 2 and "Traceback" not in result.stderr
-    assert "'BertModel' is not supported" in result.stderr
+    assert "'T5Model' is not supported" in result.stderr
 
 
 def test_bfloat16_compute_stays_close_to_float32(tokenizer, tmp_path):

@@ -1,4 +1,4 @@
-"""Mixture-of-experts checkpoints (Mixtral, Qwen2-MoE) from Hugging Face directories and GGUF
+"""Mixture-of-experts checkpoints (Mixtral, Qwen2-MoE, Qwen3-MoE) from Hugging Face directories and GGUF
 files match `transformers`: logits by full forward pass and by the cached step, and greedy
 tokens over 64 steps through the engine, including checkpoints where one expert gets every
 row and several get none. Bad files are refused by name."""
@@ -6,6 +6,7 @@ row and several get none. Bad files are refused by name."""
 from __future__ import annotations
 
 import os
+import re
 
 import numpy as np
 import pytest
@@ -31,8 +32,14 @@ pytest.importorskip("gguf")
 CASES = {"mixtral-hf": ("mixtral", "hf", False), "qwen2moe-hf": ("qwen2moe", "hf", False),
          "mixtral-gguf-skewed": ("mixtral", "gguf", True),
          "qwen2moe-normed-gguf": ("qwen2moe-normed", "gguf", False),
-         "qwen2moe-hf-skewed": ("qwen2moe", "hf", True)}
+         "qwen2moe-hf-skewed": ("qwen2moe", "hf", True),
+         "qwen3moe-gguf-skewed": ("qwen3moe", "gguf", True),
+         "qwen3moe-hf": ("qwen3moe", "hf", False)}
 DEFAULT_GREEDY = ("mixtral-gguf-skewed",)  # the others under -m slow (seconds each)
+SLOW_LOGITS = ("qwen3moe-hf",)  # a default run checks Qwen3-MoE's logits from the GGUF case
+# seed 0's Qwen3-MoE has its top two logits 1e-4 apart at one greedy step; seed 3's stay
+# 2e-3 apart over the 64 steps of every prompt
+SEEDS = {"qwen3moe-hf": 3}
 
 
 _LOADED: dict = {}
@@ -42,7 +49,7 @@ def load_case(name: str, tokenizer, tmp_path_factory):
     """(name, transformers model, what tokenserve imported), once per module."""
     if name not in _LOADED:
         family, kind, skewed = CASES[name]
-        reference = hf_model(family, skewed=skewed)
+        reference = hf_model(family, skewed=skewed, seed=SEEDS.get(name, 0))
         directory = tmp_path_factory.mktemp(name)
         if kind == "hf":
             loaded = load_hf(save_hf(directory, reference, tokenizer))
@@ -52,7 +59,9 @@ def load_case(name: str, tokenizer, tmp_path_factory):
     return _LOADED[name]
 
 
-@pytest.fixture(params=list(CASES))
+@pytest.fixture(params=[
+    pytest.param(name, marks=pytest.mark.slow) if name in SLOW_LOGITS else name
+    for name in CASES])
 def case(request, tokenizer, tmp_path_factory):
     return load_case(request.param, tokenizer, tmp_path_factory)
 
@@ -145,3 +154,28 @@ def test_a_missing_expert_or_a_mismatched_expert_count_is_refused_by_name(tokeni
                              r"qwen2moe\.expert_count is 8"):
         load_gguf(write_gguf(tmp_path / "short.gguf", qwen, tokenizer,
                              extra=[("blk.0.ffn_down_exps.weight", short)]))
+
+
+def test_qwen3_moe_with_dense_layers_without_qk_norm_or_with_a_shared_expert_is_refused(
+        tokenizer, tmp_path):
+    from tokenserve.errors import ConfigError
+
+    reference = hf_model("qwen3moe")
+    directory = save_hf(tmp_path / "hf", reference, tokenizer)
+    config = (directory / "config.json").read_text()
+    for setting, refused in (('"mlp_only_layers": [1]', r"mlp_only_layers \[1\]"),
+                             ('"decoder_sparse_step": 2', r"decoder_sparse_step 2")):
+        key = setting.split(":")[0]
+        (directory / "config.json").write_text(
+            re.sub(key + r": [^,]*(?=,)", setting, config))
+        with pytest.raises(ConfigError, match=r"Qwen3-MoE with dense layers .*" + refused):
+            load_hf(directory)
+
+    with pytest.raises(ModelLoadError, match=r"missing tensor blk\.0\.attn_q_norm\.weight"):
+        load_gguf(write_gguf(tmp_path / "no-qk-norm.gguf", reference, tokenizer,
+                             drop=[f"blk.{i}.attn_{x}_norm.weight" for i in (0, 1)
+                                   for x in "qk"]))
+    shared = np.zeros([32, 64], np.float32)
+    with pytest.raises(ModelLoadError, match=r"tensor blk\.0\.ffn_up_shexp\.weight, a shared"):
+        load_gguf(write_gguf(tmp_path / "shared.gguf", reference, tokenizer,
+                             extra=[("blk.0.ffn_up_shexp.weight", shared)]))

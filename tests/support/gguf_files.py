@@ -47,17 +47,33 @@ def tiny_tensors(n_vocab: int, hidden: int, inter: int, layers: int, heads: int,
     return tensors
 
 
+# K-quants: (bytes a super-block, where its fp16 scales sit, their value); gguf.quants cannot
+# quantize to them, so their tensors are random super-blocks with scales of trained weights' size
+K_QUANTS = {"Q4_K": (144, [0, 2], 5e-4), "Q5_K": (176, [0, 2], 3e-4), "Q6_K": (210, [208], 1e-4)}
+
+
+def kquant_blocks(rows: int, cols: int, kind: str, rng) -> np.ndarray:
+    """uint8 [rows, cols / 256 * bytes]: random super-blocks of `kind` ("Q4_K", ...)."""
+    size, offsets, scale = K_QUANTS[kind]
+    blocks = rng.integers(0, 256, (rows, cols // 256, size), dtype=np.uint8)
+    for offset in offsets:
+        blocks[..., offset:offset + 2] = np.frombuffer(np.float16(scale).tobytes(), np.uint8)
+    return blocks.reshape(rows, -1)
+
+
 def write_tiny_gguf(path, tokenizer, qtype: str = "Q4_0", types: dict | None = None,
                     tie: bool = True, hidden: int = 64, inter: int = 96, layers: int = 2,
                     heads: int = 4, kv_heads: int = 2, ctx: int = 128, seed: int = 0,
                     raw: dict | None = None):
     """A tiny llama GGUF: 2-D tensors in `qtype` unless `types` names another for a tensor
     ({"blk.0.attn_v.weight": "Q8_0", "token_embd.weight": "F16"}); 1-D tensors F32. raw:
-    {name: (uint8 blocks, type name)} written as given (any bytes)."""
+    {name: (uint8 blocks, type name)} written as given (any bytes). K-quant tensors (hidden
+    and inter multiples of 256) are random super-blocks (kquant_blocks)."""
     import gguf
 
     tokens, token_types, merges = bpe_vocab(tokenizer)
     tensors = tiny_tensors(len(tokens), hidden, inter, layers, heads, kv_heads, tie, seed)
+    rng = np.random.default_rng(seed + 1)
     writer = gguf.GGUFWriter(str(path), "llama")
     writer.add_name("tiny")
     writer.add_context_length(ctx)
@@ -88,6 +104,9 @@ def write_tiny_gguf(path, tokenizer, qtype: str = "Q4_0", types: dict | None = N
             writer.add_tensor(name, value)
         elif kind == "F16":
             writer.add_tensor(name, value.astype(np.float16))
+        elif kind in K_QUANTS:
+            writer.add_tensor(name, kquant_blocks(*value.shape, kind, rng),
+                              raw_dtype=gguf.GGMLQuantizationType[kind])
         else:
             q = gguf.GGMLQuantizationType[kind]
             writer.add_tensor(name, gguf.quants.quantize(value, q), raw_dtype=q)

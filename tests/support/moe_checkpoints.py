@@ -1,4 +1,4 @@
-"""Tiny random mixture-of-experts checkpoints (Mixtral, Qwen2-MoE) built with `transformers`,
+"""Tiny random mixture-of-experts checkpoints (Mixtral, Qwen2-MoE, Qwen3-MoE) built with `transformers`,
 saved as Hugging Face directories or written as GGUF files the way llama.cpp's
 convert_hf_to_gguf lays them out (Q/K rows permuted for `llama`, experts stacked per role).
 No tests here."""
@@ -15,7 +15,8 @@ PROMPTS = [[5, 17, 33, 90, 140, 7, 8, 9, 250, 3], [12, 44, 1, 77], [300, 301, 30
 
 
 def hf_model(family: str, skewed: bool = False, num_experts: int = 8, seed: int = 0):
-    """A random eval-mode Mixtral or Qwen2-MoE (2 layers, hidden 64, top-2 of num_experts).
+    """A random eval-mode Mixtral, Qwen2-MoE or Qwen3-MoE (2 layers, hidden 64, top-2 of
+    num_experts; Qwen3-MoE's heads 24 wide, not hidden / heads, and its top-2 renormalised).
 
     Norms and biases are perturbed so a dropped one shows. skewed: every row of every layer
     routes to expert 2 first and never to experts 4 and up: the embedding's first column is
@@ -32,6 +33,11 @@ def hf_model(family: str, skewed: bool = False, num_experts: int = 8, seed: int 
         config = transformers.MixtralConfig(intermediate_size=48, num_local_experts=num_experts,
                                             rope_theta=5000.0, **common)
         model = transformers.MixtralForCausalLM(config)
+    elif family == "qwen3moe":
+        config = transformers.Qwen3MoeConfig(
+            intermediate_size=96, moe_intermediate_size=32, num_experts=num_experts,
+            head_dim=24, norm_topk_prob=True, rope_theta=5000.0, **common)
+        model = transformers.Qwen3MoeForCausalLM(config)
     else:
         config = transformers.Qwen2MoeConfig(
             intermediate_size=96, moe_intermediate_size=32, shared_expert_intermediate_size=48,
@@ -80,7 +86,7 @@ def _permute(weight: np.ndarray, heads: int) -> np.ndarray:
 def gguf_tensors(model) -> dict[str, np.ndarray]:
     """The model's tensors under llama.cpp's names (float32), experts stacked per role."""
     c = model.config
-    mixtral = c.model_type == "mixtral"
+    mixtral, qwen3 = c.model_type == "mixtral", c.model_type == "qwen3_moe"
     import tempfile
 
     from safetensors.numpy import load_file
@@ -100,7 +106,10 @@ def gguf_tensors(model) -> dict[str, np.ndarray]:
                     b + "attn_v.weight": sd[h + "self_attn.v_proj.weight"],
                     b + "attn_output.weight": sd[h + "self_attn.o_proj.weight"],
                     b + "ffn_norm.weight": sd[h + "post_attention_layernorm.weight"]})
-        if not mixtral:
+        if qwen3:  # QK-norm, no biases
+            out[b + "attn_q_norm.weight"] = sd[h + "self_attn.q_norm.weight"]
+            out[b + "attn_k_norm.weight"] = sd[h + "self_attn.k_norm.weight"]
+        elif not mixtral:
             for x in "qkv":
                 out[b + f"attn_{x}.bias"] = sd[h + f"self_attn.{x}_proj.bias"]
         moe = h + ("block_sparse_moe." if mixtral else "mlp.")
@@ -111,7 +120,7 @@ def gguf_tensors(model) -> dict[str, np.ndarray]:
         for role, hf in names.items():
             out[b + f"ffn_{role}_exps.weight"] = np.stack(
                 [sd[f"{moe}experts.{e}.{hf}.weight"] for e in range(num_experts)])
-        if not mixtral:
+        if not (mixtral or qwen3):
             out[b + "ffn_gate_inp_shexp.weight"] = sd[moe + "shared_expert_gate.weight"][0]
             for role in ("gate", "up", "down"):
                 out[b + f"ffn_{role}_shexp.weight"] = sd[f"{moe}shared_expert.{role}_proj.weight"]
@@ -124,8 +133,8 @@ def write_gguf(path: Path, model, tokenizer, drop=(), extra=()) -> Path:
     import gguf
 
     c = model.config
-    mixtral = c.model_type == "mixtral"
-    arch = "llama" if mixtral else "qwen2moe"
+    mixtral, qwen3 = c.model_type == "mixtral", c.model_type == "qwen3_moe"
+    arch = "llama" if mixtral else "qwen3moe" if qwen3 else "qwen2moe"
     tensors = gguf_tensors(model)
     for name in drop:
         del tensors[name]
@@ -138,18 +147,22 @@ def write_gguf(path: Path, model, tokenizer, drop=(), extra=()) -> Path:
     writer.add_feed_forward_length(c.intermediate_size)
     writer.add_head_count(c.num_attention_heads)
     writer.add_head_count_kv(c.num_key_value_heads)
+    if qwen3:  # as convert_hf_to_gguf writes Qwen3-MoE: no expert_weights_norm (always on)
+        writer.add_key_length(c.head_dim)
+        writer.add_value_length(c.head_dim)
+        writer.add_expert_feed_forward_length(c.moe_intermediate_size)
     writer.add_rope_freq_base(float(c.rope_parameters["rope_theta"]))
     writer.add_layer_norm_rms_eps(c.rms_norm_eps)
     writer.add_vocab_size(c.vocab_size)
     writer.add_expert_count(c.num_local_experts if mixtral else c.num_experts)
     writer.add_expert_used_count(c.num_experts_per_tok)
-    if not mixtral:
+    if not (mixtral or qwen3):
         writer.add_expert_feed_forward_length(c.moe_intermediate_size)
         writer.add_expert_shared_feed_forward_length(c.shared_expert_intermediate_size)
         writer.add_expert_weights_norm(bool(c.norm_topk_prob))
     tokens, types, merges = _bpe_vocab(tokenizer)
     writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("qwen2" if not mixtral else "llama-bpe")
+    writer.add_tokenizer_pre("llama-bpe" if mixtral else "qwen2")
     writer.add_token_list(tokens)
     writer.add_token_types(types)
     writer.add_token_merges(merges)

@@ -44,7 +44,8 @@ def run(args: argparse.Namespace) -> int:
         model = LiteRTModel(path)
     else:
         model = ExportedModel(path)
-    prompt_ids = model.tokenizer.encode(args.prompt)
+    encode = getattr(model.tokenizer, "encode_prompts", None)  # LiteRT's tokenizer lacks it
+    prompt_ids = encode([args.prompt])[0] if encode else model.tokenizer.encode(args.prompt)
     model.check_fits(len(prompt_ids), params.max_tokens)
     sys.stdout.write(args.prompt)
     sys.stdout.flush()

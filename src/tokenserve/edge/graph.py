@@ -33,6 +33,7 @@ from tensorflow.compiler.tf2xla.ops import gen_xla_ops  # DYNAMIC_UPDATE_SLICE i
 
 from tokenserve.config import LSTMConfig, TransformerConfig
 from tokenserve.edge.cache import cache_names
+from tokenserve.errors import ConfigError
 from tokenserve.model.layers import mlp, norm
 from tokenserve.model.rope import rope_inverse_frequencies
 
@@ -40,6 +41,19 @@ from tokenserve.model.rope import rope_inverse_frequencies
 # score tensor's range stays small enough for int8 calibration to keep some resolution.
 MASK_BIAS = -1e4
 STATE_MODES = ("io", "variable")
+
+
+def _family_features(c: TransformerConfig) -> list[str]:
+    """The newer families' features this graph does not compute (by config field)."""
+    checks = {"qk_norm": c.qk_norm, "sliding_windows": bool(c.sliding_windows),
+              "local_rope_theta": bool(c.local_rope_theta),
+              "rotary_dim": c.rotary_dim != c.head_dim,
+              "rope_attention_factor": c.rope_attention_factor != 1.0,
+              "attn_scale": bool(c.attn_scale), "attn_softcap": bool(c.attn_softcap),
+              "final_softcap": bool(c.final_softcap),
+              "embedding_multiplier": c.embedding_multiplier != 1.0,
+              "post_norms": c.post_norms, "mlp=geglu": c.mlp == "geglu"}
+    return [name for name, used in checks.items() if used]
 
 
 def _float(value) -> np.ndarray:
@@ -102,6 +116,9 @@ class EdgeTransformer(tf.Module):
         if state_mode not in STATE_MODES:
             raise ValueError(f"state_mode must be one of {STATE_MODES}, got {state_mode!r}")
         c: TransformerConfig = model.config
+        unsupported = _family_features(c)
+        if unsupported:
+            raise ConfigError(f"TFLite export does not take {', '.join(unsupported)} yet")
         self.config, self.state_mode = c, state_mode
         self.cache_len = min(cache_len or c.max_seq_len, c.max_seq_len)
         if int8_embedding:

@@ -3,6 +3,11 @@
 The runner's cache is a pool of `num_blocks * block_size` rows; a sequence's position p
 lives in row `block_ids[p // block_size] * block_size + p % block_size`. Block 0 is never
 handed out: padded gather indices point at it, so padding never reads a live sequence.
+
+With a `window` (a model whose every layer attends to at most its last W positions), a
+growing sequence gives back the blocks all its layers have left behind: their entries in
+`block_ids` become block 0, so the later blocks keep their positions, and the memory a
+sequence holds stays flat however long it runs.
 """
 
 from __future__ import annotations
@@ -18,6 +23,9 @@ class BlockAllocator:
             raise ValueError(f"need at least 2 blocks (one is reserved), got {num_blocks}")
         self.num_blocks, self.block_size = num_blocks, block_size
         self._free = list(range(num_blocks - 1, 0, -1))  # pop() hands out 1, 2, 3 ...
+        self.window = 0
+        """Positions back that any layer reads (every layer windowed), 0: all of them. Set by
+        the runner before the first request."""
 
     @property
     def num_usable_blocks(self) -> int:
@@ -42,6 +50,7 @@ class BlockAllocator:
 
     def reserve(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Gives `seq` room for `num_new_tokens` more positions; False (and no change) if full."""
+        self.release_behind(seq)
         needed = self.blocks_needed(seq, num_new_tokens)
         if needed > len(self._free):
             return False
@@ -49,8 +58,30 @@ class BlockAllocator:
         return True
 
     def free(self, seq: Sequence) -> None:
-        self._free.extend(reversed(seq.block_ids))
+        self._give_back([block for block in reversed(seq.block_ids) if block])
         seq.block_ids = []
+
+    def release_behind(self, seq: Sequence) -> int:
+        """Gives back the blocks of `seq` that lie wholly before its next query's window
+        (none without a window); returns how many. Their entries become block 0. The next
+        query is at num_computed_tokens, which never moves back while `seq` holds blocks
+        (rejected drafts roll back only past it), so a released block is never read again."""
+        if not self.window:
+            return 0
+        first_needed = seq.num_computed_tokens - self.window + 1
+        num_behind = min(max(first_needed, 0) // self.block_size, len(seq.block_ids))
+        released = [block for block in seq.block_ids[:num_behind] if block]
+        if released:
+            self._before_release(seq)
+            seq.block_ids[:num_behind] = [0] * num_behind
+            self._give_back(released[::-1])
+        return len(released)
+
+    def _before_release(self, seq: Sequence) -> None:
+        """Hook: the prefix cache registers the blocks' hashes first."""
+
+    def _give_back(self, blocks: list[int]) -> None:
+        self._free.extend(blocks)
 
     # -- prefix caching hooks: no-ops here (engine/prefix_cache.py implements them) ---------
     def match_prefix(self, seq: Sequence) -> int:

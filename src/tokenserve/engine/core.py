@@ -85,7 +85,12 @@ class LLMEngine:
 
     @property
     def max_model_len(self) -> int:
-        return min(self.config.max_seq_len, self.runner.cache.capacity_tokens)
+        cache = self.runner.cache
+        # a sequence of an all-windowed model holds at most its window and one chunk
+        held = cache.window + self.engine_config.max_num_batched_tokens + 2 * cache.block_size
+        if cache.window and cache.capacity_tokens >= held:
+            return self.config.max_seq_len
+        return min(self.config.max_seq_len, cache.capacity_tokens)
 
     @property
     def stats(self) -> StatsSink:

@@ -68,7 +68,8 @@ class LLM:
         per_prompt = list(params) if isinstance(params, Seq) else [params] * len(prompts)
         if len(per_prompt) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(per_prompt)} SamplingParams")
-        ids = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+        ids = [self.tokenizer.encode_prompts([p])[0] if isinstance(p, str) else list(p)
+               for p in prompts]
         first = self._num_requests
         requests = [self.engine.make_request(i, p, f"offline-{first + n}")
                     for n, (i, p) in enumerate(zip(ids, per_prompt))]

@@ -131,6 +131,7 @@ class PrefixCachingAllocator(BlockAllocator):
         self._num_refs[block] += 1
 
     def reserve(self, seq: Sequence, num_new_tokens: int) -> bool:
+        self.release_behind(seq)
         needed = self.blocks_needed(seq, num_new_tokens)
         if needed > self.num_free_blocks:
             return False
@@ -140,7 +141,15 @@ class PrefixCachingAllocator(BlockAllocator):
     def free(self, seq: Sequence) -> None:
         self.cache_computed(seq)
         # tail blocks first: when room is needed, a prefix's last blocks go before its first
-        for block in reversed(seq.block_ids):
+        self._give_back([block for block in reversed(seq.block_ids) if block])
+        seq.block_ids = []
+        self._seq_hashes.pop(seq.seq_id, None)
+
+    def _before_release(self, seq: Sequence) -> None:
+        self.cache_computed(seq)  # blocks left behind a window stay findable, exactly
+
+    def _give_back(self, blocks: list[int]) -> None:
+        for block in blocks:
             self._num_refs[block] -= 1
             if self._num_refs[block] > 0:
                 continue
@@ -148,8 +157,6 @@ class PrefixCachingAllocator(BlockAllocator):
                 self._lru[block] = None
             else:
                 self._free.append(block)
-        seq.block_ids = []
-        self._seq_hashes.pop(seq.seq_id, None)
 
     # -- prefix caching -------------------------------------------------------------------
     def match_prefix(self, seq: Sequence) -> int:
@@ -188,8 +195,8 @@ class PrefixCachingAllocator(BlockAllocator):
         num_full = min(seq.num_computed_tokens // self.block_size, len(seq.block_ids))
         new = []
         for block, hash_ in zip(seq.block_ids, self.block_hashes(seq, num_full)):
-            if block in self._hash_of or hash_ in self._block_of:
-                continue  # cached already, or computed twice: the first copy stays
+            if not block or block in self._hash_of or hash_ in self._block_of:
+                continue  # released, cached already, or computed twice: the first copy stays
             self._hash_of[block], self._block_of[hash_] = hash_, block
             new.append((hash_, block))
         return new

@@ -70,6 +70,9 @@ class ModelRunner:
                 self.cache = PrefixCachingAllocator(num_blocks, block_size)
             else:
                 self.cache = BlockAllocator(num_blocks, block_size)
+            windows = [config.model.layer_window(i) for i in range(config.model.num_layers)]
+            if all(windows):  # every layer windowed: blocks behind the widest are given back
+                self.cache.window = max(windows)
             # XLA's float32 dense code beats oneDNN's at every batch size here, but oneDNN's
             # bf16 matmuls beat XLA's, and the int8 kernel is a TF op that XLA cannot compile
             self.step = TransformerStep(
@@ -95,7 +98,9 @@ class ModelRunner:
             if self.step.fused_every_step and model.compute_dtype == "bfloat16":
                 log.info("dense layers: fused ops for every step, on the bfloat16 weights in "
                          "float32 (oneDNN has no bf16 matmul on this CPU)")
-            self.step.screened_head = build_screen(screen, engine_config)
+            # a screen reads raw logits: none under Gemma 2's soft-capped ones
+            self.step.screened_head = (None if config.model.final_softcap
+                                       else build_screen(screen, engine_config))
             if engine_config.max_loras:
                 from tokenserve.engine.step.lora import LoraTable
 

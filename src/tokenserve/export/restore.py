@@ -55,7 +55,8 @@ def load_language_model(version_dir: str | Path, precision: str = "auto"):
                              f"(no readable assets/{GENERATION_CONFIG_FILE}): {error}"
                              ) from error
     tokenizer = Tokenizer(hf, bos_token_id=config.bos_token_id,
-                          eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id)
+                          eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id,
+                          add_bos=config.add_bos_token)
     weight_format = getattr(config.model, "weight_format", "float")
     dtype, why = choose_precision(precision, weight_format)
     log.info("%s: computing in %s (precision=%s: %s)", version_dir, dtype, precision, why)

@@ -17,7 +17,8 @@
 // one integer dot product (maddubs/madd, or dpbusd) and two float multiply-adds. One activation
 // format serves every type: Q8_0 weights ignore sx.
 //
-// The K-quants fit the same form. Q4_K and Q5_K super-blocks of 256 values are 8 sub-blocks
+// The K-quants are read by gguf_kquants.h for now (decoded to float, no q8 activations); a
+// faster kernel could fit them to the same form. Q4_K and Q5_K super-blocks of 256 values are 8 sub-blocks
 // of 32 with w = (d * scale_j) * v - (dmin * min_j): per 32 values, a scale, an offset and
 // unsigned v (0..15 or 0..31, so maddubs' pair sums still cannot saturate). Q6_K's sub-blocks
 // are 16 values with w = (d * scale_j) * (v - 32): two scales per 32, so its decoded block will

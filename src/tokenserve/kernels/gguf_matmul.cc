@@ -1,6 +1,8 @@
 // TokenserveGgufMatmul: y[M, N] = x[M, K] @ dequant(blocks).T on the CPU, with the weights
 // kept as a GGUF file stores them: blocks is uint8 [N, K / 32 * block bytes], each output's
-// row of Q4_0, Q4_1 or Q8_0 blocks (gguf_blocks.h) exactly as ggml lays out a [N, K] tensor.
+// row of Q4_0, Q4_1 or Q8_0 blocks (gguf_blocks.h) exactly as ggml lays out a [N, K] tensor,
+// or of Q4_K, Q5_K or Q6_K super-blocks of 256 (gguf_kquants.h: decoded to float per
+// super-block and multiplied into float x; none of what follows about q8 activations applies).
 //
 // As llama.cpp does on x86: x is quantized once per call into Q8 blocks of 32, then each
 // weight block meets each activation block in one integer dot product (AVX2 maddubs + madd,
@@ -22,6 +24,7 @@
 #include "cpu.h"
 #include "gguf_blocks.h"
 #include "gguf_kernels.h"
+#include "gguf_kquants.h"
 #include "gguf_tiles.h"
 #include "op_support.h"
 
@@ -76,19 +79,29 @@ struct Geometry {
 int BlockBytes(const std::string& type) {
   if (type == "q4_0") return gguf::Q4_0::kBytes;
   if (type == "q4_1") return gguf::Q4_1::kBytes;
+  if (type == "q4_k") return gguf::Q4_K::kBytes;
+  if (type == "q5_k") return gguf::Q5_K::kBytes;
+  if (type == "q6_k") return gguf::Q6_K::kBytes;
   return gguf::Q8_0::kBytes;
+}
+
+bool IsKQuant(const std::string& type) { return type.size() == 4 && type[3] == 'k'; }
+
+int BlockValues(const std::string& type) {
+  return IsKQuant(type) ? gguf::kSuperBlock : gguf::kBlock;
 }
 
 // Why blocks [n, row_bytes] of `type` cannot hold rows of K values, or "" when they can.
 std::string BlocksMismatch(const std::string& type, int64 K, int64 row_bytes) {
-  if (K % gguf::kBlock != 0) {
+  const int values = BlockValues(type);
+  if (K % values != 0) {
     return "x's K = " + std::to_string(K) + " does not divide into " + type + " blocks of " +
-           std::to_string(gguf::kBlock) + " values";
+           std::to_string(values) + " values";
   }
-  const int64 want = K / gguf::kBlock * BlockBytes(type);
+  const int64 want = K / values * BlockBytes(type);
   if (row_bytes != want) {
     return type + " weights for K = " + std::to_string(K) + " need " + std::to_string(want) +
-           " bytes a row (" + std::to_string(K / gguf::kBlock) + " blocks of " +
+           " bytes a row (" + std::to_string(K / values) + " blocks of " +
            std::to_string(BlockBytes(type)) + "), but blocks has " + std::to_string(row_bytes);
   }
   return "";
@@ -153,13 +166,27 @@ void Matmul(tensorflow::thread::ThreadPool* pool, Isa isa, const Geometry& g,
   MatmulScalar<Type>(pool, g, xq, w, y);
 }
 
+// The K-quants: super-blocks decoded to float and multiplied into float x (gguf_kquants.h).
+template <class Type>
+void MatmulKQuant(tensorflow::thread::ThreadPool* pool, Isa isa, const Geometry& g,
+                  const float* x, const uint8_t* w, float* y) {
+  const int64 workers = std::max(1, pool->NumThreads());
+  // cycles a weight row, roughly: a super-block's decode, and its dot product per row of x
+  const ChunkSplit split = SplitIntoChunks(g.N, g.K / gguf::kSuperBlock * (300 + 40 * g.M));
+  RunChunks(pool, workers, split.num_chunks, [&](int64 chunk, int64) {
+    const int64 n0 = chunk * split.per_chunk;
+    gguf::KQuantRows<Type>(x, g.M, g.K, w, g.row_bytes, n0, std::min(split.per_chunk, g.N - n0),
+                           isa != Isa::kScalar, y, g.N);
+  });
+}
+
 }  // namespace
 
 REGISTER_OP("TokenserveGgufMatmul")
-    .Input("x: float")       // [M, K], K a multiple of 32
-    .Input("blocks: uint8")  // [N, K / 32 * block bytes]: a GGUF [N, K] tensor's bytes
+    .Input("x: float")       // [M, K], K a multiple of the type's block values (32 or 256)
+    .Input("blocks: uint8")  // [N, K / values * block bytes]: a GGUF [N, K] tensor's bytes
     .Output("y: float")      // [M, N]
-    .Attr("block_type: {'q4_0', 'q4_1', 'q8_0'}")
+    .Attr("block_type: {'q4_0', 'q4_1', 'q8_0', 'q4_k', 'q5_k', 'q6_k'}")
     .Attr("isa: {'auto', 'avx2', 'scalar'} = 'auto'")
     .SetShapeFn([](InferenceContext* c) {
       ShapeHandle x, blocks;
@@ -175,7 +202,8 @@ REGISTER_OP("TokenserveGgufMatmul")
       c->set_output(0, c->Matrix(c->Dim(x, 0), c->Dim(blocks, 0)));
       return absl::OkStatus();
     })
-    .Doc("y = x @ dequant(blocks).T; blocks: GGUF Q4_0/Q4_1/Q8_0 rows as stored.");
+    .Doc("y = x @ dequant(blocks).T; blocks: GGUF Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K rows as "
+         "stored.");
 
 REGISTER_OP("TokenserveGgufMatmulInfo")
     .Output("info: string")
@@ -210,10 +238,16 @@ class GgufMatmulOp : public OpKernel {
       std::fill(y, y + g.M * g.N, 0.f);
       return;
     }
-    gguf::Q8Rows xq;
-    gguf::QuantizeRows(x.flat<float>().data(), g.M, g.K, isa_ != Isa::kScalar, &xq);
     auto* pool = WorkerPool(ctx);
     const uint8_t* w = blocks.flat<uint8_t>().data();
+    if (IsKQuant(type_)) {
+      const float* xf = x.flat<float>().data();
+      if (type_ == "q4_k") return MatmulKQuant<gguf::Q4_K>(pool, isa_, g, xf, w, y);
+      if (type_ == "q5_k") return MatmulKQuant<gguf::Q5_K>(pool, isa_, g, xf, w, y);
+      return MatmulKQuant<gguf::Q6_K>(pool, isa_, g, xf, w, y);
+    }
+    gguf::Q8Rows xq;
+    gguf::QuantizeRows(x.flat<float>().data(), g.M, g.K, isa_ != Isa::kScalar, &xq);
     if (type_ == "q4_0") {
       Matmul<gguf::Q4_0>(pool, isa_, g, xq, w, y);
     } else if (type_ == "q4_1") {

@@ -1,16 +1,19 @@
-"""Matrix multiply by GGUF weights kept in the blocks the file stores (Q4_0, Q4_1, Q8_0).
+"""Matrix multiply by GGUF weights kept in the blocks the file stores (Q4_0, Q4_1, Q8_0, and
+the K-quants Q4_K, Q5_K, Q6_K).
 
 ggml stores a [N, K] weight (N outputs, K inputs contiguous) as N rows of blocks of 32
-values: Q4_0 18 bytes a block, Q4_1 20, Q8_0 34. The op (`gguf_matmul.cc`) takes those bytes
-as they are, a uint8 tensor [N, K / 32 * block bytes], so an import can keep a tensor as the
-file holds it (4.5-8.5 bits a weight instead of 32):
+values: Q4_0 18 bytes a block, Q4_1 20, Q8_0 34; or of super-blocks of 256: Q4_K 144 bytes,
+Q5_K 176, Q6_K 210. The op (`gguf_matmul.cc`) takes those bytes as they are, a uint8 tensor
+[N, K / values * block bytes], so an import can keep a tensor as the file holds it (4.5-8.5
+bits a weight instead of 32):
 
     tensor = gguf.GGUFReader(path).tensors[i]                 # e.g. blk.0.attn_q.weight
     y = gguf_matmul(x, tensor.data, tensor.tensor_type.name)  # x [M, K] -> y [M, N]
 
 The compiled op quantizes x once per call into int8 blocks of 32 (a float scale each; error up
 to 1/254 of the block's absmax per value) and takes integer dot products against the weight
-blocks, as llama.cpp does. Without a compiler, or with TOKENSERVE_GGUF_KERNEL=fallback, a
+blocks, as llama.cpp does; for the K-quants it decodes each super-block to float and multiplies
+x in float32 (no activation quantization). Without a compiler, or with TOKENSERVE_GGUF_KERNEL=fallback, a
 pure-TF path dequantizes the whole weight each call and multiplies in float32: exact up to
 float rounding, slower, and what stock TensorFlow can run.
 
@@ -28,14 +31,15 @@ import logging
 import tensorflow as tf
 
 from tokenserve.kernels import build as kbuild
+from tokenserve.kernels.gguf_kquants import KQUANT_TYPES, dequantize_kquants
 from tokenserve.kernels.gguf_types import BLOCK_SIZES, KERNEL_TYPES
 
 LIBRARY = kbuild.LIBRARIES["gguf_matmul"]
 MODE_ENV = LIBRARY.mode_env  # TOKENSERVE_GGUF_KERNEL
 MARCH_ENV = LIBRARY.march_env  # TOKENSERVE_GGUF_KERNEL_MARCH
 
-BLOCK_VALUES = 32  # values a block, for every type here
-BLOCK_BYTES = {name: BLOCK_SIZES[name][1] for name in KERNEL_TYPES}  # fp16 scale (+ min), values
+BLOCK_VALUES = {name: BLOCK_SIZES[name][0] for name in KERNEL_TYPES}  # 32, or 256 (K-quants)
+BLOCK_BYTES = {name: BLOCK_SIZES[name][1] for name in KERNEL_TYPES}
 
 
 def block_type_name(block_type) -> str:
@@ -52,11 +56,12 @@ def blocks_mismatch(block_type, k: int, row_bytes: int) -> str | None:
     """Why rows of `row_bytes` bytes of `block_type` cannot hold K values (the op's message),
     or None when they can."""
     name = block_type_name(block_type)
-    if k % BLOCK_VALUES:
-        return f"x's K = {k} does not divide into {name} blocks of {BLOCK_VALUES} values"
-    want = k // BLOCK_VALUES * BLOCK_BYTES[name]
+    values = BLOCK_VALUES[name]
+    if k % values:
+        return f"x's K = {k} does not divide into {name} blocks of {values} values"
+    want = k // values * BLOCK_BYTES[name]
     if row_bytes != want:
-        return (f"{name} weights for K = {k} need {want} bytes a row ({k // BLOCK_VALUES} "
+        return (f"{name} weights for K = {k} need {want} bytes a row ({k // values} "
                 f"blocks of {BLOCK_BYTES[name]}), but blocks has {row_bytes}")
     return None
 
@@ -73,9 +78,9 @@ def _check_static_shapes(x: tf.Tensor, blocks: tf.Tensor, name: str) -> None:
 
 
 def gguf_matmul(x, blocks, block_type) -> tf.Tensor:
-    """x [M, K] @ dequant(blocks [N, K / 32 * block bytes] uint8).T -> [M, N] in x's dtype.
+    """x [M, K] @ dequant(blocks [N, K / values * block bytes] uint8).T -> [M, N] in x's dtype.
 
-    block_type: "q4_0", "q4_1" or "q8_0" (any case, or a gguf.GGMLQuantizationType).
+    block_type: "q4_0", "q4_1", "q8_0", "q4_k", "q5_k" or "q6_k" (any case, or a gguf.GGMLQuantizationType).
     x is float32; bfloat16 and float16 are computed in float32 and cast back. Uses the compiled
     op when it is available, else `gguf_matmul_fallback`; works eagerly and inside tf.function
     (the choice is made when the graph is traced). Raises ValueError when the shapes, as far
@@ -96,18 +101,20 @@ def gguf_matmul(x, blocks, block_type) -> tf.Tensor:
 
 
 def dequantize_blocks(blocks, block_type) -> tf.Tensor:
-    """Pure TF: uint8 [N, K / 32 * block bytes] -> float32 [N, K], what gguf.quants.dequantize
-    gives for the same bytes (up to float rounding of Q4_1's d * v + m)."""
+    """Pure TF: uint8 [N, K / values * block bytes] -> float32 [N, K], what
+    gguf.quants.dequantize gives for the same bytes (up to float rounding of d * v + m)."""
     name = block_type_name(block_type)
     size = BLOCK_BYTES[name]
     blocks = tf.convert_to_tensor(blocks, tf.uint8)
+    if name in KQUANT_TYPES:
+        return dequantize_kquants(blocks, name)
     n = tf.shape(blocks)[0]
     b = tf.reshape(blocks, [n, -1, size])  # [N, K / 32, block bytes]
     d = tf.cast(tf.bitcast(b[..., 0:2], tf.float16), tf.float32)[..., None]  # [N, K / 32, 1]
     if name == "q8_0":
         w = tf.cast(tf.bitcast(b[..., 2:], tf.int8), tf.float32) * d
     else:
-        nibbles = b[..., size - BLOCK_VALUES // 2:]  # byte j: value j low, value j + 16 high
+        nibbles = b[..., size - 16:]  # byte j: value j low, value j + 16 high
         v = tf.cast(tf.concat([tf.bitwise.bitwise_and(nibbles, 15),
                                tf.bitwise.right_shift(nibbles, 4)], axis=-1), tf.float32)
         if name == "q4_0":

@@ -22,7 +22,7 @@ BLOCK_SIZES = {"q4_0": (32, 18), "q4_1": (32, 20), "q8_0": (32, 34),
                "q4_k": (256, 144), "q5_k": (256, 176), "q6_k": (256, 210)}
 """type -> (values a block, bytes a block)."""
 
-KERNEL_TYPES = ("q4_0", "q4_1", "q8_0")
+KERNEL_TYPES = ("q4_0", "q4_1", "q8_0", "q4_k", "q5_k", "q6_k")
 """The types whose blocks a compiled kernel (kernels/gguf_matmul.cc) reads as stored."""
 
 INT8 = "int8"

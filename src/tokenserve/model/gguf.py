@@ -4,8 +4,9 @@ A GGUF file holds the architecture's hyper-parameters, the tensors (often quanti
 tokenizer as metadata. `load_gguf` turns one into the same (model, tokenizer, generation
 config) triple as `tokenserve.model.hf.load_hf`:
 
-- Architectures `llama` (Llama, SmolLM, TinyLlama, Mistral without a sliding window),
-  `qwen2` and `gpt2`.
+- Architectures `llama` (Llama, SmolLM, TinyLlama, Mistral, with its sliding window), `qwen2`
+  and `gpt2`; `qwen3`, `gemma2`, `gemma3` and `phi3` through model/families/; the mixtures
+  of experts `qwen2moe`, `qwen3moe` and Mixtral (`llama` with experts) through gguf_moe.py.
 - Tensor types F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 and the K- and I-quants that
   `gguf.quants.dequantize` implements; every tensor is dequantized to float32 once, at import.
   (`tokenserve export --quantize int8` then re-quantizes the float model for serving.)
@@ -31,14 +32,16 @@ import numpy as np
 
 from tokenserve.config import GenerationConfig, TransformerConfig, gpt2_config, llama_config
 from tokenserve.errors import ConfigError, ModelLoadError
-from tokenserve.model import gguf_moe
+from tokenserve.model import families, gguf_moe
+from tokenserve.model.families.rope_scaling import gguf_rope
 from tokenserve.model.gguf_file import (GGUFFile, UnsupportedGGUFError, dequantize, read_gguf,
                                         supported_tensor_types)
 from tokenserve.model.gguf_tokenizer import build_tokenizer
 
 log = logging.getLogger(__name__)
 
-ARCHITECTURES = ("llama", "qwen2", "gpt2", "qwen2moe")
+ARCHITECTURES = ("llama", "qwen2", "gpt2", "qwen2moe", *families.GGUF_ARCHITECTURES,
+                 "qwen3moe")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -54,6 +57,12 @@ def architecture_config(file: GGUFFile, context: int | None = None) -> Transform
     if arch not in ARCHITECTURES:
         raise UnsupportedGGUFError(f"GGUF architecture {arch!r} is not supported; "
                                    f"supported: {', '.join(ARCHITECTURES)}")
+    if arch in families.GGUF_ARCHITECTURES:
+        return families.gguf_config(file, context)
+    if arch == "qwen3moe":
+        return gguf_moe.qwen3_moe_config(file, context)
+    if arch == "llama" and file.get("attention.sliding_window"):  # Mistral
+        return families.gguf_config(file, context)
     for key in ("attention.sliding_window",) + (("expert_count",) if arch == "gpt2" else ()):
         if file.get(key):
             raise UnsupportedGGUFError(f"{arch}.{key} = {file.get(key)} is not supported")
@@ -87,14 +96,16 @@ def architecture_config(file: GGUFFile, context: int | None = None) -> Transform
     if rotary is not None and int(rotary) != head_dim:
         raise UnsupportedGGUFError(f"partial rotary embeddings ({arch}.rope.dimension_count = "
                                    f"{rotary}, head_dim {head_dim}) are not supported")
-    scaling = file.get("rope.scaling.type")
-    if scaling not in (None, "none"):
-        raise UnsupportedGGUFError(f"rope scaling {scaling!r} is not supported; supported: "
-                                   f"none, and the per-pair divisors of rope_freqs.weight")
+    # linear or YaRN (refusing the rest by name); Llama 3.1+'s divisors are rope_freqs.weight
+    _, scaled, attention_factor = gguf_rope(file, float(file.get("rope.freq_base", 10000.0)),
+                                            head_dim)
     # Llama 3.1+'s scaling, as convert_hf_to_gguf writes it: one frequency divisor per pair
     factors = ()
     if "rope_freqs.weight" in file.tensors:
         factors = tuple(float(f) for f in dequantize(file.tensors["rope_freqs.weight"]).ravel())
+        if scaled:
+            raise UnsupportedGGUFError(f"{file.path.name}: rope_freqs.weight beside "
+                                       f"{arch}.rope.scaling.type is not supported")
         if len(factors) != head_dim // 2:
             raise ModelLoadError(f"{file.path.name}: rope_freqs.weight has {len(factors)} "
                                  f"values; head_dim {head_dim} rotates {head_dim // 2} pairs")
@@ -106,7 +117,8 @@ def architecture_config(file: GGUFFile, context: int | None = None) -> Transform
         rope_freq_factors=factors,
         norm_eps=float(file.get("attention.layer_norm_rms_epsilon", 1e-5)))
     return dataclasses.replace(
-        config, qkv_bias="blk.0.attn_q.bias" in file.tensors,
+        config, rope_freq_factors=factors or scaled, rope_attention_factor=attention_factor,
+        qkv_bias="blk.0.attn_q.bias" in file.tensors,
         out_bias="blk.0.attn_output.bias" in file.tensors,
         mlp_bias="blk.0.ffn_up.bias" in file.tensors, **gguf_moe.moe_fields(file))
 
@@ -142,11 +154,9 @@ def _hf_name(config: TransformerConfig, arch: str, name: str) -> str | None:
     else:
         fixed = {"token_embd.weight": "model.embed_tokens.weight",
                  "output_norm.weight": "model.norm.weight", "output.weight": "lm_head.weight"}
-        per_layer = {"attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj",
-                     "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-                     "attn_output": "self_attn.o_proj", "ffn_norm": "post_attention_layernorm",
-                     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-                     "ffn_down": "mlp.down_proj"}
+        per_layer = dict(families.gguf_layer_names(arch))
+        if not config.qk_norm:  # a stray QK-norm tensor is refused by name
+            del per_layer["attn_q_norm"], per_layer["attn_k_norm"]
         layer_prefix = "model.layers.{}."
     if name in fixed:
         return fixed[name]
@@ -180,7 +190,7 @@ def read_weights(file: GGUFFile, config: TransformerConfig) -> dict[str, np.ndar
     for name, tensor in file.tensors.items():
         if name == "rope_freqs.weight":
             continue
-        value = dequantize(tensor)
+        value = families.gguf_tensor_value(arch, name, dequantize(tensor))
         if config.num_experts and gguf_moe.is_expert_tensor(name):
             tensors.update(gguf_moe.hf_tensors(name, value, gguf_moe.hf_architecture(file)))
             continue
@@ -203,8 +213,11 @@ def assign_weights(model, config: TransformerConfig, file: GGUFFile,
     from tokenserve.model.hf import assign_weights as assign_hf
 
     arch = gguf_moe.hf_architecture(file) or {"gpt2": "GPT2LMHeadModel",
-                                               "qwen2": "Qwen2ForCausalLM"}.get(
+                                               "qwen2": "Qwen2ForCausalLM",
+                                               **families.GGUF_ARCHITECTURES}.get(
         file.architecture, "LlamaForCausalLM")
+    if arch == "LlamaForCausalLM" and config.sliding_windows:
+        arch = "MistralForCausalLM"
     if file.architecture == "gpt2" and not config.tie_embeddings:
         # hf.py maps only GPT-2's tied head; an untied one is assigned here
         head = next(w for w in model.weights if w.path.endswith("head/kernel"))
@@ -213,12 +226,17 @@ def assign_weights(model, config: TransformerConfig, file: GGUFFile,
         assign_hf(model, config, arch, tensors)
     except ModelLoadError as error:
         message = re.sub(r"\b(?:model\.|h\.\d|wte\.|wpe\.|ln_f\.|lm_head\.)[\w.]*",
-                         lambda m: _gguf_name_for(m[0]), str(error))
+                         lambda m: _gguf_name_for(m[0], file.architecture), str(error))
         raise ModelLoadError(f"{file.path.name}: {message.replace('checkpoint', 'file')}") from None
 
 
-def _gguf_name_for(hf: str) -> str:
+def _gguf_name_for(hf: str, arch: str = "llama") -> str:
     """The GGUF name a missing Hugging Face tensor would have had (for messages)."""
+    match = re.fullmatch(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)", hf)
+    if match and arch != "gpt2":
+        ours = {v: k for k, v in families.gguf_layer_names(arch).items()}.get(match[2])
+        if ours is not None:
+            return f"blk.{match[1]}.{ours}.{match[3]}"
     pairs = [("model.embed_tokens", "token_embd"), ("model.norm", "output_norm"),
              ("lm_head", "output"), ("model.layers.", "blk."), ("h.", "blk."),
              ("self_attn.q_proj", "attn_q"), ("self_attn.k_proj", "attn_k"),
@@ -261,9 +279,13 @@ def load_gguf(path: str | Path, compute_dtype: str = "float32", context: int | N
     if tokenizer.vocab_size > config.vocab_size:
         raise ModelLoadError(f"{file.path.name}: the tokenizer has {tokenizer.vocab_size} tokens "
                              f"but token_embd.weight only {config.vocab_size} rows")
-    if keep_blocks and config.num_experts:  # experts' blocks are not kept: dequantized
-        log.info("%s: a mixture of experts is dequantized (blocks are kept for dense "
-                 "models only)", file.path.name)
+    arch = file.architecture
+    if keep_blocks and (config.num_experts or arch in families.GGUF_ARCHITECTURES):
+        # the stored-blocks import reads llama, qwen2 and gpt2 layers; experts and the newer
+        # families' extra tensors (QK-norm, post-norms) go through the dequantizing reader
+        log.info("%s: %s is dequantized (blocks are kept for dense llama, qwen2 and gpt2 "
+                 "files)", file.path.name,
+                 "a mixture of experts" if config.num_experts else f"architecture {arch!r}")
         keep_blocks = False
     if keep_blocks:
         from tokenserve.model.gguf_stored import assign_stored, stored_config, tie_if_same_blocks
@@ -274,12 +296,17 @@ def load_gguf(path: str | Path, compute_dtype: str = "float32", context: int | N
     else:
         tensors = read_weights(file, config)
         config = _tie_if_equal(config, tensors)
-        model = build_model(config, dtype=compute_dtype)
+        from tokenserve.model.layers import restoring_weights
+
+        with restoring_weights():  # every weight is assigned below: no random draws first
+            model = build_model(config, dtype=compute_dtype)
         assign_weights(model, config, file, tensors)
     template = file.metadata.get("tokenizer.chat_template")
     generation = GenerationConfig(
         model=config, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
         chat_template=template if isinstance(template, str) else None,
-        name=name or file.path.name.removesuffix(".gguf"))
+        name=name or file.path.name.removesuffix(".gguf"),
+        add_bos_token=bool(file.metadata.get("tokenizer.ggml.add_bos_token", False)))
+    tokenizer.add_bos = generation.add_bos_token
     return model, tokenizer, generation

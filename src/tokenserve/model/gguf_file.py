@@ -11,11 +11,10 @@ from typing import Any
 
 import numpy as np
 
-from tokenserve.errors import ConfigError, ModelLoadError, ModelNotFoundError
+from tokenserve.errors import ModelLoadError, ModelNotFoundError, UnsupportedGGUFError
 
-
-class UnsupportedGGUFError(ConfigError):
-    """The file uses an architecture, tensor type or tokenizer that tokenserve cannot import."""
+__all__ = ["GGUFFile", "UnsupportedGGUFError", "dequantize", "read_gguf",
+           "supported_tensor_types"]
 
 
 @dataclasses.dataclass

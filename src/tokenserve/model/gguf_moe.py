@@ -1,4 +1,5 @@
-"""Mixture-of-experts GGUF files: Mixtral (`llama` with `llama.expert_count`) and `qwen2moe`.
+"""Mixture-of-experts GGUF files: Mixtral (`llama` with `llama.expert_count`), `qwen2moe`
+and `qwen3moe` (Qwen3's attention, with `attn_q_norm`/`attn_k_norm`, and no shared expert).
 
 llama.cpp's convert_hf_to_gguf stacks each layer's experts into one tensor per role,
 `blk.{i}.ffn_{gate,up,down}_exps.weight` (NumPy [E, out, in] once read), next to the router
@@ -12,6 +13,7 @@ first: a missing one, or one holding another number of experts than the file's
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import numpy as np
@@ -28,6 +30,8 @@ def hf_architecture(file) -> str | None:
     """The Hugging Face architecture a MoE file's tensors are named for, or None."""
     if file.architecture == "qwen2moe":
         return "Qwen2MoeForCausalLM"
+    if file.architecture == "qwen3moe":
+        return "Qwen3MoeForCausalLM"
     if file.architecture == "llama" and file.get("expert_count"):
         return "MixtralForCausalLM"
     return None
@@ -42,10 +46,28 @@ def moe_fields(file) -> dict:
     if file.architecture == "llama":  # Mixtral: experts as wide as feed_forward_length
         return dict(fields, expert_intermediate_size=int(file.require("feed_forward_length")),
                     normalize_expert_weights=True)
+    if file.architecture == "qwen3moe":  # llama.cpp always renormalises its top-k
+        return dict(fields,
+                    expert_intermediate_size=int(file.require("expert_feed_forward_length")),
+                    normalize_expert_weights=bool(file.get("expert_weights_norm", True)))
     return dict(fields,
                 expert_intermediate_size=int(file.require("expert_feed_forward_length")),
                 shared_expert_size=int(file.get("expert_shared_feed_forward_length", 0)),
                 normalize_expert_weights=bool(file.get("expert_weights_norm", False)))
+
+
+def qwen3_moe_config(file, context: int | None = None) -> TransformerConfig:
+    """A `qwen3moe` file's config: Qwen3's as the families read it, every MLP a mixture of
+    experts. QK-norm is the family's: a file without blk.0.attn_q_norm is refused by that
+    name (when its weights are assigned), not run without it."""
+    from tokenserve.model import families
+
+    if file.get("expert_shared_feed_forward_length"):
+        raise ModelLoadError(f"{file.path.name}: qwen3moe has no shared expert, but "
+                             f"qwen3moe.expert_shared_feed_forward_length is "
+                             f"{file.get('expert_shared_feed_forward_length')}")
+    return dataclasses.replace(families.gguf_config(file, context), qk_norm=True,
+                               **moe_fields(file))
 
 
 def is_expert_tensor(name: str) -> bool:
@@ -53,9 +75,16 @@ def is_expert_tensor(name: str) -> bool:
 
 
 def check_experts(file, config: TransformerConfig) -> None:
-    """Refuses a file missing any layer's router or expert tensor, or whose stacked experts
-    number other than `expert_count`, naming the tensor."""
+    """Refuses a file missing any layer's router or expert tensor, whose stacked experts
+    number other than `expert_count`, or with a shared expert its config has none of,
+    naming the tensor."""
     roles = _ROUTED + (_SHARED if config.shared_expert_size else ())
+    if not config.shared_expert_size:
+        stray = sorted(n for n in file.tensors
+                       if (m := _PATTERN.fullmatch(n)) and m[2] in _SHARED)
+        if stray:
+            raise ModelLoadError(f"{file.path.name} has tensor {stray[0]}, a shared expert's, "
+                                 f"but {file.architecture} files here have no shared expert")
     for layer in range(config.num_layers):
         for role in roles:
             name = f"blk.{layer}.{role}.weight"

@@ -17,10 +17,13 @@ import numpy as np
 
 from tokenserve.config import GenerationConfig, TransformerConfig, gpt2_config, llama_config
 from tokenserve.errors import ConfigError, ModelLoadError, ModelNotFoundError
-from tokenserve.model.hf_moe import MOE_ARCHITECTURES, check_expert_count, expert_names, moe_fields
-from tokenserve.model.rope import llama3_rope_factors
+from tokenserve.model import families
+from tokenserve.model.families.rope_scaling import hf_rope
+from tokenserve.model.hf_moe import (MOE_ARCHITECTURES, check_expert_count, expert_names,
+                                     moe_fields, qwen3_moe_config, qwen3_moe_names)
 
-SUPPORTED = ("GPT2LMHeadModel", "LlamaForCausalLM", "Qwen2ForCausalLM", *MOE_ARCHITECTURES)
+SUPPORTED = ("GPT2LMHeadModel", "LlamaForCausalLM", "Qwen2ForCausalLM", *MOE_ARCHITECTURES,
+             *families.HF_ARCHITECTURES)
 # Buffers some checkpoints carry that are not parameters.
 _IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias", "rotary_emb.inv_freq")
 
@@ -33,29 +36,23 @@ def _read_json(path: Path) -> dict:
     return json.loads(path.read_text()) if path.exists() else {}
 
 
-def _rope(hf: dict, head_dim: int) -> tuple[float, tuple[float, ...]]:
-    """(rope_theta, rope_freq_factors) of a config.json: plain RoPE, or Llama 3.1+'s
-    "llama3" scaling as the per-pair divisors it amounts to."""
+def _rope(hf: dict, head_dim: int) -> tuple[float, tuple[float, ...], float]:
+    """(rope_theta, rope_freq_factors, rope_attention_factor) of a config.json: plain RoPE,
+    or a scaling (llama3, linear, yarn) as the per-pair divisors it amounts to."""
     # transformers 5 moved rope_theta (and the scaling) into rope_parameters
     params = hf.get("rope_parameters") or {}
     scaling = hf.get("rope_scaling") or params
-    kind = scaling.get("rope_type") or scaling.get("type") or "default"
     theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
-    if kind == "default":
-        return theta, ()
-    if kind == "llama3":
-        return theta, llama3_rope_factors(
-            theta, head_dim, factor=float(scaling["factor"]),
-            low_freq_factor=float(scaling["low_freq_factor"]),
-            high_freq_factor=float(scaling["high_freq_factor"]),
-            original_context=float(scaling["original_max_position_embeddings"]))
-    raise UnsupportedArchitectureError(f"rope scaling {kind!r} is not supported; "
-                                       f"supported: default, llama3")
+    return hf_rope(scaling, theta, head_dim, hf.get("max_position_embeddings", 0))
 
 
 def architecture_config(hf: dict) -> TransformerConfig:
     """Our TransformerConfig for a Hugging Face config.json."""
     arch = (hf.get("architectures") or ["<none>"])[0]
+    if arch in families.HF_ARCHITECTURES:
+        return families.hf_config(hf)
+    if arch == "Qwen3MoeForCausalLM":
+        return qwen3_moe_config(hf)
     if arch == "GPT2LMHeadModel":
         activation = hf.get("activation_function", "gelu_new")
         if activation not in ("gelu_new", "gelu_pytorch_tanh"):
@@ -75,7 +72,7 @@ def architecture_config(hf: dict) -> TransformerConfig:
                 f"head_dim {head_dim} x {heads} heads != hidden_size {hf['hidden_size']}")
         if hf.get("hidden_act", "silu") != "silu":
             raise UnsupportedArchitectureError(f"activation {hf['hidden_act']!r} is not supported")
-        theta, factors = _rope(hf, head_dim)
+        theta, factors, attention_factor = _rope(hf, head_dim)
 
         config = llama_config(
             vocab_size=hf["vocab_size"], max_seq_len=hf["max_position_embeddings"],
@@ -87,7 +84,7 @@ def architecture_config(hf: dict) -> TransformerConfig:
         attention_bias = (arch in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
                           or hf.get("attention_bias", False))
         return dataclasses.replace(
-            config, qkv_bias=attention_bias,
+            config, qkv_bias=attention_bias, rope_attention_factor=attention_factor,
             out_bias=hf.get("attention_bias", False) and arch == "LlamaForCausalLM",
             mlp_bias=hf.get("mlp_bias", False), **moe_fields(hf, arch))
     raise UnsupportedArchitectureError(
@@ -176,6 +173,13 @@ def assign_weights(model, config: TransformerConfig, arch: str, tensors: dict) -
         prefix = "transformer." if any(k.startswith("transformer.") for k in tensors) else ""
         names = _gpt2_names(config, lambda n: prefix + n)
         tied_head = "lm_head.weight"
+    elif arch in families.HF_ARCHITECTURES:
+        names = families.hf_tensor_names(config, arch)
+        tied_head = "lm_head.weight" if config.tie_embeddings else None
+    elif arch == "Qwen3MoeForCausalLM":
+        check_expert_count(config, arch, tensors)
+        names = qwen3_moe_names(config)
+        tied_head = "lm_head.weight" if config.tie_embeddings else None
     else:
         names = _llama_names(config)
         tied_head = "lm_head.weight" if config.tie_embeddings else None
@@ -248,10 +252,14 @@ def load_hf(directory: str | Path, compute_dtype: str = "float32"):
     pad = special("pad")
     tokenizer = Tokenizer(hf_tokenizer, bos_token_id=eos if bos is None else bos,
                           eos_token_id=eos, pad_token_id=eos if pad is None else pad)
-    model = build_model(config, dtype=compute_dtype)
+    from tokenserve.model.layers import restoring_weights
+
+    with restoring_weights():  # every weight is assigned below: no random draws first
+        model = build_model(config, dtype=compute_dtype)
     assign_weights(model, config, hf["architectures"][0], read_safetensors(directory))
     generation_config = GenerationConfig(
         model=config, bos_token_id=tokenizer.bos_token_id, eos_token_id=eos,
         pad_token_id=tokenizer.pad_token_id, chat_template=tokenizer_config.get("chat_template"),
-        name=directory.name)
+        name=directory.name, add_bos_token=bool(tokenizer_config.get("add_bos_token", False)))
+    tokenizer.add_bos = generation_config.add_bos_token
     return model, tokenizer, generation_config

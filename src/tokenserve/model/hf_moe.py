@@ -1,14 +1,19 @@
-"""Mixture-of-experts checkpoints from Hugging Face: Mixtral and Qwen2-MoE.
+"""Mixture-of-experts checkpoints from Hugging Face: Mixtral, Qwen2-MoE and Qwen3-MoE.
 
-Both are the Llama (Qwen2) architecture with each block's MLP replaced by a router and
-SwiGLU experts stored one tensor set per expert: Mixtral's `block_sparse_moe.experts.{e}.w1`
-(gate), `w3` (up) and `w2` (down); Qwen2-MoE's `mlp.experts.{e}.gate_proj/up_proj/down_proj`
-plus `mlp.shared_expert.*` and its sigmoid gate `mlp.shared_expert_gate`. `hf.py` reads the
-rest of the checkpoint; this module gives the config fields and the experts' tensor names.
+Mixtral and Qwen2-MoE are the Llama (Qwen2) architecture with each block's MLP replaced by
+a router and SwiGLU experts stored one tensor set per expert: Mixtral's
+`block_sparse_moe.experts.{e}.w1` (gate), `w3` (up) and `w2` (down); Qwen2-MoE's
+`mlp.experts.{e}.gate_proj/up_proj/down_proj` plus `mlp.shared_expert.*` and its sigmoid
+gate `mlp.shared_expert_gate`. `hf.py` reads the rest of the checkpoint; this module gives
+the config fields and the experts' tensor names.
+Qwen3-MoE (Qwen3-30B-A3B) is Qwen3's attention (QK-norm, no qkv bias: model/families/) with
+Qwen2-MoE's expert layout and no shared expert; its config and dense tensor names come from
+the families' Qwen3 reading, the experts' from here.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import numpy as np
@@ -16,13 +21,15 @@ import numpy as np
 from tokenserve.config import TransformerConfig
 from tokenserve.errors import ConfigError, ModelLoadError
 
-MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM")
+MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 
 # where a layer's experts live, by architecture: (router, expert prefix, gate, up, down)
 _LAYOUT = {
     "MixtralForCausalLM": ("block_sparse_moe.gate", "block_sparse_moe.experts", "w1", "w3", "w2"),
     "Qwen2MoeForCausalLM": ("mlp.gate", "mlp.experts", "gate_proj", "up_proj", "down_proj"),
+    "Qwen3MoeForCausalLM": ("mlp.gate", "mlp.experts", "gate_proj", "up_proj", "down_proj"),
 }
+_QWEN3 = "Qwen3ForCausalLM"  # the dense family whose attention Qwen3-MoE keeps
 
 
 class UnsupportedMoEError(ConfigError):
@@ -39,19 +46,44 @@ def moe_fields(hf: dict, arch: str) -> dict:
                     num_experts_per_token=hf["num_experts_per_tok"],
                     expert_intermediate_size=hf["intermediate_size"],
                     normalize_expert_weights=True)
-    if arch == "Qwen2MoeForCausalLM":
+    if arch in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"):
+        family = "Qwen2-MoE" if arch == "Qwen2MoeForCausalLM" else "Qwen3-MoE"
         if hf.get("decoder_sparse_step", 1) != 1 or hf.get("mlp_only_layers"):
             raise UnsupportedMoEError(
-                f"Qwen2-MoE with dense layers (decoder_sparse_step "
+                f"{family} with dense layers (decoder_sparse_step "
                 f"{hf.get('decoder_sparse_step', 1)}, mlp_only_layers "
                 f"{hf.get('mlp_only_layers')}) is not supported")
         if hf.get("use_sliding_window"):
-            raise UnsupportedMoEError("Qwen2-MoE use_sliding_window is not supported")
-        return dict(num_experts=hf["num_experts"], num_experts_per_token=hf["num_experts_per_tok"],
+            raise UnsupportedMoEError(f"{family} use_sliding_window is not supported")
+        # transformers 5 saves Qwen3-MoE's num_experts as num_local_experts
+        experts = hf["num_experts"] if "num_experts" in hf else hf["num_local_experts"]
+        return dict(num_experts=experts, num_experts_per_token=hf["num_experts_per_tok"],
                     expert_intermediate_size=hf["moe_intermediate_size"],
                     normalize_expert_weights=bool(hf.get("norm_topk_prob", False)),
                     shared_expert_size=hf.get("shared_expert_intermediate_size") or 0)
     return {}
+
+
+def qwen3_moe_config(hf: dict) -> TransformerConfig:
+    """Qwen3-MoE's TransformerConfig: Qwen3's as the families read it (head_dim, QK-norm,
+    RoPE scaling), every MLP a mixture of experts. Its config.json's intermediate_size is
+    the width of dense layers it has none of; moe_intermediate_size stands in if absent."""
+    from tokenserve.model import families
+
+    fields = moe_fields(hf, "Qwen3MoeForCausalLM")  # refuses dense layers before anything
+    dense = dict(hf, architectures=[_QWEN3],
+                 intermediate_size=hf.get("intermediate_size") or hf["moe_intermediate_size"])
+    return dataclasses.replace(families.hf_config(dense), **fields)
+
+
+def qwen3_moe_names(config: TransformerConfig) -> dict:
+    """our weight name -> (hf tensor names, combine) for Qwen3-MoE: Qwen3's attention and
+    norms (the families' names, less the dense MLP's), then the experts'."""
+    from tokenserve.model import families
+
+    names = {ours: found for ours, found in families.hf_tensor_names(config, _QWEN3).items()
+             if not ours.endswith(("/up/kernel", "/down/kernel", "/up/bias", "/down/bias"))}
+    return names | expert_names(config, "Qwen3MoeForCausalLM")
 
 
 def check_expert_count(config: TransformerConfig, arch: str, tensors: dict) -> None:

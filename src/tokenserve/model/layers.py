@@ -121,21 +121,26 @@ def int8_linear(x, q, scale):
 
 
 def mlp(x, up: dict, down: dict, kind: str):
-    """GPT-2's GELU MLP or Llama's SwiGLU (gate and up fused in one kernel)."""
+    """GPT-2's GELU MLP, Llama's SwiGLU or Gemma's GeGLU (gate and up fused in one kernel)."""
     h = linear(x, up)
     if kind == "swiglu":
         gate, h = tf.split(h, 2, axis=-1)
         h = tf.nn.silu(gate) * h
+    elif kind == "geglu":
+        gate, h = tf.split(h, 2, axis=-1)
+        h = tf.nn.gelu(gate, approximate=True) * h
     else:
         h = tf.nn.gelu(h, approximate=True)
     return linear(h, down)
 
 
 def rope_angles(positions, head_dim: int, theta: float, dtype,
-                freq_factors: tuple[float, ...] = ()):
+                freq_factors: tuple[float, ...] = (), attention_factor: float = 1.0):
     """Rotary position embedding (Hugging Face's rotate-half convention), first half: cos and
     sin of the angles, [B, T, 1, Dh] each for int32 positions [B, T]. They are the same for q
-    and k and for every layer, so they are computed once and applied with apply_rope."""
+    and k and for every layer of one RoPE base, so they are computed once and applied with
+    apply_rope. head_dim: the rotated width (a partial rotary's rotary_dim, which then is
+    also the last axis of cos and sin); attention_factor scales both (YaRN)."""
     if not freq_factors:  # the graph every export without scaling has always had
         inv_freq = 1.0 / (theta ** (tf.range(0, head_dim, 2, dtype=tf.float32) / head_dim))
     else:
@@ -144,26 +149,59 @@ def rope_angles(positions, head_dim: int, theta: float, dtype,
                                tf.float32)
     angles = tf.cast(positions, tf.float32)[..., None] * inv_freq  # [B, T, Dh/2]
     angles = tf.concat([angles, angles], axis=-1)[:, :, None, :]  # [B, T, 1, Dh]
-    return tf.cast(tf.cos(angles), dtype), tf.cast(tf.sin(angles), dtype)
+    cos, sin = tf.cos(angles), tf.sin(angles)
+    if attention_factor != 1.0:
+        cos, sin = cos * attention_factor, sin * attention_factor
+    return tf.cast(cos, dtype), tf.cast(sin, dtype)
+
+
+def layer_rope_angles(config: TransformerConfig, layer: int, positions, dtype):
+    """rope_angles for layer `layer` of `config` (its base, scaling and rotated width)."""
+    theta, factors, attention_factor = config.layer_rope(layer)
+    return rope_angles(positions, config.rotary_dim, theta, dtype, factors, attention_factor)
 
 
 def apply_rope(x, cos, sin):
-    """x: [B, T, H, Dh] rotated by the angles of rope_angles (second half)."""
+    """x: [B, T, H, Dh] rotated by the angles of rope_angles (second half); with cos and sin
+    narrower than Dh (a partial rotary), only the leading dimensions turn."""
+    rotary, width = cos.shape[-1], x.shape[-1]
+    if rotary is not None and width is not None and rotary < width:
+        turned, passed = tf.split(x, [rotary, width - rotary], axis=-1)
+        return tf.concat([apply_rope(turned, cos, sin), passed], axis=-1)
     x1, x2 = tf.split(x, 2, axis=-1)
     return x * cos + tf.concat([-x2, x1], axis=-1) * sin
 
 
-def attend(q, k, v, mask):
+def soft_cap(x, cap: float):
+    """cap * tanh(x / cap) (Gemma 2's scores and logits); x unchanged for cap 0."""
+    return cap * tf.tanh(x / cap) if cap else x
+
+
+def visible(key, query, window: int):
+    """Whether key position `key` is visible to a query at `query` (broadcast): causal, and
+    within the last `window` positions when window > 0 (a sliding-window layer)."""
+    causal = key <= query
+    return causal & (key > query - window) if window else causal
+
+
+def head_norm(x, weights: dict, eps: float):
+    """RMSNorm of each head of x [..., H, Dh] with scale [Dh] (QK-norm)."""
+    return norm(x, weights, "rmsnorm", eps)
+
+
+def attend(q, k, v, mask, scale: float | None = None, softcap: float = 0.0):
     """Grouped-query scaled dot-product attention.
 
-    q: [B, T, H, Dh]; k, v: [B, S, Hkv, Dh]; mask: bool [B, T, S].
+    q: [B, T, H, Dh]; k, v: [B, S, Hkv, Dh]; mask: bool [B, T, S]; scale: of the scores
+    (default 1 / sqrt(Dh)); softcap: soft_cap's, on the scaled scores.
     Returns [B, T, H * Dh].
     """
     batch, num_q = tf.shape(q)[0], tf.shape(q)[1]
     num_heads, head_dim, num_kv = q.shape[2], q.shape[3], k.shape[2]
     q = tf.reshape(q, [batch, num_q, num_kv, num_heads // num_kv, head_dim])
-    scores = tf.einsum("btkgd,bskd->bkgts", q, k) * (1.0 / math.sqrt(head_dim))
-    scores = tf.cast(scores, tf.float32)
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
+    scores = tf.einsum("btkgd,bskd->bkgts", q, k) * scale
+    scores = soft_cap(tf.cast(scores, tf.float32), softcap)
     scores = tf.where(mask[:, None, None, :, :], scores, tf.float32.min)
     probs = tf.cast(tf.nn.softmax(scores, axis=-1), v.dtype)
     out = tf.einsum("bkgts,bskd->btkgd", probs, v)
@@ -222,9 +260,10 @@ class Dense(keras.layers.Layer):
 class Attention(keras.layers.Layer):
     """Multi-head / grouped-query self-attention with an optional KV cache."""
 
-    def __init__(self, config: TransformerConfig, formats: dict | None = None, **kwargs):
+    def __init__(self, config: TransformerConfig, layer: int = 0, formats: dict | None = None,
+                 **kwargs):
         super().__init__(**kwargs)
-        self.config = config
+        self.config, self.layer = config, layer
         c = config
         formats = formats or {}  # role -> weight_format (a GGUF import's differ by layer)
         self.qkv = Dense((c.num_heads + 2 * c.num_kv_heads) * c.head_dim, c.qkv_bias,
@@ -232,6 +271,16 @@ class Attention(keras.layers.Layer):
         out_std = _INIT_STD / math.sqrt(2 * c.num_layers)  # GPT-2's scaled residual init
         self.out = Dense(c.hidden_size, c.out_bias, std=out_std,
                          weight_format=formats.get("out", c.weight_format), name="out")
+        self.q_norm = self.k_norm = None
+        if c.qk_norm:
+            self.q_norm = Norm("rmsnorm", c.norm_eps, name="q_norm")
+            self.k_norm = Norm("rmsnorm", c.norm_eps, name="k_norm")
+
+    def build_norms(self):
+        """QK-norm's scales, [Dh] each (Block.build builds the rest)."""
+        if self.q_norm is not None:
+            self.q_norm.build((None, self.config.head_dim))
+            self.k_norm.build((None, self.config.head_dim))
 
     def _project(self, x, positions):
         c = self.config
@@ -242,16 +291,22 @@ class Attention(keras.layers.Layer):
         q = tf.reshape(q, [batch, length, c.num_heads, c.head_dim])
         k = tf.reshape(k, [batch, length, c.num_kv_heads, c.head_dim])
         v = tf.reshape(v, [batch, length, c.num_kv_heads, c.head_dim])
+        if self.q_norm is not None:
+            q = head_norm(q, self.q_norm.weights_dict(), c.norm_eps)
+            k = head_norm(k, self.k_norm.weights_dict(), c.norm_eps)
         if c.position == "rope":
-            cos, sin = rope_angles(positions, c.head_dim, c.rope_theta, q.dtype,
-                                   c.rope_freq_factors)
+            cos, sin = layer_rope_angles(c, self.layer, positions, q.dtype)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         return q, k, v
+
+    def _attend(self, q, k, v, mask):
+        c = self.config
+        return attend(q, k, v, mask, c.score_scale, c.attn_softcap)
 
     def call(self, x, positions, mask):
         """Full forward: x [B, T, D] attends to itself under `mask` [B, T, T]."""
         q, k, v = self._project(x, positions)
-        return self.out(attend(q, k, v, mask))
+        return self.out(self._attend(q, k, v, mask))
 
     def call_cached(self, x, positions, mask, cache):
         """Writes this chunk's K/V into `cache` and attends over the whole cache.
@@ -268,7 +323,7 @@ class Attention(keras.layers.Layer):
         cache = tf.tensor_scatter_nd_update(cache, index,
                                             tf.cast(tf.concat([k, v], axis=0), cache.dtype))
         keys, values = tf.cast(cache[0], q.dtype), tf.cast(cache[1], q.dtype)  # [B, L, Hkv, Dh]
-        return self.out(attend(q, keys, values, mask)), cache
+        return self.out(self._attend(q, keys, values, mask)), cache
 
 
 class MLP(keras.layers.Layer):
@@ -279,7 +334,7 @@ class MLP(keras.layers.Layer):
         c = config
         self.kind = c.mlp
         formats = formats or {}  # role -> weight_format, as Attention's
-        width = 2 * c.intermediate_size if c.mlp == "swiglu" else c.intermediate_size
+        width = c.intermediate_size if c.mlp == "gelu" else 2 * c.intermediate_size
         self.up = Dense(width, c.mlp_bias, weight_format=formats.get("up", c.weight_format),
                         name="up")
         self.down = Dense(c.hidden_size, c.mlp_bias, std=_INIT_STD / math.sqrt(2 * c.num_layers),
@@ -290,18 +345,23 @@ class MLP(keras.layers.Layer):
 
 
 class Block(keras.layers.Layer):
-    """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x))."""
+    """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x)); with post_norms
+    (Gemma) each branch's output is normed too before it is added."""
 
-    def __init__(self, config: TransformerConfig, **kwargs):
+    def __init__(self, config: TransformerConfig, layer: int = 0, **kwargs):
         super().__init__(**kwargs)
         # each projection's weight format: the config's, or its GGUF file's blocks by layer
         formats = {role: layer_format(config, f"{self.name}/{role}")
                    for role in ("qkv", "out", "up", "down")}
         self.attn_norm = Norm(config.norm, config.norm_eps, name="attn_norm")
-        self.attn = Attention(config, formats, name="attn")
+        self.attn = Attention(config, layer, formats, name="attn")
         self.mlp_norm = Norm(config.norm, config.norm_eps, name="mlp_norm")
         self.formats = formats
         self.mlp = self.make_mlp(config)
+        self.post_attn_norm = self.post_mlp_norm = None
+        if config.post_norms:
+            self.post_attn_norm = Norm(config.norm, config.norm_eps, name="post_attn_norm")
+            self.post_mlp_norm = Norm(config.norm, config.norm_eps, name="post_mlp_norm")
 
     def make_mlp(self, config: TransformerConfig):
         """The block's feed-forward layer (a mixture of experts overrides it: model/moe.py)."""
@@ -312,22 +372,30 @@ class Block(keras.layers.Layer):
         self.attn.qkv.build(input_shape)
         c = self.attn.config  # heads may be pruned: the attention width can be below hidden
         self.attn.out.build((*input_shape[:-1], c.num_heads * c.head_dim))
+        self.attn.build_norms()
         self.mlp_norm.build(input_shape)
         self.build_mlp(input_shape)
+        if self.post_attn_norm is not None:
+            self.post_attn_norm.build(input_shape)
+            self.post_mlp_norm.build(input_shape)
 
     def build_mlp(self, input_shape):
         self.mlp.up.build(input_shape)
-        self.mlp.down.build((None, None, self.mlp.up.units // (2 if self.mlp.kind == "swiglu" else 1)))
+        gated = self.mlp.kind != "gelu"  # up holds gate and up: twice the MLP's width
+        self.mlp.down.build((None, None, self.mlp.up.units // (2 if gated else 1)))
+
+    def _residual(self, x, h, post_norm):
+        return x + (h if post_norm is None else post_norm(h))
 
     def mlp_weights(self) -> dict:
         """The feed-forward layer's variables by role, as the engine's step takes them."""
         return {"up": self.mlp.up.weights_dict(), "down": self.mlp.down.weights_dict()}
 
     def call(self, x, positions, mask):
-        x = x + self.attn(self.attn_norm(x), positions, mask)
-        return x + self.mlp(self.mlp_norm(x))
+        x = self._residual(x, self.attn(self.attn_norm(x), positions, mask), self.post_attn_norm)
+        return self._residual(x, self.mlp(self.mlp_norm(x)), self.post_mlp_norm)
 
     def call_cached(self, x, positions, mask, cache):
         h, cache = self.attn.call_cached(self.attn_norm(x), positions, mask, cache)
-        x = x + h
-        return x + self.mlp(self.mlp_norm(x)), cache
+        x = self._residual(x, h, self.post_attn_norm)
+        return self._residual(x, self.mlp(self.mlp_norm(x)), self.post_mlp_norm), cache

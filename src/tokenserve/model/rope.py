@@ -35,3 +35,41 @@ def llama3_rope_factors(theta: float, head_dim: int, factor: float, low_freq_fac
                         np.where(wavelength > original_context / low_freq_factor, factor,
                                  blended))
     return tuple(float(d) for d in divisors)
+
+
+def linear_rope_factors(rotary_dim: int, factor: float) -> tuple[float, ...]:
+    """Linear ("position interpolation") scaling: every pair turns `factor` times slower."""
+    return (float(factor),) * (rotary_dim // 2)
+
+
+def yarn_attention_factor(factor: float, mscale: float | None = None,
+                          mscale_all_dim: float | None = None) -> float:
+    """YaRN's scale of cos and sin when the config gives none: 0.1 ln(factor) + 1 (or the
+    ratio of two such, with DeepSeek's mscale and mscale_all_dim)."""
+    def get(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * float(np.log(scale)) + 1.0
+    if mscale and mscale_all_dim:
+        return get(factor, mscale) / get(factor, mscale_all_dim)
+    return get(factor)
+
+
+def yarn_rope_factors(rotary_dim: int, theta: float, factor: float, original_context: float,
+                      beta_fast: float = 32.0, beta_slow: float = 1.0,
+                      truncate: bool = True) -> tuple[float, ...]:
+    """YaRN's frequencies as divisors of each pair's: pairs that turn more than beta_fast
+    times over original_context keep theirs, those under beta_slow turn `factor` times
+    slower, the ones between blend the two along a linear ramp (as transformers computes
+    them)."""
+    def correction_dim(rotations: float) -> float:
+        return (rotary_dim * np.log(original_context / (rotations * 2 * np.pi))
+                / (2 * np.log(theta)))
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if truncate:
+        low, high = np.floor(low), np.ceil(high)
+    low, high = max(low, 0), min(high, rotary_dim - 1)
+    if low == high:
+        high += 0.001  # as transformers: no division by zero
+    ramp = np.clip((np.arange(rotary_dim // 2) - low) / (high - low), 0, 1)
+    extrapolation = 1 - ramp  # share of each pair's own (unscaled) frequency
+    multiplier = (1 - extrapolation) / factor + extrapolation
+    return tuple(float(1.0 / m) for m in multiplier)

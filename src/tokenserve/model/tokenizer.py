@@ -15,10 +15,13 @@ SPECIAL_TOKENS = [PAD, BOS, EOS]  # ids 0, 1, 2 in a tokenizer we train
 class Tokenizer:
     """Text <-> token ids, with the special tokens a generation config needs."""
 
-    def __init__(self, hf: HFTokenizer, bos_token_id: int, eos_token_id: int, pad_token_id: int):
+    def __init__(self, hf: HFTokenizer, bos_token_id: int, eos_token_id: int, pad_token_id: int,
+                 add_bos: bool = False):
         self.hf = hf
         self.bos_token_id, self.eos_token_id, self.pad_token_id = (
             bos_token_id, eos_token_id, pad_token_id)
+        self.add_bos = add_bos
+        """Prompts start with bos_token_id (GenerationConfig.add_bos_token: Gemma)."""
 
     @classmethod
     def with_special_tokens(cls, hf: HFTokenizer, bos: str = BOS, eos: str = EOS,
@@ -61,6 +64,14 @@ class Tokenizer:
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         return [e.ids for e in self.hf.encode_batch(texts, add_special_tokens=False)]
+
+    def encode_prompts(self, texts: list[str]) -> list[list[int]]:
+        """encode_batch for prompts: with add_bos, each starts with bos_token_id, unless its
+        text did already (a chat template that writes the bos token itself)."""
+        ids = self.encode_batch(texts)
+        if not self.add_bos:
+            return ids
+        return [i if i[:1] == [self.bos_token_id] else [self.bos_token_id] + i for i in ids]
 
     def decode(self, token_ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         return self.hf.decode(list(token_ids), skip_special_tokens=skip_special_tokens)

@@ -9,7 +9,8 @@ from tokenserve.config import TransformerConfig
 from tokenserve.model.base import DecoderLM
 from tokenserve.kernels.gguf_types import INT8, layer_format, parse_spec, row_bytes
 from tokenserve.model.gguf_linear import blocks_entries, gguf_embedding
-from tokenserve.model.layers import Block, Dense, Norm, _normal, int8_linear, linear
+from tokenserve.model.layers import (Block, Dense, Norm, _normal, int8_linear, linear,
+                                     soft_cap, visible)
 from tokenserve.model.moe import MoEBlock
 
 
@@ -24,7 +25,7 @@ class TransformerLM(DecoderLM):
         super().__init__(**kwargs)
         self.config = config
         block = MoEBlock if config.num_experts else Block
-        self.blocks = [block(config, name=f"block_{i}") for i in range(config.num_layers)]
+        self.blocks = [block(config, i, name=f"block_{i}") for i in range(config.num_layers)]
         self.final_norm = Norm(config.norm, config.norm_eps, name="final_norm")
         self.head = None if config.tie_embeddings else Dense(
             config.vocab_size, False, weight_format=layer_format(config, "head"), name="head")
@@ -79,6 +80,8 @@ class TransformerLM(DecoderLM):
             x = tf.cast(rows * tf.gather(self.token_embedding_scale, token_ids), dtype)
         else:
             x = tf.cast(tf.gather(self.token_embedding, token_ids), dtype)
+        if self.config.embedding_multiplier != 1.0:  # Gemma: sqrt(D), in the weights' dtype
+            x *= tf.cast(tf.cast(self.config.embedding_multiplier, self.compute_dtype), dtype)
         if self.config.position == "learned":
             x += tf.cast(tf.gather(self.position_embedding, positions), dtype)
         return x
@@ -96,7 +99,7 @@ class TransformerLM(DecoderLM):
                                transpose_b=True)
         else:
             logits = self.head(hidden)
-        return tf.cast(logits, tf.float32)
+        return soft_cap(tf.cast(logits, tf.float32), self.config.final_softcap)
 
     def tied_head_weights(self) -> dict:
         """A tied head's weights as `linear` takes them, for a GGUF-blocks embedding."""
@@ -107,12 +110,18 @@ class TransformerLM(DecoderLM):
         token_ids = tf.cast(token_ids, tf.int32)
         batch, length = tf.shape(token_ids)[0], tf.shape(token_ids)[1]
         positions = tf.broadcast_to(tf.range(length)[None, :], [batch, length])
-        causal = tf.range(length)[None, :] <= tf.range(length)[:, None]  # [T, T]
-        mask = tf.broadcast_to(causal[None], [batch, length, length])
+        query, key = tf.range(length)[:, None], tf.range(length)[None, :]
+        masks = {window: tf.broadcast_to(visible(key, query, window)[None],
+                                         [batch, length, length])
+                 for window in self._windows()}                          # [B, T, T] each
         x = self.embed(token_ids, positions)
-        for block in self.blocks:
-            x = block(x, positions, mask)
+        for i, block in enumerate(self.blocks):
+            x = block(x, positions, masks[self.config.layer_window(i)])
         return self.head_logits(x)
+
+    def _windows(self) -> set[int]:
+        return {self.config.layer_window(i) for i in range(self.config.num_layers)}
+
 
     def state_shape(self, batch_size, max_len) -> list:
         c = self.config
@@ -137,11 +146,14 @@ class TransformerLM(DecoderLM):
         length = tf.shape(token_ids)[1]
         cache_len = tf.shape(layer_states[0])[2]
         token_positions = tf.cast(positions, tf.int32)[:, None] + tf.range(length)[None, :]
-        # key j is visible to the query at position p when j <= p: [B, T, L]
-        mask = tf.range(cache_len)[None, None, :] <= token_positions[:, :, None]
+        # key j is visible to the query at position p when j <= p (and in its window): [B, T, L]
+        masks = {window: visible(tf.range(cache_len)[None, None, :],
+                                       token_positions[:, :, None], window)
+                 for window in self._windows()}
         x = self.embed(token_ids, token_positions)
         new_states = []
-        for block, cache in zip(self.blocks, layer_states):
-            x, cache = block.call_cached(x, token_positions, mask, cache)
+        for i, (block, cache) in enumerate(zip(self.blocks, layer_states)):
+            x, cache = block.call_cached(x, token_positions, masks[self.config.layer_window(i)],
+                                         cache)
             new_states.append(cache)
         return self.head_logits(self._gather_last(x, num_tokens)), new_states

@@ -47,7 +47,7 @@ class ExportedModel:
             self.tokenizer = Tokenizer(
                 HFTokenizer.from_file(str(assets / TOKENIZER_FILE)),
                 bos_token_id=self.config.bos_token_id, eos_token_id=self.config.eos_token_id,
-                pad_token_id=self.config.pad_token_id)
+                pad_token_id=self.config.pad_token_id, add_bos=self.config.add_bos_token)
             self.saved_model = tf.saved_model.load(str(self.path))
             self.signatures = self.saved_model.signatures
             for name in ("init_state", "prefill", "decode", "generate", "serving_default"):

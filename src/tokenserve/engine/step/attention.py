@@ -9,17 +9,20 @@ a layer's prefill attention is one op too. The graph path, where the op cannot b
 gathers the rows: decode attention reads them in their stored layout with no transposes
 (each head's query spread over the kv-head columns, zero elsewhere; two batched matmuls
 give scores [S, H, L] and outputs), prefill attention runs a masked attention per chunk.
+
+A windowed layer (a sliding window of W positions) reads only its last W rows: with the op,
+each query's row table is cut to the W rows before it (a gather of [S, W] row numbers, once
+a step per window), so its cost stays flat as the context grows; the graph path masks.
 """
 
 from __future__ import annotations
 
-import math
 from typing import NamedTuple
 
 import tensorflow as tf
 
 from tokenserve.kernels import paged_attention
-from tokenserve.model.layers import attend
+from tokenserve.model.layers import attend, soft_cap, visible
 
 
 class PagedPrefill(NamedTuple):
@@ -42,17 +45,24 @@ class PagedAttention:
         # head h reads kv head h // group: [H, Hkv], with the 1/sqrt(Dh) score scale folded in
         self.head_to_kv = tf.one_hot(tf.range(config.num_heads) // group, config.num_kv_heads,
                                      dtype=compute_dtype)
-        self.scaled_head_to_kv = self.head_to_kv * (1.0 / math.sqrt(config.head_dim))
+        self.scaled_head_to_kv = self.head_to_kv * config.score_scale
 
-    def step_inputs(self, decode_groups, prefill):
-        """What every layer's attention reads, built once a step: (per decode group its
-        context lengths [Sg] (fused) or mask bias [Sg, 1, Lg], the number of prefill tokens,
-        the prefill as the layers take it: a PagedPrefill (fused), (index, rows, mask
-        [Sp, Tp, Lp], unpack) (graph path) or None)."""
+    def step_inputs(self, decode_groups, prefill, window: int = 0):
+        """What every layer of window `window` (0: global) reads, built once a step: (the
+        decode groups (rows [Sg, Lg], or [Sg, W] cut to the window (fused); pos [Sg]), per
+        group its context lengths [Sg] (fused) or mask bias [Sg, 1, Lg], the number of
+        prefill tokens, the prefill as the layers take it: a PagedPrefill (fused), (index,
+        rows, mask [Sp, Tp, Lp], unpack) (graph path) or None)."""
         if self.fused:  # context lengths [Sg]
             biases = [pos + 1 for _, pos in decode_groups]
+            if window:
+                cut = [window_rows(rows, length, window)
+                       for (rows, _), length in zip(decode_groups, biases)]
+                decode_groups = [(rows, pos) for (rows, _), (_, pos) in zip(cut, decode_groups)]
+                biases = [length for _, length in cut]
         else:
-            biases = [tf.where(tf.range(tf.shape(rows)[1])[None, None, :] <= pos[:, None, None],
+            biases = [tf.where(visible(tf.range(tf.shape(rows)[1])[None, None, :],
+                                       pos[:, None, None], window),
                                0.0, tf.float32.min) for rows, pos in decode_groups]  # [Sg,1,Lg]
         num_prefill = tf.shape(prefill[3])[0] if prefill else tf.constant(0)
         if prefill and self.fused:
@@ -67,13 +77,16 @@ class PagedAttention:
             sequence = unpack // tf.shape(index)[1]                          # [Np]
             prefill = PagedPrefill(rows=tf.gather(rows, sequence),           # [Np, Lp]
                                    lengths=tf.gather(tf.reshape(pos, [-1]), unpack) + 1)
+            if window:
+                prefill = PagedPrefill(*window_rows(prefill.rows, prefill.lengths, window))
         elif prefill:
             index, rows, pos, unpack = prefill
-            mask = tf.range(tf.shape(rows)[1])[None, None, :] <= pos[:, :, None]  # [S, T, L]
+            mask = visible(tf.range(tf.shape(rows)[1])[None, None, :], pos[:, :, None],
+                           window)                                            # [S, T, L]
             prefill = (index, rows, mask, unpack)
         else:
             prefill = None
-        return biases, num_prefill, prefill
+        return decode_groups, biases, num_prefill, prefill
 
     def layout(self, decode_groups, num_prefill, num_tokens, dtype):
         """Where each part of the packed tokens goes, the same for every layer, so it is built
@@ -129,7 +142,7 @@ class PagedAttention:
         op stores before it attends; q may then have rows past S (padding: zeros out)."""
         c = self.config
         if self.fused:
-            scale = 1.0 / math.sqrt(c.head_dim)
+            scale = c.score_scale
             if write is not None:
                 return paged_attention.paged_write_decode_attention(
                     q, cache[0], cache[1], rows, bias, *write, scale)
@@ -143,7 +156,7 @@ class PagedAttention:
         q_rows = tf.reshape(q[:, :, None, :] * self.scaled_head_to_kv[None, :, :, None],
                             [num_seqs, c.num_heads, self.kv_width])
         scores = tf.matmul(q_rows, keys, transpose_b=True)                # [S, H, L]
-        probs = tf.nn.softmax(tf.cast(scores, tf.float32) + bias)
+        probs = tf.nn.softmax(soft_cap(tf.cast(scores, tf.float32), c.attn_softcap) + bias)
         out = tf.matmul(tf.cast(probs, values.dtype), values)              # [S, H, Hkv*Dh]
         if c.num_kv_heads > 1:  # keep each head's own kv head
             out = tf.reshape(out, [num_seqs, c.num_heads, c.num_kv_heads, c.head_dim])
@@ -157,10 +170,20 @@ class PagedAttention:
         keys, values = self.gather_kv(rows, cache)
         shape = tf.concat([tf.shape(rows), [c.num_kv_heads, c.head_dim]], 0)
         return attend(tf.gather(q, index), tf.reshape(keys, shape), tf.reshape(values, shape),
-                      mask)
+                      mask, c.score_scale, c.attn_softcap)
 
     def gather_kv(self, rows, cache):
         """rows [S, L] -> keys, values [S, L, Hkv*Dh] in the compute dtype (a 16-bit cache is
         widened after the gather: only the live rows, never the whole cache)."""
         return tuple(tf.cast(tf.gather(variable, rows), self.compute_dtype)
                      for variable in cache)
+
+
+def window_rows(rows, lengths, window: int):
+    """A row table cut to each query's last `window` positions: rows [S, L] and context
+    lengths [S] -> rows [S, min(W, L)] (position max(0, length - W) first) and lengths
+    min(length, W). Every row number stays one of the table's (valid for the op)."""
+    width = tf.minimum(window, tf.shape(rows)[1])
+    start = tf.maximum(lengths - window, 0)                              # [S]
+    return (tf.gather(rows, start[:, None] + tf.range(width)[None, :], batch_dims=1),
+            tf.minimum(lengths, window))

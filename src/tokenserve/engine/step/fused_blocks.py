@@ -19,7 +19,15 @@ from tokenserve.kernels import dense as kdense
 from tokenserve.engine.step.moe import fused_moe
 from tokenserve.kernels.int8_matmul import int8_finish_block, int8_matmul
 from tokenserve.model.gguf_linear import gguf_linear, gguf_parts
+from tokenserve.model.layers import soft_cap
 from tokenserve.model.transformer import TransformerLM
+
+
+def fused_dense_supports(config) -> bool:
+    """Whether the fused ops compute this config's dense half: not QK-norm, post-norms,
+    GeGLU or a partial rotary (those run through graph_blocks.py)."""
+    return not (config.qk_norm or config.post_norms or config.mlp == "geglu"
+                or config.rotary_dim != config.head_dim)
 
 
 def _float32_vector(t):
@@ -73,6 +81,9 @@ class FusedBlocks:
         return self._finish_block(x, attn, w)[0]
 
     def head(self, x):
+        return soft_cap(self._head(x), self.model.config.final_softcap)
+
+    def _head(self, x):
         m = self.model
         x = self.norm(x, self.final_norm_weights)
         if m.head is not None:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from tokenserve.model.layers import apply_rope, linear, mlp, norm
+from tokenserve.model.layers import apply_rope, head_norm, linear, mlp, norm
 from tokenserve.model.moe import moe_mlp
 from tokenserve.model.transformer import TransformerLM
 
@@ -35,16 +35,20 @@ class GraphBlocks:
         self.head = dense(model.head_logits)  # on one row per sequence: its own bucket
 
     def _qkv(self, x, rotary, w):
-        """x: [N, D] -> q [N, H, Dh], k, v [N, Hkv*Dh] (RoPE applied)."""
+        """x: [N, D] -> q [N, H, Dh], k, v [N, Hkv*Dh] (QK-norm and RoPE applied)."""
         c = self.model.config
         qkv = linear(norm(x, w["attn_norm"], c.norm, c.norm_eps), w["qkv"])
-        return self._split_qkv(qkv, rotary)
+        return self._split_qkv(qkv, rotary, w)
 
-    def _split_qkv(self, qkv, rotary):
+    def _split_qkv(self, qkv, rotary, w=None):
         c = self.model.config
         # static shapes with -1 for the tokens: no Shape/StridedSlice/Pack ops per layer
         q, k, v = tf.split(qkv, [c.num_heads * c.head_dim, self.kv_width, self.kv_width], -1)
         q = tf.reshape(q, [-1, c.num_heads, c.head_dim])
+        if w is not None and "q_norm" in w:  # QK-norm: each head's q and k, before RoPE
+            q = head_norm(q, w["q_norm"], c.norm_eps)
+            k = tf.reshape(head_norm(tf.reshape(k, [-1, c.num_kv_heads, c.head_dim]),
+                                     w["k_norm"], c.norm_eps), [-1, self.kv_width])
         if rotary is not None:
             q = apply_rope(q[None], *rotary)[0]
             k = tf.reshape(apply_rope(tf.reshape(k, [1, -1, c.num_kv_heads, c.head_dim]),
@@ -53,11 +57,16 @@ class GraphBlocks:
 
     def _finish_block(self, x, attn, w):
         c = self.model.config
-        x = x + linear(attn, w["out"])
+        h = linear(attn, w["out"])
+        x = x + (norm(h, w["post_attn_norm"], c.norm, c.norm_eps) if "post_attn_norm" in w
+                 else h)
         h = norm(x, w["mlp_norm"], c.norm, c.norm_eps)
         if "moe" in w:  # a mixture of experts, grouped by expert (never under XLA)
-            return x + moe_mlp(h, w["moe"], c)
-        return x + mlp(h, w["up"], w["down"], c.mlp)
+            h = moe_mlp(h, w["moe"], c)
+        else:
+            h = mlp(h, w["up"], w["down"], c.mlp)
+        return x + (norm(h, w["post_mlp_norm"], c.norm, c.norm_eps) if "post_mlp_norm" in w
+                    else h)
 
     def _between(self, x, attn, rotary, w, w_next):
         x = self._finish_block(x, attn, w)

@@ -28,6 +28,7 @@ import tensorflow as tf
 
 from tokenserve.config import TransformerConfig
 from tokenserve.engine.lora_adapter import ROLES, role_ranks, role_shapes
+from tokenserve.errors import ConfigError
 from tokenserve.kernels import dense as kdense
 from tokenserve.model.layers import linear, norm
 
@@ -37,6 +38,10 @@ class LoraTable(tf.Module):
 
     def __init__(self, config: TransformerConfig, max_loras: int, max_rank: int):
         super().__init__(name="lora_table")
+        if config.qk_norm or config.post_norms or config.mlp == "geglu":
+            # LoraBlocks computes Llama's and GPT-2's blocks only
+            raise ConfigError("LoRA adapters on models with QK-norm, post-norms or GeGLU "
+                              "(Qwen3, Gemma) are not supported yet")
         self.config, self.max_loras, self.max_rank = config, max_loras, max_rank
         self.widths = role_shapes(config)
         self.ranks = role_ranks(config, max_rank)

@@ -26,21 +26,27 @@ import tensorflow as tf
 
 from tokenserve.engine.step.attention import PagedAttention, PagedPrefill
 from tokenserve.engine.step.flat_call import FlatCall, spec
-from tokenserve.engine.step.fused_blocks import FusedBlocks
+from tokenserve.engine.step.fused_blocks import FusedBlocks, fused_dense_supports
 from tokenserve.engine.step.graph_blocks import GraphBlocks
 from tokenserve.engine.step.moe import ExpertLoad
 from tokenserve.kernels import dense as kdense
 from tokenserve.kernels import paged_attention
-from tokenserve.model.layers import rope_angles
+from tokenserve.model.layers import layer_rope_angles
 from tokenserve.model.precision import cpu_has_bf16
 from tokenserve.model.transformer import TransformerLM
 
 
 def block_weights(block) -> dict:
     """A Block's variables by role: what the dense functions take as explicit weights."""
-    return {"attn_norm": block.attn_norm.weights_dict(), "qkv": block.attn.qkv.weights_dict(),
-            "out": block.attn.out.weights_dict(), "mlp_norm": block.mlp_norm.weights_dict(),
-            **block.mlp_weights()}
+    found = {"attn_norm": block.attn_norm.weights_dict(), "qkv": block.attn.qkv.weights_dict(),
+             "out": block.attn.out.weights_dict(), "mlp_norm": block.mlp_norm.weights_dict(),
+             **block.mlp_weights()}
+    for name, layer in (("q_norm", block.attn.q_norm), ("k_norm", block.attn.k_norm),
+                        ("post_attn_norm", block.post_attn_norm),
+                        ("post_mlp_norm", block.post_mlp_norm)):
+        if layer is not None:  # the families' extra norms (QK-norm, Gemma's post-norms)
+            found[name] = layer.weights_dict()
+    return found
 
 
 class TransformerStep(tf.Module):
@@ -65,7 +71,9 @@ class TransformerStep(tf.Module):
                        for i in range(c.num_layers)]
         # the fused op reads K/V rows in place (no gathered copies, one op per layer); the
         # graph path does the same math where the op could not be built
-        self.fused_attention = paged_attention.is_compiled()
+        # (not under soft-capped scores, which the op does not compute)
+        self.fused_attention = paged_attention.is_compiled() and not c.attn_softcap
+        self.windows = sorted({c.layer_window(i) for i in range(c.num_layers)})
         self.attention = PagedAttention(c, self.kv_width, model.compute_dtype,
                                         self.fused_attention)
         # The blocks' weights as tensors read once here, not as variables: a traced step
@@ -92,7 +100,7 @@ class TransformerStep(tf.Module):
         # shapes): every step through the fused ops, whose grouped-experts op reads only
         # the experts with rows (engine/step/moe.py)
         moe = c.num_experts > 0
-        self.kernel_dense = kdense.is_compiled() and (
+        self.kernel_dense = kdense.is_compiled() and fused_dense_supports(c) and (
             model.compute_dtype == "float32" and (jit_dense or int8 or moe) or bf16)
         # bfloat16 on a CPU whose oneDNN has no bf16 matmul (no AVX512-BF16 or AMX, or capped
         # below them): every step through the fused ops, as int8, since the graph's bf16
@@ -124,14 +132,23 @@ class TransformerStep(tf.Module):
         self._concrete: dict[tuple, FlatCall] = {}
         self._heads: dict[str, FlatCall] = {}  # head_function's, by kind
 
-    def rotary(self, positions, dtype=None):
-        """The step's rotary cos and sin ([1, N, 1, Dh] each, in `dtype`, default the compute
-        dtype), computed once for every layer, or None for a model without RoPE."""
+    def rotary(self, positions, dtype=None, layer: int = 0):
+        """The step's rotary cos and sin for `layer` ([1, N, 1, Dh] each, in `dtype`, default
+        the compute dtype), or None for a model without RoPE."""
         c = self.model.config
         if c.position != "rope":
             return None
-        return rope_angles(positions[None], c.head_dim, c.rope_theta,
-                           dtype or self.model.compute_dtype, c.rope_freq_factors)
+        return layer_rope_angles(c, layer, positions[None], dtype or self.model.compute_dtype)
+
+    def layer_rotaries(self, positions, dtype) -> list:
+        """rotary() of every layer, computed once per distinct RoPE (Gemma 3's local and
+        global layers turn at different bases)."""
+        c = self.model.config
+        by_rope = {}
+        for i in range(c.num_layers):
+            if c.layer_rope(i) not in by_rope:
+                by_rope[c.layer_rope(i)] = self.rotary(positions, dtype, i)
+        return [by_rope[c.layer_rope(i)] for i in range(c.num_layers)]
 
     # -- the step -------------------------------------------------------------------------
     def step_function(self, num_groups: int, with_prefill: bool, fused_dense: bool = False,
@@ -183,8 +200,10 @@ class TransformerStep(tf.Module):
               prefill, last_tokens, lora_inputs=()):
         m = self.model
         num_tokens = tf.shape(token_ids)[0]
-        # masks are shared by all layers: build them once
-        biases, num_prefill, prefill = self.attention.step_inputs(decode_groups, prefill)
+        # masks (and windowed row tables) are shared by all layers of a window: built once
+        inputs = {window: self.attention.step_inputs(decode_groups, prefill, window)
+                  for window in self.windows}
+        num_prefill = inputs[self.windows[0]][2]
         # the fused ops' activations are float32 whatever the weights' dtype
         dtype = tf.float32 if fused else m.compute_dtype
         layout = self.attention.layout(decode_groups, num_prefill, num_tokens, dtype)
@@ -192,23 +211,24 @@ class TransformerStep(tf.Module):
         if lora_inputs:  # each row's adapter delta on every projection
             blocks = self.lora_table.bind(blocks, *lora_inputs, dtype)
         weights = blocks.weights
-        rotary = self.rotary(positions, dtype)
-        if fused and rotary is not None:  # split_rope takes [N, Dh] rows
-            rotary = tuple(tf.reshape(t, [-1, m.config.head_dim]) for t in rotary)
-        q, k, v = blocks.enter(x, rotary, weights[0])
+        rotary = self.layer_rotaries(positions, dtype)
+        if fused and rotary[0] is not None:  # split_rope takes [N, Dh] rows
+            rotary = [tuple(tf.reshape(t, [-1, m.config.head_dim]) for t in r) for r in rotary]
+        q, k, v = blocks.enter(x, rotary[0], weights[0])
         # the layer's first fused attention op stores its new rows (a decode group's, else
         # the paged prefill's), where a scatter per cache would add eight small ops a layer
-        fused_write = self.fused_attention and bool(decode_groups
-                                                    or isinstance(prefill, PagedPrefill))
+        fused_write = self.fused_attention and bool(
+            decode_groups or isinstance(inputs[self.windows[0]][3], PagedPrefill))
         for i, cache in enumerate(self.caches):
             if fused_write:
                 write = (k, v, write_rows)
             else:
                 write = None
                 paged_attention.scatter_rows(*cache, k, v, write_rows)
-            attn = self.attention.layer(q, decode_groups, biases, prefill, cache, layout, write)
+            groups, biases, _, layer_prefill = inputs[m.config.layer_window(i)]
+            attn = self.attention.layer(q, groups, biases, layer_prefill, cache, layout, write)
             if i + 1 < len(self.caches):
-                x, q, k, v = blocks.between(x, attn, rotary, weights[i], weights[i + 1])
+                x, q, k, v = blocks.between(x, attn, rotary[i + 1], weights[i], weights[i + 1])
         x = tf.gather(blocks.exit(x, attn, weights[-1]), last_tokens)      # [S, D]
         return x if head is None else head(x)                              # [S, vocab] f32
 

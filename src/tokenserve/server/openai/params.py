@@ -84,7 +84,10 @@ def max_chars_per_token(tokenizer) -> int | None:
 def encode_text(tokenizer, text: str) -> list[int]:
     """`tokenizer.encode(text)`, through the batch call: HF tokenizers' `encode` holds the
     GIL for the whole text (seconds for megabytes, during which no other thread, the event
-    loop included, runs), while `encode_batch` releases it. Same ids."""
+    loop included, runs), while `encode_batch` releases it. Same ids (with the bos token
+    first for a model that wants it: Tokenizer.encode_prompts)."""
+    if hasattr(tokenizer, "encode_prompts"):
+        return tokenizer.encode_prompts([text])[0]
     return tokenizer.encode_batch([text])[0]
 
 

@@ -1,0 +1,74 @@
+"""RoPE scaling as a config reads it: (theta, per-pair divisors, attention factor) from a
+Hugging Face rope_parameters / rope_scaling dict or a GGUF file's `rope.scaling.*` keys.
+Implemented: none, linear, llama3 and yarn; anything else is refused by name (longrope,
+dynamic NTK: their frequencies change with the sequence length)."""
+
+from __future__ import annotations
+
+from tokenserve.errors import ConfigError, UnsupportedGGUFError
+from tokenserve.model.rope import (linear_rope_factors, llama3_rope_factors,
+                                   yarn_attention_factor, yarn_rope_factors)
+
+SUPPORTED = ("default", "linear", "llama3", "yarn")
+
+
+class UnsupportedRopeScalingError(ConfigError):
+    """A RoPE scaling type tokenserve does not implement."""
+
+
+RopeParameters = tuple[float, tuple[float, ...], float]
+"""(rope_theta, rope_freq_factors, rope_attention_factor)."""
+
+
+def hf_rope(scaling: dict, theta: float, rotary_dim: int,
+            max_position_embeddings: int) -> RopeParameters:
+    """One rope_parameters (or legacy rope_scaling) dict as our three RoPE fields."""
+    kind = scaling.get("rope_type") or scaling.get("type") or "default"
+    if kind == "default":
+        return theta, (), 1.0
+    factor = scaling.get("factor")
+    if kind == "linear":
+        return theta, linear_rope_factors(rotary_dim, float(factor)), 1.0
+    if kind == "llama3":
+        return theta, llama3_rope_factors(
+            theta, rotary_dim, factor=float(factor),
+            low_freq_factor=float(scaling["low_freq_factor"]),
+            high_freq_factor=float(scaling["high_freq_factor"]),
+            original_context=float(scaling["original_max_position_embeddings"])), 1.0
+    if kind == "yarn":
+        original = float(scaling.get("original_max_position_embeddings")
+                         or max_position_embeddings)
+        if factor is None:
+            factor = max_position_embeddings / original
+        factor = float(factor)
+        attention = scaling.get("attention_factor")
+        if attention is None:
+            attention = yarn_attention_factor(factor, scaling.get("mscale"),
+                                              scaling.get("mscale_all_dim"))
+        factors = yarn_rope_factors(rotary_dim, theta, factor, original,
+                                    float(scaling.get("beta_fast") or 32),
+                                    float(scaling.get("beta_slow") or 1),
+                                    bool(scaling.get("truncate", True)))
+        return theta, factors, float(attention)
+    raise UnsupportedRopeScalingError(f"rope scaling {kind!r} is not supported; supported: "
+                                      f"{', '.join(SUPPORTED)}")
+
+
+def gguf_rope(file, theta: float, rotary_dim: int) -> RopeParameters:
+    """The file's `rope.scaling.*` keys as our three RoPE fields (llama.cpp's names)."""
+    kind = file.get("rope.scaling.type")
+    if kind in (None, "none"):
+        return theta, (), 1.0
+    if kind not in ("linear", "yarn"):
+        raise UnsupportedGGUFError(f"rope scaling {kind!r} is not supported; supported: "
+                                   f"none, linear, yarn")
+    factor = float(file.require("rope.scaling.factor"))
+    if kind == "linear":
+        return theta, linear_rope_factors(rotary_dim, factor), 1.0
+    original = float(file.require("rope.scaling.original_context_length"))
+    factors = yarn_rope_factors(rotary_dim, theta, factor, original,
+                                float(file.get("rope.scaling.yarn_beta_fast", 32.0)),
+                                float(file.get("rope.scaling.yarn_beta_slow", 1.0)))
+    # llama.cpp's attn_factor multiplies the 0.1 ln(factor) + 1 it always applies
+    attention = float(file.get("rope.scaling.attn_factor") or 1.0)
+    return theta, factors, attention * yarn_attention_factor(factor)
