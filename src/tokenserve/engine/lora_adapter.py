@@ -36,10 +36,6 @@ WEIGHTS_FILE = "adapter_model.safetensors"
 ROLES = ("qkv", "out", "up", "down")
 """The fused matrices of a block that adapters change, in the step's order."""
 
-ROLE_MODULES = {"qkv": 3, "out": 1, "up": 2, "down": 1}
-"""How many PEFT modules at most share one role (q/k/v; gate/up): a role's rank in the slot
-table is this many times the largest adapter rank."""
-
 # torch module path inside a block -> (role, which part of the role's output)
 LLAMA_MODULES = {"self_attn.q_proj": ("qkv", "q"), "self_attn.k_proj": ("qkv", "k"),
                   "self_attn.v_proj": ("qkv", "v"), "self_attn.o_proj": ("out", "all"),
@@ -127,6 +123,14 @@ def role_columns(config: TransformerConfig) -> dict[str, dict[str, tuple[int, in
                     "all": (0, q + 2 * kv)},
             "out": {"all": (0, d)}, "up": {"gate": (0, f), "up": (f, 2 * f), "all": (0, up)},
             "down": {"all": (0, d)}}
+
+
+def role_ranks(config: TransformerConfig, max_rank: int) -> dict[str, int]:
+    """role -> its rank in the slot table: `max_rank` per PEFT module of the model's family
+    that shares the role (Llama: q/k/v, gate/up; GPT-2's fused c_attn and c_fc: one), so a
+    GPT-2 step multiplies no columns that no adapter can fill."""
+    modules = GPT2_MODULES if config.mlp == "gelu" else LLAMA_MODULES
+    return {role: max_rank * sum(r == role for r, _ in modules.values()) for role in ROLES}
 
 
 def role_shapes(config: TransformerConfig) -> dict[str, tuple[int, int]]:

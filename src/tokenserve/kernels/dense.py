@@ -146,6 +146,39 @@ def finish_block(attn, x, out, norm, up, down, activation: str = "gelu_tanh",
     return y if next_qkv is None else (y, following)
 
 
+def lora_finish_block(attn, x, out, norm, up, down, one_hot, factors: dict,
+                      activation: str = "gelu_tanh", eps: float = 1e-5, isa: str = "auto",
+                      next_norm=None, next_qkv=None):
+    """finish_block with each row's LoRA delta on its four projections, in the same one op:
+
+        proj(in) = in @ kernel + bias + ((in @ A) * mask) @ B
+
+    one_hot [M, K]: each row's adapter among the step's K (zeros: the base model); factors:
+    role ("out", "up", "down", "qkv": the next block's) -> (A [in, K*R], B [K*R, out]) float32,
+    R per role, the K adapters side by side (mask: one_hot's entries repeated R times);
+    "qkv" only with next_qkv. Returns what finish_block returns, None likewise."""
+    op = LIBRARY.module()
+    if op is None:
+        return None
+    empty = tf.zeros([0], tf.float32)
+
+    def bias(w):
+        return w["bias"] if w.get("bias") is not None else empty
+
+    none = tf.zeros([0, 0], tf.float32)
+    if next_qkv is None:
+        following = (empty, empty, tf.zeros([0, 0], out["kernel"].dtype), empty)
+        next_factors = (none, none)
+    else:
+        following = (next_norm["scale"], bias(next_norm), next_qkv["kernel"], bias(next_qkv))
+        next_factors = factors["qkv"]
+    y, following = op.tokenserve_lora_finish_block(
+        attn, x, out["kernel"], bias(out), norm["scale"], bias(norm), up["kernel"], bias(up),
+        down["kernel"], bias(down), *following, one_hot, *factors["out"], *factors["up"],
+        *factors["down"], *next_factors, activation=activation, eps=eps, isa=isa)
+    return y if next_qkv is None else (y, following)
+
+
 def split_rope(qkv, num_heads: int, num_kv_heads: int, head_dim: int, rotary=None):
     """float32 qkv [N, (H + 2 Hkv) Dh] -> (q [N, H, Dh], k [N, Hkv Dh], v [N, Hkv Dh]), with
     rotary = (cos, sin), each [N, Dh] (or None), applied to q and k as

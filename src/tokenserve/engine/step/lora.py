@@ -6,7 +6,8 @@ as one variable per role and factor, slot-major so a step reads the slots it use
 gather each (never a dense read, which after a slot's sparse write would copy the table):
 
     A[role]  [S + 1, layers, in, R_role]      R_role = max_rank x modules fused in the role
-    B[role]  [S + 1, layers, R_role, out]     (q/k/v: 3, gate/up: 2), the scale folded in
+    B[role]  [S + 1, layers, R_role, out]     (Llama q/k/v: 3, gate/up: 2; GPT-2: 1), the
+                                           scale folded in
 
 A step with adapter rows takes two more inputs: `active` [K], the distinct slots of its rows,
 and `token_slot` [N], each token's index into `active` (-1: the base model). Each projection
@@ -26,8 +27,9 @@ import numpy as np
 import tensorflow as tf
 
 from tokenserve.config import TransformerConfig
-from tokenserve.engine.lora_adapter import ROLE_MODULES, ROLES, role_shapes
+from tokenserve.engine.lora_adapter import ROLES, role_ranks, role_shapes
 from tokenserve.errors import ConfigError
+from tokenserve.kernels import dense as kdense
 from tokenserve.model.layers import linear, norm
 
 
@@ -42,7 +44,7 @@ class LoraTable(tf.Module):
                               "(Qwen3, Gemma) are not supported yet")
         self.config, self.max_loras, self.max_rank = config, max_loras, max_rank
         self.widths = role_shapes(config)
-        self.ranks = {role: ROLE_MODULES[role] * max_rank for role in ROLES}
+        self.ranks = role_ranks(config, max_rank)
         slots, layers = max_loras + 1, config.num_layers
         self.a = {role: tf.Variable(tf.zeros([slots, layers, w_in, self.ranks[role]]),
                                     trainable=False, name=f"lora_a_{role}")
@@ -103,19 +105,22 @@ class LoraTable(tf.Module):
         one_hot = tf.one_hot(token_slot, num_active, dtype=dtype)      # [N, K]; -1: zeros
         masks = {rank: tf.repeat(one_hot, rank, axis=1)                # [N, K*R]
                  for rank in set(self.ranks.values())}
-        return LoraBlocks(blocks, factors, {r: masks[self.ranks[r]] for r in ROLES})
+        return LoraBlocks(blocks, factors, {r: masks[self.ranks[r]] for r in ROLES}, one_hot)
 
 
 class LoraBlocks:
     """enter, between and exit of the step's blocks (GraphBlocks or FusedBlocks) with each
     row's adapter delta on qkv, out, up and down; every weight dict carries `lora_layer`.
 
-    The deltas need the inputs of each projection, which the fused block ops keep inside,
-    so the projections run one by one here (the fused ops' `linear` and `norm` where the
-    step is fused, plain TF ops otherwise: no XLA program per number of active slots)."""
+    The deltas need the inputs of each projection: a fused step's layers run the fused block
+    op that computes them too (kernels/dense.py lora_finish_block: the block's second half and
+    the next block's QKV, one op a layer as in the base step); the first block's QKV, graph
+    steps and int8 layers run the projections one by one (the fused ops' `linear` and `norm`
+    where the step is fused, plain TF ops otherwise: no XLA program per number of active
+    slots)."""
 
-    def __init__(self, blocks, factors: dict, masks: dict):
-        self.blocks, self.factors, self.masks = blocks, factors, masks
+    def __init__(self, blocks, factors: dict, masks: dict, one_hot):
+        self.blocks, self.factors, self.masks, self.one_hot = blocks, factors, masks, one_hot
         self.config = blocks.model.config
         self.fused = hasattr(blocks, "linear")
         self.weights = [dict(w, lora_layer=i) for i, w in enumerate(blocks.weights)]
@@ -128,9 +133,23 @@ class LoraBlocks:
         c = self.config
         return self.blocks.norm(x, w) if self.fused else norm(x, w, c.norm, c.norm_eps)
 
-    def _linear(self, x, w, role, layer, residual=None):
-        y = (self.blocks.linear(x, w) if self.fused else linear(x, w)) + self._delta(x, role,
-                                                                                     layer)
+    def _linear(self, x, w, role, layer, residual=None, activation="none"):
+        """activation(x @ w + bias + the rows' delta) + residual. Fused, the delta rides the
+        op's residual input (after the activation there, so up's goes through the epilogue
+        op with its activation): no separate adds."""
+        delta = self._delta(x, role, layer)
+        if self.fused:
+            if activation != "none":
+                return kdense.epilogue(self.blocks.linear(x, w, residual=delta),
+                                       activation=activation)
+            return self.blocks.linear(x, w, residual=delta if residual is None
+                                      else residual + delta)
+        y = linear(x, w) + delta
+        if activation == "swiglu":
+            gate, up = tf.split(y, 2, axis=-1)
+            y = tf.nn.silu(gate) * up
+        elif activation == "gelu_tanh":
+            y = tf.nn.gelu(y, approximate=True)
         return y if residual is None else y + residual
 
     def enter(self, x, rotary, w):
@@ -140,17 +159,39 @@ class LoraBlocks:
     def _finish_block(self, x, attn, w):
         i = w["lora_layer"]
         x = self._linear(attn, w["out"], "out", i, residual=x)
-        u = self._linear(self._norm(x, w["mlp_norm"]), w["up"], "up", i)
-        if self.config.mlp == "swiglu":
-            gate, up = tf.split(u, 2, axis=-1)
-            h = tf.nn.silu(gate) * up
-        else:
-            h = tf.nn.gelu(u, approximate=True)
+        act = "swiglu" if self.config.mlp == "swiglu" else "gelu_tanh"
+        h = self._linear(self._norm(x, w["mlp_norm"]), w["up"], "up", i, activation=act)
         return self._linear(h, w["down"], "down", i, residual=x)
 
+    def _fused_finish(self, x, attn, w, w_next=None):
+        """The block's second half (given w_next, with the next block's QKV: -> (x, qkv)) as
+        one op with the deltas, or None where it does not apply: a graph step, int8 or MoE
+        layers, or no compiled op."""
+        if not self.fused or not all("kernel" in w.get(n, {}) for n in ("out", "up", "down")):
+            return None
+        if w_next is not None and "kernel" not in w_next["qkv"]:
+            return None
+        i = w["lora_layer"]
+        factors = {r: (self.factors[r][0][i], self.factors[r][1][i]) for r in ("out", "up",
+                                                                             "down")}
+        following = {}
+        if w_next is not None:
+            j = w_next["lora_layer"]
+            factors["qkv"] = (self.factors["qkv"][0][j], self.factors["qkv"][1][j])
+            following = dict(next_norm=w_next["attn_norm"], next_qkv=w_next["qkv"])
+        act = "swiglu" if self.config.mlp == "swiglu" else "gelu_tanh"
+        return kdense.lora_finish_block(attn, x, w["out"], w["mlp_norm"], w["up"], w["down"],
+                                        self.one_hot, factors, act, self.config.norm_eps,
+                                        **following)
+
     def between(self, x, attn, rotary, w, w_next):
+        fused = self._fused_finish(x, attn, w, w_next)
+        if fused is not None:
+            x, qkv = fused
+            return (x, *self.blocks._split_qkv(qkv, rotary))
         x = self._finish_block(x, attn, w)
         return (x, *self.enter(x, rotary, w_next))
 
     def exit(self, x, attn, w):
-        return self._finish_block(x, attn, w)
+        fused = self._fused_finish(x, attn, w)
+        return fused if fused is not None else self._finish_block(x, attn, w)
