@@ -105,13 +105,13 @@ def print_table(report: dict) -> None:
 
 
 def main(argv=None) -> int:
-    from tokenserve.model.checkpoint import packaged_gguf
-
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/gguf-stored-bench"))
     parser.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS))
     parser.add_argument("--name", default="", help="suffix of the result file")
     args = parser.parse_args(argv)
+    from tokenserve.model.checkpoint import packaged_gguf  # TensorFlow: after --help
+
     args.workdir.mkdir(parents=True, exist_ok=True)
     output = RESULTS / f"gguf-stored{'-' + args.name if args.name else ''}.json"
     report = {"machine": machine_info(), "prompt_tokens": 32, "new_tokens": 128,
