@@ -90,6 +90,7 @@ def test_each_step_reports_its_expert_load_to_the_metrics(moe):
                                      labels) == 8 * engine.num_steps
 
 
+@pytest.mark.slow  # 13 s; the int8 op itself is covered by the kernel tests
 def test_int8_experts_through_the_engine_equal_the_int8_models_full_forward_passes(moe):
     from support.tiny_models import greedy_by_full_forward
     from tokenserve.model.quantize import quantize_model
