@@ -144,32 +144,30 @@ TOKENSERVE_GGUF_SIMD __attribute__((always_inline)) inline void UnpackAvx2<Q6_K>
 }
 
 // Rows m0 .. m0 + R - 1 of x against super-block b of a weight row: acc[i] gains eight lanes
-// whose sum is that row's part of the dot product.
+// whose sum is that row's part of the dot product. One row at a time, each with one chain of
+// adds: with a chain per row interleaved, GCC summed the 8 x R products as a tree and spilled
+// most of them to the stack.
 template <int R>
 TOKENSERVE_GGUF_SIMD __attribute__((always_inline)) inline void DotRows(const KBlockAvx2& w,
                                                                        const Q8KRows& xq,
                                                                        int64 m0, int64 b,
                                                                        __m256* acc) {
-  __m256i sum[R];
-  const int8_t* x[R];
-  for (int i = 0; i < R; ++i) {
-    sum[i] = _mm256_setzero_si256();
-    x[i] = xq.Values(xq.Index(m0 + i, b));
-  }
-  for (int c = 0; c < 8; ++c) {
-    for (int i = 0; i < R; ++i) {
-      const __m256i qx = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x[i] + 32 * c));
-      const __m256i pairs = _mm256_maddubs_epi16(w.q[c], qx);
-      sum[i] = _mm256_add_epi32(sum[i], _mm256_madd_epi16(pairs, w.scale[c]));
-    }
-  }
+  const __m256 d = _mm256_set1_ps(w.d), dm = _mm256_set1_ps(w.dm);
   for (int i = 0; i < R; ++i) {
     const int64 at = xq.Index(m0 + i, b);
+    const int8_t* x = xq.Values(at);
+    __m256i sum = _mm256_setzero_si256();
+    for (int c = 0; c < 8; ++c) {
+      const __m256i qx = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 32 * c));
+      sum = _mm256_add_epi32(sum, _mm256_madd_epi16(_mm256_maddubs_epi16(w.q[c], qx),
+                                                    w.scale[c]));
+    }
     const __m256i bsums = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq.Sums(at)));
     const __m256i mins = _mm256_madd_epi16(w.min, bsums);
-    const float dx = xq.d[at];
-    acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[i]), _mm256_set1_ps(w.d * dx), acc[i]);
-    acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(mins), _mm256_set1_ps(w.dm * dx), acc[i]);
+    // d * sum + dm * mins, times dx
+    const __m256 part = _mm256_fmadd_ps(_mm256_cvtepi32_ps(mins), dm,
+                                        _mm256_mul_ps(_mm256_cvtepi32_ps(sum), d));
+    acc[i] = _mm256_fmadd_ps(part, _mm256_broadcast_ss(&xq.d[at]), acc[i]);
   }
 }
 
