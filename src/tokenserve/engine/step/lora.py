@@ -63,10 +63,11 @@ class LoraTable(tf.Module):
         return sum(int(np.prod(v.shape)) * 4 for slots in (*self.a.values(), *self.b.values())
                    for v in slots)
 
-    def slot_values(self, layers: list[dict] | None) -> list[np.ndarray]:
+    def prepare(self, layers: list[dict] | None) -> list[tf.Tensor]:
         """An adapter's factors (per layer, role -> (A [in, r], B [r, out]) float32) as the
-        slot variables' values, ROLES order, A then B; zeros where it has no factor, all
-        zeros for None. Plain numpy: any thread may make them ahead of the write."""
+        slot variables' values, ROLES order, A then B: zeros where it has no factor, all
+        zeros for None. Any thread (the server's, as it checks an adapter), so the engine's
+        slot write between steps is only a copy."""
         values = []
         for role in ROLES:
             (w_in, w_out), rank = self.widths[role], self.ranks[role]
@@ -76,16 +77,16 @@ class LoraTable(tf.Module):
                 if role in layer:
                     fa, fb = layer[role]
                     a[i, :, :fa.shape[1]], b[i, :fb.shape[0]] = fa, fb
-            values += [a, b]
+            values += [tf.constant(a), tf.constant(b)]
         return values
 
-    def write_slot(self, slot: int, layers: list[dict] | None) -> None:
-        """Puts an adapter (as slot_values takes it) in `slot`; None clears the slot. The
-        engine writes between steps, on its thread, so a step never sees a slot half
-        written; each variable is assigned whole (a dense write: reads stay copy-free)."""
+    def write_slot(self, slot: int, values: list[tf.Tensor]) -> None:
+        """Puts prepared values (`prepare`'s) in `slot`. The engine writes between steps, on
+        its thread, so a step never sees a slot half written; each variable is assigned
+        whole (a dense write: the step's reads stay copy-free)."""
         if not 1 <= slot <= self.max_loras:
             raise ValueError(f"LoRA slot {slot} is outside 1..{self.max_loras}")
-        values = iter(self.slot_values(layers))
+        values = iter(values)
         for role in ROLES:
             self.a[role][slot - 1].assign(next(values))
             self.b[role][slot - 1].assign(next(values))
