@@ -31,7 +31,6 @@ import tensorflow as tf
 
 from tokenserve.config import TransformerConfig
 from tokenserve.engine.lora_adapter import ROLES, role_ranks, role_shapes
-from tokenserve.errors import ConfigError
 from tokenserve.kernels import dense as kdense
 from tokenserve.model.layers import linear, norm
 
@@ -41,10 +40,6 @@ class LoraTable(tf.Module):
 
     def __init__(self, config: TransformerConfig, max_loras: int, max_rank: int):
         super().__init__(name="lora_table")
-        if config.qk_norm or config.post_norms or config.mlp == "geglu":
-            # LoraBlocks computes Llama's and GPT-2's blocks only
-            raise ConfigError("LoRA adapters on models with QK-norm, post-norms or GeGLU "
-                              "(Qwen3, Gemma) are not supported yet")
         self.config, self.max_loras, self.max_rank = config, max_loras, max_rank
         self.widths = role_shapes(config)
         self.ranks = role_ranks(config, max_rank)
@@ -151,23 +146,34 @@ class LoraBlocks:
                                        activation=activation)
             return self._add_delta(self.blocks.linear(x, w, residual=residual), x, role, layer)
         y = self._add_delta(linear(x, w), x, role, layer)
-        if activation == "swiglu":
+        if activation in ("swiglu", "geglu"):
             gate, up = tf.split(y, 2, axis=-1)
-            y = tf.nn.silu(gate) * up
+            y = (tf.nn.silu(gate) if activation == "swiglu"
+                 else tf.nn.gelu(gate, approximate=True)) * up
         elif activation == "gelu_tanh":
             y = tf.nn.gelu(y, approximate=True)
         return y if residual is None else y + residual
 
     def enter(self, x, rotary, w):
         h = self._norm(x, w["attn_norm"])
-        return self.blocks._split_qkv(self._linear(h, w["qkv"], "qkv", w["lora_layer"]), rotary)
+        qkv = self._linear(h, w["qkv"], "qkv", w["lora_layer"])
+        if self.fused:  # (the fused ops take no QK-norm model)
+            return self.blocks._split_qkv(qkv, rotary)
+        return self.blocks._split_qkv(qkv, rotary, w)  # QK-norm (Qwen3, Gemma 3) there
 
     def _finish_block(self, x, attn, w):
+        """GraphBlocks._finish_block with the deltas: post-norms (Gemma) on the attention's
+        and the MLP's outputs where the layer has them."""
         i = w["lora_layer"]
-        x = self._linear(attn, w["out"], "out", i, residual=x)
-        act = "swiglu" if self.config.mlp == "swiglu" else "gelu_tanh"
+        act = {"swiglu": "swiglu", "geglu": "geglu"}.get(self.config.mlp, "gelu_tanh")
+        if "post_attn_norm" not in w:
+            x = self._linear(attn, w["out"], "out", i, residual=x)
+        else:
+            x = x + self._norm(self._linear(attn, w["out"], "out", i), w["post_attn_norm"])
         h = self._linear(self._norm(x, w["mlp_norm"]), w["up"], "up", i, activation=act)
-        return self._linear(h, w["down"], "down", i, residual=x)
+        if "post_mlp_norm" not in w:
+            return self._linear(h, w["down"], "down", i, residual=x)
+        return x + self._norm(self._linear(h, w["down"], "down", i), w["post_mlp_norm"])
 
     def _fused_finish(self, x, attn, w, w_next=None):
         """The block's second half (given w_next, with the next block's QKV: -> (x, qkv)) as
