@@ -75,7 +75,10 @@ def make_inputs(model: str, rows: int, num_adapters: int, seed: int = 0) -> dict
 
 
 def systems(model: str) -> dict:
-    """name -> a call of one layer's op."""
+    """name -> a call of one layer's op, traced (as the step runs it: no eager dispatch of
+    its inputs, which the LoRA op has 32 more of)."""
+    import tensorflow as tf
+
     from tokenserve.kernels import dense as kd
 
     made = {}
@@ -88,7 +91,7 @@ def systems(model: str) -> dict:
         made[f"lora-{suffix}"] = (lambda block=block, i=i, following=following:
                                   kd.lora_finish_block(*block, i["groups"], i["factors"], 0,
                                                        i["activation"], 1e-5, **following))
-    return made
+    return {name: tf.function(call, autograph=False) for name, call in made.items()}
 
 
 def main() -> int:
