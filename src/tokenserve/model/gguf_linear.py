@@ -38,29 +38,35 @@ def gguf_linear(x, parts, portable: bool = False, planes: int = 1):
 
     portable: stock TensorFlow ops only (the blocks dequantized each call), for graphs that a
     SavedModel carries to TF Serving; else the compiled op where it is built.
-    planes: 2 sends the 32-value types a second row per row of x, its q8 rounding error (what
-    the op's own quantization of x loses), and sums the two products: about 16-bit
-    activations at twice the integer work, with the weights read once (the rows share each
-    pass). 1: q8 activations, as llama.cpp computes."""
+    planes: 2 sends the op a second row per row of x, its q8 rounding error (what the op's
+    own quantization of x loses: blocks of 32 values for the 32-value types, of 256 for the
+    K-quants' q8_K), and sums the two products: about 16-bit activations at twice the
+    integer work, with the weights read once (the rows share each pass). 1: q8 activations,
+    as llama.cpp computes."""
     width = sum(int(b.shape[0]) for _, b in parts)
     rows = tf.reshape(x, [-1, tf.shape(x)[-1]])
     if rows.dtype != tf.float32:
         rows = tf.cast(rows, tf.float32)
     if portable:
         ys = [gguf_matmul_fallback(rows, blocks, name) for name, blocks in parts]
+    elif planes == 2:
+        both = {}  # activation block size -> [2M, K]: rows, then their rounding error
+        ys = []
+        for name, blocks in parts:
+            size = 256 if name in KQUANT_TYPES else 32
+            if size not in both:
+                both[size] = tf.concat([rows, q8_rounding_error(rows, size)], 0)
+            ys.append(_sum_halves(gguf_matmul(both[size], blocks, name)))
     else:
-        both = tf.concat([rows, q8_rounding_error(rows)], 0) if planes == 2 else None  # [2M, K]
-        ys = [gguf_matmul(rows, blocks, name) if both is None or name in KQUANT_TYPES
-              else _sum_halves(gguf_matmul(both, blocks, name))
-              for name, blocks in parts]
+        ys = [gguf_matmul(rows, blocks, name) for name, blocks in parts]
     y = ys[0] if len(ys) == 1 else tf.concat(ys, axis=-1)
     return tf.reshape(tf.cast(y, x.dtype), tf.concat([tf.shape(x)[:-1], [width]], 0))
 
 
-def q8_rounding_error(rows):
-    """rows [M, K] float32 (K a multiple of 32) minus their q8 blocks as the op quantizes them
-    (kernels/gguf_blocks.h: d = amax / 127, q = round-half-even(x * (127 / amax)))."""
-    blocks = tf.reshape(rows, [tf.shape(rows)[0], -1, 32])              # [M, K / 32, 32]
+def q8_rounding_error(rows, block: int = 32):
+    """rows [M, K] float32 (K a multiple of `block`) minus their q8 blocks as the op quantizes
+    them (kernels/q8_quantize.h: d = amax / 127, q = round-half-even(x * (127 / amax)))."""
+    blocks = tf.reshape(rows, [tf.shape(rows)[0], -1, block])          # [M, K / block, block]
     amax = tf.reduce_max(tf.abs(blocks), axis=-1, keepdims=True)
     inverse = tf.math.divide_no_nan(127.0, amax)
     rounded = tf.round(blocks * inverse) * (amax / 127.0)
