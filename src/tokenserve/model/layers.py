@@ -276,10 +276,13 @@ class Attention(keras.layers.Layer):
             self.k_norm = Norm("rmsnorm", c.norm_eps, name="k_norm")
 
     def build_norms(self):
-        """QK-norm's scales, [Dh] each (Block.build builds the rest)."""
+        """QK-norm's scales, [Dh] each, or [H * Dh] and [Hkv * Dh] over whole projections
+        (Block.build builds the rest)."""
+        c = self.config
         if self.q_norm is not None:
-            self.q_norm.build((None, self.config.head_dim))
-            self.k_norm.build((None, self.config.head_dim))
+            whole = c.qk_norm_scope == "projection"
+            self.q_norm.build((None, c.head_dim * (c.num_heads if whole else 1)))
+            self.k_norm.build((None, c.head_dim * (c.num_kv_heads if whole else 1)))
 
     def _project(self, x, positions):
         c = self.config
@@ -287,10 +290,14 @@ class Attention(keras.layers.Layer):
         qkv = self.qkv(x)
         q, k, v = tf.split(qkv, [c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim,
                                  c.num_kv_heads * c.head_dim], axis=-1)
+        whole = self.q_norm is not None and c.qk_norm_scope == "projection"
+        if whole:  # OLMoE: one RMSNorm over all heads' q, one over all heads' k
+            q = norm(q, self.q_norm.weights_dict(), "rmsnorm", c.norm_eps)
+            k = norm(k, self.k_norm.weights_dict(), "rmsnorm", c.norm_eps)
         q = tf.reshape(q, [batch, length, c.num_heads, c.head_dim])
         k = tf.reshape(k, [batch, length, c.num_kv_heads, c.head_dim])
         v = tf.reshape(v, [batch, length, c.num_kv_heads, c.head_dim])
-        if self.q_norm is not None:
+        if self.q_norm is not None and not whole:
             q = head_norm(q, self.q_norm.weights_dict(), c.norm_eps)
             k = head_norm(k, self.k_norm.weights_dict(), c.norm_eps)
         if c.position == "rope":
