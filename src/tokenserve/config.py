@@ -200,6 +200,13 @@ class TransformerConfig:
             value = getattr(self, name)
             _check(value > 0 and math.isfinite(value), f"{name} must be positive")
 
+    @property
+    def qk_norm_widths(self) -> tuple[int, int]:
+        """Widths of QK-norm's q and k scales: head_dim, or the whole projections'."""
+        if self.qk_norm_scope == "projection":
+            return self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        return self.head_dim, self.head_dim
+
     def layer_has_experts(self, layer: int) -> bool:
         """Whether layer `layer`'s MLP is a mixture of experts (else one dense MLP)."""
         return self.num_experts > 0 and layer not in self.dense_layers
