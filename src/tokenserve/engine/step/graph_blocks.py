@@ -45,7 +45,7 @@ class GraphBlocks:
         # static shapes with -1 for the tokens: no Shape/StridedSlice/Pack ops per layer
         q, k, v = tf.split(qkv, [c.num_heads * c.head_dim, self.kv_width, self.kv_width], -1)
         q = tf.reshape(q, [-1, c.num_heads, c.head_dim])
-        if w is not None and "q_norm" in w:  # QK-norm: each head's q and k, before RoPE
+        if w is not None and "q_norm" in w:  # QK-norm (head_norm), before RoPE
             q = head_norm(q, w["q_norm"], c.norm_eps)
             k = tf.reshape(head_norm(tf.reshape(k, [-1, c.num_kv_heads, c.head_dim]),
                                      w["k_norm"], c.norm_eps), [-1, self.kv_width])
