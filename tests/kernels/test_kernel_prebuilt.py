@@ -51,10 +51,22 @@ def test_the_best_prebuilt_variant_this_cpu_runs_is_taken(dirs):
 
 
 @needs_two
-def test_a_lower_variant_is_taken_when_the_best_is_missing(dirs, caplog):
+def test_without_gxx_a_lower_variant_is_taken_when_the_best_is_missing(dirs, monkeypatch,
+                                                                        caplog):
     plant(dirs / "named", HERE[1])
+    monkeypatch.setattr(shutil, "which", lambda name: None)
     assert locate().variant == HERE[1]
     assert f"no prebuilt {HERE[0].name} variant" in caplog.text
+
+
+@needs_two
+@pytest.mark.skipif(shutil.which("g++") is None, reason="no g++")
+def test_with_gxx_the_cpu_gets_its_own_build_rather_than_a_lower_variant(dirs, monkeypatch):
+    """The native build is in the real user cache once test_kernel_build.py has run."""
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    plant(dirs / "named", HERE[1])
+    located = locate()
+    assert located.variant is None and located.flags.startswith("-march=native")
 
 
 @needs_two

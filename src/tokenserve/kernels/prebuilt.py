@@ -3,12 +3,12 @@
 `locate` is the policy, in this order:
   1. TOKENSERVE_KERNELS_MARCH (or the library's own march variable) set: build for that
      target, as before variants existed (benchmarks cap the ops at AVX2 this way).
-  2. The best variant this CPU runs (variants.py; at most TOKENSERVE_KERNELS_ISA) that is
-     prebuilt in one of `search_dirs()`, best variant first, then directory order. A lower
-     one is taken, with a warning, when the best is not there.
-  3. None prebuilt: build with g++, for the capped variant when TOKENSERVE_KERNELS_ISA is
-     set, else -march=native, into the user cache.
-  4. No g++ either: MissingVariantError naming the variant it looked for and where.
+  2. The best variant this CPU runs (variants.py; at most TOKENSERVE_KERNELS_ISA), prebuilt
+     in one of `search_dirs()` (the first that holds it).
+  3. Not prebuilt: build with g++, for that capped variant when TOKENSERVE_KERNELS_ISA is
+     set, else -march=native, into the user cache (a build cached before needs no g++).
+  4. No g++: a lower prebuilt variant, with a warning (slower than the CPU could run, but
+     compiled); none either: MissingVariantError naming the variant it looked for and where.
 
 A variant's file is `<name>-<variant>-<key>.so`, the key hashing the sources, headers, TF's
 version and the flags without TF's -I/-L paths (a venv copied to another machine, or TF at
@@ -124,13 +124,9 @@ def locate(name: str, sources: Sequence[Path], march_envs: Sequence[str] = ()) -
     cap = isa_cap()
     variants = supported_variants(cpu_flag_set(), cap=cap)
     dirs = search_dirs()
-    found = find_prebuilt(name, sources, variants, dirs)
-    if found is not None:
-        if found.variant != variants[0]:
-            log.warning("%s: no prebuilt %s variant (the best this CPU runs%s); taking %s",
-                        name, variants[0].name, " under the cap" if cap else "",
-                        found.variant.name)
-        return found
+    best = find_prebuilt(name, sources, variants[:1], dirs)
+    if best is not None:
+        return best
     try:
         if cap is not None and variants:
             variant = variants[0]
@@ -139,7 +135,13 @@ def locate(name: str, sources: Sequence[Path], march_envs: Sequence[str] = ()) -
         arch = arch_flags()
         return Located(build_library(name, sources, arch), " ".join(arch))
     except CompilerNotFoundError:
-        raise MissingVariantError(_missing(name, variants, dirs)) from None
+        lower = find_prebuilt(name, sources, variants[1:], dirs)
+        if lower is None:
+            raise MissingVariantError(_missing(name, variants, dirs)) from None
+    log.warning("%s: no prebuilt %s variant (the best this CPU runs%s) and no g++ to build "
+                "it; taking %s", name, variants[0].name, " under the cap" if cap else "",
+                lower.variant.name)
+    return lower
 
 
 def _missing(name: str, variants: Sequence[Variant], dirs: Sequence[Path]) -> str:
