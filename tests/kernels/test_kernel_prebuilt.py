@@ -140,3 +140,13 @@ def test_variant_files_are_keyed_on_sources_and_variant_not_on_paths(tmp_path):
         shutil.copy(header, tmp_path / header.name)
     assert (prebuilt.variant_file("lib", [copy], v3)
             == prebuilt.variant_file("lib", [LIBRARY.sources[0]], v3))
+
+
+def test_the_cli_refuses_what_it_cannot_build_before_building_anything(capsys):
+    assert build.main(["--all-variants", "--variants", "x86-64-v3,avx9"]) == 2
+    assert "no kernel variant is called 'avx9'; there are: x86-64-v2" in capsys.readouterr().out
+    assert build.main(["--all-variants", "--libraries", "int8,moe"]) == 2
+    assert "no op library is called int8; there are: int8_matmul" in capsys.readouterr().out
+    assert build.main(["--package"]) == 2  # --package without --all-variants
+    with pytest.raises(SystemExit):
+        build.main(["--all-variants", "--package", "--output", "/tmp/x"])  # one or the other
