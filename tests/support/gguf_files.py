@@ -60,9 +60,8 @@ def write_tiny_gguf(path, tokenizer, qtype: str = "Q4_0", types: dict | None = N
     and inter multiples of 256) are random super-blocks (kquant_blocks)."""
     import gguf
 
-    tokens, token_types, merges = bpe_vocab(tokenizer)
-    tensors = tiny_tensors(len(tokens), hidden, inter, layers, heads, kv_heads, tie, seed)
-    rng = np.random.default_rng(seed + 1)
+    tensors = tiny_tensors(len(bpe_vocab(tokenizer)[0]), hidden, inter, layers, heads,
+                           kv_heads, tie, seed)
     writer = gguf.GGUFWriter(str(path), "llama")
     writer.add_name("tiny")
     writer.add_context_length(ctx)
@@ -74,6 +73,18 @@ def write_tiny_gguf(path, tokenizer, qtype: str = "Q4_0", types: dict | None = N
     writer.add_rope_freq_base(10000.0)
     writer.add_layer_norm_rms_eps(1e-6)
     writer.add_rope_dimension_count(hidden // heads)
+    add_vocab(writer, tokenizer)
+    add_tensors(writer, tensors, qtype, types, raw, np.random.default_rng(seed + 1))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def add_vocab(writer, tokenizer) -> None:
+    """Our byte-level BPE tokenizer, and its bos/eos/pad ids, as a GGUF file's metadata."""
+    tokens, token_types, merges = bpe_vocab(tokenizer)
     writer.add_vocab_size(len(tokens))
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("llama-bpe")
@@ -83,6 +94,14 @@ def write_tiny_gguf(path, tokenizer, qtype: str = "Q4_0", types: dict | None = N
     writer.add_bos_token_id(tokenizer.bos_token_id)
     writer.add_eos_token_id(tokenizer.eos_token_id)
     writer.add_pad_token_id(tokenizer.pad_token_id)
+
+
+def add_tensors(writer, tensors: dict[str, np.ndarray], qtype: str, types: dict | None = None,
+                raw: dict | None = None, rng=None) -> None:
+    """float32 `tensors` written as `qtype` (`types` names another for a tensor); 1-D ones
+    F32. raw: {name: (uint8 blocks, type name)} written as given instead."""
+    import gguf
+
     for name, value in tensors.items():
         if raw and name in raw:
             blocks, kind = raw[name]
@@ -99,8 +118,3 @@ def write_tiny_gguf(path, tokenizer, qtype: str = "Q4_0", types: dict | None = N
         else:
             q = gguf.GGMLQuantizationType[kind]
             writer.add_tensor(name, gguf.quants.quantize(value, q), raw_dtype=q)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path

@@ -38,7 +38,7 @@ def bpe_vocab(tokenizer):
     return tokens, types, merges
 
 
-def _permute(w: np.ndarray, heads: int) -> np.ndarray:
+def permute_qk(w: np.ndarray, heads: int) -> np.ndarray:
     """convert_hf_to_gguf's LlamaModel.permute of Q/K rows."""
     return (w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:])
             .swapaxes(1, 2).reshape(w.shape))
@@ -65,9 +65,9 @@ def gguf_tensors(hf_model, arch: str) -> dict[str, np.ndarray]:
             role, kind = rest.rsplit(".", 1)
             out = f"blk.{layer}.{layer_names[role]}.{kind}"
             if arch == "llama" and role == "self_attn.q_proj":
-                value = _permute(value, config.num_attention_heads)
+                value = permute_qk(value, config.num_attention_heads)
             elif arch == "llama" and role == "self_attn.k_proj":
-                value = _permute(value, config.num_key_value_heads)
+                value = permute_qk(value, config.num_key_value_heads)
         if gemma and out.endswith("norm.weight"):
             value = value + np.float32(1.0)
         tensors[out] = value.astype(np.float32)

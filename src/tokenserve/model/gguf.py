@@ -280,13 +280,11 @@ def load_gguf(path: str | Path, compute_dtype: str = "float32", context: int | N
     if tokenizer.vocab_size > config.vocab_size:
         raise ModelLoadError(f"{file.path.name}: the tokenizer has {tokenizer.vocab_size} tokens "
                              f"but token_embd.weight only {config.vocab_size} rows")
-    arch = file.architecture
-    if keep_blocks and (config.num_experts or arch in families.GGUF_ARCHITECTURES):
-        # the stored-blocks import reads llama, qwen2 and gpt2 layers; experts and the newer
-        # families' extra tensors (QK-norm, post-norms) go through the dequantizing reader
-        log.info("%s: %s is dequantized (blocks are kept for dense llama, qwen2 and gpt2 "
-                 "files)", file.path.name,
-                 "a mixture of experts" if config.num_experts else f"architecture {arch!r}")
+    if keep_blocks and config.num_experts:
+        # the stored-blocks import reads dense layers; experts go through the dequantizing
+        # reader
+        log.info("%s: a mixture of experts is dequantized (blocks are kept for dense "
+                 "files)", file.path.name)
         keep_blocks = False
     if keep_blocks:
         from tokenserve.model.gguf_stored import assign_stored, stored_config, tie_if_same_blocks

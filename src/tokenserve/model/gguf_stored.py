@@ -25,6 +25,7 @@ from tokenserve.config import TransformerConfig
 from tokenserve.errors import ModelLoadError
 from tokenserve.kernels.gguf_types import (INT8, format_spec, has_kernel, parse_spec,
                                            row_bytes, type_name)
+from tokenserve.model import gguf_stored_names
 from tokenserve.model.gguf_file import GGUFFile, dequantize, supported_tensor_types
 
 log = logging.getLogger(__name__)
@@ -39,18 +40,7 @@ def _unpermute(rows: np.ndarray, heads: int) -> np.ndarray:
 
 def layer_sources(file: GGUFFile, config: TransformerConfig) -> dict[str, list[str]]:
     """Our layer ("block_3/qkv", "token_embedding", "head") -> its GGUF tensors, in row order."""
-    gpt2 = file.architecture == "gpt2"
-    roles = ({"qkv": ["attn_qkv"], "out": ["attn_output"], "up": ["ffn_up"],
-              "down": ["ffn_down"]} if gpt2 else
-             {"qkv": ["attn_q", "attn_k", "attn_v"], "out": ["attn_output"],
-              "up": ["ffn_gate", "ffn_up"], "down": ["ffn_down"]})
-    sources = {"token_embedding": ["token_embd.weight"]}
-    if not config.tie_embeddings:
-        sources["head"] = ["output.weight"]
-    for i in range(config.num_layers):
-        for role, names in roles.items():
-            sources[f"block_{i}/{role}"] = [f"blk.{i}.{name}.weight" for name in names]
-    return sources
+    return gguf_stored_names.layer_sources(file.architecture, config)
 
 
 def _tensor(file: GGUFFile, name: str):
@@ -104,23 +94,7 @@ def stored_config(file: GGUFFile, config: TransformerConfig) -> TransformerConfi
 
 
 def _float_sources(file: GGUFFile, config: TransformerConfig) -> dict[str, tuple[list[str], str]]:
-    """Our float variable (path below the model) -> (its GGUF tensors, how they combine)."""
-    gpt2 = file.architecture == "gpt2"
-    sources = {"final_norm/scale": (["output_norm.weight"], "keep"),
-               "final_norm/bias": (["output_norm.bias"], "keep"),
-               "position_embedding": (["position_embd.weight"], "positions")}
-    for i in range(config.num_layers):
-        p, b = f"block_{i}/", f"blk.{i}."
-        qkv = [b + "attn_qkv.bias"] if gpt2 else [b + f"attn_{x}.bias" for x in "qkv"]
-        up = [b + "ffn_up.bias"] if gpt2 else [b + "ffn_gate.bias", b + "ffn_up.bias"]
-        sources.update({
-            p + "attn_norm/scale": ([b + "attn_norm.weight"], "keep"),
-            p + "attn_norm/bias": ([b + "attn_norm.bias"], "keep"),
-            p + "mlp_norm/scale": ([b + "ffn_norm.weight"], "keep"),
-            p + "mlp_norm/bias": ([b + "ffn_norm.bias"], "keep"),
-            p + "qkv/bias": (qkv, "cat"), p + "out/bias": ([b + "attn_output.bias"], "keep"),
-            p + "up/bias": (up, "cat"), p + "down/bias": ([b + "ffn_down.bias"], "keep")})
-    return sources
+    return gguf_stored_names.float_sources(file.architecture, config)
 
 
 def assign_stored(model, config: TransformerConfig, file: GGUFFile) -> None:
