@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from support.gguf_from_hf import _permute, add_bpe_tokenizer, bpe_vocab, write_tensors
+from support.gguf_from_hf import add_bpe_tokenizer, bpe_vocab, permute_qk, write_tensors
 
 VOCAB = 400
 PROMPTS = [[5, 17, 33, 90, 140, 7, 8, 9, 250, 3], [12, 44, 1, 77], [300, 301, 302, 303, 304, 8]]
@@ -98,7 +98,7 @@ def gguf_tensors(model) -> dict[str, np.ndarray]:
         h, b = f"model.layers.{i}.", f"blk.{i}."
         q, k = sd[h + "self_attn.q_proj.weight"], sd[h + "self_attn.k_proj.weight"]
         if mixtral:
-            q, k = _permute(q, c.num_attention_heads), _permute(k, c.num_key_value_heads)
+            q, k = permute_qk(q, c.num_attention_heads), permute_qk(k, c.num_key_value_heads)
         out.update({b + "attn_norm.weight": sd[h + "input_layernorm.weight"],
                     b + "attn_q.weight": q, b + "attn_k.weight": k,
                     b + "attn_v.weight": sd[h + "self_attn.v_proj.weight"],
