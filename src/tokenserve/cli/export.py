@@ -20,11 +20,12 @@ def add_parser(commands) -> None:
                         "with sentence-transformers' pooling and normalization): config.json, "
                         "*.safetensors, tokenizer.json")
     p.add_argument("--from-gguf", metavar="FILE", default=None,
-                   help="import a GGUF file (llama.cpp, Ollama, LM Studio): architectures "
-                        "llama, qwen2, gpt2; Q4_0, Q4_1 and Q8_0 tensors are kept as stored "
-                        "(other types as int8) unless --dtype or --quantize is given, which "
-                        "dequantize every tensor; tokenizer and chat template come from the "
-                        "file")
+                   help="import a GGUF file (llama.cpp, Ollama, LM Studio): llama, "
+                        "mistral, qwen2/3, gemma2/3, phi3, gpt2 and the MoE architectures; "
+                        "Q4_0, Q4_1, Q8_0, Q4_K, Q5_K and Q6_K tensors are kept as stored "
+                        "(other types as int8; MoE files are dequantized) unless --dtype or "
+                        "--quantize is given, which dequantize every tensor; tokenizer and "
+                        "chat template come from the file")
     p.add_argument("--context", type=int, default=None, metavar="N",
                    help="GGUF imports (--from-gguf, smollm2): cap the context length at N "
                         "positions; the KV cache per sequence follows it (default: the file's, "
