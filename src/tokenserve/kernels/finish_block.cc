@@ -3,7 +3,8 @@
 // block's norm and QKV projection: TokenserveDense's and TokenserveNorm's code
 // (dense_compute.h, rowops.h), called in turn, so the matrices stream back to back.
 //
-// Float32 arithmetic on float32 or bfloat16 matrices (attribute T, the four alike).
+// Float32 arithmetic on float32 or bfloat16 matrices (attribute T, the four alike). With
+// post-norm scales (Gemma 2 and 3) each branch's output is RMS-normed before its residual add.
 
 #include <cstdint>
 #include <string>
@@ -25,16 +26,20 @@ REGISTER_OP("TokenserveFinishBlock")
     .Input("norm_bias: float")   // [D] (LayerNorm) or [0] (RMSNorm)
     .Input("up_w: T")            // [D, F]
     .Input("up_bias: float")     // [F] or [0]
-    .Input("down_w: T")          // [F, D] (F / 2 rows for swiglu)
+    .Input("down_w: T")          // [F, D] (F / 2 rows for swiglu, geglu)
     .Input("down_bias: float")   // [D] or [0]
     // the next block's first half, optional (all empty: none): its norm and QKV projection
     .Input("next_norm_scale: float")  // [D] or [0]
     .Input("next_norm_bias: float")   // [D] (LayerNorm), or [0] (RMSNorm, or no next)
     .Input("next_w: T")               // [D, Nq] or [0, 0]
     .Input("next_bias: float")        // [Nq] or [0]
+    // post-norms, optional (both empty: none): RMSNorm scales of the attention and MLP
+    // branches' outputs, applied before each residual add
+    .Input("post_attn_scale: float")  // [D] or [0]
+    .Input("post_mlp_scale: float")   // [D] or [0]
     .Output("y: float")          // [M, D]
     .Output("next: float")       // [M, Nq], or [M, 0] without a next block
-    .Attr("activation: {'gelu_tanh', 'swiglu'} = 'gelu_tanh'")
+    .Attr("activation: {'gelu_tanh', 'swiglu', 'geglu'} = 'gelu_tanh'")
     .Attr("T: {float, bfloat16} = DT_FLOAT")  // the four matrices' dtype
     .Attr("eps: float = 1e-5")
     .Attr("isa: {'auto', 'scalar'} = 'auto'")
@@ -48,7 +53,9 @@ REGISTER_OP("TokenserveFinishBlock")
     })
     .Doc("x1 = attn @ out_w + out_bias + x; "
          "y = act(norm(x1) @ up_w + up_bias) @ down_w + down_bias + x1; "
-         "next = next_norm(y) @ next_w + next_bias. Float32, small M.");
+         "next = next_norm(y) @ next_w + next_bias. Float32, small M. With post-norm "
+         "scales: x1 = x + rms(attn @ out_w + out_bias) * post_attn_scale, and likewise "
+         "y = x1 + rms(...) * post_mlp_scale.");
 
 // A transformer block's second half (output projection and residual, MLP norm, MLP up and
 // activation, MLP down and residual) as one op: the same ComputeDense and NormRow calls as
@@ -60,7 +67,7 @@ REGISTER_OP("TokenserveFinishBlock")
 class FinishBlockOp : public OpKernel {
  public:
   explicit FinishBlockOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
-    act_ = ActivationAttr(ctx);  // gelu_tanh or swiglu (the attribute allows no other)
+    act_ = ActivationAttr(ctx);  // gelu_tanh, swiglu or geglu (the attribute allows no other)
     OP_REQUIRES_OK(ctx, ctx->GetAttr("eps", &eps_));
     avx2_ = Avx2Attr(ctx);
   }
@@ -86,10 +93,10 @@ class FinishBlockOp : public OpKernel {
                 InvalidArgument("up_w must be [D, F] with D = ", d, ", got ",
                                 up_w.shape().DebugString()));
     const int64 f = up_w.dim_size(1);
-    const bool swiglu = act_ == Activation::kSwiglu;
-    OP_REQUIRES(ctx, !swiglu || f % 2 == 0,
-                InvalidArgument("swiglu needs an even up width, got ", f));
-    const int64 inner = swiglu ? f / 2 : f;
+    const bool gated = rowops::Gated(act_);
+    OP_REQUIRES(ctx, !gated || f % 2 == 0,
+                InvalidArgument(GatedName(act_), " needs an even up width, got ", f));
+    const int64 inner = gated ? f / 2 : f;
     OP_REQUIRES(ctx, IsMatrix(down_w, inner, d),
                 InvalidArgument("down_w must be [", inner, ", ", d, "], got ",
                                 down_w.shape().DebugString()));
@@ -119,6 +126,13 @@ class FinishBlockOp : public OpKernel {
     OP_REQUIRES(ctx, IsVectorOrEmpty(next_bias, nq),
                 InvalidArgument("next_bias must be [", nq, "] or empty, got ",
                                 next_bias.shape().DebugString()));
+    const Tensor& post_attn = ctx->input(14);
+    const Tensor& post_mlp = ctx->input(15);
+    OP_REQUIRES(ctx, IsVectorOrEmpty(post_attn, d) && IsVectorOrEmpty(post_mlp, d) &&
+                         (post_attn.NumElements() == 0) == (post_mlp.NumElements() == 0),
+                InvalidArgument("post_attn_scale and post_mlp_scale must both be [", d,
+                                "] or both empty, got ", post_attn.shape().DebugString(),
+                                " and ", post_mlp.shape().DebugString()));
     Tensor* y_tensor = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({m, d}), &y_tensor));
     Tensor* next_tensor = nullptr;
@@ -139,11 +153,14 @@ class FinishBlockOp : public OpKernel {
     auto* pool = WorkerPool(ctx);
     auto in = [ctx](int i) { return ctx->input(i).flat<float>().data(); };
     auto weights = [ctx](int i) { return ctx->input(i).flat<W>().data(); };
+    const float* post_attn = Data(ctx->input(14));  // nullptr: no post-norms
+    const float* post_mlp = Data(ctx->input(15));
     std::vector<float> x1(m * d), h(m * d), u(m * inner);
-    // x1 = attn @ out_w + out_bias + x
-    ComputeDense<W>({m, da, d, d}, {in(0), weights(2), Data(ctx->input(3)), in(1),
-                                    x1.data(), Activation::kNone},
+    // x1 = attn @ out_w + out_bias + x (post-norm: x + rms(attn @ out_w + out_bias))
+    ComputeDense<W>({m, da, d, d}, {in(0), weights(2), Data(ctx->input(3)),
+                                    post_attn ? nullptr : in(1), x1.data(), Activation::kNone},
                     true, pool, avx2_);
+    if (post_attn) NormAddRows(m, d, post_attn, in(1), x1.data());
     // h = norm(x1)
     for (int64 r = 0; r < m; ++r) {
       rowops::NormRow(avx2_, d, x1.data() + r * d, in(4), Data(ctx->input(5)), eps_,
@@ -153,11 +170,12 @@ class FinishBlockOp : public OpKernel {
     ComputeDense<W>({m, d, f, inner}, {h.data(), weights(6), Data(ctx->input(7)),
                                        nullptr, u.data(), act_},
                     true, pool, avx2_);
-    // y = u @ down_w + down_bias + x1
+    // y = u @ down_w + down_bias + x1 (post-norm: x1 + rms(u @ down_w + down_bias))
     float* y = y_tensor->flat<float>().data();
     ComputeDense<W>({m, inner, d, d}, {u.data(), weights(8), Data(ctx->input(9)),
-                                       x1.data(), y, Activation::kNone},
+                                       post_mlp ? nullptr : x1.data(), y, Activation::kNone},
                     true, pool, avx2_);
+    if (post_mlp) NormAddRows(m, d, post_mlp, x1.data(), y);
     if (!has_next) return;
     // next = next_norm(y) @ next_w + next_bias (the norm's rows reuse h)
     for (int64 r = 0; r < m; ++r) {
@@ -170,6 +188,18 @@ class FinishBlockOp : public OpKernel {
   }
 
  private:
+  // z [m, d] <- residual + RMSNorm(z) * scale, row by row (the graph's x + norm(h): the norm
+  // rounded to float32 before the add). NormRow may write over its input.
+  void NormAddRows(int64 m, int64 d, const float* scale, const float* residual,
+                   float* z) const {
+    for (int64 r = 0; r < m; ++r) {
+      float* row = z + r * d;
+      rowops::NormRow(avx2_, d, row, scale, nullptr, eps_, row);
+      const float* res = residual + r * d;
+      for (int64 j = 0; j < d; ++j) row[j] += res[j];
+    }
+  }
+
   Activation act_ = Activation::kGeluTanh;
   float eps_ = 1e-5f;
   bool avx2_ = false;

@@ -212,8 +212,8 @@ class TransformerStep(tf.Module):
             blocks = self.lora_table.bind(blocks, *lora_inputs, dtype)
         weights = blocks.weights
         rotary = self.layer_rotaries(positions, dtype)
-        if fused and rotary[0] is not None:  # split_rope takes [N, Dh] rows
-            rotary = [tuple(tf.reshape(t, [-1, m.config.head_dim]) for t in r) for r in rotary]
+        if fused and rotary[0] is not None:  # split_rope takes [N, rotary_dim] rows
+            rotary = [tuple(tf.reshape(t, [-1, m.config.rotary_dim]) for t in r) for r in rotary]
         q, k, v = blocks.enter(x, rotary[0], weights[0])
         # the layer's first fused attention op stores its new rows (a decode group's, else
         # the paged prefill's), where a scatter per cache would add eight small ops a layer
