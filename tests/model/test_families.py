@@ -170,8 +170,8 @@ def test_config_reads_every_family_field(imported):
                                   pytest.param("gemma2", marks=pytest.mark.slow)])
 def test_engine_greedy_equals_transformers_past_the_window(case, tokenizer, tmp_path):
     """The engine's paged step (the windowed row tables of the fused op; Gemma 2's
-    soft-capped scores through the graph path) gives transformers' greedy tokens for
-    prompts and generations far past the window."""
+    soft-capped scores in it) gives transformers' greedy tokens for prompts and generations
+    far past the window."""
     from support.engines import engine_config
     from tokenserve.engine.llm import LLM
     from tokenserve.export.exporter import export_model

@@ -69,10 +69,10 @@ class TransformerStep(tf.Module):
                                          trainable=False, name=f"{kind}_cache_{i}")
                              for kind in ("key", "value"))
                        for i in range(c.num_layers)]
-        # the fused op reads K/V rows in place (no gathered copies, one op per layer); the
-        # graph path does the same math where the op could not be built
-        # (not under soft-capped scores, which the op does not compute)
-        self.fused_attention = paged_attention.is_compiled() and not c.attn_softcap
+        # the fused op reads K/V rows in place (no gathered copies, one op per layer; Gemma
+        # 2's soft-capped scores too); the graph path does the same math where the op could
+        # not be built
+        self.fused_attention = paged_attention.is_compiled()
         self.windows = sorted({c.layer_window(i) for i in range(c.num_layers)})
         self.attention = PagedAttention(c, self.kv_width, model.compute_dtype,
                                         self.fused_attention)
