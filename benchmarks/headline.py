@@ -65,14 +65,15 @@ def export(base: Path, quantize: str) -> Path:
     return base
 
 
-def client_run(url: str, concurrency: int, num_requests: int) -> dict:
+def client_run(url: str, concurrency: int, num_requests: int, prompt_len: int = PROMPT_LEN,
+               new_tokens: int = NEW_TOKENS) -> dict:
     """One `tokenserve bench` run (the OpenAI streaming client) against `url`: its result."""
     out = Path(tempfile.mkdtemp(prefix="headline-"))
     try:
         subprocess.run(
             [TOKENSERVE, "bench", "--base-url", url, "--model", "gpt2",
              "--num-prompts", str(num_requests), "--max-concurrency", str(concurrency),
-             "--random-input-len", str(PROMPT_LEN), "--random-output-len", str(NEW_TOKENS),
+             "--random-input-len", str(prompt_len), "--random-output-len", str(new_tokens),
              "--ignore-eos", "--disable-tqdm", "--result-dir", str(out)],
             check=True, stdout=subprocess.DEVNULL)
         return json.loads((out / "results.json").read_text())["runs"][0]

@@ -99,11 +99,12 @@ def llama_cpp_threads() -> int:
     return usable_cpus()
 
 
-def llama_cpp_server(python: Path, gguf: Path, log_name: str) -> Server:
-    """llama-cpp-python's OpenAI server on `gguf` (model alias gpt2) on a free port."""
+def llama_cpp_server(python: Path, gguf: Path, log_name: str, n_ctx: int = 1024) -> Server:
+    """llama-cpp-python's OpenAI server on `gguf` (model alias gpt2) on a free port, with a
+    KV cache of `n_ctx` positions."""
     port, threads = free_port(), str(llama_cpp_threads())
     return Server([str(python), "-m", "llama_cpp.server", "--model", str(gguf),
-                   "--model_alias", "gpt2", "--n_ctx", "1024", "--n_threads", threads,
+                   "--model_alias", "gpt2", "--n_ctx", str(n_ctx), "--n_threads", threads,
                    "--n_threads_batch", threads, "--host", "127.0.0.1", "--port", str(port)],
                   f"http://127.0.0.1:{port}", log_name)
 

@@ -49,3 +49,17 @@ def tiny_encoders(tmp_path_factory) -> dict:
     base = tmp_path_factory.mktemp("tiny-encoders")
     paths = export_tiny_encoders(base)
     return {**paths, "embed-hf": base / "embed-hf", "rerank-hf": base / "rerank-hf"}
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(items):
+    """`@pytest.mark.slow_cases(imported=["a", "b"])` marks slow only the cases of a test
+    whose parametrized fixture (or parameter) `imported` is "a" or "b": the default run keeps
+    the other cases, which check the same invariant on a model of another shape. Runs before
+    `-m 'not slow'` deselects."""
+    for item in items:
+        callspec = getattr(item, "callspec", None)
+        for mark in item.iter_markers("slow_cases"):
+            if callspec and any(callspec.params.get(name) in values
+                                for name, values in mark.kwargs.items()):
+                item.add_marker(pytest.mark.slow)

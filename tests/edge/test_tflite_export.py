@@ -83,7 +83,7 @@ def table_readers(tflite_model: bytes, shape: list[int]) -> set[tuple[str, int]]
     return found
 
 
-@pytest.mark.parametrize("name", ["tiny-gpt2", "tiny-llama"])
+@pytest.mark.parametrize("name", [pytest.param("tiny-gpt2", marks=pytest.mark.slow), "tiny-llama"])
 def test_quantized_variants_shrink_and_stay_close(name, tokenizer, tmp_path, calibration_file):
     from tokenserve.tools.evaluate import perplexity, text_windows
 

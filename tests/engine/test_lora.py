@@ -22,10 +22,12 @@ PROMPTS = [[5, 17, 33, 90, 140, 7, 8, 9, 250, 3], [12, 44, 1, 77], [300, 301, 30
 MAX_TOKENS = 6
 
 
-# Llama by default; GPT-2 (fused c_attn, Conv1D layout) and Qwen2 (q/v/down only, biases)
-# with -m slow: each family's engines trace their own steps, about 30 s a family here
-@pytest.fixture(scope="module", params=[pytest.param("gpt2", marks=pytest.mark.slow), "llama",
-                                        pytest.param("qwen2", marks=pytest.mark.slow)])
+# Llama by default; GPT-2 (fused c_attn, Conv1D layout), Qwen2 (q/v/down only, biases),
+# Qwen3 (QK-norm) and Gemma 3 (QK-norm, post-norms, GeGLU, windows; graph steps) with -m
+# slow: each family's engines trace their own steps, about 30 s a family here
+@pytest.fixture(scope="module", params=[
+    "llama", *(pytest.param(f, marks=pytest.mark.slow) for f in ("gpt2", "qwen2", "qwen3",
+                                                                  "gemma3"))])
 def checkpoint(request, tokenizer, tmp_path_factory):
     from tokenserve.model.hf import load_hf
 

@@ -1,7 +1,8 @@
 """The GGUF-block matmul on K-quant super-blocks (Q4_K, Q5_K, Q6_K as stored): the compiled op
-on each path and the pure-TF fallback against float64 products by the `gguf` package's own
-dequantize, on random super-blocks (every bit pattern of scales, mins and values; only the fp16
-fields are kept finite), and refusals of blocks that do not fit.
+on each path (integer dot products against q8_K activations) and the pure-TF fallback against
+float64 products by the `gguf` package's own dequantize, on random super-blocks (every bit
+pattern of scales, mins and values; only the fp16 fields are kept finite), and refusals of
+blocks that do not fit.
 
 gguf.quants cannot quantize to the K-quants (only dequantize), hence random bytes."""
 
@@ -21,8 +22,11 @@ from tokenserve.kernels import gguf_matmul as gm
 TYPES = ["q4_k", "q5_k", "q6_k"]
 BYTES = {"q4_k": 144, "q5_k": 176, "q6_k": 210}
 HALVES = {"q4_k": [0, 2], "q5_k": [0, 2], "q6_k": [208]}  # where each type's fp16 fields sit
-ROWS = [1, 2, 3, 5, 8, 67]  # decode of a few streams, and a prefill chunk
-SHAPES = [(768, 13), (256, 6)]  # (K, N): K an odd multiple of 256
+# up to four rows of x: each super-block unpacked on the way (1..4 reach every group size);
+# more: each weight row unpacked once into a buffer that the rows sweep in fours (5 and 9:
+# a single-row tail, 33 and 64: a prefill chunk)
+ROWS = [1, 2, 3, 4, 5, 9, 33, 64]
+SHAPES = [(768, 13), (256, 6)]  # (K, N): K an odd multiple of 256, N not a multiple of 4
 
 
 @pytest.fixture(scope="module")
@@ -52,12 +56,31 @@ def make_x(m: int, k: int, seed: int = 1) -> np.ndarray:
     return x
 
 
+def q8_k(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """x [M, K] float32 as the op quantizes it, q8_K blocks of 256: (q [M, K], d [M, K / 256])
+    with x ~= q * d. The same float32 operations as the op (127 / max|x|, one multiply, round
+    half to even), so the same q."""
+    m, k = x.shape
+    blocks = x.reshape(m, k // 256, 256)
+    amax = np.abs(blocks).max(axis=-1, keepdims=True)
+    inv = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, 1), np.float32(0))
+    q = np.rint(blocks * inv.astype(np.float32))
+    return q.reshape(m, k).astype(np.float64), (amax[..., 0] / np.float32(127)).astype(np.float64)
+
+
 def check_product(y: np.ndarray, x: np.ndarray, blocks: np.ndarray, name: str):
-    """y is the float64 product by gguf's dequantized weights up to float32 rounding (the
-    kernel multiplies float x by decoded float weights: no activation quantization)."""
+    """y is x @ w.T for gguf's dequantized w (float64) up to the activations' rounding to q8_K:
+    at most half a step of each value's block, |y - x @ w.T| <= sum_k |w_k| d_k / 2. And with
+    that rounding done as the op does, y is the float64 product up to float32 rounding."""
     w = dequantized(blocks, name)
-    magnitude = np.abs(x.astype(np.float64)) @ np.abs(w).T
-    np.testing.assert_array_less(np.abs(y - x.astype(np.float64) @ w.T), 2e-6 * magnitude + 1e-6)
+    q, d = q8_k(x)
+    d_per_value = np.repeat(d, 256, axis=1)  # [M, K]
+    x_hat = q * d_per_value
+    magnitude = np.abs(x_hat) @ np.abs(w).T
+    np.testing.assert_array_less(np.abs(y - x_hat @ w.T), 2e-6 * magnitude + 1e-6)
+    rounding = (0.5 + 1e-4) * (d_per_value @ np.abs(w).T)
+    np.testing.assert_array_less(np.abs(y - x.astype(np.float64) @ w.T),
+                                 rounding + 1e-5 * magnitude + 1e-6)
 
 
 @pytest.mark.parametrize("isa", ["auto", "scalar"])
@@ -69,6 +92,35 @@ def test_compiled_matches_dequantize_references(compiled, name, m, k, n, isa):
     y = gm.compiled_gguf_matmul(x, blocks, name, isa=isa).numpy()
     assert y.shape == (m, n)
     check_product(y.astype(np.float64), x, blocks, name)
+
+
+@pytest.mark.parametrize("isa", ["auto", "scalar"])
+@pytest.mark.parametrize("m", [1, 33])
+@pytest.mark.parametrize("name", TYPES)
+def test_rows_split_over_threads(compiled, name, m, isa):
+    """Enough weight rows (K = 2048) that the op hands chunks of them to several threads."""
+    blocks, x = random_blocks(name, 300, 2048, seed=7), make_x(m, 2048, seed=8)
+    y = gm.compiled_gguf_matmul(x, blocks, name, isa=isa).numpy()
+    check_product(y.astype(np.float64), x, blocks, name)
+
+
+# every value, scale and min at its largest: the integer sums' widest case (no saturation)
+LARGEST = {"q4_k": {range(4, 144): 0xFF}, "q5_k": {range(4, 176): 0xFF},
+           "q6_k": {range(0, 192): 0xFF, range(192, 208): 0x80}}  # Q6_K scales -128
+
+
+@pytest.mark.parametrize("isa", ["auto", "scalar"])
+@pytest.mark.parametrize("name", TYPES)
+def test_largest_values_and_scales(compiled, name, isa):
+    blocks = random_blocks(name, 4, 512).reshape(4, 2, BYTES[name])
+    for span, byte in LARGEST[name].items():
+        blocks[..., span.start:span.stop] = byte
+    blocks = blocks.reshape(4, -1)
+    x = np.full((5, 512), 3.0, np.float32)
+    x[1] *= -1  # qx all 127, then all -127
+    for m in (2, 5):  # each super-block unpacked on the way, and unpacked into a buffer
+        y = gm.compiled_gguf_matmul(x[:m], blocks, name, isa=isa).numpy()
+        check_product(y.astype(np.float64), x[:m], blocks, name)
 
 
 @pytest.mark.parametrize("name", TYPES)

@@ -1,6 +1,7 @@
-"""The fused block op with per-row LoRA deltas (kernels/lora_finish_block.cc) against the
-plain fused ops plus each delta written out in TF: rows of different adapters and of the
-base, both activations, with and without the next block's QKV, and bad factor shapes."""
+"""The LoRA ops (kernels/lora_finish_block.cc, lora_delta.h) against the plain fused ops plus
+each row's delta written out in numpy: rows of different adapters and of the base, both
+activations, with and without the next block's QKV, row groups longer than one work item,
+widths off the column block, and bad groups and factor shapes."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import tensorflow as tf
 
 from support.compiled_ops import compiled_op_module
 from tokenserve.kernels import dense as kd
+
+LAYERS = 3
 
 
 def _block_weights(d, f, activation, norm_bias, seed):
@@ -34,70 +37,118 @@ def compiled():
     return compiled_op_module(kd.LIBRARY)
 
 
-def _factors(rng, k, rank, width_in, width_out):
-    a = rng.standard_normal((width_in, k * rank)) / np.sqrt(width_in)
-    b = rng.standard_normal((k * rank, width_out)) * 0.3
-    a, b = a.astype(np.float32), b.astype(np.float32)
-    return tf.constant(a), tf.constant(b)
+def _factors(rng, slots, rank, width_in, width_out):
+    """The S slots' (A [L, in, R], B [L, R, out]) as numpy lists (slot s at s - 1)."""
+    a = [(rng.standard_normal((LAYERS, width_in, rank)) / np.sqrt(width_in)).astype(np.float32)
+         for _ in range(slots)]
+    b = [(rng.standard_normal((LAYERS, rank, width_out)) * 0.3).astype(np.float32)
+         for _ in range(slots)]
+    return a, b
 
 
-def _delta(x, factors, one_hot):
-    a, b = factors
-    mask = tf.repeat(one_hot, a.shape[1] // one_hot.shape[1], axis=1)
-    return tf.matmul(tf.matmul(x, a) * mask, b)
+def _groups(row_slot, slots):
+    """(order, offsets) as engine/step/lora.py makes them."""
+    order = np.argsort(row_slot, kind="stable").astype(np.int32)
+    counts = np.bincount(row_slot, minlength=slots + 1)
+    return tf.constant(order), tf.constant(np.concatenate([[0], np.cumsum(counts)]).astype(
+        np.int32))
 
 
-@pytest.mark.parametrize("activation,norm_bias,m,d,f,k", [
+def _delta(x, factor, row_slot, layer):
+    """Each row's (x[row] @ A_s[layer]) @ B_s[layer], in float64; zeros for slot 0."""
+    x = np.asarray(x, np.float64)
+    a, b = factor
+    out = np.zeros((x.shape[0], b[0].shape[-1]))
+    for row, slot in enumerate(row_slot):
+        if slot:
+            out[row] = x[row] @ a[slot - 1][layer] @ b[slot - 1][layer]
+    return out
+
+
+def _tf(factor):
+    return [tf.constant(v) for v in factor[0]], [tf.constant(v) for v in factor[1]]
+
+
+@pytest.mark.parametrize("m,width,out,rank,slots", [
+    (1, 40, 200, 16, 1),     # one decode row: columns split between the threads
+    (37, 64, 300, 8, 3),     # 3 adapters and the base, groups past 8 rows, a column tail
+    (6, 24, 64, 48, 4)])     # a fused QKV rank, a slot with no rows
+def test_lora_delta_adds_each_rows_own_adapter(compiled, m, width, out, rank, slots):
+    rng = np.random.default_rng(m)
+    row_slot = rng.integers(0, slots + 1, size=m) if m > 1 else np.array([1])
+    x = rng.standard_normal((m, width)).astype(np.float32)
+    y = rng.standard_normal((m, out)).astype(np.float32)
+    factor = _factors(rng, slots, rank, width, out)
+    got = kd.lora_delta(tf.constant(y), tf.constant(x), _groups(row_slot, slots), *_tf(factor),
+                        layer=1)
+    np.testing.assert_allclose(got.numpy(), y + _delta(x, factor, row_slot, 1), rtol=1e-5,
+                               atol=1e-5)
+    base = row_slot == 0
+    np.testing.assert_array_equal(got.numpy()[base], y[base])  # the base's rows untouched
+
+
+@pytest.mark.parametrize("activation,norm_bias,m,d,f,slots", [
     ("gelu_tanh", True, 5, 64, 256, 3),   # GPT-2: LayerNorm, biases; 3 adapters and the base
     ("swiglu", False, 1, 40, 344, 1),     # one row on one adapter
-    ("swiglu", False, 12, 72, 200, 2)])   # packed chunks from 9 rows
+    ("swiglu", False, 20, 72, 200, 2)])   # packed chunks from 9 rows, groups past 8 rows
 def test_lora_finish_block_equals_the_separate_ops(compiled, activation, norm_bias, m, d, f,
-                                                   k):
+                                                   slots):
     out, norm, up, down = _block_weights(d, f, activation, norm_bias, seed=m + d)
     _, next_norm, next_qkv, _ = _block_weights(d, 3 * d, activation, norm_bias, seed=7)
     rng = np.random.default_rng(2)
-    attn = tf.constant(rng.standard_normal((m, d)).astype(np.float32))
-    x = tf.constant(rng.standard_normal((m, d)).astype(np.float32) * 3)
-    slots = rng.integers(-1, k, size=m)  # -1: a row of the base model
-    one_hot = tf.one_hot(slots, k, dtype=tf.float32)
+    attn = rng.standard_normal((m, d)).astype(np.float32)
+    x = rng.standard_normal((m, d)).astype(np.float32) * 3
+    row_slot = rng.integers(0, slots + 1, size=m) if m > 1 else np.array([1])
     inner = f // 2 if activation == "swiglu" else f
-    factors = {"out": _factors(rng, k, 4, d, d), "up": _factors(rng, k, 8, d, f),
-               "down": _factors(rng, k, 4, inner, d), "qkv": _factors(rng, k, 12, d, 3 * d)}
-    y, following = kd.lora_finish_block(attn, x, out, norm, up, down, one_hot, factors,
+    factors = {"out": _factors(rng, slots, 4, d, d), "up": _factors(rng, slots, 8, d, f),
+               "down": _factors(rng, slots, 4, inner, d),
+               "qkv": _factors(rng, slots, 12, d, 3 * d)}
+    groups = _groups(row_slot, slots)
+    layer = 1
+    as_tf = {role: _tf(factor) for role, factor in factors.items()}
+    y, following = kd.lora_finish_block(attn, x, out, norm, up, down, groups, as_tf, layer,
                                         activation, 1e-5, next_norm=next_norm,
                                         next_qkv=next_qkv)
-    alone = kd.lora_finish_block(attn, x, out, norm, up, down, one_hot, factors, activation,
-                                 1e-5)
+    alone = kd.lora_finish_block(attn, x, out, norm, up, down, groups, as_tf, layer,
+                                 activation, 1e-5)
 
-    x1 = kd.dense(attn, out["kernel"], out.get("bias"), x) + _delta(attn, factors["out"],
-                                                                     one_hot)
+    def plus(y, inputs, role, at=layer):
+        return y + tf.constant(_delta(inputs, factors[role], row_slot, at), tf.float32)
+
+    x1 = plus(kd.dense(attn, out["kernel"], out.get("bias"), x), attn, "out")
     h = kd.layer_norm(x1, norm["scale"], norm.get("bias"), 1e-5)
-    z = kd.dense(h, up["kernel"], up.get("bias")) + _delta(h, factors["up"], one_hot)
-    u = kd.epilogue(z, activation=activation)
-    expected = kd.dense(u, down["kernel"], down.get("bias"), x1) + _delta(u, factors["down"],
-                                                                          one_hot)
+    u = kd.epilogue(plus(kd.dense(h, up["kernel"], up.get("bias")), h, "up"),
+                    activation=activation)
+    expected = plus(kd.dense(u, down["kernel"], down.get("bias"), x1), u, "down")
     np.testing.assert_allclose(y.numpy(), expected.numpy(), rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(alone.numpy(), y.numpy(), rtol=1e-5, atol=1e-5)
     h = kd.layer_norm(expected, next_norm["scale"], next_norm.get("bias"), 1e-5)
-    expected_next = kd.dense(h, next_qkv["kernel"], next_qkv.get("bias")) + _delta(
-        h, factors["qkv"], one_hot)
+    expected_next = plus(kd.dense(h, next_qkv["kernel"], next_qkv.get("bias")), h, "qkv",
+                         layer + 1)  # the next block's factors are the next layer's
     np.testing.assert_allclose(following.numpy(), expected_next.numpy(), rtol=1e-4, atol=1e-4)
     # the base model's rows are the plain fused op's
-    base = [i for i in range(m) if slots[i] == -1]
-    if base:
+    base = row_slot == 0
+    if base.any():
         plain = kd.finish_block(attn, x, out, norm, up, down, activation, 1e-5).numpy()
         np.testing.assert_allclose(y.numpy()[base], plain[base], rtol=1e-5, atol=1e-5)
 
 
-def test_lora_finish_block_refuses_factors_that_do_not_fit(compiled):
+def test_lora_ops_refuse_groups_and_factors_that_do_not_fit(compiled):
     out, norm, up, down = _block_weights(64, 256, "gelu_tanh", True, seed=0)
     rng = np.random.default_rng(0)
     attn = x = tf.zeros([2, 64])
-    one_hot = tf.one_hot([0, 1], 2)
-    factors = {"out": _factors(rng, 2, 4, 64, 64), "up": _factors(rng, 2, 4, 64, 256),
-               "down": _factors(rng, 2, 4, 256, 64)}
-    bad = dict(factors, up=_factors(rng, 2, 4, 63, 256))
-    with pytest.raises(tf.errors.InvalidArgumentError, match="LoRA factors of input 6"):
-        kd.lora_finish_block(attn, x, out, norm, up, down, one_hot, bad)
-    with pytest.raises(tf.errors.InvalidArgumentError, match="one_hot must be"):
-        kd.lora_finish_block(attn, x, out, norm, up, down, tf.zeros([3, 2]), factors)
+    factors = {"out": _tf(_factors(rng, 2, 4, 64, 64)), "up": _tf(_factors(rng, 2, 4, 64, 256)),
+               "down": _tf(_factors(rng, 2, 4, 256, 64)),
+               "qkv": _tf(_factors(rng, 2, 4, 64, 192))}
+    groups = _groups(np.array([1, 2]), 2)
+    bad = dict(factors, up=_tf(_factors(rng, 2, 4, 63, 256)))
+    with pytest.raises(tf.errors.InvalidArgumentError, match="LoRA factors of up"):
+        kd.lora_finish_block(attn, x, out, norm, up, down, groups, bad, 0)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="layer 3 < L"):
+        kd.lora_finish_block(attn, x, out, norm, up, down, groups, factors, LAYERS)
+    twice = (tf.constant([0, 0], tf.int32), groups[1])
+    with pytest.raises(tf.errors.InvalidArgumentError, match="permutation"):
+        kd.lora_finish_block(attn, x, out, norm, up, down, twice, factors, 0)
+    short = (groups[0], tf.constant([0, 0, 2], tf.int32))
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"offsets must be \[S \+ 2\]"):
+        kd.lora_delta(tf.zeros([2, 64]), x, short, *factors["out"], layer=0)

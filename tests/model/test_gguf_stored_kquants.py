@@ -1,7 +1,7 @@
 """GGUF imports that keep K-quant tensors as stored (Q4_K, Q5_K, Q6_K super-blocks of 256): a
 Q4_K_M-like file (Q4_K, with Q6_K value/down projections and embedding, Q5_K gate) keeps every
-tensor's bytes, computes what the dequantized import computes, and the engine's cached decode
-equals full forward passes."""
+tensor's bytes, computes what the dequantized import computes up to the activations' rounding,
+and the engine's cached decode equals full forward passes."""
 
 from __future__ import annotations
 
@@ -47,12 +47,16 @@ def test_k_quant_tensors_are_kept_as_stored(kquant_file):
     assert held == sum(int(t.n_bytes) for t in file.tensors)  # the file's bytes, no more
 
 
-def test_logits_equal_the_dequantized_import(kquant_file, tokenizer):
+def test_logits_are_close_to_the_dequantized_import(kquant_file, tokenizer):
     _, model, reference, _, _ = kquant_file
     ids = np.asarray([tokenizer.encode(PROMPTS[0])], np.int32)
     got, expected = model(ids).numpy(), reference(ids).numpy()
-    # float activations times decoded super-blocks: float32 rounding only
-    assert np.abs(got - expected).max() <= 1e-3 * np.abs(expected).max()
+    # only the activations are quantized (q8_K blocks of 256, one scale each): on these random
+    # super-blocks (weights far larger than trained ones) that moves the logits by about 0.14
+    # of the largest (the kernels' own tests check the rounding itself; blocks of 32 would
+    # give about 0.05 here)
+    error = np.abs(got - expected).max() / np.abs(expected).max()
+    assert 0 < error < 0.3, error
 
 
 def test_engine_decode_equals_full_forward(kquant_file):

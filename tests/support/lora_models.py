@@ -1,4 +1,5 @@
-"""Tiny Hugging Face checkpoints (GPT-2, Llama, Qwen2) with LoRA adapters written by `peft`,
+"""Tiny Hugging Face checkpoints (GPT-2, Llama, Qwen2, Qwen3, Gemma 3) with LoRA adapters
+written by `peft`,
 the references the LoRA tests hold tokenserve to. No tests here."""
 
 from __future__ import annotations
@@ -7,13 +8,17 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-FAMILIES = ("gpt2", "llama", "qwen2")
+FAMILIES = ("gpt2", "llama", "qwen2", "qwen3", "gemma3")
 
 TARGETS = {"gpt2": ["c_attn", "c_proj", "c_fc"],
            "llama": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
                      "down_proj"],
-           "qwen2": ["q_proj", "v_proj", "down_proj"]}
-"""Every module tokenserve adapts (GPT-2, Llama), and a partial set (Qwen2)."""
+           "qwen2": ["q_proj", "v_proj", "down_proj"],
+           "qwen3": ["q_proj", "k_proj", "o_proj", "up_proj"],
+           "gemma3": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                      "down_proj"]}
+"""Every module tokenserve adapts (GPT-2, Llama, Gemma 3), and partial sets (Qwen2, Qwen3:
+q and k feed its QK-norm)."""
 
 
 @dataclass
@@ -32,6 +37,17 @@ def _hf_config(family: str):
     if family == "gpt2":
         return transformers.GPT2Config(vocab_size=400, n_positions=128, n_embd=64, n_layer=2,
                                        n_head=4, bos_token_id=1, eos_token_id=2)
+    if family == "gemma3":  # QK-norm, post-norms, GeGLU; a local and a global layer
+        return transformers.Gemma3TextConfig(
+            vocab_size=400, max_position_embeddings=128, hidden_size=64, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=96,
+            sliding_window=4, query_pre_attn_scalar=16, bos_token_id=1, eos_token_id=2,
+            pad_token_id=0, layer_types=["sliding_attention", "full_attention"])
+    if family == "qwen3":  # QK-norm, a head width of its own
+        return transformers.Qwen3Config(
+            vocab_size=400, max_position_embeddings=128, hidden_size=64, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=32, intermediate_size=96,
+            tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
     kind = transformers.LlamaConfig if family == "llama" else transformers.Qwen2Config
     return kind(vocab_size=400, max_position_embeddings=128, hidden_size=64,
                 num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,

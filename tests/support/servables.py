@@ -11,6 +11,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import os
 import shutil
 import time
@@ -293,3 +295,19 @@ class ServerProcess:
             self.process.wait(10)
         self._log.flush()
         return self.process.returncode
+
+
+@contextlib.contextmanager
+def serving(tmp: Path, model: str, *args: str, rest: bool = True):
+    """A ServerProcess started with ARGS, ready to serve `model`, with `.channel` (a gRPC
+    channel to it) open; the channel closes and the process stops on exit."""
+    import grpc
+
+    process = ServerProcess(tmp, *args, rest=rest)
+    try:
+        process.wait_ready(model)
+        with grpc.insecure_channel(process.target) as process.channel:
+            yield process
+    finally:
+        process.stop()
+

@@ -75,7 +75,8 @@ class LLMEngine:
         self.guided = GuidedDecoding(tokenizer, self.config.model.vocab_size,
                                      self.config.eos_token_id)
         self.loras = (LoraSlots(self.config.model, engine_config.max_loras,
-                                engine_config.max_lora_rank, runner.write_lora_slot)
+                                engine_config.max_lora_rank, runner.write_lora_slot,
+                                runner.prepare_lora_slot)
                       if engine_config.max_loras and runner.is_transformer else None)
         """The resident LoRA adapters; None: this engine serves no adapters."""
         if self.loras is not None:  # a request waits until its adapter has a slot

@@ -118,7 +118,7 @@ def role_columns(config: TransformerConfig) -> dict[str, dict[str, tuple[int, in
     q = config.num_heads * config.head_dim
     kv = config.num_kv_heads * config.head_dim
     f, d = config.intermediate_size, config.hidden_size
-    up = 2 * f if config.mlp == "swiglu" else f
+    up = 2 * f if config.mlp in ("swiglu", "geglu") else f  # gate and up side by side
     return {"qkv": {"q": (0, q), "k": (q, q + kv), "v": (q + kv, q + 2 * kv),
                     "all": (0, q + 2 * kv)},
             "out": {"all": (0, d)}, "up": {"gate": (0, f), "up": (f, 2 * f), "all": (0, up)},

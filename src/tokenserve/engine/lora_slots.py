@@ -5,9 +5,11 @@ registered with the server by name and path; a request carries its adapter (Lora
 and before each schedule the engine gives the waiting requests' adapters slots, highest
 priority first: a free slot, else the least recently used slot no running sequence reads.
 An adapter that gets none waits (on disk, or in a small host cache of adapters checked when
-they were loaded, so writing a slot reads no file on the engine's thread), and so do its
-requests (the scheduler skips them, others go ahead). A slot is written between steps, on the engine's thread, in one call: no
-step ever reads a slot half written, and a slot a running sequence reads is never rewritten.
+they were loaded, already in the slot's layout, so writing a slot reads no file and packs
+nothing on the engine's thread: it is a copy), and so do its requests (the scheduler skips
+them, others go ahead). A slot is written between steps, on the engine's thread, in one
+call: no step ever reads a slot half written, and a slot a running sequence reads is never
+rewritten.
 """
 
 from __future__ import annotations
@@ -43,13 +45,16 @@ class LoraSlots:
         config: the base model's architecture (adapters are checked against it).
         max_loras: slots (EngineConfig.max_loras).
         max_rank: largest rank a slot takes (EngineConfig.max_lora_rank).
-        write_slot: (slot, LoraWeights.layers or None) -> None: the runner's slot write.
+        write_slot: (slot, prepared values) -> None: the runner's slot write.
+        prepare_slot: LoraWeights.layers -> the values write_slot takes (the runner's;
+            called where an adapter is checked, any thread).
     """
 
     def __init__(self, config: TransformerConfig, max_loras: int, max_rank: int,
-                 write_slot: Callable[[int, list | None], None]):
+                 write_slot: Callable[[int, object], None],
+                 prepare_slot: Callable[[list], object]):
         self.config, self.max_loras, self.max_rank = config, max_loras, max_rank
-        self.write_slot = write_slot
+        self.write_slot, self.prepare_slot = write_slot, prepare_slot
         self.slots: list[LoraRequest | None] = [None] * (max_loras + 1)  # [0]: the base
         self._last_used = [0] * (max_loras + 1)
         self._clock = itertools.count(1)
@@ -58,9 +63,10 @@ class LoraSlots:
         """By adapter name, for every adapter a request has used (bounded by the names
         the server registered)."""
         self._counts_lock = threading.Lock()
-        self._host: OrderedDict[LoraRequest, LoraWeights] = OrderedDict()
+        self._host: OrderedDict[LoraRequest, tuple[LoraWeights, object]] = OrderedDict()
         self.max_host_adapters = max(8, 2 * max_loras)
-        """Adapters kept in host memory after their check (LRU); the rest are read again."""
+        """Adapters kept in host memory after their check, with their prepared slot values
+        (LRU); the rest are read again."""
         self._host_lock = threading.Lock()
 
     def check(self, path: str | Path, lora: LoraRequest | None = None) -> LoraWeights:
@@ -79,12 +85,18 @@ class LoraSlots:
                     for name, c in self.counts.items()}
 
     def remember(self, lora: LoraRequest, weights: LoraWeights) -> None:
-        """Keeps `lora`'s checked weights in the host cache (any thread)."""
+        """Keeps `lora`'s checked weights, and its slot values prepared from them, in the
+        host cache (any thread)."""
+        self._store(lora, weights)
+
+    def _store(self, lora: LoraRequest, weights: LoraWeights) -> tuple[LoraWeights, object]:
+        cached = weights, self.prepare_slot(weights.layers)
         with self._host_lock:
-            self._host[lora] = weights
+            self._host[lora] = cached
             self._host.move_to_end(lora)
             while len(self._host) > self.max_host_adapters:
                 self._host.popitem(last=False)
+        return cached
 
     def warmup_adapter(self) -> LoraRequest:
         """An adapter of zeros (in the host cache), for warm-up requests that trace the
@@ -104,13 +116,13 @@ class LoraSlots:
         with self._counts_lock:
             self.counts.pop(lora.name, None)
 
-    def _weights(self, lora: LoraRequest) -> LoraWeights:
+    def _cached(self, lora: LoraRequest) -> tuple[LoraWeights, object]:
+        """`lora`'s weights and prepared slot values."""
         with self._host_lock:
-            weights = self._host.get(lora)
-        if weights is None:  # evicted from the host cache (or never checked): from disk
-            weights = self.check(lora.path)
-            self.remember(lora, weights)
-        return weights
+            cached = self._host.get(lora)
+        if cached is None:  # evicted from the host cache (or never checked): from disk
+            cached = self._store(lora, self.check(lora.path))
+        return cached
 
     def slot_of(self, lora: LoraRequest) -> int:
         """The slot holding `lora`, or 0."""
@@ -149,12 +161,12 @@ class LoraSlots:
                 if not slot:
                     continue  # every slot is read by a running sequence: it waits
                 try:
-                    weights = self._weights(request.lora)
+                    weights, prepared = self._cached(request.lora)
                 except LoraAdapterError as error:
                     failed.append((request, error))
                     continue
                 self.slots[slot] = None  # never a slot named for weights it lacks
-                self.write_slot(slot, weights.layers)
+                self.write_slot(slot, prepared)
                 self.slots[slot] = request.lora
                 self.num_slot_loads += 1
                 log.info("LoRA adapter %r into slot %d (rank %d)", request.lora.name, slot,

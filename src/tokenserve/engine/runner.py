@@ -188,12 +188,20 @@ class ModelRunner:
                    prefill_inputs, last, lora)
         return self.step.logits(out, fused, screened, noise).numpy()[:num_wanted]
 
-    def write_lora_slot(self, slot: int, layers: list[dict] | None) -> None:
-        """Puts an adapter's factors (LoraWeights.layers) in resident slot `slot` (1..
-        max_loras), or clears it (None). Called between steps, on the engine's thread."""
+    def prepare_lora_slot(self, layers: list[dict] | None) -> list:
+        """An adapter's factors (LoraWeights.layers; None: zeros) as a slot's values, made
+        on any thread ahead of write_lora_slot."""
+        return self._lora_table().prepare(layers)
+
+    def write_lora_slot(self, slot: int, values: list) -> None:
+        """Puts prepared values (prepare_lora_slot's) in resident slot `slot` (1..
+        max_loras). Called between steps, on the engine's thread."""
+        self._lora_table().write_slot(slot, values)
+
+    def _lora_table(self):
         if not self.is_transformer or self.step.lora_table is None:
             raise ValueError("this runner holds no LoRA slots (max_loras is 0)")
-        self.step.lora_table.write_slot(slot, layers)
+        return self.step.lora_table
 
     def _noise(self, out: SchedulerOutput, num_rows: int) -> np.ndarray | None:
         """[num_rows, vocab] float32: the noise of each sampled row the engine draws from

@@ -155,17 +155,17 @@ def finish_block(attn, x, out, norm, up, down, activation: str = "gelu_tanh",
     return y if next_qkv is None else (y, following)
 
 
-def lora_finish_block(attn, x, out, norm, up, down, one_hot, factors: dict,
+def lora_finish_block(attn, x, out, norm, up, down, groups, factors: dict, layer: int,
                       activation: str = "gelu_tanh", eps: float = 1e-5, isa: str = "auto",
                       next_norm=None, next_qkv=None):
     """finish_block with each row's LoRA delta on its four projections, in the same one op:
 
-        proj(in) = in @ kernel + bias + ((in @ A) * mask) @ B
+        proj(in)[row] = in[row] @ kernel + bias + (in[row] @ A_s[layer]) @ B_s[layer]
 
-    one_hot [M, K]: each row's adapter among the step's K (zeros: the base model); factors:
-    role ("out", "up", "down", "qkv": the next block's) -> (A [in, K*R], B [K*R, out]) float32,
-    R per role, the K adapters side by side (mask: one_hot's entries repeated R times);
-    "qkv" only with next_qkv. Returns what finish_block returns, None likewise."""
+    for the row's slot s, rows grouped by slot (lora_delta's `groups`). factors: role ("out",
+    "up", "down", "qkv": the next block's, read at layer + 1) -> (A, B): lists of the S
+    slots' A_s [L, in, R] and B_s [L, R, out] float32, the slot table's variables as they
+    are. Returns what finish_block returns, None likewise."""
     op = LIBRARY.module()
     if op is None:
         return None
@@ -174,18 +174,29 @@ def lora_finish_block(attn, x, out, norm, up, down, one_hot, factors: dict,
     def bias(w):
         return w["bias"] if w.get("bias") is not None else empty
 
-    none = tf.zeros([0, 0], tf.float32)
     if next_qkv is None:
         following = (empty, empty, tf.zeros([0, 0], out["kernel"].dtype), empty)
-        next_factors = (none, none)
     else:
         following = (next_norm["scale"], bias(next_norm), next_qkv["kernel"], bias(next_qkv))
-        next_factors = factors["qkv"]
+    lists = [list(f) for role in ("out", "up", "down", "qkv") for f in factors[role]]
     y, following = op.tokenserve_lora_finish_block(
         attn, x, out["kernel"], bias(out), norm["scale"], bias(norm), up["kernel"], bias(up),
-        down["kernel"], bias(down), *following, one_hot, *factors["out"], *factors["up"],
-        *factors["down"], *next_factors, activation=activation, eps=eps, isa=isa)
+        down["kernel"], bias(down), *following, *groups, *lists, layer=layer,
+        activation=activation, eps=eps, isa=isa)
     return y if next_qkv is None else (y, following)
+
+
+def lora_delta(y, x, groups, a: list, b: list, layer: int):
+    """y [M, out] + each row's LoRA delta (x[row] @ A_s[layer]) @ B_s[layer] for its slot s,
+    float32, or None when the compiled op is unavailable.
+
+    groups: (order [M] int32, the rows sorted by slot; offsets [S + 2] int32, slot s's rows
+    order[offsets[s]:offsets[s + 1]], slot 0 (no adapter) getting none); a, b: the S
+    slots' A_s [L, in, R] and B_s [L, R, out]."""
+    op = LIBRARY.module()
+    if op is None:
+        return None
+    return op.tokenserve_lora_delta(y, x, *groups, list(a), list(b), layer=layer)
 
 
 def split_rope(qkv, num_heads: int, num_kv_heads: int, head_dim: int, rotary=None,

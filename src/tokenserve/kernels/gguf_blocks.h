@@ -17,19 +17,11 @@
 // one integer dot product (maddubs/madd, or dpbusd) and two float multiply-adds. One activation
 // format serves every type: Q8_0 weights ignore sx.
 //
-// The K-quants are read by gguf_kquants.h for now (decoded to float, no q8 activations); a
-// faster kernel could fit them to the same form. Q4_K and Q5_K super-blocks of 256 values are 8 sub-blocks
-// of 32 with w = (d * scale_j) * v - (dmin * min_j): per 32 values, a scale, an offset and
-// unsigned v (0..15 or 0..31, so maddubs' pair sums still cannot saturate). Q6_K's sub-blocks
-// are 16 values with w = (d * scale_j) * (v - 32): two scales per 32, so its decoded block will
-// carry one scale per half and its dot product two halves. (llama.cpp pairs the K-quants with
-// Q8_K, one scale per 256 and integer sub-block scales; per-32 float activation scales cost a
-// few more float operations a block and lose less precision.)
+// The K-quants (super-blocks of 256, gguf_kquants.h) pair with q8_K activations instead, one
+// scale per 256 values, as llama.cpp pairs them (gguf_q8k.h).
 #ifndef TOKENSERVE_KERNELS_GGUF_BLOCKS_H_
 #define TOKENSERVE_KERNELS_GGUF_BLOCKS_H_
 
-#include <algorithm>
-#include <cfloat>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -37,6 +29,7 @@
 #include <vector>
 
 #include "cpu.h"
+#include "q8_quantize.h"
 
 namespace tokenserve {
 namespace gguf {
@@ -127,28 +120,17 @@ struct Q8Rows {
   int64 Index(int64 m, int64 b) const { return m * blocks + b; }
 };
 
-// One block, scalar: the same operations as the AVX2 version (multiply by 127 / amax in
-// float, round half to even), so both give the same bytes and scales.
-inline void QuantizeBlockScalar(const float* x, int8_t* q, float* d, float* s) {
-  float amax = 0.f;
-  bool finite = true;
-  for (int i = 0; i < kBlock; ++i) {
-    finite = finite && std::isfinite(x[i]);
-    amax = std::max(amax, std::fabs(x[i]));
-  }
-  if (!finite) {
-    std::memset(q, 0, kBlock);
-    *d = *s = NAN;
-    return;
-  }
-  const float inv = amax > 0.f ? 127.f / amax : 0.f;
+// One block: q and d as q8_quantize.h makes them (SIMD or not, the same bytes and scale),
+// and s = d * sum(q).
+inline void QuantizeBlock(const float* x, bool simd, int8_t* q, float* d, float* s) {
+#ifdef TOKENSERVE_CPU_X86
+  *d = simd ? q8::QuantizeAvx2(x, kBlock, q) : q8::QuantizeScalar(x, kBlock, q);
+#else
+  *d = q8::QuantizeScalar(x, kBlock, q);
+#endif
   int32_t sum = 0;
-  for (int i = 0; i < kBlock; ++i) {
-    q[i] = static_cast<int8_t>(std::nearbyint(x[i] * inv));
-    sum += q[i];
-  }
-  *d = amax / 127.f;
-  *s = *d * static_cast<float>(sum);
+  for (int i = 0; i < kBlock; ++i) sum += q[i];
+  *s = *d * static_cast<float>(sum);  // NaN with d
 }
 
 #ifdef TOKENSERVE_CPU_X86
@@ -182,44 +164,6 @@ TOKENSERVE_GGUF_SIMD __attribute__((always_inline)) inline float LoadOffset(cons
   return Type::Offset(block, d);
 }
 
-TOKENSERVE_GGUF_SIMD inline void QuantizeBlockAvx2(const float* x, int8_t* q, float* d, float* s) {
-  const __m256 sign = _mm256_set1_ps(-0.f);
-  const __m256 largest = _mm256_set1_ps(FLT_MAX);
-  __m256 v[4];
-  __m256 amax = _mm256_setzero_ps();
-  __m256 bad = _mm256_setzero_ps();  // lanes that saw a NaN or an infinity
-  for (int i = 0; i < 4; ++i) {
-    v[i] = _mm256_loadu_ps(x + 8 * i);
-    const __m256 a = _mm256_andnot_ps(sign, v[i]);
-    amax = _mm256_max_ps(amax, a);
-    bad = _mm256_or_ps(bad, _mm256_cmp_ps(a, largest, _CMP_NLE_UQ));
-  }
-  if (_mm256_movemask_ps(bad)) {
-    std::memset(q, 0, kBlock);
-    *d = *s = NAN;
-    return;
-  }
-  const float max_abs = cpu::HorizontalMax(amax);
-  const __m256 inv = _mm256_set1_ps(max_abs > 0.f ? 127.f / max_abs : 0.f);
-  __m256i i32[4];
-  for (int i = 0; i < 4; ++i) {
-    i32[i] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[i], inv),
-                                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-  }
-  // the sum of the 32 integers, before packing (exact in int32)
-  const __m256i sum8 = _mm256_add_epi32(_mm256_add_epi32(i32[0], i32[1]),
-                                        _mm256_add_epi32(i32[2], i32[3]));
-  __m128i sum4 = _mm_add_epi32(_mm256_castsi256_si128(sum8), _mm256_extracti128_si256(sum8, 1));
-  sum4 = _mm_add_epi32(sum4, _mm_shuffle_epi32(sum4, _MM_SHUFFLE(1, 0, 3, 2)));
-  sum4 = _mm_add_epi32(sum4, _mm_shuffle_epi32(sum4, _MM_SHUFFLE(2, 3, 0, 1)));
-  // packing works per 128-bit lane; the permute restores element order
-  const __m256i i8 = _mm256_packs_epi16(_mm256_packs_epi32(i32[0], i32[1]),
-                                        _mm256_packs_epi32(i32[2], i32[3]));
-  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), _mm256_permutevar8x32_epi32(i8, order));
-  *d = max_abs / 127.f;
-  *s = *d * static_cast<float>(_mm_cvtsi128_si32(sum4));
-}
 #endif  // TOKENSERVE_CPU_X86
 
 // x [M, K] into `out`, every block of every row (K a multiple of 32).
@@ -229,14 +173,8 @@ inline void QuantizeRows(const float* x, int64 M, int64 K, bool simd, Q8Rows* ou
   out->d.resize(M * out->blocks);
   out->s.resize(M * out->blocks);
   for (int64 i = 0; i < M * out->blocks; ++i) {
-    const float* src = x + i * kBlock;  // row m's block b is x[m * K + b * 32]: contiguous
-#ifdef TOKENSERVE_CPU_X86
-    if (simd) {
-      QuantizeBlockAvx2(src, out->q.data() + i * kBlock, &out->d[i], &out->s[i]);
-      continue;
-    }
-#endif
-    QuantizeBlockScalar(src, out->q.data() + i * kBlock, &out->d[i], &out->s[i]);
+    // row m's block b is x[m * K + b * 32]: contiguous
+    QuantizeBlock(x + i * kBlock, simd, out->q.data() + i * kBlock, &out->d[i], &out->s[i]);
   }
 }
 

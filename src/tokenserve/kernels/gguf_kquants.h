@@ -1,7 +1,7 @@
-// GGUF K-quant super-blocks (256 values each) as a file stores them, and the simplest kernel
-// that reads them as stored: each super-block is decoded to 256 floats once per weight row and
-// multiplied into every row of x in float32 (FMA). No activation quantization, so the results
-// equal a float matmul by gguf's dequantized weights up to float summation order.
+// GGUF K-quant super-blocks (256 values each) as a file stores them, the one form every type
+// decodes to for the integer dot product with q8_K activations (gguf_q8k.h), and the portable
+// scalar kernel: the reference for the AVX2 kernels (gguf_kquants_avx2.h), which compute the
+// same integer sums and the same float formula, and the path of CPUs without AVX2.
 //
 // Layouts (ggml's block_q4_K, block_q5_K, block_q6_K; fp16 fields little-endian):
 //   Q4_K 144 bytes: fp16 d, fp16 dmin, 12 bytes of 6-bit scales and mins, 128 bytes nibbles
@@ -12,68 +12,84 @@
 // are the low and high nibbles of nibble bytes [32 i, 32 i + 32); Q5_K's bit 4 of sub-block j
 // is bit j of qh[l]. Q6_K: two halves of 128, each from 64 ql bytes and 32 qh bytes; its 16
 // sub-blocks of 16 take w = d * scale_j * (v - 32) in value order.
+//
+// The one form (KBlock): for value i of the super-block,
+//   w_i = d * scale[i / 16] * q_i + dm * min[i / 16],   q_i unsigned (0..63), scale, min int16
+// Q4_K/Q5_K: each sub-block's scale and min repeated for its two sixteens, dm = -dmin.
+// Q6_K: q = v (0..63) and its -32 moved into the offset: min = -32 * scale, dm = d.
+// Against a q8_K block (x ~= dx * qx, bsums the sums of qx over each sixteen):
+//   sum_i w_i x_i ~= dx * (d * sum_j scale_j * sum_{i in j} q_i qx_i + dm * sum_j min_j bsums_j)
+// two integer sums (exact in int32: |scale_j * sixteen's dot| <= 128 * 16 * 63 * 127) and two
+// float multiply-adds a super-block and row of x.
 #ifndef TOKENSERVE_KERNELS_GGUF_KQUANTS_H_
 #define TOKENSERVE_KERNELS_GGUF_KQUANTS_H_
 
 #include <cstdint>
+#include <cstring>
 
-#include "cpu.h"
 #include "gguf_blocks.h"
+#include "gguf_q8k.h"
 
 namespace tokenserve {
 namespace gguf {
 
-constexpr int kSuperBlock = 256;
+struct KBlock {
+  uint8_t q[kSuperBlock];
+  int16_t scale[kSixteens], min[kSixteens];
+  float d, dm;
+};
 
-// Sub-block j's 6-bit scale and min from Q4_K/Q5_K's 12 packed bytes (ggml's get_scale_min_k4).
-inline void ScaleMinK4(int j, const uint8_t* q, int* scale, int* min) {
-  if (j < 4) {
-    *scale = q[j] & 63;
-    *min = q[j + 4] & 63;
-  } else {
-    *scale = (q[j + 4] & 0x0f) | ((q[j - 4] >> 6) << 4);
-    *min = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+// Q4_K/Q5_K's 12 packed bytes -> the 8 sub-blocks' 6-bit scales and mins (ggml's
+// get_scale_min_k4, four sub-blocks a 32-bit word): sub-blocks 0..3 are the low 6 bits of
+// bytes 0..3 (scales) and 4..7 (mins); 4..7 are the nibbles of bytes 8..11 (low: scale, high:
+// min) with bits 4-5 from the top two bits of bytes 0..3 (scales) and 4..7 (mins).
+inline void UnpackScalesMins(const uint8_t* packed, uint8_t scales[8], uint8_t mins[8]) {
+  uint32_t a, b, c;
+  std::memcpy(&a, packed, 4);
+  std::memcpy(&b, packed + 4, 4);
+  std::memcpy(&c, packed + 8, 4);
+  const uint32_t scales_low = a & 0x3f3f3f3fu, mins_low = b & 0x3f3f3f3fu;
+  const uint32_t scales_high = (c & 0x0f0f0f0fu) | ((a >> 2) & 0x30303030u);
+  const uint32_t mins_high = ((c >> 4) & 0x0f0f0f0fu) | ((b >> 2) & 0x30303030u);
+  std::memcpy(scales, &scales_low, 4);
+  std::memcpy(scales + 4, &scales_high, 4);
+  std::memcpy(mins, &mins_low, 4);
+  std::memcpy(mins + 4, &mins_high, 4);
+}
+
+// Q4_K's and Q5_K's common part: d, dmin, scales and mins, and the nibbles of sub-block
+// pairs from `nibbles` (128 bytes).
+inline void DecodeQ4KLike(const uint8_t* block, const uint8_t* nibbles, KBlock* out) {
+  uint8_t scales[8], mins[8];
+  UnpackScalesMins(block + 4, scales, mins);
+  for (int j = 0; j < kSixteens; ++j) {
+    out->scale[j] = scales[j / 2];
+    out->min[j] = mins[j / 2];
+  }
+  out->d = HalfToFloat(LoadHalfBits(block));
+  out->dm = -HalfToFloat(LoadHalfBits(block + 2));
+  for (int i = 0; i < 4; ++i) {
+    for (int l = 0; l < 32; ++l) {
+      out->q[64 * i + l] = nibbles[32 * i + l] & 0x0f;
+      out->q[64 * i + 32 + l] = nibbles[32 * i + l] >> 4;
+    }
   }
 }
 
 struct Q4_K {
   static constexpr const char* kName = "q4_k";
   static constexpr int kBytes = 144;
-  static void Decode(const uint8_t* block, float* w) {
-    const float d = HalfToFloat(LoadHalfBits(block)), dmin = HalfToFloat(LoadHalfBits(block + 2));
-    const uint8_t* scales = block + 4;
-    const uint8_t* qs = block + 16;
-    for (int i = 0; i < 4; ++i, qs += 32, w += 64) {
-      int s0, m0, s1, m1;
-      ScaleMinK4(2 * i, scales, &s0, &m0);
-      ScaleMinK4(2 * i + 1, scales, &s1, &m1);
-      const float d0 = d * s0, c0 = dmin * m0, d1 = d * s1, c1 = dmin * m1;
-      for (int l = 0; l < 32; ++l) {
-        w[l] = d0 * (qs[l] & 0x0f) - c0;
-        w[l + 32] = d1 * (qs[l] >> 4) - c1;
-      }
-    }
-  }
+  static void Decode(const uint8_t* block, KBlock* out) { DecodeQ4KLike(block, block + 16, out); }
 };
 
 struct Q5_K {
   static constexpr const char* kName = "q5_k";
   static constexpr int kBytes = 176;
-  static void Decode(const uint8_t* block, float* w) {
-    const float d = HalfToFloat(LoadHalfBits(block)), dmin = HalfToFloat(LoadHalfBits(block + 2));
-    const uint8_t* scales = block + 4;
+  static void Decode(const uint8_t* block, KBlock* out) {
+    DecodeQ4KLike(block, block + 48, out);
     const uint8_t* qh = block + 16;
-    const uint8_t* qs = block + 48;
-    for (int i = 0; i < 4; ++i, qs += 32, w += 64) {
-      int s0, m0, s1, m1;
-      ScaleMinK4(2 * i, scales, &s0, &m0);
-      ScaleMinK4(2 * i + 1, scales, &s1, &m1);
-      const float d0 = d * s0, c0 = dmin * m0, d1 = d * s1, c1 = dmin * m1;
-      for (int l = 0; l < 32; ++l) {
-        const int h0 = (qh[l] >> (2 * i)) & 1, h1 = (qh[l] >> (2 * i + 1)) & 1;
-        w[l] = d0 * ((qs[l] & 0x0f) | (h0 << 4)) - c0;
-        w[l + 32] = d1 * ((qs[l] >> 4) | (h1 << 4)) - c1;
-      }
+    for (int j = 0; j < 8; ++j) {
+      for (int l = 0; l < 32; ++l) out->q[32 * j + l] |= ((qh[l] >> j) & 1) << 4;
     }
   }
 };
@@ -81,71 +97,53 @@ struct Q5_K {
 struct Q6_K {
   static constexpr const char* kName = "q6_k";
   static constexpr int kBytes = 210;
-  static void Decode(const uint8_t* block, float* w) {
-    const uint8_t* ql = block;
-    const uint8_t* qh = block + 128;
+  static void Decode(const uint8_t* block, KBlock* out) {
     const int8_t* scales = reinterpret_cast<const int8_t*>(block + 192);
-    const float d = HalfToFloat(LoadHalfBits(block + 208));
-    for (int half = 0; half < 2; ++half, ql += 64, qh += 32, scales += 8, w += 128) {
-      for (int s = 0; s < 2; ++s) {  // sub-blocks of 16: value 32 g + l takes scale 2 g + l / 16
-        const float d0 = d * scales[s], d1 = d * scales[s + 2], d2 = d * scales[s + 4],
-                    d3 = d * scales[s + 6];
-        for (int l = 16 * s; l < 16 * s + 16; ++l) {  // fixed scales: the loop vectorizes
-          const int q0 = ((ql[l] & 0x0f) | (((qh[l] >> 0) & 3) << 4)) - 32;
-          const int q1 = ((ql[l + 32] & 0x0f) | (((qh[l] >> 2) & 3) << 4)) - 32;
-          const int q2 = ((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32;
-          const int q3 = ((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32;
-          w[l] = d0 * q0;
-          w[l + 32] = d1 * q1;
-          w[l + 64] = d2 * q2;
-          w[l + 96] = d3 * q3;
-        }
+    for (int j = 0; j < kSixteens; ++j) {
+      out->scale[j] = scales[j];
+      out->min[j] = static_cast<int16_t>(-32 * scales[j]);
+    }
+    out->d = out->dm = HalfToFloat(LoadHalfBits(block + 208));
+    for (int half = 0; half < 2; ++half) {
+      const uint8_t* ql = block + 64 * half;
+      const uint8_t* qh = block + 128 + 32 * half;
+      uint8_t* q = out->q + 128 * half;
+      for (int l = 0; l < 32; ++l) {  // value 32 g + l of the half: qh's bits 2g, 2g + 1
+        q[l] = (ql[l] & 0x0f) | ((qh[l] & 3) << 4);
+        q[l + 32] = (ql[l + 32] & 0x0f) | (((qh[l] >> 2) & 3) << 4);
+        q[l + 64] = (ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4);
+        q[l + 96] = (ql[l + 32] >> 4) | ((qh[l] >> 6) << 4);
       }
     }
   }
 };
 
-// sum_j w[j] * x[j] over 256 values, eight float accumulators (the AVX2 version's order).
-inline float Dot256Scalar(const float* w, const float* x) {
-  float acc[8] = {};
-  for (int j = 0; j < kSuperBlock; j += 8) {
-    for (int i = 0; i < 8; ++i) acc[i] += w[j + i] * x[j + i];
+// One super-block's dot product with one q8_K block: the formula above.
+inline float DotScalar(const KBlock& w, const int8_t* qx, const int16_t* bsums, float dx) {
+  int32_t sum_q = 0, sum_min = 0;
+  for (int j = 0; j < kSixteens; ++j) {
+    int32_t dot = 0;
+    for (int l = 16 * j; l < 16 * j + 16; ++l) dot += int32_t{w.q[l]} * int32_t{qx[l]};
+    sum_q += int32_t{w.scale[j]} * dot;
+    sum_min += int32_t{w.min[j]} * int32_t{bsums[j]};
   }
-  return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+  return (w.d * dx) * static_cast<float>(sum_q) + (w.dm * dx) * static_cast<float>(sum_min);
 }
 
-#ifdef TOKENSERVE_CPU_X86
-TOKENSERVE_GGUF_SIMD inline float Dot256Avx2(const float* w, const float* x) {
-  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-  for (int j = 0; j < kSuperBlock; j += 16) {
-    acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(w + j), _mm256_loadu_ps(x + j), acc0);
-    acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(w + j + 8), _mm256_loadu_ps(x + j + 8), acc1);
-  }
-  return cpu::HorizontalSum(_mm256_add_ps(acc0, acc1));
-}
-#endif
-
-// Output rows [n0, n0 + count) of y[M, N] = x[M, K] @ dequant(w).T: each weight row read once,
-// front to back, each super-block decoded once for all M rows of x.
+// Output rows [n0, n0 + count) of y[M, N] = x @ dequant(w).T (y[m * ldy + n]), each weight
+// row read once, each super-block decoded once for all M rows of x.
 template <class Type>
-void KQuantRows(const float* x, int64 M, int64 K, const uint8_t* w, int64 row_bytes, int64 n0,
-                int64 count, bool simd, float* y, int64 ldy) {
-  alignas(32) float decoded[kSuperBlock];
-  const int64 blocks = K / kSuperBlock;
-  for (int64 r = 0; r < count; ++r) {
-    const uint8_t* row = w + (n0 + r) * row_bytes;
-    for (int64 m = 0; m < M; ++m) y[m * ldy + n0 + r] = 0.f;
-    for (int64 b = 0; b < blocks; ++b) {
-      Type::Decode(row + b * Type::kBytes, decoded);
+void KQuantRowsScalar(const Q8KRows& xq, int64 M, const uint8_t* w, int64 row_bytes, int64 n0,
+                      int64 count, float* y, int64 ldy) {
+  KBlock decoded;
+  for (int64 n = n0; n < n0 + count; ++n) {
+    const uint8_t* row = w + n * row_bytes;
+    for (int64 m = 0; m < M; ++m) y[m * ldy + n] = 0.f;
+    for (int64 b = 0; b < xq.blocks; ++b) {
+      Type::Decode(row + b * Type::kBytes, &decoded);
       for (int64 m = 0; m < M; ++m) {
-        const float* xb = x + m * K + b * kSuperBlock;
-#ifdef TOKENSERVE_CPU_X86
-        if (simd) {
-          y[m * ldy + n0 + r] += Dot256Avx2(decoded, xb);
-          continue;
-        }
-#endif
-        y[m * ldy + n0 + r] += Dot256Scalar(decoded, xb);
+        const int64 i = xq.Index(m, b);
+        y[m * ldy + n] += DotScalar(decoded, xq.Values(i), xq.Sums(i), xq.d[i]);
       }
     }
   }

@@ -1,13 +1,13 @@
 // TokenserveGgufMatmul: y[M, N] = x[M, K] @ dequant(blocks).T on the CPU, with the weights
 // kept as a GGUF file stores them: blocks is uint8 [N, K / 32 * block bytes], each output's
 // row of Q4_0, Q4_1 or Q8_0 blocks (gguf_blocks.h) exactly as ggml lays out a [N, K] tensor,
-// or of Q4_K, Q5_K or Q6_K super-blocks of 256 (gguf_kquants.h: decoded to float per
-// super-block and multiplied into float x; none of what follows about q8 activations applies).
+// or of Q4_K, Q5_K or Q6_K super-blocks of 256 (gguf_kquants.h).
 //
-// As llama.cpp does on x86: x is quantized once per call into Q8 blocks of 32, then each
-// weight block meets each activation block in one integer dot product (AVX2 maddubs + madd,
-// or AVX512-VNNI dpbusd where the build's flags include it), the block scales folded in with
-// FMA (gguf_kernels.h). The weight rows are split over the op's threads in contiguous ranges
+// As llama.cpp does on x86: x is quantized once per call into Q8 blocks of 32 (q8_K blocks of
+// 256 for the K-quants, gguf_q8k.h), then each weight block meets each activation block in
+// integer dot products (AVX2 maddubs + madd, or AVX512-VNNI dpbusd where the build's flags
+// include it; the K-quants' sub-block scales ride on madd, so they stay AVX2), the block
+// scales folded in with FMA (gguf_kernels.h, gguf_kquants_avx2.h). The weight rows are split over the op's threads in contiguous ranges
 // (chunks.h), as the int8 op splits its rows. No repacking: the op reads the stored bytes.
 //
 // Up to a few rows of x (decode of a few streams) each weight row is read once,
@@ -25,6 +25,8 @@
 #include "gguf_blocks.h"
 #include "gguf_kernels.h"
 #include "gguf_kquants.h"
+#include "gguf_kquants_avx2.h"
+#include "gguf_q8k.h"
 #include "gguf_tiles.h"
 #include "op_support.h"
 
@@ -166,17 +168,41 @@ void Matmul(tensorflow::thread::ThreadPool* pool, Isa isa, const Geometry& g,
   MatmulScalar<Type>(pool, g, xq, w, y);
 }
 
-// The K-quants: super-blocks decoded to float and multiplied into float x (gguf_kquants.h).
+// The K-quants against q8_K activations (gguf_kquants.h, gguf_kquants_avx2.h): up to four
+// rows of x, each weight row read once and unpacked on the way; above, each weight row
+// unpacked once into a per-thread buffer that every row of x sweeps.
 template <class Type>
 void MatmulKQuant(tensorflow::thread::ThreadPool* pool, Isa isa, const Geometry& g,
-                  const float* x, const uint8_t* w, float* y) {
+                  const gguf::Q8KRows& xq, const uint8_t* w, float* y) {
   const int64 workers = std::max(1, pool->NumThreads());
-  // cycles a weight row, roughly: a super-block's decode, and its dot product per row of x
-  const ChunkSplit split = SplitIntoChunks(g.N, g.K / gguf::kSuperBlock * (300 + 40 * g.M));
+  const gguf::Output out{y, g.N};
+#ifdef TOKENSERVE_CPU_X86
+  if (isa != Isa::kScalar && g.M <= gguf::kKRowGroup) {
+    // cycles a weight row, roughly: a super-block's unpacking, and its dot product per row
+    const ChunkSplit split = SplitIntoChunks(g.N, xq.blocks * (60 + 40 * g.M));
+    RunRanges(pool, workers, split.num_chunks, [&](int64 chunk, int64, int64) {
+      const int64 n0 = chunk * split.per_chunk;
+      gguf::KRowsAvx2<Type>(xq, g.M, w, g.row_bytes, n0, std::min(split.per_chunk, g.N - n0),
+                            out);
+    });
+    return;
+  }
+  if (isa != Isa::kScalar) {
+    const ChunkSplit split = SplitIntoChunks(g.N, xq.blocks * (80 + 40 * g.M));
+    std::vector<std::vector<gguf::KBlockAvx2>> buffers(workers);
+    RunChunks(pool, workers, split.num_chunks, [&](int64 chunk, int64 worker) {
+      const int64 n0 = chunk * split.per_chunk;
+      gguf::KRowsBufferedAvx2<Type>(xq, g.M, w, g.row_bytes, n0,
+                                    std::min(split.per_chunk, g.N - n0), &buffers[worker], out);
+    });
+    return;
+  }
+#endif
+  const ChunkSplit split = SplitIntoChunks(g.N, xq.blocks * (1500 + 600 * g.M));
   RunChunks(pool, workers, split.num_chunks, [&](int64 chunk, int64) {
     const int64 n0 = chunk * split.per_chunk;
-    gguf::KQuantRows<Type>(x, g.M, g.K, w, g.row_bytes, n0, std::min(split.per_chunk, g.N - n0),
-                           isa != Isa::kScalar, y, g.N);
+    gguf::KQuantRowsScalar<Type>(xq, g.M, w, g.row_bytes, n0,
+                                 std::min(split.per_chunk, g.N - n0), y, g.N);
   });
 }
 
@@ -241,10 +267,11 @@ class GgufMatmulOp : public OpKernel {
     auto* pool = WorkerPool(ctx);
     const uint8_t* w = blocks.flat<uint8_t>().data();
     if (IsKQuant(type_)) {
-      const float* xf = x.flat<float>().data();
-      if (type_ == "q4_k") return MatmulKQuant<gguf::Q4_K>(pool, isa_, g, xf, w, y);
-      if (type_ == "q5_k") return MatmulKQuant<gguf::Q5_K>(pool, isa_, g, xf, w, y);
-      return MatmulKQuant<gguf::Q6_K>(pool, isa_, g, xf, w, y);
+      gguf::Q8KRows xq;
+      gguf::QuantizeRowsK(x.flat<float>().data(), g.M, g.K, isa_ != Isa::kScalar, &xq);
+      if (type_ == "q4_k") return MatmulKQuant<gguf::Q4_K>(pool, isa_, g, xq, w, y);
+      if (type_ == "q5_k") return MatmulKQuant<gguf::Q5_K>(pool, isa_, g, xq, w, y);
+      return MatmulKQuant<gguf::Q6_K>(pool, isa_, g, xq, w, y);
     }
     gguf::Q8Rows xq;
     gguf::QuantizeRows(x.flat<float>().data(), g.M, g.K, isa_ != Isa::kScalar, &xq);

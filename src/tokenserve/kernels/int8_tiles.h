@@ -18,6 +18,7 @@
 
 #include "cpu.h"
 #include "op_support.h"
+#include "q8_quantize.h"
 
 // The AVX512-VNNI path only where the build targets AVX-512 (-march=native on such a CPU):
 // a build for AVX2 (TOKENSERVE_KERNELS_MARCH=avx2, what an AVX2-only CPU runs) stays AVX2.
@@ -90,26 +91,12 @@ struct Tile {
 // Portable scalar path. Same operations in the same order per block as the AVX2 path, so
 // quantized activations are bit-identical and results differ only by float summation order.
 
-// Quantizes x[0, len) into q[0, 32) (zero-padded) and returns the block scale. A block with
-// a NaN or infinity gets q = 0 and scale NaN, so the outputs it feeds become NaN (as in the
-// float matmul) instead of finite garbage.
+// Quantizes x[0, len) into q[0, 32) (zero-padded) and returns the block scale
+// (q8_quantize.h: a block with a NaN or infinity gets q = 0 and scale NaN).
 float QuantizeBlockScalar(const float* x, int64 len, int8_t* q) {
-  float amax = 0.f;
-  bool finite = true;
-  for (int64 i = 0; i < len; ++i) {
-    finite = finite && std::isfinite(x[i]);
-    amax = std::max(amax, std::fabs(x[i]));
-  }
-  if (!finite) {
-    std::memset(q, 0, kBlock);
-    return NAN;
-  }
-  const float inv = amax > 0.f ? 127.f / amax : 0.f;
-  for (int64 i = 0; i < kBlock; ++i) {
-    // nearbyint: round half to even, as _mm256_round_ps(_MM_FROUND_TO_NEAREST_INT) does.
-    q[i] = i < len ? static_cast<int8_t>(std::nearbyint(x[i] * inv)) : 0;
-  }
-  return amax / 127.f;
+  const float d = q8::QuantizeScalar(x, len, q);
+  std::memset(q + len, 0, kBlock - len);
+  return d;
 }
 
 void Int8TileScalar(const Geometry& g, const QuantizedRows& xq, const Tile& t, float* y) {

@@ -8,13 +8,13 @@
 #ifndef TOKENSERVE_KERNELS_INT8_TILES_AVX2_H_
 #define TOKENSERVE_KERNELS_INT8_TILES_AVX2_H_
 
-#include <cfloat>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 
 #include "cpu.h"
 #include "int8_tiles.h"
+#include "q8_quantize.h"
 
 namespace tokenserve {
 namespace {
@@ -32,36 +32,7 @@ AVX2_FN float QuantizeBlockAvx2(const float* x, int64 len, int8_t* q) {
     std::memcpy(padded, x, len * sizeof(float));
     x = padded;
   }
-  const __m256 sign = _mm256_set1_ps(-0.f);
-  const __m256 largest = _mm256_set1_ps(FLT_MAX);
-  __m256 v[4];
-  __m256 amax = _mm256_setzero_ps();
-  __m256 bad = _mm256_setzero_ps();  // lanes that saw a NaN or an infinity
-  for (int i = 0; i < 4; ++i) {
-    v[i] = _mm256_loadu_ps(x + 8 * i);
-    const __m256 a = _mm256_andnot_ps(sign, v[i]);
-    amax = _mm256_max_ps(amax, a);
-    bad = _mm256_or_ps(bad, _mm256_cmp_ps(a, largest, _CMP_NLE_UQ));
-  }
-  if (_mm256_movemask_ps(bad)) {  // as QuantizeBlockScalar: outputs become NaN
-    std::memset(q, 0, kBlock);
-    return NAN;
-  }
-  const float max_abs = cpu::HorizontalMax(amax);
-  const __m256 inv = _mm256_set1_ps(max_abs > 0.f ? 127.f / max_abs : 0.f);
-  __m256i i32[4];
-  for (int i = 0; i < 4; ++i) {
-    const __m256 scaled = _mm256_round_ps(_mm256_mul_ps(v[i], inv),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    i32[i] = _mm256_cvtps_epi32(scaled);
-  }
-  // Packing works per 128-bit lane; the final permute restores element order.
-  const __m256i i16a = _mm256_packs_epi32(i32[0], i32[1]);
-  const __m256i i16b = _mm256_packs_epi32(i32[2], i32[3]);
-  const __m256i i8 = _mm256_packs_epi16(i16a, i16b);
-  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), _mm256_permutevar8x32_epi32(i8, order));
-  return max_abs / 127.f;
+  return q8::QuantizeAvx2(x, kBlock, q);  // the same bytes and scale as QuantizeBlockScalar
 }
 
 // One 32-value activation block against the same block of NT weight rows (stride apart):

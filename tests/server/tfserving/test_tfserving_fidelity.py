@@ -38,14 +38,9 @@ def server(tmp_path_factory):
     M.write_tflite_half_plus_two(root / "lite", 1)
     M.write_tflite_with_sigdef(root / "lite_sigdef", 1)
     (root / "models.config").write_text(M.model_config(root, MODELS))
-    process = S.ServerProcess(root, f"--model_config_file={root / 'models.config'}",
-                              "--max_num_load_retries=0")
-    try:
-        process.wait_ready("half_plus_two")
-        process.channel = grpc.insecure_channel(process.target)
+    with S.serving(root, "half_plus_two", f"--model_config_file={root / 'models.config'}",
+                   "--max_num_load_retries=0") as process:
         yield process
-    finally:
-        process.stop()
 
 
 @pytest.fixture(scope="module")

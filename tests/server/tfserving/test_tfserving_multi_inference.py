@@ -78,14 +78,9 @@ def stub(tmp_path_factory):
         multi_inference_log=prediction_log_pb2.MultiInferenceLog(request=_multi(
             examples(1.0), ("default", "classify_x_to_y", CLASSIFY),
             ("default", "regress_x_to_y", REGRESS))))])
-    server = S.ServerProcess(root, "--model_name=default",
-                             f"--model_base_path={root / 'model'}", rest=False)
-    try:
-        server.wait_ready("default")
-        with grpc.insecure_channel(server.target) as channel:
-            yield prediction_service_pb2_grpc.PredictionServiceStub(channel)
-    finally:
-        server.stop()
+    with S.serving(root, "default", "--model_name=default",
+                   f"--model_base_path={root / 'model'}", rest=False) as server:
+        yield prediction_service_pb2_grpc.PredictionServiceStub(server.channel)
 
 
 def _spec(signature: str) -> model_pb2.ModelSpec:

@@ -47,19 +47,13 @@ def server(tmp_path_factory):
     S.write_tf2_model(root / "n", 1, scale=1.0, offset=-1.0)
     config = root / "models.config"
     config.write_text(config_text({"m": str(root / "m")}))
-    process = S.ServerProcess(root, f"--model_config_file={config}",
-                              "--model_config_file_poll_wait_seconds=1",
-                              "--file_system_poll_wait_seconds=1",
-                              "--max_num_load_retries=1", "--load_retry_interval_micros=200000",
-                              "--rest_api_timeout_in_ms=5000")
-    try:
-        process.wait_ready("m")
+    with S.serving(root, "m", f"--model_config_file={config}",
+                   "--model_config_file_poll_wait_seconds=1", "--file_system_poll_wait_seconds=1",
+                   "--max_num_load_retries=1", "--load_retry_interval_micros=200000",
+                   "--rest_api_timeout_in_ms=5000") as process:
         process.root = root
         process.config = config
-        process.channel = grpc.insecure_channel(process.target)
         yield process
-    finally:
-        process.stop()
 
 
 class Load:

@@ -52,22 +52,17 @@ def server(tmp_path_factory, tokenizer):
         'prometheus_config { enable: true, path: "/monitoring/prometheus/metrics" }\n')
     (root / "batching.config").write_text("max_batch_size { value: 8 }\n")
     socket_path = root / "grpc.sock"
-    process = S.ServerProcess(
-        root, f"--model_config_file={root / 'models.config'}",
+    with S.serving(
+        root, "tf2", f"--model_config_file={root / 'models.config'}",
         f"--monitoring_config_file={root / 'monitoring.config'}",
         "--enable_batching=true", f"--batching_parameters_file={root / 'batching.config'}",
         f"--grpc_socket_path={socket_path}", "--prefer_tflite_model=true",
         "--max_num_load_retries=0", "--platform_config_file=/nonexistent.cfg",
         "--tensorflow_session_parallelism=2", "--rest_api_enable_cors_support=true",
-        "--allow_version_labels_for_unavailable_models=true")
-    try:
-        process.wait_ready("tf2")
+        "--allow_version_labels_for_unavailable_models=true") as process:
         process.socket_path = socket_path
         process.lm_dir = lm_dir
-        process.channel = grpc.insecure_channel(process.target)
         yield process
-    finally:
-        process.stop()
 
 
 @pytest.fixture(scope="module")

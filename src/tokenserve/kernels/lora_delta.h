@@ -1,0 +1,200 @@
+// Each row's LoRA delta, rows grouped by adapter (as punica's SGMV and S-LoRA batch them):
+//
+//     y[rows of slot s] += (in[rows of slot s] @ A_s[layer]) @ B_s[layer]
+//
+// for the resident slots s = 1..S; slot 0's rows (the base model, padding) get nothing.
+// The rows come sorted by slot once a step (engine/step/lora.py, shared by every layer):
+// `order` [M] the row indices by slot, `offsets` [S + 2] where slot s's rows are
+// order[offsets[s]:offsets[s + 1]]. A_s [L, in, R] and B_s [L, R, out] are the slot table's
+// own variables, read in place (no per-step copy). Each projection is one call of the
+// thread team: work items of up to kLoraRows rows of one slot by a range of out's columns,
+// each item its rows' in @ A_s (kept in per-worker scratch) and then @ B_s's columns, added
+// into y. Few rows (decode at small batch) split out's columns further so both threads
+// work; the repeated in @ A_s is R / (columns per item) of the item's work.
+//
+// Float32 throughout; each delta is summed in a fixed order per row, whatever the batch.
+#ifndef TOKENSERVE_KERNELS_LORA_DELTA_H_
+#define TOKENSERVE_KERNELS_LORA_DELTA_H_
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#include "chunks.h"
+#include "op_support.h"
+
+namespace tokenserve {
+namespace {
+
+constexpr int64 kLoraRows = 8;        // rows of one slot per work item
+constexpr int64 kLoraMinCols = 256;   // columns per work item at least, when columns split
+constexpr int64 kLoraColBlock = 64;   // columns summed in registers at once
+
+// The step's rows by slot (the op's `order` and `offsets` inputs), checked.
+struct LoraGroups {
+  const int32_t* order;    // [M]
+  const int32_t* offsets;  // [S + 2]
+  int64 num_slots;         // S
+};
+
+// One projection's factors for every slot at one layer: a[s - 1] = &A_s[layer] [in, R],
+// b[s - 1] = &B_s[layer] [R, out].
+struct LoraFactor {
+  std::vector<const float*> a, b;
+  int64 width, rank, out;
+};
+
+// Checks order [M] and offsets [S + 2] (inputs `order_index` and the next) and reads them;
+// sets ctx's status and returns false when they do not describe M rows sorted into S + 1
+// slots.
+inline bool ReadLoraGroups(OpKernelContext* ctx, int order_index, int64 m, int64 num_slots,
+                           LoraGroups* groups) {
+  auto fail = [ctx](const absl::Status& status) {
+    ctx->CtxFailure(__FILE__, __LINE__, status);
+    return false;
+  };
+  const Tensor& order = ctx->input(order_index);
+  const Tensor& offsets = ctx->input(order_index + 1);
+  if (!(order.dims() == 1 && order.dim_size(0) == m)) {
+    return fail(InvalidArgument("order must be [M] with M = ", m, ", got ",
+                                order.shape().DebugString()));
+  }
+  if (!(offsets.dims() == 1 && offsets.dim_size(0) == num_slots + 2)) {
+    return fail(InvalidArgument("offsets must be [S + 2] with S = ", num_slots, ", got ",
+                                offsets.shape().DebugString()));
+  }
+  const int32_t* o = offsets.flat<int32_t>().data();
+  const int32_t* rows = order.flat<int32_t>().data();
+  if (o[0] != 0 || o[num_slots + 1] != m) {
+    return fail(InvalidArgument("offsets must run from 0 to M = ", m));
+  }
+  for (int64 s = 0; s <= num_slots; ++s) {
+    if (o[s] > o[s + 1]) return fail(InvalidArgument("offsets must not decrease"));
+  }
+  // a permutation: work items write their rows of y at once
+  std::vector<char> seen(m, 0);
+  for (int64 i = 0; i < m; ++i) {
+    if (rows[i] < 0 || rows[i] >= m || seen[rows[i]]) {
+      return fail(InvalidArgument("order must be a permutation of 0..", m - 1, ", order[", i,
+                                  "] = ", rows[i]));
+    }
+    seen[rows[i]] = 1;
+  }
+  *groups = {rows, o, num_slots};
+  return true;
+}
+
+// Reads S slots' factors of one projection from the inputs [a_index, a_index + S) (A_s
+// [L, in, R]) and the S after them (B_s [L, R, out]) at `layer`; sets ctx's status and
+// returns false when a shape does not fit (in, out given; R and L the slots' own, alike).
+inline bool ReadLoraFactor(OpKernelContext* ctx, int a_index, int64 num_slots, int64 layer,
+                           int64 width, int64 out, const char* name, LoraFactor* factor) {
+  const Tensor& first = ctx->input(a_index);
+  const int64 layers = first.dims() == 3 ? first.dim_size(0) : 0;
+  const int64 rank = first.dims() == 3 ? first.dim_size(2) : -1;
+  factor->a.clear();
+  factor->b.clear();
+  factor->width = width;
+  factor->rank = rank;
+  factor->out = out;
+  for (int64 s = 0; s < num_slots; ++s) {
+    const Tensor& a = ctx->input(a_index + s);
+    const Tensor& b = ctx->input(a_index + num_slots + s);
+    if (!(a.dims() == 3 && a.dim_size(0) == layers && a.dim_size(1) == width &&
+          a.dim_size(2) == rank && b.dims() == 3 && b.dim_size(0) == layers &&
+          b.dim_size(1) == rank && b.dim_size(2) == out && layer < layers)) {
+      ctx->CtxFailure(__FILE__, __LINE__,
+                      InvalidArgument("LoRA factors of ", name, " must be [L, ", width,
+                                      ", R] and [L, R, ", out, "] alike for every slot, with ",
+                                      "layer ", layer, " < L; slot ", s + 1, " has ",
+                                      a.shape().DebugString(), " and ",
+                                      b.shape().DebugString()));
+      return false;
+    }
+    factor->a.push_back(a.flat<float>().data() + layer * width * rank);
+    factor->b.push_back(b.flat<float>().data() + layer * rank * out);
+  }
+  return true;
+}
+
+// t [n, r] = in[rows] @ a (a [width, r]).
+inline void LoraShrink(int64 n, const int32_t* rows, const float* in, int64 width,
+                       const float* __restrict a, int64 r, float* __restrict t) {
+  std::fill(t, t + n * r, 0.0f);
+  for (int64 i = 0; i < n; ++i) {
+    const float* __restrict x = in + rows[i] * width;
+    float* __restrict ti = t + i * r;
+    for (int64 k = 0; k < width; ++k) {
+      const float v = x[k];
+      const float* __restrict ak = a + k * r;
+      for (int64 c = 0; c < r; ++c) ti[c] += v * ak[c];
+    }
+  }
+}
+
+// y[rows, j0:j1] += t [n, r] @ b[:, j0:j1] (b [r, out]), kLoraColBlock columns at a time
+// summed in registers.
+inline void LoraExpand(int64 n, const int32_t* rows, const float* __restrict t, int64 r,
+                       const float* __restrict b, int64 out, int64 j0, int64 j1, float* y) {
+  for (int64 i = 0; i < n; ++i) {
+    float* __restrict yi = y + rows[i] * out;
+    const float* __restrict ti = t + i * r;
+    int64 j = j0;
+    for (; j + kLoraColBlock <= j1; j += kLoraColBlock) {
+      float acc[kLoraColBlock];
+      for (int64 c = 0; c < kLoraColBlock; ++c) acc[c] = yi[j + c];
+      for (int64 k = 0; k < r; ++k) {
+        const float v = ti[k];
+        const float* __restrict bk = b + k * out + j;
+        for (int64 c = 0; c < kLoraColBlock; ++c) acc[c] += v * bk[c];
+      }
+      for (int64 c = 0; c < kLoraColBlock; ++c) yi[j + c] = acc[c];
+    }
+    for (; j < j1; ++j) {
+      float acc = yi[j];
+      for (int64 k = 0; k < r; ++k) acc += ti[k] * b[k * out + j];
+      yi[j] = acc;
+    }
+  }
+}
+
+// y [M, out] += each row's delta from in [M, width] (see the top of this file), in one call
+// of the thread team.
+inline void AddLoraDelta(tensorflow::thread::ThreadPool* pool, const LoraGroups& groups,
+                         const LoraFactor& factor, const float* in, float* y) {
+  const int64 r = factor.rank;
+  if (r == 0) return;
+  struct Rows {
+    int64 slot, begin, count;  // order[begin:begin + count], all of `slot`
+  };
+  std::vector<Rows> chunks;
+  for (int64 s = 1; s <= groups.num_slots; ++s) {
+    for (int64 i = groups.offsets[s]; i < groups.offsets[s + 1]; i += kLoraRows) {
+      chunks.push_back({s, i, std::min<int64>(kLoraRows, groups.offsets[s + 1] - i)});
+    }
+  }
+  if (chunks.empty()) return;
+  const int64 workers = pool == nullptr ? 1 : std::max(1, pool->NumThreads());
+  const int64 num_chunks = static_cast<int64>(chunks.size());
+  // column ranges per row chunk (whole blocks): enough items for every worker twice, none
+  // too narrow
+  const int64 blocks = (factor.out + kLoraColBlock - 1) / kLoraColBlock;
+  const int64 wanted = (2 * workers + num_chunks - 1) / num_chunks;
+  const int64 col_ranges = std::max<int64>(1, std::min(wanted, factor.out / kLoraMinCols));
+  std::vector<float> scratch(workers * kLoraRows * r);
+  RunChunks(pool, workers, num_chunks * col_ranges, [&](int64 item, int64 worker) {
+    const Rows& rows = chunks[item / col_ranges];
+    const int64 range = item % col_ranges;
+    const int64 j0 = blocks * range / col_ranges * kLoraColBlock;
+    const int64 j1 = std::min(factor.out, blocks * (range + 1) / col_ranges * kLoraColBlock);
+    const int32_t* row_ids = groups.order + rows.begin;
+    float* t = scratch.data() + worker * kLoraRows * r;
+    LoraShrink(rows.count, row_ids, in, factor.width, factor.a[rows.slot - 1], r, t);
+    LoraExpand(rows.count, row_ids, t, r, factor.b[rows.slot - 1], factor.out, j0, j1, y);
+  });
+}
+
+}  // namespace
+}  // namespace tokenserve
+
+#endif  // TOKENSERVE_KERNELS_LORA_DELTA_H_
