@@ -30,7 +30,8 @@ KEY_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "avx_vnni")
 # Variables that cap or switch the CPU kernels; recorded when set.
 ENV_VARS = ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "XLA_FLAGS", "TF_ENABLE_ONEDNN_OPTS",
             "TF_XLA_FLAGS", "OMP_NUM_THREADS", "TF_NUM_INTRAOP_THREADS",
-            "TF_NUM_INTEROP_THREADS", "TOKENSERVE_KERNELS_MARCH", "TOKENSERVE_KERNELS")
+            "TF_NUM_INTEROP_THREADS", "TOKENSERVE_KERNELS_MARCH", "TOKENSERVE_KERNELS",
+            "TOKENSERVE_KERNELS_ISA")
 
 
 def _fields(text: str, stop_at_blank: bool = False) -> dict[str, str]:
@@ -106,7 +107,8 @@ def isa_caps(env: dict[str, str]) -> list[str]:
     for name in ("XLA_FLAGS", "TF_XLA_FLAGS"):
         caps += re.findall(r"--xla_cpu_max_isa=\S+", env.get(name, ""))
     caps += [f"{name}={env[name]}" for name in ("TF_ENABLE_ONEDNN_OPTS",
-                                                "TOKENSERVE_KERNELS_MARCH", "TOKENSERVE_KERNELS")
+                                                "TOKENSERVE_KERNELS_MARCH", "TOKENSERVE_KERNELS",
+                                                "TOKENSERVE_KERNELS_ISA")
              if env.get(name) is not None]
     return caps
 

@@ -5,7 +5,8 @@ Three random models (float32, the built-in tokenizer's 8,192-token vocabulary) s
 everything but the MLP:
 
   moe          Qwen3-MoE-shaped: --experts experts (default 8), top --top-k (2), each a
-               SwiGLU MLP --expert-width wide (2,048), router renormalised
+               SwiGLU MLP --expert-width wide (2,048), router renormalised; each layer's
+               router and experts one op (kernels/moe_layer.cc)
   dense-all    one dense SwiGLU MLP as wide as all experts together (experts x width)
   dense-active one dense SwiGLU MLP as wide as the active experts only (top-k x width)
 
@@ -33,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import statistics
 import time
 from pathlib import Path
@@ -138,6 +140,7 @@ def main() -> None:
     args = parser.parse_args()
 
     archs = architectures(args)
+    load_before = os.getloadavg()
     engines = {name: build_engine(arch, seed=i) for i, (name, arch) in enumerate(archs.items())}
     for name, engine in engines.items():  # warm-up: every shape the timed runs take
         run(engine, 1, 8, seed=0)
@@ -182,8 +185,12 @@ def main() -> None:
     for key, value in ratios.items():
         console.print(f"{key}: {value['median']:.3f} (min {value['min']:.3f}, "
                       f"max {value['max']:.3f})")
+    load_after = os.getloadavg()
+    console.print(f"load average (1 min) before -> after: {load_before[0]:.1f} -> "
+                  f"{load_after[0]:.1f}")
     info = write_result(args.output, args=vars(args) | {"output": str(args.output)},
-                        results=results, ratios=ratios,
+                        results=results, ratios=ratios, loadavg_before=load_before,
+                        loadavg_after=load_after,
                         noise="2-core VM shared with other agents' jobs: figures drift")
     console.print(machine_summary(info))
     console.print(f"wrote {args.output}")

@@ -110,6 +110,14 @@ class TransformerConfig:
     shared_expert_size: int = 0
     """Hidden width of a shared expert every row goes through, scaled by a sigmoid gate
     (Qwen2-MoE); 0: none."""
+    dense_layers: tuple[int, ...] = ()
+    """Layers of a mixture of experts whose MLP is one dense SwiGLU MLP `intermediate_size`
+    wide, without router or experts (Qwen-MoE's mlp_only_layers and decoder_sparse_step);
+    empty: every layer routes."""
+    qk_norm_scope: Literal["head", "projection"] = "head"
+    """What QK-norm normalises: each head's query and key on its own (scales [head_dim];
+    Qwen3, Gemma 3), or the whole query and the whole key projection as one vector each
+    (scales [num_heads * head_dim] and [num_kv_heads * head_dim]; OLMoE)."""
     family: Literal["transformer"] = "transformer"
 
     def __post_init__(self) -> None:
@@ -135,6 +143,8 @@ class TransformerConfig:
         _check(not self.gguf_block_types or self.weight_format == "gguf",
                "gguf_block_types need weight_format='gguf'")
         _check(self.position != "rope" or self.head_dim % 2 == 0, "rope needs an even head_dim")
+        # a list from JSON: a sorted tuple, so the frozen config stays hashable
+        object.__setattr__(self, "dense_layers", tuple(sorted({int(i) for i in self.dense_layers})))
         if self.num_experts:
             _check(self.mlp == "swiglu" and not self.mlp_bias,
                    "experts are SwiGLU MLPs without biases (mlp='swiglu', mlp_bias=False)")
@@ -145,11 +155,16 @@ class TransformerConfig:
                    "expert widths must not be negative")
             if self.expert_intermediate_size == 0:
                 object.__setattr__(self, "expert_intermediate_size", self.intermediate_size)
+            _check(all(0 <= i < self.num_layers for i in self.dense_layers),
+                   f"dense_layers must be layer indices below {self.num_layers}, got "
+                   f"{list(self.dense_layers)}")
         else:
             _check(self.num_experts == 0, f"num_experts must not be negative, got "
                                           f"{self.num_experts}")
-            _check(self.num_experts_per_token == 0 and self.shared_expert_size == 0,
-                   "num_experts_per_token and shared_expert_size need num_experts > 0")
+            _check(self.num_experts_per_token == 0 and self.shared_expert_size == 0
+                   and not self.dense_layers,
+                   "num_experts_per_token, shared_expert_size and dense_layers need "
+                   "num_experts > 0")
         # a list from JSON (exports store the config as JSON) or NumPy: a tuple of floats, so
         # the frozen config stays hashable and compares equal after a round trip
         object.__setattr__(self, "rope_freq_factors",
@@ -189,12 +204,27 @@ class TransformerConfig:
                    "rope_original_context > 0")
             _check(all(f > 0 and math.isfinite(f) for f in self.rope_long_freq_factors),
                    "rope_long_freq_factors must be positive and finite")
+        _check(self.qk_norm_scope in ("head", "projection"),
+               f"unknown qk_norm_scope {self.qk_norm_scope!r}; use head or projection")
+        _check(self.qk_norm or self.qk_norm_scope == "head",
+               "qk_norm_scope 'projection' needs qk_norm")
         for name in ("local_rope_theta", "attn_scale", "attn_softcap", "final_softcap"):
             value = getattr(self, name)
             _check(value >= 0 and math.isfinite(value), f"{name} must be 0 or positive")
         for name in ("rope_attention_factor", "embedding_multiplier"):
             value = getattr(self, name)
             _check(value > 0 and math.isfinite(value), f"{name} must be positive")
+
+    @property
+    def qk_norm_widths(self) -> tuple[int, int]:
+        """Widths of QK-norm's q and k scales: head_dim, or the whole projections'."""
+        if self.qk_norm_scope == "projection":
+            return self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        return self.head_dim, self.head_dim
+
+    def layer_has_experts(self, layer: int) -> bool:
+        """Whether layer `layer`'s MLP is a mixture of experts (else one dense MLP)."""
+        return self.num_experts > 0 and layer not in self.dense_layers
 
     def layer_window(self, layer: int) -> int:
         """Layer `layer`'s attention window (0: global)."""

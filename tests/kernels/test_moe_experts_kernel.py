@@ -1,4 +1,4 @@
-"""The router and the grouped experts (the compiled op and the stock-TF grouping) against a
+"""The router and the grouped experts (the compiled ops and the stock-TF grouping) against a
 plain per-token loop in float64, with experts that get no rows and one that gets every row;
 bad expert ids and shapes refused by name."""
 
@@ -10,7 +10,7 @@ import tensorflow as tf
 
 from support.compiled_ops import compiled_op_module, use_compiled_op
 from tokenserve.kernels import moe as kmoe
-from tokenserve.model.moe import expert_counts, grouped_experts, route
+from tokenserve.model.moe import expert_counts, grouped_experts, route, shared_expert
 
 D, F, E, K = 48, 40, 6, 2
 
@@ -150,3 +150,104 @@ def test_the_op_counts_the_rows_each_expert_ran_on(op):
                                  np.ones([3, 2], np.float32), [w[0] for w in weights],
                                  [w[1] for w in weights], with_counts=True)
     assert counts.numpy().tolist() == [1, 0, 3, 1, 0, 1]
+
+
+# ---- the whole layer in one op: the router's softmax, top-k and renormalisation inside ----
+
+def routed_loop(x, router, k, normalize, weights, shared=None, residual=None):
+    """The router and the experts row by row in float64: softmax of x @ router, the k largest
+    probabilities (a tie to the lower expert index, as tf.math.top_k), renormalised when
+    `normalize`; shared: (gate [D, 1], up, down), scaled by sigmoid(x @ gate). Returns (y,
+    expert ids [M, k])."""
+    logits = x.astype(np.float64) @ router.astype(np.float64)
+    probs = np.exp(logits - logits.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    ids = np.argsort(-probs, axis=-1, kind="stable")[:, :k].astype(np.int32)
+    gates = np.take_along_axis(probs, ids, -1)
+    if normalize:
+        gates /= gates.sum(-1, keepdims=True)
+    y = per_token_loop(x, ids, gates, weights, residual)
+    if shared is not None:
+        gate, up, down = shared
+        scale = 1 / (1 + np.exp(-(x.astype(np.float64) @ gate.astype(np.float64))))
+        y += per_token_loop(x, np.zeros([len(x), 1], np.int32), scale, [(up, down)])
+    return y, ids
+
+
+def stock_tf(x, router, k, normalize, weights, shared=None):
+    """model/moe.py's stock-TF routing and grouping, the engine's reference path."""
+    ids, gates = route(tf.constant(x) @ router, k, normalize)
+    y = grouped_experts(tf.constant(x), ids, gates,
+                        [{"up": {"kernel": u}, "down": {"kernel": d}} for u, d in weights])
+    if shared is not None:
+        gate, up, down = shared
+        y += shared_expert(tf.constant(x), {"gate": {"kernel": gate}, "up": {"kernel": up},
+                                            "down": {"kernel": down}})
+    return y.numpy(), ids.numpy()
+
+
+@pytest.mark.parametrize("num_rows", [1, 9, 40])
+@pytest.mark.parametrize("k, normalize, with_shared", [(2, True, False), (3, False, True),
+                                                       (1, False, False)])
+def test_the_layer_op_routes_and_mixes_as_a_per_token_loop_and_the_stock_tf_path(
+        op, num_rows, k, normalize, with_shared):
+    rng = np.random.default_rng(num_rows * 10 + k)
+    num_experts = 8
+    weights = experts(rng, num_experts)
+    router = rng.normal(0, 0.5, [D, num_experts]).astype(np.float32)
+    shared = None
+    if with_shared:  # a narrower shared expert and its gate
+        up, down = experts(rng, 1, width=24)[0]
+        shared = (rng.normal(0, 0.3, [D, 1]).astype(np.float32), up, down)
+    x = rng.normal(0, 1, [num_rows, D]).astype(np.float32)
+    residual = rng.normal(0, 1, [num_rows, D]).astype(np.float32)
+    expected, ids = routed_loop(x, router, k, normalize, weights, shared, residual)
+    ups, downs = [w[0] for w in weights], [w[1] for w in weights]
+    if shared is not None:
+        ups, downs = ups + [shared[1]], downs + [shared[2]]
+    for isa in ("auto", "scalar"):
+        y, counts = kmoe.moe_layer(x, router, ups, downs, k, normalize, residual,
+                                   None if shared is None else shared[0], isa=isa)
+        np.testing.assert_allclose(y.numpy(), expected, atol=2e-4, rtol=1e-5, err_msg=isa)
+        assert counts.numpy().tolist() == np.bincount(ids.ravel(), minlength=8).tolist()
+    graph, graph_ids = stock_tf(x, router, k, normalize, weights, shared)
+    assert (graph_ids == ids).all()
+    np.testing.assert_allclose(graph + residual, expected, atol=2e-4, rtol=1e-5)
+
+
+def test_a_tie_in_the_top_k_goes_to_the_lower_expert_index_as_tf_top_k(op):
+    """Experts 1, 4 and 6 share one router column, scaled so they lead every row: top-1
+    takes expert 1, top-2 experts 1 and 4, never 6, whichever order the weights differ."""
+    rng = np.random.default_rng(21)
+    weights = experts(rng, 8)
+    router = rng.normal(0, 0.1, [D, 8]).astype(np.float32)
+    x = rng.normal(0, 1, [12, D]).astype(np.float32)
+    x[:, 0] = 3.0
+    router[:, 1] = rng.normal(0, 0.1, D)
+    router[0, 1] = 2.0
+    router[:, 4] = router[:, 6] = router[:, 1]
+    ups, downs = [w[0] for w in weights], [w[1] for w in weights]
+    for k, chosen in ((1, [1]), (2, [1, 4])):
+        expected, ids = routed_loop(x, router, k, True, weights)
+        assert (np.sort(ids, -1) == chosen).all()
+        y, counts = kmoe.moe_layer(x, router, ups, downs, k, True)
+        assert counts.numpy().tolist() == [12 if e in chosen else 0 for e in range(8)]
+        np.testing.assert_allclose(y.numpy(), expected, atol=2e-4, rtol=1e-5)
+        graph, graph_ids = stock_tf(x, router, k, True, weights)
+        assert (np.sort(graph_ids, -1) == chosen).all()
+        np.testing.assert_allclose(y.numpy(), graph, atol=2e-5, rtol=1e-5)
+
+
+def test_the_layer_op_refuses_mismatched_experts_by_name(op):
+    rng = np.random.default_rng(2)
+    weights = experts(rng, 3)
+    ups, downs = [w[0] for w in weights], [w[1] for w in weights]
+    x = np.zeros([2, D], np.float32)
+    router = np.zeros([D, 4], np.float32)
+    with pytest.raises(tf.errors.InvalidArgumentError,
+                       match=r"the router has 4 experts but 3 up matrices"):
+        kmoe.moe_layer(x, router, ups, downs, 2, True)
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"k = 4 exceeds the router's 3"):
+        kmoe.moe_layer(x, router[:, :3], ups, downs, 4, True)
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"router must be \[48, E\]"):
+        kmoe.moe_layer(x, router[:8], ups, downs, 2, True)

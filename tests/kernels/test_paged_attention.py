@@ -4,6 +4,8 @@ scatter_update, graph mode and the ordering against the scatter, bad inputs."""
 
 from __future__ import annotations
 
+import shutil
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -320,8 +322,8 @@ def test_missing_compiler_falls_back(monkeypatch, tmp_path):
     monkeypatch.delenv(kbuild.KERNELS_ENV, raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # nothing built before
     monkeypatch.setattr(pa.LIBRARY, "_loaded", None)  # a fresh process, as far as loading goes
-    monkeypatch.setattr(kbuild.shutil, "which", lambda name: None)
-    assert pa.kernel_status() == "pure-TF fallback: g++ not found"
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    assert pa.kernel_status().startswith("pure-TF fallback: g++ not found")
     q, keys, values, rows, lengths, kv, vv = make(4, 2, 32, length=8, num_rows=40)
     check(pa.paged_decode_attention(q, kv, vv, rows, lengths, 0.2),
           reference(q, keys, values, rows, lengths, 0.2), tf.float32)

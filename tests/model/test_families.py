@@ -15,6 +15,7 @@ import pytest
 
 from support.gguf_from_hf import bpe_vocab, write_gguf_from_hf
 from support.tiny_models import greedy_by_full_forward
+from support.transformers_parity import assert_logits_match
 from tokenserve.errors import ConfigError, ModelLoadError
 from tokenserve.model.gguf import load_gguf
 from tokenserve.model.hf import architecture_config, load_hf
@@ -114,28 +115,8 @@ def imported(request, tokenizer, tmp_path_factory):
 
 def test_logits_match_transformers_full_forward_and_cached_step(imported):
     _, reference, (model, _, _) = imported
-    expected = []
-    for prompt in PROMPTS:
-        with torch.no_grad():
-            expected.append(reference(torch.tensor([prompt])).logits.numpy()[0])
-        got = model(np.array([prompt], np.int32)).numpy()[0]
-        np.testing.assert_allclose(got, expected[-1], atol=1e-4, rtol=0)
-    # one right-padded batch through the cached step, in two chunks: last-token logits
-    width = max(map(len, PROMPTS))
-    batch = np.zeros([len(PROMPTS), width], np.int32)
-    for i, prompt in enumerate(PROMPTS):
-        batch[i, :len(prompt)] = prompt
-    state = model.init_state(len(PROMPTS), width)
-    first = np.minimum([len(p) for p in PROMPTS], 7).astype(np.int32)
-    _, state = model.step(batch[:, :7], state, np.zeros(len(PROMPTS), np.int32), first)
-    rest = np.zeros([len(PROMPTS), width - 7], np.int32)
-    for i, prompt in enumerate(PROMPTS):
-        rest[i, :max(len(prompt) - 7, 0)] = prompt[7:]
-    lengths = np.array([len(p) for p in PROMPTS], np.int32)
-    logits, _ = model.step(rest, state, first, np.maximum(lengths - 7, 1))
-    for i, prompt in enumerate(PROMPTS):
-        if len(prompt) > 7:
-            np.testing.assert_allclose(logits.numpy()[i], expected[i][-1], atol=1e-4, rtol=0)
+    # the cached step in two chunks, split inside the longer prompts
+    assert_logits_match(reference, model, PROMPTS, split=7)
 
 
 def test_greedy_tokens_match_transformers(imported):

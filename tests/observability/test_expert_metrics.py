@@ -42,3 +42,15 @@ def test_each_expert_of_each_layer_is_one_observation_per_step():
     assert h[("tokenserve:moe_expert_tokens_bucket", "1", "4.0")] == 7
     assert h[("tokenserve:moe_expert_tokens_bucket", "1", "8.0")] == 8
     assert h[("tokenserve:moe_expert_tokens_bucket", "1", "+Inf")] == 8
+
+
+def test_a_dense_layer_among_moe_layers_has_no_series():
+    registry = CollectorRegistry()
+    metrics = LLMMetrics(registry)
+    # layer 0 is dense (its row of the load stays zero), layer 1 routes top-1 of 3 rows
+    metrics.on_step(step(((0, 0, 0, 0), (3, 0, 0, 0))))
+    metrics.on_step(step(((0, 0, 0, 0), (1, 1, 1, 0))))
+    h = histogram(registry)
+    assert {key[1] for key in h} == {"1"}
+    assert h[("tokenserve:moe_expert_tokens_count", "1", None)] == 8
+    assert h[("tokenserve:moe_expert_tokens_bucket", "1", "0.0")] == 4

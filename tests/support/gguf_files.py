@@ -3,20 +3,9 @@ tests of imports that keep the file's blocks as stored."""
 
 from __future__ import annotations
 
-import json
-
 import numpy as np
 
-
-def bpe_vocab(tokenizer):
-    """(tokens, token types, merges) of our byte-level BPE tokenizer, as a GGUF stores them."""
-    state = json.loads(tokenizer.hf.to_str())
-    vocab = state["model"]["vocab"]
-    tokens = sorted(vocab, key=vocab.get)
-    special = {t["content"] for t in state["added_tokens"] if t["special"]}
-    types = [3 if t in special else 1 for t in tokens]
-    merges = [m if isinstance(m, str) else " ".join(m) for m in state["model"]["merges"]]
-    return tokens, types, merges
+from support.gguf_from_hf import bpe_vocab
 
 
 def tiny_tensors(n_vocab: int, hidden: int, inter: int, layers: int, heads: int, kv_heads: int,

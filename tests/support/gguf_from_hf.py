@@ -120,17 +120,28 @@ def write_gguf_from_hf(path, hf_model, vocab, extra_metadata=(), drop=(), replac
         writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
         writer.add_rope_scaling_factor(rope["factor"])
         writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+    add_bpe_tokenizer(writer, vocab)
+    for key, (value, kind) in dict(extra_metadata).items():
+        writer.add_key_value(key, value, kind)
+    return write_tensors(writer, tensors, path)
+
+
+def add_bpe_tokenizer(writer, vocab, pre: str = "llama-bpe") -> None:
+    """bpe_vocab's (tokens, types, merges) as a GGUF's gpt2-style tokenizer, with the test
+    tokenizer's special ids (bos 1, eos 2, pad 0)."""
     tokens, types, merges = vocab
     writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("llama-bpe")
+    writer.add_tokenizer_pre(pre)
     writer.add_token_list(tokens)
     writer.add_token_types(types)
     writer.add_token_merges(merges)
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
     writer.add_pad_token_id(0)
-    for key, (value, kind) in dict(extra_metadata).items():
-        writer.add_key_value(key, value, kind)
+
+
+def write_tensors(writer, tensors: dict, path):
+    """Adds `tensors` (name -> array) after the metadata, writes the file, returns `path`."""
     for name, value in tensors.items():
         writer.add_tensor(name, value)
     writer.write_header_to_file()

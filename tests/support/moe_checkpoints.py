@@ -1,5 +1,5 @@
-"""Tiny random mixture-of-experts checkpoints (Mixtral, Qwen2-MoE, Qwen3-MoE) built with `transformers`,
-saved as Hugging Face directories or written as GGUF files the way llama.cpp's
+"""Tiny random mixture-of-experts checkpoints (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE) built with
+`transformers`, saved as Hugging Face directories or written as GGUF files the way llama.cpp's
 convert_hf_to_gguf lays them out (Q/K rows permuted for `llama`, experts stacked per role).
 No tests here."""
 
@@ -10,13 +10,17 @@ from pathlib import Path
 
 import numpy as np
 
+from support.gguf_from_hf import _permute, add_bpe_tokenizer, bpe_vocab, write_tensors
+
 VOCAB = 400
 PROMPTS = [[5, 17, 33, 90, 140, 7, 8, 9, 250, 3], [12, 44, 1, 77], [300, 301, 302, 303, 304, 8]]
 
 
-def hf_model(family: str, skewed: bool = False, num_experts: int = 8, seed: int = 0):
-    """A random eval-mode Mixtral, Qwen2-MoE or Qwen3-MoE (2 layers, hidden 64, top-2 of
-    num_experts; Qwen3-MoE's heads 24 wide, not hidden / heads, and its top-2 renormalised).
+def hf_model(family: str, skewed: bool = False, num_experts: int = 8, seed: int = 0,
+             top_k: int = 2, **options):
+    """A random eval-mode Mixtral, Qwen2-MoE, Qwen3-MoE or OLMoE (2 layers, hidden 64, top_k
+    of num_experts; Qwen3-MoE's heads 24 wide, not hidden / heads, and its top-k
+    renormalised; OLMoE's not). options: more config fields (mlp_only_layers, ...).
 
     Norms and biases are perturbed so a dropped one shows. skewed: every row of every layer
     routes to expert 2 first and never to experts 4 and up: the embedding's first column is
@@ -26,8 +30,8 @@ def hf_model(family: str, skewed: bool = False, num_experts: int = 8, seed: int 
     import transformers
 
     common = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, num_experts_per_tok=2, max_position_embeddings=256,
-                  bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+                  num_key_value_heads=2, num_experts_per_tok=top_k, max_position_embeddings=256,
+                  bos_token_id=1, eos_token_id=2, tie_word_embeddings=False, **options)
     torch.manual_seed(seed)
     if family == "mixtral":
         config = transformers.MixtralConfig(intermediate_size=48, num_local_experts=num_experts,
@@ -38,6 +42,10 @@ def hf_model(family: str, skewed: bool = False, num_experts: int = 8, seed: int 
             intermediate_size=96, moe_intermediate_size=32, num_experts=num_experts,
             head_dim=24, norm_topk_prob=True, rope_theta=5000.0, **common)
         model = transformers.Qwen3MoeForCausalLM(config)
+    elif family == "olmoe":
+        config = transformers.OlmoeConfig(intermediate_size=32, num_experts=num_experts,
+                                          rope_theta=5000.0, **common)
+        model = transformers.OlmoeForCausalLM(config)
     else:
         config = transformers.Qwen2MoeConfig(
             intermediate_size=96, moe_intermediate_size=32, shared_expert_intermediate_size=48,
@@ -54,8 +62,9 @@ def hf_model(family: str, skewed: bool = False, num_experts: int = 8, seed: int 
             model.model.embed_tokens.weight[:, 0] = 4.0
             for layer in model.model.layers:
                 moe = getattr(layer, "block_sparse_moe", None) or layer.mlp
-                moe.gate.weight[2, 0] = 3.0
-                moe.gate.weight[4:, 0] = -3.0
+                if hasattr(moe, "gate") and hasattr(moe.gate, "weight"):  # not a dense layer
+                    moe.gate.weight[2, 0] = 3.0
+                    moe.gate.weight[4:, 0] = -3.0
     return model
 
 
@@ -67,26 +76,15 @@ def save_hf(directory: Path, model, tokenizer) -> Path:
     return directory
 
 
-def _bpe_vocab(tokenizer):
-    """(tokens, token types, merges) of our byte-level BPE tokenizer, as a GGUF stores them."""
-    state = json.loads(tokenizer.hf.to_str())
-    vocab = state["model"]["vocab"]
-    tokens = sorted(vocab, key=vocab.get)
-    special = {t["content"] for t in state["added_tokens"] if t["special"]}
-    merges = [m if isinstance(m, str) else " ".join(m) for m in state["model"]["merges"]]
-    return tokens, [3 if t in special else 1 for t in tokens], merges
-
-
-def _permute(weight: np.ndarray, heads: int) -> np.ndarray:
-    """convert_hf_to_gguf's Q/K row permutation for llama's rotary kernel."""
-    return (weight.reshape(heads, 2, weight.shape[0] // heads // 2, *weight.shape[1:])
-            .swapaxes(1, 2).reshape(weight.shape))
+ARCH = {"mixtral": "llama", "qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "olmoe": "olmoe"}
 
 
 def gguf_tensors(model) -> dict[str, np.ndarray]:
-    """The model's tensors under llama.cpp's names (float32), experts stacked per role."""
+    """The model's tensors under llama.cpp's names (float32), experts stacked per role; a
+    dense layer's MLP as ffn_gate/ffn_up/ffn_down."""
     c = model.config
-    mixtral, qwen3 = c.model_type == "mixtral", c.model_type == "qwen3_moe"
+    arch = ARCH[c.model_type]
+    mixtral = arch == "llama"
     import tempfile
 
     from safetensors.numpy import load_file
@@ -106,25 +104,32 @@ def gguf_tensors(model) -> dict[str, np.ndarray]:
                     b + "attn_v.weight": sd[h + "self_attn.v_proj.weight"],
                     b + "attn_output.weight": sd[h + "self_attn.o_proj.weight"],
                     b + "ffn_norm.weight": sd[h + "post_attention_layernorm.weight"]})
-        if qwen3:  # QK-norm, no biases
+        if arch in ("qwen3moe", "olmoe"):  # QK-norm, no biases
             out[b + "attn_q_norm.weight"] = sd[h + "self_attn.q_norm.weight"]
             out[b + "attn_k_norm.weight"] = sd[h + "self_attn.k_norm.weight"]
-        elif not mixtral:
+        elif arch == "qwen2moe":
             for x in "qkv":
                 out[b + f"attn_{x}.bias"] = sd[h + f"self_attn.{x}_proj.bias"]
+        if h + "mlp.gate_proj.weight" in sd:  # a dense layer of a Qwen-MoE
+            for role in ("gate", "up", "down"):
+                out[b + f"ffn_{role}.weight"] = sd[f"{h}mlp.{role}_proj.weight"]
+            continue
         moe = h + ("block_sparse_moe." if mixtral else "mlp.")
         names = ({"gate": "w1", "up": "w3", "down": "w2"} if mixtral
                  else {r: f"{r}_proj" for r in ("gate", "up", "down")})
         out[b + "ffn_gate_inp.weight"] = sd[moe + "gate.weight"]
-        num_experts = c.num_local_experts if mixtral else c.num_experts
         for role, hf in names.items():
             out[b + f"ffn_{role}_exps.weight"] = np.stack(
-                [sd[f"{moe}experts.{e}.{hf}.weight"] for e in range(num_experts)])
-        if not (mixtral or qwen3):
+                [sd[f"{moe}experts.{e}.{hf}.weight"] for e in range(_num_experts(c))])
+        if arch == "qwen2moe":
             out[b + "ffn_gate_inp_shexp.weight"] = sd[moe + "shared_expert_gate.weight"][0]
             for role in ("gate", "up", "down"):
                 out[b + f"ffn_{role}_shexp.weight"] = sd[f"{moe}shared_expert.{role}_proj.weight"]
     return out
+
+
+def _num_experts(config) -> int:
+    return getattr(config, "num_local_experts", None) or config.num_experts
 
 
 def write_gguf(path: Path, model, tokenizer, drop=(), extra=()) -> Path:
@@ -133,8 +138,7 @@ def write_gguf(path: Path, model, tokenizer, drop=(), extra=()) -> Path:
     import gguf
 
     c = model.config
-    mixtral, qwen3 = c.model_type == "mixtral", c.model_type == "qwen3_moe"
-    arch = "llama" if mixtral else "qwen3moe" if qwen3 else "qwen2moe"
+    arch = ARCH[c.model_type]
     tensors = gguf_tensors(model)
     for name in drop:
         del tensors[name]
@@ -147,35 +151,22 @@ def write_gguf(path: Path, model, tokenizer, drop=(), extra=()) -> Path:
     writer.add_feed_forward_length(c.intermediate_size)
     writer.add_head_count(c.num_attention_heads)
     writer.add_head_count_kv(c.num_key_value_heads)
-    if qwen3:  # as convert_hf_to_gguf writes Qwen3-MoE: no expert_weights_norm (always on)
+    if arch == "qwen3moe":  # as convert_hf_to_gguf writes Qwen3-MoE: no expert_weights_norm
         writer.add_key_length(c.head_dim)
         writer.add_value_length(c.head_dim)
+    if arch in ("qwen2moe", "qwen3moe"):
         writer.add_expert_feed_forward_length(c.moe_intermediate_size)
     writer.add_rope_freq_base(float(c.rope_parameters["rope_theta"]))
     writer.add_layer_norm_rms_eps(c.rms_norm_eps)
     writer.add_vocab_size(c.vocab_size)
-    writer.add_expert_count(c.num_local_experts if mixtral else c.num_experts)
+    writer.add_expert_count(_num_experts(c))
     writer.add_expert_used_count(c.num_experts_per_tok)
-    if not (mixtral or qwen3):
-        writer.add_expert_feed_forward_length(c.moe_intermediate_size)
+    if arch == "qwen2moe":
         writer.add_expert_shared_feed_forward_length(c.shared_expert_intermediate_size)
         writer.add_expert_weights_norm(bool(c.norm_topk_prob))
-    tokens, types, merges = _bpe_vocab(tokenizer)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("llama-bpe" if mixtral else "qwen2")
-    writer.add_token_list(tokens)
-    writer.add_token_types(types)
-    writer.add_token_merges(merges)
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
-    writer.add_pad_token_id(0)
-    for name, value in tensors.items():
-        writer.add_tensor(name, value)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
+    add_bpe_tokenizer(writer, bpe_vocab(tokenizer),
+                      pre="llama-bpe" if arch in ("llama", "olmoe") else "qwen2")
+    return write_tensors(writer, tensors, path)
 
 
 def moe_engine(model, tokenizer, config, **options):

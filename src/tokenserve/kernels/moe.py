@@ -1,14 +1,18 @@
-"""A mixture of experts' routed MLPs as one op, grouped by expert (moe_experts.cc).
+"""A mixture of experts as one op a layer: the router and the routed MLPs, grouped by expert.
 
-    y = moe_experts(x, expert_ids, gates, ups, downs, residual=x)
+    y, counts = moe_layer(x, router, ups, downs, k=2, normalize=True, residual=x)
+    # ids, gates = top_k(softmax(x @ router), k), gates renormalised where `normalize`
     # y = residual + sum_j gates[:, j] * swiglu(x @ ups[e][:, :F], x @ ups[e][:, F:]) @ downs[e]
-    #     with e = expert_ids[:, j], for float32 x [M, D], expert_ids and gates [M, k]
+    #     with e = ids[:, j], for float32 x [M, D]; counts [E]: rows per expert
+
+    y = moe_experts(x, expert_ids, gates, ups, downs, residual=x)   # the router's choice given
 
 Each expert with rows runs once on its rows (the dense op's kernels); an expert without rows
-is never read, so a step reads the active experts' bytes. The stock-TF path is
-`tokenserve.model.moe.grouped_experts`, which the engine takes where this returns None (the
-op not compiled, or forced off with TOKENSERVE_MOE_KERNEL=fallback or
-TOKENSERVE_KERNELS=fallback), and which SavedModels export.
+is never read, so a step reads the active experts' bytes (moe_grouped.h; moe_layer.cc adds
+the router, moe_experts.cc takes its choice as inputs). The stock-TF path is
+`tokenserve.model.moe.moe_mlp`, which the engine takes where these return None (the op not
+compiled, or forced off with TOKENSERVE_MOE_KERNEL=fallback or TOKENSERVE_KERNELS=fallback),
+and which SavedModels export.
 
 `python -m tokenserve.kernels.moe` builds the op and prints kernel_status().
 """
@@ -42,6 +46,29 @@ def moe_experts(x, expert_ids, gates, ups: list, downs: list, residual=None,
                                           empty if residual is None else residual, list(ups),
                                           list(downs), isa=isa)
     return (y, counts) if with_counts else y
+
+
+def moe_layer(x, router, ups: list, downs: list, k: int, normalize: bool, residual=None,
+              shared_gate=None, isa: str = "auto"):
+    """(residual + the mixture of experts of x, the rows each routed expert ran on: int32
+    [E]) as one op, or None where the op is unavailable (the caller takes the stock-TF path
+    then).
+
+    x: float32 [M, D]; router: [D, E]; ups: [D, 2F] per expert (gate half, then up half),
+    downs: [F, D] per expert, all float32 or all bfloat16, the E routed experts then, with
+    shared_gate [D, 1] (router's dtype), the shared expert, which every row runs scaled by
+    sigmoid(x @ shared_gate). k, normalize: the router's top-k and whether the chosen
+    probabilities are renormalised to sum to 1 (ties go to the lower expert index, as in
+    tf.math.top_k). residual: float32 [M, D] or None. isa: "auto" or "scalar" (tests)."""
+    op = LIBRARY.module()
+    if op is None:
+        return None
+    empty = tf.zeros([0, 0], tf.float32)
+    router = tf.convert_to_tensor(router)
+    no_gate = tf.zeros([0, 0], router.dtype)
+    return op.tokenserve_moe_layer(x, router, empty if residual is None else residual,
+                                   no_gate if shared_gate is None else shared_gate, list(ups),
+                                   list(downs), k=k, normalize=normalize, isa=isa)
 
 
 def is_compiled() -> bool:

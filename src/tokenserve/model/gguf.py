@@ -6,7 +6,8 @@ config) triple as `tokenserve.model.hf.load_hf`:
 
 - Architectures `llama` (Llama, SmolLM, TinyLlama, Mistral, with its sliding window), `qwen2`
   and `gpt2`; `qwen3`, `gemma2`, `gemma3` and `phi3` through model/families/; the mixtures
-  of experts `qwen2moe`, `qwen3moe` and Mixtral (`llama` with experts) through gguf_moe.py.
+  of experts `qwen2moe`, `qwen3moe`, `olmoe` and Mixtral (`llama` with experts) through
+  gguf_moe.py.
 - Tensor types F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 and the K- and I-quants that
   `gguf.quants.dequantize` implements; every tensor is dequantized to float32 once, at import.
   (`tokenserve export --quantize int8` then re-quantizes the float model for serving.)
@@ -41,7 +42,7 @@ from tokenserve.model.gguf_tokenizer import build_tokenizer
 log = logging.getLogger(__name__)
 
 ARCHITECTURES = ("llama", "qwen2", "gpt2", "qwen2moe", *families.GGUF_ARCHITECTURES,
-                 "qwen3moe")
+                 "qwen3moe", "olmoe")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,5 +1,7 @@
-"""Mixture-of-experts GGUF files: Mixtral (`llama` with `llama.expert_count`), `qwen2moe`
-and `qwen3moe` (Qwen3's attention, with `attn_q_norm`/`attn_k_norm`, and no shared expert).
+"""Mixture-of-experts GGUF files: Mixtral (`llama` with `llama.expert_count`), `qwen2moe`,
+`qwen3moe` (Qwen3's attention, with `attn_q_norm`/`attn_k_norm`, and no shared expert) and
+`olmoe` (QK-norm over the whole q and k projections, experts `feed_forward_length` wide, top-k
+not renormalised unless `expert_weights_norm`).
 
 llama.cpp's convert_hf_to_gguf stacks each layer's experts into one tensor per role,
 `blk.{i}.ffn_{gate,up,down}_exps.weight` (NumPy [E, out, in] once read), next to the router
@@ -8,7 +10,8 @@ with its gate `ffn_gate_inp_shexp` ([D] or [1, D]). Here they are split back int
 Hugging Face checkpoint's per-expert tensors, so `hf.assign_weights` places them as it
 places a Mixtral or Qwen2-MoE checkpoint's (model/hf_moe.py). A layer's tensors are checked
 first: a missing one, or one holding another number of experts than the file's
-`expert_count`, is refused by its GGUF name.
+`expert_count`, is refused by its GGUF name. A `qwen2moe` or `qwen3moe` layer with a dense
+MLP (`ffn_up`, no router: Qwen-MoE's mlp_only_layers) is read as one.
 """
 
 from __future__ import annotations
@@ -32,6 +35,8 @@ def hf_architecture(file) -> str | None:
         return "Qwen2MoeForCausalLM"
     if file.architecture == "qwen3moe":
         return "Qwen3MoeForCausalLM"
+    if file.architecture == "olmoe":
+        return "OlmoeForCausalLM"
     if file.architecture == "llama" and file.get("expert_count"):
         return "MixtralForCausalLM"
     return None
@@ -46,6 +51,14 @@ def moe_fields(file) -> dict:
     if file.architecture == "llama":  # Mixtral: experts as wide as feed_forward_length
         return dict(fields, expert_intermediate_size=int(file.require("feed_forward_length")),
                     normalize_expert_weights=True)
+    if file.architecture == "olmoe":  # as Mixtral's widths; llama.cpp does not renormalise
+        return dict(fields, expert_intermediate_size=int(file.require("feed_forward_length")),
+                    normalize_expert_weights=bool(file.get("expert_weights_norm", False)),
+                    qk_norm=True, qk_norm_scope="projection")
+    fields["dense_layers"] = tuple(
+        i for i in range(int(file.require("block_count")))
+        if f"blk.{i}.ffn_gate_inp.weight" not in file.tensors
+        and f"blk.{i}.ffn_up.weight" in file.tensors)
     if file.architecture == "qwen3moe":  # llama.cpp always renormalises its top-k
         return dict(fields,
                     expert_intermediate_size=int(file.require("expert_feed_forward_length")),
@@ -85,7 +98,7 @@ def check_experts(file, config: TransformerConfig) -> None:
         if stray:
             raise ModelLoadError(f"{file.path.name} has tensor {stray[0]}, a shared expert's, "
                                  f"but {file.architecture} files here have no shared expert")
-    for layer in range(config.num_layers):
+    for layer in filter(config.layer_has_experts, range(config.num_layers)):
         for role in roles:
             name = f"blk.{layer}.{role}.weight"
             tensor = file.tensors.get(name)

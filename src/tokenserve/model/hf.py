@@ -153,12 +153,15 @@ def _llama_names(config: TransformerConfig) -> dict:
             p + "qkv/kernel": ([a + ".weight" for a in attn], fuse),
             p + "out/kernel": ([h + "self_attn.o_proj.weight"], lambda w: w.T),
             p + "mlp_norm/scale": ([h + "post_attention_layernorm.weight"], keep)})
-        if not config.num_experts:  # a mixture of experts' names: hf_moe.expert_names
+        if not config.layer_has_experts(i):  # a mixture of experts': hf_moe.expert_names
             names.update({
                 p + "up/kernel": ([h + "mlp.gate_proj.weight", h + "mlp.up_proj.weight"], fuse),
                 p + "down/kernel": ([h + "mlp.down_proj.weight"], lambda w: w.T)})
         if config.qkv_bias:
             names[p + "qkv/bias"] = ([a + ".bias" for a in attn], cat)
+        if config.qk_norm:  # OLMoE's, over the whole projections
+            names[p + "q_norm/scale"] = ([h + "self_attn.q_norm.weight"], keep)
+            names[p + "k_norm/scale"] = ([h + "self_attn.k_norm.weight"], keep)
         if config.out_bias:
             names[p + "out/bias"] = ([h + "self_attn.o_proj.bias"], keep)
         if config.mlp_bias:

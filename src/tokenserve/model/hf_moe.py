@@ -8,7 +8,12 @@ gate `mlp.shared_expert_gate`. `hf.py` reads the rest of the checkpoint; this mo
 the config fields and the experts' tensor names.
 Qwen3-MoE (Qwen3-30B-A3B) is Qwen3's attention (QK-norm, no qkv bias: model/families/) with
 Qwen2-MoE's expert layout and no shared expert; its config and dense tensor names come from
-the families' Qwen3 reading, the experts' from here.
+the families' Qwen3 reading, the experts' from here. Qwen-MoE layers listed in
+`mlp_only_layers`, or skipped by `decoder_sparse_step`, keep one dense MLP (`mlp.gate_proj`,
+...; TransformerConfig.dense_layers).
+OLMoE (`OlmoeForCausalLM`) is Llama's layout with QK-norm over the whole q and k projections
+(`self_attn.q_norm` [hidden], `k_norm` [kv width]) and Qwen2-MoE's expert names, its top-k
+not renormalised unless `norm_topk_prob`.
 """
 
 from __future__ import annotations
@@ -21,13 +26,15 @@ import numpy as np
 from tokenserve.config import TransformerConfig
 from tokenserve.errors import ConfigError, ModelLoadError
 
-MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
+MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM",
+                     "OlmoeForCausalLM")
 
 # where a layer's experts live, by architecture: (router, expert prefix, gate, up, down)
 _LAYOUT = {
     "MixtralForCausalLM": ("block_sparse_moe.gate", "block_sparse_moe.experts", "w1", "w3", "w2"),
     "Qwen2MoeForCausalLM": ("mlp.gate", "mlp.experts", "gate_proj", "up_proj", "down_proj"),
     "Qwen3MoeForCausalLM": ("mlp.gate", "mlp.experts", "gate_proj", "up_proj", "down_proj"),
+    "OlmoeForCausalLM": ("mlp.gate", "mlp.experts", "gate_proj", "up_proj", "down_proj"),
 }
 _QWEN3 = "Qwen3ForCausalLM"  # the dense family whose attention Qwen3-MoE keeps
 
@@ -46,13 +53,16 @@ def moe_fields(hf: dict, arch: str) -> dict:
                     num_experts_per_token=hf["num_experts_per_tok"],
                     expert_intermediate_size=hf["intermediate_size"],
                     normalize_expert_weights=True)
+    if arch == "OlmoeForCausalLM":
+        if hf.get("clip_qkv") is not None:
+            raise UnsupportedMoEError(f"OLMoE clip_qkv {hf['clip_qkv']} is not supported")
+        # QK-norm over the whole q and k projections; experts intermediate_size wide
+        return dict(num_experts=hf["num_experts"], num_experts_per_token=hf["num_experts_per_tok"],
+                    expert_intermediate_size=hf["intermediate_size"],
+                    normalize_expert_weights=bool(hf.get("norm_topk_prob", False)),
+                    qk_norm=True, qk_norm_scope="projection")
     if arch in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"):
         family = "Qwen2-MoE" if arch == "Qwen2MoeForCausalLM" else "Qwen3-MoE"
-        if hf.get("decoder_sparse_step", 1) != 1 or hf.get("mlp_only_layers"):
-            raise UnsupportedMoEError(
-                f"{family} with dense layers (decoder_sparse_step "
-                f"{hf.get('decoder_sparse_step', 1)}, mlp_only_layers "
-                f"{hf.get('mlp_only_layers')}) is not supported")
         if hf.get("use_sliding_window"):
             raise UnsupportedMoEError(f"{family} use_sliding_window is not supported")
         # transformers 5 saves Qwen3-MoE's num_experts as num_local_experts
@@ -60,17 +70,30 @@ def moe_fields(hf: dict, arch: str) -> dict:
         return dict(num_experts=experts, num_experts_per_token=hf["num_experts_per_tok"],
                     expert_intermediate_size=hf["moe_intermediate_size"],
                     normalize_expert_weights=bool(hf.get("norm_topk_prob", False)),
-                    shared_expert_size=hf.get("shared_expert_intermediate_size") or 0)
+                    shared_expert_size=hf.get("shared_expert_intermediate_size") or 0,
+                    dense_layers=dense_layers(hf, family))
     return {}
+
+
+def dense_layers(hf: dict, family: str) -> tuple[int, ...]:
+    """Qwen-MoE's layers with one dense MLP instead of experts, as transformers builds them:
+    those in mlp_only_layers, and those whose (index + 1) is not a multiple of
+    decoder_sparse_step."""
+    step = hf.get("decoder_sparse_step")
+    step = 1 if step is None else int(step)
+    if step < 1:
+        raise UnsupportedMoEError(f"{family} decoder_sparse_step {step} is not positive")
+    only = {int(i) for i in hf.get("mlp_only_layers") or ()}
+    return tuple(i for i in range(hf["num_hidden_layers"]) if i in only or (i + 1) % step)
 
 
 def qwen3_moe_config(hf: dict) -> TransformerConfig:
     """Qwen3-MoE's TransformerConfig: Qwen3's as the families read it (head_dim, QK-norm,
-    RoPE scaling), every MLP a mixture of experts. Its config.json's intermediate_size is
-    the width of dense layers it has none of; moe_intermediate_size stands in if absent."""
+    RoPE scaling), its MLPs mixtures of experts but the dense layers'. Its config.json's
+    intermediate_size is the dense layers' width; moe_intermediate_size stands in if absent."""
     from tokenserve.model import families
 
-    fields = moe_fields(hf, "Qwen3MoeForCausalLM")  # refuses dense layers before anything
+    fields = moe_fields(hf, "Qwen3MoeForCausalLM")  # refuses what it must before anything
     dense = dict(hf, architectures=[_QWEN3],
                  intermediate_size=hf.get("intermediate_size") or hf["moe_intermediate_size"])
     return dataclasses.replace(families.hf_config(dense), **fields)
@@ -81,8 +104,10 @@ def qwen3_moe_names(config: TransformerConfig) -> dict:
     norms (the families' names, less the dense MLP's), then the experts'."""
     from tokenserve.model import families
 
+    routed = {f"block_{i}/" for i in range(config.num_layers) if config.layer_has_experts(i)}
     names = {ours: found for ours, found in families.hf_tensor_names(config, _QWEN3).items()
-             if not ours.endswith(("/up/kernel", "/down/kernel", "/up/bias", "/down/bias"))}
+             if not (ours.split("/", 1)[0] + "/" in routed
+                     and ours.endswith(("/up/kernel", "/down/kernel")))}
     return names | expert_names(config, "Qwen3MoeForCausalLM")
 
 
@@ -95,7 +120,7 @@ def check_expert_count(config: TransformerConfig, arch: str, tensors: dict) -> N
     for name in tensors:
         if match := pattern.match(name):
             found.setdefault(int(match[1]), set()).add(int(match[2]))
-    for layer in range(config.num_layers):
+    for layer in filter(config.layer_has_experts, range(config.num_layers)):
         count = len(found.get(layer, ()))
         if count != config.num_experts:
             raise ModelLoadError(
@@ -109,7 +134,7 @@ def expert_names(config: TransformerConfig, arch: str) -> dict:
     transpose = lambda w: w.T  # noqa: E731
     router, experts, gate, up, down = _LAYOUT[arch]
     names = {}
-    for i in range(config.num_layers):
+    for i in filter(config.layer_has_experts, range(config.num_layers)):
         p, h = f"block_{i}/", f"model.layers.{i}."
         names[p + "router/kernel"] = ([h + router + ".weight"], transpose)
         for e in range(config.num_experts):

@@ -1,9 +1,8 @@
 """Transformer building blocks, in the order a paper would present them.
 
-Weights are stored in the layout Hugging Face checkpoints use after
-transposing to [in, out], with q/k/v fused into one kernel and SwiGLU's gate
-and up projections fused into one, so a batch-1 decode step reads each
-weight matrix with one matmul.
+Weights are stored in the layout Hugging Face checkpoints use after transposing to [in, out],
+with q/k/v fused into one kernel and SwiGLU's gate and up projections fused into one, so a
+batch-1 decode step reads each weight matrix with one matmul.
 """
 
 from __future__ import annotations
@@ -27,9 +26,8 @@ _RESTORING = contextvars.ContextVar("restoring_weights", default=False)
 
 @contextlib.contextmanager
 def restoring_weights():
-    """Models built inside start with zeros where they would draw normal samples: their
-    weights are about to be restored, and drawing GPT-2-small's 124M samples took 2 s of a
-    4 s load on a 2-core VM."""
+    """Models built inside start with zeros, not normal samples: their weights are about to be
+    restored, and drawing GPT-2-small's 124M samples took 2 s of a 4 s load on a 2-core VM."""
     token = _RESTORING.set(True)
     try:
         yield
@@ -148,8 +146,10 @@ def visible(key, query, window: int):
 
 
 def head_norm(x, weights: dict, eps: float):
-    """RMSNorm of each head of x [..., H, Dh] with scale [Dh] (QK-norm)."""
-    return norm(x, weights, "rmsnorm", eps)
+    """QK-norm of x [..., H, Dh]: per head (scale [Dh]) or over all heads (scale [H * Dh])."""
+    if (width := weights["scale"].shape[-1]) == x.shape[-1]:
+        return norm(x, weights, "rmsnorm", eps)
+    return tf.reshape(norm(tf.reshape(x, [-1, width]), weights, "rmsnorm", eps), tf.shape(x))
 
 
 def attend(q, k, v, mask, scale: float | None = None, softcap: float = 0.0):
@@ -240,10 +240,10 @@ class Attention(keras.layers.Layer):
             self.k_norm = Norm("rmsnorm", c.norm_eps, name="k_norm")
 
     def build_norms(self):
-        """QK-norm's scales, [Dh] each (Block.build builds the rest)."""
+        """QK-norm's scales, config.qk_norm_widths (Block.build builds the rest)."""
         if self.q_norm is not None:
-            self.q_norm.build((None, self.config.head_dim))
-            self.k_norm.build((None, self.config.head_dim))
+            self.q_norm.build((None, self.config.qk_norm_widths[0]))
+            self.k_norm.build((None, self.config.qk_norm_widths[1]))
 
     def _project(self, x, positions):
         c = self.config

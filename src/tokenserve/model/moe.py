@@ -1,4 +1,4 @@
-"""Mixture-of-experts feed-forward layers (Mixtral, Qwen2-MoE): a router and routed experts.
+"""Mixture-of-experts feed-forward layers (Mixtral, Qwen-MoE, OLMoE): a router and routed experts.
 
 Each row of the block's normed hidden states goes through the `num_experts_per_token`
 experts its router ranks highest, and their outputs are summed, weighted by the router's
@@ -9,8 +9,9 @@ Rows are grouped by expert: every expert runs once, on the rows routed to it, an
 expert no row chose does no work. Each expert holds its own variables (`expert_{e}_up`,
 `expert_{e}_down`; SwiGLU's gate and up fused in `up` as in layers.MLP), so the stock-TF path
 below reads none of an expert without rows: a matmul with no rows reads no weights, where
-slicing one expert out of a stacked [E, ...] variable would copy it every step. The engine's
-fused path (engine/step/moe.py, kernels/moe.py) groups the same way in one op.
+slicing one expert out of a stacked [E, ...] variable would copy it every step. The engine
+runs router and experts as one op a layer (engine/step/moe.py, kernels/moe.py), routing as
+`route` does here, ties included (tf.math.top_k keeps the lower expert index).
 
 Shapes: h [M, D] rows (the layer flattens [B, T, D]); expert_ids, gates [M, k].
 """

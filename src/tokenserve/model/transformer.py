@@ -24,8 +24,8 @@ class TransformerLM(DecoderLM):
         kwargs.setdefault("name", "transformer")
         super().__init__(**kwargs)
         self.config = config
-        block = MoEBlock if config.num_experts else Block
-        self.blocks = [block(config, i, name=f"block_{i}") for i in range(config.num_layers)]
+        self.blocks = [(MoEBlock if config.layer_has_experts(i) else Block)(
+            config, i, name=f"block_{i}") for i in range(config.num_layers)]
         self.final_norm = Norm(config.norm, config.norm_eps, name="final_norm")
         self.head = None if config.tie_embeddings else Dense(
             config.vocab_size, False, weight_format=layer_format(config, "head"), name="head")

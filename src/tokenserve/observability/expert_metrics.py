@@ -47,7 +47,11 @@ class ExpertLoadCollector:
                 self.series[key] = (np.zeros([layers, len(BUCKETS) + 1], np.int64),
                                     np.zeros([layers], np.int64))
             counts, sums = self.series[key]
-            np.add.at(counts, (np.repeat(np.arange(layers), tokens.shape[1]), slots.ravel()), 1)
+            # a dense layer among MoE ones routes nothing (its row is all zeros): no
+            # observations, so it shows no idle experts; a MoE layer routes every row
+            routed = np.repeat(tokens.any(axis=1), tokens.shape[1])
+            np.add.at(counts, (np.repeat(np.arange(layers), tokens.shape[1])[routed],
+                               slots.ravel()[routed]), 1)
             sums += tokens.sum(axis=1)
 
     def collect(self):
@@ -58,7 +62,7 @@ class ExpertLoadCollector:
                         for key, (counts, sums) in self.series.items()]
         for (model, version), counts, sums in snapshot:
             cumulative = np.cumsum(counts, axis=1)
-            for layer in range(counts.shape[0]):
+            for layer in np.flatnonzero(cumulative[:, -1]):  # layers that routed rows
                 buckets = [(floatToGoString(edge), int(cumulative[layer, i]))
                            for i, edge in enumerate(BUCKETS)]
                 buckets.append(("+Inf", int(cumulative[layer, -1])))

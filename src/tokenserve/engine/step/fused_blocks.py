@@ -24,10 +24,12 @@ from tokenserve.model.transformer import TransformerLM
 
 
 def fused_dense_supports(config) -> bool:
-    """Whether the fused ops compute this config's dense half: QK-norm and a partial rotary
-    (split_rope), GeGLU, and post-norms when they are RMSNorms (the finish-block op's
-    post-norm scales), as all the families' are."""
-    return not (config.post_norms and config.norm != "rmsnorm")
+    """Whether the fused ops compute this config's dense half: per-head QK-norm and a partial
+    rotary (split_rope), GeGLU, and post-norms when they are RMSNorms (the finish-block op's
+    post-norm scales), as all the families' are; not OLMoE's QK-norm over the whole
+    projection (graph_blocks.py)."""
+    return not (config.post_norms and config.norm != "rmsnorm"
+                or config.qk_norm and config.qk_norm_scope != "head")
 
 
 _ACTIVATIONS = {"gelu": "gelu_tanh", "swiglu": "swiglu", "geglu": "geglu"}

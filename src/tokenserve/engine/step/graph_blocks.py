@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import tensorflow as tf
 
+from tokenserve.engine.step.moe import graph_moe
 from tokenserve.model.layers import apply_rope, head_norm, linear, mlp, norm
-from tokenserve.model.moe import moe_mlp
 from tokenserve.model.transformer import TransformerLM
 
 
@@ -45,7 +45,7 @@ class GraphBlocks:
         # static shapes with -1 for the tokens: no Shape/StridedSlice/Pack ops per layer
         q, k, v = tf.split(qkv, [c.num_heads * c.head_dim, self.kv_width, self.kv_width], -1)
         q = tf.reshape(q, [-1, c.num_heads, c.head_dim])
-        if w is not None and "q_norm" in w:  # QK-norm: each head's q and k, before RoPE
+        if w is not None and "q_norm" in w:  # QK-norm (head_norm), before RoPE
             q = head_norm(q, w["q_norm"], c.norm_eps)
             k = tf.reshape(head_norm(tf.reshape(k, [-1, c.num_kv_heads, c.head_dim]),
                                      w["k_norm"], c.norm_eps), [-1, self.kv_width])
@@ -62,7 +62,7 @@ class GraphBlocks:
                  else h)
         h = norm(x, w["mlp_norm"], c.norm, c.norm_eps)
         if "moe" in w:  # a mixture of experts, grouped by expert (never under XLA)
-            h = moe_mlp(h, w["moe"], c)
+            h = graph_moe(h, w["moe"], c)
         else:
             h = mlp(h, w["up"], w["down"], c.mlp)
         return x + (norm(h, w["post_mlp_norm"], c.norm, c.norm_eps) if "post_mlp_norm" in w

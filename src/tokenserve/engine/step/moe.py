@@ -1,11 +1,13 @@
 """A mixture of experts in the engine's step: routing, the grouped experts, expert load.
 
 A step's rows (decode rows and prefill chunks alike, packed into one [N] axis) go through
-the router together; each expert then runs once on the rows that chose it. On the fused
-path that is one op a layer (kernels/moe.py, which reads only the experts with rows); the
-graph path and exported SavedModels take model/moe.py's stock-TF grouping, which reads no
-more. Qwen2-MoE's shared expert rides along as one more expert that every row chooses, its
-gate the sigmoid of its own projection.
+the router together; each expert then runs once on the rows that chose it. For float32 rows
+and float experts that is one op a layer, on the fused and the graph path alike (kernels/
+moe.py: the router's matmul, softmax, top-k and renormalisation, then the grouped experts,
+reading only those with rows); int8 experts, bfloat16 rows and exported SavedModels take
+model/moe.py's stock-TF routing and grouping, which reads no more. Qwen2-MoE's shared expert
+rides along as one more expert that every row chooses, its gate the sigmoid of its own
+projection.
 
 Each MoE layer counts the rows routed to each of its experts into its row of an int64
 [layers, experts] variable inside the step (ExpertLoad): no extra output of the step; the
@@ -20,7 +22,8 @@ import tensorflow as tf
 from tokenserve.config import TransformerConfig
 from tokenserve.kernels import dense as kdense
 from tokenserve.kernels import moe as kmoe
-from tokenserve.model.moe import expert_counts, grouped_experts, route, shared_expert
+from tokenserve.model.moe import (expert_counts, grouped_experts, moe_mlp, route,
+                                  shared_expert)
 
 
 class ExpertLoad:
@@ -33,9 +36,11 @@ class ExpertLoad:
                                   trainable=False, name="expert_tokens")
 
     def attach(self, layer_weights: list[dict]) -> None:
-        """Hands each layer its row's counter (weights["moe"]["load"]: counts [E] -> None)."""
+        """Hands each MoE layer its row's counter (weights["moe"]["load"]: counts [E] ->
+        None); a dense layer's row stays zero."""
         for i, weights in enumerate(layer_weights):
-            weights["moe"]["load"] = _LayerCounter(self.counts, i)
+            if "moe" in weights:
+                weights["moe"]["load"] = _LayerCounter(self.counts, i)
 
     def read(self) -> np.ndarray:
         """int64 [layers, experts]: the running totals."""
@@ -53,29 +58,50 @@ class _LayerCounter:
 
 
 def fused_moe(h, residual, w: dict, config: TransformerConfig):
-    """residual + moe(h) for float32 rows h, residual [M, D]: the router through the dense
-    op, the experts through the grouped op (int8 experts, or no op: the stock-TF grouping,
-    whose matmuls are the int8 op's for int8 weights)."""
+    """residual + moe(h) for float32 rows h, residual [M, D]: one op (the router, its top-k
+    and the grouped experts), or, for int8 experts or without the op, the router through the
+    dense op and the stock-TF routing and grouping (whose matmuls are the int8 op's for int8
+    weights)."""
+    y = _moe_op(h, residual, w, config)
+    if y is not None:
+        return y
     logits = kdense.dense(h, w["router"]["kernel"])  # the router's weights are never int8
     expert_ids, gates = route(logits, config.num_experts_per_token,
                               config.normalize_expert_weights)
-    experts, shared = w["experts"], w.get("shared")
-    if all("kernel" in e["up"] for e in experts):
-        ups = [e["up"]["kernel"] for e in experts]
-        downs = [e["down"]["kernel"] for e in experts]
-        ids, weights = expert_ids, gates
-        if shared is not None:  # one more expert, chosen by every row with its own gate
-            gate = tf.sigmoid(kdense.dense(h, shared["gate"]["kernel"]))          # [M, 1]
-            ids = tf.concat([ids, tf.fill(tf.shape(gate), len(experts))], 1)
-            weights = tf.concat([weights, gate], 1)
-            ups.append(shared["up"]["kernel"])
-            downs.append(shared["down"]["kernel"])
-        out = kmoe.moe_experts(h, ids, weights, ups, downs, residual, with_counts=True)
-        if out is not None:
-            if "load" in w:  # the op's own grouping counted the rows: no bincount here
-                w["load"].assign_add(tf.cast(out[1][:len(experts)], tf.int64))
-            return out[0]
     if "load" in w:
         w["load"].assign_add(tf.cast(expert_counts(expert_ids, config.num_experts), tf.int64))
-    y = residual + grouped_experts(h, expert_ids, gates, experts)
-    return y if shared is None else y + shared_expert(h, shared)
+    y = residual + grouped_experts(h, expert_ids, gates, w["experts"])
+    return y if "shared" not in w else y + shared_expert(h, w["shared"])
+
+
+def graph_moe(h, w: dict, config: TransformerConfig):
+    """moe(h) for the graph path's rows h [M, D]: the one op for float32 rows and float
+    experts, else model/moe.py's stock-TF ops (bfloat16 rows, int8 experts, no op)."""
+    if h.dtype == tf.float32:
+        y = _moe_op(h, None, w, config)
+        if y is not None:
+            return y
+    return moe_mlp(h, w, config)
+
+
+def _moe_op(h, residual, w: dict, config: TransformerConfig):
+    """residual + moe(h) as kernels/moe.py's one op (which also counts each expert's rows
+    into w["load"]), or None where it does not apply: int8 or GGUF-block experts, or the op
+    unavailable. The shared expert rides along as one more expert with its sigmoid gate."""
+    experts, shared = w["experts"], w.get("shared")
+    if not all("kernel" in e["up"] and "kernel" in e["down"] for e in experts):
+        return None
+    ups = [e["up"]["kernel"] for e in experts]
+    downs = [e["down"]["kernel"] for e in experts]
+    shared_gate = None
+    if shared is not None:
+        ups.append(shared["up"]["kernel"])
+        downs.append(shared["down"]["kernel"])
+        shared_gate = shared["gate"]["kernel"]
+    out = kmoe.moe_layer(h, w["router"]["kernel"], ups, downs, config.num_experts_per_token,
+                         config.normalize_expert_weights, residual, shared_gate)
+    if out is None:
+        return None
+    if "load" in w:  # the op's own grouping counted the rows: no bincount here
+        w["load"].assign_add(tf.cast(out[1], tf.int64))
+    return out[0]
