@@ -25,6 +25,8 @@ Results: a rich table on stdout and JSON in benchmarks/results/step_profile.json
 
     python benchmarks/step_profile.py                        # float32 GPT-2-small
     python benchmarks/step_profile.py --model /path/to/int8/export
+    # a packaged model, its steps through the fused dense ops against XLA's (0), alternating
+    python benchmarks/step_profile.py --model gemma3 --fused-dense-tokens 0 32 --no-profile
     ONEDNN_MAX_CPU_ISA=AVX2 XLA_FLAGS=--xla_cpu_max_isa=AVX2 python benchmarks/step_profile.py
 """
 
@@ -197,10 +199,10 @@ def dense_only_ms(runner, num_tokens: int) -> float:
     step = runner.step
     if not getattr(step, "jit_dense", False):
         return float("nan")
-    width = step.model.config.hidden_size
+    c = step.model.config
     weights, blocks = step.layer_weights, step.graph_blocks
-    x = tf.random.normal([num_tokens, width])
-    attn = tf.random.normal([num_tokens, width])
+    x = tf.random.normal([num_tokens, c.hidden_size])
+    attn = tf.random.normal([num_tokens, c.num_heads * c.head_dim])  # Gemma's is wider
     positions = tf.zeros([num_tokens], tf.int32)
 
     @tf.function
@@ -222,11 +224,18 @@ def dense_only_ms(runner, num_tokens: int) -> float:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", help="exported model (default: gpt2-small preset, random)")
+    parser.add_argument("--model", help="exported model, or a packaged model's name (gemma3) "
+                                        "(default: gpt2-small preset, random)")
     parser.add_argument("--precision", default="float32")
     parser.add_argument("--num-seqs", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--no-profile", dest="profile", action="store_false")
+    parser.add_argument("--fused-dense-tokens", type=int, nargs="+", default=[None],
+                        metavar="N", help="engines to compare, each running steps of up to N "
+                        "tokens through the fused dense ops (0: XLA only); the default is the "
+                        "engine's own choice")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="rounds over the engines, alternating (medians over rounds)")
     parser.add_argument("--output", type=Path, default=RESULTS / "step_profile.json")
     args = parser.parse_args(argv)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -237,32 +246,63 @@ def main(argv=None) -> int:
     machine = machine_info()
     console.print(machine_summary(machine))
     model_dir = args.model or export_preset("gpt2-small", Path(tempfile.mkdtemp()) / "gpt2")
-    llm = LLM(model_dir, precision=args.precision, max_num_seqs=max(args.num_seqs))
-    engine = llm.engine
-    engine.stats = ExpertLoad()
-    timed = Timed(engine.runner)
-    engine.runner.compile_buckets()
-    run_point(engine, timed, 1, 4, profile=False)  # trace the step graphs
+    if not Path(model_dir).is_dir():  # a packaged model's name: its cached export
+        from tokenserve.export.cached_exports import packaged_export
+
+        model_dir = packaged_export(model_dir)
+    engines = {}
+    for fused in args.fused_dense_tokens:
+        options = {} if fused is None else {"max_fused_dense_tokens": fused}
+        llm = LLM(model_dir, precision=args.precision, max_num_seqs=max(args.num_seqs),
+                  **options)
+        engine = llm.engine
+        engine.stats = ExpertLoad()
+        timed = Timed(engine.runner)
+        engine.runner.compile_buckets()
+        run_point(engine, timed, 1, 4, profile=False)  # trace the step graphs
+        name = ("engine's choice" if fused is None else "XLA only" if fused == 0
+                else f"fused up to {fused}")
+        engines[name] = (engine, timed)
+    rounds = {(name, n): [] for name in engines for n in args.num_seqs}
+    for _ in range(args.repeats):  # alternating, so that the machine's load hits all alike
+        for num_seqs in args.num_seqs:
+            for name, (engine, timed) in engines.items():
+                run_point(engine, timed, num_seqs, 4, profile=False)
+                rounds[name, num_seqs].append(run_point(engine, timed, num_seqs,
+                                                        args.max_tokens, args.profile))
     points = []
-    for num_seqs in args.num_seqs:
-        run_point(engine, timed, num_seqs, 4, profile=False)
-        point = run_point(engine, timed, num_seqs, args.max_tokens, args.profile)
+    for (name, num_seqs), runs in rounds.items():
+        engine = engines[name][0]
+        point = dict(runs[-1], engine=name, rounds=[r["median_ms"] for r in runs])
+        point["median_ms"] = {k: float(np.median([r["median_ms"][k] for r in runs]))
+                              for k in runs[0]["median_ms"]}
         point["dense_only_ms"] = dense_only_ms(
             engine.runner, bucket_size(num_seqs, engine.engine_config.batch_sizes, True, True))
         points.append(point)
 
     table = make_table(f"engine decode step, {Path(str(model_dir)).name} "
-                       f"({engine.runner.precision}), median ms",
-                       ("seqs", "schedule", "prepare", "tf step", "update", "total", "tok/s",
-                        "XLA dense alone", "graph ops", "top graph ops"), left=("top graph ops",))
+                       f"({engine.runner.precision}), median ms over {args.repeats} round(s)",
+                       ("engine", "seqs", "schedule", "prepare", "tf step", "update", "total",
+                        "tok/s", "XLA dense alone", "graph ops", "top graph ops"),
+                       left=("engine", "top graph ops"))
     for p in points:
         m = p["median_ms"]
         top = ", ".join(f"{k} {v:.2f}" for k, v in list(p["graph_ops_ms"].items())[:4])
-        table.add_row(str(p["num_seqs"]), f"{m['schedule']:.2f}", f"{m['prepare']:.2f}",
-                      f"{m['tf']:.2f}", f"{m['update']:.2f}", f"{m['total']:.2f}",
-                      f"{p['num_seqs'] / m['total'] * 1e3:.1f}", f"{p['dense_only_ms']:.2f}",
-                      f"{p['graph_ops_total_ms']:.2f}", top)
+        table.add_row(p["engine"], str(p["num_seqs"]), f"{m['schedule']:.2f}",
+                      f"{m['prepare']:.2f}", f"{m['tf']:.2f}", f"{m['update']:.2f}",
+                      f"{m['total']:.2f}", f"{p['num_seqs'] / m['total'] * 1e3:.1f}",
+                      f"{p['dense_only_ms']:.2f}", f"{p['graph_ops_total_ms']:.2f}", top)
     console.print(table)
+    if len(engines) > 1:  # each engine's step time against the first one's
+        first = next(iter(engines))
+        for p in points:
+            base = next(q for q in points if q["engine"] == first
+                        and q["num_seqs"] == p["num_seqs"])
+            p["tf_step_ratio"] = p["median_ms"]["tf"] / base["median_ms"]["tf"]
+            if p["engine"] != first:
+                console.print(f"{p['engine']} vs {first}, {p['num_seqs']} seqs: tf step "
+                              f"{p['tf_step_ratio']:.2f}x, total "
+                              f"{p['median_ms']['total'] / base['median_ms']['total']:.2f}x")
     for p in points:  # a mixture of experts: how its rows spread over the experts
         if p["expert_load"]:
             e = p["expert_load"]
@@ -271,7 +311,8 @@ def main(argv=None) -> int:
                           f"busiest taking {e['busiest_expert_share']:.0%} of its layer's rows")
     write_json(args.output, {
         "workload": {"model": str(model_dir), "precision": engine.runner.precision,
-                     "prompt_tokens": 32, "max_tokens": args.max_tokens},
+                     "prompt_tokens": 32, "max_tokens": args.max_tokens,
+                     "engines": list(engines), "repeats": args.repeats},
         "machine": machine, "points": points})
     console.print(f"wrote {args.output}")
     return 0

@@ -80,6 +80,12 @@ class TransformerConfig:
     """Leading dimensions of each head that RoPE turns (the rest pass through); 0: head_dim."""
     rope_attention_factor: float = 1.0
     """Scale of RoPE's cos and sin, so of q.k by its square (YaRN's attention factor)."""
+    rope_long_freq_factors: tuple[float, ...] = ()
+    """LongRoPE (Phi-3): the divisors that replace rope_freq_factors (then its short ones)
+    for the tokens of a sequence that reaches past rope_original_context positions in the
+    step that computes them; empty: none."""
+    rope_original_context: int = 0
+    """LongRoPE's switch: positions of pretraining (original_max_position_embeddings)."""
     attn_scale: float = 0.0
     """Score scale; 0 means 1 / sqrt(head_dim) (Gemma: query_pre_attn_scalar ** -0.5)."""
     attn_softcap: float = 0.0
@@ -189,6 +195,15 @@ class TransformerConfig:
             _check(len(self.rope_freq_factors) == self.rotary_dim // 2,
                    f"rope_freq_factors has {len(self.rope_freq_factors)} entries; {width} "
                    f"{self.rotary_dim} rotates {self.rotary_dim // 2} pairs")
+        object.__setattr__(self, "rope_long_freq_factors",
+                           tuple(float(f) for f in self.rope_long_freq_factors))
+        if self.rope_long_freq_factors:
+            _check(len(self.rope_long_freq_factors) == len(self.rope_freq_factors)
+                   and self.rope_original_context > 0,
+                   "rope_long_freq_factors need rope_freq_factors of the same length and "
+                   "rope_original_context > 0")
+            _check(all(f > 0 and math.isfinite(f) for f in self.rope_long_freq_factors),
+                   "rope_long_freq_factors must be positive and finite")
         _check(self.qk_norm_scope in ("head", "projection"),
                f"unknown qk_norm_scope {self.qk_norm_scope!r}; use head or projection")
         _check(self.qk_norm or self.qk_norm_scope == "head",

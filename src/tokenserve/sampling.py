@@ -87,6 +87,9 @@ class SamplingParams:
     structured: StructuredOutput | None = None
     """Constrains the output (JSON schema, regex, choice, grammar); None leaves it free.
     A constrained sequence ends with STOP as soon as its constraint is complete."""
+    skip_special_tokens: bool = True
+    """Special tokens are left out of the text; False keeps them (a reply whose tool calls
+    open with a special token, as Mistral's `[TOOL_CALLS]`, is parsed from its text)."""
 
     def __post_init__(self) -> None:
         # Accept lists from JSON callers; the dataclass stays hashable and immutable.

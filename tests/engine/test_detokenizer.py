@@ -66,3 +66,17 @@ def test_the_cost_per_token_stays_flat_as_the_output_grows(tokenizer):
     stream(counting, ids)
     # decoding the whole output on every token would pass ~len(ids)**2 / 2 ids
     assert counting.num_decoded_ids < 10 * len(ids)
+
+
+def test_special_tokens_are_dropped_unless_the_request_keeps_them(tokenizer):
+    """A reply parsed for calls that open with a special token (Mistral's [TOOL_CALLS]) is
+    decoded with its special tokens; every other reply without them."""
+    special = tokenizer.bos_token_id
+    ids = tokenizer.encode("abc") + [special] + tokenizer.encode(" def")
+    marker = tokenizer.decode([special], skip_special_tokens=False)
+    assert marker  # the tiny tokenizer's <|bos|>
+    dropped = IncrementalDetokenizer(tokenizer)
+    kept = IncrementalDetokenizer(tokenizer, skip_special_tokens=False)
+    texts = ["".join(d.append(t)[0] for t in ids) + d.flush() for d in (dropped, kept)]
+    assert texts == [tokenizer.decode(ids), tokenizer.decode(ids, skip_special_tokens=False)]
+    assert marker not in texts[0] and marker in texts[1]

@@ -48,18 +48,21 @@ def reference(x, w, bias, residual, activation):
     elif activation == "swiglu":
         gate, up = np.split(z, 2, axis=-1)
         z = gate / (1 + np.exp(-gate)) * up
+    elif activation == "geglu":
+        gate, up = np.split(z, 2, axis=-1)
+        z = 0.5 * gate * (1 + np.tanh(np.sqrt(2 / np.pi) * (gate + 0.044715 * gate ** 3))) * up
     return z if residual is None else z + residual
 
 
 @pytest.mark.parametrize("isa", ["auto", "scalar"])
 @pytest.mark.parametrize("layout", ["kn", "nk"])
-@pytest.mark.parametrize("activation", ["none", "gelu_tanh", "swiglu"])
+@pytest.mark.parametrize("activation", ["none", "gelu_tanh", "swiglu", "geglu"])
 @pytest.mark.parametrize("m,k,n", CASES)
 def test_dense_matches_reference(compiled, m, k, n, activation, layout, isa):
-    if activation == "swiglu" and n % 2:
+    if activation in kd.GATED and n % 2:
         n += 1
     x, w, bias = make(m, k, n)
-    out = n // 2 if activation == "swiglu" else n
+    out = n // 2 if activation in kd.GATED else n
     residual = np.random.default_rng(1).standard_normal((m, out)).astype(np.float32)
     want = reference(x, w, bias, residual, activation)
     weights = w if layout == "kn" else np.ascontiguousarray(w.T)
@@ -89,13 +92,13 @@ def test_norm_matches_reference(compiled, isa, layernorm):
     np.testing.assert_allclose(fallback, want, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("activation", ["none", "gelu_tanh", "swiglu"])
+@pytest.mark.parametrize("activation", ["none", "gelu_tanh", "swiglu", "geglu"])
 @pytest.mark.parametrize("m", [1, 40])
 def test_epilogue_matches_reference(compiled, activation, m):
     rng = np.random.default_rng(3)
     z = rng.standard_normal((m, 36)).astype(np.float32)
     bias = rng.standard_normal(36).astype(np.float32)
-    out = 18 if activation == "swiglu" else 36
+    out = 18 if activation in kd.GATED else 36
     residual = rng.standard_normal((m, out)).astype(np.float32)
     eye = np.eye(36, dtype=np.float32)  # z @ I: the reference's matmul is the identity
     want = reference(z, eye, bias, residual, activation)
@@ -108,7 +111,7 @@ def test_epilogue_matches_reference(compiled, activation, m):
 
 def test_the_fallback_matches_the_op(compiled):
     x, w, bias = make(3, 40, 24)
-    for activation in ("none", "gelu_tanh", "swiglu"):
+    for activation in ("none", "gelu_tanh", "swiglu", "geglu"):
         np.testing.assert_allclose(kd.dense(x, w, bias, activation=activation).numpy(),
                                    kd.dense_fallback(x, w, bias, activation=activation).numpy(),
                                    rtol=1e-5, atol=1e-5)
@@ -161,7 +164,7 @@ def _block_weights(d, f, activation, norm_bias, seed):
     norm = {"scale": tf.constant(1 + 0.1 * rng.standard_normal(d).astype(np.float32))}
     if norm_bias:
         norm["bias"] = tf.constant(0.1 * rng.standard_normal(d).astype(np.float32))
-    inner = f // 2 if activation == "swiglu" else f
+    inner = f // 2 if activation in kd.GATED else f
     return dense(d, d, norm_bias), norm, dense(d, f, norm_bias), dense(inner, d, norm_bias)
 
 
@@ -172,7 +175,9 @@ def _block_weights(d, f, activation, norm_bias, seed):
     ("gelu_tanh", True, 7, 256, 520),   # split K at 7 rows
     ("swiglu", False, 3, 64, 256),      # Llama: RMSNorm, no biases
     ("swiglu", False, 1, 40, 344),      # widths not a multiple of 8 (scalar tails)
-    ("swiglu", False, 20, 72, 2200)])   # packed chunks; the gate and up halves in 3 blocks
+    ("swiglu", False, 20, 72, 2200),    # packed chunks; the gate and up halves in 3 blocks
+    ("geglu", False, 3, 64, 256),       # Gemma: RMSNorm, no biases, tanh-GELU gate
+    ("geglu", False, 20, 72, 2200)])
 def test_finish_block_equals_the_separate_ops(compiled, isa, activation, norm_bias, m, d, f):
     """The fused block runs the separate ops' kernels in the same order. Split K sums each
     thread's share in the order threads took them, so two calls of one op already differ in
@@ -211,6 +216,47 @@ def test_finish_block_equals_the_separate_ops(compiled, isa, activation, norm_bi
     np.testing.assert_allclose(fused, expected, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("isa", ["auto", "scalar"])
+@pytest.mark.parametrize("activation,m,d,f", [("geglu", 1, 64, 256), ("geglu", 5, 40, 344),
+                                              ("swiglu", 20, 72, 2200)])
+def test_finish_block_with_post_norms_equals_the_separate_ops(compiled, isa, activation, m, d,
+                                                              f):
+    """Gemma's post-norms: each branch's output RMS-normed before its residual add, in the
+    one op, as the separate ops and the block's float64 math compute it."""
+    out, norm, up, down = _block_weights(d, f, activation, False, seed=m + d)
+    rng = np.random.default_rng(2)
+    post_attn, post_mlp = ({"scale": tf.constant(1 + 0.3 * rng.standard_normal(d).astype(
+        np.float32))} for _ in range(2))
+    attn = tf.constant(rng.standard_normal((m, d)).astype(np.float32))
+    x = tf.constant(rng.standard_normal((m, d)).astype(np.float32) * 3)
+    fused = kd.finish_block(attn, x, out, norm, up, down, activation, 1e-6, isa=isa,
+                            post_attn_norm=post_attn, post_mlp_norm=post_mlp).numpy()
+    x1 = x + kd.layer_norm(kd.dense(attn, out["kernel"], isa=isa), post_attn["scale"],
+                           eps=1e-6, isa=isa)
+    h = kd.layer_norm(x1, norm["scale"], eps=1e-6, isa=isa)
+    u = kd.dense(h, up["kernel"], activation=activation, isa=isa)
+    separate = x1 + kd.layer_norm(kd.dense(u, down["kernel"], isa=isa), post_mlp["scale"],
+                                  eps=1e-6, isa=isa)
+    np.testing.assert_allclose(fused, separate.numpy(), rtol=1e-5, atol=1e-5)
+    # with the next block's norm and QKV: the same y
+    _, next_norm, next_qkv, _ = _block_weights(d, 3 * d, activation, False, seed=7)
+    y, _ = kd.finish_block(attn, x, out, norm, up, down, activation, 1e-6, isa=isa,
+                           next_norm=next_norm, next_qkv=next_qkv, post_attn_norm=post_attn,
+                           post_mlp_norm=post_mlp)
+    np.testing.assert_allclose(y.numpy(), fused, rtol=1e-5, atol=1e-5)
+
+    def rms(v, scale):
+        return v / np.sqrt((v ** 2).mean(-1, keepdims=True) + 1e-6) * scale["scale"].numpy()
+
+    x1 = x.numpy() + rms(attn.numpy() @ out["kernel"].numpy().astype(np.float64), post_attn)
+    u = reference(rms(x1, norm), up["kernel"].numpy(), 0, None, activation)
+    expected = x1 + rms(u @ down["kernel"].numpy().astype(np.float64), post_mlp)
+    np.testing.assert_allclose(fused, expected, rtol=1e-4, atol=1e-4)
+    # without post-norms the result differs: the scales are really read
+    plain = kd.finish_block(attn, x, out, norm, up, down, activation, 1e-6, isa=isa).numpy()
+    assert not np.allclose(plain, fused, atol=1e-2)
+
+
 def test_finish_block_refuses_weights_that_do_not_fit(compiled):
     out, norm, up, down = _block_weights(64, 256, "gelu_tanh", True, seed=0)
     attn = x = tf.zeros([2, 64])
@@ -224,6 +270,10 @@ def test_finish_block_refuses_weights_that_do_not_fit(compiled):
         kd.finish_block(attn, x, out, norm, {"kernel": tf.zeros([64, 255])}, down, "swiglu")
     with pytest.raises(ValueError, match="activation must be"):
         kd.finish_block(attn, x, out, norm, up, down, "relu")
+    with pytest.raises(tf.errors.InvalidArgumentError,
+                       match="post_attn_scale and post_mlp_scale must both be"):
+        kd.finish_block(attn, x, out, norm, up, down, post_attn_norm={"scale": tf.ones([64])},
+                        post_mlp_norm={"scale": tf.ones([63])})
     with pytest.raises(tf.errors.InvalidArgumentError, match=r"next_w must be \[D, Nq\]"):
         kd.finish_block(attn, x, out, norm, up, down, next_norm=norm, next_qkv=down)
     with pytest.raises(tf.errors.InvalidArgumentError, match="next_bias must be"):

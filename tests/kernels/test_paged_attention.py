@@ -43,8 +43,9 @@ def make(h, hkv, dh, s=6, length=70, num_rows=300, dtype=tf.float32, seed=0):
     return q, keys, values, rows, lengths, key_var, value_var
 
 
-def reference(q, keys, values, rows, lengths, scale):
-    """float64: softmax over the valid positions of each head's own kv head; empty rows 0."""
+def reference(q, keys, values, rows, lengths, scale, softcap=0.0):
+    """float64: softmax over the valid positions of each head's own kv head; empty rows 0;
+    with softcap, the scaled scores capped to softcap * tanh(s / softcap) first."""
     s, h, dh = q.shape
     hkv = keys.shape[1] // dh
     out = np.zeros((s, h, dh))
@@ -57,6 +58,8 @@ def reference(q, keys, values, rows, lengths, scale):
         for head in range(h):
             kv = head // (h // hkv)
             scores = k[:, kv] @ q[i, head] * scale
+            if softcap:
+                scores = softcap * np.tanh(scores / softcap)
             p = np.exp(scores - scores.max())
             out[i, head] = (p / p.sum()) @ v[:, kv]
     return out.reshape(s, h * dh)
@@ -88,6 +91,29 @@ def test_compiled_matches_reference(compiled, h, hkv, dh, span, isa, dtype):
     assert out.dtype == dtype
     check(out, reference(q, keys, values, rows, lengths, scale), dtype)
     assert not tf.cast(out, tf.float32).numpy()[2].any()  # lengths[2] == 0: zeros
+
+
+@pytest.mark.parametrize("isa", ["auto", "scalar"])
+@pytest.mark.parametrize("h,hkv,dh", [(4, 2, 32), (6, 3, 24), (4, 2, 12)])
+def test_soft_capped_scores_match_the_reference_and_the_fallback(compiled, h, hkv, dh, isa):
+    """Gemma 2's soft cap (softcap * tanh(s / softcap) on the scaled scores, before the
+    softmax) in the op, both paths and the writing op, as the reference and the fallback."""
+    q, keys, values, rows, lengths, kv, vv = make(h, hkv, dh)
+    q = q * 4  # scores well past the cap, so that capping changes them
+    scale, cap = 1 / np.sqrt(dh), 3.0
+    want = reference(q, keys, values, rows, lengths, scale, cap)
+    got = pa.compiled_paged_decode_attention(q, kv, vv, rows, lengths, scale, isa=isa,
+                                             softcap=cap)
+    check(got, want, tf.float32)
+    check(pa.paged_decode_attention_fallback(q, kv, vv, rows, lengths, scale, softcap=cap),
+          want, tf.float32)
+    uncapped = reference(q, keys, values, rows, lengths, scale)
+    assert not np.allclose(uncapped, want, atol=1e-2)  # the cap matters here
+    # the writing op caps too (it writes one row that no query reads)
+    spare = np.setdiff1d(np.arange(keys.shape[0]), rows)[:1].astype(np.int32)
+    written = pa.paged_write_decode_attention(q, kv, vv, rows, lengths, keys[spare],
+                                              values[spare], spare, scale, softcap=cap)
+    check(written, want, tf.float32)
 
 
 def test_paged_decode_attention_uses_the_compiled_op(compiled, monkeypatch):

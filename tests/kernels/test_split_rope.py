@@ -11,7 +11,7 @@ import tensorflow as tf
 from support.compiled_ops import compiled_op_module, use_compiled_op
 from support.tiny_models import greedy_by_full_forward, tiny
 from tokenserve.kernels import dense as kd
-from tokenserve.model.layers import apply_rope, rope_angles
+from tokenserve.model.layers import apply_rope, head_norm, rope_angles
 
 
 @pytest.fixture(scope="module")
@@ -103,9 +103,65 @@ def test_bad_inputs(compiled, op_on, case):
     else:
         h, hkv, dh, qkv = 4, 2, 7, qkv[:, :56]
         cos, sin = cos[:, :7], sin[:, :7]
+    empty = tf.zeros([0], tf.float32)
     with pytest.raises((tf.errors.InvalidArgumentError, ValueError)):
-        compiled.tokenserve_split_rope(qkv, cos, sin, num_heads=h, num_kv_heads=hkv,
-                                       head_dim=dh)
+        compiled.tokenserve_split_rope(qkv, cos, sin, empty, empty, num_heads=h,
+                                       num_kv_heads=hkv, head_dim=dh)
+
+
+@pytest.mark.parametrize("qk_norm", [True, False])
+@pytest.mark.parametrize("h,hkv,dh,rotary_dim,n", [(4, 2, 16, 8, 3), (6, 3, 32, 32, 5),
+                                                   (2, 1, 64, 16, 1), (4, 4, 16, 0, 2)])
+def test_qk_norm_and_a_partial_rotary_equal_the_graph_ops(compiled, op_on, qk_norm, h, hkv,
+                                                          dh, rotary_dim, n):
+    """QK-norm (each q and k head RMS-normed before RoPE: Qwen3, Gemma 3) and a partial
+    rotary (only each head's first R dimensions turn: Phi-3's kind) in the one op, as the
+    graph path's head_norm and apply_rope compute them (the norm's sum in double: within
+    float rounding); rotary_dim 0: QK-norm without RoPE."""
+    rng = np.random.default_rng(h + dh)
+    qkv = tf.constant(rng.standard_normal((n, (h + 2 * hkv) * dh)).astype(np.float32) * 4)
+    width = hkv * dh
+    rotary4 = rotary = None
+    if rotary_dim:
+        positions = tf.constant([rng.integers(0, 4096, n)], tf.int32)
+        rotary4 = rope_angles(positions, rotary_dim, 10000.0, tf.float32)  # [1, N, 1, R]
+        rotary = tuple(tf.reshape(t, [n, rotary_dim]) for t in rotary4)
+    norms = {}
+    if qk_norm:
+        norms = {name: tf.constant(1 + 0.5 * rng.standard_normal(dh).astype(np.float32))
+                 for name in ("q_norm", "k_norm")}
+
+    def graph_path(qkv):
+        q, k, v = tf.split(qkv, [h * dh, width, width], -1)
+        q, k = tf.reshape(q, [1, -1, h, dh]), tf.reshape(k, [1, -1, hkv, dh])
+        if qk_norm:
+            q = head_norm(q, {"scale": norms["q_norm"]}, 1e-6)
+            k = head_norm(k, {"scale": norms["k_norm"]}, 1e-6)
+        if rotary4 is not None:
+            q, k = apply_rope(q, *rotary4), apply_rope(k, *rotary4)
+        return q[0], tf.reshape(k, [-1, width]), v
+
+    want = graph_path(qkv)
+    got = kd.split_rope(qkv, h, hkv, dh, rotary, eps=1e-6, **norms)
+    fallback = kd.split_rope_fallback(qkv, h, hkv, dh, rotary, eps=1e-6, **norms)
+    for mine, again, theirs in zip(got, fallback, want):
+        np.testing.assert_allclose(mine.numpy(), theirs.numpy(), rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(again.numpy(), theirs.numpy(), rtol=1e-5, atol=1e-5)
+    if rotary_dim and rotary_dim < dh and not qk_norm:  # the dimensions past R pass as they are
+        q_in = tf.reshape(qkv[:, :h * dh], [n, h, dh])[:, :, rotary_dim:]
+        np.testing.assert_array_equal(got[0].numpy()[:, :, rotary_dim:], q_in.numpy())
+    if qk_norm:  # the scales are read: without them the heads differ
+        plain = kd.split_rope(qkv, h, hkv, dh, rotary)
+        assert not np.allclose(plain[0].numpy(), got[0].numpy(), atol=1e-2)
+        np.testing.assert_array_equal(plain[2].numpy(), got[2].numpy())  # v: never normed
+
+
+def test_qk_norm_and_rotary_width_refusals(compiled, op_on):
+    qkv, _, (cos, sin) = inputs(4, 2, 8, 3)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="q_norm and k_norm must both be"):
+        kd.split_rope(qkv, 4, 2, 8, (cos, sin), q_norm=tf.ones([8]), k_norm=tf.ones([7]))
+    with pytest.raises(tf.errors.InvalidArgumentError, match="R even, at most head_dim 8"):
+        kd.split_rope(qkv, 4, 2, 8, (cos[:, :3], sin[:, :3]))
 
 
 def test_llama_engine_steps_use_it(compiled, op_on, tokenizer):

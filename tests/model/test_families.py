@@ -53,11 +53,18 @@ CASES = {
         "rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})),
 }
 PROMPTS = [list(range(5, 29)), [12, 44, 1, 77], [300, 301, 302, 303, 304, 8, 9, 10, 11]]
+# LongRoPE with a 16-position original context: PROMPTS[2] (9) turns by the short factors,
+# PROMPTS[0] (24) by the long ones, far apart so that the wrong table would show
+LONGROPE = {"phi3-longrope": ("Phi3", dict(
+    original_max_position_embeddings=16, rope_parameters={
+        "rope_type": "longrope", "rope_theta": 10000.0,
+        "short_factor": [1.0 + 0.1 * i for i in range(8)],
+        "long_factor": [1.0 + 2.0 * i for i in range(8)]}))}
 
 
 def hf_model(case: str):
     """The case's transformers model, seeded, with norms perturbed so a missed one shows."""
-    prefix, options = CASES[case]
+    prefix, options = {**CASES, **LONGROPE}[case]
     config = getattr(transformers, f"{prefix}Config")(**{**BASE, **options})
     arch = "Gemma3ForCausalLM" if prefix == "Gemma3Text" else f"{prefix}ForCausalLM"
     torch.manual_seed(0)
@@ -151,8 +158,8 @@ def test_config_reads_every_family_field(imported):
                                   pytest.param("gemma2", marks=pytest.mark.slow)])
 def test_engine_greedy_equals_transformers_past_the_window(case, tokenizer, tmp_path):
     """The engine's paged step (the windowed row tables of the fused op; Gemma 2's
-    soft-capped scores through the graph path) gives transformers' greedy tokens for
-    prompts and generations far past the window."""
+    soft-capped scores in it) gives transformers' greedy tokens for prompts and generations
+    far past the window."""
     from support.engines import engine_config
     from tokenserve.engine.llm import LLM
     from tokenserve.export.exporter import export_model
@@ -166,6 +173,55 @@ def test_engine_greedy_equals_transformers_past_the_window(case, tokenizer, tmp_
                            use_tqdm=False)
     for prompt, output in zip(PROMPTS, outputs):
         assert output.outputs[0].token_ids == hf_greedy(reference, prompt, 24)
+
+
+def test_longrope_matches_transformers_under_and_over_the_original_context(tokenizer,
+                                                                          tmp_path):
+    """Phi-3's LongRoPE: logits within 1e-4 of transformers for a prompt under the original
+    context (short factors) and one over it (long factors); the engine's greedy tokens are
+    those of transformers' model called step by step on its cache, also for a prompt that
+    decodes past the original context: both switch to the long factors there and keep the
+    keys cached before with the short ones. (transformers' Phi-3 `generate` goes further and
+    drops its cache once at that point, recomputing every key with the long factors; vLLM,
+    as this engine, does not.)"""
+    from support.engines import engine_config
+    from tokenserve.engine.llm import LLM
+    from tokenserve.export.exporter import export_model
+    from tokenserve.sampling import SamplingParams
+
+    reference = hf_model("phi3-longrope")
+    model, tok, generation = load_hf(save_hf(tmp_path / "hf", reference, tokenizer))
+    config = generation.model
+    assert config.rope_original_context == 16 and len(config.rope_long_freq_factors) == 8
+    # max_position_embeddings 128 over 16: factor 8
+    assert config.rope_attention_factor == pytest.approx(
+        np.sqrt(1 + np.log(8.0) / np.log(16.0)))
+    for prompt in (PROMPTS[2], PROMPTS[0]):
+        with torch.no_grad():
+            want = reference(torch.tensor([prompt])).logits.numpy()[0]
+        got = model(np.array([prompt], np.int32)).numpy()[0]
+        np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
+    llm = LLM(export_model(model, tok, generation, tmp_path / "export", jit_compile=False),
+              engine_config())
+    for prompt, num_tokens in ((PROMPTS[2], 16), (PROMPTS[0], 8)):  # one prefill chunk each
+        output = llm.generate([prompt], SamplingParams(max_tokens=num_tokens, ignore_eos=True),
+                              use_tqdm=False)[0]
+        assert output.outputs[0].token_ids == hf_cached_greedy(reference, prompt, num_tokens)
+
+
+def hf_cached_greedy(model, prompt, n):
+    """Greedy tokens of transformers' model called token by token on its own cache (no
+    generate(): Phi-3's recomputes the cache where LongRoPE switches tables)."""
+    cache = transformers.DynamicCache(config=model.config)
+    ids, tokens = torch.tensor([prompt]), []
+    with torch.no_grad():
+        for _ in range(n):
+            start = len(prompt) + len(tokens) - ids.shape[1]
+            logits = model(ids, past_key_values=cache, use_cache=True,
+                           position_ids=torch.arange(start, start + ids.shape[1])[None]).logits
+            tokens.append(int(logits[0, -1].argmax()))
+            ids = torch.tensor([[tokens[-1]]])
+    return tokens
 
 
 def test_a_missing_or_misshapen_family_tensor_is_named(tokenizer, tmp_path):
@@ -202,10 +258,15 @@ def test_a_window_not_shorter_than_the_context_is_clamped_and_logged(caplog):
 
 def test_unimplemented_settings_are_refused_by_name():
     phi3 = transformers.Phi3Config(**BASE).to_dict()
-    longrope = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 8,
-                "long_factor": [2.0] * 8, "original_max_position_embeddings": 64}
-    with pytest.raises(ConfigError, match="rope scaling 'longrope' is not supported; "
+    dynamic = {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}
+    with pytest.raises(ConfigError, match="rope scaling 'dynamic' is not supported; "
                                           "supported: default, linear, llama3, yarn"):
+        architecture_config({**phi3, "rope_parameters": dynamic,
+                             "architectures": ["Phi3ForCausalLM"]})
+    longrope = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 8,
+                "long_factor": [2.0] * 7}
+    with pytest.raises(ConfigError, match="longrope long_factor has 7 entries; the rotated "
+                                          "width 16 turns 8 pairs"):
         architecture_config({**phi3, "rope_parameters": longrope,
                              "architectures": ["Phi3ForCausalLM"]})
     gemma = transformers.Gemma2Config(**BASE).to_dict()

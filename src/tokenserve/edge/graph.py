@@ -49,6 +49,7 @@ def _family_features(c: TransformerConfig) -> list[str]:
               "local_rope_theta": bool(c.local_rope_theta),
               "rotary_dim": c.rotary_dim != c.head_dim,
               "rope_attention_factor": c.rope_attention_factor != 1.0,
+              "rope_long_freq_factors": bool(c.rope_long_freq_factors),
               "attn_scale": bool(c.attn_scale), "attn_softcap": bool(c.attn_softcap),
               "final_softcap": bool(c.final_softcap),
               "embedding_multiplier": c.embedding_multiplier != 1.0,

@@ -16,9 +16,11 @@ from __future__ import annotations
 class IncrementalDetokenizer:
     """Turns one sequence's output tokens into text deltas and finds stop strings."""
 
-    def __init__(self, tokenizer, stop: tuple[str, ...] = ()):
+    def __init__(self, tokenizer, stop: tuple[str, ...] = (), skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
         self.stop = stop
+        # only a request that keeps special tokens passes the flag: any tokenizer decodes
+        self.decode_options = {} if skip_special_tokens else {"skip_special_tokens": False}
         self.max_stop_len = max((len(s) for s in stop), default=0)
         self.output_ids: list[int] = []
         self.text = ""
@@ -30,10 +32,11 @@ class IncrementalDetokenizer:
         """Adds a token; returns (new text to emit, the stop string matched or None)."""
         ids = self.output_ids
         ids.append(token_id)
-        window = self.tokenizer.decode(ids[self.prefix_offset:])
+        window = self.tokenizer.decode(ids[self.prefix_offset:], **self.decode_options)
         if window.endswith("\ufffd"):  # an incomplete multi-byte character: wait for more
             return "", None
-        read = self.tokenizer.decode(ids[self.prefix_offset:self.read_offset])
+        read = self.tokenizer.decode(ids[self.prefix_offset:self.read_offset],
+                                     **self.decode_options)
         self.text += window[len(read):]
         self.prefix_offset, self.read_offset = self.read_offset, len(ids)
         text = self.text

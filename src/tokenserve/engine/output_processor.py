@@ -46,7 +46,7 @@ class OutputProcessor:
 
     def detokenizer(self, params: SamplingParams) -> IncrementalDetokenizer:
         """A new sequence's detokenizer, which finds `params`' stop strings."""
-        return IncrementalDetokenizer(self.tokenizer, params.stop)
+        return IncrementalDetokenizer(self.tokenizer, params.stop, params.skip_special_tokens)
 
     def append(self, seq: Sequence, token: int, logits: np.ndarray, now: float
                ) -> CompletionOutput:

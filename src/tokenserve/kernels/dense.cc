@@ -6,7 +6,8 @@
 //   layout "kn": W is [K, N] (Keras' Dense kernel); "nk": W is [N, K] (a tied embedding used
 //   as the LM head). bias: [N] or [0] (none). residual: [M, N] or [0, 0] (none), added last.
 //   activation: "none"; "gelu_tanh" (GPT-2's); "swiglu": y[:, j] = silu(z[:, j]) * z[:, j + N/2]
-//   (gate and up fused in one kernel, the output is N / 2 wide).
+//   or "geglu" (Gemma's): gelu_tanh(z[:, j]) * z[:, j + N/2] (gate and up fused in one kernel,
+//   the output is N / 2 wide).
 //
 // TokenserveDenseInfo: which instruction set the float32 ops' kernels (this library: also
 // row_ops.cc, finish_block.cc, split_rope.cc) take on this CPU.
@@ -37,10 +38,10 @@ REGISTER_OP("TokenserveDense")
     .Input("w: T")             // [K, N] ("kn") or [N, K] ("nk"); float32 or bfloat16
     .Input("bias: float")      // [N] or [0]
     .Input("residual: float")  // [M, out] or [0, 0]
-    .Output("y: float")        // [M, out]; out = N, or N / 2 for swiglu
+    .Output("y: float")        // [M, out]; out = N, or N / 2 for swiglu and geglu
     .Attr("layout: {'kn', 'nk'} = 'kn'")
     .Attr("T: {float, bfloat16} = DT_FLOAT")
-    .Attr("activation: {'none', 'gelu_tanh', 'swiglu'} = 'none'")
+    .Attr("activation: {'none', 'gelu_tanh', 'swiglu', 'geglu'} = 'none'")
     .Attr("isa: {'auto', 'scalar'} = 'auto'")
     .SetShapeFn([](InferenceContext* c) {
       ShapeHandle x, w;
@@ -51,7 +52,9 @@ REGISTER_OP("TokenserveDense")
       TF_RETURN_IF_ERROR(c->GetAttr("activation", &activation));
       DimensionHandle k, n = c->Dim(w, layout == "kn" ? 1 : 0);
       TF_RETURN_IF_ERROR(c->Merge(c->Dim(x, 1), c->Dim(w, layout == "kn" ? 0 : 1), &k));
-      if (activation == "swiglu") TF_RETURN_IF_ERROR(c->Divide(n, 2, true, &n));
+      if (activation == "swiglu" || activation == "geglu") {
+        TF_RETURN_IF_ERROR(c->Divide(n, 2, true, &n));
+      }
       c->set_output(0, c->Matrix(c->Dim(x, 0), n));
       return absl::OkStatus();
     })
@@ -85,9 +88,9 @@ class DenseOp : public OpKernel {
     OP_REQUIRES(ctx, w.dim_size(kn_ ? 0 : 1) == g.K,
                 InvalidArgument("x is [M, K] with K = ", g.K, " but w is ",
                                 w.shape().DebugString(), kn_ ? ", expected [K, N]" : ", expected [N, K]"));
-    OP_REQUIRES(ctx, act_ != Activation::kSwiglu || g.N % 2 == 0,
-                InvalidArgument("swiglu needs an even N, got ", g.N));
-    g.out = act_ == Activation::kSwiglu ? g.N / 2 : g.N;
+    OP_REQUIRES(ctx, !rowops::Gated(act_) || g.N % 2 == 0,
+                InvalidArgument(GatedName(act_), " needs an even N, got ", g.N));
+    g.out = rowops::Gated(act_) ? g.N / 2 : g.N;
     OP_REQUIRES(ctx, bias.NumElements() == 0 || (bias.dims() == 1 && bias.dim_size(0) == g.N),
                 InvalidArgument("bias must be [N] = [", g.N, "] or empty, got ",
                                 bias.shape().DebugString()));

@@ -31,7 +31,8 @@ from tokenserve.kernels import build as kbuild
 
 LIBRARY = kbuild.LIBRARIES["dense"]
 
-ACTIVATIONS = ("none", "gelu_tanh", "swiglu")
+ACTIVATIONS = ("none", "gelu_tanh", "swiglu", "geglu")
+GATED = ("swiglu", "geglu")  # [gate, up] halves in, half as many values out
 
 
 def dense(x, w, bias=None, residual=None, layout: str = "kn", activation: str = "none",
@@ -40,7 +41,8 @@ def dense(x, w, bias=None, residual=None, layout: str = "kn", activation: str = 
 
     w: [K, N] (layout "kn") or [N, K] ("nk"), float32 or bfloat16 (widened to float32 as it
     is read: half the bytes to stream, float32 arithmetic). bias: [N] or None. residual: [M, out] or None.
-    activation: "none", "gelu_tanh" or "swiglu" (out = N / 2: silu(z[:, :N/2]) * z[:, N/2:]).
+    activation: "none", "gelu_tanh", "swiglu" (out = N / 2: silu(z[:, :N/2]) * z[:, N/2:]) or
+    "geglu" (out = N / 2: gelu_tanh(z[:, :N/2]) * z[:, N/2:], Gemma's).
     isa: "auto" or "scalar" (the op's portable path; tests).
     """
     if activation not in ACTIVATIONS:
@@ -85,9 +87,10 @@ def epilogue_fallback(z, bias=None, residual=None, activation: str = "none") -> 
         z = z + bias
     if activation == "gelu_tanh":
         z = tf.nn.gelu(z, approximate=True)
-    elif activation == "swiglu":
+    elif activation in GATED:
         gate, up = tf.split(z, 2, axis=-1)
-        z = tf.nn.silu(gate) * up
+        z = (tf.nn.silu(gate) if activation == "swiglu"
+             else tf.nn.gelu(gate, approximate=True)) * up
     return z if residual is None else z + residual
 
 
@@ -108,7 +111,8 @@ def layer_norm_fallback(x, scale, bias=None, eps: float = 1e-5) -> tf.Tensor:
 
 
 def finish_block(attn, x, out, norm, up, down, activation: str = "gelu_tanh",
-                 eps: float = 1e-5, isa: str = "auto", next_norm=None, next_qkv=None):
+                 eps: float = 1e-5, isa: str = "auto", next_norm=None, next_qkv=None,
+                 post_attn_norm=None, post_mlp_norm=None):
     """The second half of a transformer block with float32 or bfloat16 weights (all four
     matrices the same; float32 arithmetic either way), as one compiled op:
 
@@ -117,17 +121,19 @@ def finish_block(attn, x, out, norm, up, down, activation: str = "gelu_tanh",
 
     out, up, down: dicts with "kernel" ([in, out]) and "bias" where the layer has one; norm:
     a dict with "scale" (and "bias" for LayerNorm; without it RMSNorm). activation:
-    "gelu_tanh" or "swiglu" (up's output is [gate, up] halves). The same kernels as three
+    "gelu_tanh", "swiglu" or "geglu" (up's output is [gate, up] halves). The same kernels as three
     `dense` calls and a `layer_norm`, in one op so the three matrices stream back to back
     (docs/performance.md). Returns y, or None when the compiled op is unavailable: the
     caller composes the separate functions then.
 
     With next_norm and next_qkv (the next block's attention norm and QKV projection, dicts
     as above), the op goes on with `next = next_norm(y) @ next_qkv + bias` and returns
-    (y, next).
+    (y, next). With post_attn_norm and post_mlp_norm (Gemma's RMSNorms of each branch's
+    output, dicts with "scale"), x1 = x + post_attn_norm(attn @ out_kernel + out_bias) and
+    y = x1 + post_mlp_norm(... @ down_kernel + down_bias).
     """
-    if activation not in ("gelu_tanh", "swiglu"):
-        raise ValueError(f"activation must be gelu_tanh or swiglu, got {activation!r}")
+    if activation not in ("gelu_tanh", *GATED):
+        raise ValueError(f"activation must be gelu_tanh, swiglu or geglu, got {activation!r}")
     op = LIBRARY.module()
     if op is None:
         return None
@@ -140,9 +146,12 @@ def finish_block(attn, x, out, norm, up, down, activation: str = "gelu_tanh",
         following = (empty, empty, tf.zeros([0, 0], out["kernel"].dtype), empty)
     else:
         following = (next_norm["scale"], bias(next_norm), next_qkv["kernel"], bias(next_qkv))
+    post = ((post_attn_norm["scale"], post_mlp_norm["scale"]) if post_attn_norm is not None
+            else (empty, empty))
     y, following = op.tokenserve_finish_block(
         attn, x, out["kernel"], bias(out), norm["scale"], bias(norm), up["kernel"], bias(up),
-        down["kernel"], bias(down), *following, activation=activation, eps=eps, isa=isa)
+        down["kernel"], bias(down), *following, *post, activation=activation, eps=eps,
+        isa=isa)
     return y if next_qkv is None else (y, following)
 
 
@@ -190,37 +199,49 @@ def lora_delta(y, x, groups, a: list, b: list, layer: int):
     return op.tokenserve_lora_delta(y, x, *groups, list(a), list(b), layer=layer)
 
 
-def split_rope(qkv, num_heads: int, num_kv_heads: int, head_dim: int, rotary=None):
+def split_rope(qkv, num_heads: int, num_kv_heads: int, head_dim: int, rotary=None,
+               q_norm=None, k_norm=None, eps: float = 1e-6):
     """float32 qkv [N, (H + 2 Hkv) Dh] -> (q [N, H, Dh], k [N, Hkv Dh], v [N, Hkv Dh]), with
-    rotary = (cos, sin), each [N, Dh] (or None), applied to q and k as
-    model.layers.apply_rope applies it (the same float32 roundings)."""
+    rotary = (cos, sin), each [N, R] (or None), applied to q and k as
+    model.layers.apply_rope applies it (the same float32 roundings): R = Dh turns whole
+    heads, R < Dh (a partial rotary) each head's first R dimensions. q_norm, k_norm: QK-norm's
+    RMSNorm scales [Dh] (both or neither), applied to each q and k head before RoPE."""
     op = LIBRARY.module()
     if op is None:
-        return split_rope_fallback(qkv, num_heads, num_kv_heads, head_dim, rotary)
+        return split_rope_fallback(qkv, num_heads, num_kv_heads, head_dim, rotary, q_norm,
+                                   k_norm, eps)
     empty = tf.zeros([0], tf.float32)
     cos, sin = rotary if rotary is not None else (empty, empty)
-    q, k, v = op.tokenserve_split_rope(qkv, cos, sin, num_heads=num_heads,
-                                       num_kv_heads=num_kv_heads, head_dim=head_dim)
+    norms = (q_norm, k_norm) if q_norm is not None else (empty, empty)
+    q, k, v = op.tokenserve_split_rope(qkv, cos, sin, *norms, num_heads=num_heads,
+                                       num_kv_heads=num_kv_heads, head_dim=head_dim, eps=eps)
     return q, k, v
 
 
-def split_rope_fallback(qkv, num_heads: int, num_kv_heads: int, head_dim: int, rotary=None):
+def split_rope_fallback(qkv, num_heads: int, num_kv_heads: int, head_dim: int, rotary=None,
+                        q_norm=None, k_norm=None, eps: float = 1e-6):
     """split_rope in stock TF ops: the engine's graph path, RoPE written out as
     model.layers.apply_rope computes it (kernels sit below the model package;
     tests/kernels/test_split_rope.py checks both against apply_rope bit for bit)."""
     width = num_kv_heads * head_dim
     q, k, v = tf.split(qkv, [num_heads * head_dim, width, width], -1)
     q = tf.reshape(q, [-1, num_heads, head_dim])
+    k = tf.reshape(k, [-1, num_kv_heads, head_dim])
+    if q_norm is not None:  # QK-norm: each head RMS-normed, before RoPE
+        q, k = layer_norm_fallback(q, q_norm, eps=eps), layer_norm_fallback(k, k_norm, eps=eps)
     if rotary is not None:
-        cos, sin = (t[:, None, :] for t in rotary)                     # [N, 1, Dh]
+        cos, sin = (t[:, None, :] for t in rotary)                     # [N, 1, R]
+        turned = cos.shape[-1]
 
         def rotate(x):                                                  # [N, heads, Dh]
+            if turned is not None and turned < x.shape[-1]:  # a partial rotary
+                x, passed = tf.split(x, [turned, x.shape[-1] - turned], axis=-1)
+                return tf.concat([rotate(x), passed], axis=-1)
             x1, x2 = tf.split(x, 2, axis=-1)
             return x * cos + tf.concat([-x2, x1], axis=-1) * sin
 
-        q = rotate(q)
-        k = tf.reshape(rotate(tf.reshape(k, [-1, num_kv_heads, head_dim])), [-1, width])
-    return q, k, v
+        q, k = rotate(q), rotate(k)
+    return q, tf.reshape(k, [-1, width]), v
 
 
 def is_compiled() -> bool:

@@ -23,7 +23,7 @@ using rowops::Activation;
 
 struct Geometry {
   int64 M, K, N;  // x [M, K]; z = x @ W: [M, N]
-  int64 out;      // y's width: N, or N / 2 for swiglu
+  int64 out;      // y's width: N, or N / 2 for a gated activation
 };
 
 using tensorflow::bfloat16;

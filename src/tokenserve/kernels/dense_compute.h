@@ -120,18 +120,19 @@ void ComputeKnPacked(const Geometry& g, const Args<W>& a, tensorflow::thread::Th
 #endif  // TOKENSERVE_CPU_X86
 
 // Column ranges of W, 2 per thread (at most kMaxRange wide, a multiple of 8 where possible);
-// each range runs its own epilogue, except swiglu, whose halves live in different ranges.
+// each range runs its own epilogue, except a gated activation's, whose halves live in
+// different ranges.
 template <typename W>
 void ComputeKn(const Geometry& g, const Args<W>& a, tensorflow::thread::ThreadPool* pool,
                bool avx2) {
-  const bool swiglu = a.act == Activation::kSwiglu;
+  const bool gated = rowops::Gated(a.act);
   const int64 threads = std::max(1, pool->NumThreads());
   int64 items = std::max<int64>(2 * threads, (g.N + kMaxRange - 1) / kMaxRange);
   int64 width = (g.N + items - 1) / items;
   width = std::max<int64>(8, (width + 7) / 8 * 8);
   items = (g.N + width - 1) / width;
-  std::vector<float> z;  // the whole of x @ W + bias (swiglu only: pairs cross ranges)
-  if (swiglu) z.resize(g.M * g.N);
+  std::vector<float> z;  // the whole of x @ W + bias (gated only: pairs cross ranges)
+  if (gated) z.resize(g.M * g.N);
     std::vector<std::vector<float>> accs(threads);  // one per worker
   RunChunks(pool, threads, items, [&](int64 item, int64 worker) {
     std::vector<float>& acc = accs[worker];
@@ -152,7 +153,7 @@ void ComputeKn(const Geometry& g, const Args<W>& a, tensorflow::thread::ThreadPo
         if (a.bias) {
           for (int64 j = 0; j < cols; ++j) zr[j] += a.bias[j0 + j];
         }
-        if (swiglu) {
+        if (gated) {
           std::memcpy(z.data() + (r0 + r) * g.N + j0, zr, cols * sizeof(float));
           continue;
         }
@@ -161,7 +162,7 @@ void ComputeKn(const Geometry& g, const Args<W>& a, tensorflow::thread::ThreadPo
       }
     }
   });
-  if (swiglu) {
+  if (gated) {
     for (int64 r = 0; r < g.M; ++r) {
       const float* zr = z.data() + r * g.N;
       FinishRow(avx2, g.out, a.act, zr, zr + g.out,

@@ -4,7 +4,8 @@
 // (dense_compute.h, rowops.h; the checks and calls in finish_block.h, which the LoRA op
 // shares), called in turn, so the matrices stream back to back.
 //
-// Float32 arithmetic on float32 or bfloat16 matrices (attribute T, the four alike).
+// Float32 arithmetic on float32 or bfloat16 matrices (attribute T, the four alike). With
+// post-norm scales (Gemma 2 and 3) each branch's output is RMS-normed before its residual add.
 
 #include <cstdint>
 #include <string>
@@ -24,16 +25,20 @@ REGISTER_OP("TokenserveFinishBlock")
     .Input("norm_bias: float")   // [D] (LayerNorm) or [0] (RMSNorm)
     .Input("up_w: T")            // [D, F]
     .Input("up_bias: float")     // [F] or [0]
-    .Input("down_w: T")          // [F, D] (F / 2 rows for swiglu)
+    .Input("down_w: T")          // [F, D] (F / 2 rows for swiglu, geglu)
     .Input("down_bias: float")   // [D] or [0]
     // the next block's first half, optional (all empty: none): its norm and QKV projection
     .Input("next_norm_scale: float")  // [D] or [0]
     .Input("next_norm_bias: float")   // [D] (LayerNorm), or [0] (RMSNorm, or no next)
     .Input("next_w: T")               // [D, Nq] or [0, 0]
     .Input("next_bias: float")        // [Nq] or [0]
+    // post-norms, optional (both empty: none): RMSNorm scales of the attention and MLP
+    // branches' outputs, applied before each residual add
+    .Input("post_attn_scale: float")  // [D] or [0]
+    .Input("post_mlp_scale: float")   // [D] or [0]
     .Output("y: float")          // [M, D]
     .Output("next: float")       // [M, Nq], or [M, 0] without a next block
-    .Attr("activation: {'gelu_tanh', 'swiglu'} = 'gelu_tanh'")
+    .Attr("activation: {'gelu_tanh', 'swiglu', 'geglu'} = 'gelu_tanh'")
     .Attr("T: {float, bfloat16} = DT_FLOAT")  // the four matrices' dtype
     .Attr("eps: float = 1e-5")
     .Attr("isa: {'auto', 'scalar'} = 'auto'")
@@ -47,7 +52,9 @@ REGISTER_OP("TokenserveFinishBlock")
     })
     .Doc("x1 = attn @ out_w + out_bias + x; "
          "y = act(norm(x1) @ up_w + up_bias) @ down_w + down_bias + x1; "
-         "next = next_norm(y) @ next_w + next_bias. Float32, small M.");
+         "next = next_norm(y) @ next_w + next_bias. Float32, small M. With post-norm "
+         "scales: x1 = x + rms(attn @ out_w + out_bias) * post_attn_scale, and likewise "
+         "y = x1 + rms(...) * post_mlp_scale.");
 
 // A transformer block's second half (output projection and residual, MLP norm, MLP up and
 // activation, MLP down and residual) as one op: the same ComputeDense and NormRow calls as
@@ -59,7 +66,7 @@ REGISTER_OP("TokenserveFinishBlock")
 class FinishBlockOp : public OpKernel {
  public:
   explicit FinishBlockOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
-    act_ = ActivationAttr(ctx);  // gelu_tanh or swiglu (the attribute allows no other)
+    act_ = ActivationAttr(ctx);  // gelu_tanh, swiglu or geglu (the attribute allows no other)
     OP_REQUIRES_OK(ctx, ctx->GetAttr("eps", &eps_));
     avx2_ = Avx2Attr(ctx);
   }
@@ -67,6 +74,15 @@ class FinishBlockOp : public OpKernel {
   void Compute(OpKernelContext* ctx) override {
     BlockDims dims;
     if (!CheckFinishBlockInputs(ctx, act_, &dims)) return;
+    const Tensor& post_attn = ctx->input(14);
+    const Tensor& post_mlp = ctx->input(15);
+    OP_REQUIRES(ctx, IsVectorOrEmpty(post_attn, dims.d) && IsVectorOrEmpty(post_mlp, dims.d) &&
+                         (post_attn.NumElements() == 0) == (post_mlp.NumElements() == 0),
+                InvalidArgument("post_attn_scale and post_mlp_scale must both be [", dims.d,
+                                "] or both empty, got ", post_attn.shape().DebugString(),
+                                " and ", post_mlp.shape().DebugString()));
+    dims.post_attn = Data(post_attn);  // nullptr: no post-norms
+    dims.post_mlp = Data(post_mlp);
     Tensor* y_tensor = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({dims.m, dims.d}), &y_tensor));
     Tensor* next_tensor = nullptr;

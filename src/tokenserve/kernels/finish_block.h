@@ -28,7 +28,23 @@ namespace {
 struct BlockDims {
   int64 m, d, da, f, inner, nq;  // rows, model width, attn width, up width, down rows, QKV
   bool has_next;                 // the next block's norm and QKV follow
+  // post-norms (Gemma 2 and 3): RMSNorm scales [D] of the attention and MLP branches'
+  // outputs, applied before each residual add; the plain op's inputs 14 and 15, or none
+  const float* post_attn = nullptr;
+  const float* post_mlp = nullptr;
 };
+
+// z [m, d] <- residual + RMSNorm(z) * scale, row by row (the graph's x + norm(h): the norm
+// rounded to float32 before the add). NormRow may write over its input.
+inline void NormAddRows(bool avx2, int64 m, int64 d, const float* scale, float eps,
+                        const float* residual, float* z) {
+  for (int64 r = 0; r < m; ++r) {
+    float* row = z + r * d;
+    rowops::NormRow(avx2, d, row, scale, nullptr, eps, row);
+    const float* res = residual + r * d;
+    for (int64 j = 0; j < d; ++j) row[j] += res[j];
+  }
+}
 
 // The four projections, in the order the block computes them (a delta hook's first
 // argument).
@@ -72,11 +88,11 @@ inline bool CheckFinishBlockInputs(OpKernelContext* ctx, rowops::Activation act,
                                 up_w.shape().DebugString()));
   }
   const int64 f = up_w.dim_size(1);
-  const bool swiglu = act == rowops::Activation::kSwiglu;
-  if (swiglu && f % 2 != 0) {
-    return fail(InvalidArgument("swiglu needs an even up width, got ", f));
+  const bool gated = rowops::Gated(act);
+  if (gated && f % 2 != 0) {
+    return fail(InvalidArgument(GatedName(act), " needs an even up width, got ", f));
   }
-  const int64 inner = swiglu ? f / 2 : f;
+  const int64 inner = gated ? f / 2 : f;
   if (!IsMatrix(down_w, inner, d)) {
     return fail(InvalidArgument("down_w must be [", inner, ", ", d, "], got ",
                                 down_w.shape().DebugString()));
@@ -124,11 +140,13 @@ void RunFinishBlock(OpKernelContext* ctx, const BlockDims& s, rowops::Activation
   auto weights = [ctx](int i) { return ctx->input(i).flat<W>().data(); };
   const int64 m = s.m, d = s.d, f = s.f, inner = s.inner;
   std::vector<float> x1(m * d), h(m * d), u(m * inner);
-  // x1 = attn @ out_w + out_bias + x
-  ComputeDense<W>({m, s.da, d, d}, {in(0), weights(2), Data(ctx->input(3)), in(1), x1.data(),
+  // x1 = attn @ out_w + out_bias + x (post-norm: x + rms(attn @ out_w + out_bias))
+  ComputeDense<W>({m, s.da, d, d}, {in(0), weights(2), Data(ctx->input(3)),
+                                    s.post_attn ? nullptr : in(1), x1.data(),
                                     Activation::kNone},
                   true, pool, avx2);
   delta(Projection::kOut, in(0), x1.data());
+  if (s.post_attn) NormAddRows(avx2, m, d, s.post_attn, eps, in(1), x1.data());
   // h = norm(x1)
   for (int64 r = 0; r < m; ++r) {
     rowops::NormRow(avx2, d, x1.data() + r * d, in(4), Data(ctx->input(5)), eps,
@@ -147,11 +165,12 @@ void RunFinishBlock(OpKernelContext* ctx, const BlockDims& s, rowops::Activation
                                        u.data(), act},
                     true, pool, avx2);
   }
-  // y = u @ down_w + down_bias + x1
-  ComputeDense<W>({m, inner, d, d}, {u.data(), weights(8), Data(ctx->input(9)), x1.data(), y,
-                                     Activation::kNone},
+  // y = u @ down_w + down_bias + x1 (post-norm: x1 + rms(u @ down_w + down_bias))
+  ComputeDense<W>({m, inner, d, d}, {u.data(), weights(8), Data(ctx->input(9)),
+                                     s.post_mlp ? nullptr : x1.data(), y, Activation::kNone},
                   true, pool, avx2);
   delta(Projection::kDown, u.data(), y);
+  if (s.post_mlp) NormAddRows(avx2, m, d, s.post_mlp, eps, x1.data(), y);
   if (!s.has_next) return;
   // next = next_norm(y) @ next_w + next_bias (the norm's rows reuse h)
   for (int64 r = 0; r < m; ++r) {

@@ -26,7 +26,7 @@ REGISTER_OP("TokenserveInt8FinishBlock")
     .Input("up_q: int8")         // [F, D]
     .Input("up_scale: float")    // [F, G]
     .Input("up_bias: float")     // [F] or [0]
-    .Input("down_q: int8")       // [D, F] (F / 2 for swiglu)
+    .Input("down_q: int8")       // [D, F] (F / 2 for swiglu, geglu)
     .Input("down_scale: float")  // [D, G]
     .Input("down_bias: float")   // [D] or [0]
     // the next block's first half, optional (all empty: none): its norm and QKV projection
@@ -37,7 +37,7 @@ REGISTER_OP("TokenserveInt8FinishBlock")
     .Input("next_bias: float")        // [Nq] or [0]
     .Output("y: float")          // [M, D]
     .Output("next: float")       // [M, Nq], or [M, 0] without a next block
-    .Attr("activation: {'gelu_tanh', 'swiglu'} = 'gelu_tanh'")
+    .Attr("activation: {'gelu_tanh', 'swiglu', 'geglu'} = 'gelu_tanh'")
     .Attr("eps: float = 1e-5")
     .Attr("isa: {'auto', 'avx2', 'scalar'} = 'auto'")
     .SetShapeFn([](InferenceContext* c) {
@@ -68,7 +68,7 @@ REGISTER_OP("TokenserveInt8FinishBlock")
 class Int8FinishBlockOp : public OpKernel {
  public:
   explicit Int8FinishBlockOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
-    act_ = ActivationAttr(ctx);  // gelu_tanh or swiglu (the attribute allows no other)
+    act_ = ActivationAttr(ctx);  // gelu_tanh, swiglu or geglu (the attribute allows no other)
     OP_REQUIRES_OK(ctx, ctx->GetAttr("eps", &eps_));
     isa_ = ChooseIsa(StringAttr(ctx, "isa"));
     avx2_ = isa_ != Isa::kScalar;
@@ -105,10 +105,10 @@ class Int8FinishBlockOp : public OpKernel {
     OP_REQUIRES(ctx, IsVectorOrEmpty(up_bias, up.N),
                 InvalidArgument("up_bias must be [", up.N, "] or empty, got ",
                                 up_bias.shape().DebugString()));
-    const bool swiglu = act_ == rowops::Activation::kSwiglu;
-    OP_REQUIRES(ctx, !swiglu || up.N % 2 == 0,
-                InvalidArgument("swiglu needs an even up width, got ", up.N));
-    const int64 inner = swiglu ? up.N / 2 : up.N;
+    const bool gated = rowops::Gated(act_);
+    OP_REQUIRES(ctx, !gated || up.N % 2 == 0,
+                InvalidArgument(GatedName(act_), " needs an even up width, got ", up.N));
+    const int64 inner = gated ? up.N / 2 : up.N;
     if (!CheckInt8Args(ctx, "down", m, inner, ctx->input(10), ctx->input(11), &down)) return;
     OP_REQUIRES(ctx, down.N == d,
                 InvalidArgument("down must have D = ", d, " rows, got ",

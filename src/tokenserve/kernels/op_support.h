@@ -47,12 +47,18 @@ inline bool Avx2Attr(OpKernelConstruction* ctx, bool (*cpu_has)() = cpu::HasAvx2
   return StringAttr(ctx, "isa") == "auto" && cpu_has();
 }
 
-// The `activation` attribute: "none", "gelu_tanh" or "swiglu".
+// The `activation` attribute: "none", "gelu_tanh", "swiglu" or "geglu".
 inline rowops::Activation ActivationAttr(OpKernelConstruction* ctx) {
   const std::string activation = StringAttr(ctx, "activation");
   return activation == "gelu_tanh" ? rowops::Activation::kGeluTanh
        : activation == "swiglu"    ? rowops::Activation::kSwiglu
+       : activation == "geglu"     ? rowops::Activation::kGeglu
                                    : rowops::Activation::kNone;
+}
+
+// A gated activation's name, for messages ("swiglu needs an even up width").
+inline const char* GatedName(rowops::Activation act) {
+  return act == rowops::Activation::kGeglu ? "geglu" : "swiglu";
 }
 
 // TF's intra-op threads, which the ops share their work with (chunks.h).

@@ -57,6 +57,7 @@ void AttendScalar(const Geometry& g, const T* qs, const C* kc, const C* vc, cons
       scores[h * len + l] = dot;
     }
   }
+  SoftCapScores(g.softcap, scores, heads * len);
   for (int64 h = 0; h < heads; ++h) {
     float* s = scores + h * len;
     float mx = -std::numeric_limits<float>::infinity();

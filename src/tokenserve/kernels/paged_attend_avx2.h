@@ -161,6 +161,7 @@ AVX2_FN void AttendAvx2(const Geometry& g, const T* qs, const C* kc, const C* vc
     ScoreRows<C, NV, 1>(g, nv, q, r4, scores, len, l);
   }
 
+  SoftCapScores(g.softcap, scores, heads * len);
   for (int64 h = 0; h < heads; ++h) inv[h] = SoftmaxAvx2(scores + h * len, len);
 
   std::fill(acc, acc + heads * Dh, 0.f);

@@ -66,6 +66,7 @@ REGISTER_OP("TokenservePagedDecodeAttention")
     .Input("lengths: int32")        // [S]
     .Output("out: T")               // [S, H * Dh]
     .Attr("scale: float")
+    .Attr("softcap: float = 0")  // scores -> softcap * tanh(scores / softcap); 0: none
     .Attr("T: {float, bfloat16}")
     .Attr("Tcache: {float, bfloat16, half}")  // T, or bfloat16 / half when T is float
     .Attr("isa: {'auto', 'scalar'} = 'auto'")
@@ -90,7 +91,8 @@ REGISTER_OP("TokenservePagedDecodeAttention")
     .Doc(R"doc(
 Decode attention over a paged KV cache, reading the cache variables in place.
 out[s, h*Dh:(h+1)*Dh] = softmax_l(q[s, h] . K[rows[s, l], kv*Dh:(kv+1)*Dh] * scale) . V[...]
-over l < lengths[s], kv = h / (H / Hkv); zeros where lengths[s] == 0.
+over l < lengths[s], kv = h / (H / Hkv); zeros where lengths[s] == 0. With softcap > 0 the
+scaled scores become softcap * tanh(score / softcap) before the softmax (Gemma 2).
 )doc");
 
 REGISTER_OP("TokenservePagedWriteDecodeAttention")
@@ -104,6 +106,7 @@ REGISTER_OP("TokenservePagedWriteDecodeAttention")
     .Input("write_rows: int32")     // [N]
     .Output("out: T")               // [Q, H * Dh]
     .Attr("scale: float")
+    .Attr("softcap: float = 0")  // scores -> softcap * tanh(scores / softcap); 0: none
     .Attr("T: {float, bfloat16}")
     .Attr("Tcache: {float, bfloat16, half}")
     .Attr("isa: {'auto', 'scalar'} = 'auto'")
@@ -146,6 +149,8 @@ class PagedDecodeAttentionOp : public OpKernel {
  public:
   explicit PagedDecodeAttentionOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
     OP_REQUIRES_OK(ctx, ctx->GetAttr("scale", &scale_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("softcap", &softcap_));
+    OP_REQUIRES(ctx, softcap_ >= 0.f, InvalidArgument("softcap must be >= 0, got ", softcap_));
     const bool avx2 = Avx2Attr(ctx, cpu::HasAvx2FmaF16c);
     OP_REQUIRES_OK(ctx, ctx->GetAttr("kv_heads_per_item", &span_));
     OP_REQUIRES(ctx, span_ >= 0, InvalidArgument("kv_heads_per_item must be >= 0"));
@@ -172,6 +177,7 @@ class PagedDecodeAttentionOp : public OpKernel {
     g.Dh = q.dim_size(2);
     g.L = rows.dim_size(1);
     g.scale = scale_;
+    g.softcap = softcap_;
     OP_REQUIRES(ctx, rows.dim_size(0) == g.S && lengths.dim_size(0) == g.S && g.S <= num_queries,
                 InvalidArgument("q has ", num_queries, " queries but rows is ",
                                 rows.shape().DebugString(), " and lengths ",
@@ -315,6 +321,7 @@ class PagedDecodeAttentionOp : public OpKernel {
 
  private:
   float scale_ = 1.f;
+  float softcap_ = 0.f;
   int64 span_ = 0;  // kv heads per item; 0: automatic
   bool avx2_ = false;
 };

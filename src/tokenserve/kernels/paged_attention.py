@@ -66,7 +66,7 @@ except (ImportError, AttributeError):  # pragma: no cover - then it is ordered a
 
 
 def paged_decode_attention(q, key_cache, value_cache, rows, lengths, scale: float,
-                           cache_dtype=None) -> tf.Tensor:
+                           cache_dtype=None, softcap: float = 0.0) -> tf.Tensor:
     """Decode attention of q [S, H, Dh] over cache rows -> [S, H * Dh] in q's dtype.
 
     key_cache, value_cache: tf.Variable (or a resource handle tensor) of [R, Hkv * Dh] in q's
@@ -76,6 +76,7 @@ def paged_decode_attention(q, key_cache, value_cache, rows, lengths, scale: floa
     row (padding: e.g. 0), else InvalidArgumentError.
     lengths: int32 [S], positions 0 .. lengths[s] - 1 are attended to; 0 gives zeros.
     scale: the score scale (a Python float, usually 1 / sqrt(Dh)).
+    softcap: Gemma 2's cap on the scaled scores (softcap * tanh(s / softcap)); 0: none.
 
     Uses the compiled op when it is available, else `paged_decode_attention_fallback`. Works
     eagerly and inside tf.function (the choice is made when the graph is traced).
@@ -83,13 +84,14 @@ def paged_decode_attention(q, key_cache, value_cache, rows, lengths, scale: floa
     op = LIBRARY.module()
     if op is None:
         return paged_decode_attention_fallback(q, key_cache, value_cache, rows, lengths, scale,
-                                               cache_dtype)
+                                               cache_dtype, softcap)
     return _call(op, q, key_cache, value_cache, rows, lengths, scale,
-                 cache_dtype=cache_dtype)
+                 cache_dtype=cache_dtype, softcap=softcap)
 
 
 def paged_write_decode_attention(q, key_cache, value_cache, rows, lengths, new_keys,
-                                 new_values, write_rows, scale: float) -> tf.Tensor:
+                                 new_values, write_rows, scale: float,
+                                 softcap: float = 0.0) -> tf.Tensor:
     """Writes new rows into the caches, then paged_decode_attention over them, as one op.
 
     new_keys, new_values: [N, Hkv * Dh] in q's dtype, stored at cache rows write_rows int32
@@ -111,23 +113,26 @@ def paged_write_decode_attention(q, key_cache, value_cache, rows, lengths, new_k
     op = LIBRARY.module()
     if op is None:
         return paged_write_decode_attention_fallback(q, key_cache, value_cache, rows, lengths,
-                                                     new_keys, new_values, write_rows, scale)
+                                                     new_keys, new_values, write_rows, scale,
+                                                     softcap)
     stored = _cache_dtype(key_cache, value_cache, q.dtype)
     return op.tokenserve_paged_write_decode_attention(
         q, _handle(key_cache), _handle(value_cache), tf.cast(rows, tf.int32),
         tf.cast(lengths, tf.int32), tf.cast(new_keys, q.dtype), tf.cast(new_values, q.dtype),
-        tf.cast(write_rows, tf.int32), scale=float(scale), Tcache=stored)
+        tf.cast(write_rows, tf.int32), scale=float(scale), softcap=float(softcap),
+        Tcache=stored)
 
 
 def paged_write_decode_attention_fallback(q, key_cache, value_cache, rows, lengths,
                                           new_keys, new_values, write_rows,
-                                          scale: float) -> tf.Tensor:
+                                          scale: float, softcap: float = 0.0) -> tf.Tensor:
     """paged_write_decode_attention as graph ops: a scatter per cache, the attention of the
     first S queries, zero rows for the rest."""
     q = tf.convert_to_tensor(q)
     scatter_rows(key_cache, value_cache, new_keys, new_values, write_rows)
     num_seqs, shape = tf.shape(rows)[0], tf.shape(q)
-    out = paged_decode_attention(q[:num_seqs], key_cache, value_cache, rows, lengths, scale)
+    out = paged_decode_attention(q[:num_seqs], key_cache, value_cache, rows, lengths, scale,
+                                 softcap=softcap)
     return tf.concat([out, tf.zeros([shape[0] - num_seqs, shape[1] * shape[2]], q.dtype)], 0)
 
 
@@ -149,7 +154,7 @@ def to_cache_dtype(rows, dtype) -> tf.Tensor:
 
 def compiled_paged_decode_attention(q, key_cache, value_cache, rows, lengths, scale: float,
                                     isa: str = "auto", kv_heads_per_item: int = 0,
-                                    cache_dtype=None) -> tf.Tensor:
+                                    cache_dtype=None, softcap: float = 0.0) -> tf.Tensor:
     """The compiled op with its kernel choices exposed (tests and benchmarks).
 
     isa: "auto" (AVX2+FMA where the CPU has it) or "scalar" (the portable path).
@@ -162,7 +167,7 @@ def compiled_paged_decode_attention(q, key_cache, value_cache, rows, lengths, sc
     if isinstance(loaded, str):
         raise RuntimeError(f"paged attention op unavailable: {loaded}")
     return _call(loaded[0], q, key_cache, value_cache, rows, lengths, scale, isa,
-                 kv_heads_per_item, cache_dtype)
+                 kv_heads_per_item, cache_dtype, softcap)
 
 
 CACHE_DTYPES = (tf.float32, tf.bfloat16, tf.float16)
@@ -190,11 +195,11 @@ def _handle(cache):
 
 
 def _call(op, q, key_cache, value_cache, rows, lengths, scale, isa="auto",
-          kv_heads_per_item=0, cache_dtype=None):
+          kv_heads_per_item=0, cache_dtype=None, softcap=0.0):
     q = tf.convert_to_tensor(q)
     return op.tokenserve_paged_decode_attention(
         q, _handle(key_cache), _handle(value_cache), tf.cast(rows, tf.int32),
-        tf.cast(lengths, tf.int32), scale=float(scale),
+        tf.cast(lengths, tf.int32), scale=float(scale), softcap=float(softcap),
         Tcache=_cache_dtype(key_cache, value_cache, q.dtype, cache_dtype), isa=isa,
         kv_heads_per_item=kv_heads_per_item)
 
@@ -210,7 +215,8 @@ def _gather(cache, rows, cache_dtype: tf.DType, dtype: tf.DType):
 
 
 def paged_decode_attention_fallback(q, key_cache, value_cache, rows, lengths,
-                                    scale: float, cache_dtype=None) -> tf.Tensor:
+                                    scale: float, cache_dtype=None,
+                                    softcap: float = 0.0) -> tf.Tensor:
     """Pure-TF paged_decode_attention, the engine's graph path (TransformerStep's decode
     attention): gather the rows ([S, L, Hkv*Dh] copies), spread each head's query over the
     kv-head columns (zero outside its own) so both batched matmuls read the rows in their
@@ -248,6 +254,8 @@ def paged_decode_attention_fallback(q, key_cache, value_cache, rows, lengths,
     q_rows = tf.reshape(q[:, :, None, :] * scaled_head_to_kv[None, :, :, None],
                         [num_seqs, num_heads, width])
     scores = tf.cast(tf.matmul(q_rows, keys, transpose_b=True), tf.float32)  # [S, H, L]
+    if softcap:
+        scores = softcap * tf.tanh(scores / softcap)
     valid = tf.range(tf.shape(rows)[1])[None, :] < lengths[:, None]       # [S, L]
     probs = tf.nn.softmax(tf.where(valid[:, None, :], scores, tf.float32.min))
     probs *= tf.cast(lengths > 0, tf.float32)[:, None, None]               # empty: zeros

@@ -9,6 +9,7 @@
 #define TOKENSERVE_KERNELS_PAGED_ITEM_H_
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <vector>
 
@@ -33,8 +34,16 @@ struct Geometry {
   int64 S, H, Dh, L, R, Hkv, group, width;  // width = Hkv * Dh (a cache row)
   int64 span;                               // kv heads per item; divides Hkv
   float scale;
+  float softcap = 0.f;                      // Gemma 2's score cap (SoftCapScores); 0: none
   int64 Heads() const { return span * group; }  // query heads per item
 };
+
+// Gemma 2's soft cap on one item's scaled scores [n], before the softmax: cap * tanh(s / cap),
+// as the graph's soft_cap computes it (float32 division, tanh and product).
+inline void SoftCapScores(float cap, float* scores, int64 n) {
+  if (cap <= 0.f) return;
+  for (int64 i = 0; i < n; ++i) scores[i] = cap * std::tanh(scores[i] / cap);
+}
 
 // Per-shard scratch: scaled queries [heads, Dh], scores [heads, L], accumulators
 // [heads, Dh], 1 / softmax denominators [heads].

@@ -25,8 +25,8 @@ REGISTER_OP("TokenserveEpilogue")
     .Input("z: float")         // [M, N], a matmul's output (int8 weights: TokenserveInt8Matmul)
     .Input("bias: float")      // [N] or [0]
     .Input("residual: float")  // [M, out] or [0, 0]
-    .Output("y: float")        // [M, out]; out = N, or N / 2 for swiglu
-    .Attr("activation: {'none', 'gelu_tanh', 'swiglu'} = 'none'")
+    .Output("y: float")        // [M, out]; out = N, or N / 2 for swiglu and geglu
+    .Attr("activation: {'none', 'gelu_tanh', 'swiglu', 'geglu'} = 'none'")
     .Attr("isa: {'auto', 'scalar'} = 'auto'")
     .SetShapeFn([](InferenceContext* c) {
       ShapeHandle z;
@@ -34,7 +34,9 @@ REGISTER_OP("TokenserveEpilogue")
       std::string activation;
       TF_RETURN_IF_ERROR(c->GetAttr("activation", &activation));
       DimensionHandle n = c->Dim(z, 1);
-      if (activation == "swiglu") TF_RETURN_IF_ERROR(c->Divide(n, 2, true, &n));
+      if (activation == "swiglu" || activation == "geglu") {
+        TF_RETURN_IF_ERROR(c->Divide(n, 2, true, &n));
+      }
       c->set_output(0, c->Matrix(c->Dim(z, 0), n));
       return absl::OkStatus();
     })
@@ -69,9 +71,9 @@ class EpilogueOp : public OpKernel {
     OP_REQUIRES(ctx, z.dims() == 2, InvalidArgument("z must be [M, N], got ",
                                                     z.shape().DebugString()));
     const int64 m = z.dim_size(0), n = z.dim_size(1);
-    OP_REQUIRES(ctx, act_ != Activation::kSwiglu || n % 2 == 0,
-                InvalidArgument("swiglu needs an even N, got ", n));
-    const int64 out = act_ == Activation::kSwiglu ? n / 2 : n;
+    OP_REQUIRES(ctx, !rowops::Gated(act_) || n % 2 == 0,
+                InvalidArgument(GatedName(act_), " needs an even N, got ", n));
+    const int64 out = rowops::Gated(act_) ? n / 2 : n;
     OP_REQUIRES(ctx, bias.NumElements() == 0 || (bias.dims() == 1 && bias.dim_size(0) == n),
                 InvalidArgument("bias must be [N] = [", n, "] or empty, got ",
                                 bias.shape().DebugString()));

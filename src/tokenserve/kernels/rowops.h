@@ -1,6 +1,6 @@
 // Row-wise epilogues and norms shared by the dense and int8 ops: an activation (GPT-2's tanh
-// GELU, SwiGLU) with a residual add on a finished product row, and LayerNorm / RMSNorm of a
-// row. One definition, so a fused int8 block (int8_finish_block.cc) computes exactly what the
+// GELU, SwiGLU, Gemma's GeGLU) with a residual add on a finished product row, and LayerNorm /
+// RMSNorm of a row. One definition, so a fused int8 block (int8_finish_block.cc) computes exactly what the
 // separate TokenserveEpilogue and TokenserveNorm ops (row_ops.cc) compute, bit for bit.
 // AVX2+FMA versions (target attributes, chosen at run time) and portable scalar ones.
 #ifndef TOKENSERVE_KERNELS_ROWOPS_H_
@@ -20,7 +20,13 @@ namespace rowops {
 
 using int64 = int64_t;
 
-enum class Activation { kNone, kGeluTanh, kSwiglu };
+enum class Activation { kNone, kGeluTanh, kSwiglu, kGeglu };
+
+// A gated activation reads [gate, up] halves of its row and writes half as many values:
+// SwiGLU silu(gate) * up, GeGLU gelu_tanh(gate) * up.
+inline bool Gated(Activation act) {
+  return act == Activation::kSwiglu || act == Activation::kGeglu;
+}
 
 // ---- activations (scalar) ---------------------------------------------------------------
 inline float Sigmoid(float v) { return 1.f / (1.f + std::exp(-v)); }
@@ -29,14 +35,15 @@ inline float GeluTanh(float v) {
   return v * Sigmoid(1.5957691216057308f * (v + 0.044715f * v * v * v));
 }
 
-// Epilogue of `out` values of a finished row z (already + bias), written to y_row; swiglu
-// multiplies by the up half, `up` (z + N / 2).
+// Epilogue of `out` values of a finished row z (already + bias), written to y_row; a gated
+// activation multiplies by the up half, `up` (z + N / 2).
 inline void FinishRowScalar(int64 out, Activation act, const float* z, const float* up,
                             const float* res, float* y_row) {
   for (int64 j = 0; j < out; ++j) {
     float v = z[j];
     if (act == Activation::kGeluTanh) v = GeluTanh(v);
     if (act == Activation::kSwiglu) v = v * Sigmoid(v) * up[j];
+    if (act == Activation::kGeglu) v = GeluTanh(v) * up[j];
     if (res) v += res[j];
     y_row[j] = v;
   }
@@ -90,10 +97,11 @@ TOKENSERVE_ROWOPS_AVX2 inline void FinishRowAvx2(int64 out, Activation act, cons
   int64 j = 0;
   for (; j + 8 <= out; j += 8) {
     __m256 v = _mm256_loadu_ps(z + j);
-    if (act == Activation::kGeluTanh) {
+    if (act == Activation::kGeluTanh || act == Activation::kGeglu) {
       const __m256 cube = _mm256_mul_ps(_mm256_mul_ps(v, v), v);
       const __m256 inner = _mm256_fmadd_ps(cube, _mm256_set1_ps(0.044715f), v);
       v = _mm256_mul_ps(v, Sigmoid8(_mm256_mul_ps(inner, _mm256_set1_ps(1.5957691216057308f))));
+      if (act == Activation::kGeglu) v = _mm256_mul_ps(v, _mm256_loadu_ps(up + j));
     } else if (act == Activation::kSwiglu) {
       v = _mm256_mul_ps(_mm256_mul_ps(v, Sigmoid8(v)), _mm256_loadu_ps(up + j));
     }
@@ -148,7 +156,7 @@ TOKENSERVE_ROWOPS_AVX2 inline void NormRowAvx2(int64 d, const float* x, const fl
 #endif  // TOKENSERVE_ROWOPS_X86
 
 // The epilogue of `out` values of a finished row z (bias already added) into y_row;
-// swiglu multiplies by the up half `up` (z + N / 2); res: the residual row or nullptr.
+// a gated activation multiplies by the up half `up` (z + N / 2); res: the residual row or nullptr.
 inline void FinishRow(bool avx2, int64 out, Activation act, const float* z, const float* up,
                       const float* res, float* y_row) {
 #ifdef TOKENSERVE_ROWOPS_X86

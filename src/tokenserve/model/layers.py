@@ -17,7 +17,8 @@ import tensorflow as tf
 from tokenserve.config import TransformerConfig
 from tokenserve.kernels.gguf_types import layer_format, parse_spec, row_bytes
 from tokenserve.model.gguf_linear import blocks_entries, gguf_linear, gguf_parts
-from tokenserve.model.rope import rope_inverse_frequencies
+# RoPE lives in rotary.py; its names stay importable from here, where callers found them
+from tokenserve.model.rotary import apply_rope, layer_rope_angles, rope_angles  # noqa: F401
 
 _INIT_STD = 0.02  # GPT-2 / Llama initializer range
 _RESTORING = contextvars.ContextVar("restoring_weights", default=False)
@@ -130,43 +131,6 @@ def mlp(x, up: dict, down: dict, kind: str):
     else:
         h = tf.nn.gelu(h, approximate=True)
     return linear(h, down)
-
-
-def rope_angles(positions, head_dim: int, theta: float, dtype,
-                freq_factors: tuple[float, ...] = (), attention_factor: float = 1.0):
-    """RoPE (Hugging Face's rotate-half convention), first half: cos and sin of the angles,
-    [B, T, 1, Dh] each for int32 positions [B, T], shared by q, k and every layer of one base
-    (apply_rope applies them). head_dim: the rotated width (a partial rotary's rotary_dim, then
-    also cos' and sin's last axis); attention_factor scales both (YaRN)."""
-    if not freq_factors:  # the graph every export without scaling has always had
-        inv_freq = 1.0 / (theta ** (tf.range(0, head_dim, 2, dtype=tf.float32) / head_dim))
-    else:
-        # rounded to float32 once, from float64: within an ulp of transformers' float32
-        inv_freq = tf.constant(rope_inverse_frequencies(head_dim, theta, freq_factors),
-                               tf.float32)
-    angles = tf.cast(positions, tf.float32)[..., None] * inv_freq  # [B, T, Dh/2]
-    angles = tf.concat([angles, angles], axis=-1)[:, :, None, :]  # [B, T, 1, Dh]
-    cos, sin = tf.cos(angles), tf.sin(angles)
-    if attention_factor != 1.0:
-        cos, sin = cos * attention_factor, sin * attention_factor
-    return tf.cast(cos, dtype), tf.cast(sin, dtype)
-
-
-def layer_rope_angles(config: TransformerConfig, layer: int, positions, dtype):
-    """rope_angles for layer `layer` of `config` (its base, scaling and rotated width)."""
-    theta, factors, attention_factor = config.layer_rope(layer)
-    return rope_angles(positions, config.rotary_dim, theta, dtype, factors, attention_factor)
-
-
-def apply_rope(x, cos, sin):
-    """x: [B, T, H, Dh] rotated by the angles of rope_angles (second half); with cos and sin
-    narrower than Dh (a partial rotary), only the leading dimensions turn."""
-    rotary, width = cos.shape[-1], x.shape[-1]
-    if rotary is not None and width is not None and rotary < width:
-        turned, passed = tf.split(x, [rotary, width - rotary], axis=-1)
-        return tf.concat([apply_rope(turned, cos, sin), passed], axis=-1)
-    x1, x2 = tf.split(x, 2, axis=-1)
-    return x * cos + tf.concat([-x2, x1], axis=-1) * sin
 
 
 def soft_cap(x, cap: float):

@@ -142,12 +142,12 @@ class PagedAttention:
         op stores before it attends; q may then have rows past S (padding: zeros out)."""
         c = self.config
         if self.fused:
-            scale = c.score_scale
+            scale, cap = c.score_scale, c.attn_softcap
             if write is not None:
                 return paged_attention.paged_write_decode_attention(
-                    q, cache[0], cache[1], rows, bias, *write, scale)
+                    q, cache[0], cache[1], rows, bias, *write, scale, softcap=cap)
             return paged_attention.paged_decode_attention(q, cache[0], cache[1], rows, bias,
-                                                          scale)
+                                                          scale, softcap=cap)
         keys, values = self.gather_kv(rows, cache)
         num_seqs = tf.shape(q)[0]
         # each head's query spread over all kv-head columns, zero outside its own: one

@@ -24,10 +24,16 @@ from tokenserve.model.transformer import TransformerLM
 
 
 def fused_dense_supports(config) -> bool:
-    """Whether the fused ops compute this config's dense half: not QK-norm, post-norms,
-    GeGLU or a partial rotary (those run through graph_blocks.py)."""
-    return not (config.qk_norm or config.post_norms or config.mlp == "geglu"
-                or config.rotary_dim != config.head_dim)
+    """Whether the fused ops compute this config's dense half: per-head QK-norm and a partial
+    rotary (split_rope), GeGLU, and post-norms when they are RMSNorms (the finish-block op's
+    post-norm scales), as all the families' are; not OLMoE's QK-norm over the whole
+    projection (graph_blocks.py)."""
+    return not (config.post_norms and config.norm != "rmsnorm"
+                or config.qk_norm and config.qk_norm_scope != "head")
+
+
+_ACTIVATIONS = {"gelu": "gelu_tanh", "swiglu": "swiglu", "geglu": "geglu"}
+"""The fused ops' activation for each config.mlp."""
 
 
 def _float32_vector(t):
@@ -68,14 +74,14 @@ class FusedBlocks:
 
     def enter(self, x, rotary, w):
         """The first block's QKV: x [N, D] -> q [N, H, Dh], k, v [N, Hkv*Dh]; rotary: (cos,
-        sin) [N, Dh] each or None."""
-        return self._split_qkv(self.linear(self.norm(x, w["attn_norm"]), w["qkv"]), rotary)
+        sin) [N, rotary_dim] each or None."""
+        return self._split_qkv(self.linear(self.norm(x, w["attn_norm"]), w["qkv"]), rotary, w)
 
     def between(self, x, attn, rotary, w, w_next):
         x, qkv = self._finish_block(x, attn, w, w_next)
         if qkv is None:
             return (x, *self.enter(x, rotary, w_next))
-        return (x, *self._split_qkv(qkv, rotary))
+        return (x, *self._split_qkv(qkv, rotary, w_next))
 
     def exit(self, x, attn, w):
         return self._finish_block(x, attn, w)[0]
@@ -98,10 +104,15 @@ class FusedBlocks:
         """The head's norm alone (the screened head's input)."""
         return self.norm(x, self.final_norm_weights)
 
-    def _split_qkv(self, qkv, rotary):
-        """GraphBlocks._split_qkv in one op (kernels/dense.py split_rope)."""
+    def _split_qkv(self, qkv, rotary, w=None):
+        """GraphBlocks._split_qkv in one op (kernels/dense.py split_rope), with the QK-norm
+        of the block whose weights `w` are, where it has one."""
         c = self.model.config
-        return kdense.split_rope(qkv, c.num_heads, c.num_kv_heads, c.head_dim, rotary)
+        norms = {}
+        if w is not None and "q_norm" in w:
+            norms = dict(q_norm=w["q_norm"]["scale"], k_norm=w["k_norm"]["scale"],
+                         eps=c.norm_eps)
+        return kdense.split_rope(qkv, c.num_heads, c.num_kv_heads, c.head_dim, rotary, **norms)
 
     def _finish_block(self, x, attn, w, w_next=None):
         """The block's second half -> (x, the next block's QKV projection or None).
@@ -112,18 +123,28 @@ class FusedBlocks:
         if "moe" in w:  # a mixture of experts: the router, then the grouped experts' op
             x = self.linear(attn, w["out"], residual=x)
             return fused_moe(self.norm(x, w["mlp_norm"]), x, w["moe"], self.model.config), None
-        act = "swiglu" if self.model.config.mlp == "swiglu" else "gelu_tanh"
+        act = _ACTIVATIONS[self.model.config.mlp]
         eps = self.model.config.norm_eps
+        post = {}  # Gemma's post-norms: the float op takes them, the int8 op does not
+        if "post_attn_norm" in w:
+            post = dict(post_attn_norm=w["post_attn_norm"], post_mlp_norm=w["post_mlp_norm"])
         for key, fused in (("q", int8_finish_block), ("kernel", kdense.finish_block)):
-            if not all(key in w[name] for name in ("out", "up", "down")):
+            if not all(key in w[name] for name in ("out", "up", "down")) or post and key == "q":
                 continue
             following = {}
             if w_next is not None and key in w_next["qkv"]:
                 following = dict(next_norm=w_next["attn_norm"], next_qkv=w_next["qkv"])
             y = fused(attn, x, w["out"], w["mlp_norm"], w["up"], w["down"], act, eps,
-                      **following)  # None: the op is not compiled
+                      **following, **post)  # None: the op is not compiled
             if y is not None:
                 return y if following else (y, None)
-        x = self.linear(attn, w["out"], residual=x)
+        x = self._add_branch(x, attn, w["out"], w.get("post_attn_norm"))
         h = self.linear(self.norm(x, w["mlp_norm"]), w["up"], activation=act)
-        return self.linear(h, w["down"], residual=x), None
+        return self._add_branch(x, h, w["down"], w.get("post_mlp_norm")), None
+
+    def _add_branch(self, x, h, w, post_norm):
+        """x + h @ w (the residual inside the op), or x + post_norm(h @ w) where the block
+        has post-norms."""
+        if post_norm is None:
+            return self.linear(h, w, residual=x)
+        return x + self.norm(self.linear(h, w), post_norm)

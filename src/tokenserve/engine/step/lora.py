@@ -157,8 +157,6 @@ class LoraBlocks:
     def enter(self, x, rotary, w):
         h = self._norm(x, w["attn_norm"])
         qkv = self._linear(h, w["qkv"], "qkv", w["lora_layer"])
-        if self.fused:  # (the fused ops take no QK-norm model)
-            return self.blocks._split_qkv(qkv, rotary)
         return self.blocks._split_qkv(qkv, rotary, w)  # QK-norm (Qwen3, Gemma 3) there
 
     def _finish_block(self, x, attn, w):
@@ -181,6 +179,8 @@ class LoraBlocks:
         layers, or no compiled op."""
         if not self.fused or not all("kernel" in w.get(n, {}) for n in ("out", "up", "down")):
             return None
+        if "post_attn_norm" in w or self.config.mlp == "geglu":  # not in the LoRA block op
+            return None
         if w_next is not None and "kernel" not in w_next["qkv"]:
             return None
         following = {}
@@ -195,7 +195,7 @@ class LoraBlocks:
         fused = self._fused_finish(x, attn, w, w_next)
         if fused is not None:
             x, qkv = fused
-            return (x, *self.blocks._split_qkv(qkv, rotary))
+            return (x, *self.blocks._split_qkv(qkv, rotary, w_next))
         x = self._finish_block(x, attn, w)
         return (x, *self.enter(x, rotary, w_next))
 

@@ -31,7 +31,8 @@ from tokenserve.engine.step.graph_blocks import GraphBlocks
 from tokenserve.engine.step.moe import ExpertLoad
 from tokenserve.kernels import dense as kdense
 from tokenserve.kernels import paged_attention
-from tokenserve.model.layers import layer_rope_angles
+from tokenserve.engine.step.sequence_ends import sequence_ends
+from tokenserve.model.rotary import layer_rope_angles
 from tokenserve.model.precision import cpu_has_bf16
 from tokenserve.model.transformer import TransformerLM
 
@@ -69,10 +70,10 @@ class TransformerStep(tf.Module):
                                          trainable=False, name=f"{kind}_cache_{i}")
                              for kind in ("key", "value"))
                        for i in range(c.num_layers)]
-        # the fused op reads K/V rows in place (no gathered copies, one op per layer); the
-        # graph path does the same math where the op could not be built
-        # (not under soft-capped scores, which the op does not compute)
-        self.fused_attention = paged_attention.is_compiled() and not c.attn_softcap
+        # the fused op reads K/V rows in place (no gathered copies, one op per layer; Gemma
+        # 2's soft-capped scores too); the graph path does the same math where the op could
+        # not be built
+        self.fused_attention = paged_attention.is_compiled()
         self.windows = sorted({c.layer_window(i) for i in range(c.num_layers)})
         self.attention = PagedAttention(c, self.kv_width, model.compute_dtype,
                                         self.fused_attention)
@@ -132,22 +133,26 @@ class TransformerStep(tf.Module):
         self._concrete: dict[tuple, FlatCall] = {}
         self._heads: dict[str, FlatCall] = {}  # head_function's, by kind
 
-    def rotary(self, positions, dtype=None, layer: int = 0):
+    def rotary(self, positions, dtype=None, layer: int = 0, ends=None):
         """The step's rotary cos and sin for `layer` ([1, N, 1, Dh] each, in `dtype`, default
-        the compute dtype), or None for a model without RoPE."""
+        the compute dtype), or None for a model without RoPE; ends: [N] each token's
+        sequence's furthest position in the step (LongRoPE's choice; sequence_ends.py)."""
         c = self.model.config
         if c.position != "rope":
             return None
-        return layer_rope_angles(c, layer, positions[None], dtype or self.model.compute_dtype)
+        return layer_rope_angles(c, layer, positions[None], dtype or self.model.compute_dtype,
+                                 None if ends is None else ends[None])
 
-    def layer_rotaries(self, positions, dtype) -> list:
+    def layer_rotaries(self, positions, dtype, decode_groups=(), prefill=()) -> list:
         """rotary() of every layer, computed once per distinct RoPE (Gemma 3's local and
         global layers turn at different bases)."""
         c = self.model.config
+        ends = (sequence_ends(positions, decode_groups, prefill) if c.rope_long_freq_factors
+                else None)
         by_rope = {}
         for i in range(c.num_layers):
             if c.layer_rope(i) not in by_rope:
-                by_rope[c.layer_rope(i)] = self.rotary(positions, dtype, i)
+                by_rope[c.layer_rope(i)] = self.rotary(positions, dtype, i, ends)
         return [by_rope[c.layer_rope(i)] for i in range(c.num_layers)]
 
     # -- the step -------------------------------------------------------------------------
@@ -211,9 +216,9 @@ class TransformerStep(tf.Module):
         if lora_inputs:  # each row's adapter delta on every projection
             blocks = self.lora_table.bind(blocks, *lora_inputs, dtype)
         weights = blocks.weights
-        rotary = self.layer_rotaries(positions, dtype)
-        if fused and rotary[0] is not None:  # split_rope takes [N, Dh] rows
-            rotary = [tuple(tf.reshape(t, [-1, m.config.head_dim]) for t in r) for r in rotary]
+        rotary = self.layer_rotaries(positions, dtype, decode_groups, prefill)
+        if fused and rotary[0] is not None:  # split_rope takes [N, rotary_dim] rows
+            rotary = [tuple(tf.reshape(t, [-1, m.config.rotary_dim]) for t in r) for r in rotary]
         q, k, v = blocks.enter(x, rotary[0], weights[0])
         # the layer's first fused attention op stores its new rows (a decode group's, else
         # the paged prefill's), where a scatter per cache would add eight small ops a layer

@@ -11,7 +11,7 @@ import math
 
 from tokenserve.config import TransformerConfig
 from tokenserve.errors import ConfigError
-from tokenserve.model.families.rope_scaling import hf_rope
+from tokenserve.model.families.rope_scaling import hf_longrope, hf_rope
 
 log = logging.getLogger("tokenserve.model")
 
@@ -94,8 +94,14 @@ def hf_config(hf: dict) -> TransformerConfig:
     max_seq_len = hf["max_position_embeddings"]
     params, local, partial = _rope_parameters(hf, family)
     rotary_dim = int(head_dim * partial)
-    theta, factors, attention_factor = hf_rope(params, float(params["rope_theta"]), rotary_dim,
-                                               max_seq_len)
+    long_factors, original = (), 0
+    if (params.get("rope_type") or params.get("type")) == "longrope":
+        theta = float(params["rope_theta"])
+        factors, long_factors, original, attention_factor = hf_longrope(
+            params, rotary_dim, max_seq_len, hf.get("original_max_position_embeddings"))
+    else:
+        theta, factors, attention_factor = hf_rope(params, float(params["rope_theta"]),
+                                                   rotary_dim, max_seq_len)
     local_theta = 0.0
     if local is not None:
         if (local.get("rope_type") or "default") != "default":
@@ -114,6 +120,7 @@ def hf_config(hf: dict) -> TransformerConfig:
         intermediate_size=hf["intermediate_size"], head_dim=head_dim, norm="rmsnorm",
         norm_eps=float(hf.get("rms_norm_eps", 1e-6)), position="rope", rope_theta=theta,
         rope_freq_factors=factors, rope_attention_factor=attention_factor,
+        rope_long_freq_factors=long_factors, rope_original_context=original,
         rotary_dim=rotary_dim, local_rope_theta=local_theta,
         mlp=_ACTIVATIONS[activation],
         tie_embeddings=bool(hf.get("tie_word_embeddings", gemma)),

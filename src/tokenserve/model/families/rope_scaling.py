@@ -1,15 +1,19 @@
 """RoPE scaling as a config reads it: (theta, per-pair divisors, attention factor) from a
 Hugging Face rope_parameters / rope_scaling dict or a GGUF file's `rope.scaling.*` keys.
-Implemented: none, linear, llama3 and yarn; anything else is refused by name (longrope,
-dynamic NTK: their frequencies change with the sequence length)."""
+Implemented: none, linear, llama3 and yarn, and from Hugging Face configs longrope (Phi-3:
+two tables of divisors, chosen by the sequence's length: hf_longrope); anything else is
+refused by name (dynamic NTK, whose frequencies change with every length)."""
 
 from __future__ import annotations
+
+import math
 
 from tokenserve.errors import ConfigError, UnsupportedGGUFError
 from tokenserve.model.rope import (linear_rope_factors, llama3_rope_factors,
                                    yarn_attention_factor, yarn_rope_factors)
 
 SUPPORTED = ("default", "linear", "llama3", "yarn")
+"""What hf_rope reads; longrope's two tables are hf_longrope's (the families that use it)."""
 
 
 class UnsupportedRopeScalingError(ConfigError):
@@ -50,8 +54,37 @@ def hf_rope(scaling: dict, theta: float, rotary_dim: int,
                                     float(scaling.get("beta_slow") or 1),
                                     bool(scaling.get("truncate", True)))
         return theta, factors, float(attention)
+    if kind == "longrope":
+        raise UnsupportedRopeScalingError("rope scaling 'longrope' is read for Phi-3 "
+                                          "checkpoints only")
     raise UnsupportedRopeScalingError(f"rope scaling {kind!r} is not supported; supported: "
                                       f"{', '.join(SUPPORTED)}")
+
+
+def hf_longrope(scaling: dict, rotary_dim: int, max_position_embeddings: int,
+                original: int | None = None) -> tuple[tuple[float, ...], tuple[float, ...],
+                                                      int, float]:
+    """A "longrope" rope_parameters dict as (short divisors, long divisors, original context,
+    attention factor), as transformers computes them: original_max_position_embeddings from
+    the config's top level first (Phi-3 keeps it there), the factor max / original where the
+    dict has none, and the attention factor sqrt(1 + ln(factor) / ln(original)) (1 for a
+    factor up to 1) where it has none."""
+    original = int(original or scaling.get("original_max_position_embeddings")
+                   or max_position_embeddings)
+    tables = []
+    for key in ("short_factor", "long_factor"):
+        table = tuple(float(f) for f in scaling.get(key) or ())
+        if len(table) != rotary_dim // 2:
+            raise UnsupportedRopeScalingError(
+                f"longrope {key} has {len(table)} entries; the rotated width {rotary_dim} "
+                f"turns {rotary_dim // 2} pairs")
+        tables.append(table)
+    factor = float(scaling.get("factor") or max_position_embeddings / original)
+    attention = scaling.get("attention_factor")
+    if attention is None:
+        attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor)
+                                                        / math.log(original))
+    return tables[0], tables[1], original, float(attention)
 
 
 def gguf_rope(file, theta: float, rotary_dim: int) -> RopeParameters:

@@ -6,6 +6,7 @@ A reply is split (reply_stream.py) into the reasoning of a thinking model
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
 from collections.abc import AsyncIterator
 
@@ -23,7 +24,8 @@ from .schemas import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatComplet
                       ChatCompletionRequest, ChatCompletionResponse, ChatLogprobs,
                       DeltaMessage, PromptTokensDetails, Usage)
 from .streams import MergedOutputs
-from .tools import ToolCallFormat, forced_call_grammar, template_tools, tool_choice_of
+from .tools import (ToolCallFormat, forced_call_grammar, keeps_special_tokens, template_tools,
+                    tool_choice_of)
 
 
 class ChatRun:
@@ -62,6 +64,8 @@ class ChatRun:
                                     default=None)
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
         self.params = sampling_params(request, max_tokens, logprobs, forced or structured)
+        if keeps_special_tokens(self.tool_format, self.tool_choice):
+            self.params = dataclasses.replace(self.params, skip_special_tokens=False)
         self.reasoning = reasoning_format(config.reasoning_parser, engine.config.chat_template)
         # a constraint applies from the first token, so what it writes is the answer
         self.in_reasoning = (self.reasoning is not None and self.params.structured is None

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from .reasoning import ReasoningFormat, ReasoningStream
 from .schemas import DeltaToolCall, ToolCall
 from .tools import ToolCallFormat, ToolCallStream
+from .tools_mistral import MistralToolCallStream
 
 
 @dataclass
@@ -37,7 +38,7 @@ class ReplyStream:
     def __init__(self, reasoning: ReasoningFormat | None = None, in_reasoning: bool = False,
                  tool_format: ToolCallFormat | None = None):
         self.reasoning = None if reasoning is None else ReasoningStream(reasoning, in_reasoning)
-        self.tools = None if tool_format is None else ToolCallStream(tool_format)
+        self.tools = None if tool_format is None else tool_call_stream(tool_format)
 
     def feed(self, text: str, final: bool = False) -> ReplyDelta:
         """What `text`, the reply's next piece, adds; with `final` (the reply's last piece,
@@ -63,6 +64,11 @@ class ReplyStream:
     def tool_calls(self) -> list[ToolCall]:
         """The calls found so far, with their whole arguments."""
         return [] if self.tools is None else self.tools.tool_calls()
+
+
+def tool_call_stream(fmt: ToolCallFormat) -> ToolCallStream:
+    """The parser of calls written in `fmt`."""
+    return MistralToolCallStream(fmt) if fmt is ToolCallFormat.MISTRAL else ToolCallStream(fmt)
 
 
 def parse_reply(text: str, stream: ReplyStream) -> tuple[str, str, list[ToolCall]]:

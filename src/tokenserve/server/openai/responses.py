@@ -46,7 +46,8 @@ from .responses_schemas import (InputTokensDetails, OutputFunctionCall, OutputMe
                                 TextFormat)
 from .schemas import ChatMessage, NamedToolChoice
 from .streams import MergedOutputs
-from .tools import ToolCallFormat, forced_call_grammar, template_tools, tool_choice_of
+from .tools import (ToolCallFormat, forced_call_grammar, keeps_special_tokens, template_tools,
+                    tool_choice_of)
 
 
 class ResponseRun:
@@ -113,7 +114,8 @@ class ResponseRun:
             max_tokens=max_tokens, temperature=1.0 if body.temperature is None
             else body.temperature, top_p=1.0 if body.top_p is None else body.top_p,
             structured=forced or structured,
-            logprobs=(body.top_logprobs or 0) if wants_logprobs else None)
+            logprobs=(body.top_logprobs or 0) if wants_logprobs else None,
+            skip_special_tokens=not keeps_special_tokens(tool_format, self.tool_choice))
         timeout_s = request_timeout(None, config.request_timeout_s)
         self.outputs = MergedOutputs(engine, [self.prompt_ids], self.params, self.response_id,
                                      timeout_s=timeout_s, trace_context=trace,

@@ -7,7 +7,8 @@ template too):
     {"name": "get_weather", "arguments": {"city": "Paris"}}
     </tool_call>
 
-or, for Llama 3 templates, as one bare JSON object `{"name": ..., "parameters": {...}}`.
+or, for Llama 3 templates, as one bare JSON object `{"name": ..., "parameters": {...}}`;
+Mistral's `[TOOL_CALLS]` spellings are read by tools_mistral.py.
 `ToolCallStream` turns the text, as it streams, into content and OpenAI tool-call deltas
 (an opening delta with id and name, then pieces of `function.arguments`).
 """
@@ -33,9 +34,13 @@ class ToolCallFormat(enum.Enum):
     """<tool_call>{"name", "arguments"}</tool_call> blocks (Qwen2, our default template)."""
     LLAMA3_JSON = "llama3_json"
     """One bare {"name", "parameters"} object (Llama 3.1 and later)."""
+    MISTRAL = "mistral"
+    """[TOOL_CALLS] and the calls (Mistral's templates; tools_mistral.py)."""
 
     @classmethod
     def of_template(cls, template: str | None) -> "ToolCallFormat":
+        if template and "[TOOL_CALLS]" in template:
+            return cls.MISTRAL
         if template and OPEN_TAG not in template and ("<|python_tag|>" in template
                                                       or '"parameters"' in template):
             return cls.LLAMA3_JSON
@@ -66,6 +71,12 @@ def tool_choice_of(tools: list[Tool] | None, tool_choice) -> str | NamedToolChoi
     return choice
 
 
+def keeps_special_tokens(fmt: ToolCallFormat, tool_choice) -> bool:
+    """Whether a reply parsed for calls in `fmt` must be decoded with its special tokens:
+    Mistral's calls open with `[TOOL_CALLS]`, a special token of its vocabularies."""
+    return fmt is ToolCallFormat.MISTRAL and tool_choice != "none"
+
+
 def call_schema(tools, fmt: ToolCallFormat) -> dict:
     """JSON schema of one call object of any of `tools`."""
     key = fmt.arguments_key
@@ -88,6 +99,10 @@ def forced_call_grammar(tools: list[Tool], choice, fmt: ToolCallFormat, parallel
     if isinstance(choice, NamedToolChoice):
         tools = [t for t in tools if t.function.name == choice.function.name]
     body = "%json " + json.dumps(call_schema(tools, fmt))
+    if fmt is ToolCallFormat.MISTRAL:  # one [TOOL_CALLS] before a list of calls
+        repeat = ' (", " call)*' if parallel else ""
+        return StructuredOutput(GuideKind.GRAMMAR,
+                                f'start: "[TOOL_CALLS][" call{repeat} "]"\ncall: {body}\n')
     if fmt is ToolCallFormat.LLAMA3_JSON:
         call = body
     else:
@@ -110,7 +125,7 @@ _BETWEEN = re.compile(r"[\s}]*(?:</tool_call>)?[\s;]*")
 """What may stand between one call's arguments and the next call's head."""
 
 
-def _json_end(text: str, start: int) -> int | None:
+def json_end(text: str, start: int) -> int | None:
     """Index just past the JSON value starting at text[start], or None while incomplete."""
     depth, in_string, escaped = 0, False, False
     for i in range(start, len(text)):
@@ -175,7 +190,7 @@ class ToolCallStream:
         while True:
             if self.calls and not self.calls[-1]["done"]:
                 call = self.calls[-1]
-                end = _json_end(self.text, call["args_start"])
+                end = json_end(self.text, call["args_start"])
                 stop = len(self.text) if end is None else end
                 piece = self.text[call["args_start"] + call["emitted"]:stop]
                 if piece:
@@ -234,7 +249,7 @@ class ToolCallStream:
         calls = []
         for call in self.calls:
             start = call["args_start"]
-            end = _json_end(self.text, start) if call["done"] else None
+            end = json_end(self.text, start) if call["done"] else None
             calls.append(ToolCall(id=call["id"], function=FunctionCall(
                 name=call["name"], arguments=self.text[start:end or len(self.text)])))
         return calls
