@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from tokenserve.export.exporter import export_model
-from tests.conftest import tiny
+from support.tiny_models import tiny
 
 
 def tokenserve(*args, timeout=300):

@@ -57,6 +57,7 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
+@pytest.mark.slow  # two first-run exports in child processes
 def test_first_run_export_notices_show_only_with_verbose(tmp_path):
     """absl's INFO notices of an export (one per signature input it renames: "...contains
     input name(s) ... with unsupported characters...", pages for a real model) are dropped

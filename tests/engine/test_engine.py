@@ -269,7 +269,8 @@ def test_the_start_up_warmup_request_reaches_no_stats(exported):
         engine.shutdown()
 
 
-@pytest.mark.parametrize("drafts", [0, 3], ids=["plain", "speculative"])
+@pytest.mark.parametrize("drafts", [0, pytest.param(3, marks=pytest.mark.slow)],
+                         ids=["plain", "speculative"])
 def test_a_model_that_makes_nan_logits_is_reported_and_keeps_serving(tokenizer, tmp_path,
                                                                       caplog, drafts):
     """A tiny GPT-2 with one token's (tied) embedding row set to NaN, as a corrupt checkpoint

@@ -44,6 +44,7 @@ PATHS = {"op": {}, "stock-tf-grouping": {kmoe.LIBRARY.mode_env: "fallback"},
          "graph": {KERNELS_ENV: "fallback"}}
 
 
+@pytest.mark.slow  # three engines; the other MoE engine tests run each path once
 def test_tokens_are_the_same_whatever_else_is_in_the_batch_on_every_path(moe, monkeypatch):
     expected = None
     for path, env in PATHS.items():

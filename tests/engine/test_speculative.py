@@ -352,6 +352,7 @@ def test_streamed_deltas_of_several_tokens_add_up_to_the_output(exported, pair):
         assert len(deltas) < 32  # some steps gave several tokens
 
 
+@pytest.mark.slow  # an int8 export and two engines; the float drafting tests cover acceptance
 def test_int8_weights_draft_too_and_say_what_it_costs(tokenizer, tmp_path, caplog):
     """int8 steps check drafts through the int8 op (every step runs the fused ops): the same
     tokens as plain decoding of that export, and a warning about the cost."""

@@ -15,7 +15,7 @@ from tokenserve.export.module import GenerationModule
 from tokenserve.lifecycle.warmup_replay import read_warmup
 from tokenserve.sampling import SamplingParams
 from tokenserve.tools.generate import ExportedModel
-from tests.conftest import tiny
+from support.tiny_models import tiny
 
 PROMPT = [11, 12, 13, 14, 15, 16, 17, 18]
 SIGNATURES = ["serving_default", "generate", "init_state", "prefill", "decode"]
@@ -40,6 +40,7 @@ def call_generate(signature, ids, max_new, temperature=0.0, top_k=0, top_p=1.0, 
     return result["output_ids"].numpy(), result["num_generated"].numpy()
 
 
+@pytest.mark.slow_cases(exported=["tiny-lstm"])
 def test_greedy_64_steps_match_in_memory_model(exported):
     model, config, path = exported
     expected = greedy_reference(model, PROMPT, 64, config.eos_token_id)
@@ -176,6 +177,7 @@ def test_wrong_dtype_shape_and_length_fail_clearly(exported):
             call_generate(signatures["generate"], [PROMPT], 2, **{name: float("nan")})
 
 
+@pytest.mark.slow_cases(exported=["tiny-gpt2"])
 def test_assets_and_versions(exported, tokenizer, tmp_path):
     model, config, path = exported
     assets = path / "assets"
@@ -212,7 +214,7 @@ def test_warmup_file_holds_prediction_logs_that_replay(exported):
         {"serving_default", "generate"}
 
 
-@pytest.mark.parametrize("name", ["tiny-llama", "tiny-lstm"])
+@pytest.mark.parametrize("name", ["tiny-llama", pytest.param("tiny-lstm", marks=pytest.mark.slow)])
 def test_repeated_calls_do_not_retrace(name, tokenizer):
     model, config = tiny(name, tokenizer)
     module = GenerationModule(model, config, jit_compile=True)

@@ -5,10 +5,10 @@ capped variants must not run the VNNI kernels (only x86-64-v4-vnni compiles them
 
 The int8 library (and the runtime) only, built into a folder of the user cache that serving
 does not search (TOKENSERVE_KERNELS_DIR names it to the probe), so a second run builds
-nothing. The default run takes the lowest variant (the furthest from
-this CPU's own build; a first run compiles it, about a minute on two busy cores), the others
-are slow; every library as every variant, the way the image builds them, is
-tests/deploy/test_docker_kernels.py's slow test."""
+nothing. All of it is `-m slow`: a first run compiles each variant (about a minute on two
+busy cores); the default run checks the chooser and the load order without a compiler
+(test_kernel_variants.py, test_kernel_prebuilt.py). Every library as every variant, the way
+the image builds them, is tests/deploy/test_docker_kernels.py's slow test."""
 
 from __future__ import annotations
 
@@ -29,8 +29,8 @@ VARIANTS_DIR = cache_dir("kernel-variant-tests")
 
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="no g++ to build the variants")
-@pytest.mark.parametrize("name", [pytest.param(variant.name, marks=() if variant == HERE[-1]
-                                               else pytest.mark.slow) for variant in HERE])
+@pytest.mark.slow  # compiles an op library per variant (about a minute each on 2 cores)
+@pytest.mark.parametrize("name", [variant.name for variant in HERE])
 def test_each_variant_loads_without_a_compiler_and_matches_the_reference(name, tmp_path):
     variant = variant_named(name)
     for library, sources in (("helpers", [build.RUNTIME_SOURCE]),

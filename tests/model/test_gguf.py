@@ -454,7 +454,7 @@ def test_serve_finds_smollm2_by_model_name(monkeypatch, tmp_path):
 def test_eval_and_generate_find_smollm2_by_name(monkeypatch, tokenizer, tmp_path, capsys):
     """`tokenserve eval smollm2` and `generate --model smollm2` use the packaged export, as
     serve does. A tiny export stands in for it, so the 2-minute import is not run here."""
-    from tests.conftest import tiny
+    from support.tiny_models import tiny
     from tokenserve.cli.main import main
     from tokenserve.export import cached_exports
     from tokenserve.export.exporter import export_model

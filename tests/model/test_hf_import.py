@@ -128,7 +128,8 @@ def test_logits_match_transformers_on_ragged_batch(imported):
         np.testing.assert_allclose(logits.numpy()[i], expected, atol=1e-4, rtol=0)
 
 
-@pytest.mark.slow_cases(imported=["llama-gqa-untied", "llama-tied-bf16", "qwen2-biases"])
+@pytest.mark.slow_cases(imported=["gpt2", "llama-gqa-untied", "llama-tied-bf16",
+                                   "qwen2-biases"])
 def test_greedy_32_tokens_match_transformers_generate(imported, tmp_path):
     hf_model, _, (model, tokenizer, config) = imported
     prompt = PROMPTS[0]
@@ -284,7 +285,8 @@ def test_bfloat16_compute_stays_close_to_float32(tokenizer, tmp_path):
     assert out["output_ids"].shape == (1, 8)
 
 
-@pytest.mark.slow_cases(imported=["llama-gqa-untied", "qwen2-biases", "llama3-rope-scaling"])
+@pytest.mark.slow_cases(imported=["gpt2", "llama-gqa-untied", "qwen2-biases",
+                                   "llama3-rope-scaling"])
 def test_imported_export_runs_with_plain_tensorflow(imported, tmp_path):
     import os
     import subprocess

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from tests.conftest import tiny
+from support.tiny_models import tiny
 
 FAMILIES = ["tiny-gpt2", "tiny-llama", "tiny-lstm"]
 

@@ -134,6 +134,7 @@ def test_engine_serves_the_pruned_model_token_for_token(tokenizer, windows, tmp_
     assert list(served[0].outputs[0].token_ids) == greedy_by_full_forward(pruned, prompt, 8)
 
 
+@pytest.mark.slow  # a fine-tuning run; test_prune_gate checks the gate end to end
 def test_distilled_finetune_brings_a_pruned_model_under_the_gate(tokenizer, tmp_path):
     """A tiny Llama trained on the tiny corpus loses more than the 5 % gate when half its
     heads go, and a short distilled fine-tune brings it back under."""

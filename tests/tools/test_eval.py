@@ -7,7 +7,7 @@ import sys
 import numpy as np
 import pytest
 
-from tests.conftest import TINY_TEXT, tiny
+from support.tiny_models import TINY_TEXT, tiny
 from tokenserve.cli.main import main
 from tokenserve.errors import ConfigError, InvalidRequestError, ModelNotFoundError
 from tokenserve.tools import evaluate

@@ -3,12 +3,13 @@
 import dataclasses
 
 import numpy as np
+import pytest
 
+from support.tiny_models import TINY_TEXT
 from tokenserve.config import TrainConfig, preset
 from tokenserve.model import build_model
 from tokenserve.train.corpus import is_holdout, stdlib_files, token_stream
 from tokenserve.train.trainer import Trainer, batch_at
-from tests.conftest import TINY_TEXT
 
 CONFIG = TrainConfig(seed=3, seq_len=16, batch_size=2, num_steps=6, warmup_steps=2,
                      checkpoint_every=100, precision="fp32", eval_batches=2)
@@ -32,6 +33,7 @@ def test_interrupted_and_resumed_run_equals_uninterrupted_run(tokenizer, tmp_pat
     assert result.steps == 6 and np.isfinite(result.holdout_perplexity)
 
 
+@pytest.mark.slow  # three training runs; resume-equals-uninterrupted checks determinism
 def test_same_seed_same_weights_other_seed_other_weights(tokenizer, tmp_path):
     first, _ = train(tokenizer, tmp_path / "a")
     second, _ = train(tokenizer, tmp_path / "b")

@@ -46,6 +46,7 @@ def test_decode_groups_split_by_context_length_cover_every_row_once():
         [0, 2, 5], [4, 1], [3]]
 
 
+@pytest.mark.slow_cases(exported=["tiny-lstm"])
 def test_greedy_output_is_exact_when_decode_runs_in_several_context_groups(served, monkeypatch):
     model, llm = served
     runner = llm.engine.runner  # split at every length change
