@@ -136,7 +136,8 @@ def print_table(name: str, result: dict, machine: dict) -> None:
 
     def ratio(value, point, key):
         base = peer.get(point, {})
-        base = base.get("unstreamed", {}).get(key) if key == "unstreamed" else base.get(key)
+        base = (base.get("unstreamed", {}).get("output_throughput") if key == "unstreamed"
+                else base.get(key))
         return f" = {value / base:.2f}x" if base else ""
 
     for system, row in result["systems"].items():
