@@ -189,17 +189,8 @@ class ToolCallStream:
         content, deltas = "", []
         while True:
             if self.calls and not self.calls[-1]["done"]:
-                call = self.calls[-1]
-                end = json_end(self.text, call["args_start"])
-                stop = len(self.text) if end is None else end
-                piece = self.text[call["args_start"] + call["emitted"]:stop]
-                if piece:
-                    call["emitted"] += len(piece)
-                    deltas.append(DeltaToolCall(index=len(self.calls) - 1,
-                                                function=DeltaFunctionCall(arguments=piece)))
-                if end is None:
+                if not self._stream_arguments(self.calls[-1], deltas):
                     return content, deltas
-                call["done"], self.pos = True, end
                 continue
             start = _BETWEEN.match(self.text, self.pos).end() if self.in_calls else self.pos
             head = _HEAD.match(self.text, start)
@@ -236,6 +227,20 @@ class ToolCallStream:
             content += rest
             self.pos = len(self.text)
             return content, deltas
+
+    def _stream_arguments(self, call: dict, deltas: list) -> bool:
+        """Adds the call's arguments so far to `deltas`; True once they are complete."""
+        end = json_end(self.text, call["args_start"])
+        stop = len(self.text) if end is None else end
+        piece = self.text[call["args_start"] + call["emitted"]:stop]
+        if piece:
+            call["emitted"] += len(piece)
+            deltas.append(DeltaToolCall(index=len(self.calls) - 1,
+                                        function=DeltaFunctionCall(arguments=piece)))
+        if end is None:
+            return False
+        call["done"], self.pos = True, end
+        return True
 
     def finish(self) -> str:
         """Text held back at the end that turned out to be content (none after calls)."""

@@ -21,7 +21,7 @@ import re
 import string
 
 from .schemas import DeltaFunctionCall, DeltaToolCall
-from .tools import ToolCallStream, json_end
+from .tools import ToolCallStream
 
 MARKER = "[TOOL_CALLS]"
 
@@ -76,20 +76,6 @@ class MistralToolCallStream(ToolCallStream):
             deltas.append(DeltaToolCall(index=len(self.calls) - 1, id=self.calls[-1]["id"],
                                         type="function", function=DeltaFunctionCall(
                                             name=self.calls[-1]["name"], arguments="")))
-
-    def _stream_arguments(self, call: dict, deltas: list) -> bool:
-        """Adds the call's arguments so far to `deltas`; True once they are complete."""
-        end = json_end(self.text, call["args_start"])
-        stop = len(self.text) if end is None else end
-        piece = self.text[call["args_start"] + call["emitted"]:stop]
-        if piece:
-            call["emitted"] += len(piece)
-            deltas.append(DeltaToolCall(index=len(self.calls) - 1,
-                                        function=DeltaFunctionCall(arguments=piece)))
-        if end is None:
-            return False
-        call["done"], self.pos = True, end
-        return True
 
     def finish(self) -> str:
         """Text held back at the end that turned out to be content: a marker's start that
