@@ -92,6 +92,11 @@ struct Q8_0 {
 
 inline float Scale(const uint8_t* block) { return HalfToFloat(LoadHalfBits(block)); }
 
+// The largest |v| of a type's blocks (the tile kernel's int16 sums of 4-bit values need it);
+// a type of other unsigned widths specialises it (gguf_q5.h).
+template <class Type>
+inline constexpr int kMaxValue = Type::kSigned ? 128 : 15;
+
 // The block's 32 values v (as int8: 0..15 or -128..127).
 template <class Type>
 void DecodeValues(const uint8_t* block, int8_t* v) {

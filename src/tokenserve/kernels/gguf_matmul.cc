@@ -1,7 +1,7 @@
 // TokenserveGgufMatmul: y[M, N] = x[M, K] @ dequant(blocks).T on the CPU, with the weights
 // kept as a GGUF file stores them: blocks is uint8 [N, K / 32 * block bytes], each output's
-// row of Q4_0, Q4_1 or Q8_0 blocks (gguf_blocks.h) exactly as ggml lays out a [N, K] tensor,
-// or of Q4_K, Q5_K or Q6_K super-blocks of 256 (gguf_kquants.h).
+// row of Q4_0, Q4_1, Q5_0 (gguf_q5.h) or Q8_0 blocks (gguf_blocks.h) exactly as ggml lays
+// out a [N, K] tensor, or of Q4_K, Q5_K or Q6_K super-blocks of 256 (gguf_kquants.h).
 //
 // As llama.cpp does on x86: x is quantized once per call into Q8 blocks of 32 (q8_K blocks of
 // 256 for the K-quants, gguf_q8k.h), then each weight block meets each activation block in
@@ -26,6 +26,7 @@
 #include "gguf_kernels.h"
 #include "gguf_kquants.h"
 #include "gguf_kquants_avx2.h"
+#include "gguf_q5.h"
 #include "gguf_q8k.h"
 #include "gguf_tiles.h"
 #include "op_support.h"
@@ -81,6 +82,7 @@ struct Geometry {
 int BlockBytes(const std::string& type) {
   if (type == "q4_0") return gguf::Q4_0::kBytes;
   if (type == "q4_1") return gguf::Q4_1::kBytes;
+  if (type == "q5_0") return gguf::Q5_0::kBytes;
   if (type == "q4_k") return gguf::Q4_K::kBytes;
   if (type == "q5_k") return gguf::Q5_K::kBytes;
   if (type == "q6_k") return gguf::Q6_K::kBytes;
@@ -212,7 +214,7 @@ REGISTER_OP("TokenserveGgufMatmul")
     .Input("x: float")       // [M, K], K a multiple of the type's block values (32 or 256)
     .Input("blocks: uint8")  // [N, K / values * block bytes]: a GGUF [N, K] tensor's bytes
     .Output("y: float")      // [M, N]
-    .Attr("block_type: {'q4_0', 'q4_1', 'q8_0', 'q4_k', 'q5_k', 'q6_k'}")
+    .Attr("block_type: {'q4_0', 'q4_1', 'q5_0', 'q8_0', 'q4_k', 'q5_k', 'q6_k'}")
     .Attr("isa: {'auto', 'avx2', 'scalar'} = 'auto'")
     .SetShapeFn([](InferenceContext* c) {
       ShapeHandle x, blocks;
@@ -228,7 +230,7 @@ REGISTER_OP("TokenserveGgufMatmul")
       c->set_output(0, c->Matrix(c->Dim(x, 0), c->Dim(blocks, 0)));
       return absl::OkStatus();
     })
-    .Doc("y = x @ dequant(blocks).T; blocks: GGUF Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K rows as "
+    .Doc("y = x @ dequant(blocks).T; blocks: GGUF Q4_0/Q4_1/Q5_0/Q8_0/Q4_K/Q5_K/Q6_K rows as "
          "stored.");
 
 REGISTER_OP("TokenserveGgufMatmulInfo")
@@ -279,6 +281,8 @@ class GgufMatmulOp : public OpKernel {
       Matmul<gguf::Q4_0>(pool, isa_, g, xq, w, y);
     } else if (type_ == "q4_1") {
       Matmul<gguf::Q4_1>(pool, isa_, g, xq, w, y);
+    } else if (type_ == "q5_0") {
+      Matmul<gguf::Q5_0>(pool, isa_, g, xq, w, y);
     } else {
       Matmul<gguf::Q8_0>(pool, isa_, g, xq, w, y);
     }
