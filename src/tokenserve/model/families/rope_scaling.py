@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
 from tokenserve.errors import ConfigError, UnsupportedGGUFError
-from tokenserve.model.gguf_file import dequantize
 from tokenserve.model.rope import (linear_rope_factors, llama3_rope_factors,
                                    yarn_attention_factor, yarn_rope_factors)
 
@@ -117,7 +118,11 @@ def gguf_longrope(file, rotary_dim: int) -> LongRope | None:
         if name not in file.tensors:
             raise UnsupportedGGUFError(f"{file.path.name}: rope scaling 'longrope' needs "
                                        f"{name} beside {present[0]}")
-        table = tuple(float(f) for f in dequantize(file.tensors[name]).ravel())
+        tensor = file.tensors[name]
+        if tensor.tensor_type.name not in ("F32", "F16"):  # the converter writes F32
+            raise UnsupportedGGUFError(f"{file.path.name}: {name} has type "
+                                       f"{tensor.tensor_type.name}; a LongRoPE table is F32")
+        table = tuple(float(f) for f in np.asarray(tensor.data).ravel())
         if len(table) != rotary_dim // 2:
             raise UnsupportedGGUFError(
                 f"{file.path.name}: {name} has {len(table)} entries; the rotated width "
