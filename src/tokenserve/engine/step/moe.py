@@ -5,7 +5,9 @@ the router together; each expert then runs once on the rows that chose it. For f
 and float experts that is one op a layer, on the fused and the graph path alike (kernels/
 moe.py: the router's matmul, softmax, top-k and renormalisation, then the grouped experts,
 reading only those with rows); int8 experts, bfloat16 rows and exported SavedModels take
-model/moe.py's stock-TF routing and grouping, which reads no more. Qwen2-MoE's shared expert
+model/moe.py's stock-TF routing and grouping, which reads no more. Experts kept as a GGUF
+file's blocks take the same one op in its blocks form (q8 activations, as the dense block
+op). Qwen2-MoE's shared expert
 rides along as one more expert that every row chooses, its gate the sigmoid of its own
 projection.
 
@@ -22,6 +24,7 @@ import tensorflow as tf
 from tokenserve.config import TransformerConfig
 from tokenserve.kernels import dense as kdense
 from tokenserve.kernels import moe as kmoe
+from tokenserve.model.gguf_linear import gguf_parts
 from tokenserve.model.moe import (expert_counts, grouped_experts, moe_mlp, route,
                                   shared_expert)
 
@@ -90,7 +93,7 @@ def _moe_op(h, residual, w: dict, config: TransformerConfig):
     unavailable. The shared expert rides along as one more expert with its sigmoid gate."""
     experts, shared = w["experts"], w.get("shared")
     if not all("kernel" in e["up"] and "kernel" in e["down"] for e in experts):
-        return None
+        return _moe_gguf_op(h, residual, w, config)
     ups = [e["up"]["kernel"] for e in experts]
     downs = [e["down"]["kernel"] for e in experts]
     shared_gate = None
@@ -103,5 +106,27 @@ def _moe_op(h, residual, w: dict, config: TransformerConfig):
     if out is None:
         return None
     if "load" in w:  # the op's own grouping counted the rows: no bincount here
+        w["load"].assign_add(tf.cast(out[1], tf.int64))
+    return out[0]
+
+
+def _moe_gguf_op(h, residual, w: dict, config: TransformerConfig):
+    """residual + moe(h) with every expert's gate, up and down GGUF blocks (a GGUF import
+    that keeps them as stored: up holds two parts, the gate's rows and the up's) as
+    kernels/moe.py's one op, or None (an int8 expert, or the op unavailable)."""
+    every = list(w["experts"]) + ([w["shared"]] if "shared" in w else [])
+    experts = []
+    for expert in every:
+        up, down = gguf_parts(expert["up"]), gguf_parts(expert["down"])
+        if len(up) != 2 or len(down) != 1:
+            return None
+        experts.append((up[0], up[1], down[0]))
+    shared_gate = w["shared"]["gate"]["kernel"] if "shared" in w else None
+    out = kmoe.moe_gguf_layer(h, w["router"]["kernel"], experts,
+                              config.num_experts_per_token, config.normalize_expert_weights,
+                              residual, shared_gate)
+    if out is None:
+        return None
+    if "load" in w:
         w["load"].assign_add(tf.cast(out[1], tf.int64))
     return out[0]
