@@ -4,12 +4,11 @@ A step's rows (decode rows and prefill chunks alike, packed into one [N] axis) g
 the router together; each expert then runs once on the rows that chose it. For float32 rows
 and float experts that is one op a layer, on the fused and the graph path alike (kernels/
 moe.py: the router's matmul, softmax, top-k and renormalisation, then the grouped experts,
-reading only those with rows); int8 experts, bfloat16 rows and exported SavedModels take
-model/moe.py's stock-TF routing and grouping, which reads no more. Experts kept as a GGUF
-file's blocks take the same one op in its blocks form (q8 activations, as the dense block
-op). Qwen2-MoE's shared expert
-rides along as one more expert that every row chooses, its gate the sigmoid of its own
-projection.
+reading only those with rows); experts kept as a GGUF file's blocks take the same one op in
+its blocks form (kernels/moe_gguf_layer.cc, q8 activations as the dense block op's); int8
+experts, bfloat16 rows and exported SavedModels take model/moe.py's stock-TF routing and
+grouping, which reads no more. Qwen2-MoE's shared expert rides along as one more expert that
+every row chooses, its gate the sigmoid of its own projection.
 
 Each MoE layer counts the rows routed to each of its experts into its row of an int64
 [layers, experts] variable inside the step (ExpertLoad): no extra output of the step; the
@@ -89,8 +88,8 @@ def graph_moe(h, w: dict, config: TransformerConfig):
 
 def _moe_op(h, residual, w: dict, config: TransformerConfig):
     """residual + moe(h) as kernels/moe.py's one op (which also counts each expert's rows
-    into w["load"]), or None where it does not apply: int8 or GGUF-block experts, or the op
-    unavailable. The shared expert rides along as one more expert with its sigmoid gate."""
+    into w["load"]), or None where it does not apply: int8 experts, or the op unavailable.
+    The shared expert rides along as one more expert with its sigmoid gate."""
     experts, shared = w["experts"], w.get("shared")
     if not all("kernel" in e["up"] and "kernel" in e["down"] for e in experts):
         return _moe_gguf_op(h, residual, w, config)
