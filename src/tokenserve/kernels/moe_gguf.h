@@ -19,6 +19,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "chunks.h"
@@ -165,6 +166,86 @@ inline void BlockMatmul(tensorflow::thread::ThreadPool* pool, bool simd, const f
   if (w.type == BlockType::kQ4_0) return Q8Matmul<gguf::Q4_0>(pool, simd, xq, m, w, y);
   if (w.type == BlockType::kQ4_1) return Q8Matmul<gguf::Q4_1>(pool, simd, xq, m, w, y);
   Q8Matmul<gguf::Q8_0>(pool, simd, xq, m, w, y);
+}
+
+// ---- a decode step's experts in one dispatch -------------------------------------------------
+// A few rows per expert (one decode stream: one row on each of k experts) make each matrix
+// a short job, and a thread-team dispatch per matrix (k experts x 3) costs more than the
+// matrix on a busy machine. BlockJobs runs several matrices' output rows as one list of
+// ranges in one dispatch: the gate and up matrices of every expert with rows, then (after
+// SwiGLU) every down matrix, two dispatches a layer. Each matrix is still read once, front
+// to back, by whichever thread takes its rows.
+
+// One product y [m, w.n] = x [m, K] @ dequant(w).T, x already quantized (xq for the 32-value
+// types, xk for the K-quants).
+struct BlockJob {
+  BlockMatrix w;
+  const gguf::Q8Rows* xq;
+  const gguf::Q8KRows* xk;
+  int64 m;
+  float* y;
+};
+
+// Whether m rows of x take the row kernels for this type (gguf_matmul.cc's choice), the
+// only kernels BlockJobs runs.
+inline bool FitsRowKernel(BlockType t, int64 m) {
+  if (IsKQuant(t)) return m <= gguf::kKRowGroup;
+  return m <= (t == BlockType::kQ8_0 ? 8 : 2);
+}
+
+#ifdef TOKENSERVE_CPU_X86
+template <class Type>
+void JobRows(const BlockJob& j, int64 n0, int64 count) {
+  const gguf::Output out{j.y, j.w.n};
+  if constexpr (std::is_same_v<Type, gguf::Q4_K> || std::is_same_v<Type, gguf::Q5_K> ||
+                std::is_same_v<Type, gguf::Q6_K>) {
+    gguf::KRowsAvx2<Type>(*j.xk, j.m, j.w.w, j.w.row_bytes, n0, count, out);
+  } else {
+    gguf::RowsSimd<Type, gguf::MaddAvx2>(*j.xq, j.m, j.w.w, j.w.row_bytes, n0, count, out);
+  }
+}
+
+// Every job's output rows in one dispatch (AVX2; every job's m fits the row kernels).
+inline void RunBlockJobs(tensorflow::thread::ThreadPool* pool, const std::vector<BlockJob>& jobs) {
+  struct Range {
+    int64 job, n0, count;
+  };
+  std::vector<Range> ranges;
+  for (int64 i = 0; i < static_cast<int64>(jobs.size()); ++i) {
+    const BlockJob& j = jobs[i];
+    const int64 blocks = IsKQuant(j.w.type) ? j.xk->blocks : j.xq->blocks;
+    const int64 cost = IsKQuant(j.w.type) ? blocks * (60 + 40 * j.m) : blocks * (8 + 6 * j.m);
+    const ChunkSplit split = SplitIntoChunks(j.w.n, cost);
+    for (int64 c = 0; c < split.num_chunks; ++c) {
+      const int64 n0 = c * split.per_chunk;
+      ranges.push_back({i, n0, std::min(split.per_chunk, j.w.n - n0)});
+    }
+  }
+  const int64 workers = std::max(1, pool->NumThreads());
+  RunRanges(pool, workers, static_cast<int64>(ranges.size()), [&](int64 r, int64, int64) {
+    const Range& range = ranges[r];
+    const BlockJob& j = jobs[range.job];
+    switch (j.w.type) {
+      case BlockType::kQ4_0: return JobRows<gguf::Q4_0>(j, range.n0, range.count);
+      case BlockType::kQ4_1: return JobRows<gguf::Q4_1>(j, range.n0, range.count);
+      case BlockType::kQ8_0: return JobRows<gguf::Q8_0>(j, range.n0, range.count);
+      case BlockType::kQ4_K: return JobRows<gguf::Q4_K>(j, range.n0, range.count);
+      case BlockType::kQ5_K: return JobRows<gguf::Q5_K>(j, range.n0, range.count);
+      case BlockType::kQ6_K: return JobRows<gguf::Q6_K>(j, range.n0, range.count);
+      default: return;
+    }
+  });
+}
+#endif  // TOKENSERVE_CPU_X86
+
+// x [m, k] quantized as `type` pairs with it: into *xq (32-value types) or *xk (K-quants).
+inline void QuantizeFor(BlockType type, const float* x, int64 m, int64 k, gguf::Q8Rows* xq,
+                        gguf::Q8KRows* xk) {
+  if (IsKQuant(type)) {
+    gguf::QuantizeRowsK(x, m, k, true, xk);
+  } else {
+    gguf::QuantizeRows(x, m, k, true, xq);
+  }
 }
 
 }  // namespace

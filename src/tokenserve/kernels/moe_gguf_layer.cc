@@ -16,6 +16,8 @@
 // quantized into q8 blocks and multiplied by its gate and up blocks, SwiGLU, the product
 // quantized again and multiplied by its down blocks (moe_gguf.h, the dense block op's
 // kernels), then added into each row scaled by its gate. An expert without rows is not read.
+// A decode step (few rows an expert) runs every expert's gate and up matrices in one thread
+// dispatch and their down matrices in a second (moe_gguf.h's RunBlockJobs), not three each.
 
 #include <algorithm>
 #include <cmath>
@@ -127,8 +129,13 @@ class MoeGgufLayerOp : public OpKernel {
     }
     const ExpertGroups groups = GroupByExpert(ids.data(), m, width, n, all_counts.data());
     std::copy(all_counts.begin(), all_counts.begin() + e, counts->flat<int32_t>().data());
-    BlockScratch scratch;  // per call: TF may run one kernel's Compute on two threads at once
     auto* pool = WorkerPool(ctx);
+#ifdef TOKENSERVE_CPU_X86
+    if (FitRowKernels(groups, experts)) {  // a decode step: two dispatches for all experts
+      return RunTogether(pool, xp, d, gates.data(), experts, groups, width, y);
+    }
+#endif
+    BlockScratch scratch;  // per call: TF may run one kernel's Compute on two threads at once
     for (int64 i = 0; i < n; ++i) {
       if (groups.Count(i) == 0) continue;  // no rows: never read
       RunExpert(pool, xp, d, gates.data(), experts[i], groups.pairs.data() + groups.start[i],
@@ -187,6 +194,72 @@ class MoeGgufLayerOp : public OpKernel {
     BlockMatmul(pool, simd_, s.gate.data(), count, f, w.down, s.product.data());
     ScatterAdd(s.product.data(), d, gates, pairs, count, k, y);
   }
+
+#ifdef TOKENSERVE_CPU_X86
+  // Whether every expert with rows has few enough for the row kernels (moe_gguf.h).
+  bool FitRowKernels(const ExpertGroups& groups, const std::vector<BlockExpert>& experts) const {
+    if (!simd_) return false;
+    for (int64 i = 0; i < static_cast<int64>(experts.size()); ++i) {
+      const int64 c = groups.Count(i);
+      const BlockExpert& w = experts[i];
+      if (c && !(FitsRowKernel(w.gate.type, c) && FitsRowKernel(w.up.type, c) &&
+                 FitsRowKernel(w.down.type, c))) {
+        return false;
+      }
+    }
+    return true;
+  }
+
+  // RunExpert for every expert with rows at once: their gate and up matrices in one
+  // dispatch, SwiGLU, their down matrices in a second (RunBlockJobs).
+  void RunTogether(tensorflow::thread::ThreadPool* pool, const float* x, int64 d,
+                   const float* gates, const std::vector<BlockExpert>& experts,
+                   const ExpertGroups& groups, int64 k, float* y) const {
+    struct Work {
+      int64 expert, count;
+      std::vector<float> rows, gate, up, product;
+      gguf::Q8Rows xq, hq;
+      gguf::Q8KRows xk, hk;
+    };
+    std::vector<Work> work;
+    for (int64 i = 0; i < static_cast<int64>(experts.size()); ++i) {
+      if (groups.Count(i)) work.push_back({i, groups.Count(i)});
+    }
+    std::vector<BlockJob> jobs;
+    for (Work& w : work) {
+      const BlockExpert& e = experts[w.expert];
+      const int64 f = e.gate.n;
+      w.rows.resize(w.count * d);
+      w.gate.resize(w.count * f);
+      w.up.resize(w.count * f);
+      w.product.resize(w.count * d);
+      GatherRows(x, d, groups.pairs.data() + groups.start[w.expert], w.count, k, w.rows.data());
+      QuantizeFor(e.gate.type, w.rows.data(), w.count, d, &w.xq, &w.xk);
+      if (IsKQuant(e.up.type) != IsKQuant(e.gate.type)) {  // the other activation blocks too
+        QuantizeFor(e.up.type, w.rows.data(), w.count, d, &w.xq, &w.xk);
+      }
+      jobs.push_back({e.gate, &w.xq, &w.xk, w.count, w.gate.data()});
+      jobs.push_back({e.up, &w.xq, &w.xk, w.count, w.up.data()});
+    }
+    RunBlockJobs(pool, jobs);
+    jobs.clear();
+    for (Work& w : work) {
+      const BlockExpert& e = experts[w.expert];
+      const int64 f = e.gate.n;
+      for (int64 i = 0; i < w.count * f; ++i) {  // silu(g) * u, as RunExpert
+        const float g = w.gate[i];
+        w.gate[i] = g / (1.f + std::exp(-g)) * w.up[i];
+      }
+      QuantizeFor(e.down.type, w.gate.data(), w.count, f, &w.hq, &w.hk);
+      jobs.push_back({e.down, &w.hq, &w.hk, w.count, w.product.data()});
+    }
+    RunBlockJobs(pool, jobs);
+    for (const Work& w : work) {
+      ScatterAdd(w.product.data(), d, gates, groups.pairs.data() + groups.start[w.expert],
+                 w.count, k, y);
+    }
+  }
+#endif
 
   bool simd_ = false;
   int64 k_ = 1;
