@@ -27,6 +27,7 @@ namespace tokenserve {
 namespace {
 
 constexpr int64 kLoraRows = 8;        // rows of one slot per work item
+constexpr int64 kLoraSerialRows = 4;  // adapter rows at most that the calling thread does alone
 constexpr int64 kLoraMinCols = 256;   // columns per work item at least, when columns split
 constexpr int64 kLoraColBlock = 64;   // columns summed in registers at once
 
@@ -174,6 +175,20 @@ inline void AddLoraDelta(tensorflow::thread::ThreadPool* pool, const LoraGroups&
     }
   }
   if (chunks.empty()) return;
+  // A few rows (decode of a stream or two): each slot's in @ A_s once and @ B_s whole, on
+  // this thread. Their delta is tens of microseconds a projection, less than splitting it
+  // gains: the columns' split repeats in @ A_s per item, and each call of the team is one
+  // more point where this thread waits on a helper (on a loaded machine, a descheduled one).
+  if (groups.offsets[groups.num_slots + 1] - groups.offsets[1] <= kLoraSerialRows) {
+    std::vector<float> t(kLoraRows * r);
+    for (const Rows& rows : chunks) {
+      const int32_t* row_ids = groups.order + rows.begin;
+      LoraShrink(rows.count, row_ids, in, factor.width, factor.a[rows.slot - 1], r, t.data());
+      LoraExpand(rows.count, row_ids, t.data(), r, factor.b[rows.slot - 1], factor.out, 0,
+                 factor.out, y);
+    }
+    return;
+  }
   const int64 workers = pool == nullptr ? 1 : std::max(1, pool->NumThreads());
   const int64 num_chunks = static_cast<int64>(chunks.size());
   // column ranges per row chunk (whole blocks): enough items for every worker twice, none
