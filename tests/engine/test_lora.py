@@ -23,11 +23,13 @@ MAX_TOKENS = 6
 
 
 # Llama by default; GPT-2 (fused c_attn, Conv1D layout), Qwen2 (q/v/down only, biases),
-# Qwen3 (QK-norm) and Gemma 3 (QK-norm, post-norms, GeGLU, windows; graph steps) with -m
-# slow: each family's engines trace their own steps, about 30 s a family here
+# Qwen3 (QK-norm), Gemma 3 (QK-norm, post-norms, GeGLU, windows; graph steps), Mistral
+# (windows), Gemma 2 (post-norms, softcaps) and Phi-3 (fused qkv_proj and gate_up_proj,
+# a partial rotary) with -m slow: each family's engines trace their own steps, about 30 s
+# a family here
 @pytest.fixture(scope="module", params=[
-    "llama", *(pytest.param(f, marks=pytest.mark.slow) for f in ("gpt2", "qwen2", "qwen3",
-                                                                  "gemma3"))])
+    "llama", *(pytest.param(f, marks=pytest.mark.slow) for f in (
+        "gpt2", "qwen2", "qwen3", "gemma3", "mistral", "gemma2", "phi3"))])
 def checkpoint(request, tokenizer, tmp_path_factory):
     from tokenserve.model.hf import load_hf
 
