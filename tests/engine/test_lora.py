@@ -97,6 +97,20 @@ def test_a_batch_of_three_adapters_and_the_base_matches_peft(checkpoint):
         np.testing.assert_allclose(row, expected, atol=1e-4, rtol=0)
 
 
+def test_prompt_logits_on_an_adapter_match_peft(checkpoint):
+    """The full pass behind echo + logprobs, with an adapter's deltas: peft's logits at
+    every prompt position (and the base's without one)."""
+    made, loaded = checkpoint
+    engine = make_engine(loaded)
+    path, reference = made.adapters[0]
+    layers = engine.loras.weights_of(LoraRequest.new("a0", path)).layers
+    for model, adapter in ((reference, layers), (made.hf_model, None)):
+        with torch.no_grad():
+            expected = model(torch.tensor([PROMPTS[0]])).logits[0].numpy()
+        got = engine.runner.prompt_logits(PROMPTS[0], adapter)
+        np.testing.assert_allclose(got, expected, atol=1e-4, rtol=0)
+
+
 @pytest.mark.slow
 def test_graph_steps_match_fused_steps(checkpoint):
     """Steps through the plain TF ops (no fused dense ops) give the same tokens."""
