@@ -120,12 +120,14 @@ def filled_pieces(b: np.ndarray, max_pieces: int) -> np.ndarray:
     whose nonzero columns fall in one range (a fused role's q, k, v or gate, up factor)
     sharing a piece; all-zero rows in none. Past max_pieces the last piece takes the rest
     of the rows, every column (exact, only wider)."""
+    # each row's first and last nonzero column in whole-array calls: the check runs on a
+    # server thread and holds the GIL the engine's thread needs between steps
+    nonzero = b != 0
+    firsts = nonzero.argmax(1).tolist()
+    ends = (b.shape[1] - nonzero[:, ::-1].argmax(1)).tolist()
     pieces: list[list[int]] = []
-    for k, row in enumerate(b):
-        columns = np.flatnonzero(row)
-        if not columns.size:
-            continue
-        c0, c1 = int(columns[0]), int(columns[-1]) + 1
+    for k in np.flatnonzero(nonzero.any(1)).tolist():
+        c0, c1 = firsts[k], ends[k]
         last = pieces[-1] if pieces else None
         # a row after its piece's last one, its columns overlapping the piece's: one piece
         if last is not None and last[1] == k and c0 < last[3] and last[2] < c1:
