@@ -100,6 +100,44 @@ def gguf_matmul(x, blocks, block_type) -> tf.Tensor:
     return op.tokenserve_gguf_matmul(x, blocks, block_type=name)
 
 
+def gguf_finish_block(attn, x, out, norm, up, down, activation: str = "gelu_tanh",
+                      eps: float = 1e-5, isa: str = "auto", next_norm=None, next_qkv=None,
+                      post_attn_norm=None, post_mlp_norm=None):
+    """The second half of a transformer block with GGUF weights as stored, as one op:
+
+        x1 = attn @ out.T + out_bias + x           (x + post_attn_norm(attn @ out.T + bias))
+        y  = act(norm(x1) @ up.T + up_bias) @ down.T + down_bias + x1    (likewise)
+
+    out, up, down: {"parts": [(block type, uint8 blocks), ...] in row order, "bias": ...
+    or absent}; norm, next_norm, post_*_norm: dicts with "scale" (and "bias" for
+    LayerNorm). The arithmetic of gguf_matmul followed by dense.epilogue and dense.layer_norm,
+    in one op so the matrices stream back to back. With next_norm and next_qkv, the op goes
+    on with `next = next_norm(y) @ next_qkv.T + bias` and returns (y, next); else y. None
+    when the compiled op is unavailable: the caller composes the separate ops then.
+    """
+    op = LIBRARY.module()
+    if op is None:
+        return None
+    empty = tf.zeros([0], tf.float32)
+
+    def vector(w, key="bias"):
+        return w[key] if w is not None and w.get(key) is not None else empty
+
+    def parts(w):
+        return ([tf.convert_to_tensor(b, tf.uint8) for _, b in w["parts"]],
+                [block_type_name(name) for name, _ in w["parts"]])
+
+    (out_b, out_t), (up_b, up_t), (down_b, down_t) = parts(out), parts(up), parts(down)
+    next_b, next_t = parts(next_qkv) if next_qkv is not None else ([], [])
+    y, following = op.tokenserve_gguf_finish_block(
+        attn, x, out_b, vector(out), norm["scale"], vector(norm), up_b, vector(up), down_b,
+        vector(down), vector(post_attn_norm, "scale"), vector(post_mlp_norm, "scale"),
+        vector(next_norm, "scale"), vector(next_norm), next_b, vector(next_qkv),
+        out_types=out_t, up_types=up_t, down_types=down_t, next_types=next_t,
+        activation=activation, eps=eps, isa=isa)
+    return y if next_qkv is None else (y, following)
+
+
 def dequantize_blocks(blocks, block_type) -> tf.Tensor:
     """Pure TF: uint8 [N, K / values * block bytes] -> float32 [N, K], what
     gguf.quants.dequantize gives for the same bytes (up to float rounding of d * v + m)."""
