@@ -90,7 +90,7 @@ CASES = {
                                 next=["q4_k", "q8_0", "q6_k"]),
                      act="geglu", layernorm=False, bias=False, post=True),
     # biases and LayerNorms everywhere, GELU, no next block
-    "biases": dict(d=96, da=64, inner=64, types=dict(out=["q8_0"], up=["q4_0"], down=["q4_0"],
+    "biases": dict(d=96, da=64, inner=64, types=dict(out=["q8_0"], up=["q4_0"], down=["q5_0"],
                                                     next=[]),
                    act="gelu_tanh", layernorm=True, bias=True, post=False),
 }

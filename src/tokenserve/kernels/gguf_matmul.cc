@@ -27,7 +27,7 @@ REGISTER_OP("TokenserveGgufMatmul")
     .Input("x: float")       // [M, K], K a multiple of the type's block values (32 or 256)
     .Input("blocks: uint8")  // [N, K / values * block bytes]: a GGUF [N, K] tensor's bytes
     .Output("y: float")      // [M, N]
-    .Attr("block_type: {'q4_0', 'q4_1', 'q8_0', 'q4_k', 'q5_k', 'q6_k'}")
+    .Attr("block_type: {'q4_0', 'q4_1', 'q5_0', 'q8_0', 'q4_k', 'q5_k', 'q6_k'}")
     .Attr("isa: {'auto', 'avx2', 'scalar'} = 'auto'")
     .SetShapeFn([](InferenceContext* c) {
       ShapeHandle x, blocks;
@@ -43,7 +43,7 @@ REGISTER_OP("TokenserveGgufMatmul")
       c->set_output(0, c->Matrix(c->Dim(x, 0), c->Dim(blocks, 0)));
       return absl::OkStatus();
     })
-    .Doc("y = x @ dequant(blocks).T; blocks: GGUF Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K rows as "
+    .Doc("y = x @ dequant(blocks).T; blocks: GGUF Q4_0/Q4_1/Q5_0/Q8_0/Q4_K/Q5_K/Q6_K rows as "
          "stored.");
 
 REGISTER_OP("TokenserveGgufMatmulInfo")

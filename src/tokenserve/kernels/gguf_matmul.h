@@ -71,6 +71,7 @@ struct Geometry {
 int BlockBytes(const std::string& type) {
   if (type == "q4_0") return gguf::Q4_0::kBytes;
   if (type == "q4_1") return gguf::Q4_1::kBytes;
+  if (type == "q5_0") return gguf::Q5_0::kBytes;
   if (type == "q4_k") return gguf::Q4_K::kBytes;
   if (type == "q5_k") return gguf::Q5_K::kBytes;
   if (type == "q6_k") return gguf::Q6_K::kBytes;
@@ -213,6 +214,7 @@ inline void GgufMatmulRows(tensorflow::thread::ThreadPool* pool, Isa isa,
   gguf::QuantizeRows(x, g.M, g.K, isa != Isa::kScalar, &xq);
   if (type == "q4_0") return Matmul<gguf::Q4_0>(pool, isa, g, xq, w, y);
   if (type == "q4_1") return Matmul<gguf::Q4_1>(pool, isa, g, xq, w, y);
+  if (type == "q5_0") return Matmul<gguf::Q5_0>(pool, isa, g, xq, w, y);
   Matmul<gguf::Q8_0>(pool, isa, g, xq, w, y);
 }
 
