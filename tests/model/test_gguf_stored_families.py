@@ -19,7 +19,10 @@ FILES = {
     "qwen3": ("Q4_0", {"blk.1.attn_v.weight": "Q8_0", "output.weight": "Q4_1"}, False),
     "mistral": ("Q4_1", {}, True),
     "gemma2": ("Q8_0", {}, True),
-    "gemma3": ("Q4_0", {"token_embd.weight": "Q8_0", "blk.2.ffn_down.weight": "Q4_1"}, True),
+    # Q5_0 v and gate/up rows, as Gemma 3 270M's Q4_K_M file writes them
+    "gemma3": ("Q4_0", {"token_embd.weight": "Q8_0", "blk.2.ffn_down.weight": "Q4_1",
+                        "blk.0.attn_v.weight": "Q5_0", "blk.1.ffn_gate.weight": "Q5_0",
+                        "blk.1.ffn_up.weight": "Q5_0"}, True),
     "phi3": ("Q4_1", {"blk.0.attn_qkv.weight": "Q8_0"}, False),
 }
 # the engine's step by default for Gemma 3 (QK-norm, post-norms, GeGLU, local layers: the
