@@ -12,9 +12,10 @@
 //
 // Each type decodes to the same form: 32 small integers v (0..15 unsigned for the 4-bit types,
 // 0..31 for Q5_0, -128..127 for Q8_0), a scale d and an offset c, with w = d * v + c for the
-// whole block (Q4_0: c = -8 d; Q4_1: c = m; Q5_0: c = -16 d; Q8_0: c = 0). Activations are quantized once per matmul into
-// Q8 blocks of 32 with a float scale dx and the float sum sx = dx * sum(qx) (llama.cpp's Q8_1,
-// with float fields), so one block's contribution to an output is
+// whole block (Q4_0: c = -8 d; Q4_1: c = m; Q5_0: c = -16 d; Q8_0: c = 0). Activations are
+// quantized once per matmul into Q8 blocks of 32 with a float scale dx and the float sum
+// sx = dx * sum(qx) (llama.cpp's Q8_1, with float fields), so one block's contribution to an
+// output is
 //   sum_j w_j x_j ~= d * dx * sum_j v_j qx_j + c * sx
 // one integer dot product (maddubs/madd, or dpbusd) and two float multiply-adds. One activation
 // format serves every type: Q8_0 weights ignore sx.
