@@ -79,7 +79,8 @@ class ModelRunner:
                 model, num_blocks * block_size,
                 jit_dense=model.compute_dtype == "float32"
                 and config.model.weight_format == "float" and not c.num_experts,
-                kv_dtype=self.kv_plan.dtype)
+                kv_dtype=self.kv_plan.dtype,
+                kv_lazy_pages=engine_config.kv_cache_lazy_pages)
             self.max_fused_dense_tokens = 0
             if self.step.kernel_dense and not self.step.fused_every_step:
                 from tokenserve.model.precision import choose_fused_dense_tokens
