@@ -8,9 +8,12 @@ import pytest
 import tensorflow as tf
 
 from support.tiny_models import tiny
+from tokenserve.engine.cache_accounting import BlockAllocator
 from tokenserve.engine.config import EngineConfig
 from tokenserve.engine.core import LLMEngine
 from tokenserve.engine.llm import LLM
+from tokenserve.engine.prefix_cache import PrefixCachingAllocator, hash_namespace
+from tokenserve.engine.request import Request
 from tokenserve.engine.runner import ModelRunner
 from tokenserve.engine.step.kv_pool import make_kv_pool
 from tokenserve.sampling import SamplingParams
@@ -50,6 +53,32 @@ def test_pool_pages_become_resident_only_as_rows_are_written(lazy):
         assert after - grown < 8 * MIB  # the written pages, not the variable
 
 
+@pytest.mark.parametrize("prefix_caching", [False, True])
+def test_blocks_written_are_the_lowest_ids_ever_handed_out(prefix_caching):
+    cache = (PrefixCachingAllocator(64, 4, hash_namespace("m", "1", "float", "f16"))
+             if prefix_caching else BlockAllocator(64, 4))
+    assert cache.num_blocks_written == 1  # the padding block
+    rng = np.random.default_rng(0)
+    live, taken = [], {0}
+    for step in range(200):
+        if live and (rng.random() < 0.45 or cache.num_free_blocks < 8):
+            seq = live.pop(int(rng.integers(len(live))))
+            seq.num_computed_tokens = seq.num_tokens
+            cache.free(seq)
+            continue
+        prompt = rng.integers(0, 50, int(rng.integers(1, 24))).tolist()
+        seq = Request(f"r{step}", prompt, SamplingParams()).seqs[0]
+        if prefix_caching:
+            cache.match_prefix(seq)
+        assert cache.reserve(seq, seq.num_pending_tokens)
+        taken.update(seq.block_ids)
+        live.append(seq)
+        # freed blocks are handed out again before fresh ones: the ids used stay 0 .. n-1
+        assert taken == set(range(cache.num_blocks_written))
+    # with prefix caching freed full blocks stay cached, so fresh ones go first: all get used
+    assert cache.num_blocks_written == 64 if prefix_caching else cache.num_blocks_written < 64
+
+
 PROMPTS = ["the cat sat on", "a dog ran", "hello world and more words here"]
 
 
@@ -60,8 +89,14 @@ def engine_tokens(model, config, tokenizer, lazy: bool) -> list[list[int]]:
     llm.engine = LLMEngine(ModelRunner(model, config, engine_config), tokenizer,
                            engine_config)
     llm.tokenizer, llm._num_requests = tokenizer, 0
+    runner = llm.engine.runner
+    pool_bytes = runner.kv_plan.num_bytes
+    assert runner.memory_bytes()["kv_cache"] == (pool_bytes // runner.kv_plan.num_blocks
+                                                 if lazy else pool_bytes)
     outputs = llm.generate(PROMPTS, SamplingParams(max_tokens=12, ignore_eos=True),
                            use_tqdm=False)
+    held = runner.memory_bytes()["kv_cache"]  # a lazy pool: the blocks written, at most
+    assert (0 < held < pool_bytes / 4) if lazy else held == pool_bytes
     return [o.outputs[0].token_ids for o in outputs]
 
 

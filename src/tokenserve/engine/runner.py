@@ -304,9 +304,10 @@ class ModelRunner:
         return self.step.step(token_ids, num_tokens, slots, fresh).numpy()
 
     def memory_bytes(self) -> dict[str, int]:
-        """Bytes the runner allocated: {"weights": the model's variables, "kv_cache": the
-        KV pool (an LSTM: its state slots)}, and "head_screen": the LM head's screen copy
-        where greedy steps screen it. Exact sizes, not resident-memory estimates."""
+        """Bytes the runner holds: {"weights": the model's variables, "kv_cache": the KV
+        pool's resident part (an LSTM: its state slots)}, and "head_screen": the LM head's
+        screen copy where greedy steps screen it. Exact sizes of what was allocated, but for
+        a lazily paged pool (engine/step/kv_pool.py): the blocks written so far."""
         import tensorflow as tf
 
         def size(variable) -> int:
@@ -316,6 +317,9 @@ class ModelRunner:
                   else [self.step.states])
         parts = {"weights": sum(size(w) for w in self.model.weights),
                  "kv_cache": sum(size(v) for v in caches)}
+        if self.is_transformer and self.engine_config.kv_cache_lazy_pages:
+            written = self.cache.num_blocks_written / self.cache.num_blocks
+            parts["kv_cache"] = int(parts["kv_cache"] * written)
         screen = getattr(self.step, "screened_head", None)
         if screen is not None:
             parts["head_screen"] = screen.nbytes
