@@ -97,3 +97,31 @@ def test_a_changed_exporter_gets_a_fresh_export(tmp_path):
     module = copy / "export" / "module.py"
     module.write_text(module.read_text() + "\nMAX_INIT_STATE_BYTES = 1 << 20\n")
     assert cached_exports.exporter_fingerprint(copy) != before
+
+
+def test_processes_starting_at_once_on_a_cold_cache_export_once(tmp_path):
+    """Two exporters of one cache entry at once (test workers, replicas starting together):
+    one exports while the other waits on the lock, then finds that version and writes none.
+    Threads stand in for processes: flock excludes separate opens of the lock file alike."""
+    import threading
+    import time
+
+    from tokenserve.export.cached_exports import _export_once
+    from tokenserve.export.exporter import staged_version, version_dirs
+
+    base = tmp_path / "builtin-x"
+    calls = []
+
+    def export():
+        calls.append(threading.current_thread().name)
+        with staged_version(base) as (staging, _):
+            staging.mkdir()
+            time.sleep(0.3)  # the other thread arrives while this export runs
+            (staging / "saved_model.pb").write_bytes(b"")
+
+    threads = [threading.Thread(target=_export_once, args=(base, export)) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(calls) == 1 and version_dirs(base) == [1]

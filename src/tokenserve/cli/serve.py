@@ -68,6 +68,10 @@ def add_parser(commands) -> None:
     for name in bools:
         p.add_argument(f"--{name}", type=parse_bool, nargs="?", const=True,
                        default=defaults[name], metavar="true|false")
+    p.add_argument("--graceful_shutdown_seconds", type=float,
+                   default=defaults["graceful_shutdown_seconds"],
+                   help="after SIGTERM, cancel HTTP requests still running after this long "
+                        "(match it to Kubernetes' terminationGracePeriodSeconds less preStop)")
     p.add_argument("--version", action=_PrintVersion, nargs=0,
                    help="print the versions and exit, as tensorflow_model_server --version")
     p.add_argument("--api_key", action="append", default=[],

@@ -11,9 +11,11 @@ server should not carry. One-shot commands (`generate`, `eval`) export in proces
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from tokenserve.export.exporter import export_model, version_dirs
@@ -51,6 +53,19 @@ def _export_in_child(kind: str, source: str) -> None:
                            f"(exit status {done.returncode}; its error is above)")
 
 
+def _export_once(base: Path, export: Callable[[], None]) -> None:
+    """Runs `export` (which writes a version under `base`) unless a version is there. An
+    exclusive lock beside `base` makes processes that start at once on a cold cache (test
+    workers, replicas of the local cluster) export once: the others wait, then find it."""
+    if version_dirs(base):
+        return
+    base.parent.mkdir(parents=True, exist_ok=True)
+    with open(base.parent / f".{base.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if not version_dirs(base):
+            export()
+
+
 def builtin_export(source: str = DEFAULT_SOURCE, in_child: bool = False) -> Path:
     """The built-in model exported once into the user cache; returns its base path.
 
@@ -64,12 +79,15 @@ def builtin_export(source: str = DEFAULT_SOURCE, in_child: bool = False) -> Path
     base = cache_dir(f"builtin-{family}-{digest[:12]}")
     if not version_dirs(base) and in_child:
         _export_in_child("builtin", source)
-    if not version_dirs(base):
+
+    def export() -> None:
         print(f"exporting the built-in {family} model to {base} (once for these weights "
               f"and this exporter)",
               file=sys.stderr)
         model, tokenizer, config = load_source(source)
         export_model(model, tokenizer, config, base)
+
+    _export_once(base, export)
     return base
 
 
@@ -88,13 +106,16 @@ def packaged_export(source: str, in_child: bool = False) -> Path:
     base = cache_dir(f"{source}-{key[:12]}")
     if not version_dirs(base) and in_child:
         _export_in_child("packaged", source)
-    if not version_dirs(base):
+
+    def export() -> None:
         print(f"importing {path.name} and exporting it to {base} (once for these weights "
               f"and this exporter)",
               file=sys.stderr)
         # the file's quantized blocks as stored, as `tokenserve export --from-gguf` keeps them
         model, tokenizer, config = load_source(source, keep_blocks=True)
         export_model(model, tokenizer, config, base, model_name=source)
+
+    _export_once(base, export)
     return base
 
 
@@ -111,7 +132,8 @@ def packaged_encoder_export(source: str, in_child: bool = False) -> Path:
     base = cache_dir(f"{source}-{key[:12]}")
     if not version_dirs(base) and in_child:
         _export_in_child("encoder", source)
-    if not version_dirs(base):
+
+    def export() -> None:
         from tokenserve.export.encoder_export import export_encoder
         from tokenserve.model.encoder_hf import load_hf_encoder
         from tokenserve.model.encoder_packages import packaged_encoder_dir
@@ -120,6 +142,8 @@ def packaged_encoder_export(source: str, in_child: bool = False) -> Path:
               f"this package and this exporter)", file=sys.stderr)
         encoder, tokenizer, config = load_hf_encoder(packaged_encoder_dir(source), name=source)
         export_encoder(encoder, tokenizer, config, base)
+
+    _export_once(base, export)
     return base
 
 

@@ -83,6 +83,9 @@ class ServeConfig:
     """Overrides tensorflow_session_parallelism for the intra-op pool."""
     tensorflow_inter_op_parallelism: int = 0
     """Overrides tensorflow_session_parallelism for the inter-op pool."""
+    graceful_shutdown_seconds: float = 30.0
+    """After SIGTERM, HTTP requests still running this long are cancelled (their streams abort
+    and free their slots), so a client that stopped reading cannot hold the process."""
     openai_port: int = 8000
     """OpenAI-compatible API port (served by the OpenAI frontend); 0 disables it."""
     api_keys: tuple[str, ...] = ()
@@ -110,6 +113,9 @@ class ServeConfig:
         if min(self.tensorflow_session_parallelism, self.tensorflow_intra_op_parallelism,
                self.tensorflow_inter_op_parallelism) < 0:
             raise ConfigError("TensorFlow parallelism flags must not be negative")
+        if not 0 <= self.graceful_shutdown_seconds <= 86400:
+            raise ConfigError("--graceful_shutdown_seconds must be in 0..86400, got "
+                              f"{self.graceful_shutdown_seconds}")
         if not self.tags:
             raise ConfigError("--saved_model_tags names no tag")
         if self.num_request_iterations_for_warmup < 1:

@@ -156,7 +156,8 @@ def run(config: ServeConfig, llm: LLMServeConfig = LLMServeConfig(), stop_event=
         if llm.ui:
             from tokenserve.server.ui import with_ui
             app = with_ui(app, ctx.manager, ctx.registry)
-        server = start_http(app, config.host, config.openai_port, tls)
+        server = start_http(app, config.host, config.openai_port, tls,
+                            config.graceful_shutdown_seconds)
         scheme = "https" if tls is not None else "http"
         print(f"Serving the OpenAI API at {scheme}://{config.host}:{config.openai_port}/v1 ...",
               flush=True, file=sys.stderr)
@@ -241,7 +242,8 @@ def _tls_rest(config: ServeConfig, tls: SSLConfig, middleware):
                              monitoring.prometheus_path if monitoring.prometheus_enabled
                              else None, ctx.registry, cors=config.rest_api_enable_cors_support)
         middleware(app)
-        server = start_http(app, config.host, config.rest_api_port, tls)
+        server = start_http(app, config.host, config.rest_api_port, tls,
+                            config.graceful_shutdown_seconds)
         print(f"Exporting HTTP/REST API at:{config.host}:{config.rest_api_port} (TLS) ...",
               file=sys.stderr)
         return _Stoppable(server)

@@ -131,6 +131,8 @@ def test_config_errors(tmp_path):
     assert [(s.name, s.base_path) for s in both.model_specs()] == [("a", "/a")]  # file wins
     with pytest.raises(ConfigError, match="port"):
         ServeConfig(port=70000)
+    with pytest.raises(ConfigError, match="graceful_shutdown_seconds"):
+        ServeConfig(graceful_shutdown_seconds=-1)
     monitoring = tmp_path / "monitoring.config"
     monitoring.write_text("prometheus_config { enabled: true }")  # misspelt field
     with pytest.raises(ConfigError, match="invalid monitoring config"):
