@@ -37,12 +37,18 @@ def make_kv_pool(num_layers: int, num_rows: int, kv_width: int, dtype: tf.DType,
     lazy_pages: give the zero pages back to the OS at once (see the module docstring);
         False keeps the whole pool resident from the start.
     """
-    caches = [tuple(tf.Variable(tf.zeros([num_rows, kv_width], dtype), trainable=False,
-                                name=f"{kind}_cache_{i}")
-                    for kind in ("key", "value"))
+    released = 0
+
+    def variable(name: str) -> tf.Variable:
+        nonlocal released
+        made = tf.Variable(tf.zeros([num_rows, kv_width], dtype), trainable=False, name=name)
+        if lazy_pages:  # one at a time: the load's peak holds one variable's fill, not all
+            released += give_back_zero_pages([made])
+        return made
+
+    caches = [tuple(variable(f"{kind}_cache_{i}") for kind in ("key", "value"))
               for i in range(num_layers)]
     if lazy_pages:
-        released = give_back_zero_pages([v for pair in caches for v in pair])
         log.info("KV pool: %.1f MiB of zero pages left to the OS until blocks are written",
                  released / 2**20)
     return caches
