@@ -19,4 +19,7 @@ if [ -n "$missing" ]; then
 fi
 bash scripts/setup.sh test
 export TF_CPP_MIN_LOG_LEVEL=3
-exec .venv/bin/python -m pytest "$@"
+# Two workers, each taking whole files (module fixtures and in-file order stay as written):
+# most tests wait on a server subprocess or run single-threaded Python and tracing, so a
+# serial run leaves a core idle. TOKENSERVE_TEST_WORKERS=0 runs serially.
+exec .venv/bin/python -m pytest -n "${TOKENSERVE_TEST_WORKERS:-2}" --dist loadfile "$@"

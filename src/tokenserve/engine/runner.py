@@ -227,11 +227,23 @@ class ModelRunner:
         load = getattr(self.step, "expert_load", None)
         return None if load is None else load.read()
 
-    def prompt_logits(self, token_ids: list[int]) -> np.ndarray:
+    def prompt_logits(self, token_ids: list[int], lora_layers: list | None = None
+                      ) -> np.ndarray:
         """float32 [len(token_ids), vocab]: the logits after each prompt token, from one full
         forward pass outside the paged cache (prompt logprobs, which a step does not keep:
-        it computes the LM head on each sequence's last row only)."""
-        logits = self.model(np.asarray([token_ids], np.int32))
+        it computes the LM head on each sequence's last row only). lora_layers: an adapter's
+        factors (LoraWeights.layers), added to the projections of that pass."""
+        from tokenserve.model.layers import lora_factors
+
+        where = {"qkv": ("attn", "qkv"), "out": ("attn", "out"), "up": ("mlp", "up"),
+                 "down": ("mlp", "down")}  # each role's Dense layer in a block
+        factors = {}
+        for block, layer in zip(self.model.blocks, lora_layers or []):
+            for role, pair in layer.items():
+                part, name = where[role]
+                factors[id(getattr(getattr(block, part), name))] = pair
+        with lora_factors(factors):
+            logits = self.model(np.asarray([token_ids], np.int32))
         return np.asarray(logits, np.float32)[0]
 
     def warm_up_heads(self) -> None:

@@ -4,6 +4,7 @@ wheel (nothing downloads at run time), unpacked once into the user cache."""
 from __future__ import annotations
 
 import hashlib
+import os
 import shutil
 import zipfile
 from pathlib import Path
@@ -34,9 +35,16 @@ def packaged_encoder_dir(source: str) -> Path:
     key = hashlib.sha256(f"{archive}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()
     folder = cache_dir(f"{source}-hf-{key[:12]}")
     if not (folder / "config.json").exists():
-        staging = folder.with_name(folder.name + ".tmp")
+        # this process's own staging folder: another unpacking the same zip at once keeps its
+        # own, and whichever renames second finds the folder there and drops its copy
+        staging = folder.with_name(f"{folder.name}.{os.getpid()}.tmp")
         shutil.rmtree(staging, ignore_errors=True)  # an unpacking cut short before
         with zipfile.ZipFile(archive) as zipped:
             zipped.extractall(staging)
-        staging.rename(folder)  # appears whole, or not at all
+        try:
+            staging.rename(folder)  # appears whole, or not at all
+        except OSError:
+            if not (folder / "config.json").exists():
+                raise
+            shutil.rmtree(staging, ignore_errors=True)
     return folder
