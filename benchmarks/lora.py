@@ -11,6 +11,11 @@ request 32 random prompt tokens and --max_tokens new ones):
   merged-1    one stream on a model with that adapter merged into its weights: the ceiling
               (merging cannot serve 32 streams of 4 adapters at once)
 
+The one-stream systems are also run interleaved step by step (--interleaved_steps decode
+steps each, one engine per system, their steps taken in turn: base, adapter, merged), so
+each sees the same load at the same moments; their median decode steps and the median of
+the paired ratios are the one-stream figures this shared machine resolves best.
+
 Then the live load, isolated from any prefill: with 4 streams decoding on the base and no
 request arriving, a rank-16 adapter is checked on another thread (read, parse, fuse: the
 load endpoint's part) and then written into a slot between two steps (the engine's part);
@@ -110,6 +115,36 @@ def merged_model(source: str, path: Path):
     return model, tokenizer, config
 
 
+def interleaved(engines: dict, loras: dict, steps: int) -> dict:
+    """One stream per engine (system name -> engine; loras: its adapter or None), their
+    decode steps taken in turn, the order rotating each round. Median step ms per system
+    and, per system, the median over rounds of its step / base-1's step of that round."""
+    from step_times import StepTimes
+
+    from tokenserve.sampling import SamplingParams
+
+    params = SamplingParams(max_tokens=steps + 8, ignore_eos=True)
+    for name, engine in engines.items():
+        engine.stats = StepTimes()
+        engine.add_request(engine.make_request(list(range(20, 20 + PROMPT_LEN)), params,
+                                               lora=loras[name]))
+        for _ in range(3):  # the prefill and the first decode steps
+            engine.step()
+        engine.stats.clear()
+    names = list(engines)
+    for round_index in range(steps):
+        for name in rotated(names, round_index):
+            engines[name].step()
+    times = {name: engine.stats.durations(num_decode=1) for name, engine in engines.items()}
+    for engine in engines.values():
+        while engine.has_work:
+            engine.step()
+    base = times["base-1"]
+    return {"step_ms": {name: spread([1e3 * t for t in v]) for name, v in times.items()},
+            "paired_vs_base": {name: statistics.median(t / b for t, b in zip(v, base))
+                               for name, v in times.items() if name != "base-1"}}
+
+
 def live_load(engine, path: Path) -> dict:
     """What loading a new adapter live costs streams that do not use it: 4 streams decode on
     the base, and no request arrives while the adapter is (1) checked on another thread, as
@@ -200,6 +235,11 @@ def measure(source: str, args, console) -> dict:
             results[system].append(tok_s)
             if steps:
                 step_medians[system].append(statistics.median(steps))
+    with console.status(f"{source}: one stream, interleaved step by step"):
+        single = build_engine(model, tokenizer, config, max_loras=4)  # base-1's own
+        steps = interleaved({"base-1": single, "lora-1": engine, "merged-1": merged},
+                            {"base-1": None, "lora-1": loras[0], "merged-1": None},
+                            args.interleaved_steps)
     with console.status(f"{source}: live load"):
         live_load(engine, paths[4])  # its step kinds, traced once
         load = live_load(engine, paths[4])
@@ -211,7 +251,11 @@ def measure(source: str, args, console) -> dict:
                        "lora-1 / base-1": statistics.median(results["lora-1"])
                        / statistics.median(results["base-1"]),
                        "lora-1 / merged-1": statistics.median(results["lora-1"])
-                       / statistics.median(results["merged-1"])},
+                       / statistics.median(results["merged-1"]),
+                       "interleaved step, lora-1 / base-1": steps["paired_vs_base"]["lora-1"],
+                       "interleaved step, merged-1 / base-1":
+                           steps["paired_vs_base"]["merged-1"]},
+            "interleaved": steps,
             "live_load": load, "precision": engine.runner.precision,
             "lora_table_mib": engine.runner.step.lora_table.num_bytes / 2**20}
 
@@ -221,10 +265,12 @@ def main() -> int:
     parser.add_argument("--models", nargs="+", default=["gpt2-small", "smollm2"])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--max_tokens", type=int, default=48)
+    parser.add_argument("--interleaved_steps", type=int, default=100,
+                        help="decode steps of each one-stream system, interleaved")
     args = parser.parse_args()
     console = make_console()
     workload = {"prompt_tokens": PROMPT_LEN, "max_tokens": args.max_tokens, "rank": RANK,
-                "rounds": args.rounds}
+                "rounds": args.rounds, "interleaved_steps": args.interleaved_steps}
     for source in args.models:  # one result file per model
         report = {"workload": workload, "models": {}}
         found = measure(source, args, console)
@@ -238,6 +284,8 @@ def main() -> int:
         console.print(table)
         for name, ratio in found["ratios"].items():
             console.print(f"  {name}: {ratio:.2f}x")
+        console.print("  interleaved one-stream decode step, median ms: " + ", ".join(
+            f"{n} {v['median']:.1f}" for n, v in found["interleaved"]["step_ms"].items()))
         load = found["live_load"]
         console.print(
             f"  live load of a rank-{RANK} adapter under 4 base streams (median gap "

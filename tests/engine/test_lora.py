@@ -23,11 +23,13 @@ MAX_TOKENS = 6
 
 
 # Llama by default; GPT-2 (fused c_attn, Conv1D layout), Qwen2 (q/v/down only, biases),
-# Qwen3 (QK-norm) and Gemma 3 (QK-norm, post-norms, GeGLU, windows; graph steps) with -m
-# slow: each family's engines trace their own steps, about 30 s a family here
+# Qwen3 (QK-norm), Gemma 3 (QK-norm, post-norms, GeGLU, windows; graph steps), Mistral
+# (windows), Gemma 2 (post-norms, softcaps) and Phi-3 (fused qkv_proj and gate_up_proj,
+# a partial rotary) with -m slow: each family's engines trace their own steps, about 30 s
+# a family here
 @pytest.fixture(scope="module", params=[
-    "llama", *(pytest.param(f, marks=pytest.mark.slow) for f in ("gpt2", "qwen2", "qwen3",
-                                                                  "gemma3"))])
+    "llama", *(pytest.param(f, marks=pytest.mark.slow) for f in (
+        "gpt2", "qwen2", "qwen3", "gemma3", "mistral", "gemma2", "phi3"))])
 def checkpoint(request, tokenizer, tmp_path_factory):
     from tokenserve.model.hf import load_hf
 
@@ -93,6 +95,20 @@ def test_a_batch_of_three_adapters_and_the_base_matches_peft(checkpoint):
         with torch.no_grad():
             expected = reference(torch.tensor([PROMPTS[0]])).logits[0, -1].numpy()
         np.testing.assert_allclose(row, expected, atol=1e-4, rtol=0)
+
+
+def test_prompt_logits_on_an_adapter_match_peft(checkpoint):
+    """The full pass behind echo + logprobs, with an adapter's deltas: peft's logits at
+    every prompt position (and the base's without one)."""
+    made, loaded = checkpoint
+    engine = make_engine(loaded)
+    path, reference = made.adapters[0]
+    layers = engine.loras.weights_of(LoraRequest.new("a0", path)).layers
+    for model, adapter in ((reference, layers), (made.hf_model, None)):
+        with torch.no_grad():
+            expected = model(torch.tensor([PROMPTS[0]])).logits[0].numpy()
+        got = engine.runner.prompt_logits(PROMPTS[0], adapter)
+        np.testing.assert_allclose(got, expected, atol=1e-4, rtol=0)
 
 
 @pytest.mark.slow

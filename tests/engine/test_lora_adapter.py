@@ -23,7 +23,7 @@ def made(tokenizer, tmp_path_factory):
 
     root = tmp_path_factory.mktemp("adapters")
     found = {}
-    for family in ("gpt2", "llama"):
+    for family in ("gpt2", "llama", "phi3"):
         checkpoint = lora_checkpoint(family, tokenizer, root, num_adapters=1)
         found[family] = (checkpoint, architecture_config(checkpoint.hf_model.config.to_dict()))
     return found
@@ -39,7 +39,7 @@ def rewrite(source, target, change):
     return target
 
 
-@pytest.mark.parametrize("family", ["gpt2", "llama"])
+@pytest.mark.parametrize("family", ["gpt2", "llama", "phi3"])
 def test_peft_adapters_load_as_the_merged_delta(made, family):
     """Our per-role factors' product is peft's merged delta, in our fused layout."""
     import torch
@@ -55,6 +55,11 @@ def test_peft_adapters_load_as_the_merged_delta(made, family):
         delta = {k: v - base[k] for k, v in merged_model.state_dict().items() if k in base}
     if family == "gpt2":  # Conv1D weights are [in, out], as ours
         want = delta["transformer.h.1.attn.c_attn.weight"].numpy()
+    elif family == "phi3":  # one fused qkv_proj [q + 2 kv, in], and gate_up_proj likewise
+        want = delta["model.layers.1.self_attn.qkv_proj.weight"].numpy().T
+        np.testing.assert_allclose(
+            merged[1]["up"], delta["model.layers.1.mlp.gate_up_proj.weight"].numpy().T,
+            atol=1e-6)
     else:  # torch Linear is [out, in]; q, k, v side by side along out
         want = np.concatenate([delta[f"model.layers.1.self_attn.{m}_proj.weight"].numpy().T
                                for m in "qkv"], axis=1)

@@ -152,3 +152,55 @@ def test_lora_ops_refuse_groups_and_factors_that_do_not_fit(compiled):
     short = (groups[0], tf.constant([0, 0, 2], tf.int32))
     with pytest.raises(tf.errors.InvalidArgumentError, match=r"offsets must be \[S \+ 2\]"):
         kd.lora_delta(tf.zeros([2, 64]), x, short, *factors["out"], layer=0)
+    spans = kd.full_lora_spans({"out": factors["out"]})
+    too_far = [tf.tensor_scatter_nd_update(s, [[0, 1, 0, 1]], [5]) for s in spans]  # r1 > R
+    with pytest.raises(tf.errors.InvalidArgumentError, match="LoRA span of x"):
+        kd.lora_delta(tf.zeros([2, 64]), x, groups, *factors["out"], 0, too_far, "out")
+
+
+def _fused_qkv_factors(rng, q: int, kv: int, width: int):
+    """2 slots' fused-QKV factors as the slot table holds a Llama adapter of rank 4 on k, q
+    and v (packed in that order into R = 16, each on its own columns, rows 12..16 empty);
+    slot 2 leaves layer 1 alone."""
+    out, rank = q + 2 * kv, 16
+    a, b = _factors(rng, 2, rank, width, out)
+    for slot in range(2):
+        b[slot][:, 12:] = 0
+        for rows, (c0, c1) in zip(((0, 4), (4, 8), (8, 12)),
+                                  ((q, q + kv), (0, q), (q + kv, out))):
+            keep = np.zeros(out, bool)
+            keep[c0:c1] = True
+            b[slot][:, rows[0]:rows[1], ~keep] = 0
+    a[1][1], b[1][1] = 0, 0
+    return a, b
+
+
+@pytest.mark.parametrize("m", [3, 21])  # the calling thread alone; the thread team
+def test_lora_delta_reads_only_the_pieces_an_adapter_fills(compiled, m):
+    from tokenserve.engine.step.lora import filled_pieces
+
+    q, kv, width = 50, 20, 24
+    rng = np.random.default_rng(5)
+    a, b = _fused_qkv_factors(rng, q, kv, width)
+    assert filled_pieces(b[0][0], kd.LORA_PIECES).tolist() == [
+        [0, 4, q, q + kv], [4, 8, 0, q], [8, 12, q + kv, q + 2 * kv]]
+    assert not filled_pieces(b[1][1], kd.LORA_PIECES).any()
+    spans = np.zeros([2, LAYERS, 4, kd.LORA_PIECES, 4], np.int32)
+    for slot in range(2):
+        for layer in range(LAYERS):
+            spans[slot, layer, 0] = filled_pieces(b[slot][layer], kd.LORA_PIECES)
+    row_slot = np.arange(m) % 3  # the base and both slots
+    x = rng.standard_normal((m, width)).astype(np.float32)
+    y = rng.standard_normal((m, q + 2 * kv)).astype(np.float32)
+    for layer in range(LAYERS):
+        got = kd.lora_delta(tf.constant(y), tf.constant(x), _groups(row_slot, 2),
+                            *_tf((a, b)), layer, [tf.constant(s) for s in spans], "qkv")
+        np.testing.assert_allclose(got.numpy(), y + _delta(x, (a, b), row_slot, layer),
+                                   rtol=1e-5, atol=1e-5)
+    # the op reads what the spans say: without slot 1's k piece, its k columns stay as they were
+    spans[0, 0, 0, 0] = 0
+    got = kd.lora_delta(tf.constant(y), tf.constant(x), _groups(row_slot, 2), *_tf((a, b)), 0,
+                        [tf.constant(s) for s in spans], "qkv").numpy()
+    rows = row_slot == 1
+    np.testing.assert_array_equal(got[rows][:, q:q + kv], y[rows][:, q:q + kv])
+    assert not np.allclose(got[rows][:, :q], y[rows][:, :q])

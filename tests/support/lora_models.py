@@ -1,6 +1,6 @@
-"""Tiny Hugging Face checkpoints (GPT-2, Llama, Qwen2, Qwen3, Gemma 3) with LoRA adapters
-written by `peft`,
-the references the LoRA tests hold tokenserve to. No tests here."""
+"""Tiny Hugging Face checkpoints (GPT-2, Llama, Qwen2, Qwen3, Gemma 3, Mistral, Gemma 2,
+Phi-3) with LoRA adapters written by `peft`, the references the LoRA tests hold tokenserve
+to. No tests here."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-FAMILIES = ("gpt2", "llama", "qwen2", "qwen3", "gemma3")
+FAMILIES = ("gpt2", "llama", "qwen2", "qwen3", "gemma3", "mistral", "gemma2", "phi3")
 
 TARGETS = {"gpt2": ["c_attn", "c_proj", "c_fc"],
            "llama": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
@@ -16,9 +16,14 @@ TARGETS = {"gpt2": ["c_attn", "c_proj", "c_fc"],
            "qwen2": ["q_proj", "v_proj", "down_proj"],
            "qwen3": ["q_proj", "k_proj", "o_proj", "up_proj"],
            "gemma3": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
-                      "down_proj"]}
-"""Every module tokenserve adapts (GPT-2, Llama, Gemma 3), and partial sets (Qwen2, Qwen3:
-q and k feed its QK-norm)."""
+                      "down_proj"],
+           "mistral": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                       "down_proj"],
+           "gemma2": ["q_proj", "v_proj", "o_proj", "gate_proj", "down_proj"],
+           "phi3": ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]}
+"""Every module tokenserve adapts (GPT-2, Llama, Gemma 3, Mistral, Phi-3's fused qkv_proj
+and gate_up_proj), and partial sets (Qwen2; Qwen3: q and k feed its QK-norm; Gemma 2: gate
+without up)."""
 
 
 @dataclass
@@ -43,6 +48,26 @@ def _hf_config(family: str):
             num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=96,
             sliding_window=4, query_pre_attn_scalar=16, bos_token_id=1, eos_token_id=2,
             pad_token_id=0, layer_types=["sliding_attention", "full_attention"])
+    if family == "gemma2":  # post-norms, GeGLU, both softcaps; a local and a global layer
+        return transformers.Gemma2Config(
+            vocab_size=400, max_position_embeddings=128, hidden_size=64, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=96,
+            sliding_window=4, query_pre_attn_scalar=24, attn_logit_softcapping=5.0,
+            final_logit_softcapping=3.0, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    if family == "mistral":  # every layer windowed
+        return transformers.MistralConfig(
+            vocab_size=400, max_position_embeddings=128, hidden_size=64, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, intermediate_size=96,
+            sliding_window=4, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+    if family == "phi3":  # fused qkv_proj and gate_up_proj; a partial rotary
+        return transformers.Phi3Config(
+            vocab_size=400, max_position_embeddings=128, hidden_size=64, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, intermediate_size=96,
+            sliding_window=None, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+            # logits less flat than at the default 0.02, where two tokens came within 0.004
+            # and transformers' own cached and full passes chose differently
+            initializer_range=0.1, pad_token_id=0, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                             "partial_rotary_factor": 0.5})
     if family == "qwen3":  # QK-norm, a head width of its own
         return transformers.Qwen3Config(
             vocab_size=400, max_position_embeddings=128, hidden_size=64, num_hidden_layers=2,

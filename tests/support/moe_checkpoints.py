@@ -132,10 +132,14 @@ def _num_experts(config) -> int:
     return getattr(config, "num_local_experts", None) or config.num_experts
 
 
-def write_gguf(path: Path, model, tokenizer, drop=(), extra=()) -> Path:
-    """The model as a GGUF file (float32 tensors); `drop` names tensors left out, `extra`
-    (name, array) pairs replace or add tensors."""
+def write_gguf(path: Path, model, tokenizer, drop=(), extra=(), qtype: str | None = None,
+               types: dict | None = None) -> Path:
+    """The model as a GGUF file (float32 tensors, or with `qtype` its 2-D and stacked
+    expert tensors in that type but where `types` names another: gguf_files.add_tensors);
+    `drop` names tensors left out, `extra` (name, array) pairs replace or add tensors."""
     import gguf
+
+    from support.gguf_files import add_tensors
 
     c = model.config
     arch = ARCH[c.model_type]
@@ -166,7 +170,14 @@ def write_gguf(path: Path, model, tokenizer, drop=(), extra=()) -> Path:
         writer.add_expert_weights_norm(bool(c.norm_topk_prob))
     add_bpe_tokenizer(writer, bpe_vocab(tokenizer),
                       pre="llama-bpe" if arch in ("llama", "olmoe") else "qwen2")
-    return write_tensors(writer, tensors, path)
+    if qtype is None:
+        return write_tensors(writer, tensors, path)
+    add_tensors(writer, tensors, qtype, types)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
 
 
 def moe_engine(model, tokenizer, config, **options):

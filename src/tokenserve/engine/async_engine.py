@@ -137,14 +137,18 @@ class AsyncEngine:
             if not finished:  # the caller left early: a disconnect or a cancelled call
                 self.abort(request.request_id)
 
-    def prompt_logprobs(self, prompt_ids: list[int], num_top: int) -> list[TokenLogprob]:
+    def prompt_logprobs(self, prompt_ids: list[int], num_top: int,
+                        lora: LoraRequest | None = None) -> list[TokenLogprob]:
         """The log-probability of each prompt token after the ones before it (so one entry
         fewer than the prompt: the first token has none), with `num_top` alternatives, as
         vLLM's prompt_logprobs. One full forward pass over the prompt, beside the engine's
-        steps rather than inside them (TF runs both; the weights are only read). Blocking.
+        steps rather than inside them (TF runs both; the weights are only read), with
+        `lora`'s deltas where given (its checked weights, from the host cache or its
+        files). Blocking.
 
         Raises:
             InvalidRequestError: the logits would take more than PROMPT_LOGITS_BYTES.
+            LoraAdapterError: `lora`'s files no longer load.
         """
         vocab = self.config.model.vocab_size
         if len(prompt_ids) * vocab * 4 > PROMPT_LOGITS_BYTES:
@@ -153,7 +157,12 @@ class AsyncEngine:
                 f"would take {len(prompt_ids) * vocab * 4 >> 20} MiB of logits; at most "
                 f"{PROMPT_LOGITS_BYTES >> 20} MiB", "logprobs")
         self._check_alive()
-        logits = self.engine.runner.prompt_logits(prompt_ids)
+        layers = None
+        if lora is not None:
+            if self.engine.loras is None:
+                raise InvalidRequestError("this model serves no LoRA adapters (max_loras is 0)")
+            layers = self.engine.loras.weights_of(lora).layers
+        logits = self.engine.runner.prompt_logits(prompt_ids, layers)
         return [token_logprob(logits[i - 1], prompt_ids[i], num_top)
                 for i in range(1, len(prompt_ids))]
 

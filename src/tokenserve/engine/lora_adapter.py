@@ -41,6 +41,12 @@ LLAMA_MODULES = {"self_attn.q_proj": ("qkv", "q"), "self_attn.k_proj": ("qkv", "
                   "self_attn.v_proj": ("qkv", "v"), "self_attn.o_proj": ("out", "all"),
                   "mlp.gate_proj": ("up", "gate"), "mlp.up_proj": ("up", "up"),
                   "mlp.down_proj": ("down", "all")}
+LLAMA_FAMILY_MODULES = {**LLAMA_MODULES, "self_attn.qkv_proj": ("qkv", "all"),
+                        "mlp.gate_up_proj": ("up", "all")}
+"""What an adapter of a Llama-family model may target: Llama's modules, and Phi-3's fused
+qkv_proj and gate_up_proj (A [r, hidden], B [q + 2 kv or 2 f, r]: the whole of our fused
+matrix, in its order q, k, v and gate, up). The base's config does not say which names its
+checkpoint used, so either kind loads on any Llama-family model whose shapes fit."""
 GPT2_MODULES = {"attn.c_attn": ("qkv", "all"), "attn.c_proj": ("out", "all"),
                  "mlp.c_fc": ("up", "all"), "mlp.c_proj": ("down", "all")}
 _NAME = re.compile(r"^(?:base_model\.model\.)?(?P<stem>transformer\.h|model\.layers|h)\."
@@ -129,8 +135,12 @@ def role_ranks(config: TransformerConfig, max_rank: int) -> dict[str, int]:
     """role -> its rank in the slot table: `max_rank` per PEFT module of the model's family
     that shares the role (Llama: q/k/v, gate/up; GPT-2's fused c_attn and c_fc: one), so a
     GPT-2 step multiplies no columns that no adapter can fill."""
-    modules = GPT2_MODULES if config.mlp == "gelu" else LLAMA_MODULES
-    return {role: max_rank * sum(r == role for r, _ in modules.values()) for role in ROLES}
+    if config.mlp == "gelu":
+        return {role: max_rank for role in ROLES}
+    # Llama's separate q/k/v and gate/up (Phi-3's fused qkv_proj and gate_up_proj take one
+    # module's rank of them)
+    split = {"qkv": 3, "out": 1, "up": 2, "down": 1}
+    return {role: max_rank * split[role] for role in ROLES}
 
 
 def role_shapes(config: TransformerConfig) -> dict[str, tuple[int, int]]:
@@ -208,7 +218,7 @@ def load_adapter(path: str | Path, config: TransformerConfig, max_rank: int) -> 
             raise LoraTargetError(f"adapter tensor {name!r} is not a LoRA factor of a "
                                   f"transformer block's linear layer")
         gpt2 = match["stem"] != "model.layers"
-        modules = GPT2_MODULES if gpt2 else LLAMA_MODULES
+        modules = GPT2_MODULES if gpt2 else LLAMA_FAMILY_MODULES
         if match["module"] not in modules:
             raise LoraTargetError(f"adapter tensor {name!r} targets {match['module']!r}, "
                                   f"which tokenserve does not adapt (targets: "
@@ -235,7 +245,7 @@ def load_adapter(path: str | Path, config: TransformerConfig, max_rank: int) -> 
             raise LoraShapeError(f"layer {layer} {module} has lora_{next(iter(pair))} but "
                                  f"not its other factor")
         a, b = pair["A"], pair["B"]                                        # [r, in], [out, r]
-        role, part = (GPT2_MODULES if config.mlp == "gelu" else LLAMA_MODULES)[module]
+        role, part = (GPT2_MODULES if config.mlp == "gelu" else LLAMA_FAMILY_MODULES)[module]
         first, end = columns[role][part]
         width_in = shapes[role][0]
         r = a.shape[0]

@@ -124,6 +124,10 @@ class LoraSlots:
             cached = self._store(lora, self.check(lora.path))
         return cached
 
+    def weights_of(self, lora: LoraRequest) -> LoraWeights:
+        """`lora`'s checked weights (the host cache's, else read again; any thread)."""
+        return self._cached(lora)[0]
+
     def slot_of(self, lora: LoraRequest) -> int:
         """The slot holding `lora`, or 0."""
         return next((i for i, held in enumerate(self.slots) if i and held == lora), 0)

@@ -37,9 +37,10 @@ class EngineClient(Protocol):
         cancelled) aborts the request and frees its cache at the next step.
         """
 
-    def prompt_logprobs(self, prompt_ids: list[int], num_top: int) -> list:
+    def prompt_logprobs(self, prompt_ids: list[int], num_top: int, lora=None) -> list:
         """`TokenLogprob` of each prompt token after the first, given the tokens before it
-        (completions' `echo` with `logprobs`). Blocking.
+        (completions' `echo` with `logprobs`), on the LoraRequest `lora`'s adapter where
+        given. Blocking.
 
         Raises: `InvalidRequestError` (a prompt whose logits would be too large)."""
 

@@ -79,7 +79,8 @@ class ModelRunner:
                 model, num_blocks * block_size,
                 jit_dense=model.compute_dtype == "float32"
                 and config.model.weight_format == "float" and not c.num_experts,
-                kv_dtype=self.kv_plan.dtype)
+                kv_dtype=self.kv_plan.dtype,
+                kv_lazy_pages=engine_config.kv_cache_lazy_pages)
             self.max_fused_dense_tokens = 0
             if self.step.kernel_dense and not self.step.fused_every_step:
                 from tokenserve.model.precision import choose_fused_dense_tokens
@@ -226,11 +227,23 @@ class ModelRunner:
         load = getattr(self.step, "expert_load", None)
         return None if load is None else load.read()
 
-    def prompt_logits(self, token_ids: list[int]) -> np.ndarray:
+    def prompt_logits(self, token_ids: list[int], lora_layers: list | None = None
+                      ) -> np.ndarray:
         """float32 [len(token_ids), vocab]: the logits after each prompt token, from one full
         forward pass outside the paged cache (prompt logprobs, which a step does not keep:
-        it computes the LM head on each sequence's last row only)."""
-        logits = self.model(np.asarray([token_ids], np.int32))
+        it computes the LM head on each sequence's last row only). lora_layers: an adapter's
+        factors (LoraWeights.layers), added to the projections of that pass."""
+        from tokenserve.model.layers import lora_factors
+
+        where = {"qkv": ("attn", "qkv"), "out": ("attn", "out"), "up": ("mlp", "up"),
+                 "down": ("mlp", "down")}  # each role's Dense layer in a block
+        factors = {}
+        for block, layer in zip(self.model.blocks, lora_layers or []):
+            for role, pair in layer.items():
+                part, name = where[role]
+                factors[id(getattr(getattr(block, part), name))] = pair
+        with lora_factors(factors):
+            logits = self.model(np.asarray([token_ids], np.int32))
         return np.asarray(logits, np.float32)[0]
 
     def warm_up_heads(self) -> None:
@@ -303,9 +316,10 @@ class ModelRunner:
         return self.step.step(token_ids, num_tokens, slots, fresh).numpy()
 
     def memory_bytes(self) -> dict[str, int]:
-        """Bytes the runner allocated: {"weights": the model's variables, "kv_cache": the
-        KV pool (an LSTM: its state slots)}, and "head_screen": the LM head's screen copy
-        where greedy steps screen it. Exact sizes, not resident-memory estimates."""
+        """Bytes the runner holds: {"weights": the model's variables, "kv_cache": the KV
+        pool's resident part (an LSTM: its state slots)}, and "head_screen": the LM head's
+        screen copy where greedy steps screen it. Exact sizes of what was allocated, but for
+        a lazily paged pool (engine/step/kv_pool.py): the blocks written so far."""
         import tensorflow as tf
 
         def size(variable) -> int:
@@ -315,6 +329,9 @@ class ModelRunner:
                   else [self.step.states])
         parts = {"weights": sum(size(w) for w in self.model.weights),
                  "kv_cache": sum(size(v) for v in caches)}
+        if self.is_transformer and self.engine_config.kv_cache_lazy_pages:
+            written = self.cache.num_blocks_written / self.cache.num_blocks
+            parts["kv_cache"] = int(parts["kv_cache"] * written)
         screen = getattr(self.step, "screened_head", None)
         if screen is not None:
             parts["head_screen"] = screen.nbytes

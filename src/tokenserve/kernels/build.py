@@ -214,7 +214,8 @@ LIBRARIES = {library.name: library for library in (
               "GGUF block matmul op",
               mode_env="TOKENSERVE_GGUF_KERNEL", info_op="tokenserve_gguf_matmul_info",
               march_env="TOKENSERVE_GGUF_KERNEL_MARCH", detail=INT8_ACTIVATIONS),
-    OpLibrary("moe", ["moe_experts.cc", "moe_layer.cc"], "mixture-of-experts op",
+    OpLibrary("moe", ["moe_experts.cc", "moe_layer.cc", "moe_gguf_layer.cc"],
+              "mixture-of-experts op",
               mode_env="TOKENSERVE_MOE_KERNEL", info_op="tokenserve_moe_info"),
 )}
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 
+import numpy as np
 import tensorflow as tf
 
 from tokenserve.kernels import build as kbuild
@@ -155,9 +156,27 @@ def finish_block(attn, x, out, norm, up, down, activation: str = "gelu_tanh",
     return y if next_qkv is None else (y, following)
 
 
+LORA_ROLES = ("qkv", "out", "up", "down")
+"""The roles of the LoRA ops' spans, in their order."""
+LORA_PIECES = 3
+"""Pieces of one role's factor a span row holds at most (a fused QKV's q, k and v)."""
+
+
+def full_lora_spans(factors: dict) -> list:
+    """Spans for S slots that fill their factors whole (one piece per role: every rank row
+    on every column): factors as lora_finish_block takes them (a dict of the roles it
+    has)."""
+    first_a, first_b = next(iter(factors.values()))
+    layers = first_a[0].shape[0]
+    span = np.zeros([layers, len(LORA_ROLES), LORA_PIECES, 4], np.int32)
+    for role, (a, b) in factors.items():
+        span[:, LORA_ROLES.index(role), 0] = [0, b[0].shape[1], 0, b[0].shape[2]]
+    return [tf.constant(span)] * len(first_a)
+
+
 def lora_finish_block(attn, x, out, norm, up, down, groups, factors: dict, layer: int,
                       activation: str = "gelu_tanh", eps: float = 1e-5, isa: str = "auto",
-                      next_norm=None, next_qkv=None):
+                      next_norm=None, next_qkv=None, spans: list | None = None):
     """finish_block with each row's LoRA delta on its four projections, in the same one op:
 
         proj(in)[row] = in[row] @ kernel + bias + (in[row] @ A_s[layer]) @ B_s[layer]
@@ -165,10 +184,14 @@ def lora_finish_block(attn, x, out, norm, up, down, groups, factors: dict, layer
     for the row's slot s, rows grouped by slot (lora_delta's `groups`). factors: role ("out",
     "up", "down", "qkv": the next block's, read at layer + 1) -> (A, B): lists of the S
     slots' A_s [L, in, R] and B_s [L, R, out] float32, the slot table's variables as they
-    are. Returns what finish_block returns, None likewise."""
+    are. spans: the S slots' int32 [L, 4, LORA_PIECES, 4], per layer and role (LORA_ROLES)
+    the pieces (rank rows r0..r1 of B nonzero only in columns c0..c1) that the op reads;
+    None: every factor whole. Returns what finish_block returns, None likewise."""
     op = LIBRARY.module()
     if op is None:
         return None
+    if spans is None:
+        spans = full_lora_spans(factors)
     empty = tf.zeros([0], tf.float32)
 
     def bias(w):
@@ -181,22 +204,27 @@ def lora_finish_block(attn, x, out, norm, up, down, groups, factors: dict, layer
     lists = [list(f) for role in ("out", "up", "down", "qkv") for f in factors[role]]
     y, following = op.tokenserve_lora_finish_block(
         attn, x, out["kernel"], bias(out), norm["scale"], bias(norm), up["kernel"], bias(up),
-        down["kernel"], bias(down), *following, *groups, *lists, layer=layer,
+        down["kernel"], bias(down), *following, *groups, *lists, list(spans), layer=layer,
         activation=activation, eps=eps, isa=isa)
     return y if next_qkv is None else (y, following)
 
 
-def lora_delta(y, x, groups, a: list, b: list, layer: int):
+def lora_delta(y, x, groups, a: list, b: list, layer: int, spans: list | None = None,
+               role: str = "qkv"):
     """y [M, out] + each row's LoRA delta (x[row] @ A_s[layer]) @ B_s[layer] for its slot s,
     float32, or None when the compiled op is unavailable.
 
     groups: (order [M] int32, the rows sorted by slot; offsets [S + 2] int32, slot s's rows
     order[offsets[s]:offsets[s + 1]], slot 0 (no adapter) getting none); a, b: the S
-    slots' A_s [L, in, R] and B_s [L, R, out]."""
+    slots' A_s [L, in, R] and B_s [L, R, out]; spans, role: lora_finish_block's spans and
+    the role (LORA_ROLES) of these factors; None: the factors whole."""
     op = LIBRARY.module()
     if op is None:
         return None
-    return op.tokenserve_lora_delta(y, x, *groups, list(a), list(b), layer=layer)
+    if spans is None:
+        spans = full_lora_spans({role: (a, b)})
+    return op.tokenserve_lora_delta(y, x, *groups, list(a), list(b), list(spans), layer=layer,
+                                    role=LORA_ROLES.index(role))
 
 
 def split_rope(qkv, num_heads: int, num_kv_heads: int, head_dim: int, rotary=None,

@@ -34,8 +34,14 @@ def type_name(block_type) -> str:
     return str(getattr(block_type, "name", block_type)).lower()
 
 
-def has_kernel(block_type) -> bool:
-    return type_name(block_type) in KERNEL_TYPES
+EXPERT_KERNEL_TYPES = ("q4_0", "q4_1", "q8_0", "q4_k", "q5_k", "q6_k")
+"""The types the mixture-of-experts op (kernels/moe_gguf.h) reads as stored: not Q5_0 yet."""
+
+
+def has_kernel(block_type, experts: bool = False) -> bool:
+    """Whether a compiled kernel reads `block_type` as stored: the dense ops', or with
+    experts=True the mixture-of-experts op's."""
+    return type_name(block_type) in (EXPERT_KERNEL_TYPES if experts else KERNEL_TYPES)
 
 
 def row_bytes(block_type, k: int) -> int:

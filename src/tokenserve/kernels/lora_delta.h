@@ -12,11 +12,19 @@
 // into y. Few rows (decode at small batch) split out's columns further so both threads
 // work; the repeated in @ A_s is R / (columns per item) of the item's work.
 //
+// Only what an adapter fills is read: each slot's `spans` [L, 4, P, 4] (int32, one row per
+// layer and role: qkv, out, up, down) give up to P pieces of each factor, rank rows
+// [r0, r1) of B that are nonzero only in out's columns [c0, c1) (a fused QKV's q, k and v
+// each fill their own columns; a rank-8 adapter in a rank-16 slot leaves rows 8..16 zero).
+// A role or layer the adapter leaves alone has no piece, and costs nothing; in @ A_s
+// computes only the rank rows a piece reads.
+//
 // Float32 throughout; each delta is summed in a fixed order per row, whatever the batch.
 #ifndef TOKENSERVE_KERNELS_LORA_DELTA_H_
 #define TOKENSERVE_KERNELS_LORA_DELTA_H_
 
 #include <algorithm>
+#include <array>
 #include <cstdint>
 #include <vector>
 
@@ -27,6 +35,7 @@ namespace tokenserve {
 namespace {
 
 constexpr int64 kLoraRows = 8;        // rows of one slot per work item
+constexpr int64 kLoraSerialRows = 4;  // adapter rows at most that the calling thread does alone
 constexpr int64 kLoraMinCols = 256;   // columns per work item at least, when columns split
 constexpr int64 kLoraColBlock = 64;   // columns summed in registers at once
 
@@ -37,10 +46,21 @@ struct LoraGroups {
   int64 num_slots;         // S
 };
 
+constexpr int64 kLoraPieces = 3;      // pieces of one role's factor at most (q, k, v)
+
+// Rank rows [r0, r1) of a factor whose B is nonzero only in columns [c0, c1); empty when
+// r0 == r1.
+struct LoraPiece {
+  int32_t r0, r1, c0, c1;
+};
+
 // One projection's factors for every slot at one layer: a[s - 1] = &A_s[layer] [in, R],
-// b[s - 1] = &B_s[layer] [R, out].
+// b[s - 1] = &B_s[layer] [R, out], pieces[s - 1] what of them the slot fills, used[s - 1]
+// the rank rows its pieces read (the end of the last; 0: the slot adds nothing).
 struct LoraFactor {
   std::vector<const float*> a, b;
+  std::vector<std::array<LoraPiece, kLoraPieces>> pieces;
+  std::vector<int32_t> used;
   int64 width, rank, out;
 };
 
@@ -85,15 +105,20 @@ inline bool ReadLoraGroups(OpKernelContext* ctx, int order_index, int64 m, int64
 }
 
 // Reads S slots' factors of one projection from the inputs [a_index, a_index + S) (A_s
-// [L, in, R]) and the S after them (B_s [L, R, out]) at `layer`; sets ctx's status and
-// returns false when a shape does not fit (in, out given; R and L the slots' own, alike).
-inline bool ReadLoraFactor(OpKernelContext* ctx, int a_index, int64 num_slots, int64 layer,
-                           int64 width, int64 out, const char* name, LoraFactor* factor) {
+// [L, in, R]) and the S after them (B_s [L, R, out]) at `layer`, and their pieces from the
+// inputs [spans_index, spans_index + S) (spans_s [L, 4, P, 4]) at `layer` and `role`; sets
+// ctx's status and returns false when a shape or a piece does not fit (in, out given; R and
+// L the slots' own, alike).
+inline bool ReadLoraFactor(OpKernelContext* ctx, int a_index, int spans_index, int64 num_slots,
+                           int64 layer, int64 role, int64 width, int64 out, const char* name,
+                           LoraFactor* factor) {
   const Tensor& first = ctx->input(a_index);
   const int64 layers = first.dims() == 3 ? first.dim_size(0) : 0;
   const int64 rank = first.dims() == 3 ? first.dim_size(2) : -1;
   factor->a.clear();
   factor->b.clear();
+  factor->pieces.clear();
+  factor->used.clear();
   factor->width = width;
   factor->rank = rank;
   factor->out = out;
@@ -113,29 +138,58 @@ inline bool ReadLoraFactor(OpKernelContext* ctx, int a_index, int64 num_slots, i
     }
     factor->a.push_back(a.flat<float>().data() + layer * width * rank);
     factor->b.push_back(b.flat<float>().data() + layer * rank * out);
+    const Tensor& spans = ctx->input(spans_index + s);
+    if (!(spans.dims() == 4 && spans.dim_size(0) == layers && spans.dim_size(1) == 4 &&
+          spans.dim_size(2) == kLoraPieces && spans.dim_size(3) == 4 && role < 4)) {
+      ctx->CtxFailure(__FILE__, __LINE__,
+                      InvalidArgument("LoRA spans must be [L, 4, ", kLoraPieces, ", 4] with L = ",
+                                      layers, "; slot ", s + 1, " has ",
+                                      spans.shape().DebugString()));
+      return false;
+    }
+    const int32_t* p = spans.flat<int32_t>().data() + (layer * 4 + role) * kLoraPieces * 4;
+    std::array<LoraPiece, kLoraPieces> pieces;
+    int32_t used = 0;
+    for (int64 i = 0; i < kLoraPieces; ++i, p += 4) {
+      pieces[i] = {p[0], p[1], p[2], p[3]};
+      if (!(0 <= p[0] && p[0] <= p[1] && p[1] <= rank && 0 <= p[2] && p[2] <= p[3] &&
+            p[3] <= out)) {
+        ctx->CtxFailure(__FILE__, __LINE__,
+                        InvalidArgument("LoRA span of ", name, " (slot ", s + 1, ", layer ",
+                                        layer, ") must be rows 0 <= r0 <= r1 <= ", rank,
+                                        " and columns 0 <= c0 <= c1 <= ", out, ", got [", p[0],
+                                        ", ", p[1], ", ", p[2], ", ", p[3], "]"));
+        return false;
+      }
+      if (p[0] < p[1] && p[2] < p[3]) used = std::max(used, p[1]);
+    }
+    factor->pieces.push_back(pieces);
+    factor->used.push_back(used);
   }
   return true;
 }
 
-// t [n, r] = in[rows] @ a (a [width, r]).
+// t[:, k0:k1] = in[rows] @ a[:, k0:k1] (a [width, r], t [n, r]).
 inline void LoraShrink(int64 n, const int32_t* rows, const float* in, int64 width,
-                       const float* __restrict a, int64 r, float* __restrict t) {
-  std::fill(t, t + n * r, 0.0f);
+                       const float* __restrict a, int64 r, int64 k0, int64 k1,
+                       float* __restrict t) {
   for (int64 i = 0; i < n; ++i) {
     const float* __restrict x = in + rows[i] * width;
     float* __restrict ti = t + i * r;
+    std::fill(ti + k0, ti + k1, 0.0f);
     for (int64 k = 0; k < width; ++k) {
       const float v = x[k];
       const float* __restrict ak = a + k * r;
-      for (int64 c = 0; c < r; ++c) ti[c] += v * ak[c];
+      for (int64 c = k0; c < k1; ++c) ti[c] += v * ak[c];
     }
   }
 }
 
-// y[rows, j0:j1] += t [n, r] @ b[:, j0:j1] (b [r, out]), kLoraColBlock columns at a time
-// summed in registers.
+// y[rows, j0:j1] += t[:, k0:k1] @ b[k0:k1, j0:j1] (t [n, r], b [r, out]), kLoraColBlock
+// columns at a time summed in registers.
 inline void LoraExpand(int64 n, const int32_t* rows, const float* __restrict t, int64 r,
-                       const float* __restrict b, int64 out, int64 j0, int64 j1, float* y) {
+                       const float* __restrict b, int64 out, int64 k0, int64 k1, int64 j0,
+                       int64 j1, float* y) {
   for (int64 i = 0; i < n; ++i) {
     float* __restrict yi = y + rows[i] * out;
     const float* __restrict ti = t + i * r;
@@ -143,7 +197,7 @@ inline void LoraExpand(int64 n, const int32_t* rows, const float* __restrict t, 
     for (; j + kLoraColBlock <= j1; j += kLoraColBlock) {
       float acc[kLoraColBlock];
       for (int64 c = 0; c < kLoraColBlock; ++c) acc[c] = yi[j + c];
-      for (int64 k = 0; k < r; ++k) {
+      for (int64 k = k0; k < k1; ++k) {
         const float v = ti[k];
         const float* __restrict bk = b + k * out + j;
         for (int64 c = 0; c < kLoraColBlock; ++c) acc[c] += v * bk[c];
@@ -152,9 +206,34 @@ inline void LoraExpand(int64 n, const int32_t* rows, const float* __restrict t, 
     }
     for (; j < j1; ++j) {
       float acc = yi[j];
-      for (int64 k = 0; k < r; ++k) acc += ti[k] * b[k * out + j];
+      for (int64 k = k0; k < k1; ++k) acc += ti[k] * b[k * out + j];
       yi[j] = acc;
     }
+  }
+}
+
+// The rows' delta on columns [j0, j1) (t: scratch [n, R]): in @ A_s on the rank rows of
+// the pieces that reach those columns, then each such piece's product on its columns
+// within them. Nothing where no piece reaches.
+inline void LoraRowsDelta(const LoraFactor& factor, int64 slot, int64 n, const int32_t* rows,
+                          const float* in, int64 j0, int64 j1, float* t, float* y) {
+  const auto& pieces = factor.pieces[slot - 1];
+  auto reaches = [&](const LoraPiece& p) {
+    return p.r0 < p.r1 && std::max<int64>(p.c0, j0) < std::min<int64>(p.c1, j1);
+  };
+  int64 k0 = factor.rank, k1 = 0;
+  for (const LoraPiece& p : pieces) {
+    if (!reaches(p)) continue;
+    k0 = std::min<int64>(k0, p.r0);
+    k1 = std::max<int64>(k1, p.r1);
+  }
+  if (k0 >= k1) return;
+  const int64 r = factor.rank;
+  LoraShrink(n, rows, in, factor.width, factor.a[slot - 1], r, k0, k1, t);
+  for (const LoraPiece& p : pieces) {
+    if (!reaches(p)) continue;
+    LoraExpand(n, rows, t, r, factor.b[slot - 1], factor.out, p.r0, p.r1,
+               std::max<int64>(p.c0, j0), std::min<int64>(p.c1, j1), y);
   }
 }
 
@@ -168,12 +247,27 @@ inline void AddLoraDelta(tensorflow::thread::ThreadPool* pool, const LoraGroups&
     int64 slot, begin, count;  // order[begin:begin + count], all of `slot`
   };
   std::vector<Rows> chunks;
+  int64 num_rows = 0;  // rows of slots that add something here
   for (int64 s = 1; s <= groups.num_slots; ++s) {
+    if (factor.used[s - 1] == 0) continue;  // no piece of this role at this layer
+    num_rows += groups.offsets[s + 1] - groups.offsets[s];
     for (int64 i = groups.offsets[s]; i < groups.offsets[s + 1]; i += kLoraRows) {
       chunks.push_back({s, i, std::min<int64>(kLoraRows, groups.offsets[s + 1] - i)});
     }
   }
   if (chunks.empty()) return;
+  // A few rows (decode of a stream or two): each slot's in @ A_s once and @ B_s whole, on
+  // this thread. Their delta is tens of microseconds a projection, less than splitting it
+  // gains: the columns' split repeats in @ A_s per item, and each call of the team is one
+  // more point where this thread waits on a helper (on a loaded machine, a descheduled one).
+  if (num_rows <= kLoraSerialRows) {
+    std::vector<float> t(kLoraRows * r);
+    for (const Rows& rows : chunks) {
+      LoraRowsDelta(factor, rows.slot, rows.count, groups.order + rows.begin, in, 0,
+                    factor.out, t.data(), y);
+    }
+    return;
+  }
   const int64 workers = pool == nullptr ? 1 : std::max(1, pool->NumThreads());
   const int64 num_chunks = static_cast<int64>(chunks.size());
   // column ranges per row chunk (whole blocks): enough items for every worker twice, none
@@ -187,10 +281,8 @@ inline void AddLoraDelta(tensorflow::thread::ThreadPool* pool, const LoraGroups&
     const int64 range = item % col_ranges;
     const int64 j0 = blocks * range / col_ranges * kLoraColBlock;
     const int64 j1 = std::min(factor.out, blocks * (range + 1) / col_ranges * kLoraColBlock);
-    const int32_t* row_ids = groups.order + rows.begin;
-    float* t = scratch.data() + worker * kLoraRows * r;
-    LoraShrink(rows.count, row_ids, in, factor.width, factor.a[rows.slot - 1], r, t);
-    LoraExpand(rows.count, row_ids, t, r, factor.b[rows.slot - 1], factor.out, j0, j1, y);
+    LoraRowsDelta(factor, rows.slot, rows.count, groups.order + rows.begin, in, j0, j1,
+                  scratch.data() + worker * kLoraRows * r, y);
   });
 }
 

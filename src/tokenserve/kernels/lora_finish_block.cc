@@ -49,6 +49,7 @@ REGISTER_OP("TokenserveLoraFinishBlock")
     .Input("down_b: num_slots * float")  // S x [L, Rd, D]
     .Input("next_a: num_slots * float")  // S x [L, D, Rq] (read only with next_w)
     .Input("next_b: num_slots * float")  // S x [L, Rq, Nq]
+    .Input("spans: num_slots * int32")   // S x [L, 4, P, 4] what each slot fills (lora_delta.h)
     .Output("y: float")               // [M, D]
     .Output("next: float")            // [M, Nq], or [M, 0] without a next block
     .Attr("num_slots: int >= 1")
@@ -95,16 +96,17 @@ class LoraFinishBlockOp : public OpKernel {
     LoraGroups groups;
     if (!ReadLoraGroups(ctx, 14, s.m, num_slots_, &groups)) return;
     // each projection's factors at this layer (the next block's at the next layer)
-    const int first = 16, per = 2 * num_slots_;
+    const int first = 16, per = 2 * num_slots_, spans = first + 4 * per;
     struct {
-      int64 width, out, layer;
+      int64 width, out, layer, role;  // role: the spans' (qkv, out, up, down)
       const char* name;
-    } shapes[] = {{s.da, s.d, layer_, "out"}, {s.d, s.f, layer_, "up"},
-                  {s.inner, s.d, layer_, "down"}, {s.d, s.nq, layer_ + 1, "next"}};
+    } shapes[] = {{s.da, s.d, layer_, 1, "out"}, {s.d, s.f, layer_, 2, "up"},
+                  {s.inner, s.d, layer_, 3, "down"}, {s.d, s.nq, layer_ + 1, 0, "next"}};
     LoraFactor factors[4];
     for (int i = 0; i < (s.has_next ? 4 : 3); ++i) {
-      if (!ReadLoraFactor(ctx, first + i * per, num_slots_, shapes[i].layer, shapes[i].width,
-                          shapes[i].out, shapes[i].name, &factors[i])) {
+      if (!ReadLoraFactor(ctx, first + i * per, spans, num_slots_, shapes[i].layer,
+                          shapes[i].role, shapes[i].width, shapes[i].out, shapes[i].name,
+                          &factors[i])) {
         return;
       }
     }
@@ -141,9 +143,11 @@ REGISTER_OP("TokenserveLoraDelta")
     .Input("offsets: int32")          // [S + 2]
     .Input("a: num_slots * float")    // S x [L, in, R]
     .Input("b: num_slots * float")    // S x [L, R, out]
+    .Input("spans: num_slots * int32")  // S x [L, 4, P, 4] what each slot fills (lora_delta.h)
     .Output("z: float")               // [M, out] y + each row's delta
     .Attr("num_slots: int >= 1")
     .Attr("layer: int >= 0")
+    .Attr("role: int >= 0 = 0")       // the spans' role: 0 qkv, 1 out, 2 up, 3 down
     .SetShapeFn([](InferenceContext* c) {
       c->set_output(0, c->input(0));
       return absl::OkStatus();
@@ -155,6 +159,7 @@ class LoraDeltaOp : public OpKernel {
   explicit LoraDeltaOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
     OP_REQUIRES_OK(ctx, ctx->GetAttr("num_slots", &num_slots_));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("layer", &layer_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("role", &role_));
   }
 
   void Compute(OpKernelContext* ctx) override {
@@ -167,8 +172,8 @@ class LoraDeltaOp : public OpKernel {
     LoraGroups groups;
     if (!ReadLoraGroups(ctx, 2, m, num_slots_, &groups)) return;
     LoraFactor factor;
-    if (!ReadLoraFactor(ctx, 4, num_slots_, layer_, x.dim_size(1), y.dim_size(1), "x",
-                        &factor)) {
+    if (!ReadLoraFactor(ctx, 4, 4 + 2 * num_slots_, num_slots_, layer_, role_, x.dim_size(1),
+                        y.dim_size(1), "x", &factor)) {
       return;
     }
     Tensor* z = nullptr;
@@ -184,6 +189,7 @@ class LoraDeltaOp : public OpKernel {
  private:
   int num_slots_ = 1;
   int64 layer_ = 0;
+  int64 role_ = 0;
 };
 
 REGISTER_KERNEL_BUILDER(Name("TokenserveLoraDelta").Device(DEVICE_CPU), LoraDeltaOp);

@@ -6,10 +6,13 @@
     #     with e = ids[:, j], for float32 x [M, D]; counts [E]: rows per expert
 
     y = moe_experts(x, expert_ids, gates, ups, downs, residual=x)   # the router's choice given
+    y, counts = moe_gguf_layer(x, router, [((gate_type, gate_blocks), (up_type, up_blocks),
+                                            (down_type, down_blocks)), ...], k=2, ...)
 
 Each expert with rows runs once on its rows (the dense op's kernels); an expert without rows
 is never read, so a step reads the active experts' bytes (moe_grouped.h; moe_layer.cc adds
-the router, moe_experts.cc takes its choice as inputs). The stock-TF path is
+the router, moe_experts.cc takes its choice as inputs; moe_gguf_layer.cc is moe_layer for
+experts kept in a GGUF file's blocks, through the block op's kernels). The stock-TF path is
 `tokenserve.model.moe.moe_mlp`, which the engine takes where these return None (the op not
 compiled, or forced off with TOKENSERVE_MOE_KERNEL=fallback or TOKENSERVE_KERNELS=fallback),
 and which SavedModels export.
@@ -69,6 +72,30 @@ def moe_layer(x, router, ups: list, downs: list, k: int, normalize: bool, residu
     return op.tokenserve_moe_layer(x, router, empty if residual is None else residual,
                                    no_gate if shared_gate is None else shared_gate, list(ups),
                                    list(downs), k=k, normalize=normalize, isa=isa)
+
+
+def moe_gguf_layer(x, router, experts: list, k: int, normalize: bool, residual=None,
+                   shared_gate=None, isa: str = "auto"):
+    """moe_layer for experts kept as GGUF blocks (moe_gguf_layer.cc): (y, counts int32 [E]),
+    or None where the op is unavailable.
+
+    experts: per expert, ((gate type, gate blocks), (up type, up blocks), (down type, down
+    blocks)): uint8 [F, D / values * block bytes] for gate and up, [D, F / values * block
+    bytes] for down, types "q4_0", "q4_1", "q8_0", "q4_k", "q5_k" or "q6_k"; the E routed
+    experts, then the shared one where shared_gate is given. The rest as moe_layer."""
+    op = LIBRARY.module()
+    if op is None:
+        return None
+    empty = tf.zeros([0, 0], tf.float32)
+    router = tf.convert_to_tensor(router)
+    no_gate = tf.zeros([0, 0], router.dtype)
+    (gate_types, gates), (up_types, ups), (down_types, downs) = (
+        zip(*[expert[role] for expert in experts]) for role in range(3))
+    return op.tokenserve_moe_gguf_layer(
+        x, router, empty if residual is None else residual,
+        no_gate if shared_gate is None else shared_gate, list(gates), list(ups), list(downs),
+        gate_types=list(gate_types), up_types=list(up_types), down_types=list(down_types), k=k,
+        normalize=normalize, isa=isa)
 
 
 def is_compiled() -> bool:

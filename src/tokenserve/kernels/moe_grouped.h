@@ -44,6 +44,46 @@ inline void CheckExperts(OpKernelContext* ctx, const OpInputList& up, const OpIn
   }
 }
 
+// The M * k (row, expert) pairs sorted by expert (a counting sort, stable: within an expert
+// rows ascend): expert e's pairs are pairs[start[e] .. start[e + 1]), pair p = row * k + j.
+struct ExpertGroups {
+  std::vector<int64> start, pairs;  // [N + 1], [M * k]
+  int64 Count(int64 e) const { return start[e + 1] - start[e]; }
+};
+
+// ids [M, k] in [0, n) (callers check); counts [n]: the pairs each expert got.
+inline ExpertGroups GroupByExpert(const int32_t* ids, int64 m, int64 k, int64 n,
+                                  int32_t* counts) {
+  ExpertGroups g;
+  g.start.assign(n + 1, 0);
+  for (int64 p = 0; p < m * k; ++p) ++g.start[ids[p] + 1];
+  for (int64 e = 0; e < n; ++e) g.start[e + 1] += g.start[e];
+  g.pairs.resize(m * k);
+  std::vector<int64> next(g.start.begin(), g.start.end() - 1);
+  for (int64 p = 0; p < m * k; ++p) g.pairs[next[ids[p]]++] = p;
+  for (int64 e = 0; e < n; ++e) counts[e] = static_cast<int32_t>(g.Count(e));
+  return g;
+}
+
+// rows [count, d] = the rows of x that `pairs` (p = row * k + j) name.
+inline void GatherRows(const float* x, int64 d, const int64* pairs, int64 count, int64 k,
+                       float* rows) {
+  for (int64 i = 0; i < count; ++i) {
+    std::memcpy(rows + i * d, x + pairs[i] / k * d, d * sizeof(float));
+  }
+}
+
+// y[row of pair i] += gates[pair i] * product[i] for the `count` pairs.
+inline void ScatterAdd(const float* product, int64 d, const float* gates, const int64* pairs,
+                       int64 count, int64 k, float* y) {
+  for (int64 i = 0; i < count; ++i) {
+    const float gate = gates[pairs[i]];
+    float* out = y + pairs[i] / k * d;
+    const float* z = product + i * d;
+    for (int64 c = 0; c < d; ++c) out[c] += gate * z[c];
+  }
+}
+
 struct ExpertScratch {
   std::vector<float> rows, hidden, product;  // [count, D], [count, F], [count, D]
 };
@@ -58,9 +98,7 @@ void RunExpert(OpKernelContext* ctx, bool avx2, const float* x, int64 d, const f
   s.rows.resize(count * d);
   s.hidden.resize(count * f);
   s.product.resize(count * d);
-  for (int64 i = 0; i < count; ++i) {
-    std::memcpy(s.rows.data() + i * d, x + pairs[i] / k * d, d * sizeof(float));
-  }
+  GatherRows(x, d, pairs, count, k, s.rows.data());
   auto* pool = WorkerPool(ctx);
   ComputeDense<W>({count, d, f2, f}, {s.rows.data(), up.flat<W>().data(), nullptr, nullptr,
                                       s.hidden.data(), Activation::kSwiglu},
@@ -68,12 +106,7 @@ void RunExpert(OpKernelContext* ctx, bool avx2, const float* x, int64 d, const f
   ComputeDense<W>({count, f, d, d}, {s.hidden.data(), down.flat<W>().data(), nullptr, nullptr,
                                      s.product.data(), Activation::kNone},
                   true, pool, avx2);
-  for (int64 i = 0; i < count; ++i) {
-    const float gate = gates[pairs[i]];
-    float* out = y + pairs[i] / k * d;
-    const float* z = s.product.data() + i * d;
-    for (int64 c = 0; c < d; ++c) out[c] += gate * z[c];
-  }
+  ScatterAdd(s.product.data(), d, gates, pairs, count, k, y);
 }
 
 // y[row] += sum_j gates[row, j] * expert_{ids[row, j]}(x[row]) for the M rows, grouped by
@@ -83,12 +116,9 @@ inline void RunGroupedExperts(OpKernelContext* ctx, bool avx2, const float* x, i
                               const OpInputList& up, const OpInputList& down, float* y,
                               int32_t* counts) {
   const int64 n = up.size();
-  std::vector<int64> start(n + 1, 0);
-  for (int64 p = 0; p < m * k; ++p) ++start[ids[p] + 1];
-  for (int64 e = 0; e < n; ++e) start[e + 1] += start[e];
-  std::vector<int64> pairs(m * k), next(start.begin(), start.end() - 1);
-  for (int64 p = 0; p < m * k; ++p) pairs[next[ids[p]]++] = p;
-  for (int64 e = 0; e < n; ++e) counts[e] = static_cast<int32_t>(start[e + 1] - start[e]);
+  const ExpertGroups groups = GroupByExpert(ids, m, k, n, counts);
+  const std::vector<int64>& start = groups.start;
+  const std::vector<int64>& pairs = groups.pairs;
   if (m == 0 || d == 0) return;
   const bool bf16 = up[0].dtype() == tensorflow::DT_BFLOAT16;
   ExpertScratch scratch;  // per call: TF may run one kernel's Compute on two threads at once

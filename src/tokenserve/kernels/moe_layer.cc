@@ -11,21 +11,16 @@
 //   (N = E + 1). Outputs y [M, D] and counts [E], the rows each routed expert ran on.
 //
 // One op a layer where the router used to be a matmul, a softmax, a top-k and a division of
-// their own. The routing follows TF's ops (tokenserve.model.moe.route): a float32 softmax
-// (the row's maximum subtracted, exp, times the inverse of the sum), then the k largest
-// probabilities in descending order, a tie going to the lower expert index (as
-// tf.math.top_k), then each chosen one divided by their sum. The shared expert rides along
-// as expert E, chosen by every row with its sigmoid gate. The experts run grouped
-// (moe_grouped.h): one without rows is never read.
+// their own; the router and its checks are moe_route.h's (shared with the GGUF blocks' op,
+// moe_gguf_layer.cc). The shared expert rides along as expert E, chosen by every row with its
+// sigmoid gate. The experts run grouped (moe_grouped.h): one without rows is never read.
 
 #include <algorithm>
-#include <cmath>
 #include <cstdint>
 #include <vector>
 
-#include "dense_args.h"
-#include "dense_compute.h"
 #include "moe_grouped.h"
+#include "moe_route.h"
 #include "op_support.h"
 
 namespace tokenserve {
@@ -73,26 +68,11 @@ class MoeLayerOp : public OpKernel {
     OpInputList up, down;
     OP_REQUIRES_OK(ctx, ctx->input_list("up", &up));
     OP_REQUIRES_OK(ctx, ctx->input_list("down", &down));
-    OP_REQUIRES(ctx, x.dims() == 2, InvalidArgument("x must be [M, D], got ",
-                                                    x.shape().DebugString()));
+    int64 e = 0;
+    CheckLayerInputs(ctx, x, router, residual, shared_gate, up.size(), k_, &e);
+    if (!ctx->status().ok()) return;
     const int64 m = x.dim_size(0), d = x.dim_size(1);
-    OP_REQUIRES(ctx, router.dims() == 2 && router.dim_size(0) == d,
-                InvalidArgument("router must be [", d, ", E], got ",
-                                router.shape().DebugString()));
-    const int64 e = router.dim_size(1);
     const bool shared = shared_gate.NumElements() > 0;
-    OP_REQUIRES(ctx, !shared || IsMatrix(shared_gate, d, 1),
-                InvalidArgument("shared_gate must be [", d, ", 1] or empty, got ",
-                                shared_gate.shape().DebugString()));
-    OP_REQUIRES(ctx, up.size() == e + shared,
-                InvalidArgument("the router has ", e, " experts",
-                                shared ? " and shared_gate one more" : "", " but ", up.size(),
-                                " up matrices are given"));
-    OP_REQUIRES(ctx, k_ <= e, InvalidArgument("k = ", k_, " exceeds the router's ", e,
-                                              " experts"));
-    OP_REQUIRES(ctx, residual.NumElements() == 0 || IsMatrix(residual, m, d),
-                InvalidArgument("residual must be [", m, ", ", d, "] or empty, got ",
-                                residual.shape().DebugString()));
     CheckExperts(ctx, up, down, d);
     if (!ctx->status().ok()) return;
 
@@ -110,11 +90,8 @@ class MoeLayerOp : public OpKernel {
     const int64 width = k_ + shared;  // pairs per row: the routed experts, then the shared one
     std::vector<int32_t> ids(m * width);
     std::vector<float> gates(m * width);
-    if (router.dtype() == tensorflow::DT_BFLOAT16) {
-      Route<bfloat16>(ctx, xp, m, d, e, router, shared_gate, ids.data(), gates.data());
-    } else {
-      Route<float>(ctx, xp, m, d, e, router, shared_gate, ids.data(), gates.data());
-    }
+    RouteRows(ctx, avx2_, xp, m, d, e, k_, normalize_, router, shared_gate, ids.data(),
+              gates.data());
     std::vector<int32_t> all_counts(up.size());
     RunGroupedExperts(ctx, avx2_, xp, m, d, ids.data(), gates.data(), width, up, down, y,
                       all_counts.data());
@@ -122,56 +99,6 @@ class MoeLayerOp : public OpKernel {
   }
 
  private:
-  // Each row's k experts and their gates (then expert E and its sigmoid gate, when shared):
-  // ids, gates [M, k + shared].
-  template <typename R>
-  void Route(OpKernelContext* ctx, const float* x, int64 m, int64 d, int64 e,
-             const Tensor& router, const Tensor& shared_gate, int32_t* ids, float* gates) {
-    const bool shared = shared_gate.NumElements() > 0;
-    const int64 width = k_ + shared;
-    std::vector<float> logits(m * e), shared_logits(shared ? m : 0);
-    auto* pool = WorkerPool(ctx);
-    ComputeDense<R>({m, d, e, e}, {x, router.flat<R>().data(), nullptr, nullptr, logits.data(),
-                                   Activation::kNone},
-                    true, pool, avx2_);
-    if (shared) {
-      ComputeDense<R>({m, d, 1, 1}, {x, shared_gate.flat<R>().data(), nullptr, nullptr,
-                                     shared_logits.data(), Activation::kNone},
-                      true, pool, avx2_);
-    }
-    std::vector<float> probs(e);
-    std::vector<char> taken(e);
-    for (int64 r = 0; r < m; ++r) {
-      const float* l = logits.data() + r * e;
-      float top = l[0];
-      for (int64 c = 1; c < e; ++c) top = std::max(top, l[c]);
-      float sum = 0.f;
-      for (int64 c = 0; c < e; ++c) sum += probs[c] = std::exp(l[c] - top);
-      const float inverse = 1.f / sum;
-      for (int64 c = 0; c < e; ++c) probs[c] *= inverse;
-      std::fill(taken.begin(), taken.end(), 0);
-      int32_t* row_ids = ids + r * width;
-      float* row_gates = gates + r * width;
-      float chosen = 0.f;
-      for (int64 j = 0; j < k_; ++j) {  // descending; strictly greater keeps the lower index
-        int64 best = -1;
-        for (int64 c = 0; c < e; ++c) {
-          if (!taken[c] && (best < 0 || probs[c] > probs[best])) best = c;
-        }
-        taken[best] = 1;
-        row_ids[j] = static_cast<int32_t>(best);
-        chosen += row_gates[j] = probs[best];
-      }
-      if (normalize_) {
-        for (int64 j = 0; j < k_; ++j) row_gates[j] /= chosen;
-      }
-      if (shared) {
-        row_ids[k_] = static_cast<int32_t>(e);
-        row_gates[k_] = 1.f / (1.f + std::exp(-shared_logits[r]));
-      }
-    }
-  }
-
   bool avx2_ = false;
   int64 k_ = 1;
   bool normalize_ = false;

@@ -280,12 +280,6 @@ def load_gguf(path: str | Path, compute_dtype: str = "float32", context: int | N
     if tokenizer.vocab_size > config.vocab_size:
         raise ModelLoadError(f"{file.path.name}: the tokenizer has {tokenizer.vocab_size} tokens "
                              f"but token_embd.weight only {config.vocab_size} rows")
-    if keep_blocks and config.num_experts:
-        # the stored-blocks import reads dense layers; experts go through the dequantizing
-        # reader
-        log.info("%s: a mixture of experts is dequantized (blocks are kept for dense "
-                 "files)", file.path.name)
-        keep_blocks = False
     if keep_blocks:
         from tokenserve.model.gguf_stored import assign_stored, stored_config, tie_if_same_blocks
 

@@ -25,7 +25,7 @@ from tokenserve.config import TransformerConfig
 from tokenserve.errors import ModelLoadError
 from tokenserve.kernels.gguf_types import (INT8, format_spec, has_kernel, parse_spec,
                                            row_bytes, type_name)
-from tokenserve.model import gguf_stored_names
+from tokenserve.model import gguf_moe_stored, gguf_stored_names
 from tokenserve.model.gguf_file import GGUFFile, dequantize, supported_tensor_types
 
 log = logging.getLogger(__name__)
@@ -90,6 +90,8 @@ def stored_config(file: GGUFFile, config: TransformerConfig) -> TransformerConfi
                      ", ".join(f"{n} ({t.tensor_type.name})" for n, t in zip(names, tensors)),
                      layer)
             specs.append((layer, INT8))
+    if config.num_experts:  # each expert's slice of the stacked tensors (gguf_moe_stored.py)
+        specs += gguf_moe_stored.expert_specs(file, config)
     return dataclasses.replace(config, weight_format="gguf", gguf_block_types=tuple(specs))
 
 
@@ -113,8 +115,11 @@ def assign_stored(model, config: TransformerConfig, file: GGUFFile) -> None:
                                  f"{tuple(variable.shape)}")
         variable.assign(value)
 
+    sources = layer_sources(file, config)
     for layer, spec in config.gguf_block_types:
-        names = layer_sources(file, config)[layer]
+        if layer not in sources:
+            continue  # an expert's projection: gguf_moe_stored.assign_experts below
+        names = sources[layer]
         what = ", ".join(names)
         base = "token_embedding" if layer == "token_embedding" else layer + "/kernel"
         if spec == INT8:
@@ -142,6 +147,8 @@ def assign_stored(model, config: TransformerConfig, file: GGUFFile) -> None:
         if combine == "positions":
             value = value[:config.max_seq_len]  # a shorter context reads fewer positions
         put(path, value, ", ".join(names))
+    if config.num_experts:
+        gguf_moe_stored.assign_experts(file, config, put)
     if variables:
         raise ModelLoadError(f"{file.path.name}: nothing in the file for {sorted(variables)[0]}")
 
@@ -153,6 +160,8 @@ def _refuse_unused(file: GGUFFile, config: TransformerConfig) -> None:
         used.update(names)
     for names, _ in _float_sources(file, config).values():
         used.update(names)
+    if config.num_experts:
+        used.update(gguf_moe_stored.tensor_names(config))
     if config.tie_embeddings:
         used.add("output.weight")  # the embedding again (a tied head saved explicitly)
     extra = sorted(set(file.tensors) - used)

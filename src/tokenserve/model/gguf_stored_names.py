@@ -29,6 +29,8 @@ def layer_sources(architecture: str, config: TransformerConfig) -> dict[str, lis
         sources["head"] = ["output.weight"]
     for i in range(config.num_layers):
         for role, names in roles.items():
+            if role in ("up", "down") and config.layer_has_experts(i):
+                continue  # a mixture of experts' MLP: model/gguf_moe_stored.py
             sources[f"block_{i}/{role}"] = [f"blk.{i}.{name}.weight" for name in names]
     return sources
 

@@ -87,10 +87,27 @@ def linear(x, weights: dict):
         y = gguf_linear(x, parts, portable=_portable.get())
     else:
         y = tf.matmul(x, tf.cast(weights["kernel"], x.dtype))
+    if "lora" in weights:  # a full pass with an adapter (lora_factors): + (x @ A) @ B
+        a, b = weights["lora"]
+        y = y + tf.cast(tf.matmul(tf.matmul(tf.cast(x, tf.float32), a), b), y.dtype)
     return y + tf.cast(weights["bias"], x.dtype) if "bias" in weights else y
 
 
 _portable = contextvars.ContextVar("tokenserve_portable_graphs", default=False)
+_lora_factors = contextvars.ContextVar("tokenserve_lora_factors", default=None)
+
+
+@contextlib.contextmanager
+def lora_factors(factors: dict):
+    """Inside, each Dense layer named in `factors` (id(layer) -> (A [in, r], B [r, out])
+    float32) adds each row's (x @ A) @ B to its product: a full forward pass of the model
+    with a LoRA adapter, on this thread only (prompt logprobs on an adapter). The engine's
+    steps take their weights once, outside, and never see it."""
+    token = _lora_factors.set(factors)
+    try:
+        yield
+    finally:
+        _lora_factors.reset(token)
 
 
 @contextlib.contextmanager
@@ -217,6 +234,9 @@ class Dense(keras.layers.Layer):
             found = {"kernel": self.kernel.value}
         if self.use_bias:
             found["bias"] = self.bias.value
+        factors = _lora_factors.get()
+        if factors and id(self) in factors:
+            found["lora"] = factors[id(self)]
         return found
 
 

@@ -24,6 +24,7 @@ import keras
 import tensorflow as tf
 
 from tokenserve.config import TransformerConfig
+from tokenserve.kernels.gguf_types import layer_format
 from tokenserve.model.layers import _INIT_STD, Block, Dense, linear, mlp
 
 
@@ -91,25 +92,28 @@ class MoE(keras.layers.Layer):
     """A router (float weights whatever the format: routing decides which weights are
     read), `num_experts` SwiGLU experts and, where the family has one, a gated shared
     expert. Variables: router/kernel [D, E]; expert_{e}_up [D, 2F], expert_{e}_down [F, D];
-    shared_up, shared_down, shared_gate [D, 1]."""
+    shared_up, shared_down, shared_gate [D, 1]. A GGUF import that keeps blocks as stored
+    gives each expert's projections their own blocks spec (layer_format of
+    "{block}/expert_{e}_up", ...: the gate's rows and the up's rows two parts)."""
 
-    def __init__(self, config: TransformerConfig, **kwargs):
+    def __init__(self, config: TransformerConfig, block: str = "", **kwargs):
         super().__init__(**kwargs)
         self.config = c = config
         down_std = _INIT_STD / math.sqrt(2 * c.num_layers)
+        formats = lambda name: layer_format(c, f"{block}/{name}")  # noqa: E731
         self.router = Dense(c.num_experts, False, name="router")
         self.experts = [
-            (Dense(2 * c.expert_intermediate_size, False, weight_format=c.weight_format,
-                   name=f"expert_{e}_up"),
-             Dense(c.hidden_size, False, std=down_std, weight_format=c.weight_format,
-                   name=f"expert_{e}_down"))
+            (Dense(2 * c.expert_intermediate_size, False,
+                   weight_format=formats(f"expert_{e}_up"), name=f"expert_{e}_up"),
+             Dense(c.hidden_size, False, std=down_std,
+                   weight_format=formats(f"expert_{e}_down"), name=f"expert_{e}_down"))
             for e in range(c.num_experts)]
         self.shared = None
         if c.shared_expert_size:
             self.shared = (
-                Dense(2 * c.shared_expert_size, False, weight_format=c.weight_format,
+                Dense(2 * c.shared_expert_size, False, weight_format=formats("shared_up"),
                       name="shared_up"),
-                Dense(c.hidden_size, False, std=down_std, weight_format=c.weight_format,
+                Dense(c.hidden_size, False, std=down_std, weight_format=formats("shared_down"),
                       name="shared_down"),
                 Dense(1, False, name="shared_gate"))
 
@@ -146,7 +150,7 @@ class MoEBlock(Block):
     """A pre-norm block whose feed-forward layer is a mixture of experts."""
 
     def make_mlp(self, config: TransformerConfig):
-        return MoE(config, name="mlp")
+        return MoE(config, block=self.name, name="mlp")
 
     def build_mlp(self, input_shape):
         self.mlp.build_sublayers(input_shape)

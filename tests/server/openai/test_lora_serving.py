@@ -178,3 +178,26 @@ def test_bad_adapters_get_400_and_nothing_is_loaded(server, tmp_path):
     assert unload(server, "never-loaded").status_code == 404
     assert httpx.post(server["url"] + "/v1/load_lora_adapter",
                       json={"lora_name": "x", "lora_path": str(good)}).status_code == 401
+
+
+def test_echo_with_logprobs_on_an_adapter_gives_peft_prompt_logprobs(server):
+    """echo + logprobs on an adapter: the prompt's logprobs are the adapted model's (peft's
+    log-softmax), not the base's."""
+    import numpy as np
+    import torch
+
+    made, tokenizer = server["made"], server["tokenizer"]
+    answer = client(server).completions.create(model="a0", prompt=PROMPT, max_tokens=1,
+                                               echo=True, logprobs=1, temperature=0)
+    logprobs = answer.choices[0].logprobs.token_logprobs
+    prompt_ids = tokenizer.encode(PROMPT)
+    assert logprobs[0] is None and len(logprobs) == len(prompt_ids) + 1
+    with torch.no_grad():
+        for model, name in ((made.adapters[0][1], "a0"), (made.hf_model, "base")):
+            logits = model(torch.tensor([prompt_ids])).logits[0]
+            expected = torch.log_softmax(logits, -1)[range(len(prompt_ids) - 1),
+                                                     prompt_ids[1:]].numpy()
+            if name == "a0":
+                np.testing.assert_allclose(logprobs[1:len(prompt_ids)], expected, atol=1e-4)
+            else:  # the adapter changes them: the check above could not pass on the base's
+                assert not np.allclose(logprobs[1:len(prompt_ids)], expected, atol=1e-4)

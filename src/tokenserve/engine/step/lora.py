@@ -8,6 +8,11 @@ variable per slot, role and factor:
     B[role][s - 1]  [layers, R_role, out]     (Llama q/k/v: 3, gate/up: 2; GPT-2: 1), the
                                               scale folded in
 
+and, per slot, `spans` [layers, 4, P, 4] int32: per layer and role the pieces of B that
+the adapter fills (rank rows r0..r1 nonzero only in columns c0..c1: a fused QKV's q, k and v
+pieces each on their own columns; none for a role or layer it leaves alone), so the ops read
+no zeros of the table (kernels/lora_delta.h).
+
 A slot is written whole by `assign` (never a sparse write, which would make every later read
 of the variable copy it), so the step reads each variable in place: no per-step copy of the
 table. A step with adapter rows takes two more inputs: `active` [K], the distinct slots of its
@@ -32,6 +37,8 @@ import tensorflow as tf
 from tokenserve.config import TransformerConfig
 from tokenserve.engine.lora_adapter import ROLES, role_ranks, role_shapes
 from tokenserve.kernels import dense as kdense
+
+assert ROLES == kdense.LORA_ROLES  # the ops' spans index roles in this order
 from tokenserve.model.layers import linear, norm
 
 
@@ -52,6 +59,9 @@ class LoraTable(tf.Module):
                                      trainable=False, name=f"lora_b_{role}_{slot}")
                          for slot in range(1, max_loras + 1)]
                   for role, (_, w_out) in self.widths.items()}
+        self.spans = [tf.Variable(tf.zeros([layers, len(ROLES), kdense.LORA_PIECES, 4],
+                                           tf.int32), trainable=False, name=f"lora_spans_{slot}")
+                      for slot in range(1, max_loras + 1)]
 
     @property
     def num_bytes(self) -> int:
@@ -64,7 +74,8 @@ class LoraTable(tf.Module):
         zeros for None. Any thread (the server's, as it checks an adapter), so the engine's
         slot write between steps is only a copy."""
         values = []
-        for role in ROLES:
+        spans = np.zeros(self.spans[0].shape, np.int32)
+        for j, role in enumerate(ROLES):
             (w_in, w_out), rank = self.widths[role], self.ranks[role]
             a = np.zeros([self.config.num_layers, w_in, rank], np.float32)
             b = np.zeros([self.config.num_layers, rank, w_out], np.float32)
@@ -72,8 +83,9 @@ class LoraTable(tf.Module):
                 if role in layer:
                     fa, fb = layer[role]
                     a[i, :, :fa.shape[1]], b[i, :fb.shape[0]] = fa, fb
+                    spans[i, j] = filled_pieces(fb, kdense.LORA_PIECES)
             values += [tf.constant(a), tf.constant(b)]
-        return values
+        return values + [tf.constant(spans)]
 
     def write_slot(self, slot: int, values: list[tf.Tensor]) -> None:
         """Puts prepared values (`prepare`'s) in `slot`. The engine writes between steps, on
@@ -85,6 +97,7 @@ class LoraTable(tf.Module):
         for role in ROLES:
             self.a[role][slot - 1].assign(next(values))
             self.b[role][slot - 1].assign(next(values))
+        self.spans[slot - 1].assign(next(values))
 
     def bind(self, blocks, active, token_slot, dtype) -> "LoraBlocks":
         """The step's blocks with the deltas of the `active` slots ([K]) on each token's
@@ -97,7 +110,36 @@ class LoraTable(tf.Module):
         offsets = tf.concat([[0], tf.cumsum(counts)], 0)                    # [S + 2]
         factors = {role: ([v.value() for v in self.a[role]], [v.value() for v in self.b[role]])
                    for role in ROLES}
-        return LoraBlocks(blocks, factors, (order, offsets), row_slot)
+        spans = [v.value() for v in self.spans]
+        return LoraBlocks(blocks, factors, (order, offsets), row_slot, spans)
+
+
+def filled_pieces(b: np.ndarray, max_pieces: int) -> np.ndarray:
+    """The pieces of B [r, out] that are not zero, as [max_pieces, 4] int32 rows (r0, r1,
+    c0, c1): rank rows r0..r1 whose nonzero columns all lie in c0..c1, consecutive rows
+    whose nonzero columns fall in one range (a fused role's q, k, v or gate, up factor)
+    sharing a piece; all-zero rows in none. Past max_pieces the last piece takes the rest
+    of the rows, every column (exact, only wider)."""
+    # each row's first and last nonzero column in whole-array calls: the check runs on a
+    # server thread and holds the GIL the engine's thread needs between steps
+    nonzero = b != 0
+    firsts = nonzero.argmax(1).tolist()
+    ends = (b.shape[1] - nonzero[:, ::-1].argmax(1)).tolist()
+    pieces: list[list[int]] = []
+    for k in np.flatnonzero(nonzero.any(1)).tolist():
+        c0, c1 = firsts[k], ends[k]
+        last = pieces[-1] if pieces else None
+        # a row after its piece's last one, its columns overlapping the piece's: one piece
+        if last is not None and last[1] == k and c0 < last[3] and last[2] < c1:
+            last[1], last[2], last[3] = k + 1, min(last[2], c0), max(last[3], c1)
+        else:
+            pieces.append([k, k + 1, c0, c1])
+    if len(pieces) > max_pieces:
+        pieces[max_pieces - 1:] = [[pieces[max_pieces - 1][0], pieces[-1][1], 0, b.shape[1]]]
+    out = np.zeros([max_pieces, 4], np.int32)
+    if pieces:
+        out[:len(pieces)] = pieces
+    return out
 
 
 class LoraBlocks:
@@ -111,8 +153,9 @@ class LoraBlocks:
     (kernels/dense.py lora_delta), or where no op is compiled by plain TF ops (every slot's
     product, masked to its rows)."""
 
-    def __init__(self, blocks, factors: dict, groups: tuple, row_slot):
+    def __init__(self, blocks, factors: dict, groups: tuple, row_slot, spans: list):
         self.blocks, self.factors, self.groups, self.row_slot = blocks, factors, groups, row_slot
+        self.spans = spans
         self.config = blocks.model.config
         self.fused = hasattr(blocks, "linear")
         self.weights = [dict(w, lora_layer=i) for i, w in enumerate(blocks.weights)]
@@ -122,11 +165,11 @@ class LoraBlocks:
         a, b = self.factors[role]
         x32 = tf.cast(x, tf.float32)
         if y.dtype == tf.float32:
-            added = kdense.lora_delta(y, x32, self.groups, a, b, layer)
+            added = kdense.lora_delta(y, x32, self.groups, a, b, layer, self.spans, role)
             if added is not None:
                 return added
         delta = kdense.lora_delta(tf.zeros([tf.shape(x)[0], b[0].shape[-1]]), x32,
-                                  self.groups, a, b, layer)
+                                  self.groups, a, b, layer, self.spans, role)
         if delta is None:  # stock TF: every slot's product, masked to its rows
             delta = tf.add_n([
                 tf.matmul(tf.matmul(x32, a_s[layer]) * tf.cast(
@@ -189,7 +232,7 @@ class LoraBlocks:
         act = "swiglu" if self.config.mlp == "swiglu" else "gelu_tanh"
         return kdense.lora_finish_block(attn, x, w["out"], w["mlp_norm"], w["up"], w["down"],
                                         self.groups, self.factors, w["lora_layer"], act,
-                                        self.config.norm_eps, **following)
+                                        self.config.norm_eps, spans=self.spans, **following)
 
     def between(self, x, attn, rotary, w, w_next):
         fused = self._fused_finish(x, attn, w, w_next)

@@ -4,10 +4,11 @@ A step's rows (decode rows and prefill chunks alike, packed into one [N] axis) g
 the router together; each expert then runs once on the rows that chose it. For float32 rows
 and float experts that is one op a layer, on the fused and the graph path alike (kernels/
 moe.py: the router's matmul, softmax, top-k and renormalisation, then the grouped experts,
-reading only those with rows); int8 experts, bfloat16 rows and exported SavedModels take
-model/moe.py's stock-TF routing and grouping, which reads no more. Qwen2-MoE's shared expert
-rides along as one more expert that every row chooses, its gate the sigmoid of its own
-projection.
+reading only those with rows); experts kept as a GGUF file's blocks take the same one op in
+its blocks form (kernels/moe_gguf_layer.cc, q8 activations as the dense block op's); int8
+experts, bfloat16 rows and exported SavedModels take model/moe.py's stock-TF routing and
+grouping, which reads no more. Qwen2-MoE's shared expert rides along as one more expert that
+every row chooses, its gate the sigmoid of its own projection.
 
 Each MoE layer counts the rows routed to each of its experts into its row of an int64
 [layers, experts] variable inside the step (ExpertLoad): no extra output of the step; the
@@ -22,6 +23,7 @@ import tensorflow as tf
 from tokenserve.config import TransformerConfig
 from tokenserve.kernels import dense as kdense
 from tokenserve.kernels import moe as kmoe
+from tokenserve.model.gguf_linear import gguf_parts
 from tokenserve.model.moe import (expert_counts, grouped_experts, moe_mlp, route,
                                   shared_expert)
 
@@ -86,11 +88,11 @@ def graph_moe(h, w: dict, config: TransformerConfig):
 
 def _moe_op(h, residual, w: dict, config: TransformerConfig):
     """residual + moe(h) as kernels/moe.py's one op (which also counts each expert's rows
-    into w["load"]), or None where it does not apply: int8 or GGUF-block experts, or the op
-    unavailable. The shared expert rides along as one more expert with its sigmoid gate."""
+    into w["load"]), or None where it does not apply: int8 experts, or the op unavailable.
+    The shared expert rides along as one more expert with its sigmoid gate."""
     experts, shared = w["experts"], w.get("shared")
     if not all("kernel" in e["up"] and "kernel" in e["down"] for e in experts):
-        return None
+        return _moe_gguf_op(h, residual, w, config)
     ups = [e["up"]["kernel"] for e in experts]
     downs = [e["down"]["kernel"] for e in experts]
     shared_gate = None
@@ -103,5 +105,27 @@ def _moe_op(h, residual, w: dict, config: TransformerConfig):
     if out is None:
         return None
     if "load" in w:  # the op's own grouping counted the rows: no bincount here
+        w["load"].assign_add(tf.cast(out[1], tf.int64))
+    return out[0]
+
+
+def _moe_gguf_op(h, residual, w: dict, config: TransformerConfig):
+    """residual + moe(h) with every expert's gate, up and down GGUF blocks (a GGUF import
+    that keeps them as stored: up holds two parts, the gate's rows and the up's) as
+    kernels/moe.py's one op, or None (an int8 expert, or the op unavailable)."""
+    every = list(w["experts"]) + ([w["shared"]] if "shared" in w else [])
+    experts = []
+    for expert in every:
+        up, down = gguf_parts(expert["up"]), gguf_parts(expert["down"])
+        if len(up) != 2 or len(down) != 1:
+            return None
+        experts.append((up[0], up[1], down[0]))
+    shared_gate = w["shared"]["gate"]["kernel"] if "shared" in w else None
+    out = kmoe.moe_gguf_layer(h, w["router"]["kernel"], experts,
+                              config.num_experts_per_token, config.normalize_expert_weights,
+                              residual, shared_gate)
+    if out is None:
+        return None
+    if "load" in w:
         w["load"].assign_add(tf.cast(out[1], tf.int64))
     return out[0]

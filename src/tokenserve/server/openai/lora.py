@@ -56,9 +56,7 @@ class LoraClient:
                                      lora=self.lora, **options)
 
     def prompt_logprobs(self, prompt_ids, num_top):
-        # a full forward pass of the base model beside the engine: it has no adapter
-        raise InvalidRequestError("prompt logprobs (echo with logprobs) are not served for "
-                                  "LoRA adapters", "logprobs")
+        return self._engine.prompt_logprobs(prompt_ids, num_top, lora=self.lora)
 
 
 class LoraModels:
