@@ -17,7 +17,7 @@ from gguf import quants as gguf_quants
 from support.compiled_ops import compiled_op_module
 from tokenserve.kernels import gguf_matmul as gm
 
-TYPES = ["q4_0", "q4_1", "q8_0"]
+TYPES = ["q4_0", "q4_1", "q5_0", "q8_0"]
 # decode of a few streams (the row kernel: to 2 rows for 4-bit blocks, to 8 for Q8_0; its rows
 # of x go in fours, so 2, 3 and 5 reach every remainder) and more (the tile kernel: odd counts
 # reach its single-row tail)
@@ -194,8 +194,8 @@ def test_shapes_known_only_at_run_time_are_refused_by_the_op(compiled):
 
 
 def test_types_without_a_kernel_are_refused():
-    with pytest.raises(ValueError, match="no GGUF block kernel for 'q5_0'"):
-        gm.gguf_matmul(np.ones((1, 256), np.float32), np.zeros((1, 176), np.uint8), "Q5_0")
+    with pytest.raises(ValueError, match="no GGUF block kernel for 'q5_1'"):
+        gm.gguf_matmul(np.ones((1, 256), np.float32), np.zeros((1, 192), np.uint8), "Q5_1")
 
 
 # ---- the pure-TF fallback --------------------------------------------------------------------
