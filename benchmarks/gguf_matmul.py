@@ -6,10 +6,9 @@ gate and up, 1536x576 MLP down, 576x49152 the tied LM head) and M = 1 (one decod
 and 32 (32 streams, or a prefill chunk), the median time of one matmul by:
   f32    tf.matmul, float32 weights, graph-mode tf.function (oneDNN)
   int8   tokenserve's int8 op (one scale per output row, int8 activations per 32-block)
-  q4_0, q4_1, q5_0, q8_0
+  q4_0, q4_1, q8_0
          the GGUF-block op on the same weights quantized by the gguf package; SmolLM2's file
-         holds its block matrices as Q4_1 and its head as Q8_0; Gemma 3 270M's holds its
-         K = 640 q/k and gate/up as Q5_0 (--shapes 640x1024 640x2048)
+         holds its block matrices as Q4_1 and its head as Q8_0
   q4_k, q5_k, q6_k
          the same op on K-quant super-blocks (random bytes with trained-size scales: gguf
          cannot quantize to them), only where K is a multiple of 256 (SmolLM2's 576 is not;
@@ -44,8 +43,8 @@ from common import (RESULTS, machine_summary, make_console, make_table, rotated,
 SHAPES = [(576, 576), (576, 1536), (1536, 576), (576, 49152)]  # (K inputs, N outputs)
 BATCHES = [1, 32]
 WORKING_SET = 48e6  # bytes of each method's weights cycled through per call: more than L3
-METHODS = ["f32", "int8", "q4_0", "q4_1", "q5_0", "q8_0", "q4_k", "q5_k", "q6_k"]
-GGUF_TYPES = ("q4_0", "q4_1", "q5_0", "q8_0")
+METHODS = ["f32", "int8", "q4_0", "q4_1", "q8_0", "q4_k", "q5_k", "q6_k"]
+GGUF_TYPES = ("q4_0", "q4_1", "q8_0")
 K_QUANTS = {"q4_k": (144, [0, 2]), "q5_k": (176, [0, 2]), "q6_k": (210, [208])}
 
 

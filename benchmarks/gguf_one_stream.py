@@ -13,9 +13,14 @@ process per system, each keeping its model loaded:
   tokenserve-auto   `tokenserve.LLM` on the float32 import, `--precision auto` (bfloat16 on
                     a CPU with bf16 matmuls, float32 elsewhere)
   tokenserve-int8   `tokenserve.LLM` on the int8 export
+  tokenserve-stored `tokenserve.LLM` on the default export: the file's blocks as stored
   llamacpp          llama.cpp (llama-cpp-python, its own venv:
                     bash benchmarks/peers/setup_llama_cpp.sh) on the GGUF file as it is
                     (SmolLM2's: Q4_1, about 4.5 bits a weight), 2 threads
+
+With `--baseline-src DIR` each tokenserve system runs a second worker, NAME@baseline, whose
+`tokenserve` is imported from DIR (another checkout's src/, e.g. the main branch's): a
+change's A/B in the same minutes.
 
 Each round sends every worker, in an order that rotates by round, `--requests` generations
 of `--tokens` new tokens (greedy, the end-of-text token ignored) from a short chat prompt in
@@ -28,6 +33,7 @@ Output: a table, benchmarks/results/gguf-one-stream[-NAME].json with the machine
 the read rate at the start and the end.
 
     .venv/bin/python benchmarks/gguf_one_stream.py --rounds 5 [--source smollm2] [--name N]
+        [--systems tokenserve-stored llamacpp] [--baseline-src ../main/src]
 """
 
 from __future__ import annotations
@@ -44,7 +50,13 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 PROMPT = ("<|im_start|>user\nWrite a Python function that checks whether a string is a "
           "palindrome.<|im_end|>\n<|im_start|>assistant\n")
-SYSTEMS = ("tokenserve-auto", "tokenserve-int8", "llamacpp")
+SYSTEMS = ("tokenserve-auto", "tokenserve-int8", "tokenserve-stored", "llamacpp")
+EXPORT_FLAGS = {  # `tokenserve export` flags per system
+    # --dtype float32: without it a GGUF file keeps its blocks as stored
+    "tokenserve-auto": ["--quantize", "none", "--dtype", "float32"],
+    "tokenserve-int8": ["--quantize", "int8"],
+    "tokenserve-stored": [],
+}
 
 
 # -- workers: one model each, loaded once; a line on stdin runs one generation -----------------
@@ -59,8 +71,10 @@ def _serve(generate) -> None:
               flush=True)
 
 
-def tokenserve_worker(export: str, precision: str) -> None:
+def tokenserve_worker(export: str, precision: str, src: str | None) -> None:
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    if src:  # a baseline checkout's tokenserve, ahead of this one
+        sys.path.insert(0, src)
     from tokenserve import LLM, SamplingParams
     from tokenserve.engine.config import EngineConfig
 
@@ -102,16 +116,13 @@ def measure(worker, requests: int, tokens: int) -> float:
     return total_tokens / total_s
 
 
-def export_once(source: str, workdir: Path, quantize: str) -> Path:
-    """WORKDIR/<source>-<quantize>: `tokenserve export` of SOURCE, made once."""
-    target = workdir / f"{source.replace('/', '_')}-{quantize}"
+def export_once(source: str, workdir: Path, system: str) -> Path:
+    """WORKDIR/<source>-<kind>: `tokenserve export` of SOURCE for `system`, made once."""
+    target = workdir / f"{source.replace('/', '_')}-{system.removeprefix('tokenserve-')}"
     if not (target / "1").is_dir():
-        print(f"exporting {source} ({quantize}) to {target} ...", flush=True)
-        # --dtype float32: without it a GGUF file keeps its blocks as stored (gguf_stored.py
-        # measures that import)
-        dtype = ["--dtype", "float32"] if quantize == "none" else []
+        print(f"exporting {source} ({system}) to {target} ...", flush=True)
         subprocess.run([str(Path(sys.executable).with_name("tokenserve")), "export", source,
-                        "--output", str(target), "--quantize", quantize, *dtype], check=True)
+                        "--output", str(target), *EXPORT_FLAGS[system]], check=True)
     return target
 
 
@@ -134,12 +145,16 @@ def main() -> int:
     parser.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()) / "gguf")
     parser.add_argument("--llama-cpp-venv", type=Path, default=HERE / ".venv-llama-cpp")
     parser.add_argument("--name", default="", help="suffix of the results file")
+    parser.add_argument("--baseline-src", type=Path,
+                        help="a second worker per tokenserve system imports tokenserve from "
+                             "this src/ folder (NAME@baseline)")
+    parser.add_argument("--src", help=argparse.SUPPRESS)
     parser.add_argument("--worker", choices=("tokenserve", "llamacpp"), help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
     parser.add_argument("--precision", default="auto", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker == "tokenserve":
-        tokenserve_worker(args.model, args.precision)
+        tokenserve_worker(args.model, args.precision, args.src)
         return 0
     if args.worker == "llamacpp":
         llamacpp_worker(args.model)
@@ -154,10 +169,13 @@ def main() -> int:
     args.workdir.mkdir(parents=True, exist_ok=True)
     me = [sys.executable, str(Path(__file__).resolve())]
     commands = {}
-    for name, quantize in (("tokenserve-auto", "none"), ("tokenserve-int8", "int8")):
+    for name in EXPORT_FLAGS:
         if name in args.systems:
             commands[name] = me + ["--worker", "tokenserve", "--model", str(
-                export_once(args.source, args.workdir, quantize)), "--precision", "auto"]
+                export_once(args.source, args.workdir, name)), "--precision", "auto"]
+            if args.baseline_src:
+                commands[f"{name}@baseline"] = commands[name] + [
+                    "--src", str(args.baseline_src.resolve())]
     if "llamacpp" in args.systems:
         python = args.llama_cpp_venv / "bin" / "python"
         if not python.exists():
@@ -186,7 +204,8 @@ def main() -> int:
     bandwidth_end = read_bandwidth()
     table = make_table(f"one stream of {args.tokens} tokens from {args.source}, in process, "
                        f"{args.rounds} interleaved rounds (tok/s)",
-                       ("system", "median", "min-max", "vs llama.cpp, round by round"),
+                       ("system", "median", "min-max", "vs llama.cpp, round by round",
+                        "vs @baseline"),
                        left=("system",))
     summary = {}
     for name, values in rounds.items():
@@ -197,15 +216,22 @@ def main() -> int:
             entry["vs_llamacpp"] = spread(ratios)
             ratio_text = (f"{entry['vs_llamacpp']['median']:.2f}x "
                           f"({min(ratios):.2f}-{max(ratios):.2f})")
+        baseline_text = ""
+        if f"{name}@baseline" in rounds:
+            ratios = [a / b for a, b in zip(values, rounds[f"{name}@baseline"])]
+            entry["vs_baseline"] = spread(ratios)
+            baseline_text = (f"{entry['vs_baseline']['median']:.2f}x "
+                             f"({min(ratios):.2f}-{max(ratios):.2f})")
         summary[name] = entry
         table.add_row(name, f"{entry['tok_s']['median']:.1f}",
-                      f"{min(values):.1f}-{max(values):.1f}", ratio_text)
+                      f"{min(values):.1f}-{max(values):.1f}", ratio_text, baseline_text)
     console.print(table)
     console.print(f"two threads read {bandwidth_start['all_threads_gb_s']:.1f} GB/s at the "
                   f"start, {bandwidth_end['all_threads_gb_s']:.1f} at the end")
     path = write_json(result_path("gguf-one-stream", args.name), {
         "machine": info, "source": args.source, "tokens": args.tokens,
         "requests": args.requests, "rounds": args.rounds,
+        "baseline_src": str(args.baseline_src) if args.baseline_src else None,
         "read_bandwidth": {"start": bandwidth_start, "end": bandwidth_end},
         "systems": summary})
     console.print(f"wrote {path}")

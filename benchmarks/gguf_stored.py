@@ -17,11 +17,13 @@ Systems (--systems):
             so its 32-stream point is its serial throughput under 32 waiting clients
 
 Both sides get 32 slots of 2,048 positions and default flags otherwise: tokenserve exports
-with `--context 2048` and serves with `--max_num_seqs 32 --kv_cache_tokens 65536`; llama.cpp
-gets `--n_ctx 65536` (one context holding the same positions) and `--logits_all false` (its
-server's default keeps a float32 row of logits per context position, 64 GiB for Gemma 3's
-262k vocabulary, which it cannot allocate, and computes the head for every prompt token).
-Measured from outside with `tokenserve bench` (the OpenAI streaming client): 1 stream = 8 requests at concurrency 1,
+with `--context 2048` and serves with `--max_num_seqs 32` (its KV pool then takes the default
+memory budget, logged and kept in the result's "log"; its pages become resident as blocks are
+written); llama.cpp gets `--n_ctx 65536` (one context holding the same positions, all
+resident) and `--logits_all false` (its server's default keeps a float32 row of logits per
+context position, 64 GiB for Gemma 3's 262k vocabulary, which it cannot allocate, and computes
+the head for every prompt token). Measured from outside with
+`tokenserve bench` (the OpenAI streaming client): 1 stream = 8 requests at concurrency 1,
 32 streams = 64 requests at concurrency 32 (32 for llama.cpp, which runs them in turn);
 random 32-token prompts, 128 new tokens, greedy, ignore_eos. TTFT: 8 requests of 200-token
 prompts, one at a time, on the idle server. "1 unstreamed" counts completion tokens from each
@@ -101,13 +103,13 @@ def measure(server, export_dir: Path, streams: int) -> dict:
 
 def bench_tokenserve(base: Path, label: str) -> dict:
     flags = ["--model_name", "gpt2", "--model_base_path", str(base), "--max_num_seqs",
-             str(SLOTS), "--kv_cache_tokens", str(SLOTS * CONTEXT)]
+             str(SLOTS)]
     with serve(flags, f"gguf-stored-{label}.log") as server:
         ready_s = server.wait_until_serving(timeout_s=900)
         result = measure(server, base, 64)
         result["ready_s"] = ready_s
         result["log"] = [line.strip() for line in open(server.log_path)
-                         if "KV cache:" in line or "GGUF blocks" in line
+                         if "KV cache:" in line or "KV pool:" in line or "GGUF blocks" in line
                          or "computing in" in line]
         return result
 

@@ -1,4 +1,4 @@
-"""The GGUF-block matmul (Q4_0, Q4_1, Q5_0, Q8_0 weights as stored): the compiled op on each of its
+"""The GGUF-block matmul (Q4_0, Q4_1, Q8_0 weights as stored): the compiled op on each of its
 paths against float64 references built with the `gguf` package's own dequantize, real tensors
 of SmolLM2's Q4_1 file, the pure-TF fallback, and refusals of blocks that do not fit."""
 

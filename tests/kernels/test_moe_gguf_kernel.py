@@ -91,7 +91,7 @@ def op(monkeypatch):
 
 # (D, F, gate/up/down types, the shared expert's F and types): the 32-value types mixed by
 # role and a narrower shared expert of another type, then the K-quants
-CASES = {"q4_0-q8_0-q4_1": (64, 96, ("q4_0", "q8_0", "q4_1"), 32, ("q5_0", "q5_0", "q8_0")),
+CASES = {"q4_0-q8_0-q4_1": (64, 96, ("q4_0", "q8_0", "q4_1"), 32, ("q8_0",) * 3),
          "q4_k-q5_k-q6_k": (256, 256, ("q4_k", "q5_k", "q6_k"), 256, ("q6_k", "q4_k", "q4_k"))}
 
 

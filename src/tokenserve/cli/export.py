@@ -22,7 +22,7 @@ def add_parser(commands) -> None:
     p.add_argument("--from-gguf", metavar="FILE", default=None,
                    help="import a GGUF file (llama.cpp, Ollama, LM Studio): llama, "
                         "mistral, qwen2/3, gemma2/3, phi3, gpt2 and the MoE architectures; "
-                        "Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q5_K and Q6_K tensors are kept as stored "
+                        "Q4_0, Q4_1, Q8_0, Q4_K, Q5_K and Q6_K tensors are kept as stored "
                         "(other types as int8; MoE files are dequantized) unless --dtype or "
                         "--quantize is given, which dequantize every tensor; tokenizer and "
                         "chat template come from the file")

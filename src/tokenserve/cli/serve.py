@@ -109,6 +109,10 @@ def _add_llm_flags(p) -> None:
     g.add_argument("--kv_cache_memory_fraction", type=float, default=None,
                    help="size the KV cache so the process uses this fraction of its memory "
                         "limit (cgroup, else RAM), as vLLM's gpu_memory_utilization")
+    g.add_argument("--kv_cache_lazy_pages", type=parse_bool, nargs="?", const=True,
+                   default=engine.kv_cache_lazy_pages, metavar="true|false",
+                   help="leave the KV pool's pages to the OS until blocks are written (RSS "
+                        "grows with use); false: the whole pool resident from the start")
     g.add_argument("--precision", default=engine.precision,
                    choices=["auto", "float32", "bfloat16"],
                    help="engine compute dtype; auto = bfloat16 on AMX/AVX512-BF16 CPUs")
@@ -200,6 +204,7 @@ def llm_config_from_args(args: argparse.Namespace):
                           kv_cache_dtype=args.kv_cache_dtype,
                           kv_cache_memory_bytes=args.kv_cache_memory_bytes,
                           kv_cache_memory_fraction=args.kv_cache_memory_fraction,
+                          kv_cache_lazy_pages=args.kv_cache_lazy_pages,
                           max_fused_dense_tokens=args.max_fused_dense_tokens,
                           max_screened_head_rows=args.max_screened_head_rows,
                           head_screen=args.head_screen,

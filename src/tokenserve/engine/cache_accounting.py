@@ -23,6 +23,7 @@ class BlockAllocator:
             raise ValueError(f"need at least 2 blocks (one is reserved), got {num_blocks}")
         self.num_blocks, self.block_size = num_blocks, block_size
         self._free = list(range(num_blocks - 1, 0, -1))  # pop() hands out 1, 2, 3 ...
+        self._min_free = len(self._free)  # the bottom ones were never handed out
         self.window = 0
         """Positions back that any layer reads (every layer windowed), 0: all of them. Set by
         the runner before the first request."""
@@ -34,6 +35,17 @@ class BlockAllocator:
     @property
     def num_free_blocks(self) -> int:
         return len(self._free)
+
+    @property
+    def num_blocks_written(self) -> int:
+        """Blocks ever handed out, the padding block included: the pool rows a step may have
+        written. Freed blocks go back on top of the free list and the never-used ones wait at
+        its bottom in order, so these are always blocks 0 .. n-1, the pages a lazily paged
+        pool (engine/step/kv_pool.py) holds resident."""
+        return self.num_blocks - self._min_free
+
+    def _note_taken(self) -> None:
+        self._min_free = min(self._min_free, len(self._free))
 
     @property
     def usage(self) -> float:
@@ -55,6 +67,7 @@ class BlockAllocator:
         if needed > len(self._free):
             return False
         seq.block_ids.extend(self._free.pop() for _ in range(needed))
+        self._note_taken()
         return True
 
     def free(self, seq: Sequence) -> None:

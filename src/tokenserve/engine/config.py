@@ -35,6 +35,10 @@ class EngineConfig:
     dtype), float32, bfloat16 or float16. A float32 step widens 16-bit rows as it reads them."""
     kv_cache_memory_bytes: int | None = None
     """Size the KV pool to this many bytes (its token capacity is logged at load)."""
+    kv_cache_lazy_pages: bool = True
+    """Leave the KV pool's pages to the OS until a block is first written (they read as
+    zeros), so resident memory grows with the blocks used rather than the pool's size
+    (engine/step/kv_pool.py); False: the whole pool is resident from the start."""
     kv_cache_memory_fraction: float | None = None
     """Size the KV pool so the whole process uses this fraction of the memory it may use (the
     cgroup's limit, else RAM), as vLLM's gpu_memory_utilization: the pool gets the rest after

@@ -116,6 +116,7 @@ class PrefixCachingAllocator(BlockAllocator):
         """A block for new tokens: a never-cached one first, else the least recently used."""
         if self._free:
             block = self._free.pop()
+            self._note_taken()
         else:
             block, _ = self._lru.popitem(last=False)
             evicted = self._hash_of.pop(block)

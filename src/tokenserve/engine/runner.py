@@ -79,7 +79,8 @@ class ModelRunner:
                 model, num_blocks * block_size,
                 jit_dense=model.compute_dtype == "float32"
                 and config.model.weight_format == "float" and not c.num_experts,
-                kv_dtype=self.kv_plan.dtype)
+                kv_dtype=self.kv_plan.dtype,
+                kv_lazy_pages=engine_config.kv_cache_lazy_pages)
             self.max_fused_dense_tokens = 0
             if self.step.kernel_dense and not self.step.fused_every_step:
                 from tokenserve.model.precision import choose_fused_dense_tokens
@@ -315,9 +316,10 @@ class ModelRunner:
         return self.step.step(token_ids, num_tokens, slots, fresh).numpy()
 
     def memory_bytes(self) -> dict[str, int]:
-        """Bytes the runner allocated: {"weights": the model's variables, "kv_cache": the
-        KV pool (an LSTM: its state slots)}, and "head_screen": the LM head's screen copy
-        where greedy steps screen it. Exact sizes, not resident-memory estimates."""
+        """Bytes the runner holds: {"weights": the model's variables, "kv_cache": the KV
+        pool's resident part (an LSTM: its state slots)}, and "head_screen": the LM head's
+        screen copy where greedy steps screen it. Exact sizes of what was allocated, but for
+        a lazily paged pool (engine/step/kv_pool.py): the blocks written so far."""
         import tensorflow as tf
 
         def size(variable) -> int:
@@ -327,6 +329,9 @@ class ModelRunner:
                   else [self.step.states])
         parts = {"weights": sum(size(w) for w in self.model.weights),
                  "kv_cache": sum(size(v) for v in caches)}
+        if self.is_transformer and self.engine_config.kv_cache_lazy_pages:
+            written = self.cache.num_blocks_written / self.cache.num_blocks
+            parts["kv_cache"] = int(parts["kv_cache"] * written)
         screen = getattr(self.step, "screened_head", None)
         if screen is not None:
             parts["head_screen"] = screen.nbytes

@@ -5,14 +5,17 @@
 // The block types read here hold 32 values each:
 //   Q4_0  18 bytes: fp16 d, 16 bytes of nibbles            w = d * (nibble - 8)
 //   Q4_1  20 bytes: fp16 d, fp16 m, 16 bytes of nibbles    w = d * nibble + m
+//   Q5_0  22 bytes: fp16 d, 32 high bits, 16 bytes of nibbles  w = d * (nibble + 16 bit - 16)
 //   Q8_0  34 bytes: fp16 d, 32 int8 q                      w = d * q
-// A nibble byte j holds value j in its low half and value j + 16 in its high half.
+// A nibble byte j holds value j in its low half and value j + 16 in its high half; Q5_0's
+// bit j (of a little-endian uint32) is value j's fifth bit.
 //
 // Each type decodes to the same form: 32 small integers v (0..15 unsigned for the 4-bit types,
-// -128..127 for Q8_0), a scale d and an offset c, with w = d * v + c for the whole block
-// (Q4_0: c = -8 d; Q4_1: c = m; Q8_0: c = 0). Activations are quantized once per matmul into
-// Q8 blocks of 32 with a float scale dx and the float sum sx = dx * sum(qx) (llama.cpp's Q8_1,
-// with float fields), so one block's contribution to an output is
+// 0..31 for Q5_0, -128..127 for Q8_0), a scale d and an offset c, with w = d * v + c for the
+// whole block (Q4_0: c = -8 d; Q4_1: c = m; Q5_0: c = -16 d; Q8_0: c = 0). Activations are
+// quantized once per matmul into Q8 blocks of 32 with a float scale dx and the float sum
+// sx = dx * sum(qx) (llama.cpp's Q8_1, with float fields), so one block's contribution to an
+// output is
 //   sum_j w_j x_j ~= d * dx * sum_j v_j qx_j + c * sx
 // one integer dot product (maddubs/madd, or dpbusd) and two float multiply-adds. One activation
 // format serves every type: Q8_0 weights ignore sx.
@@ -64,13 +67,16 @@ inline uint16_t LoadHalfBits(const uint8_t* p) {
 
 // ---- block types --------------------------------------------------------------------------
 // Each: kBytes a block, kSigned (v signed: the dot product needs the sign trick), kHasOffset
-// (c != 0 can occur: the sx term is needed), and Offset: c from the block and its scale d.
+// (c != 0 can occur: the sx term is needed), kHighBits (where Q5_0's fifth bits sit, else 0),
+// kMaxValue (v's largest: what int16 sums of products can hold), and Offset: c from the
+// block and its scale d.
 // The scale d is every type's first two bytes (Scale); DecodeValues and LoadValues give v.
 
 struct Q4_0 {
   static constexpr const char* kName = "q4_0";
   static constexpr int kBytes = 18;
   static constexpr int kNibbles = 2;  // where the nibbles start in the block
+  static constexpr int kHighBits = 0, kMaxValue = 15;
   static constexpr bool kSigned = false, kHasOffset = true;
   static float Offset(const uint8_t*, float d) { return -8.f * d; }
 };
@@ -79,23 +85,29 @@ struct Q4_1 {
   static constexpr const char* kName = "q4_1";
   static constexpr int kBytes = 20;
   static constexpr int kNibbles = 4;
+  static constexpr int kHighBits = 0, kMaxValue = 15;
   static constexpr bool kSigned = false, kHasOffset = true;
   static float Offset(const uint8_t* block, float) { return HalfToFloat(LoadHalfBits(block + 2)); }
+};
+
+struct Q5_0 {
+  static constexpr const char* kName = "q5_0";
+  static constexpr int kBytes = 22;
+  static constexpr int kNibbles = 6;
+  static constexpr int kHighBits = 2, kMaxValue = 31;
+  static constexpr bool kSigned = false, kHasOffset = true;
+  static float Offset(const uint8_t*, float d) { return -16.f * d; }
 };
 
 struct Q8_0 {
   static constexpr const char* kName = "q8_0";
   static constexpr int kBytes = 34;
+  static constexpr int kHighBits = 0, kMaxValue = 127;
   static constexpr bool kSigned = true, kHasOffset = false;
   static float Offset(const uint8_t*, float) { return 0.f; }
 };
 
 inline float Scale(const uint8_t* block) { return HalfToFloat(LoadHalfBits(block)); }
-
-// The largest |v| of a type's blocks (the tile kernel's int16 sums of 4-bit values need it);
-// a type of other unsigned widths specialises it (gguf_q5.h).
-template <class Type>
-inline constexpr int kMaxValue = Type::kSigned ? 128 : 15;
 
 // The block's 32 values v (as int8: 0..15 or -128..127).
 template <class Type>
@@ -107,6 +119,11 @@ void DecodeValues(const uint8_t* block, int8_t* v) {
     for (int j = 0; j < kBlock / 2; ++j) {
       v[j] = static_cast<int8_t>(nibbles[j] & 0x0f);
       v[j + kBlock / 2] = static_cast<int8_t>(nibbles[j] >> 4);
+    }
+    if constexpr (Type::kHighBits > 0) {
+      uint32_t high;
+      std::memcpy(&high, block + Type::kHighBits, sizeof(high));
+      for (int j = 0; j < kBlock; ++j) v[j] = static_cast<int8_t>(v[j] | ((high >> j) & 1) << 4);
     }
   }
 }
@@ -158,7 +175,20 @@ TOKENSERVE_GGUF_SIMD __attribute__((always_inline)) inline __m256i LoadValues(
         _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + Type::kNibbles));
     // low halves are values 0..15 (lower 128 bits), high halves 16..31 (upper 128 bits)
     const __m256i both = _mm256_set_m128i(_mm_srli_epi16(packed, 4), packed);
-    return _mm256_and_si256(both, _mm256_set1_epi8(0x0f));
+    const __m256i low = _mm256_and_si256(both, _mm256_set1_epi8(0x0f));
+    if constexpr (Type::kHighBits == 0) {
+      return low;
+    } else {  // bit j of the uint32 to byte j (as llama.cpp's bytes_from_bits_32), then 16
+      uint32_t high;
+      std::memcpy(&high, block + Type::kHighBits, sizeof(high));
+      const __m256i shuffle = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202,
+                                                0x0101010101010101, 0x0000000000000000);
+      __m256i bytes = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(high)), shuffle);
+      const __m256i bit = _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe);
+      bytes = _mm256_or_si256(bytes, bit);  // 0xff where bit j is set
+      bytes = _mm256_cmpeq_epi8(bytes, _mm256_set1_epi64x(-1));
+      return _mm256_or_si256(low, _mm256_and_si256(bytes, _mm256_set1_epi8(0x10)));
+    }
   }
 }
 

@@ -1,7 +1,7 @@
 // TokenserveGgufMatmul: y[M, N] = x[M, K] @ dequant(blocks).T on the CPU, with the weights
 // kept as a GGUF file stores them: blocks is uint8 [N, K / 32 * block bytes], each output's
-// row of Q4_0, Q4_1, Q5_0 (gguf_q5.h) or Q8_0 blocks (gguf_blocks.h) exactly as ggml lays
-// out a [N, K] tensor, or of Q4_K, Q5_K or Q6_K super-blocks of 256 (gguf_kquants.h).
+// row of Q4_0, Q4_1 or Q8_0 blocks (gguf_blocks.h) exactly as ggml lays out a [N, K] tensor,
+// or of Q4_K, Q5_K or Q6_K super-blocks of 256 (gguf_kquants.h).
 //
 // As llama.cpp does on x86: x is quantized once per call into Q8 blocks of 32 (q8_K blocks of
 // 256 for the K-quants, gguf_q8k.h), then each weight block meets each activation block in
@@ -16,199 +16,12 @@
 // (gguf_tiles.h).
 
 #include <algorithm>
-#include <cstdint>
 #include <string>
-#include <vector>
 
-#include "chunks.h"
-#include "cpu.h"
-#include "gguf_blocks.h"
-#include "gguf_kernels.h"
-#include "gguf_kquants.h"
-#include "gguf_kquants_avx2.h"
-#include "gguf_q5.h"
-#include "gguf_q8k.h"
-#include "gguf_tiles.h"
+#include "gguf_matmul.h"
 #include "op_support.h"
 
 namespace tokenserve {
-namespace {
-
-// Up to this many rows of x, one weight row at a time against all of them (RowsSimd): the
-// weights are one sequential stream and each block is decoded once for every four rows of x.
-// Above, the tile kernel, whose decode of eight rows is paid once for all rows of x. On a
-// 2-core AVX2-only EPYC (one thread, builds alternated; a shared machine, so only ratios to
-// the int8 op in the same run were steady): with 4-bit blocks the tile kernel was faster from
-// 3 rows (576x1536 in cache, M = 3: 0.10-0.12 against 0.12-0.16 ms; from memory, M = 4 and
-// 8: 0.74-0.86 of the int8 op's time against 0.81-0.98). Q8_0's tile moves x's sign per
-// vector, and there the row kernel stayed faster through 8 rows (from memory 0.70-0.98 of
-// the int8 op's time against 0.94-1.67).
-template <class Type>
-constexpr int64 RowKernelMaxRows() {
-  return Type::kSigned ? 8 : 2;
-}
-
-enum class Isa { kScalar, kAvx2, kAvx512Vnni };
-
-bool CpuHasVnni() {
-#ifdef TOKENSERVE_GGUF_VNNI
-  static const bool has = cpu::HasAvx2FmaF16c() && __builtin_cpu_supports("avx512vl") &&
-                          __builtin_cpu_supports("avx512vnni");
-  return has;
-#else
-  return false;
-#endif
-}
-
-Isa ChooseIsa(const std::string& attr) {
-  if (attr == "scalar" || !cpu::HasAvx2FmaF16c()) return Isa::kScalar;
-  if (attr == "avx2" || !CpuHasVnni()) return Isa::kAvx2;
-  return Isa::kAvx512Vnni;
-}
-
-const char* IsaName(Isa isa) {
-  switch (isa) {
-    case Isa::kAvx512Vnni: return "AVX512-VNNI";
-    case Isa::kAvx2: return "AVX2+FMA+F16C";
-    default: return "scalar (no AVX2+FMA+F16C)";
-  }
-}
-
-// One call's shapes: x [M, K], blocks [N, row_bytes], y [M, N].
-struct Geometry {
-  int64 M, K, N, row_bytes;
-};
-
-int BlockBytes(const std::string& type) {
-  if (type == "q4_0") return gguf::Q4_0::kBytes;
-  if (type == "q4_1") return gguf::Q4_1::kBytes;
-  if (type == "q5_0") return gguf::Q5_0::kBytes;
-  if (type == "q4_k") return gguf::Q4_K::kBytes;
-  if (type == "q5_k") return gguf::Q5_K::kBytes;
-  if (type == "q6_k") return gguf::Q6_K::kBytes;
-  return gguf::Q8_0::kBytes;
-}
-
-bool IsKQuant(const std::string& type) { return type.size() == 4 && type[3] == 'k'; }
-
-int BlockValues(const std::string& type) {
-  return IsKQuant(type) ? gguf::kSuperBlock : gguf::kBlock;
-}
-
-// Why blocks [n, row_bytes] of `type` cannot hold rows of K values, or "" when they can.
-std::string BlocksMismatch(const std::string& type, int64 K, int64 row_bytes) {
-  const int values = BlockValues(type);
-  if (K % values != 0) {
-    return "x's K = " + std::to_string(K) + " does not divide into " + type + " blocks of " +
-           std::to_string(values) + " values";
-  }
-  const int64 want = K / values * BlockBytes(type);
-  if (row_bytes != want) {
-    return type + " weights for K = " + std::to_string(K) + " need " + std::to_string(want) +
-           " bytes a row (" + std::to_string(K / values) + " blocks of " +
-           std::to_string(BlockBytes(type)) + "), but blocks has " + std::to_string(row_bytes);
-  }
-  return "";
-}
-
-// y = x @ dequant(w).T for one block type and dot product, rows split over the pool.
-template <class Type, class Dot>
-void MatmulSimd(tensorflow::thread::ThreadPool* pool, const Geometry& g, const gguf::Q8Rows& xq,
-                const uint8_t* w, float* y) {
-#ifdef TOKENSERVE_CPU_X86
-  const int64 workers = std::max(1, pool->NumThreads());
-  const gguf::Output out{y, g.N};
-  if (g.M <= RowKernelMaxRows<Type>()) {
-    // cycles a weight row, roughly: a block's decode, and its dot product per row of x
-    const ChunkSplit split = SplitIntoChunks(g.N, xq.blocks * (8 + 6 * g.M));
-    RunRanges(pool, workers, split.num_chunks, [&](int64 chunk, int64, int64) {
-      const int64 n0 = chunk * split.per_chunk;
-      gguf::RowsSimd<Type, Dot>(xq, g.M, w, g.row_bytes, n0,
-                                std::min(split.per_chunk, g.N - n0), out);
-    });
-    return;
-  }
-  const int64 tiles = (g.N + gguf::kTileRows - 1) / gguf::kTileRows;
-  // cycles a tile, roughly: its decode, and about 8 per block and row of x
-  const ChunkSplit split = SplitIntoChunks(tiles, xq.blocks * (60 + 8 * g.M));
-  std::vector<gguf::TileBuffer> buffers(workers);
-  RunChunks(pool, workers, split.num_chunks, [&](int64 chunk, int64 worker) {
-    const int64 end = std::min(tiles, (chunk + 1) * split.per_chunk);
-    for (int64 tile = chunk * split.per_chunk; tile < end; ++tile) {
-      const int64 n0 = tile * gguf::kTileRows;
-      if (n0 + gguf::kTileRows <= g.N) {
-        gguf::TileSimd<Type, Dot>(xq, g.M, w, g.row_bytes, n0, &buffers[worker], out);
-      } else {  // N % 8 rows left over
-        gguf::RowsSimd<Type, Dot>(xq, g.M, w, g.row_bytes, n0, g.N - n0, out);
-      }
-    }
-  });
-#endif
-}
-
-template <class Type>
-void MatmulScalar(tensorflow::thread::ThreadPool* pool, const Geometry& g,
-                  const gguf::Q8Rows& xq, const uint8_t* w, float* y) {
-  const int64 workers = std::max(1, pool->NumThreads());
-  const ChunkSplit split = SplitIntoChunks(g.N, xq.blocks * 40 * (1 + g.M));
-  RunChunks(pool, workers, split.num_chunks, [&](int64 chunk, int64) {
-    const int64 n0 = chunk * split.per_chunk;
-    gguf::RowsScalar<Type>(xq, g.M, w, g.row_bytes, n0, std::min(split.per_chunk, g.N - n0),
-                           gguf::Output{y, g.N});
-  });
-}
-
-template <class Type>
-void Matmul(tensorflow::thread::ThreadPool* pool, Isa isa, const Geometry& g,
-            const gguf::Q8Rows& xq, const uint8_t* w, float* y) {
-#ifdef TOKENSERVE_GGUF_VNNI
-  if (isa == Isa::kAvx512Vnni) return MatmulSimd<Type, gguf::DpbusdVnni>(pool, g, xq, w, y);
-#endif
-#ifdef TOKENSERVE_CPU_X86
-  if (isa != Isa::kScalar) return MatmulSimd<Type, gguf::MaddAvx2>(pool, g, xq, w, y);
-#endif
-  MatmulScalar<Type>(pool, g, xq, w, y);
-}
-
-// The K-quants against q8_K activations (gguf_kquants.h, gguf_kquants_avx2.h): up to four
-// rows of x, each weight row read once and unpacked on the way; above, each weight row
-// unpacked once into a per-thread buffer that every row of x sweeps.
-template <class Type>
-void MatmulKQuant(tensorflow::thread::ThreadPool* pool, Isa isa, const Geometry& g,
-                  const gguf::Q8KRows& xq, const uint8_t* w, float* y) {
-  const int64 workers = std::max(1, pool->NumThreads());
-  const gguf::Output out{y, g.N};
-#ifdef TOKENSERVE_CPU_X86
-  if (isa != Isa::kScalar && g.M <= gguf::kKRowGroup) {
-    // cycles a weight row, roughly: a super-block's unpacking, and its dot product per row
-    const ChunkSplit split = SplitIntoChunks(g.N, xq.blocks * (60 + 40 * g.M));
-    RunRanges(pool, workers, split.num_chunks, [&](int64 chunk, int64, int64) {
-      const int64 n0 = chunk * split.per_chunk;
-      gguf::KRowsAvx2<Type>(xq, g.M, w, g.row_bytes, n0, std::min(split.per_chunk, g.N - n0),
-                            out);
-    });
-    return;
-  }
-  if (isa != Isa::kScalar) {
-    const ChunkSplit split = SplitIntoChunks(g.N, xq.blocks * (80 + 40 * g.M));
-    std::vector<std::vector<gguf::KBlockAvx2>> buffers(workers);
-    RunChunks(pool, workers, split.num_chunks, [&](int64 chunk, int64 worker) {
-      const int64 n0 = chunk * split.per_chunk;
-      gguf::KRowsBufferedAvx2<Type>(xq, g.M, w, g.row_bytes, n0,
-                                    std::min(split.per_chunk, g.N - n0), &buffers[worker], out);
-    });
-    return;
-  }
-#endif
-  const ChunkSplit split = SplitIntoChunks(g.N, xq.blocks * (1500 + 600 * g.M));
-  RunChunks(pool, workers, split.num_chunks, [&](int64 chunk, int64) {
-    const int64 n0 = chunk * split.per_chunk;
-    gguf::KQuantRowsScalar<Type>(xq, g.M, w, g.row_bytes, n0,
-                                 std::min(split.per_chunk, g.N - n0), y, g.N);
-  });
-}
-
-}  // namespace
 
 REGISTER_OP("TokenserveGgufMatmul")
     .Input("x: float")       // [M, K], K a multiple of the type's block values (32 or 256)
@@ -255,7 +68,8 @@ class GgufMatmulOp : public OpKernel {
     OP_REQUIRES(ctx, blocks.dims() == 2,
                 InvalidArgument("blocks must be [N, bytes a row], got shape ",
                                 blocks.shape().DebugString()));
-    const Geometry g{x.dim_size(0), x.dim_size(1), blocks.dim_size(0), blocks.dim_size(1)};
+    const Geometry g{x.dim_size(0), x.dim_size(1), blocks.dim_size(0), blocks.dim_size(1),
+                     blocks.dim_size(0)};
     const std::string why = BlocksMismatch(type_, g.K, g.row_bytes);
     OP_REQUIRES(ctx, why.empty(), InvalidArgument(why));
     Tensor* y_tensor = nullptr;
@@ -266,26 +80,8 @@ class GgufMatmulOp : public OpKernel {
       std::fill(y, y + g.M * g.N, 0.f);
       return;
     }
-    auto* pool = WorkerPool(ctx);
-    const uint8_t* w = blocks.flat<uint8_t>().data();
-    if (IsKQuant(type_)) {
-      gguf::Q8KRows xq;
-      gguf::QuantizeRowsK(x.flat<float>().data(), g.M, g.K, isa_ != Isa::kScalar, &xq);
-      if (type_ == "q4_k") return MatmulKQuant<gguf::Q4_K>(pool, isa_, g, xq, w, y);
-      if (type_ == "q5_k") return MatmulKQuant<gguf::Q5_K>(pool, isa_, g, xq, w, y);
-      return MatmulKQuant<gguf::Q6_K>(pool, isa_, g, xq, w, y);
-    }
-    gguf::Q8Rows xq;
-    gguf::QuantizeRows(x.flat<float>().data(), g.M, g.K, isa_ != Isa::kScalar, &xq);
-    if (type_ == "q4_0") {
-      Matmul<gguf::Q4_0>(pool, isa_, g, xq, w, y);
-    } else if (type_ == "q4_1") {
-      Matmul<gguf::Q4_1>(pool, isa_, g, xq, w, y);
-    } else if (type_ == "q5_0") {
-      Matmul<gguf::Q5_0>(pool, isa_, g, xq, w, y);
-    } else {
-      Matmul<gguf::Q8_0>(pool, isa_, g, xq, w, y);
-    }
+    GgufMatmulRows(WorkerPool(ctx), isa_, type_, g, x.flat<float>().data(),
+                   blocks.flat<uint8_t>().data(), y);
   }
 
  private:

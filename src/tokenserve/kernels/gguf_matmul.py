@@ -81,7 +81,7 @@ def gguf_matmul(x, blocks, block_type) -> tf.Tensor:
     """x [M, K] @ dequant(blocks [N, K / values * block bytes] uint8).T -> [M, N] in x's dtype.
 
     block_type: "q4_0", "q4_1", "q5_0", "q8_0", "q4_k", "q5_k" or "q6_k" (any case, or a
-        gguf.GGMLQuantizationType).
+    gguf.GGMLQuantizationType).
     x is float32; bfloat16 and float16 are computed in float32 and cast back. Uses the compiled
     op when it is available, else `gguf_matmul_fallback`; works eagerly and inside tf.function
     (the choice is made when the graph is traced). Raises ValueError when the shapes, as far
@@ -101,6 +101,44 @@ def gguf_matmul(x, blocks, block_type) -> tf.Tensor:
     return op.tokenserve_gguf_matmul(x, blocks, block_type=name)
 
 
+def gguf_finish_block(attn, x, out, norm, up, down, activation: str = "gelu_tanh",
+                      eps: float = 1e-5, isa: str = "auto", next_norm=None, next_qkv=None,
+                      post_attn_norm=None, post_mlp_norm=None):
+    """The second half of a transformer block with GGUF weights as stored, as one op:
+
+        x1 = attn @ out.T + out_bias + x           (x + post_attn_norm(attn @ out.T + bias))
+        y  = act(norm(x1) @ up.T + up_bias) @ down.T + down_bias + x1    (likewise)
+
+    out, up, down: {"parts": [(block type, uint8 blocks), ...] in row order, "bias": ...
+    or absent}; norm, next_norm, post_*_norm: dicts with "scale" (and "bias" for
+    LayerNorm). The arithmetic of gguf_matmul followed by dense.epilogue and dense.layer_norm,
+    in one op so the matrices stream back to back. With next_norm and next_qkv, the op goes
+    on with `next = next_norm(y) @ next_qkv.T + bias` and returns (y, next); else y. None
+    when the compiled op is unavailable: the caller composes the separate ops then.
+    """
+    op = LIBRARY.module()
+    if op is None:
+        return None
+    empty = tf.zeros([0], tf.float32)
+
+    def vector(w, key="bias"):
+        return w[key] if w is not None and w.get(key) is not None else empty
+
+    def parts(w):
+        return ([tf.convert_to_tensor(b, tf.uint8) for _, b in w["parts"]],
+                [block_type_name(name) for name, _ in w["parts"]])
+
+    (out_b, out_t), (up_b, up_t), (down_b, down_t) = parts(out), parts(up), parts(down)
+    next_b, next_t = parts(next_qkv) if next_qkv is not None else ([], [])
+    y, following = op.tokenserve_gguf_finish_block(
+        attn, x, out_b, vector(out), norm["scale"], vector(norm), up_b, vector(up), down_b,
+        vector(down), vector(post_attn_norm, "scale"), vector(post_mlp_norm, "scale"),
+        vector(next_norm, "scale"), vector(next_norm), next_b, vector(next_qkv),
+        out_types=out_t, up_types=up_t, down_types=down_t, next_types=next_t,
+        activation=activation, eps=eps, isa=isa)
+    return y if next_qkv is None else (y, following)
+
+
 def dequantize_blocks(blocks, block_type) -> tf.Tensor:
     """Pure TF: uint8 [N, K / values * block bytes] -> float32 [N, K], what
     gguf.quants.dequantize gives for the same bytes (up to float rounding of d * v + m)."""
@@ -118,11 +156,11 @@ def dequantize_blocks(blocks, block_type) -> tf.Tensor:
         nibbles = b[..., size - 16:]  # byte j: value j low, value j + 16 high
         v = tf.cast(tf.concat([tf.bitwise.bitwise_and(nibbles, 15),
                                tf.bitwise.right_shift(nibbles, 4)], axis=-1), tf.float32)
-        if name == "q5_0":  # bit j of the little-endian uint32 qh: value j's fifth bit
-            qh = tf.cast(b[..., 2:6], tf.int32)
-            bits = tf.bitwise.bitwise_and(
-                tf.bitwise.right_shift(qh[..., :, None], tf.range(8)), 1)  # [N, K / 32, 4, 8]
-            w = (v + 16.0 * tf.cast(tf.reshape(bits, tf.shape(v)), tf.float32) - 16.0) * d
+        if name == "q5_0":  # bit j of the uint32 at bytes 2..5: value j's fifth bit
+            high = tf.bitcast(b[..., 2:6], tf.int32)[..., None]            # [N, K / 32, 1]
+            shifts = tf.range(32, dtype=tf.int32)  # (int32: TF has no uint32 shift kernel)
+            bits = tf.bitwise.bitwise_and(tf.bitwise.right_shift(high, shifts), 1)  # [.., 32]
+            w = (v + 16.0 * tf.cast(bits, tf.float32) - 16.0) * d
         elif name == "q4_0":
             w = (v - 8.0) * d
         else:

@@ -107,7 +107,7 @@ TOKENSERVE_GGUF_SIMD __attribute__((always_inline)) inline __m256i TileDot(const
   auto load = [](const void* p) TOKENSERVE_GGUF_SIMD {
     return _mm256_loadu_si256(static_cast<const __m256i*>(p));
   };
-  if constexpr (kMaxValue<Type> <= 15 && std::is_same_v<Dot, MaddAvx2>) {
+  if constexpr (Type::kMaxValue <= 15 && std::is_same_v<Dot, MaddAvx2>) {
     // 4-bit values: a maddubs pair is at most 2 * 15 * 127 = 3810, so a block's eight add up
     // in int16 (at most 30480) before one madd. (Not so for 5-bit values.)
     __m256i pairs = _mm256_setzero_si256();

@@ -6,7 +6,7 @@ ggml stores a weight [N, K] as N rows of blocks; a block of `values` weights tak
 
     Q4_0  32 values, 18 bytes (fp16 scale, 16 bytes of nibbles)        4.5 bits a weight
     Q4_1  32 values, 20 bytes (fp16 scale and min, 16 bytes of nibbles) 5.0
-    Q5_0  32 values, 22 bytes (fp16 scale, 4 bytes of fifth bits, 16 of nibbles) 5.5
+    Q5_0  32 values, 22 bytes (fp16 scale, 32 fifth bits, 16 of nibbles) 5.5
     Q8_0  32 values, 34 bytes (fp16 scale, 32 int8)                     8.5
     Q4_K 256 values, 144 bytes; Q5_K 176; Q6_K 210 (super-blocks)       4.5, 5.5, 6.6
 
@@ -34,8 +34,14 @@ def type_name(block_type) -> str:
     return str(getattr(block_type, "name", block_type)).lower()
 
 
-def has_kernel(block_type) -> bool:
-    return type_name(block_type) in KERNEL_TYPES
+EXPERT_KERNEL_TYPES = ("q4_0", "q4_1", "q8_0", "q4_k", "q5_k", "q6_k")
+"""The types the mixture-of-experts op (kernels/moe_gguf.h) reads as stored: not Q5_0 yet."""
+
+
+def has_kernel(block_type, experts: bool = False) -> bool:
+    """Whether a compiled kernel reads `block_type` as stored: the dense ops', or with
+    experts=True the mixture-of-experts op's."""
+    return type_name(block_type) in (EXPERT_KERNEL_TYPES if experts else KERNEL_TYPES)
 
 
 def row_bytes(block_type, k: int) -> int:

@@ -81,7 +81,7 @@ def moe_gguf_layer(x, router, experts: list, k: int, normalize: bool, residual=N
 
     experts: per expert, ((gate type, gate blocks), (up type, up blocks), (down type, down
     blocks)): uint8 [F, D / values * block bytes] for gate and up, [D, F / values * block
-    bytes] for down, types "q4_0", "q4_1", "q5_0", "q8_0", "q4_k", "q5_k" or "q6_k"; the E routed
+    bytes] for down, types "q4_0", "q4_1", "q8_0", "q4_k", "q5_k" or "q6_k"; the E routed
     experts, then the shared one where shared_gate is given. The rest as moe_layer."""
     op = LIBRARY.module()
     if op is None:

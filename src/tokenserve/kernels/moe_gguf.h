@@ -1,8 +1,7 @@
 // GGUF blocks for the grouped experts (moe_gguf_layer.cc): one expert's rows times its
 // matrices as a GGUF file stores them, through the block kernels of the dense block op
-// (gguf_kernels.h and gguf_tiles.h for Q4_0 / Q4_1 / Q5_0 / Q8_0 against q8 activation
-// blocks of 32, gguf_kquants*.h for Q4_K / Q5_K / Q6_K against q8_K blocks of 256), included
-// as they are.
+// (gguf_kernels.h and gguf_tiles.h for Q4_0 / Q4_1 / Q8_0 against q8 activation blocks of 32,
+// gguf_kquants*.h for Q4_K / Q5_K / Q6_K against q8_K blocks of 256), included as they are.
 //
 //   y [M, N] = x [M, K] @ dequant(w [N, K / values * block bytes]).T
 //
@@ -29,7 +28,6 @@
 #include "gguf_kernels.h"
 #include "gguf_kquants.h"
 #include "gguf_kquants_avx2.h"
-#include "gguf_q5.h"
 #include "gguf_q8k.h"
 #include "gguf_tiles.h"
 #include "op_support.h"
@@ -37,12 +35,11 @@
 namespace tokenserve {
 namespace {
 
-enum class BlockType { kQ4_0, kQ4_1, kQ5_0, kQ8_0, kQ4_K, kQ5_K, kQ6_K, kUnknown };
+enum class BlockType { kQ4_0, kQ4_1, kQ8_0, kQ4_K, kQ5_K, kQ6_K, kUnknown };
 
 inline BlockType ParseBlockType(const std::string& name) {
   if (name == "q4_0") return BlockType::kQ4_0;
   if (name == "q4_1") return BlockType::kQ4_1;
-  if (name == "q5_0") return BlockType::kQ5_0;
   if (name == "q8_0") return BlockType::kQ8_0;
   if (name == "q4_k") return BlockType::kQ4_K;
   if (name == "q5_k") return BlockType::kQ5_K;
@@ -62,7 +59,6 @@ inline int64 BlockRowBytes(BlockType t, int64 k) {
   switch (t) {
     case BlockType::kQ4_0: return k / values * gguf::Q4_0::kBytes;
     case BlockType::kQ4_1: return k / values * gguf::Q4_1::kBytes;
-    case BlockType::kQ5_0: return k / values * gguf::Q5_0::kBytes;
     case BlockType::kQ8_0: return k / values * gguf::Q8_0::kBytes;
     case BlockType::kQ4_K: return k / values * gguf::Q4_K::kBytes;
     case BlockType::kQ5_K: return k / values * gguf::Q5_K::kBytes;
@@ -169,7 +165,6 @@ inline void BlockMatmul(tensorflow::thread::ThreadPool* pool, bool simd, const f
   gguf::QuantizeRows(x, m, k, simd, &xq);
   if (w.type == BlockType::kQ4_0) return Q8Matmul<gguf::Q4_0>(pool, simd, xq, m, w, y);
   if (w.type == BlockType::kQ4_1) return Q8Matmul<gguf::Q4_1>(pool, simd, xq, m, w, y);
-  if (w.type == BlockType::kQ5_0) return Q8Matmul<gguf::Q5_0>(pool, simd, xq, m, w, y);
   Q8Matmul<gguf::Q8_0>(pool, simd, xq, m, w, y);
 }
 
@@ -233,7 +228,6 @@ inline void RunBlockJobs(tensorflow::thread::ThreadPool* pool, const std::vector
     switch (j.w.type) {
       case BlockType::kQ4_0: return JobRows<gguf::Q4_0>(j, range.n0, range.count);
       case BlockType::kQ4_1: return JobRows<gguf::Q4_1>(j, range.n0, range.count);
-      case BlockType::kQ5_0: return JobRows<gguf::Q5_0>(j, range.n0, range.count);
       case BlockType::kQ8_0: return JobRows<gguf::Q8_0>(j, range.n0, range.count);
       case BlockType::kQ4_K: return JobRows<gguf::Q4_K>(j, range.n0, range.count);
       case BlockType::kQ5_K: return JobRows<gguf::Q5_K>(j, range.n0, range.count);

@@ -42,9 +42,9 @@ REGISTER_OP("TokenserveMoeGgufLayer")
     .Input("down: N * uint8")     // N x [D, F_e / values * block bytes]
     .Output("y: float")           // [M, D]
     .Output("counts: int32")      // [E] rows each routed expert ran on
-    .Attr("gate_types: list({'q4_0', 'q4_1', 'q5_0', 'q8_0', 'q4_k', 'q5_k', 'q6_k'})")
-    .Attr("up_types: list({'q4_0', 'q4_1', 'q5_0', 'q8_0', 'q4_k', 'q5_k', 'q6_k'})")
-    .Attr("down_types: list({'q4_0', 'q4_1', 'q5_0', 'q8_0', 'q4_k', 'q5_k', 'q6_k'})")
+    .Attr("gate_types: list({'q4_0', 'q4_1', 'q8_0', 'q4_k', 'q5_k', 'q6_k'})")
+    .Attr("up_types: list({'q4_0', 'q4_1', 'q8_0', 'q4_k', 'q5_k', 'q6_k'})")
+    .Attr("down_types: list({'q4_0', 'q4_1', 'q8_0', 'q4_k', 'q5_k', 'q6_k'})")
     .Attr("k: int >= 1")
     .Attr("normalize: bool")
     .Attr("N: int >= 1")
@@ -59,7 +59,7 @@ REGISTER_OP("TokenserveMoeGgufLayer")
       return absl::OkStatus();
     })
     .Doc("A mixture-of-experts MLP with its router, the experts' weights GGUF blocks as "
-         "stored (Q4_0/Q4_1/Q5_0/Q8_0/Q4_K/Q5_K/Q6_K), grouped by expert.");
+         "stored (Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K), grouped by expert.");
 
 namespace {
 

@@ -44,7 +44,8 @@ def gguf_linear(x, parts, portable: bool = False, planes: int = 1):
     integer work, with the weights read once (the rows share each pass). 1: q8 activations,
     as llama.cpp computes."""
     width = sum(int(b.shape[0]) for _, b in parts)
-    rows = tf.reshape(x, [-1, tf.shape(x)[-1]])
+    flat = x.shape.rank == 2  # a step's rows already: no reshapes (each an op a call)
+    rows = x if flat else tf.reshape(x, [-1, tf.shape(x)[-1]])
     if rows.dtype != tf.float32:
         rows = tf.cast(rows, tf.float32)
     if portable:
@@ -60,7 +61,9 @@ def gguf_linear(x, parts, portable: bool = False, planes: int = 1):
     else:
         ys = [gguf_matmul(rows, blocks, name) for name, blocks in parts]
     y = ys[0] if len(ys) == 1 else tf.concat(ys, axis=-1)
-    return tf.reshape(tf.cast(y, x.dtype), tf.concat([tf.shape(x)[:-1], [width]], 0))
+    if y.dtype != x.dtype:
+        y = tf.cast(y, x.dtype)
+    return y if flat else tf.reshape(y, tf.concat([tf.shape(x)[:-1], [width]], 0))
 
 
 def q8_rounding_error(rows, block: int = 32):

@@ -64,13 +64,13 @@ def expert_specs(file, config: TransformerConfig) -> list[tuple[str, str]]:
             gate, up, down = (file.tensors[f"blk.{i}.ffn_{role}_{suffix}.weight"]
                               for role in ("gate", "up", "down"))
             width = int(gate.shape[1])  # GGUF lists [in, out, experts]: out is F
-            if has_kernel(gate.tensor_type) and has_kernel(up.tensor_type):
+            if all(has_kernel(t.tensor_type, experts=True) for t in (gate, up)):
                 up_spec = (f"{type_name(gate.tensor_type)}*{width},"
                            f"{type_name(up.tensor_type)}*{width}")
             else:
                 up_spec = _int8(file, gate, up)
-            down_spec = (type_name(down.tensor_type) if has_kernel(down.tensor_type)
-                         else _int8(file, down))
+            down_spec = (type_name(down.tensor_type)
+                         if has_kernel(down.tensor_type, experts=True) else _int8(file, down))
             for e in range(count):
                 name = f"block_{i}/" + ours.format(e=e)
                 specs += [(name + "_up", up_spec), (name + "_down", down_spec)]

@@ -17,6 +17,7 @@ import tensorflow as tf
 
 from tokenserve.kernels import dense as kdense
 from tokenserve.engine.step.moe import fused_moe
+from tokenserve.kernels.gguf_matmul import gguf_finish_block
 from tokenserve.kernels.int8_matmul import int8_finish_block, int8_matmul
 from tokenserve.model.gguf_linear import gguf_linear, gguf_parts
 from tokenserve.model.layers import soft_cap
@@ -125,6 +126,10 @@ class FusedBlocks:
             return fused_moe(self.norm(x, w["mlp_norm"]), x, w["moe"], self.model.config), None
         act = _ACTIVATIONS[self.model.config.mlp]
         eps = self.model.config.norm_eps
+        if all(gguf_parts(w[name]) for name in ("out", "up", "down")):
+            y = self._gguf_finish_block(x, attn, w, w_next, act, eps)
+            if y is not None:
+                return y
         post = {}  # Gemma's post-norms: the float op takes them, the int8 op does not
         if "post_attn_norm" in w:
             post = dict(post_attn_norm=w["post_attn_norm"], post_mlp_norm=w["post_mlp_norm"])
@@ -141,6 +146,24 @@ class FusedBlocks:
         x = self._add_branch(x, attn, w["out"], w.get("post_attn_norm"))
         h = self.linear(self.norm(x, w["mlp_norm"]), w["up"], activation=act)
         return self._add_branch(x, h, w["down"], w.get("post_mlp_norm")), None
+
+    @staticmethod
+    def _gguf_finish_block(x, attn, w, w_next, act, eps):
+        """_finish_block as one GGUF op (kernels/gguf_finish_block.cc), the next block's norm
+        and QKV included where they are GGUF blocks too; None without the compiled op."""
+        def blocks(weights):
+            return {"parts": gguf_parts(weights), "bias": weights.get("bias")}
+
+        following = {}
+        if w_next is not None and gguf_parts(w_next["qkv"]):
+            following = dict(next_norm=w_next["attn_norm"], next_qkv=blocks(w_next["qkv"]))
+        y = gguf_finish_block(attn, x, blocks(w["out"]), w["mlp_norm"], blocks(w["up"]),
+                              blocks(w["down"]), act, eps, **following,
+                              post_attn_norm=w.get("post_attn_norm"),
+                              post_mlp_norm=w.get("post_mlp_norm"))
+        if y is None:
+            return None
+        return y if following else (y, None)
 
     def _add_branch(self, x, h, w, post_norm):
         """x + h @ w (the residual inside the op), or x + post_norm(h @ w) where the block

@@ -28,6 +28,7 @@ from tokenserve.engine.step.attention import PagedAttention, PagedPrefill
 from tokenserve.engine.step.flat_call import FlatCall, spec
 from tokenserve.engine.step.fused_blocks import FusedBlocks, fused_dense_supports
 from tokenserve.engine.step.graph_blocks import GraphBlocks
+from tokenserve.engine.step.kv_pool import make_kv_pool
 from tokenserve.engine.step.moe import ExpertLoad
 from tokenserve.kernels import dense as kdense
 from tokenserve.kernels import paged_attention
@@ -60,16 +61,14 @@ class TransformerStep(tf.Module):
     """
 
     def __init__(self, model: TransformerLM, num_rows: int, jit_dense: bool = False,
-                 kv_dtype: str | None = None):
+                 kv_dtype: str | None = None, kv_lazy_pages: bool = True):
         super().__init__(name="transformer_step")
         self.model = model
         c = model.config
         self.kv_width = c.num_kv_heads * c.head_dim
         self.kv_dtype = tf.as_dtype(kv_dtype or model.compute_dtype)
-        self.caches = [tuple(tf.Variable(tf.zeros([num_rows, self.kv_width], self.kv_dtype),
-                                         trainable=False, name=f"{kind}_cache_{i}")
-                             for kind in ("key", "value"))
-                       for i in range(c.num_layers)]
+        self.caches = make_kv_pool(c.num_layers, num_rows, self.kv_width, self.kv_dtype,
+                                   lazy_pages=kv_lazy_pages)
         # the fused op reads K/V rows in place (no gathered copies, one op per layer; Gemma
         # 2's soft-capped scores too); the graph path does the same math where the op could
         # not be built
