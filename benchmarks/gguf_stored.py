@@ -20,7 +20,9 @@ Both sides get 32 slots of 2,048 positions and default flags otherwise: tokenser
 with `--context 2048` and serves with `--max_num_seqs 32` (its KV pool then takes the default
 memory budget, logged and kept in the result's "log"; its pages become resident as blocks are
 written); llama.cpp gets `--n_ctx 65536` (one context holding the same positions, all
-resident). Measured from outside with
+resident) and `--logits_all false` (its server's default keeps a float32 row of logits per
+context position, 64 GiB for Gemma 3's 262k vocabulary, which it cannot allocate, and computes
+the head for every prompt token). Measured from outside with
 `tokenserve bench` (the OpenAI streaming client): 1 stream = 8 requests at concurrency 1,
 32 streams = 64 requests at concurrency 32 (32 for llama.cpp, which runs them in turn);
 random 32-token prompts, 128 new tokens, greedy, ignore_eos. TTFT: 8 requests of 200-token
@@ -116,8 +118,8 @@ def bench_llama_cpp(gguf: Path, export_dir: Path, label: str) -> dict:
     python = LLAMA_CPP_VENV / "bin" / "python"
     if not python.exists():
         return {"skipped": f"no {LLAMA_CPP_VENV}: run {LLAMA_CPP_SETUP}"}
-    with llama_cpp_server(python, gguf, f"gguf-stored-{label}.log",
-                          n_ctx=SLOTS * CONTEXT) as server:
+    with llama_cpp_server(python, gguf, f"gguf-stored-{label}.log", n_ctx=SLOTS * CONTEXT,
+                          logits_all=False) as server:
         server.wait_until_serving(timeout_s=300)
         try:
             return measure(server, export_dir, 32)

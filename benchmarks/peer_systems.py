@@ -99,13 +99,17 @@ def llama_cpp_threads() -> int:
     return usable_cpus()
 
 
-def llama_cpp_server(python: Path, gguf: Path, log_name: str, n_ctx: int = 1024) -> Server:
+def llama_cpp_server(python: Path, gguf: Path, log_name: str, n_ctx: int = 1024,
+                     logits_all: bool = True) -> Server:
     """llama-cpp-python's OpenAI server on `gguf` (model alias gpt2) on a free port, with a
-    KV cache of `n_ctx` positions."""
+    KV cache of `n_ctx` positions. logits_all: its server's default keeps a float32 row of
+    logits for every context position and computes the head for every prompt token; False
+    keeps the last batch's only (as llama.cpp's own server does)."""
     port, threads = free_port(), str(llama_cpp_threads())
     return Server([str(python), "-m", "llama_cpp.server", "--model", str(gguf),
                    "--model_alias", "gpt2", "--n_ctx", str(n_ctx), "--n_threads", threads,
-                   "--n_threads_batch", threads, "--host", "127.0.0.1", "--port", str(port)],
+                   "--n_threads_batch", threads, "--logits_all", str(logits_all).lower(),
+                   "--host", "127.0.0.1", "--port", str(port)],
                   f"http://127.0.0.1:{port}", log_name)
 
 

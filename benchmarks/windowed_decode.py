@@ -17,7 +17,10 @@ Systems, in one run, on one model's weights:
 Target: windowed step at 8k / at 1k <= 1.2. Output: a table (under a one-line CPU summary),
 benchmarks/results/windowed_decode.json and windowed_decode.png.
 
-Run:  python benchmarks/windowed_decode.py [--contexts 1024 2048 4096 8192] [--steps 10]
+Every (system, context) runner is built first, then each round steps each of them once, the
+order rotating, so a shared machine's slow minutes fall on every context alike.
+
+Run:  python benchmarks/windowed_decode.py [--contexts 1024 2048 4096 8192] [--steps 30]
 """
 
 from __future__ import annotations
@@ -48,74 +51,95 @@ def architecture(system: str, window: int, max_context: int):
     return dataclasses.replace(base, sliding_windows=windows)
 
 
-def measure(system: str, window: int, context: int, max_context: int, steps: int,
-            num_seqs: int) -> dict:
-    """Median decode step time and KV memory held, `num_seqs` sequences at `context`."""
-    from tokenserve.config import GenerationConfig
-    from tokenserve.engine.config import EngineConfig
-    from tokenserve.engine.request import Request
-    from tokenserve.engine.runner import ModelRunner
-    from tokenserve.engine.scheduler_output import ScheduledSeq, SchedulerOutput
-    from tokenserve.model import build_model
-    from tokenserve.sampling import SamplingParams
+class Decoder:
+    """One system at one context: a runner on the system's model and `num_seqs` sequences
+    whose contexts are reserved as if prefilled, stepped one decode token at a time."""
 
-    arch = architecture(system, window, max_context)
-    model = build_model(arch, seed=0)  # the same seed: the same weights for every system
-    config = GenerationConfig(model=arch, bos_token_id=0, eos_token_id=1, pad_token_id=2)
-    engine_config = EngineConfig(max_num_seqs=num_seqs, max_num_batched_tokens=256,
-                                 precision="float32",
-                                 max_cache_tokens=num_seqs * (max_context + 64))
-    runner = ModelRunner(model, config, engine_config)
-    rng = np.random.default_rng(0)
-    seqs = []
-    for i in range(num_seqs):
-        seq = Request(f"r{i}", rng.integers(3, 8000, size=context).tolist(),
-                      SamplingParams(max_tokens=steps + 8)).seqs[0]
-        assert runner.cache.reserve(seq, context - 1)  # as if its prompt were prefilled
-        seq.num_computed_tokens = context - 1
-        seqs.append(seq)
-    times, held = [], []
-    for step in range(steps + 3):  # three warm-up steps trace and compile
-        for seq in seqs:
-            assert runner.cache.reserve(seq, 1)
-        out = SchedulerOutput(scheduled=[ScheduledSeq.of(seq, 1) for seq in seqs])
+    def __init__(self, system: str, model, arch, context: int, steps: int, num_seqs: int):
+        from tokenserve.config import GenerationConfig
+        from tokenserve.engine.config import EngineConfig
+        from tokenserve.engine.request import Request
+        from tokenserve.engine.runner import ModelRunner
+        from tokenserve.sampling import SamplingParams
+
+        self.system, self.context, self.arch = system, context, arch
+        config = GenerationConfig(model=arch, bos_token_id=0, eos_token_id=1, pad_token_id=2)
+        engine_config = EngineConfig(max_num_seqs=num_seqs, max_num_batched_tokens=256,
+                                     precision="float32",
+                                     max_cache_tokens=num_seqs * (context + steps + 64))
+        self.runner = ModelRunner(model, config, engine_config)
+        rng = np.random.default_rng(0)
+        self.seqs = []
+        for i in range(num_seqs):
+            seq = Request(f"r{i}", rng.integers(3, 8000, size=context).tolist(),
+                          SamplingParams(max_tokens=steps + 8)).seqs[0]
+            assert self.runner.cache.reserve(seq, context - 1)  # as if prefilled
+            seq.num_computed_tokens = context - 1
+            self.seqs.append(seq)
+        self.times: list[float] = []
+
+    def step(self, timed: bool = True) -> None:
+        from tokenserve.engine.scheduler_output import ScheduledSeq, SchedulerOutput
+
+        for seq in self.seqs:
+            assert self.runner.cache.reserve(seq, 1)
+        out = SchedulerOutput(scheduled=[ScheduledSeq.of(seq, 1) for seq in self.seqs])
         started = time.perf_counter()
-        runner.execute(out)
-        if step >= 3:
-            times.append(time.perf_counter() - started)
-        for seq in seqs:
+        self.runner.execute(out)
+        if timed:
+            self.times.append(time.perf_counter() - started)
+        for seq in self.seqs:
             seq.num_computed_tokens += 1
             seq.token_ids.append(5)
-        held.append(sum(1 for seq in seqs for block in seq.block_ids if block))
-    bytes_per_block = (runner.cache.block_size * LAYERS * 2 * arch.num_kv_heads * arch.head_dim
-                       * 4)  # float32 keys and values
-    return {"system": system, "context": context, "median_step_s": float(np.median(times)),
-            "step_s": [float(t) for t in times],
-            "kv_mib_held": held[-1] * bytes_per_block / 2**20,
-            "kv_blocks_held": held[-1]}
+
+    def result(self) -> dict:
+        held = sum(1 for seq in self.seqs for block in seq.block_ids if block)
+        bytes_per_block = (self.runner.cache.block_size * LAYERS * 2 * self.arch.num_kv_heads
+                           * self.arch.head_dim * 4)  # float32 keys and values
+        return {"system": self.system, "context": self.context,
+                "median_step_s": float(np.median(self.times)),
+                "step_s": [float(t) for t in self.times],
+                "kv_mib_held": held * bytes_per_block / 2**20, "kv_blocks_held": held}
+
+
+def measure(systems, contexts, window: int, steps: int, num_seqs: int) -> list[dict]:
+    """Median decode step time and KV memory held of every (system, context). Every runner
+    is built first; then each round steps each of them once, in an order that rotates, so a
+    slow minute of a shared machine falls on every context alike."""
+    from tokenserve.model import build_model
+
+    max_context = max(contexts)
+    decoders = []
+    for system in systems:
+        arch = architecture(system, window, max_context)
+        model = build_model(arch, seed=0)  # the same seed: the same weights for every system
+        for context in contexts:
+            console.print(f"{system}: {num_seqs} x {context} positions ...")
+            decoders.append(Decoder(system, model, arch, context, steps, num_seqs))
+            for _ in range(3):  # warm-up steps trace and compile
+                decoders[-1].step(timed=False)
+    for round_index in range(steps):
+        for decoder in rotated(decoders, round_index):
+            decoder.step()
+    return [decoder.result() for decoder in decoders]
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 2048, 4096, 8192])
     parser.add_argument("--window", type=int, default=512)
-    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--seqs", type=int, default=4)
     parser.add_argument("--output", type=Path, default=RESULTS / "windowed_decode.json")
     args = parser.parse_args(argv)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     systems = ["global", "windowed", "interleaved"]
-    max_context = max(args.contexts)
     results = {"workload": {"model": f"llama-shaped, {LAYERS} layers, width 512, 8/2 heads "
                                      f"(random)", "precision": "float32",
                             "num_seqs": args.seqs, "window": args.window},
                "machine": {**machine_info(), "loadavg": list(os.getloadavg())},
                "runs": []}
-    for round_index, context in enumerate(args.contexts):
-        for system in rotated(systems, round_index):  # a slow minute falls on each in turn
-            console.print(f"{system}: {args.seqs} x {context} positions ...")
-            results["runs"].append(measure(system, args.window, context, max_context,
-                                           args.steps, args.seqs))
+    results["runs"] = measure(systems, args.contexts, args.window, args.steps, args.seqs)
     first = {r["system"]: r["median_step_s"] for r in results["runs"]
              if r["context"] == args.contexts[0]}
     table = make_table(f"Decode step vs context: {args.seqs} seqs, window {args.window}, "

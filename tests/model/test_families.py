@@ -209,6 +209,37 @@ def test_longrope_matches_transformers_under_and_over_the_original_context(token
         assert output.outputs[0].token_ids == hf_cached_greedy(reference, prompt, num_tokens)
 
 
+def test_longrope_from_gguf_reads_what_the_hf_import_does(tokenizer, tmp_path):
+    """A Phi-3 LongRoPE GGUF (the two tables as tensors, the original context and attention
+    factor as metadata, as convert_hf_to_gguf writes them) fills the config fields the Hugging
+    Face import fills, and gives transformers' logits under and over the original context
+    and its greedy tokens. A file with one table, or a table of the wrong width, is refused
+    by the table's name."""
+    from tokenserve.errors import UnsupportedGGUFError
+
+    reference = hf_model("phi3-longrope")
+    vocab = bpe_vocab(tokenizer)
+    model, _, generation = load_gguf(write_gguf_from_hf(tmp_path / "longrope.gguf",
+                                                        reference, vocab))
+    from_hf = architecture_config({**reference.config.to_dict(),
+                                   "architectures": ["Phi3ForCausalLM"]})
+    for field in ("rope_theta", "rope_freq_factors", "rope_long_freq_factors",
+                  "rope_original_context", "rope_attention_factor", "rotary_dim"):
+        assert getattr(generation.model, field) == pytest.approx(getattr(from_hf, field)), field
+    for prompt in (PROMPTS[2], PROMPTS[0]):  # short tables, long ones
+        with torch.no_grad():
+            want = reference(torch.tensor([prompt])).logits.numpy()[0]
+        np.testing.assert_allclose(model(np.array([prompt], np.int32)).numpy()[0], want,
+                                   atol=1e-4, rtol=0)
+    assert greedy_by_full_forward(model, PROMPTS[0], 12) == hf_greedy(reference, PROMPTS[0], 12)
+    with pytest.raises(UnsupportedGGUFError, match=r"needs rope_factors_short\.weight"):
+        load_gguf(write_gguf_from_hf(tmp_path / "one.gguf", reference, vocab,
+                                     drop=["rope_factors_short.weight"]))
+    with pytest.raises(UnsupportedGGUFError, match=r"rope_factors_long\.weight has 5 entries"):
+        load_gguf(write_gguf_from_hf(tmp_path / "narrow.gguf", reference, vocab, replace=[
+            ("rope_factors_long.weight", np.ones(5, np.float32))]))
+
+
 def hf_cached_greedy(model, prompt, n):
     """Greedy tokens of transformers' model called token by token on its own cache (no
     generate(): Phi-3's recomputes the cache where LongRoPE switches tables)."""

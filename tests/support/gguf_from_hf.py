@@ -4,12 +4,14 @@ the families' import tests: the GGUF and the safetensors import are both held to
 
 llama.cpp's conventions kept here: `llama` files (Mistral) store Q and K rows permuted for
 its rotary kernel; Gemma files store every norm as 1 + w; Phi-3's fused qkv and gate_up keep
-their names' roles (attn_qkv, ffn_up).
+their names' roles (attn_qkv, ffn_up), and its LongRoPE tables are tensors
+(rope_factors_short/long).
 """
 
 from __future__ import annotations
 
 import json
+import math
 
 import numpy as np
 
@@ -82,9 +84,6 @@ def write_gguf_from_hf(path, hf_model, vocab, extra_metadata=(), drop=(), replac
     config = hf_model.config
     arch = GGUF_ARCH[type(hf_model).__name__]
     tensors = gguf_tensors(hf_model, arch)
-    for name in drop:
-        del tensors[name]
-    tensors.update(dict(replace))
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     rope = dict(getattr(config, "rope_parameters", None) or {})
     local_rope = rope.get("sliding_attention")
@@ -116,6 +115,14 @@ def write_gguf_from_hf(path, hf_model, vocab, extra_metadata=(), drop=(), replac
     if arch == "gemma2":
         writer.add_attn_logit_softcapping(config.attn_logit_softcapping)
         writer.add_final_logit_softcapping(config.final_logit_softcapping)
+    if rope.get("rope_type") == "longrope":  # convert_hf_to_gguf's Phi3MiniModel
+        original = config.original_max_position_embeddings
+        scale = config.max_position_embeddings / original
+        writer.add_rope_scaling_orig_ctx_len(original)
+        writer.add_rope_scaling_attn_factors(
+            math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0)
+        tensors["rope_factors_long.weight"] = np.asarray(rope["long_factor"], np.float32)
+        tensors["rope_factors_short.weight"] = np.asarray(rope["short_factor"], np.float32)
     if rope.get("rope_type") == "yarn":
         writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
         writer.add_rope_scaling_factor(rope["factor"])
@@ -123,6 +130,9 @@ def write_gguf_from_hf(path, hf_model, vocab, extra_metadata=(), drop=(), replac
     add_bpe_tokenizer(writer, vocab)
     for key, (value, kind) in dict(extra_metadata).items():
         writer.add_key_value(key, value, kind)
+    for name in drop:
+        del tensors[name]
+    tensors.update(dict(replace))
     return write_tensors(writer, tensors, path)
 
 

@@ -34,7 +34,7 @@ import numpy as np
 from tokenserve.config import GenerationConfig, TransformerConfig, gpt2_config, llama_config
 from tokenserve.errors import ConfigError, ModelLoadError
 from tokenserve.model import families, gguf_moe
-from tokenserve.model.families.rope_scaling import gguf_rope
+from tokenserve.model.families.rope_scaling import LONGROPE_TENSORS, gguf_rope
 from tokenserve.model.gguf_file import (GGUFFile, UnsupportedGGUFError, dequantize, read_gguf,
                                         supported_tensor_types)
 from tokenserve.model.gguf_tokenizer import build_tokenizer
@@ -170,9 +170,10 @@ def _hf_name(config: TransformerConfig, arch: str, name: str) -> str | None:
 def read_weights(file: GGUFFile, config: TransformerConfig) -> dict[str, np.ndarray]:
     """Every tensor dequantized to float32 under its Hugging Face name and layout."""
     arch = file.architecture
-    # rope_freqs.weight is read into the config (architecture_config), not a weight
+    # the RoPE tables are read into the config (architecture_config), not weights
+    rope_tables = ("rope_freqs.weight", *LONGROPE_TENSORS)
     unknown = sorted(n for n in file.tensors
-                     if _hf_name(config, arch, n) is None and n != "rope_freqs.weight"
+                     if _hf_name(config, arch, n) is None and n not in rope_tables
                      and not (config.num_experts and gguf_moe.is_expert_tensor(n)))
     if unknown:
         shape = [int(n) for n in file.tensors[unknown[0]].shape]
@@ -189,7 +190,7 @@ def read_weights(file: GGUFFile, config: TransformerConfig) -> dict[str, np.ndar
             dequantize(tensor)  # raises, naming the tensor and its type
     tensors = {}
     for name, tensor in file.tensors.items():
-        if name == "rope_freqs.weight":
+        if name in rope_tables:
             continue
         value = families.gguf_tensor_value(arch, name, dequantize(tensor))
         if config.num_experts and gguf_moe.is_expert_tensor(name):

@@ -26,6 +26,7 @@ from tokenserve.errors import ModelLoadError
 from tokenserve.kernels.gguf_types import (INT8, format_spec, has_kernel, parse_spec,
                                            row_bytes, type_name)
 from tokenserve.model import gguf_moe_stored, gguf_stored_names
+from tokenserve.model.families.rope_scaling import LONGROPE_TENSORS
 from tokenserve.model.gguf_file import GGUFFile, dequantize, supported_tensor_types
 
 log = logging.getLogger(__name__)
@@ -155,7 +156,7 @@ def assign_stored(model, config: TransformerConfig, file: GGUFFile) -> None:
 
 def _refuse_unused(file: GGUFFile, config: TransformerConfig) -> None:
     """Refuses a file with a tensor that no weight of the model takes, before reading any."""
-    used = {"rope_freqs.weight"}  # read into the config (architecture_config)
+    used = {"rope_freqs.weight", *LONGROPE_TENSORS}  # read into the config
     for names in layer_sources(file, config).values():
         used.update(names)
     for names, _ in _float_sources(file, config).values():

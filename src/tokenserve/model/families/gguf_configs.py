@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 from tokenserve.errors import ConfigError, ModelLoadError, UnsupportedGGUFError
 from tokenserve.model.families.hf_configs import clamp_windows
-from tokenserve.model.families.rope_scaling import gguf_rope
+from tokenserve.model.families.rope_scaling import gguf_longrope, gguf_rope
 
 if TYPE_CHECKING:  # the reader imports none of the importers' modules; this one neither
     from tokenserve.model.gguf_file import GGUFFile
@@ -61,11 +61,12 @@ def gguf_config(file: GGUFFile, context: int | None = None) -> TransformerConfig
         max_seq_len = min(max_seq_len, context)
     num_layers = int(file.require("block_count"))
     rotary_dim = int(file.get("rope.dimension_count") or head_dim)
-    if any(name.startswith("rope_factors_") for name in file.tensors):
-        raise UnsupportedGGUFError(f"{file.path.name}: rope scaling 'longrope' (tensors "
-                                   f"rope_factors_long/short) is not supported")
     theta, factors, attention_factor = gguf_rope(
         file, float(file.get("rope.freq_base", 10000.0)), rotary_dim)
+    long_factors, original = (), 0
+    longrope = gguf_longrope(file, rotary_dim)
+    if longrope is not None:  # Phi-3's two tables, as the Hugging Face import reads them
+        factors, long_factors, original, attention_factor = longrope
     embedding = file.tensors.get("token_embd.weight")
     if embedding is None:
         raise ModelLoadError(f"{file.path.name} has no tensor token_embd.weight")
@@ -79,7 +80,8 @@ def gguf_config(file: GGUFFile, context: int | None = None) -> TransformerConfig
         intermediate_size=int(file.require("feed_forward_length")), head_dim=head_dim,
         norm="rmsnorm", norm_eps=float(file.get("attention.layer_norm_rms_epsilon", 1e-6)),
         position="rope", rope_theta=theta, rope_freq_factors=factors,
-        rope_attention_factor=attention_factor, rotary_dim=rotary_dim,
+        rope_attention_factor=attention_factor, rope_long_freq_factors=long_factors,
+        rope_original_context=original, rotary_dim=rotary_dim,
         local_rope_theta=float(file.get("rope.freq_base_swa", 10000.0))
         if arch == "gemma3" else 0.0,
         mlp="geglu" if gemma else "swiglu", tie_embeddings="output.weight" not in file.tensors,

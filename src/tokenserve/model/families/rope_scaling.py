@@ -1,12 +1,15 @@
 """RoPE scaling as a config reads it: (theta, per-pair divisors, attention factor) from a
 Hugging Face rope_parameters / rope_scaling dict or a GGUF file's `rope.scaling.*` keys.
-Implemented: none, linear, llama3 and yarn, and from Hugging Face configs longrope (Phi-3:
-two tables of divisors, chosen by the sequence's length: hf_longrope); anything else is
-refused by name (dynamic NTK, whose frequencies change with every length)."""
+Implemented: none, linear, llama3 and yarn, and Phi-3's longrope (two tables of divisors,
+chosen by the sequence's length: hf_longrope from config.json, gguf_longrope from the
+tables llama.cpp stores as tensors); anything else is refused by name (dynamic NTK, whose
+frequencies change with every length)."""
 
 from __future__ import annotations
 
 import math
+
+import numpy as np
 
 from tokenserve.errors import ConfigError, UnsupportedGGUFError
 from tokenserve.model.rope import (linear_rope_factors, llama3_rope_factors,
@@ -22,6 +25,21 @@ class UnsupportedRopeScalingError(ConfigError):
 
 RopeParameters = tuple[float, tuple[float, ...], float]
 """(rope_theta, rope_freq_factors, rope_attention_factor)."""
+
+LongRope = tuple[tuple[float, ...], tuple[float, ...], int, float]
+"""(short divisors, long divisors, original context, attention factor): the config's
+rope_freq_factors, rope_long_freq_factors, rope_original_context, rope_attention_factor."""
+
+LONGROPE_TENSORS = ("rope_factors_short.weight", "rope_factors_long.weight")
+"""Where convert_hf_to_gguf writes a LongRoPE model's two tables (float32 [rotary_dim / 2])."""
+
+
+def _longrope_attention(factor: float, original: int) -> float:
+    """LongRoPE's scale of cos and sin, as transformers and convert_hf_to_gguf compute it
+    when the config gives none: sqrt(1 + ln(factor) / ln(original)), 1 up to factor 1."""
+    if factor <= 1.0:
+        return 1.0
+    return math.sqrt(1 + math.log(factor) / math.log(original))
 
 
 def hf_rope(scaling: dict, theta: float, rotary_dim: int,
@@ -62,8 +80,7 @@ def hf_rope(scaling: dict, theta: float, rotary_dim: int,
 
 
 def hf_longrope(scaling: dict, rotary_dim: int, max_position_embeddings: int,
-                original: int | None = None) -> tuple[tuple[float, ...], tuple[float, ...],
-                                                      int, float]:
+                original: int | None = None) -> LongRope:
     """A "longrope" rope_parameters dict as (short divisors, long divisors, original context,
     attention factor), as transformers computes them: original_max_position_embeddings from
     the config's top level first (Phi-3 keeps it there), the factor max / original where the
@@ -82,8 +99,40 @@ def hf_longrope(scaling: dict, rotary_dim: int, max_position_embeddings: int,
     factor = float(scaling.get("factor") or max_position_embeddings / original)
     attention = scaling.get("attention_factor")
     if attention is None:
-        attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor)
-                                                        / math.log(original))
+        attention = _longrope_attention(factor, original)
+    return tables[0], tables[1], original, float(attention)
+
+
+def gguf_longrope(file, rotary_dim: int) -> LongRope | None:
+    """A Phi-3 file's LongRoPE as hf_longrope gives it from config.json, or None when the file
+    has no tables. convert_hf_to_gguf (Phi3MiniModel) writes the short and long tables as
+    LONGROPE_TENSORS, the original context as `rope.scaling.original_context_length` and the
+    attention factor as `rope.scaling.attn_factor` (computed from context_length / original
+    here where a file lacks it). Raises UnsupportedGGUFError naming a table that is missing
+    or of the wrong length."""
+    present = [name for name in LONGROPE_TENSORS if name in file.tensors]
+    if not present:
+        return None
+    tables = []
+    for name in LONGROPE_TENSORS:
+        if name not in file.tensors:
+            raise UnsupportedGGUFError(f"{file.path.name}: rope scaling 'longrope' needs "
+                                       f"{name} beside {present[0]}")
+        tensor = file.tensors[name]
+        if tensor.tensor_type.name not in ("F32", "F16"):  # the converter writes F32
+            raise UnsupportedGGUFError(f"{file.path.name}: {name} has type "
+                                       f"{tensor.tensor_type.name}; a LongRoPE table is F32")
+        table = tuple(float(f) for f in np.asarray(tensor.data).ravel())
+        if len(table) != rotary_dim // 2:
+            raise UnsupportedGGUFError(
+                f"{file.path.name}: {name} has {len(table)} entries; the rotated width "
+                f"{rotary_dim} turns {rotary_dim // 2} pairs")
+        tables.append(table)
+    original = int(file.require("rope.scaling.original_context_length"))
+    attention = file.get("rope.scaling.attn_factor")
+    if attention is None:
+        attention = _longrope_attention(int(file.require("context_length")) / original,
+                                        original)
     return tables[0], tables[1], original, float(attention)
 
 
