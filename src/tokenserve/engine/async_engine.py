@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-import time
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -26,8 +25,9 @@ from tokenserve.engine.config import EngineConfig
 from tokenserve.engine.core import LLMEngine
 from tokenserve.engine.lora_adapter import LoraRequest
 from tokenserve.engine.outputs import RequestOutput, TokenLogprob
+from tokenserve.engine.warmup import warm_up
 from tokenserve.engine.sampler.draw import token_logprob
-from tokenserve.errors import EngineDeadError, InvalidRequestError, QueueFullError
+from tokenserve.errors import EngineDeadError, InvalidRequestError
 from tokenserve.observability.memory import (freeze_python_heap, release_freed_memory,
                                              thaw_python_heap)
 from tokenserve.sampling import SamplingParams
@@ -36,7 +36,6 @@ from tokenserve.stats import StatsSink
 log = logging.getLogger(__name__)
 # prompt logprobs hold a prompt's whole [tokens, vocab] float32 logits at once
 PROMPT_LOGITS_BYTES = 512 << 20
-_SHORT_WARMUP_PROMPT = 3  # tokens of a warm-up prompt that is not meant to be long
 
 
 class AsyncEngine:
@@ -189,90 +188,12 @@ class AsyncEngine:
 
     # -- lifecycle ------------------------------------------------------------------------
     def start(self) -> None:
-        self._warm_up()
+        warm_up(self.engine)
+        self._ready = True
         # start-up's objects out of the cycle collector's way: otherwise a full collection
         # (hundreds of ms) falls due on the first requests (freeze_python_heap)
         freeze_python_heap()
         self._thread.start()
-
-    def _warm_up(self) -> None:
-        """Traces the step graphs a server's first requests need and runs each once.
-
-        Two requests: one prompt alone (an idle server's first request), then a second
-        prompt while the first decodes (a request arriving during another's answer). Where
-        float32 steps above `max_fused_dense_tokens` tokens run XLA's dense programs, the
-        prompts are one token longer than that, as most prompts are: a step variant first
-        met by a user costs that request its trace (0.5 s for GPT-2-small's 32-token prompt
-        on a 2-core VM, measured as its TTFT), and a third, short prompt then runs alone,
-        as a short question or a prompt whose prefix is cached does (its first one had
-        cost 0.8 s of TTFT against 0.06 s after), joined by a fourth while it decodes.
-        Their blocks stay out of the remote KV tier and are forgotten afterwards, and their
-        stats go nowhere, so metrics count only users' requests (as in TF Serving, where
-        warmup records never reach the request counters)."""
-        started = time.perf_counter()
-        num_compiled = self.engine.runner.compile_buckets()
-        if num_compiled:
-            log.info("compiled %d XLA step shapes in %.2fs", num_compiled,
-                     time.perf_counter() - started)
-        length = self._warmup_prompt_len()
-        bos, vocab = self.config.bos_token_id, self.config.model.vocab_size
-
-        def requests(lora=None):  # (lora: on the first of each pair)
-            params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (3, 2, 2, 1)]
-            pairs = [(self.engine.make_request([bos] * length, params[0], "warmup", lora=lora),
-                      self.engine.make_request([(bos + 1) % vocab] * length, params[1],
-                                               "warmup-2"))]
-            # prompts the fused ops take: one alone, then one joining it while it decodes (a
-            # short question arriving while others stream), each a step of its own kind
-            if length > _SHORT_WARMUP_PROMPT:
-                pairs.append(tuple(self.engine.make_request(
-                    [(bos + 2 + i) % vocab] * _SHORT_WARMUP_PROMPT, params[2 + i],
-                    f"warmup-{3 + i}", lora=None if i else lora) for i in range(2)))
-            return pairs
-        scheduler = self.engine.scheduler
-        stats, self.engine.stats = self.engine.stats, StatsSink()
-        tier, scheduler.kv_tier = scheduler.kv_tier, None
-        try:
-            for pair in requests():
-                self._run_alone_then_joined(*pair)
-            if self.engine.loras is not None:  # the adapter steps' kinds, on a zero adapter
-                zero = self.engine.loras.warmup_adapter()
-                for pair in requests(zero):
-                    self._run_alone_then_joined(*pair)
-                self.engine.loras.forget(zero)
-            self.engine.runner.warm_up_heads()  # the heads greedy requests did not run
-        finally:
-            scheduler.kv_tier = tier
-            self.engine.stats = stats
-            scheduler.cache.reset_prefix_cache()
-            self.engine.reset_prefix_cache_stats()
-        self._ready = True
-        log.info("engine warmed up in %.2fs (prompts of %d tokens)",
-                 time.perf_counter() - started, length)
-
-    def _run_alone_then_joined(self, first, second) -> None:
-        """Steps `first` alone once, adds `second` while it decodes, runs both to the end."""
-        self.engine.add_request(first)
-        self.engine.step()
-        try:
-            self.engine.add_request(second)
-        except QueueFullError:  # a queue limit below two prompts: the first one only
-            pass
-        while self.engine.has_work:
-            self.engine.step()
-
-    def _warmup_prompt_len(self) -> int:
-        """3 tokens, or one more than the fused dense ops take where larger steps run another
-        path (XLA for float32, oneDNN for bfloat16);
-        at most what the queue admits (`max_queue_tokens`)."""
-        runner, engine_config = self.engine.runner, self.engine.engine_config
-        fused = getattr(runner, "max_fused_dense_tokens", 0)  # transformers only
-        length = _SHORT_WARMUP_PROMPT
-        if fused:  # larger steps run another path (XLA, or oneDNN for bfloat16)
-            longest = min(fused + 1, engine_config.max_num_batched_tokens,
-                          self.engine.max_model_len - 3)
-            length = max(_SHORT_WARMUP_PROMPT, longest)
-        return min(length, engine_config.max_queue_tokens)  # the queue must take it
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stops the loop; unfinished requests end with finish_reason ABORT."""
