@@ -164,7 +164,8 @@ def visible(key, query, window: int):
 
 def head_norm(x, weights: dict, eps: float):
     """QK-norm of x [..., H, Dh]: per head (scale [Dh]) or over all heads (scale [H * Dh])."""
-    if (width := weights["scale"].shape[-1]) == x.shape[-1]:
+    width = weights["scale"].shape[-1]  # (no walrus here: AutoGraph cannot convert one)
+    if width == x.shape[-1]:
         return norm(x, weights, "rmsnorm", eps)
     return tf.reshape(norm(tf.reshape(x, [-1, width]), weights, "rmsnorm", eps), tf.shape(x))
 
