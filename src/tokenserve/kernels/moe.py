@@ -66,12 +66,17 @@ def moe_layer(x, router, ups: list, downs: list, k: int, normalize: bool, residu
     op = LIBRARY.module()
     if op is None:
         return None
-    empty = tf.zeros([0, 0], tf.float32)
+    return op.tokenserve_moe_layer(x, *_router_inputs(router, residual, shared_gate),
+                                   list(ups), list(downs), k=k, normalize=normalize, isa=isa)
+
+
+def _router_inputs(router, residual, shared_gate) -> tuple:
+    """(router, residual, shared_gate) as both layer ops take them: a missing residual or
+    shared gate is an empty [0, 0] tensor (float32, and the router's dtype)."""
     router = tf.convert_to_tensor(router)
-    no_gate = tf.zeros([0, 0], router.dtype)
-    return op.tokenserve_moe_layer(x, router, empty if residual is None else residual,
-                                   no_gate if shared_gate is None else shared_gate, list(ups),
-                                   list(downs), k=k, normalize=normalize, isa=isa)
+    return (router,
+            tf.zeros([0, 0], tf.float32) if residual is None else residual,
+            tf.zeros([0, 0], router.dtype) if shared_gate is None else shared_gate)
 
 
 def moe_gguf_layer(x, router, experts: list, k: int, normalize: bool, residual=None,
@@ -86,14 +91,10 @@ def moe_gguf_layer(x, router, experts: list, k: int, normalize: bool, residual=N
     op = LIBRARY.module()
     if op is None:
         return None
-    empty = tf.zeros([0, 0], tf.float32)
-    router = tf.convert_to_tensor(router)
-    no_gate = tf.zeros([0, 0], router.dtype)
     (gate_types, gates), (up_types, ups), (down_types, downs) = (
         zip(*[expert[role] for expert in experts]) for role in range(3))
     return op.tokenserve_moe_gguf_layer(
-        x, router, empty if residual is None else residual,
-        no_gate if shared_gate is None else shared_gate, list(gates), list(ups), list(downs),
+        x, *_router_inputs(router, residual, shared_gate), list(gates), list(ups), list(downs),
         gate_types=list(gate_types), up_types=list(up_types), down_types=list(down_types), k=k,
         normalize=normalize, isa=isa)
 
