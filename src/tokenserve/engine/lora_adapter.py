@@ -41,8 +41,9 @@ LLAMA_MODULES = {"self_attn.q_proj": ("qkv", "q"), "self_attn.k_proj": ("qkv", "
                   "self_attn.v_proj": ("qkv", "v"), "self_attn.o_proj": ("out", "all"),
                   "mlp.gate_proj": ("up", "gate"), "mlp.up_proj": ("up", "up"),
                   "mlp.down_proj": ("down", "all")}
-LLAMA_FAMILY_MODULES = {**LLAMA_MODULES, "self_attn.qkv_proj": ("qkv", "all"),
-                        "mlp.gate_up_proj": ("up", "all")}
+PHI3_MODULES = {"self_attn.qkv_proj": ("qkv", "all"), "self_attn.o_proj": ("out", "all"),
+                "mlp.gate_up_proj": ("up", "all"), "mlp.down_proj": ("down", "all")}
+LLAMA_FAMILY_MODULES = {**LLAMA_MODULES, **PHI3_MODULES}
 """What an adapter of a Llama-family model may target: Llama's modules, and Phi-3's fused
 qkv_proj and gate_up_proj (A [r, hidden], B [q + 2 kv or 2 f, r]: the whole of our fused
 matrix, in its order q, k, v and gate, up). Where the base's config records its architecture,
@@ -198,6 +199,14 @@ def _pattern_value(patterns: dict, module: str, default):
         if module == key or module.endswith("." + key) or re.fullmatch(key, module):
             return value
     return default
+
+
+def family_modules(config: TransformerConfig) -> dict[str, tuple[str, str]]:
+    """The modules (torch path inside a block -> (role, part)) that the model's own checkpoint
+    has, as PEFT names them: GPT-2's, Phi-3's fused ones, else Llama's."""
+    if config.mlp == "gelu":
+        return GPT2_MODULES
+    return PHI3_MODULES if config.architecture in FUSED_ARCHITECTURES else LLAMA_MODULES
 
 
 def _stem(architecture: str) -> str:
