@@ -42,6 +42,7 @@ from pathlib import Path
 import numpy as np
 
 from common import finish_rounds, make_console, make_table, result_path, rotated, spread
+from tokenserve.stats import StatsSink
 
 console = make_console(140)
 
@@ -59,23 +60,14 @@ def architectures(args) -> dict:
             "dense-active": dense(args.top_k * args.expert_width)}
 
 
-class LoadSink:
-    """A StatsSink keeping each step's batch size and expert load."""
+class LoadSink(StatsSink):
+    """Keeps each step's batch size and expert load."""
 
     def __init__(self):
         self.steps: list[tuple[int, tuple]] = []
 
     def on_step(self, stats):
         self.steps.append((stats.num_decode_tokens, stats.expert_tokens))
-
-    def on_request(self, stats):
-        pass
-
-    def on_scheduler(self, stats):
-        pass
-
-    def on_rejection(self, stats):
-        pass
 
 
 def build_engine(architecture, seed: int):
