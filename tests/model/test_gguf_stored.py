@@ -13,6 +13,7 @@ import pytest
 
 from support.gguf_files import write_tiny_gguf
 from support.greedy_checks import assert_greedy_agreement, assert_greedy_up_to_near_ties
+from support.saved_model_ops import assert_stock_tensorflow_graph
 from support.tiny_models import greedy_by_full_forward
 from tokenserve.errors import ModelLoadError
 from tokenserve.model.gguf_file import UnsupportedGGUFError
@@ -116,15 +117,9 @@ def test_engine_decode_equals_full_forward_and_the_dequantized_greedy(stored):
 
 def test_stock_tensorflow_runs_the_export_through_dequantized_blocks(stored_export, tokenizer):
     import tensorflow as tf
-    from tensorflow.core.protobuf import saved_model_pb2
 
     reference, version_dir = stored_export
-    proto = saved_model_pb2.SavedModel()
-    proto.ParseFromString((version_dir / "saved_model.pb").read_bytes())
-    graph = proto.meta_graphs[0].graph_def
-    ops = {node.op for node in graph.node}
-    ops |= {node.op for f in graph.library.function for node in f.node_def}
-    assert "ReadVariableOp" in ops and not {op for op in ops if "Tokenserve" in op}
+    assert_stock_tensorflow_graph(version_dir)
     loaded = tf.saved_model.load(str(version_dir))
     ids = np.asarray([tokenizer.encode(p)[:2] for p in PROMPTS], np.int32)
     predicted = loaded.signatures["serving_default"](input_ids=tf.constant(ids))
