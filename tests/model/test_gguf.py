@@ -13,7 +13,7 @@ from importlib import metadata
 import numpy as np
 import pytest
 
-from support.gguf_from_hf import bpe_vocab
+from support.gguf_from_hf import add_bpe_tokenizer, bpe_vocab
 from support.tiny_models import TINY_TEXT, greedy_by_full_forward
 from support.transformers_parity import assert_logits_match
 from tokenserve.errors import ModelLoadError, ModelNotFoundError
@@ -151,14 +151,7 @@ def write_gguf(path, arch="llama", qtype=Q.F32, embed_qtype=None, tie=False, hid
         writer.add_rope_dimension_count(head_dim)
         writer.add_vocab_size(n_vocab)
     if spm is None:
-        writer.add_tokenizer_model(tokenizer_model or "gpt2")
-        writer.add_tokenizer_pre(pre)
-        writer.add_token_list(tokens)
-        writer.add_token_types(types)
-        writer.add_token_merges(merges)
-        writer.add_bos_token_id(1)
-        writer.add_eos_token_id(2)
-        writer.add_pad_token_id(0)
+        add_bpe_tokenizer(writer, (tokens, types, merges), pre, tokenizer_model or "gpt2")
     else:
         writer.add_tokenizer_model("llama")
         writer.add_token_list(tokens)
