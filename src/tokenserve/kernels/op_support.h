@@ -96,7 +96,7 @@ absl::Status FinishBlockShape(InferenceContext* c) {
   return absl::OkStatus();
 }
 
-// ---- optional inputs ----------------------------------------------------------------------
+// ---- inputs (an empty tensor stands for "none" where one is optional) ---------------------
 
 // A [rows, cols] matrix.
 inline bool IsMatrix(const Tensor& t, int64 rows, int64 cols) {
