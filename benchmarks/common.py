@@ -365,3 +365,21 @@ def write_result(path, **fields) -> dict:
     write_json(path, {"command": " ".join(sys.argv), "machine": info,
                       "finished": time.strftime("%Y-%m-%d %H:%M:%S"), **fields}, indent=1)
     return info
+
+
+def finish_rounds(console, args, ratios: dict, load_before, **fields) -> None:
+    """The end of a benchmark of rounds: prints each of `ratios` (spread() over the rounds)
+    and the 1-minute load average before -> after, writes the result JSON to args.output
+    (write_result: the arguments, `fields`, the ratios, both load averages and a note that
+    the machine is shared) and prints the machine summary and where it wrote."""
+    for key, value in ratios.items():
+        console.print(f"{key}: {value['median']:.3f} (min {value['min']:.3f}, "
+                      f"max {value['max']:.3f})")
+    load_after = os.getloadavg()
+    console.print(f"load average (1 min) before -> after: {load_before[0]:.1f} -> "
+                  f"{load_after[0]:.1f}")
+    info = write_result(args.output, args=vars(args) | {"output": str(args.output)}, **fields,
+                        ratios=ratios, loadavg_before=load_before, loadavg_after=load_after,
+                        noise="2-core VM shared with other agents' jobs: figures drift")
+    console.print(machine_summary(info))
+    console.print(f"wrote {args.output}")

@@ -41,8 +41,8 @@ from pathlib import Path
 
 import numpy as np
 
-from common import (make_console, make_table, machine_summary, result_path, rotated, spread,
-                    write_result)
+from common import finish_rounds, make_console, make_table, result_path, rotated, spread
+from tokenserve.stats import StatsSink
 
 console = make_console(140)
 
@@ -60,23 +60,14 @@ def architectures(args) -> dict:
             "dense-active": dense(args.top_k * args.expert_width)}
 
 
-class LoadSink:
-    """A StatsSink keeping each step's batch size and expert load."""
+class LoadSink(StatsSink):
+    """Keeps each step's batch size and expert load."""
 
     def __init__(self):
         self.steps: list[tuple[int, tuple]] = []
 
     def on_step(self, stats):
         self.steps.append((stats.num_decode_tokens, stats.expert_tokens))
-
-    def on_request(self, stats):
-        pass
-
-    def on_scheduler(self, stats):
-        pass
-
-    def on_rejection(self, stats):
-        pass
 
 
 def build_engine(architecture, seed: int):
@@ -127,13 +118,19 @@ def run(engine, num_streams: int, new_tokens: int, seed: int) -> dict:
             if loads else None}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_shape_arguments(parser) -> None:
+    """--hidden, --experts, --top-k, --expert-width: the MoE's shape, as this benchmark and
+    moe_op.py (one layer's op) both take it."""
     parser.add_argument("--hidden", type=int, default=1024)
-    parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--experts", type=int, default=8)
     parser.add_argument("--top-k", type=int, default=2)
     parser.add_argument("--expert-width", type=int, default=2048)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_shape_arguments(parser)
+    parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--output", type=Path, default=result_path("moe"))
@@ -182,18 +179,7 @@ def main() -> None:
                       f"{med(name, '32', 'tok_s'):.1f}", f"{med(name, '32', 'decode_step_ms'):.1f}",
                       active)
     console.print(table)
-    for key, value in ratios.items():
-        console.print(f"{key}: {value['median']:.3f} (min {value['min']:.3f}, "
-                      f"max {value['max']:.3f})")
-    load_after = os.getloadavg()
-    console.print(f"load average (1 min) before -> after: {load_before[0]:.1f} -> "
-                  f"{load_after[0]:.1f}")
-    info = write_result(args.output, args=vars(args) | {"output": str(args.output)},
-                        results=results, ratios=ratios, loadavg_before=load_before,
-                        loadavg_after=load_after,
-                        noise="2-core VM shared with other agents' jobs: figures drift")
-    console.print(machine_summary(info))
-    console.print(f"wrote {args.output}")
+    finish_rounds(console, args, ratios, load_before, results=results)
 
 
 if __name__ == "__main__":

@@ -33,8 +33,8 @@ from pathlib import Path
 
 import numpy as np
 
-from common import (make_console, make_table, machine_summary, result_path, rotated, spread,
-                    write_result)
+from common import finish_rounds, make_console, make_table, result_path, rotated, spread
+from moe import add_shape_arguments
 
 console = make_console(140)
 
@@ -122,10 +122,7 @@ def time_calls(call, x, calls: int) -> tuple[float, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--hidden", type=int, default=1024)
-    parser.add_argument("--experts", type=int, default=8)
-    parser.add_argument("--top-k", type=int, default=2)
-    parser.add_argument("--expert-width", type=int, default=2048)
+    add_shape_arguments(parser)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--calls", type=int, default=20)
     parser.add_argument("--output", type=Path, default=result_path("moe_op"))
@@ -175,18 +172,7 @@ def main() -> None:
                                                           rows)
               for kind in ("f32", "q4_0") for rows in ("1", "32")}
     ratios["f32_1row_given_over_moe"] = ratio("given f32", "moe f32", "1")
-    for key, value in ratios.items():
-        console.print(f"{key}: {value['median']:.3f} (min {value['min']:.3f}, "
-                      f"max {value['max']:.3f})")
-    load_after = os.getloadavg()
-    console.print(f"load average (1 min) before -> after: {load_before[0]:.1f} -> "
-                  f"{load_after[0]:.1f}")
-    info = write_result(args.output, args=vars(args) | {"output": str(args.output)},
-                        results=results, summary=report, ratios=ratios,
-                        loadavg_before=load_before, loadavg_after=load_after,
-                        noise="2-core VM shared with other agents' jobs: figures drift")
-    console.print(machine_summary(info))
-    console.print(f"wrote {args.output}")
+    finish_rounds(console, args, ratios, load_before, results=results, summary=report)
 
 
 if __name__ == "__main__":

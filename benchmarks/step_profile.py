@@ -45,6 +45,7 @@ from pathlib import Path
 import numpy as np
 
 from common import RESULTS, make_console, make_table, machine_info, machine_summary, write_json
+from tokenserve.stats import StatsSink
 
 console = make_console(140)
 
@@ -87,7 +88,7 @@ class Timed:
         return timed_make
 
 
-class ExpertLoad:
+class ExpertLoad(StatsSink):
     """A stats sink keeping the last step's expert load (StepStats.expert_tokens: rows per
     expert per layer; empty for a model without experts)."""
 
@@ -96,15 +97,6 @@ class ExpertLoad:
 
     def on_step(self, stats):
         self.last = stats.expert_tokens
-
-    def on_request(self, stats):
-        pass
-
-    def on_scheduler(self, stats):
-        pass
-
-    def on_rejection(self, stats):
-        pass
 
 
 def expert_summary(loads: list) -> dict | None:

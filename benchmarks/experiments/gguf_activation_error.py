@@ -3,7 +3,8 @@
 layer kind (qkv, out, up, down, the tied head): each variant runs the layers as
   kernel   the block op (q8 activations, as served)
   exact    the dequantized blocks in float32 (no activation quantization)
-  resid    the block op on two planes (gguf_linear's planes=2: x and its q8 rounding error)
+  resid    the block op on two planes: x, then its q8 rounding error (simulated with a scale
+           per 32 values), the two products summed
   topk     the block op plus a second plane on only the k widest blocks of x
   a dict   q8 activations simulated in TF (fake-quant of x, then the exact matmul)
 and prints perplexity change, greedy agreement and mean KL(float32 || variant) per token over
@@ -59,7 +60,7 @@ def fake_q8(x, block=32, fp16=False, half_away=False, levels=127.0):
 
 MODE = {}
 orig = GL.gguf_linear
-def patched(x, parts, portable=False):
+def patched(x, parts, portable=False):  # noqa: ARG001 (gguf_linear's signature)
     kind = kind_of(x, parts)
     how = MODE.get(kind, MODE.get("*", "kernel"))
     if how == "kernel":
@@ -81,8 +82,11 @@ def patched(x, parts, portable=False):
         y = orig(rows, parts) + (ys[0] if len(ys) == 1 else tf.concat(ys, -1))
         width = sum(int(b.shape[0]) for _, b in parts)
         return tf.reshape(y, tf.concat([tf.shape(x)[:-1], [width]], 0))
-    if how == "resid":  # gguf_linear's two activation planes
-        return orig(x, parts, planes=2)
+    if how == "resid":  # two activation planes: x, then its rounding error, through the op
+        rows = tf.reshape(x, [-1, tf.shape(x)[-1]])
+        y = orig(rows, parts) + orig(rows - fake_q8(rows), parts)
+        width = sum(int(b.shape[0]) for _, b in parts)
+        return tf.reshape(y, tf.concat([tf.shape(x)[:-1], [width]], 0))
     rows = tf.reshape(x, [-1, tf.shape(x)[-1]])
     if how != "exact":
         rows = fake_q8(rows, **how)
@@ -114,6 +118,8 @@ for k in ["qkv", "out", "up", "down", "head"]:
     variants.append((f"only-{k}", {"*": "exact", k: Q}))
 variants += [("sim-fp16-halfaway", {"*": dict(fp16=True, half_away=True)}),
              ("sim-block16", {"*": dict(block=16)})]
+# an activation scale per 16, 8 (what the op keeps since) and 4 values
+variants += [(f"sim{n}-all", {"*": dict(block=n)}) for n in (16, 8, 4)]
 for k in ["qkv", "out", "up", "down", "head"]:
     variants.append((f"resid-{k}", {"*": "kernel", k: "resid"}))
 variants.append(("resid-all", {"*": "resid"}))

@@ -8,6 +8,7 @@ import pytest
 import tensorflow as tf
 
 from support.compiled_ops import compiled_op_module
+from support.finish_blocks import block_weights
 from tokenserve.kernels import dense as kd
 
 # (M, K, N): empty batch, one row, more rows than one pass over the weights (8), K and N not
@@ -151,23 +152,6 @@ def test_forced_fallback(monkeypatch):
                                reference(x, w, bias, None, "gelu_tanh"), rtol=1e-4, atol=1e-4)
 
 
-def _block_weights(d, f, activation, norm_bias, seed):
-    """A block's second half in float32: out [d, d], norm, up [d, f], down [f or f/2, d]."""
-    rng = np.random.default_rng(seed)
-
-    def dense(k, n, bias):
-        w = {"kernel": tf.constant((rng.standard_normal((k, n)) / np.sqrt(k)).astype(np.float32))}
-        if bias:
-            w["bias"] = tf.constant(rng.standard_normal(n).astype(np.float32) * 0.1)
-        return w
-
-    norm = {"scale": tf.constant(1 + 0.1 * rng.standard_normal(d).astype(np.float32))}
-    if norm_bias:
-        norm["bias"] = tf.constant(0.1 * rng.standard_normal(d).astype(np.float32))
-    inner = f // 2 if activation in kd.GATED else f
-    return dense(d, d, norm_bias), norm, dense(d, f, norm_bias), dense(inner, d, norm_bias)
-
-
 @pytest.mark.parametrize("isa", ["auto", "scalar"])
 @pytest.mark.parametrize("activation,norm_bias,m,d,f", [
     ("gelu_tanh", True, 1, 64, 256),    # GPT-2: LayerNorm, biases, one decode row (split K)
@@ -182,7 +166,7 @@ def test_finish_block_equals_the_separate_ops(compiled, isa, activation, norm_bi
     """The fused block runs the separate ops' kernels in the same order. Split K sums each
     thread's share in the order threads took them, so two calls of one op already differ in
     the last bits: close to float rounding, not bit for bit."""
-    out, norm, up, down = _block_weights(d, f, activation, norm_bias, seed=m + d)
+    out, norm, up, down = block_weights(d, f, activation, norm_bias, seed=m + d)
     rng = np.random.default_rng(1)
     attn = tf.constant(rng.standard_normal((m, d)).astype(np.float32))
     x = tf.constant(rng.standard_normal((m, d)).astype(np.float32) * 3)
@@ -194,7 +178,7 @@ def test_finish_block_equals_the_separate_ops(compiled, isa, activation, norm_bi
     separate = kd.dense(u, down["kernel"], down.get("bias"), x1, isa=isa).numpy()
     np.testing.assert_allclose(fused, separate, rtol=1e-5, atol=1e-5)
     # with the next block's norm and QKV projection in the same op
-    _, next_norm, next_qkv, _ = _block_weights(d, 3 * d, activation, norm_bias, seed=7)
+    _, next_norm, next_qkv, _ = block_weights(d, 3 * d, activation, norm_bias, seed=7)
     y, following = kd.finish_block(attn, x, out, norm, up, down, activation, 1e-5, isa=isa,
                                    next_norm=next_norm, next_qkv=next_qkv)
     np.testing.assert_allclose(y.numpy(), fused, rtol=1e-5, atol=1e-5)
@@ -223,7 +207,7 @@ def test_finish_block_with_post_norms_equals_the_separate_ops(compiled, isa, act
                                                               f):
     """Gemma's post-norms: each branch's output RMS-normed before its residual add, in the
     one op, as the separate ops and the block's float64 math compute it."""
-    out, norm, up, down = _block_weights(d, f, activation, False, seed=m + d)
+    out, norm, up, down = block_weights(d, f, activation, False, seed=m + d)
     rng = np.random.default_rng(2)
     post_attn, post_mlp = ({"scale": tf.constant(1 + 0.3 * rng.standard_normal(d).astype(
         np.float32))} for _ in range(2))
@@ -239,7 +223,7 @@ def test_finish_block_with_post_norms_equals_the_separate_ops(compiled, isa, act
                                   eps=1e-6, isa=isa)
     np.testing.assert_allclose(fused, separate.numpy(), rtol=1e-5, atol=1e-5)
     # with the next block's norm and QKV: the same y
-    _, next_norm, next_qkv, _ = _block_weights(d, 3 * d, activation, False, seed=7)
+    _, next_norm, next_qkv, _ = block_weights(d, 3 * d, activation, False, seed=7)
     y, _ = kd.finish_block(attn, x, out, norm, up, down, activation, 1e-6, isa=isa,
                            next_norm=next_norm, next_qkv=next_qkv, post_attn_norm=post_attn,
                            post_mlp_norm=post_mlp)
@@ -258,7 +242,7 @@ def test_finish_block_with_post_norms_equals_the_separate_ops(compiled, isa, act
 
 
 def test_finish_block_refuses_weights_that_do_not_fit(compiled):
-    out, norm, up, down = _block_weights(64, 256, "gelu_tanh", True, seed=0)
+    out, norm, up, down = block_weights(64, 256, "gelu_tanh", True, seed=0)
     attn = x = tf.zeros([2, 64])
     with pytest.raises(tf.errors.InvalidArgumentError, match=r"down_w must be \[256, 64\]"):
         kd.finish_block(attn, x, out, norm, up, {**down, "kernel": down["kernel"][:128]})
@@ -329,8 +313,8 @@ def test_finish_block_with_bfloat16_weights(compiled, activation, m):
     """The fused block with bfloat16 matrices equals the block with those weights widened to
     float32 (biases and norms stay float32), the next block's QKV included."""
     d, f = 64, 256
-    out, norm, up, down = _block_weights(d, f, activation, activation == "gelu_tanh", seed=m)
-    _, next_norm, next_qkv, _ = _block_weights(d, 3 * d, activation, True, seed=9)
+    out, norm, up, down = block_weights(d, f, activation, activation == "gelu_tanh", seed=m)
+    _, next_norm, next_qkv, _ = block_weights(d, 3 * d, activation, True, seed=9)
 
     def split(w):
         rounded, widened = _to_bf16(w["kernel"].numpy())

@@ -58,10 +58,14 @@ def dequantized(blocks: np.ndarray, name: str) -> np.ndarray:
     return gguf_quants.dequantize(blocks, qtype(name)).astype(np.float64)
 
 
+ACTIVATION_GROUP = 8  # values an activation scale (kernels/gguf_blocks.h kGroup)
+
+
 def quantized_activations(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """x as the op quantizes it, per 32-block: (x_hat float64 [M, K], amax per value's block)."""
+    """x as the op quantizes it, a scale per group of 16 values: (x_hat float64 [M, K], amax
+    per value's group)."""
     m, k = x.shape
-    blocks = x.reshape(m, k // 32, 32)
+    blocks = x.reshape(m, k // ACTIVATION_GROUP, ACTIVATION_GROUP)
     amax = np.abs(blocks).max(axis=2, keepdims=True)  # float32
     inv = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, 1), 0).astype(np.float32)
     q = np.rint(blocks * inv)  # a float32 product, rounded half to even, as the op does
@@ -72,7 +76,7 @@ def quantized_activations(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 def check_against_references(y: np.ndarray, x: np.ndarray, blocks: np.ndarray, name: str):
     """y against (a) the dequantized weights times x quantized as the op does, in float64:
     the same numbers up to float32 rounding; (b) the plain float product: within what q8
-    activations imply, each value off by at most its block's absmax / 254."""
+    activations imply, each value off by at most its group's absmax / 254."""
     w = dequantized(blocks, name)  # [N, K]
     x_hat, amax = quantized_activations(x)
     magnitude = np.abs(x_hat) @ np.abs(w).T

@@ -10,26 +10,10 @@ import pytest
 import tensorflow as tf
 
 from support.compiled_ops import compiled_op_module
+from support.finish_blocks import block_weights
 from tokenserve.kernels import dense as kd
 
 LAYERS = 3
-
-
-def _block_weights(d, f, activation, norm_bias, seed):
-    """A block's second half in float32: out [d, d], norm, up [d, f], down [f or f/2, d]."""
-    rng = np.random.default_rng(seed)
-
-    def dense(k, n, bias):
-        w = {"kernel": tf.constant((rng.standard_normal((k, n)) / np.sqrt(k)).astype(np.float32))}
-        if bias:
-            w["bias"] = tf.constant(rng.standard_normal(n).astype(np.float32) * 0.1)
-        return w
-
-    norm = {"scale": tf.constant(1 + 0.1 * rng.standard_normal(d).astype(np.float32))}
-    if norm_bias:
-        norm["bias"] = tf.constant(0.1 * rng.standard_normal(d).astype(np.float32))
-    inner = f // 2 if activation == "swiglu" else f
-    return dense(d, d, norm_bias), norm, dense(d, f, norm_bias), dense(inner, d, norm_bias)
 
 
 @pytest.fixture(scope="module")
@@ -93,8 +77,8 @@ def test_lora_delta_adds_each_rows_own_adapter(compiled, m, width, out, rank, sl
     ("swiglu", False, 20, 72, 200, 2)])   # packed chunks from 9 rows, groups past 8 rows
 def test_lora_finish_block_equals_the_separate_ops(compiled, activation, norm_bias, m, d, f,
                                                    slots):
-    out, norm, up, down = _block_weights(d, f, activation, norm_bias, seed=m + d)
-    _, next_norm, next_qkv, _ = _block_weights(d, 3 * d, activation, norm_bias, seed=7)
+    out, norm, up, down = block_weights(d, f, activation, norm_bias, seed=m + d)
+    _, next_norm, next_qkv, _ = block_weights(d, 3 * d, activation, norm_bias, seed=7)
     rng = np.random.default_rng(2)
     attn = rng.standard_normal((m, d)).astype(np.float32)
     x = rng.standard_normal((m, d)).astype(np.float32) * 3
@@ -134,7 +118,7 @@ def test_lora_finish_block_equals_the_separate_ops(compiled, activation, norm_bi
 
 
 def test_lora_ops_refuse_groups_and_factors_that_do_not_fit(compiled):
-    out, norm, up, down = _block_weights(64, 256, "gelu_tanh", True, seed=0)
+    out, norm, up, down = block_weights(64, 256, "gelu_tanh", True, seed=0)
     rng = np.random.default_rng(0)
     attn = x = tf.zeros([2, 64])
     factors = {"out": _tf(_factors(rng, 2, 4, 64, 64)), "up": _tf(_factors(rng, 2, 4, 64, 256)),

@@ -13,8 +13,9 @@ from importlib import metadata
 import numpy as np
 import pytest
 
-from support.gguf_from_hf import bpe_vocab
+from support.gguf_from_hf import add_bpe_tokenizer, bpe_vocab
 from support.tiny_models import TINY_TEXT, greedy_by_full_forward
+from support.transformers_parity import assert_logits_match
 from tokenserve.errors import ModelLoadError, ModelNotFoundError
 from tokenserve.model.gguf import UnsupportedGGUFError, load_gguf, read_gguf
 from tokenserve.model.gguf_tokenizer import build_tokenizer
@@ -150,14 +151,7 @@ def write_gguf(path, arch="llama", qtype=Q.F32, embed_qtype=None, tie=False, hid
         writer.add_rope_dimension_count(head_dim)
         writer.add_vocab_size(n_vocab)
     if spm is None:
-        writer.add_tokenizer_model(tokenizer_model or "gpt2")
-        writer.add_tokenizer_pre(pre)
-        writer.add_token_list(tokens)
-        writer.add_token_types(types)
-        writer.add_token_merges(merges)
-        writer.add_bos_token_id(1)
-        writer.add_eos_token_id(2)
-        writer.add_pad_token_id(0)
+        add_bpe_tokenizer(writer, (tokens, types, merges), pre, tokenizer_model or "gpt2")
     else:
         writer.add_tokenizer_model("llama")
         writer.add_token_list(tokens)
@@ -245,23 +239,7 @@ def case(request, tokenizer, tmp_path_factory):
 def test_logits_match_transformers_on_ragged_batch(case):
     _, _, (model, _, config), hf_model = case
     prompts = [[t % config.model.vocab_size for t in p] for p in PROMPTS]
-    for prompt in prompts:
-        with torch.no_grad():
-            expected = hf_model(torch.tensor([prompt])).logits.numpy()
-        got = model(np.array([prompt], np.int32)).numpy()
-        np.testing.assert_allclose(got, expected, atol=1e-4, rtol=0)
-    # and as one right-padded batch through the cached step (last-token logits)
-    width = max(map(len, prompts))
-    batch = np.zeros([len(prompts), width], np.int32)
-    for i, prompt in enumerate(prompts):
-        batch[i, :len(prompt)] = prompt
-    logits, _ = model.step(batch, model.init_state(len(prompts), width),
-                           np.zeros(len(prompts), np.int32),
-                           np.array([len(p) for p in prompts], np.int32))
-    for i, prompt in enumerate(prompts):
-        with torch.no_grad():
-            expected = hf_model(torch.tensor([prompt])).logits.numpy()[0, -1]
-        np.testing.assert_allclose(logits.numpy()[i], expected, atol=1e-4, rtol=0)
+    assert_logits_match(hf_model, model, prompts)
 
 
 def test_greedy_tokens_match_transformers(case):

@@ -12,6 +12,8 @@ import numpy as np
 import pytest
 
 from support.gguf_files import write_tiny_gguf
+from support.greedy_checks import assert_greedy_agreement, assert_greedy_up_to_near_ties
+from support.saved_model_ops import assert_stock_tensorflow_graph
 from support.tiny_models import greedy_by_full_forward
 from tokenserve.errors import ModelLoadError
 from tokenserve.model.gguf_file import UnsupportedGGUFError
@@ -110,23 +112,14 @@ def test_engine_decode_equals_full_forward_and_the_dequantized_greedy(stored):
         assert tokens == greedy_by_full_forward(model, ids, 10)
         # the dequantized import's greedy choice at every step, up to near-ties within the
         # error bound of the logits test above (int8 activations)
-        logits = reference(np.asarray([ids + tokens], np.int32)).numpy()[0, len(ids) - 1:-1]
-        chosen = logits[np.arange(len(tokens)), tokens]
-        assert np.all(logits.max(-1) - chosen <= 0.03 * np.abs(logits).max()), (
-            logits.max(-1) - chosen)
+        assert_greedy_up_to_near_ties(reference, ids, tokens, 0.03)
 
 
 def test_stock_tensorflow_runs_the_export_through_dequantized_blocks(stored_export, tokenizer):
     import tensorflow as tf
-    from tensorflow.core.protobuf import saved_model_pb2
 
     reference, version_dir = stored_export
-    proto = saved_model_pb2.SavedModel()
-    proto.ParseFromString((version_dir / "saved_model.pb").read_bytes())
-    graph = proto.meta_graphs[0].graph_def
-    ops = {node.op for node in graph.node}
-    ops |= {node.op for f in graph.library.function for node in f.node_def}
-    assert "ReadVariableOp" in ops and not {op for op in ops if "Tokenserve" in op}
+    assert_stock_tensorflow_graph(version_dir)
     loaded = tf.saved_model.load(str(version_dir))
     ids = np.asarray([tokenizer.encode(p)[:2] for p in PROMPTS], np.int32)
     predicted = loaded.signatures["serving_default"](input_ids=tf.constant(ids))
@@ -217,33 +210,4 @@ def test_smollm2_as_stored_is_close_to_its_dequantized_import():
     llm = LLM.from_model(model, tokenizer, config, max_num_seqs=1, kv_cache_dtype="float32")
     [out] = llm.generate([prompt], SamplingParams(max_tokens=64, ignore_eos=True),
                          use_tqdm=False)
-    tokens = out.outputs[0].token_ids
-    start = ids.shape[1]
-    forced = reference(np.asarray([list(ids[0]) + tokens], np.int32)).numpy()[0]
-    choices = forced[start - 1:-1].argmax(-1)
-    assert np.mean(choices == np.asarray(tokens)) >= 0.95
-    assert list(choices[:4]) == tokens[:4]
-
-
-@pytest.mark.parametrize("qtype", [*TYPES, "Q4_K"])
-def test_two_activation_planes_compute_the_dequantized_product(qtype):
-    """planes=2 sends each row's q8 rounding error through the op as a second row: the
-    float product of the dequantized weights, where one plane (q8 activations: blocks of 32,
-    q8_K's of 256 for the K-quants) is off by about 1 % of the largest output with an
-    outlier channel in x."""
-    import tensorflow as tf
-
-    from support.gguf_files import kquant_blocks
-    from tokenserve.model.gguf_linear import gguf_linear
-
-    rng = np.random.default_rng(0)
-    x = rng.normal(0, 1, (3, 256)).astype(np.float32)
-    x[:, 5] *= 40  # a channel far above the rest, as a residual stream's are
-    kind = gguf.GGMLQuantizationType[qtype]
-    blocks = (kquant_blocks(96, 256, qtype, rng) if qtype == "Q4_K" else
-              gguf.quants.quantize(rng.normal(0, 0.1, (96, 256)).astype(np.float32), kind))
-    expected = x.astype(np.float64) @ gguf.quants.dequantize(blocks, kind).astype(np.float64).T
-    errors = [np.abs(gguf_linear(tf.constant(x), [(qtype.lower(), tf.constant(blocks))],
-                                 planes=planes).numpy() - expected).max()
-              / np.abs(expected).max() for planes in (1, 2)]
-    assert errors[1] < 2e-4 < 3e-3 < errors[0], errors
+    assert_greedy_agreement(reference, ids[0], out.outputs[0].token_ids)

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from support.transformers_parity import assert_logits_match
 from tokenserve.errors import ModelLoadError
 from tokenserve.export.exporter import export_model
 from tokenserve.model.hf import UnsupportedArchitectureError, load_hf
@@ -109,23 +110,7 @@ PROMPTS = [[5, 17, 33, 90, 140, 7, 8, 9, 250, 3], [12, 44, 1, 77], [300, 301, 30
 
 def test_logits_match_transformers_on_ragged_batch(imported):
     hf_model, _, (model, _, _) = imported
-    for prompt in PROMPTS:
-        with torch.no_grad():
-            expected = hf_model(torch.tensor([prompt])).logits.numpy()
-        got = model(np.array([prompt], np.int32)).numpy()
-        np.testing.assert_allclose(got, expected, atol=1e-4, rtol=0)
-    # and as one right-padded batch through the cached step (last-token logits)
-    width = max(map(len, PROMPTS))
-    batch = np.zeros([len(PROMPTS), width], np.int32)
-    for i, prompt in enumerate(PROMPTS):
-        batch[i, :len(prompt)] = prompt
-    state = model.init_state(len(PROMPTS), width)
-    logits, _ = model.step(batch, state, np.zeros(len(PROMPTS), np.int32),
-                           np.array([len(p) for p in PROMPTS], np.int32))
-    for i, prompt in enumerate(PROMPTS):
-        with torch.no_grad():
-            expected = hf_model(torch.tensor([prompt])).logits.numpy()[0, -1]
-        np.testing.assert_allclose(logits.numpy()[i], expected, atol=1e-4, rtol=0)
+    assert_logits_match(hf_model, model, PROMPTS)
 
 
 @pytest.mark.slow_cases(imported=["gpt2", "llama-gqa-untied", "llama-tied-bf16",

@@ -11,6 +11,7 @@ import logging
 import numpy as np
 import pytest
 
+from support.greedy_checks import assert_greedy_up_to_near_ties
 from support.moe_checkpoints import PROMPTS, hf_model, write_gguf
 from support.tiny_models import greedy_by_full_forward
 from tokenserve.model.gguf import load_gguf
@@ -82,11 +83,13 @@ def test_engine_steps_run_the_experts_block_op_and_greedy_matches(qwen3):
     outs = llm.generate([list(p) for p in PROMPTS[:2]], params, use_tqdm=False)
     for prompt, out in zip(PROMPTS, outs):
         tokens = out.outputs[0].token_ids
-        assert tokens == greedy_by_full_forward(model, prompt, 12)
+        # a full forward pass's choice at each step of the engine's sequence, up to near-ties:
+        # the two paths' float sums differ by rounding, and an activation that lands on a q8
+        # rounding boundary then takes the next step (1/254 of its group's largest value)
+        assert_greedy_up_to_near_ties(model, prompt, tokens, 0.01)
+        assert tokens[:4] == greedy_by_full_forward(model, prompt, 4)
         # the dequantized import's choice at each step, up to near-ties
-        logits = reference(np.asarray([prompt + tokens], np.int32)).numpy()[0, len(prompt) - 1:-1]
-        chosen = logits[np.arange(len(tokens)), tokens]
-        assert np.all(logits.max(-1) - chosen <= 0.05 * np.abs(logits).max())
+        assert_greedy_up_to_near_ties(reference, prompt, tokens, 0.05)
     if LIBRARY.module() is None:
         return  # no compiler here: the stock-TF grouping ran the blocks
     steps = llm.engine.runner.step._concrete.values()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from support.saved_model_ops import assert_stock_tensorflow_graph
 from support.tiny_models import greedy_by_full_forward, tiny
 from tokenserve.errors import ConfigError
 from tokenserve.model.quantize import quantize_model
@@ -65,19 +66,12 @@ def test_perplexity_gate_on_the_built_in_transformer():
 
 def test_the_export_uses_only_stock_tensorflow_ops_and_matches_the_portable_model(
         int8_export, tokenizer):
-    from tensorflow.core.protobuf import saved_model_pb2
-
     from tokenserve.model.layers import portable_graphs
     from tokenserve.sampling import SamplingParams
     from tokenserve.tools.generate import ExportedModel
 
     _, int8, version_dir = int8_export
-    proto = saved_model_pb2.SavedModel()
-    proto.ParseFromString((version_dir / "saved_model.pb").read_bytes())
-    graph = proto.meta_graphs[0].graph_def
-    ops = {node.op for node in graph.node}
-    ops |= {node.op for f in graph.library.function for node in f.node_def}
-    assert "ReadVariableOp" in ops and not {op for op in ops if "Tokenserve" in op}
+    assert_stock_tensorflow_graph(version_dir)
     exported = ExportedModel(version_dir)
     ids = tokenizer.encode(PROMPTS[0])
     with portable_graphs():

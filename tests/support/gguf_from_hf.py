@@ -136,11 +136,11 @@ def write_gguf_from_hf(path, hf_model, vocab, extra_metadata=(), drop=(), replac
     return write_tensors(writer, tensors, path)
 
 
-def add_bpe_tokenizer(writer, vocab, pre: str = "llama-bpe") -> None:
-    """bpe_vocab's (tokens, types, merges) as a GGUF's gpt2-style tokenizer, with the test
-    tokenizer's special ids (bos 1, eos 2, pad 0)."""
+def add_bpe_tokenizer(writer, vocab, pre: str = "llama-bpe", model: str = "gpt2") -> None:
+    """bpe_vocab's (tokens, types, merges) as a GGUF's BPE tokenizer (tokenizer.ggml.model
+    `model`: llama.cpp's "gpt2"), with the test tokenizer's special ids (bos 1, eos 2, pad 0)."""
     tokens, types, merges = vocab
-    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_model(model)
     writer.add_tokenizer_pre(pre)
     writer.add_token_list(tokens)
     writer.add_token_types(types)

@@ -81,7 +81,7 @@ class DenseOp : public OpKernel {
     OP_REQUIRES(ctx, x.dims() == 2 && w.dims() == 2,
                 InvalidArgument("x and w must be matrices, got ", x.shape().DebugString(),
                                 " and ", w.shape().DebugString()));
-    Geometry g;
+    DenseGeometry g;
     g.M = x.dim_size(0);
     g.K = x.dim_size(1);
     g.N = w.dim_size(kn_ ? 1 : 0);

@@ -21,7 +21,7 @@ namespace {
 
 using rowops::Activation;
 
-struct Geometry {
+struct DenseGeometry {
   int64 M, K, N;  // x [M, K]; z = x @ W: [M, N]
   int64 out;      // y's width: N, or N / 2 for a gated activation
 };

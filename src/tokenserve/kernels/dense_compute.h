@@ -62,7 +62,8 @@ using rowops::FinishRow;
 // row of a wide W (3072 columns) made a 768 KB pack that, with the partial sums,
 // overflowed L2.
 template <typename W>
-void ComputeKnPacked(const Geometry& g, const Args<W>& a, tensorflow::thread::ThreadPool* pool) {
+void ComputeKnPacked(const DenseGeometry& g, const Args<W>& a,
+                     tensorflow::thread::ThreadPool* pool) {
   const int64 workers = std::max(1, pool->NumThreads());
   const int64 chunks = (g.K + kPackDepth - 1) / kPackDepth;
   const int64 blocks = (g.N + kPackWidth - 1) / kPackWidth;
@@ -123,7 +124,7 @@ void ComputeKnPacked(const Geometry& g, const Args<W>& a, tensorflow::thread::Th
 // each range runs its own epilogue, except a gated activation's, whose halves live in
 // different ranges.
 template <typename W>
-void ComputeKn(const Geometry& g, const Args<W>& a, tensorflow::thread::ThreadPool* pool,
+void ComputeKn(const DenseGeometry& g, const Args<W>& a, tensorflow::thread::ThreadPool* pool,
                bool avx2) {
   const bool gated = rowops::Gated(a.act);
   const int64 threads = std::max(1, pool->NumThreads());
@@ -179,7 +180,7 @@ void ComputeKn(const Geometry& g, const Args<W>& a, tensorflow::thread::ThreadPo
 // beat the column ranges below by ~10 % at 3 rows and ~6 % at 4, and by 21 % at 5 rows
 // (measured when drafts made 5-8-row steps common; see kSplitKMaxRows).
 template <typename W>
-void ComputeKnSplitK(const Geometry& g, const Args<W>& a, tensorflow::thread::ThreadPool* pool,
+void ComputeKnSplitK(const DenseGeometry& g, const Args<W>& a, tensorflow::thread::ThreadPool* pool,
                      bool avx2) {
   const int64 workers = std::max(1, pool->NumThreads());
   const int64 chunks = std::max<int64>(1, std::min(kChunksPerWorker * workers,
@@ -218,7 +219,7 @@ void ComputeKnSplitK(const Geometry& g, const Args<W>& a, tensorflow::thread::Th
 }
 
 template <typename W>
-void ComputeNk(const Geometry& g, const Args<W>& a, tensorflow::thread::ThreadPool* pool,
+void ComputeNk(const DenseGeometry& g, const Args<W>& a, tensorflow::thread::ThreadPool* pool,
                bool avx2) {
   const bool direct = a.act == Activation::kNone && !a.bias && !a.residual;
   std::vector<float> z;
@@ -263,7 +264,7 @@ void ComputeNk(const Geometry& g, const Args<W>& a, tensorflow::thread::ThreadPo
 // x @ W and its epilogue for one TokenserveDense call (or one matrix of
 // TokenserveFinishBlock): the work split by layout and number of rows (top of this file).
 template <typename W>
-void ComputeDense(const Geometry& g, const Args<W>& a, bool kn,
+void ComputeDense(const DenseGeometry& g, const Args<W>& a, bool kn,
                   tensorflow::thread::ThreadPool* pool, bool avx2) {
   if (kn && g.M <= kSplitKMaxRows && g.K >= 2 * kSplitKMinRows) {
     ComputeKnSplitK(g, a, pool, avx2);

@@ -32,7 +32,7 @@ constexpr int64 kBf16Ahead = 1024;
 // "kn": acc[r, 0 .. width) = x[r, :] @ W[:, j0 .. j0 + width) for rows r of one pass.
 // Four weight rows per iteration: each accumulator is loaded and stored once per four FMAs.
 template <typename W>
-AVX2_FN void KnRangeAvx2(const Geometry& g, const float* x, int64 rows, const W* w,
+AVX2_FN void KnRangeAvx2(const DenseGeometry& g, const float* x, int64 rows, const W* w,
                          int64 j0, int64 width, float* acc) {
   std::fill(acc, acc + rows * width, 0.f);
   const int64 vec = width / 8 * 8;
@@ -106,7 +106,7 @@ AVX2_FN void KnRangeAvx2(const Geometry& g, const float* x, int64 rows, const W*
 // without caps, one bfloat16 sequence 1.21x (1.15-1.29), eight 1.19x (1.14-1.33;
 // alternating processes, 4 rounds). The prefetch changes no result.
 template <int M, int P, typename W>
-AVX2_FN inline void KnPassAvx2(const Geometry& g, const float* x, const W* w, int64 k,
+AVX2_FN inline void KnPassAvx2(const DenseGeometry& g, const float* x, const W* w, int64 k,
                                float* acc, const W* ahead = nullptr) {
   const int64 vec = g.N / 8 * 8;
   const W* rows[P];
@@ -146,7 +146,7 @@ AVX2_FN inline void KnPassAvx2(const Geometry& g, const float* x, const W* w, in
 }
 
 template <int M, typename W>
-AVX2_FN void KnRowsAvx2(const Geometry& g, const float* x, const W* w, int64 k0, int64 k1,
+AVX2_FN void KnRowsAvx2(const DenseGeometry& g, const float* x, const W* w, int64 k0, int64 k1,
                         float* acc) {
   int64 k = k0;
   if constexpr (sizeof(W) == 4) {
@@ -167,7 +167,7 @@ AVX2_FN void KnRowsAvx2(const Geometry& g, const float* x, const W* w, int64 k0,
 #endif  // TOKENSERVE_CPU_X86
 
 template <typename W>
-void KnRangeScalar(const Geometry& g, const float* x, int64 rows, const W* w, int64 j0,
+void KnRangeScalar(const DenseGeometry& g, const float* x, int64 rows, const W* w, int64 j0,
                    int64 width, float* acc) {
   std::fill(acc, acc + rows * width, 0.f);
   for (int64 k = 0; k < g.K; ++k) {
@@ -181,7 +181,7 @@ void KnRangeScalar(const Geometry& g, const float* x, int64 rows, const W* w, in
 }
 
 template <typename W>
-void KnRowsScalar(const Geometry& g, const float* x, const W* w, int64 k0, int64 k1,
+void KnRowsScalar(const DenseGeometry& g, const float* x, const W* w, int64 k0, int64 k1,
                   float* acc) {
   for (int64 k = k0; k < k1; ++k) {
     const W* wk = w + k * g.N;

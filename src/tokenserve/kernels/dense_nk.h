@@ -41,7 +41,7 @@ constexpr int64 kNkPrefetchL2Rows = 24;
 // far (kPrefetch only): four rows further on, into L2 a line of each per line of these
 // (nullptr: none).
 template <int R, bool kPrefetch, typename W>
-AVX2_FN inline void NkQuadAvx2(const Geometry& g, const float* x, const W* w0, float* z,
+AVX2_FN inline void NkQuadAvx2(const DenseGeometry& g, const float* x, const W* w0, float* z,
                                const W* far) {
   const int64 vec = g.K / 8 * 8;
   const int64 ahead = kNkPrefetchRows * g.K;  // floats
@@ -82,13 +82,13 @@ AVX2_FN inline void NkQuadAvx2(const Geometry& g, const float* x, const W* w0, f
 }
 
 template <int R, typename W>
-AVX2_FN inline void NkRowsAvx2(bool prefetch, const Geometry& g, const float* x, const W* w0,
+AVX2_FN inline void NkRowsAvx2(bool prefetch, const DenseGeometry& g, const float* x, const W* w0,
                                float* z, const W* far) {
   prefetch ? NkQuadAvx2<R, true>(g, x, w0, z, far) : NkQuadAvx2<R, false>(g, x, w0, z, far);
 }
 
 template <typename W>
-AVX2_FN void NkTileAvx2(const Geometry& g, const float* x, const W* w, int64 n0, int64 n1,
+AVX2_FN void NkTileAvx2(const DenseGeometry& g, const float* x, const W* w, int64 n0, int64 n1,
                         const W* prefetch_end, float* z) {
   int64 n = n0;
   for (; n + 4 <= n1; n += 4) {
@@ -127,7 +127,7 @@ AVX2_FN void NkTileAvx2(const Geometry& g, const float* x, const W* w, int64 n0,
 #endif  // TOKENSERVE_CPU_X86
 
 template <typename W>
-void NkTileScalar(const Geometry& g, const float* x, const W* w, int64 n0, int64 n1,
+void NkTileScalar(const DenseGeometry& g, const float* x, const W* w, int64 n0, int64 n1,
                   float* z) {
   for (int64 n = n0; n < n1; ++n) {
     for (int64 r = 0; r < g.M; ++r) {

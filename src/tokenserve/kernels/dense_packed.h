@@ -174,7 +174,7 @@ struct PackedItem {
 // Prefetches the rows of `next` (the item this worker expects to take next) into L2 as it
 // goes.
 template <typename W>
-AVX2_FN void KnPackedAvx2(const Geometry& g, const float* x, const W* w,
+AVX2_FN void KnPackedAvx2(const DenseGeometry& g, const float* x, const W* w,
                           const PackedItem& item, bool first, float* pack, float* acc,
                           const PackedItem& next) {
   const int64 k0 = item.k0, k1 = item.k1, j0 = item.j0, j1 = item.j1;
@@ -248,7 +248,7 @@ AVX2_FN inline void Transpose8x8(const W* src, int64 lds, float* dst, int64 ld) 
 // Rows of W up to `stream_end` (>= n1: the worker's next item, where it follows) are
 // prefetched a panel ahead.
 template <typename W>
-AVX2_FN void NkPackedAvx2(const Geometry& g, const float* x, const W* w, int64 n0,
+AVX2_FN void NkPackedAvx2(const DenseGeometry& g, const float* x, const W* w, int64 n0,
                           int64 n1, int64 stream_end, float* panel, float* z) {
   const int64 k8 = g.K / 8 * 8;
   for (int64 n = n0; n < n1; n += kPanel) {

@@ -42,14 +42,7 @@ REGISTER_OP("TokenserveFinishBlock")
     .Attr("T: {float, bfloat16} = DT_FLOAT")  // the four matrices' dtype
     .Attr("eps: float = 1e-5")
     .Attr("isa: {'auto', 'scalar'} = 'auto'")
-    .SetShapeFn([](InferenceContext* c) {
-      ShapeHandle x, next_w;
-      TF_RETURN_IF_ERROR(c->WithRank(c->input(1), 2, &x));
-      TF_RETURN_IF_ERROR(c->WithRank(c->input(12), 2, &next_w));
-      c->set_output(0, x);
-      c->set_output(1, c->Matrix(c->Dim(x, 0), c->Dim(next_w, 1)));
-      return absl::OkStatus();
-    })
+    .SetShapeFn(FinishBlockShape<12, 1>)  // Nq: next_w's (input 12) columns
     .Doc("x1 = attn @ out_w + out_bias + x; "
          "y = act(norm(x1) @ up_w + up_bias) @ down_w + down_bias + x1; "
          "next = next_norm(y) @ next_w + next_bias. Float32, small M. With post-norm "

@@ -79,10 +79,7 @@ inline bool CheckFinishBlockInputs(OpKernelContext* ctx, rowops::Activation act,
     return fail(InvalidArgument("out_w must be [Da, D] = [", da, ", ", d, "], got ",
                                 out_w.shape().DebugString()));
   }
-  if (!(norm_scale.dims() == 1 && norm_scale.dim_size(0) == d)) {
-    return fail(InvalidArgument("norm_scale must be [", d, "], got ",
-                                norm_scale.shape().DebugString()));
-  }
+  if (!CheckVector(ctx, "norm_scale", norm_scale, d)) return false;
   if (!(up_w.dims() == 2 && up_w.dim_size(0) == d && up_w.dim_size(1) > 0)) {
     return fail(InvalidArgument("up_w must be [D, F] with D = ", d, ", got ",
                                 up_w.shape().DebugString()));
@@ -100,11 +97,7 @@ inline bool CheckFinishBlockInputs(OpKernelContext* ctx, rowops::Activation act,
   const int64 widths[] = {d, d, f, d};  // out_bias, norm_bias, up_bias, down_bias
   const char* names[] = {"out_bias", "norm_bias", "up_bias", "down_bias"};
   for (int i = 0; i < 4; ++i) {
-    const Tensor& t = ctx->input(3 + 2 * i);
-    if (!IsVectorOrEmpty(t, widths[i])) {
-      return fail(InvalidArgument(names[i], " must be [", widths[i], "] or empty, got ",
-                                  t.shape().DebugString()));
-    }
+    if (!CheckVectorOrEmpty(ctx, names[i], ctx->input(3 + 2 * i), widths[i])) return false;
   }
   // the next block's norm and QKV: all given, or all empty
   const Tensor& next_w = ctx->input(12);
@@ -118,10 +111,7 @@ inline bool CheckFinishBlockInputs(OpKernelContext* ctx, rowops::Activation act,
   if (!CheckNextNorm(ctx, has_next, "next_w", d, ctx->input(10), ctx->input(11), next_bias)) {
     return false;
   }
-  if (!IsVectorOrEmpty(next_bias, nq)) {
-    return fail(InvalidArgument("next_bias must be [", nq, "] or empty, got ",
-                                next_bias.shape().DebugString()));
-  }
+  if (!CheckVectorOrEmpty(ctx, "next_bias", next_bias, nq)) return false;
   *dims = {m, d, da, f, inner, nq, has_next};
   return true;
 }

@@ -13,12 +13,21 @@
 // Each type decodes to the same form: 32 small integers v (0..15 unsigned for the 4-bit types,
 // 0..31 for Q5_0, -128..127 for Q8_0), a scale d and an offset c, with w = d * v + c for the
 // whole block (Q4_0: c = -8 d; Q4_1: c = m; Q5_0: c = -16 d; Q8_0: c = 0). Activations are
-// quantized once per matmul into Q8 blocks of 32 with a float scale dx and the float sum
-// sx = dx * sum(qx) (llama.cpp's Q8_1, with float fields), so one block's contribution to an
-// output is
-//   sum_j w_j x_j ~= d * dx * sum_j v_j qx_j + c * sx
-// one integer dot product (maddubs/madd, or dpbusd) and two float multiply-adds. One activation
-// format serves every type: Q8_0 weights ignore sx.
+// quantized once per matmul into Q8 blocks of 32 with a float scale dx for each group of
+// kGroup values and the float sum sx = sum_g dx_g * sum(qx in g), so one block's contribution
+// to an output is
+//   sum_j w_j x_j ~= d * sum_g dx_g * sum_{j in g} v_j qx_j + c * sx
+// integer dot products (maddubs/madd, or dpbusd) and a float multiply-add per group. One
+// activation format serves every type: Q8_0 weights ignore sx.
+//
+// llama.cpp's q8_0/q8_1 keep one scale per 32 values. A residual stream's few large channels
+// then set the step of every value in their block: on SmolLM2's Q4_1 file that cost +0.37 %
+// perplexity and 2.5 % of greedy tokens against the dequantized model, where a scale per 16
+// values measured +0.20 % and 98.1 %, per 8 values +0.04 % and 98.8 % (8,192 tokens, the
+// activation-error experiment in benchmarks/experiments). A scale per 8 costs the row kernels
+// nothing: their int32 lanes already hold groups of four values apart (lane l: values
+// 4l..4l+3), so the scales are a vector of lanes in place of a broadcast one. The tile
+// kernel (gguf_tiles.h) finishes each group on its own, about a quarter more work.
 //
 // The K-quants (super-blocks of 256, gguf_kquants.h) pair with q8_K activations instead, one
 // scale per 256 values, as llama.cpp pairs them (gguf_q8k.h).
@@ -130,29 +139,51 @@ void DecodeValues(const uint8_t* block, int8_t* v) {
 
 // ---- activations ----------------------------------------------------------------------------
 
-// x [M, K] (K a multiple of 32) as Q8 blocks: row m's block b holds 32 int8 at
-// q[(m * blocks + b) * 32], its scale at d[m * blocks + b] and dx * sum(qx) at s[...].
-// x ~= q * d. A block holding a NaN or an infinity gets q = 0 and d = s = NaN, so the outputs
-// it feeds become NaN (as a float matmul's would) rather than finite garbage.
+#ifdef TOKENSERVE_CPU_X86
+// q8::QuantizeAvx2 per group of kGroup values: q[0, 32) and the groups' scales d.
+TOKENSERVE_AVX2_FMA inline void QuantizeGroupsAvx2(const float* x, int8_t* q, float* d);
+#endif
+
+constexpr int kGroup = 8;                // activation values a scale
+constexpr int kGroups = kBlock / kGroup;  // scales an activation block
+constexpr int kLanes = 8;                 // int32 lanes of a block's dot product: 4 values each
+
+// x [M, K] (K a multiple of 32) as Q8 blocks: row m's block b is number i = m * blocks + b,
+// its 32 int8 at q[i * 32], its group scales as lanes at d[i * 8 + l] (lane l holds values
+// 4l..4l+3; the lanes of a group repeat its scale), sx at s[i]. x ~= q * d. A group holding a
+// NaN or an infinity gets q = 0 and d = NaN, so the outputs it feeds become NaN (as a float
+// matmul's would) rather than finite garbage.
 struct Q8Rows {
   int64 blocks = 0;  // per row: K / 32
   std::vector<int8_t> q;
   std::vector<float> d, s;
   const int8_t* Values(int64 m, int64 b) const { return q.data() + (m * blocks + b) * kBlock; }
   int64 Index(int64 m, int64 b) const { return m * blocks + b; }
+  const float* Lanes(int64 i) const { return d.data() + i * kLanes; }
+  float GroupScale(int64 i, int g) const { return d[i * kLanes + g * (kGroup / 4)]; }
 };
 
-// One block: q and d as q8_quantize.h makes them (SIMD or not, the same bytes and scale),
-// and s = d * sum(q).
-inline void QuantizeBlock(const float* x, bool simd, int8_t* q, float* d, float* s) {
+// One block: each group's q and d as q8_quantize.h makes them (SIMD or not, the same bytes
+// and scales), the scales spread over their lanes, and s = sum_g d_g * sum(q_g).
+inline void QuantizeBlock(const float* x, bool simd, int8_t* q, float* lanes, float* s) {
+  float d[kGroups];
 #ifdef TOKENSERVE_CPU_X86
-  *d = simd ? q8::QuantizeAvx2(x, kBlock, q) : q8::QuantizeScalar(x, kBlock, q);
+  if (simd) {
+    QuantizeGroupsAvx2(x, q, d);
+  } else {
+    for (int g = 0; g < kGroups; ++g) d[g] = q8::QuantizeScalar(x + g * kGroup, kGroup, q + g * kGroup);
+  }
 #else
-  *d = q8::QuantizeScalar(x, kBlock, q);
+  for (int g = 0; g < kGroups; ++g) d[g] = q8::QuantizeScalar(x + g * kGroup, kGroup, q + g * kGroup);
 #endif
-  int32_t sum = 0;
-  for (int i = 0; i < kBlock; ++i) sum += q[i];
-  *s = *d * static_cast<float>(sum);  // NaN with d
+  float sum = 0.f;
+  for (int g = 0; g < kGroups; ++g) {
+    int32_t total = 0;
+    for (int i = 0; i < kGroup; ++i) total += q[g * kGroup + i];
+    sum += d[g] * static_cast<float>(total);  // NaN with d
+    for (int l = 0; l < kGroup / 4; ++l) lanes[g * (kGroup / 4) + l] = d[g];
+  }
+  *s = sum;
 }
 
 #ifdef TOKENSERVE_CPU_X86
@@ -201,15 +232,36 @@ TOKENSERVE_GGUF_SIMD __attribute__((always_inline)) inline float LoadOffset(cons
 
 #endif  // TOKENSERVE_CPU_X86
 
+#ifdef TOKENSERVE_CPU_X86
+TOKENSERVE_AVX2_FMA inline void QuantizeGroupsAvx2(const float* x, int8_t* q, float* d) {
+  __m256 inv[4];
+  bool bad = false;
+  for (int g = 0; g < kGroups; ++g) {
+    const float amax = q8::AbsMaxAvx2(x + g * kGroup, kGroup);
+    bad = bad || std::isnan(amax);
+    d[g] = amax / 127.f;  // NaN with amax
+    const __m256 value = _mm256_set1_ps(amax > 0.f ? 127.f / amax : 0.f);  // 0 for NaN
+    for (int i = 0; i < kGroup / 8; ++i) inv[g * (kGroup / 8) + i] = value;
+  }
+  q8::Round32Avx2(x, inv, q);
+  if (bad) {  // a group with a NaN or an infinity: q = 0 there, as QuantizeScalar leaves it
+    for (int g = 0; g < kGroups; ++g) {
+      if (std::isnan(d[g])) std::memset(q + g * kGroup, 0, kGroup);
+    }
+  }
+}
+#endif
+
 // x [M, K] into `out`, every block of every row (K a multiple of 32).
 inline void QuantizeRows(const float* x, int64 M, int64 K, bool simd, Q8Rows* out) {
   out->blocks = K / kBlock;
   out->q.resize(M * K);
-  out->d.resize(M * out->blocks);
+  out->d.resize(M * out->blocks * kLanes);
   out->s.resize(M * out->blocks);
   for (int64 i = 0; i < M * out->blocks; ++i) {
     // row m's block b is x[m * K + b * 32]: contiguous
-    QuantizeBlock(x + i * kBlock, simd, out->q.data() + i * kBlock, &out->d[i], &out->s[i]);
+    QuantizeBlock(x + i * kBlock, simd, out->q.data() + i * kBlock, out->d.data() + i * kLanes,
+                  &out->s[i]);
   }
 }
 

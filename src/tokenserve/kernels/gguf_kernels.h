@@ -29,7 +29,7 @@ struct Output {
 };
 
 // ---- scalar ---------------------------------------------------------------------------------
-// The same formula per block as the SIMD kernels: (d * dx) * dot + c * sx.
+// The same formula per block as the SIMD kernels: sum over groups (d * dx_g) * dot_g + c * sx.
 template <class Type>
 void RowsScalar(const Q8Rows& xq, int64 M, const uint8_t* w, int64 row_bytes, int64 n0,
                 int64 count, Output out) {
@@ -43,10 +43,13 @@ void RowsScalar(const Q8Rows& xq, int64 M, const uint8_t* w, int64 row_bytes, in
       const float d = Scale(block), c = Type::Offset(block, d);
       for (int64 m = 0; m < M; ++m) {
         const int8_t* qx = xq.Values(m, b);
-        int32_t dot = 0;
-        for (int j = 0; j < kBlock; ++j) dot += int32_t{v[j]} * int32_t{qx[j]};
         const int64 i = xq.Index(m, b);
-        float part = d * xq.d[i] * static_cast<float>(dot);
+        float part = 0.f;
+        for (int g = 0; g < kGroups; ++g) {
+          int32_t dot = 0;
+          for (int j = g * kGroup; j < (g + 1) * kGroup; ++j) dot += int32_t{v[j]} * int32_t{qx[j]};
+          part += d * xq.GroupScale(i, g) * static_cast<float>(dot);
+        }
         if constexpr (Type::kHasOffset) part += c * xq.s[i];
         out.y[m * out.ldy + n0 + r] += part;
       }
@@ -126,7 +129,9 @@ TOKENSERVE_GGUF_SIMD __attribute__((always_inline)) inline void RowGroup(
       const __m256i x =
           _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq.q.data() + at * kBlock));
       const __m256i dot = Dot::Dot(u, Signed<Type>(x, w));
-      acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(d * xq.d[at]), acc[i]);
+      // lane l holds values 4l..4l+3: each lane's own group scale
+      const __m256 scales = _mm256_mul_ps(_mm256_set1_ps(d), _mm256_loadu_ps(xq.Lanes(at)));
+      acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scales, acc[i]);
       if constexpr (Type::kHasOffset) corr[i] += c * xq.s[at];
     }
   }

@@ -6,10 +6,11 @@
 // 8-row layouts), except that here it happens per call, on the tile in use, and nothing is
 // stored: block b's 8 x 32 values become 8 vectors, vector j holding values 4j..4j+3 of row r
 // in its int32 lane r. Against x's values 4j..4j+3 broadcast to every lane, one maddubs+madd
-// (or dpbusd) then adds each row's products to its own lane, so after a block's eight vectors
-// lane r holds row r's whole dot product: one int-to-float conversion and one FMA with the
-// eight rows' scales (a vector) finish the block for all eight rows, and the offsets' term
-// is one more FMA. No horizontal sums: a row of x ends as one 8-float store.
+// (or dpbusd) then adds each row's products to its own lane, so after an activation group's
+// vectors lane r holds row r's dot product with that group: one int-to-float conversion and
+// one FMA with the eight rows' scales (a vector) times the group's finish it for all eight
+// rows, and the offsets' term is one more FMA a block. No horizontal sums: a row of x ends as
+// one 8-float store.
 //
 // Per block and row of x that is about 30 instructions for 256 multiply-adds, where the row
 // kernel (gguf_kernels.h) spends about 7 for 32 plus the block's decode.
@@ -98,12 +99,13 @@ TOKENSERVE_GGUF_SIMD __attribute__((always_inline)) inline __m256i Broadcast4(co
   return _mm256_set1_epi32(four);
 }
 
-// The tile's eight dot products with one activation block x (32 int8): lane r is row r's.
-// u, w: the block's interleaved vectors in the tile buffer.
+// The tile's eight dot products with values [4 j0, 4 j1) of one activation block x (32
+// int8): lane r is row r's. u, w: the block's interleaved vectors in the tile buffer.
 template <class Type, class Dot>
 TOKENSERVE_GGUF_SIMD __attribute__((always_inline)) inline __m256i TileDot(const uint8_t* u,
                                                                           const int8_t* w,
-                                                                          const int8_t* x) {
+                                                                          const int8_t* x,
+                                                                          int j0, int j1) {
   auto load = [](const void* p) TOKENSERVE_GGUF_SIMD {
     return _mm256_loadu_si256(static_cast<const __m256i*>(p));
   };
@@ -111,14 +113,14 @@ TOKENSERVE_GGUF_SIMD __attribute__((always_inline)) inline __m256i TileDot(const
     // 4-bit values: a maddubs pair is at most 2 * 15 * 127 = 3810, so a block's eight add up
     // in int16 (at most 30480) before one madd. (Not so for 5-bit values.)
     __m256i pairs = _mm256_setzero_si256();
-    for (int j = 0; j < kTileRows; ++j) {
+    for (int j = j0; j < j1; ++j) {
       pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(load(u + j * kBlock),
                                                            Broadcast4(x + 4 * j)));
     }
     return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
   } else {
     __m256i dot = _mm256_setzero_si256();
-    for (int j = 0; j < kTileRows; ++j) {
+    for (int j = j0; j < j1; ++j) {
       const __m256i xj = Broadcast4(x + 4 * j);
       dot = Dot::Accumulate(dot, load(u + j * kBlock), Signed<Type>(xj, load(w + j * kBlock)));
     }
@@ -138,9 +140,14 @@ TOKENSERVE_GGUF_SIMD __attribute__((always_inline)) inline void TileRows(
     const __m256 d = _mm256_loadu_ps(t.d.data() + b * kTileRows);
     for (int i = 0; i < R; ++i) {
       const int64 at = xq.Index(m0 + i, b);
-      const __m256i dot = TileDot<Type, Dot>(u, w, xq.q.data() + at * kBlock);
-      acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot),
-                               _mm256_mul_ps(d, _mm256_broadcast_ss(&xq.d[at])), acc[i]);
+      for (int g = 0; g < kGroups; ++g) {  // each group's products, then its scale
+        constexpr int kVectors = kGroup / 4;  // tile vectors a group: four values each
+        const __m256i dot = TileDot<Type, Dot>(u, w, xq.q.data() + at * kBlock, g * kVectors,
+                                               (g + 1) * kVectors);
+        const float dx = xq.GroupScale(at, g);
+        acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(d, _mm256_set1_ps(dx)),
+                                 acc[i]);
+      }
       if constexpr (Type::kHasOffset) {
         acc[i] = _mm256_fmadd_ps(_mm256_loadu_ps(t.c.data() + b * kTileRows),
                                  _mm256_broadcast_ss(&xq.s[at]), acc[i]);

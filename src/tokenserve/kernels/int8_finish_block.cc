@@ -40,14 +40,7 @@ REGISTER_OP("TokenserveInt8FinishBlock")
     .Attr("activation: {'gelu_tanh', 'swiglu', 'geglu'} = 'gelu_tanh'")
     .Attr("eps: float = 1e-5")
     .Attr("isa: {'auto', 'avx2', 'scalar'} = 'auto'")
-    .SetShapeFn([](InferenceContext* c) {
-      ShapeHandle x, next_q;
-      TF_RETURN_IF_ERROR(c->WithRank(c->input(1), 2, &x));
-      TF_RETURN_IF_ERROR(c->WithRank(c->input(15), 2, &next_q));
-      c->set_output(0, x);
-      c->set_output(1, c->Matrix(c->Dim(x, 0), c->Dim(next_q, 0)));
-      return absl::OkStatus();
-    })
+    .SetShapeFn(FinishBlockShape<15, 0>)  // Nq: next_q's (input 15) rows
     .Doc("x1 = attn @ dequant(out).T + out_bias + x; "
          "y = dequant(down) applied to act(norm(x1) @ dequant(up).T + up_bias), + down_bias + x1; "
          "next = next_norm(y) @ dequant(next_q).T + next_bias.");
@@ -91,20 +84,14 @@ class Int8FinishBlockOp : public OpKernel {
     const Tensor& out_bias = ctx->input(4);
     const Tensor& norm_scale = ctx->input(5);
     const Tensor& norm_bias = ctx->input(6);
-    OP_REQUIRES(ctx, IsVectorOrEmpty(out_bias, d),
-                InvalidArgument("out_bias must be [", d, "] or empty, got ",
-                                out_bias.shape().DebugString()));
-    OP_REQUIRES(ctx, norm_scale.dims() == 1 && norm_scale.dim_size(0) == d,
-                InvalidArgument("norm_scale must be [", d, "], got ",
-                                norm_scale.shape().DebugString()));
+    if (!CheckVectorOrEmpty(ctx, "out_bias", out_bias, d)) return;
+    if (!CheckVector(ctx, "norm_scale", norm_scale, d)) return;
     OP_REQUIRES(ctx, IsVectorOrEmpty(norm_bias, d),
                 InvalidArgument("norm_bias must be [", d, "] or empty (RMSNorm), got ",
                                 norm_bias.shape().DebugString()));
     if (!CheckInt8Args(ctx, "up", m, d, ctx->input(7), ctx->input(8), &up)) return;
     const Tensor& up_bias = ctx->input(9);
-    OP_REQUIRES(ctx, IsVectorOrEmpty(up_bias, up.N),
-                InvalidArgument("up_bias must be [", up.N, "] or empty, got ",
-                                up_bias.shape().DebugString()));
+    if (!CheckVectorOrEmpty(ctx, "up_bias", up_bias, up.N)) return;
     const bool gated = rowops::Gated(act_);
     OP_REQUIRES(ctx, !gated || up.N % 2 == 0,
                 InvalidArgument(GatedName(act_), " needs an even up width, got ", up.N));
@@ -114,9 +101,7 @@ class Int8FinishBlockOp : public OpKernel {
                 InvalidArgument("down must have D = ", d, " rows, got ",
                                 ctx->input(10).shape().DebugString()));
     const Tensor& down_bias = ctx->input(12);
-    OP_REQUIRES(ctx, IsVectorOrEmpty(down_bias, d),
-                InvalidArgument("down_bias must be [", d, "] or empty, got ",
-                                down_bias.shape().DebugString()));
+    if (!CheckVectorOrEmpty(ctx, "down_bias", down_bias, d)) return;
     // the next block's norm and QKV: all given, or all empty
     const Tensor& next_norm_scale = ctx->input(13);
     const Tensor& next_norm_bias = ctx->input(14);
@@ -128,9 +113,7 @@ class Int8FinishBlockOp : public OpKernel {
     }
     if (has_next) {
       if (!CheckInt8Args(ctx, "next", m, d, ctx->input(15), ctx->input(16), &next)) return;
-      OP_REQUIRES(ctx, IsVectorOrEmpty(next_bias, next.N),
-                  InvalidArgument("next_bias must be [", next.N, "] or empty, got ",
-                                  next_bias.shape().DebugString()));
+      if (!CheckVectorOrEmpty(ctx, "next_bias", next_bias, next.N)) return;
     }
     Tensor* y_tensor = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({m, d}), &y_tensor));

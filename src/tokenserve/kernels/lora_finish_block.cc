@@ -58,14 +58,7 @@ REGISTER_OP("TokenserveLoraFinishBlock")
     .Attr("T: {float, bfloat16} = DT_FLOAT")
     .Attr("eps: float = 1e-5")
     .Attr("isa: {'auto', 'scalar'} = 'auto'")
-    .SetShapeFn([](InferenceContext* c) {
-      ShapeHandle x, next_w;
-      TF_RETURN_IF_ERROR(c->WithRank(c->input(1), 2, &x));
-      TF_RETURN_IF_ERROR(c->WithRank(c->input(12), 2, &next_w));
-      c->set_output(0, x);
-      c->set_output(1, c->Matrix(c->Dim(x, 0), c->Dim(next_w, 1)));
-      return absl::OkStatus();
-    })
+    .SetShapeFn(FinishBlockShape<12, 1>)  // Nq: next_w's (input 12) columns
     .Doc("TokenserveFinishBlock with each row's LoRA delta (in @ A_s) @ B_s on out, up, "
          "down and next, rows grouped by slot s.");
 

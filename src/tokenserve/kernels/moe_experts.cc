@@ -80,13 +80,12 @@ class MoeExpertsOp : public OpKernel {
                   InvalidArgument("expert_ids[", p / k, ", ", p % k, "] = ", id[p],
                                   " is outside [0, ", n, ")"));
     }
-    Tensor* counts = nullptr;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(1, TensorShape({n}), &counts));
-    Tensor* y = nullptr;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({m, d}), &y));
-    StartOutput(residual, m, d, y->flat<float>().data());
+    float* y = nullptr;
+    int32_t* counts = nullptr;
+    StartOutputs(ctx, residual, m, d, n, &y, &counts);
+    if (!ctx->status().ok()) return;
     RunGroupedExperts(ctx, avx2_, x.flat<float>().data(), m, d, id, gates.flat<float>().data(),
-                      k, up, down, y->flat<float>().data(), counts->flat<int32_t>().data());
+                      k, up, down, y, counts);
   }
 
  private:

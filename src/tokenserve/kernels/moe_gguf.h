@@ -1,16 +1,18 @@
 // GGUF blocks for the grouped experts (moe_gguf_layer.cc): one expert's rows times its
-// matrices as a GGUF file stores them, through the block kernels of the dense block op
-// (gguf_kernels.h and gguf_tiles.h for Q4_0 / Q4_1 / Q8_0 against q8 activation blocks of 32,
-// gguf_kquants*.h for Q4_K / Q5_K / Q6_K against q8_K blocks of 256), included as they are.
+// matrices as a GGUF file stores them, through the GGUF block matmul op's own kernels
+// (gguf_matmul.h's Matmul and MatmulKQuant: gguf_kernels.h and gguf_tiles.h for Q4_0 / Q4_1 /
+// Q8_0 against q8 activation blocks of 32, gguf_kquants*.h for Q4_K / Q5_K / Q6_K against
+// q8_K blocks of 256).
 //
 //   y [M, N] = x [M, K] @ dequant(w [N, K / values * block bytes]).T
 //
-// The kernel choice follows gguf_matmul.cc's: a few rows of x (an expert's share of a decode
-// step) each weight row read once, front to back; more rows (prefill chunks, many streams on
-// one expert) eight weight rows decoded at a time (or a K-quant row unpacked once) into a
-// per-thread buffer that every row sweeps. The output rows are split over the pool's threads
-// in contiguous ranges, so one expert's matrix is read once for all its rows, by the two
-// threads between them. AVX2 + FMA + F16C integer dot products, else the portable scalar path.
+// The kernel choice is therefore gguf_matmul.h's: a few rows of x (an expert's share of a
+// decode step) each weight row read once, front to back; more rows (prefill chunks, many
+// streams on one expert) eight weight rows decoded at a time (or a K-quant row unpacked once)
+// into a per-thread buffer that every row sweeps. The output rows are split over the pool's
+// threads in contiguous ranges, so one expert's matrix is read once for all its rows, by the
+// two threads between them. AVX2 + FMA + F16C integer dot products, else the portable scalar
+// path. A decode step's experts run together in one dispatch (RunBlockJobs, below).
 //
 // Internal linkage, as dense_compute.h: each op file that includes this has its own copy.
 #ifndef TOKENSERVE_KERNELS_MOE_GGUF_H_
@@ -28,6 +30,7 @@
 #include "gguf_kernels.h"
 #include "gguf_kquants.h"
 #include "gguf_kquants_avx2.h"
+#include "gguf_matmul.h"
 #include "gguf_q8k.h"
 #include "gguf_tiles.h"
 #include "op_support.h"
@@ -74,98 +77,25 @@ struct BlockMatrix {
   BlockType type;
 };
 
-template <class Type>
-void Q8Matmul(tensorflow::thread::ThreadPool* pool, bool simd, const gguf::Q8Rows& xq, int64 m,
-              const BlockMatrix& w, float* y) {
-  const int64 workers = std::max(1, pool->NumThreads());
-  const gguf::Output out{y, w.n};
-#ifdef TOKENSERVE_CPU_X86
-  if (simd && m <= (Type::kSigned ? 8 : 2)) {  // gguf_matmul.cc's RowKernelMaxRows
-    const ChunkSplit split = SplitIntoChunks(w.n, xq.blocks * (8 + 6 * m));
-    RunRanges(pool, workers, split.num_chunks, [&](int64 chunk, int64, int64) {
-      const int64 n0 = chunk * split.per_chunk;
-      gguf::RowsSimd<Type, gguf::MaddAvx2>(xq, m, w.w, w.row_bytes, n0,
-                                           std::min(split.per_chunk, w.n - n0), out);
-    });
-    return;
-  }
-  if (simd) {
-    const int64 tiles = (w.n + gguf::kTileRows - 1) / gguf::kTileRows;
-    const ChunkSplit split = SplitIntoChunks(tiles, xq.blocks * (60 + 8 * m));
-    std::vector<gguf::TileBuffer> buffers(workers);
-    RunChunks(pool, workers, split.num_chunks, [&](int64 chunk, int64 worker) {
-      const int64 end = std::min(tiles, (chunk + 1) * split.per_chunk);
-      for (int64 tile = chunk * split.per_chunk; tile < end; ++tile) {
-        const int64 n0 = tile * gguf::kTileRows;
-        if (n0 + gguf::kTileRows <= w.n) {
-          gguf::TileSimd<Type, gguf::MaddAvx2>(xq, m, w.w, w.row_bytes, n0, &buffers[worker],
-                                               out);
-        } else {  // N % 8 rows left over
-          gguf::RowsSimd<Type, gguf::MaddAvx2>(xq, m, w.w, w.row_bytes, n0, w.n - n0, out);
-        }
-      }
-    });
-    return;
-  }
-#endif
-  const ChunkSplit split = SplitIntoChunks(w.n, xq.blocks * 40 * (1 + m));
-  RunChunks(pool, workers, split.num_chunks, [&](int64 chunk, int64) {
-    const int64 n0 = chunk * split.per_chunk;
-    gguf::RowsScalar<Type>(xq, m, w.w, w.row_bytes, n0, std::min(split.per_chunk, w.n - n0),
-                           out);
-  });
-}
-
-template <class Type>
-void KMatmul(tensorflow::thread::ThreadPool* pool, bool simd, const gguf::Q8KRows& xq, int64 m,
-             const BlockMatrix& w, float* y) {
-  const int64 workers = std::max(1, pool->NumThreads());
-  const gguf::Output out{y, w.n};
-#ifdef TOKENSERVE_CPU_X86
-  if (simd && m <= gguf::kKRowGroup) {
-    const ChunkSplit split = SplitIntoChunks(w.n, xq.blocks * (60 + 40 * m));
-    RunRanges(pool, workers, split.num_chunks, [&](int64 chunk, int64, int64) {
-      const int64 n0 = chunk * split.per_chunk;
-      gguf::KRowsAvx2<Type>(xq, m, w.w, w.row_bytes, n0, std::min(split.per_chunk, w.n - n0),
-                            out);
-    });
-    return;
-  }
-  if (simd) {
-    const ChunkSplit split = SplitIntoChunks(w.n, xq.blocks * (80 + 40 * m));
-    std::vector<std::vector<gguf::KBlockAvx2>> buffers(workers);
-    RunChunks(pool, workers, split.num_chunks, [&](int64 chunk, int64 worker) {
-      const int64 n0 = chunk * split.per_chunk;
-      gguf::KRowsBufferedAvx2<Type>(xq, m, w.w, w.row_bytes, n0,
-                                    std::min(split.per_chunk, w.n - n0), &buffers[worker], out);
-    });
-    return;
-  }
-#endif
-  const ChunkSplit split = SplitIntoChunks(w.n, xq.blocks * (1500 + 600 * m));
-  RunChunks(pool, workers, split.num_chunks, [&](int64 chunk, int64) {
-    const int64 n0 = chunk * split.per_chunk;
-    gguf::KQuantRowsScalar<Type>(xq, m, w.w, w.row_bytes, n0,
-                                 std::min(split.per_chunk, w.n - n0), y, w.n);
-  });
-}
-
-// y [m, w.n] = x [m, k] @ dequant(w).T; x quantized here (q8 blocks of 32, or q8_K of 256).
-// simd: AVX2 + FMA + F16C, which the caller has checked the CPU has.
+// y [m, w.n] = x [m, k] @ dequant(w).T; x quantized here (q8 blocks of 32, or q8_K of 256),
+// then gguf_matmul.h's kernels for the type. simd: AVX2 + FMA + F16C, which the caller has
+// checked the CPU has (never VNNI: the MoE ops pick AVX2 or scalar).
 inline void BlockMatmul(tensorflow::thread::ThreadPool* pool, bool simd, const float* x,
                         int64 m, int64 k, const BlockMatrix& w, float* y) {
+  const Isa isa = simd ? Isa::kAvx2 : Isa::kScalar;
+  const Geometry g{m, k, w.n, w.row_bytes, w.n};
   if (IsKQuant(w.type)) {
     gguf::Q8KRows xq;
     gguf::QuantizeRowsK(x, m, k, simd, &xq);
-    if (w.type == BlockType::kQ4_K) return KMatmul<gguf::Q4_K>(pool, simd, xq, m, w, y);
-    if (w.type == BlockType::kQ5_K) return KMatmul<gguf::Q5_K>(pool, simd, xq, m, w, y);
-    return KMatmul<gguf::Q6_K>(pool, simd, xq, m, w, y);
+    if (w.type == BlockType::kQ4_K) return MatmulKQuant<gguf::Q4_K>(pool, isa, g, xq, w.w, y);
+    if (w.type == BlockType::kQ5_K) return MatmulKQuant<gguf::Q5_K>(pool, isa, g, xq, w.w, y);
+    return MatmulKQuant<gguf::Q6_K>(pool, isa, g, xq, w.w, y);
   }
   gguf::Q8Rows xq;
   gguf::QuantizeRows(x, m, k, simd, &xq);
-  if (w.type == BlockType::kQ4_0) return Q8Matmul<gguf::Q4_0>(pool, simd, xq, m, w, y);
-  if (w.type == BlockType::kQ4_1) return Q8Matmul<gguf::Q4_1>(pool, simd, xq, m, w, y);
-  Q8Matmul<gguf::Q8_0>(pool, simd, xq, m, w, y);
+  if (w.type == BlockType::kQ4_0) return Matmul<gguf::Q4_0>(pool, isa, g, xq, w.w, y);
+  if (w.type == BlockType::kQ4_1) return Matmul<gguf::Q4_1>(pool, isa, g, xq, w.w, y);
+  Matmul<gguf::Q8_0>(pool, isa, g, xq, w.w, y);
 }
 
 // ---- a decode step's experts in one dispatch -------------------------------------------------
@@ -186,11 +116,15 @@ struct BlockJob {
   float* y;
 };
 
-// Whether m rows of x take the row kernels for this type (gguf_matmul.cc's choice), the
+// Whether m rows of x take the row kernels for this type (gguf_matmul.h's choice), the
 // only kernels BlockJobs runs.
 inline bool FitsRowKernel(BlockType t, int64 m) {
-  if (IsKQuant(t)) return m <= gguf::kKRowGroup;
-  return m <= (t == BlockType::kQ8_0 ? 8 : 2);
+  switch (t) {
+    case BlockType::kQ4_0: return m <= RowKernelMaxRows<gguf::Q4_0>();
+    case BlockType::kQ4_1: return m <= RowKernelMaxRows<gguf::Q4_1>();
+    case BlockType::kQ8_0: return m <= RowKernelMaxRows<gguf::Q8_0>();
+    default: return m <= gguf::kKRowGroup;  // the K-quants (MatmulKQuant's row kernel)
+  }
 }
 
 #ifdef TOKENSERVE_CPU_X86

@@ -50,14 +50,7 @@ REGISTER_OP("TokenserveMoeGgufLayer")
     .Attr("N: int >= 1")
     .Attr("R: {float, bfloat16} = DT_FLOAT")
     .Attr("isa: {'auto', 'scalar'} = 'auto'")
-    .SetShapeFn([](InferenceContext* c) {
-      ShapeHandle x, router;
-      TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 2, &x));
-      TF_RETURN_IF_ERROR(c->WithRank(c->input(1), 2, &router));
-      c->set_output(0, x);
-      c->set_output(1, c->Vector(c->Dim(router, 1)));
-      return absl::OkStatus();
-    })
+    .SetShapeFn(LayerShape)
     .Doc("A mixture-of-experts MLP with its router, the experts' weights GGUF blocks as "
          "stored (Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K), grouped by expert.");
 
@@ -112,12 +105,10 @@ class MoeGgufLayerOp : public OpKernel {
       Matrices(ctx, i, d, gate[i], up[i], down[i], &experts[i]);
       if (!ctx->status().ok()) return;
     }
-    Tensor* y_tensor = nullptr;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({m, d}), &y_tensor));
-    Tensor* counts = nullptr;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(1, TensorShape({e}), &counts));
-    float* y = y_tensor->flat<float>().data();
-    StartOutput(residual, m, d, y);
+    float* y = nullptr;
+    int32_t* counts = nullptr;
+    StartOutputs(ctx, residual, m, d, e, &y, &counts);
+    if (!ctx->status().ok()) return;
     const bool shared = shared_gate.NumElements() > 0;
     const int64 width = k_ + shared;  // pairs per row: the routed experts, then the shared one
     std::vector<int32_t> ids(m * width), all_counts(n);
@@ -128,7 +119,7 @@ class MoeGgufLayerOp : public OpKernel {
                 gates.data());
     }
     const ExpertGroups groups = GroupByExpert(ids.data(), m, width, n, all_counts.data());
-    std::copy(all_counts.begin(), all_counts.begin() + e, counts->flat<int32_t>().data());
+    std::copy(all_counts.begin(), all_counts.begin() + e, counts);
     auto* pool = WorkerPool(ctx);
 #ifdef TOKENSERVE_CPU_X86
     if (FitRowKernels(groups, experts)) {  // a decode step: two dispatches for all experts

@@ -134,12 +134,21 @@ inline void RunGroupedExperts(OpKernelContext* ctx, bool avx2, const float* x, i
   }
 }
 
-// y's starting value: the residual [M, D], or zeros where it is empty.
-inline void StartOutput(const Tensor& residual, int64 m, int64 d, float* y) {
+// The ops' outputs, allocated: *y [m, d] (output 0), starting as the residual [m, d] or as
+// zeros where it is empty, and *counts [n] (output 1). Sets ctx's status where TF could not
+// allocate them.
+inline void StartOutputs(OpKernelContext* ctx, const Tensor& residual, int64 m, int64 d,
+                         int64 n, float** y, int32_t** counts) {
+  Tensor* y_tensor = nullptr;
+  OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({m, d}), &y_tensor));
+  Tensor* counts_tensor = nullptr;
+  OP_REQUIRES_OK(ctx, ctx->allocate_output(1, TensorShape({n}), &counts_tensor));
+  *y = y_tensor->flat<float>().data();
+  *counts = counts_tensor->flat<int32_t>().data();
   if (residual.NumElements()) {
-    std::memcpy(y, residual.flat<float>().data(), m * d * sizeof(float));
+    std::memcpy(*y, residual.flat<float>().data(), m * d * sizeof(float));
   } else {
-    std::fill(y, y + m * d, 0.f);
+    std::fill(*y, *y + m * d, 0.f);
   }
 }
 

@@ -40,14 +40,7 @@ REGISTER_OP("TokenserveMoeLayer")
     .Attr("T: {float, bfloat16} = DT_FLOAT")
     .Attr("R: {float, bfloat16} = DT_FLOAT")
     .Attr("isa: {'auto', 'scalar'} = 'auto'")
-    .SetShapeFn([](InferenceContext* c) {
-      ShapeHandle x, router;
-      TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 2, &x));
-      TF_RETURN_IF_ERROR(c->WithRank(c->input(1), 2, &router));
-      c->set_output(0, x);
-      c->set_output(1, c->Vector(c->Dim(router, 1)));
-      return absl::OkStatus();
-    })
+    .SetShapeFn(LayerShape)
     .Doc("A mixture-of-experts MLP with its router: softmax top-k routing (optionally "
          "renormalised), the chosen experts grouped by expert, an optional gated shared "
          "expert.");
@@ -76,14 +69,12 @@ class MoeLayerOp : public OpKernel {
     CheckExperts(ctx, up, down, d);
     if (!ctx->status().ok()) return;
 
-    Tensor* y_tensor = nullptr;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({m, d}), &y_tensor));
-    Tensor* counts = nullptr;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(1, TensorShape({e}), &counts));
-    float* y = y_tensor->flat<float>().data();
-    StartOutput(residual, m, d, y);
+    float* y = nullptr;
+    int32_t* counts = nullptr;
+    StartOutputs(ctx, residual, m, d, e, &y, &counts);
+    if (!ctx->status().ok()) return;
     if (m == 0) {
-      std::fill(counts->flat<int32_t>().data(), counts->flat<int32_t>().data() + e, 0);
+      std::fill(counts, counts + e, 0);
       return;
     }
     const float* xp = x.flat<float>().data();
@@ -95,7 +86,7 @@ class MoeLayerOp : public OpKernel {
     std::vector<int32_t> all_counts(up.size());
     RunGroupedExperts(ctx, avx2_, xp, m, d, ids.data(), gates.data(), width, up, down, y,
                       all_counts.data());
-    std::copy(all_counts.begin(), all_counts.begin() + e, counts->flat<int32_t>().data());
+    std::copy(all_counts.begin(), all_counts.begin() + e, counts);
   }
 
  private:

@@ -1,5 +1,5 @@
 // The router of the mixture-of-experts layer ops (moe_layer.cc for float experts,
-// moe_gguf_layer.cc for GGUF blocks), and the checks of the inputs they share:
+// moe_gguf_layer.cc for GGUF blocks), and the checks and shapes of the inputs they share:
 //
 //   probs = softmax(x @ router)                       [M, E], float32
 //   ids, gates = top_k(probs, k), renormalised to sum to 1 when `normalize`
@@ -28,6 +28,17 @@
 
 namespace tokenserve {
 namespace {
+
+// The layer ops' shape function: y like x (input 0, [M, D]), counts [E] (the router's
+// columns, input 1).
+inline absl::Status LayerShape(InferenceContext* c) {
+  ShapeHandle x, router;
+  TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 2, &x));
+  TF_RETURN_IF_ERROR(c->WithRank(c->input(1), 2, &router));
+  c->set_output(0, x);
+  c->set_output(1, c->Vector(c->Dim(router, 1)));
+  return absl::OkStatus();
+}
 
 // Checks the layer op's x, router, shared_gate and residual, and that `num_experts_given`
 // matrices (per role) are the router's E experts plus the shared one; sets ctx's status

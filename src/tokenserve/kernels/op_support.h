@@ -1,8 +1,8 @@
 // What the ops' files repeat, written once: TensorFlow's names, the `isa` and `activation`
 // attributes, the thread pool, the info op that says which instruction set a library's
-// kernels take on this CPU, and the checks and accessors of optional inputs (an empty
-// tensor stands for "none"), so ops that take the same inputs (the float32 and int8
-// finish-block ops) accept and refuse them with the same messages.
+// kernels take on this CPU, the finish-block ops' shape function, and the checks and
+// accessors of inputs (an empty tensor stands for "none"), so ops that take the same inputs
+// (the float32 and int8 finish-block ops) accept and refuse them with the same messages.
 #ifndef TOKENSERVE_KERNELS_OP_SUPPORT_H_
 #define TOKENSERVE_KERNELS_OP_SUPPORT_H_
 
@@ -82,7 +82,21 @@ class IsaInfoOp : public OpKernel {
   }
 };
 
-// ---- optional inputs ----------------------------------------------------------------------
+// ---- shape functions ----------------------------------------------------------------------
+
+// A finish-block op's outputs: y like x (input 1, [M, D]) and next [M, Nq], Nq the dimension
+// kNqAxis of the next block's QKV weights (input kNextWeights; [0, 0] without a next block).
+template <int kNextWeights, int kNqAxis>
+absl::Status FinishBlockShape(InferenceContext* c) {
+  ShapeHandle x, next_w;
+  TF_RETURN_IF_ERROR(c->WithRank(c->input(1), 2, &x));
+  TF_RETURN_IF_ERROR(c->WithRank(c->input(kNextWeights), 2, &next_w));
+  c->set_output(0, x);
+  c->set_output(1, c->Matrix(c->Dim(x, 0), c->Dim(next_w, kNqAxis)));
+  return absl::OkStatus();
+}
+
+// ---- inputs (an empty tensor stands for "none" where one is optional) ---------------------
 
 // A [rows, cols] matrix.
 inline bool IsMatrix(const Tensor& t, int64 rows, int64 cols) {
@@ -92,6 +106,24 @@ inline bool IsMatrix(const Tensor& t, int64 rows, int64 cols) {
 // A [n] vector, or an empty tensor standing for "none".
 inline bool IsVectorOrEmpty(const Tensor& t, int64 n) {
   return t.NumElements() == 0 || (t.dims() == 1 && t.dim_size(0) == n);
+}
+
+// Whether input `name` is a [n] vector; sets ctx's status and returns false otherwise.
+inline bool CheckVector(OpKernelContext* ctx, const char* name, const Tensor& t, int64 n) {
+  if (t.dims() == 1 && t.dim_size(0) == n) return true;
+  ctx->CtxFailure(__FILE__, __LINE__, InvalidArgument(name, " must be [", n, "], got ",
+                                                      t.shape().DebugString()));
+  return false;
+}
+
+// Whether optional input `name` is a [n] vector or empty; sets ctx's status and returns
+// false otherwise.
+inline bool CheckVectorOrEmpty(OpKernelContext* ctx, const char* name, const Tensor& t,
+                               int64 n) {
+  if (IsVectorOrEmpty(t, n)) return true;
+  ctx->CtxFailure(__FILE__, __LINE__, InvalidArgument(name, " must be [", n, "] or empty, got ",
+                                                      t.shape().DebugString()));
+  return false;
 }
 
 // An optional float input's data, or nullptr when it is empty.
@@ -119,11 +151,7 @@ inline bool CheckNextNorm(OpKernelContext* ctx, bool has_next, const char* weigh
     return fail(InvalidArgument("next_norm_scale must be [", d, "] with ", weights,
                                 " given, got ", scale.shape().DebugString()));
   }
-  if (!IsVectorOrEmpty(bias, d)) {
-    return fail(InvalidArgument("next_norm_bias must be [", d, "] or empty, got ",
-                                bias.shape().DebugString()));
-  }
-  return true;
+  return CheckVectorOrEmpty(ctx, "next_norm_bias", bias, d);
 }
 
 }  // namespace tokenserve

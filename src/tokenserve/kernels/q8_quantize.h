@@ -61,11 +61,12 @@ TOKENSERVE_AVX2_FMA inline float AbsMaxAvx2(const float* x, int64_t n) {
   return _mm256_movemask_ps(bad) ? NAN : cpu::HorizontalMax(amax);
 }
 
-// 32 values times inv, rounded, into q[0, 32).
-TOKENSERVE_AVX2_FMA inline void Round32Avx2(const float* x, __m256 inv, int8_t* q) {
+// 32 values rounded into q[0, 32), values 8i..8i+7 times inv[i].
+TOKENSERVE_AVX2_FMA inline void Round32Avx2(const float* x, const __m256 inv[4], int8_t* q) {
   __m256i i32[4];
   for (int i = 0; i < 4; ++i) {
-    i32[i] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(x + 8 * i), inv),
+    i32[i] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(x + 8 * i),
+                                                              inv[i]),
                                                 _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
   }
   // packing works per 128-bit lane; the permute restores element order
@@ -73,6 +74,12 @@ TOKENSERVE_AVX2_FMA inline void Round32Avx2(const float* x, __m256 inv, int8_t* 
                                         _mm256_packs_epi32(i32[2], i32[3]));
   const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), _mm256_permutevar8x32_epi32(i8, order));
+}
+
+// 32 values times one inv, rounded, into q[0, 32).
+TOKENSERVE_AVX2_FMA inline void Round32Avx2(const float* x, __m256 inv, int8_t* q) {
+  const __m256 all[4] = {inv, inv, inv, inv};
+  Round32Avx2(x, all, q);
 }
 
 // QuantizeScalar's result for n a multiple of 32.

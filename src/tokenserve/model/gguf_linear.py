@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from tokenserve.kernels.gguf_kquants import KQUANT_TYPES
 from tokenserve.kernels.gguf_types import BLOCK_SIZES
 from tokenserve.kernels.gguf_matmul import dequantize_blocks, gguf_matmul, gguf_matmul_fallback
 
@@ -33,16 +32,11 @@ def gguf_parts(weights: dict) -> list[tuple[str, object]]:
     return [(k.split(":", 1)[1], weights[k]) for k in keys]
 
 
-def gguf_linear(x, parts, portable: bool = False, planes: int = 1):
+def gguf_linear(x, parts, portable: bool = False):
     """x [..., K] @ the rows of `parts` (gguf_parts) .T -> [..., rows] in x's dtype.
 
     portable: stock TensorFlow ops only (the blocks dequantized each call), for graphs that a
-    SavedModel carries to TF Serving; else the compiled op where it is built.
-    planes: 2 sends the op a second row per row of x, its q8 rounding error (what the op's
-    own quantization of x loses: blocks of 32 values for the 32-value types, of 256 for the
-    K-quants' q8_K), and sums the two products: about 16-bit activations at twice the
-    integer work, with the weights read once (the rows share each pass). 1: q8 activations,
-    as llama.cpp computes."""
+    SavedModel carries to TF Serving; else the compiled op where it is built."""
     width = sum(int(b.shape[0]) for _, b in parts)
     flat = x.shape.rank == 2  # a step's rows already: no reshapes (each an op a call)
     rows = x if flat else tf.reshape(x, [-1, tf.shape(x)[-1]])
@@ -50,36 +44,12 @@ def gguf_linear(x, parts, portable: bool = False, planes: int = 1):
         rows = tf.cast(rows, tf.float32)
     if portable:
         ys = [gguf_matmul_fallback(rows, blocks, name) for name, blocks in parts]
-    elif planes == 2:
-        both = {}  # activation block size -> [2M, K]: rows, then their rounding error
-        ys = []
-        for name, blocks in parts:
-            size = 256 if name in KQUANT_TYPES else 32
-            if size not in both:
-                both[size] = tf.concat([rows, q8_rounding_error(rows, size)], 0)
-            ys.append(_sum_halves(gguf_matmul(both[size], blocks, name)))
     else:
         ys = [gguf_matmul(rows, blocks, name) for name, blocks in parts]
     y = ys[0] if len(ys) == 1 else tf.concat(ys, axis=-1)
     if y.dtype != x.dtype:
         y = tf.cast(y, x.dtype)
     return y if flat else tf.reshape(y, tf.concat([tf.shape(x)[:-1], [width]], 0))
-
-
-def q8_rounding_error(rows, block: int = 32):
-    """rows [M, K] float32 (K a multiple of `block`) minus their q8 blocks as the op quantizes
-    them (kernels/q8_quantize.h: d = amax / 127, q = round-half-even(x * (127 / amax)))."""
-    blocks = tf.reshape(rows, [tf.shape(rows)[0], -1, block])          # [M, K / block, block]
-    amax = tf.reduce_max(tf.abs(blocks), axis=-1, keepdims=True)
-    inverse = tf.math.divide_no_nan(127.0, amax)
-    rounded = tf.round(blocks * inverse) * (amax / 127.0)
-    return tf.reshape(blocks - rounded, tf.shape(rows))
-
-
-def _sum_halves(y):
-    """[2M, N] -> the first M rows plus the last M."""
-    halves = tf.split(y, 2, axis=0)
-    return halves[0] + halves[1]
 
 
 def gguf_embedding(blocks, block_type: str, token_ids):

@@ -9,14 +9,11 @@ With --ssl_config_file every port speaks TLS (server/tls.py).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import sys
-import threading
 import time
 
-import uvicorn
 from prometheus_client import CollectorRegistry
 
 from tokenserve.host.python_heap import collector_paused
@@ -26,35 +23,11 @@ from tokenserve.observability.memory import describe as describe_memory
 from tokenserve.observability.stack import Observability
 from tokenserve.server.auth import APIKeys, AsyncAPIKeyInterceptor, check_http_authorization
 from tokenserve.server.config import LLMServeConfig, ServeConfig, engine_config_for
+from tokenserve.server.http_thread import start_http
 from tokenserve.server.status import http_status
 from tokenserve.server.tls import SSLConfig
 
 log = logging.getLogger("tokenserve.serve")
-
-
-def start_http(app, host: str, port: int, tls: SSLConfig | None = None,
-               graceful_shutdown_s: float = 30.0) -> uvicorn.Server:
-    """Serves `app` under uvicorn on its own thread, over TLS when `tls` is given; returns
-    once it listens (its `should_exit = True` stops it). On shutdown, requests still running
-    after `graceful_shutdown_s` are cancelled (their streams abort and free their slots):
-    a client that stopped reading a stream must not keep the process from exiting.
-
-    Raises:
-        OSError: the port could not be opened.
-    """
-    files = tls.files() if tls is not None else contextlib.nullcontext({})
-    with files as ssl_options:  # uvicorn reads them while starting; removed once it listens
-        server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning",
-                                               access_log=False, lifespan="off",
-                                               timeout_graceful_shutdown=graceful_shutdown_s,
-                                               **ssl_options))
-        thread = threading.Thread(target=server.run, name=f"http-{port}", daemon=True)
-        thread.start()
-        while not server.started and thread.is_alive():
-            thread.join(0.05)
-    if not server.started:
-        raise OSError(f"could not start the HTTP server on {host}:{port}")
-    return server
 
 
 def run(config: ServeConfig, llm: LLMServeConfig = LLMServeConfig(), stop_event=None) -> None:

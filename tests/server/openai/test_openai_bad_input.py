@@ -14,7 +14,7 @@ import grpc
 import httpx
 import pytest
 
-from support.openai_harness import API_KEY, BUSY_MODEL, MAX_BODY_BYTES, MODEL, shared_server
+from support.openai_harness import API_KEY, BUSY_MODEL, MAX_BODY_BYTES, MODEL
 from support.paths import REPO_ROOT
 from tokenserve.server.proto.tokenserve import generation_pb2 as pb
 
@@ -184,11 +184,6 @@ HTTP_ROWS = [
     ("guided-json-nested-too-deeply", C, body(guided_json="[" * 5000 + "]" * 5000), None,
      400, "the JSON schema cannot be read: it is nested too deeply"),
 ]
-
-
-@pytest.fixture(scope="module")
-def server(pytestconfig, tmp_path_factory):
-    return shared_server(pytestconfig, tmp_path_factory)
 
 
 class GoodStream(threading.Thread):

@@ -14,7 +14,7 @@ from collections import Counter
 import httpx
 import pytest
 
-from support.openai_harness import MODEL, shared_server
+from support.openai_harness import MODEL
 from tokenserve.server.openai.responses_schemas import ResponseCreateRequest
 from tokenserve.server.openai.schemas import (ChatCompletionRequest, CompletionRequest,
                                               DetokenizeRequest, TokenizeRequest)
@@ -51,11 +51,6 @@ def fields(path: str) -> list[str]:
     if path in GENERATION:
         names |= set().union(*(declared(ROUTES[p][1]) for p in GENERATION))
     return sorted(names)
-
-
-@pytest.fixture(scope="module")
-def server(pytestconfig, tmp_path_factory):
-    return shared_server(pytestconfig, tmp_path_factory)
 
 
 @pytest.mark.parametrize("values", [QUICK, pytest.param(VALUES, marks=pytest.mark.slow)],

@@ -9,16 +9,11 @@ import httpx
 import openai
 import pytest
 
-from support.openai_harness import API_KEY, MODEL, SLOW_MODEL, shared_server
+from support.openai_harness import API_KEY, MODEL, SLOW_MODEL
 from support.waiting import wait_until
 
 PROMPT = "def add(a, b):"
 LONG = {"ignore_eos": True}  # random weights: no early eos, so lengths are exact
-
-
-@pytest.fixture(scope="module")
-def server(pytestconfig, tmp_path_factory):
-    return shared_server(pytestconfig, tmp_path_factory)
 
 
 @pytest.fixture(scope="module")

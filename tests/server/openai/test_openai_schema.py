@@ -12,16 +12,10 @@ from hypothesis import HealthCheck, Phase, settings
 from schemathesis.checks import (content_type_conformance, not_a_server_error,
                                  response_schema_conformance, status_code_conformance)
 
-from support.openai_harness import shared_server
 
 EXAMPLES_PER_ROUTE = 12
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance,
           response_schema_conformance]
-
-
-@pytest.fixture(scope="module")
-def server(pytestconfig, tmp_path_factory):
-    return shared_server(pytestconfig, tmp_path_factory)
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from support.openai_harness import API_KEY, MODEL, shared_server
+from support.openai_harness import API_KEY, MODEL
 from tokenserve.server.proto.tokenserve import generation_pb2 as pb
 from tokenserve.server.proto.tokenserve import generation_pb2_grpc as pb_grpc
 
@@ -24,11 +24,6 @@ SCHEMA = {"type": "object",
                          "tags": {"type": "array", "items": {"enum": ["big", "old", "wet"]},
                                   "maxItems": 3}},
           "required": ["city", "population", "tags"], "additionalProperties": False}
-
-
-@pytest.fixture(scope="module")
-def server(pytestconfig, tmp_path_factory):
-    return shared_server(pytestconfig, tmp_path_factory)
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from support.openai_harness import API_KEY, MODEL, shared_builtin_server, shared_server
+from support.openai_harness import API_KEY, MODEL
 
 WEATHER = {"type": "function", "name": "get_weather", "description": "Current weather.",
            "parameters": {"type": "object", "additionalProperties": False,
@@ -29,16 +29,6 @@ TIME = {"type": "function", "name": "get_time", "strict": True,
                        "properties": {"zone": {"enum": ["UTC", "CET"]}}}}
 SCHEMAS = {t["name"]: t["parameters"] for t in (WEATHER, TIME)}
 ASK = "Weather in Oslo?"
-
-
-@pytest.fixture(scope="module")
-def server(pytestconfig, tmp_path_factory):
-    return shared_server(pytestconfig, tmp_path_factory)
-
-
-@pytest.fixture(scope="module")
-def builtin_server(pytestconfig):
-    return shared_builtin_server(pytestconfig)
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ import jsonschema
 import openai
 import pytest
 
-from support.openai_harness import API_KEY, MODEL, RealServer, shared_builtin_server, shared_server
+from support.openai_harness import API_KEY, MODEL, RealServer
 from tokenserve.server.openai.tools import ToolCallFormat, ToolCallStream, parse_tool_calls
 
 WEATHER = {"type": "function", "function": {
@@ -82,16 +82,6 @@ def test_template_format_detection():
 
 
 # -- over real servers ----------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def server(pytestconfig, tmp_path_factory):
-    return shared_server(pytestconfig, tmp_path_factory)
-
-
-@pytest.fixture(scope="module")
-def builtin_server(pytestconfig):
-    return shared_builtin_server(pytestconfig)
 
 
 @pytest.fixture(scope="module")

@@ -26,6 +26,8 @@ from dataclasses import dataclass
 
 from tokenserve.errors import ConfigError
 
+from .markers import partial_marker_len
+
 AUTO, NONE = "auto", "none"
 
 
@@ -129,8 +131,7 @@ class ReasoningStream:
                     reasoning += text[:at].rstrip()
                     self.state, text = _State.CLOSED, text[at + len(end):]
                     continue
-                keep = next((k for k in range(min(len(end), len(text)), 0, -1)
-                             if end.startswith(text[-k:])), 0)
+                keep = partial_marker_len(text, end)
                 shown = text[:len(text) - keep].rstrip()  # trailing whitespace may end it
                 reasoning += shown
                 self._shown_reasoning |= bool(shown)

@@ -22,6 +22,7 @@ import uuid
 
 from tokenserve.sampling import GuideKind, StructuredOutput
 
+from .markers import partial_marker_len
 from .params import bad_request
 from .schemas import (DeltaFunctionCall, DeltaToolCall, FunctionCall, NamedToolChoice, Tool,
                       ToolCall)
@@ -197,14 +198,7 @@ class ToolCallStream:
             rest = self.text[self.pos:]
             if head:
                 self.in_calls, self.pos = True, head.end()
-                self.calls.append({"id": f"call_{uuid.uuid4().hex[:24]}",
-                                   "name": json.loads(f'"{head.group(1)}"'),
-                                   "args_start": head.end(), "emitted": 0,
-                                   "done": False})
-                deltas.append(DeltaToolCall(index=len(self.calls) - 1,
-                                            id=self.calls[-1]["id"], type="function",
-                                            function=DeltaFunctionCall(
-                                                name=self.calls[-1]["name"], arguments="")))
+                deltas.append(self._open_call(f"call_{uuid.uuid4().hex[:24]}", head))
                 continue
             if self.in_calls:  # after the calls: anything else is held for finish()
                 return content, deltas
@@ -215,8 +209,7 @@ class ToolCallStream:
                     self.pos += tag
                     continue
                 if tag < 0:  # hold back a suffix that may start the tag
-                    keep = next((k for k in range(min(len(OPEN_TAG), len(rest)), 0, -1)
-                                 if OPEN_TAG.startswith(rest[-k:])), 0)
+                    keep = partial_marker_len(rest, OPEN_TAG)
                     if not (self.pos == 0 and self._opener_possible(rest)):
                         content += rest[:len(rest) - keep]
                         self.pos += len(rest) - keep
@@ -227,6 +220,15 @@ class ToolCallStream:
             content += rest
             self.pos = len(self.text)
             return content, deltas
+
+    def _open_call(self, call_id: str, head: re.Match) -> DeltaToolCall:
+        """Starts the call whose head `head` matched (group 1: its JSON-escaped name; its
+        arguments begin where the head ends); returns its first delta: id, type and name."""
+        self.calls.append({"id": call_id, "name": json.loads(f'"{head.group(1)}"'),
+                           "args_start": head.end(), "emitted": 0, "done": False})
+        return DeltaToolCall(index=len(self.calls) - 1, id=call_id, type="function",
+                             function=DeltaFunctionCall(name=self.calls[-1]["name"],
+                                                        arguments=""))
 
     def _stream_arguments(self, call: dict, deltas: list) -> bool:
         """Adds the call's arguments so far to `deltas`; True once they are complete."""

@@ -15,12 +15,12 @@ in the next request's history.
 
 from __future__ import annotations
 
-import json
 import random
 import re
 import string
 
-from .schemas import DeltaFunctionCall, DeltaToolCall
+from .markers import partial_marker_len
+from .schemas import DeltaToolCall
 from .tools import ToolCallStream
 
 MARKER = "[TOOL_CALLS]"
@@ -58,8 +58,7 @@ class MistralToolCallStream(ToolCallStream):
                 rest = self.text[self.pos:]
                 found = rest.find(MARKER)
                 if found < 0:  # content, but a suffix that may start the marker is held
-                    keep = next((k for k in range(min(len(MARKER), len(rest)), 0, -1)
-                                 if MARKER.startswith(rest[-k:])), 0)
+                    keep = partial_marker_len(rest, MARKER)
                     content += rest[:len(rest) - keep]
                     self.pos += len(rest) - keep
                     return content, deltas
@@ -71,11 +70,7 @@ class MistralToolCallStream(ToolCallStream):
             if head is None:  # incomplete, or the calls are over: held for finish()
                 return content, deltas
             self.pos = head.end()
-            self.calls.append({"id": mistral_call_id(), "name": json.loads(f'"{head.group(1)}"'),
-                               "args_start": head.end(), "emitted": 0, "done": False})
-            deltas.append(DeltaToolCall(index=len(self.calls) - 1, id=self.calls[-1]["id"],
-                                        type="function", function=DeltaFunctionCall(
-                                            name=self.calls[-1]["name"], arguments="")))
+            deltas.append(self._open_call(mistral_call_id(), head))
 
     def finish(self) -> str:
         """Text held back at the end that turned out to be content: a marker's start that

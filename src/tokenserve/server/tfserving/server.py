@@ -16,7 +16,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 
-import uvicorn
 from prometheus_client import CollectorRegistry
 
 from tokenserve.lifecycle.batching import BatchingServable
@@ -28,6 +27,7 @@ from tokenserve.lifecycle.session_bundle import SessionOptions
 from tokenserve.lifecycle.warmup_replay import make_warmup
 from tokenserve.observability.tfserving_metrics import TFServingMetrics
 from tokenserve.server.config import ServeConfig
+from tokenserve.server.http_thread import start_http
 from tokenserve.server.tfserving.grpc_service import start_grpc_server
 from tokenserve.server.tfserving.inference import set_signature_method_name_check
 from tokenserve.server.tfserving.rest import build_rest_app
@@ -131,18 +131,6 @@ def _tensorflow_threads(config: ServeConfig) -> None:
         tf.config.threading.set_inter_op_parallelism_threads(config.inter_op_threads)
 
 
-def _uvicorn(app, host: str, port: int) -> uvicorn.Server:
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning",
-                                           access_log=False, lifespan="off"))
-    thread = threading.Thread(target=server.run, name=f"http-{port}", daemon=True)
-    thread.start()
-    while not server.started and thread.is_alive():
-        thread.join(0.05)
-    if not server.started:
-        raise OSError(f"could not start the HTTP server on {host}:{port}")
-    return server
-
-
 def serve(config: ServeConfig, frontends: list[Frontend] = (),
           extensions: dict[str, Callable] | None = None, grpc_services: list[Callable] = (),
           grpc_interceptors: list = (), stop_event: threading.Event | None = None,
@@ -191,7 +179,8 @@ def serve(config: ServeConfig, frontends: list[Frontend] = (),
                              cors=config.rest_api_enable_cors_support)
         if rest_middleware is not None:
             rest_middleware(app)
-        http_servers.append(_uvicorn(app, config.host, config.rest_api_port))
+        http_servers.append(start_http(app, config.host, config.rest_api_port,
+                                       graceful_shutdown_s=None))
         print(f"Exporting HTTP/REST API at:{config.host}:{config.rest_api_port} ...",
               file=sys.stderr)
     for frontend in frontends:
