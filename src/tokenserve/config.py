@@ -118,6 +118,11 @@ class TransformerConfig:
     """What QK-norm normalises: each head's query and key on its own (scales [head_dim];
     Qwen3, Gemma 3), or the whole query and the whole key projection as one vector each
     (scales [num_heads * head_dim] and [num_kv_heads * head_dim]; OLMoE)."""
+    architecture: str = ""
+    """The Hugging Face architecture the weights came from (config.json's first
+    `architectures`, or a GGUF file's as the layout its tensors map onto), e.g.
+    "Phi3ForCausalLM"; empty: unknown (a model built here, or an export from before this was
+    recorded). LoRA adapters made for another architecture are refused by it."""
     family: Literal["transformer"] = "transformer"
 
     def __post_init__(self) -> None:

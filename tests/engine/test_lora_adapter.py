@@ -90,3 +90,38 @@ def test_each_bad_adapter_has_its_own_error(made, tmp_path):
         load_adapter(good, dataclasses.replace(config, hidden_size=128, head_dim=32), 8)
     with pytest.raises(LoraBaseMismatchError, match="GPT-2"):
         load_adapter(made["gpt2"][0].adapters[0][0], config, 8)
+
+
+def _with_options(source, target, **options):
+    """A copy of the adapter at `source` with adapter_config.json's `options` changed."""
+    import json
+    import shutil
+
+    shutil.copytree(source, target)
+    config = json.loads((target / "adapter_config.json").read_text())
+    (target / "adapter_config.json").write_text(json.dumps({**config, **options}))
+    return target
+
+
+def test_an_adapter_for_another_architecture_is_refused(made, tmp_path):
+    """The base records its architecture; Phi-3's fused modules do not load onto a Llama (nor
+    Llama's onto a Phi-3) even where every shape fits, nor an adapter whose saved model class
+    is another architecture's; a base without a recorded architecture takes either."""
+    llama, llama_config = made["llama"][0], made["llama"][1]
+    phi3, phi3_config = made["phi3"][0], made["phi3"][1]
+    assert (llama_config.architecture, phi3_config.architecture) == (
+        "LlamaForCausalLM", "Phi3ForCausalLM")
+    with pytest.raises(LoraBaseMismatchError, match="gate_up_proj.*LlamaForCausalLM"):
+        load_adapter(phi3.adapters[0][0], llama_config, 8)
+    with pytest.raises(LoraBaseMismatchError, match="Phi3ForCausalLM does not have"):
+        load_adapter(llama.adapters[0][0], phi3_config, 8)
+    unknown = dataclasses.replace(llama_config, architecture="")  # an older export
+    assert load_adapter(phi3.adapters[0][0], unknown, 8).rank == 4
+    qwen = _with_options(llama.adapters[0][0], tmp_path / "qwen", auto_mapping={
+        "base_model_class": "Qwen2ForCausalLM", "parent_library": "transformers"})
+    with pytest.raises(LoraBaseMismatchError, match="Qwen2ForCausalLM"):
+        load_adapter(qwen, llama_config, 8)
+    # Mistral's module tree is Llama's (a GGUF Mistral imports as one); a hub id says nothing
+    mistral = _with_options(llama.adapters[0][0], tmp_path / "mistral", auto_mapping={
+        "base_model_class": "MistralForCausalLM"}, base_model_name_or_path="microsoft/phi-2")
+    assert load_adapter(mistral, llama_config, 8).rank == 4

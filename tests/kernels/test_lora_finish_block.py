@@ -188,3 +188,21 @@ def test_lora_delta_reads_only_the_pieces_an_adapter_fills(compiled, m):
     rows = row_slot == 1
     np.testing.assert_array_equal(got[rows][:, q:q + kv], y[rows][:, q:q + kv])
     assert not np.allclose(got[rows][:, :q], y[rows][:, :q])
+
+
+def test_a_rows_delta_has_the_same_bits_alone_and_in_a_batch(compiled):
+    """A decode row alone (its delta on the op's own thread) and the same row among 40 rows
+    of 3 adapters (the thread team's work items of up to 8 rows of a slot by column ranges)
+    get the very same delta, so a stream's tokens do not depend on what shares its step."""
+    rng = np.random.default_rng(11)
+    m, width, out, rank, slots = 40, 96, 330, 16, 3
+    row_slot = np.arange(m) % (slots + 1)
+    x = rng.standard_normal((m, width)).astype(np.float32)
+    y = rng.standard_normal((m, out)).astype(np.float32)
+    factor = _tf(_factors(rng, slots, rank, width, out))
+    batch = kd.lora_delta(tf.constant(y), tf.constant(x), _groups(row_slot, slots), *factor,
+                          layer=2).numpy()
+    for row in (1, 2, 7):  # one row of each adapter, alone
+        alone = kd.lora_delta(tf.constant(y[row:row + 1]), tf.constant(x[row:row + 1]),
+                              _groups(row_slot[row:row + 1], slots), *factor, layer=2).numpy()
+        np.testing.assert_array_equal(alone[0], batch[row])

@@ -133,8 +133,9 @@ def test_64_greedy_tokens_match_transformers(imported):
 
 
 def test_config_reads_every_family_field(imported):
-    case, _, (_, _, generation) = imported
+    case, reference, (_, _, generation) = imported
     config = generation.model
+    assert config.architecture == type(reference).__name__  # from config.json or the GGUF's
     if case.startswith("qwen3"):
         assert config.qk_norm and not config.qkv_bias and not config.sliding_windows
     if case == "qwen3-yarn":
@@ -313,3 +314,6 @@ def test_config_round_trips_through_json():
         **{**BASE, "sliding_window": WINDOW}).to_dict(), "architectures": ["Gemma3ForCausalLM"]})
     again = model_config_from_dict(json.loads(json.dumps(dataclasses.asdict(config))))
     assert again == config and again.sliding_windows == config.sliding_windows
+    assert again.architecture == "Gemma3ForCausalLM"
+    older = {k: v for k, v in dataclasses.asdict(config).items() if k != "architecture"}
+    assert model_config_from_dict(older).architecture == ""  # an export from before it

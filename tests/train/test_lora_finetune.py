@@ -62,3 +62,37 @@ def test_a_trained_adapter_round_trips_through_peft_and_the_engine(family, token
         greedy = reference.generate(torch.tensor([PROMPT]), max_new_tokens=6, min_new_tokens=6,
                                     do_sample=False)[0, len(PROMPT):].tolist()
     assert request.seqs[0].output_ids == greedy
+
+
+@pytest.mark.parametrize("family", ["phi3", "gpt2"])
+def test_the_written_adapter_names_the_familys_own_modules(family, tokenizer, tmp_path):
+    """`tokenserve finetune`'s adapter (here untrained, B random) carries the module names of
+    the model's own checkpoint (Phi-3's fused qkv_proj and gate_up_proj, GPT-2's c_attn ...),
+    so peft loads it onto the transformers model with the logits of the model it was written
+    from, and tokenserve loads it back."""
+    import transformers
+    from safetensors.numpy import load_file
+
+    from tokenserve.engine.lora_adapter import load_adapter
+    from tokenserve.model.hf import load_hf
+    from tokenserve.train.lora import LoraModel
+
+    made = lora_checkpoint(family, tokenizer, tmp_path, num_adapters=0)
+    model, _, config = load_hf(made.directory)
+    lora = LoraModel(model, rank=4, seed=1)
+    rng = np.random.default_rng(2)
+    for _, b in lora.factors.values():
+        b.assign(rng.normal(0, 0.2, b.shape).astype(np.float32))
+    adapter = lora.save_adapter(tmp_path / "adapter")
+    tensors = load_file(str(adapter / "adapter_model.safetensors"))
+    written = {name.split(".")[-3] for name in tensors}  # ...qkv_proj.lora_A.weight
+    assert written == ({"qkv_proj", "o_proj", "gate_up_proj", "down_proj"} if family == "phi3"
+                       else {"c_attn", "c_proj", "c_fc"})
+    base = transformers.AutoModelForCausalLM.from_pretrained(made.directory).eval()
+    reference = peft.PeftModel.from_pretrained(base, adapter).eval()
+    with torch.no_grad():
+        expected = reference(torch.tensor([PROMPT])).logits.numpy()
+    got = lora(np.asarray([PROMPT], np.int32)).numpy()
+    np.testing.assert_allclose(got, expected, atol=1e-4, rtol=0)
+    assert not np.allclose(got, model(np.asarray([PROMPT], np.int32)).numpy(), atol=1e-3)
+    assert load_adapter(adapter, config.model, max_rank=4).rank == 4

@@ -41,12 +41,17 @@ LLAMA_MODULES = {"self_attn.q_proj": ("qkv", "q"), "self_attn.k_proj": ("qkv", "
                   "self_attn.v_proj": ("qkv", "v"), "self_attn.o_proj": ("out", "all"),
                   "mlp.gate_proj": ("up", "gate"), "mlp.up_proj": ("up", "up"),
                   "mlp.down_proj": ("down", "all")}
-LLAMA_FAMILY_MODULES = {**LLAMA_MODULES, "self_attn.qkv_proj": ("qkv", "all"),
-                        "mlp.gate_up_proj": ("up", "all")}
+PHI3_MODULES = {"self_attn.qkv_proj": ("qkv", "all"), "self_attn.o_proj": ("out", "all"),
+                "mlp.gate_up_proj": ("up", "all"), "mlp.down_proj": ("down", "all")}
+LLAMA_FAMILY_MODULES = {**LLAMA_MODULES, **PHI3_MODULES}
 """What an adapter of a Llama-family model may target: Llama's modules, and Phi-3's fused
 qkv_proj and gate_up_proj (A [r, hidden], B [q + 2 kv or 2 f, r]: the whole of our fused
-matrix, in its order q, k, v and gate, up). The base's config does not say which names its
-checkpoint used, so either kind loads on any Llama-family model whose shapes fit."""
+matrix, in its order q, k, v and gate, up). Where the base's config records its architecture,
+only its own kind loads (`check_architecture`); an older export's takes either."""
+FUSED_ARCHITECTURES = ("Phi3ForCausalLM",)
+"""The architectures whose checkpoints fuse q/k/v into qkv_proj and gate/up into gate_up_proj
+(and have no q_proj ... up_proj modules for an adapter to target)."""
+_SAME_LAYOUT = {"Mistral": "Llama"}  # one module tree: a GGUF Mistral imports as Llama
 GPT2_MODULES = {"attn.c_attn": ("qkv", "all"), "attn.c_proj": ("out", "all"),
                  "mlp.c_fc": ("up", "all"), "mlp.c_proj": ("down", "all")}
 _NAME = re.compile(r"^(?:base_model\.model\.)?(?P<stem>transformer\.h|model\.layers|h)\."
@@ -196,6 +201,50 @@ def _pattern_value(patterns: dict, module: str, default):
     return default
 
 
+def family_modules(config: TransformerConfig) -> dict[str, tuple[str, str]]:
+    """The modules (torch path inside a block -> (role, part)) that the model's own checkpoint
+    has, as PEFT names them: GPT-2's, Phi-3's fused ones, else Llama's."""
+    if config.mlp == "gelu":
+        return GPT2_MODULES
+    return PHI3_MODULES if config.architecture in FUSED_ARCHITECTURES else LLAMA_MODULES
+
+
+def _stem(architecture: str) -> str:
+    """A transformers class name's model part ("Phi3ForCausalLM", "Phi3Model" -> "Phi3"),
+    with the architectures of one module tree as one."""
+    stem = re.sub(r"(ForCausalLM|LMHeadModel|Model)$", "", architecture)
+    return _SAME_LAYOUT.get(stem, stem)
+
+
+def check_architecture(options: dict, modules: set[str], config: TransformerConfig) -> None:
+    """Refuses an adapter that plainly belongs to another architecture than the base's (where
+    the base records one): modules only the other kind of checkpoint has (Phi-3's fused
+    qkv_proj / gate_up_proj against Llama's separate ones), or the model class PEFT recorded
+    when it saved the adapter (`auto_mapping.base_model_class`, present when no task type was
+    set). `base_model_name_or_path` is a path or hub id, not an architecture: not read.
+
+    Raises:
+        LoraBaseMismatchError: the adapter is another architecture's.
+    """
+    if not config.architecture:  # an export from before it was recorded, or built here
+        return
+    fused = {m for m in modules if m in ("self_attn.qkv_proj", "mlp.gate_up_proj")}
+    split = {m for m in modules  # o_proj and down_proj: both kinds have them
+             if LLAMA_MODULES.get(m, ("", "all"))[1] != "all"}
+    base_fused = config.architecture in FUSED_ARCHITECTURES
+    if config.mlp != "gelu" and ((fused and not base_fused) or (split and base_fused)):
+        found = sorted(split if base_fused else fused)[0]
+        raise LoraBaseMismatchError(
+            f"adapter targets {found!r}, a module {config.architecture} does not have (an "
+            f"adapter for another architecture?)")
+    mapping = options.get("auto_mapping")
+    declared = mapping.get("base_model_class") if isinstance(mapping, dict) else None
+    if isinstance(declared, str) and declared and _stem(declared) != _stem(config.architecture):
+        raise LoraBaseMismatchError(
+            f"adapter was made for a {declared} (its adapter_config.json's auto_mapping); "
+            f"this model is a {config.architecture}")
+
+
 def load_adapter(path: str | Path, config: TransformerConfig, max_rank: int) -> LoraWeights:
     """Reads and checks a PEFT LoRA adapter against the base model `config`.
 
@@ -204,7 +253,7 @@ def load_adapter(path: str | Path, config: TransformerConfig, max_rank: int) -> 
         LoraRankError: a module rank above `max_rank`.
         LoraTargetError: a module tokenserve does not adapt, or the model lacks.
         LoraShapeError: a factor that does not fit its module.
-        LoraBaseMismatchError: another family, hidden size or layer count.
+        LoraBaseMismatchError: another family or architecture, hidden size or layer count.
     """
     path = Path(path)
     options = read_adapter_config(path)
@@ -236,6 +285,7 @@ def load_adapter(path: str | Path, config: TransformerConfig, max_rank: int) -> 
         factors.setdefault((layer, match["module"]), {})[match["side"]] = value
     if not factors:
         raise LoraTargetError(f"{path / WEIGHTS_FILE} holds no LoRA factors")
+    check_architecture(options, {module for _, module in factors}, config)
 
     layers: list[dict] = [{} for _ in range(config.num_layers)]
     parts: dict[tuple[int, str], list] = {}

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tokenserve.config import TransformerConfig
+from tokenserve.engine.background import BackgroundWorker
 from tokenserve.engine.lora_adapter import (LoraAdapterError, LoraRequest, LoraWeights,
                                             load_adapter)
 from tokenserve.engine.request import Request, Sequence
@@ -68,11 +69,18 @@ class LoraSlots:
         """Adapters kept in host memory after their check, with their prepared slot values
         (LRU); the rest are read again."""
         self._host_lock = threading.Lock()
+        self._checks = BackgroundWorker("lora-check")
+        """Where the server's checks run: a thread below the engine's priority, so a load
+        takes the cores the step leaves (engine/background.py)."""
 
     def check(self, path: str | Path, lora: LoraRequest | None = None) -> LoraWeights:
         """Reads and checks an adapter (raising LoraAdapterError subclasses); nothing is
         loaded into a slot. With `lora`, its weights wait in the host cache for its first
-        slot write (any thread: the server checks adapters off the engine's)."""
+        slot write. Any thread but the engine's (the server checks adapters off it): the
+        work runs on the low-priority check thread while the caller waits."""
+        return self._checks.run(self._check, path, lora)
+
+    def _check(self, path: str | Path, lora: LoraRequest | None = None) -> LoraWeights:
         weights = load_adapter(path, self.config, self.max_rank)
         if lora is not None:
             self.remember(lora, weights)
@@ -120,8 +128,8 @@ class LoraSlots:
         """`lora`'s weights and prepared slot values."""
         with self._host_lock:
             cached = self._host.get(lora)
-        if cached is None:  # evicted from the host cache (or never checked): from disk
-            cached = self._store(lora, self.check(lora.path))
+        if cached is None:  # evicted from the host cache (or never checked): from disk,
+            cached = self._store(lora, self._check(lora.path))  # on this thread
         return cached
 
     def weights_of(self, lora: LoraRequest) -> LoraWeights:

@@ -209,17 +209,23 @@ def read_weights(file: GGUFFile, config: TransformerConfig) -> dict[str, np.ndar
     return tensors
 
 
-def assign_weights(model, config: TransformerConfig, file: GGUFFile,
-                   tensors: dict[str, np.ndarray]) -> None:
-    """Copies the tensors into `model`, naming any missing or misshapen one by its GGUF name."""
-    from tokenserve.model.hf import assign_weights as assign_hf
-
+def hf_architecture(file: GGUFFile, config: TransformerConfig) -> str:
+    """The Hugging Face architecture whose tensor layout the file's maps onto."""
     arch = gguf_moe.hf_architecture(file) or {"gpt2": "GPT2LMHeadModel",
                                                "qwen2": "Qwen2ForCausalLM",
                                                **families.GGUF_ARCHITECTURES}.get(
         file.architecture, "LlamaForCausalLM")
     if arch == "LlamaForCausalLM" and config.sliding_windows:
         arch = "MistralForCausalLM"
+    return arch
+
+
+def assign_weights(model, config: TransformerConfig, file: GGUFFile,
+                   tensors: dict[str, np.ndarray]) -> None:
+    """Copies the tensors into `model`, naming any missing or misshapen one by its GGUF name."""
+    from tokenserve.model.hf import assign_weights as assign_hf
+
+    arch = hf_architecture(file, config)
     if file.architecture == "gpt2" and not config.tie_embeddings:
         # hf.py maps only GPT-2's tied head; an untied one is assigned here
         head = next(w for w in model.weights if w.path.endswith("head/kernel"))
@@ -277,6 +283,7 @@ def load_gguf(path: str | Path, compute_dtype: str = "float32", context: int | N
 
     file = read_gguf(path)
     config = architecture_config(file, context=context)
+    config = dataclasses.replace(config, architecture=hf_architecture(file, config))
     tokenizer = build_tokenizer(file)
     if tokenizer.vocab_size > config.vocab_size:
         raise ModelLoadError(f"{file.path.name}: the tokenizer has {tokenizer.vocab_size} tokens "

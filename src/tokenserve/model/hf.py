@@ -47,7 +47,11 @@ def _rope(hf: dict, head_dim: int) -> tuple[float, tuple[float, ...], float]:
 
 
 def architecture_config(hf: dict) -> TransformerConfig:
-    """Our TransformerConfig for a Hugging Face config.json."""
+    """Our TransformerConfig for a Hugging Face config.json, its architecture recorded."""
+    return dataclasses.replace(_architecture_config(hf), architecture=hf["architectures"][0])
+
+
+def _architecture_config(hf: dict) -> TransformerConfig:
     arch = (hf.get("architectures") or ["<none>"])[0]
     if arch in families.HF_ARCHITECTURES:
         return families.hf_config(hf)

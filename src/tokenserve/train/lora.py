@@ -17,8 +17,9 @@ from pathlib import Path
 import numpy as np
 import tensorflow as tf
 
-from tokenserve.engine.lora_adapter import (CONFIG_FILE, GPT2_MODULES, LLAMA_MODULES,
-                                            WEIGHTS_FILE, role_columns, role_shapes)
+from tokenserve.engine.lora_adapter import (CONFIG_FILE, WEIGHTS_FILE, family_modules,
+                                            role_columns, role_shapes)
+from tokenserve.errors import ConfigError
 from tokenserve.model.layers import apply_rope, attend, linear, norm, rope_angles
 from tokenserve.train.trainer import Trainer
 
@@ -26,9 +27,24 @@ ROLE_ORDER = {"qkv": ("q", "k", "v"), "up": ("gate", "up")}
 """The parts of a fused role, in our matrix's column order (others: one part, "all")."""
 
 
+def _check_trainable(c) -> None:
+    """Refuses a model whose forward LoraModel does not compute (it runs GPT-2's and the
+    Llama family's plain blocks, with a partial rotary)."""
+    unsupported = [name for name, present in (
+        ("QK-norm", c.qk_norm), ("post-norms", c.post_norms), ("GeGLU", c.mlp == "geglu"),
+        ("sliding windows", any(c.sliding_windows)),
+        ("softcaps", c.attn_softcap or c.final_softcap),
+        ("a score scale of its own", c.attn_scale), ("experts", c.num_experts),
+        ("RoPE's attention factor", c.rope_attention_factor != 1.0)) if present]
+    if unsupported:
+        raise ConfigError(f"LoRA fine-tuning does not compute {unsupported[0]} (this model "
+                          f"has it); it trains GPT-2's and Llama-style blocks")
+
+
 class LoraModel(tf.Module):
-    """`model` (frozen) with trainable LoRA factors on `targets` (PEFT module names: q_proj,
-    ..., or GPT-2's c_attn, c_proj, c_fc; None: every module tokenserve adapts).
+    """`model` (frozen) with trainable LoRA factors on `targets` (PEFT module names of the
+    model's own checkpoint: q_proj, ..., Phi-3's qkv_proj, o_proj, gate_up_proj, down_proj,
+    or GPT-2's c_attn, c_proj, c_fc; None: every one of them).
 
     Called like the model: int32 [B, T] -> float32 logits [B, T, vocab]."""
 
@@ -39,8 +55,9 @@ class LoraModel(tf.Module):
         self.rank, self.alpha = rank, float(alpha if alpha is not None else 2 * rank)
         self.scale = self.alpha / rank
         c = model.config
+        _check_trainable(c)
         self.gpt2 = c.mlp == "gelu"
-        modules = GPT2_MODULES if self.gpt2 else LLAMA_MODULES
+        modules = family_modules(c)
         short = {name: name.rsplit(".", 1)[-1] for name in modules}
         wanted = set(targets or short.values())
         unknown = wanted - set(short.values())
@@ -72,12 +89,11 @@ class LoraModel(tf.Module):
     def _delta(self, x, layer: int, role: str):
         """x [..., in] -> the role's delta [..., out], or None where no module of it is
         targeted."""
-        parts = ROLE_ORDER.get(role, ("all",))
-        if self.gpt2:
-            parts = ("all",)
         names = {part: name for name, (r, part) in self.modules.items() if r == role}
         if not names:
             return None
+        # one module for the whole role (GPT-2's, Phi-3's fused ones), or one per part
+        parts = ("all",) if "all" in names else ROLE_ORDER[role]
         pieces = []
         for part in parts:
             first, end = self.columns[role][part]
@@ -112,8 +128,8 @@ class LoraModel(tf.Module):
             k = tf.reshape(k, [batch, length, c.num_kv_heads, c.head_dim])
             v = tf.reshape(v, [batch, length, c.num_kv_heads, c.head_dim])
             if c.position == "rope":
-                cos, sin = rope_angles(positions, c.head_dim, c.rope_theta, q.dtype,
-                                       c.rope_freq_factors)
+                cos, sin = rope_angles(positions, c.rotary_dim or c.head_dim, c.rope_theta,
+                                       q.dtype, c.rope_freq_factors)
                 q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             attn = attend(q, k, v, mask)                                     # [B, T, H*Dh]
             x = x + self._project(attn, block.attn.out.weights_dict(), i, "out")
