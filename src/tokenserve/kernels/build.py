@@ -213,7 +213,7 @@ LIBRARIES = {library.name: library for library in (
     OpLibrary("gguf_matmul", ["gguf_matmul.cc", "gguf_finish_block.cc"],
               "GGUF block matmul op",
               mode_env="TOKENSERVE_GGUF_KERNEL", info_op="tokenserve_gguf_matmul_info",
-              march_env="TOKENSERVE_GGUF_KERNEL_MARCH", detail=INT8_ACTIVATIONS),
+              march_env="TOKENSERVE_GGUF_KERNEL_MARCH", detail=", int8 activations, a scale per 8 values"),
     OpLibrary("moe", ["moe_experts.cc", "moe_layer.cc", "moe_gguf_layer.cc"],
               "mixture-of-experts op",
               mode_env="TOKENSERVE_MOE_KERNEL", info_op="tokenserve_moe_info"),

@@ -168,14 +168,15 @@ struct Q8Rows {
 inline void QuantizeBlock(const float* x, bool simd, int8_t* q, float* lanes, float* s) {
   float d[kGroups];
 #ifdef TOKENSERVE_CPU_X86
-  if (simd) {
-    QuantizeGroupsAvx2(x, q, d);
-  } else {
-    for (int g = 0; g < kGroups; ++g) d[g] = q8::QuantizeScalar(x + g * kGroup, kGroup, q + g * kGroup);
-  }
+  if (simd) QuantizeGroupsAvx2(x, q, d);
 #else
-  for (int g = 0; g < kGroups; ++g) d[g] = q8::QuantizeScalar(x + g * kGroup, kGroup, q + g * kGroup);
+  simd = false;
 #endif
+  if (!simd) {
+    for (int g = 0; g < kGroups; ++g) {
+      d[g] = q8::QuantizeScalar(x + g * kGroup, kGroup, q + g * kGroup);
+    }
+  }
   float sum = 0.f;
   for (int g = 0; g < kGroups; ++g) {
     int32_t total = 0;
