@@ -12,8 +12,9 @@
 // rows, and the offsets' term is one more FMA a block. No horizontal sums: a row of x ends as
 // one 8-float store.
 //
-// Per block and row of x that is about 30 instructions for 256 multiply-adds, where the row
-// kernel (gguf_kernels.h) spends about 7 for 32 plus the block's decode.
+// Per block and row of x that is about 30 instructions for 256 multiply-adds, plus a madd,
+// conversion and FMA for each of the activations' four 8-value groups but the last, where
+// the row kernel (gguf_kernels.h) spends about 7 for 32 plus the block's decode.
 #ifndef TOKENSERVE_KERNELS_GGUF_TILES_H_
 #define TOKENSERVE_KERNELS_GGUF_TILES_H_
 
