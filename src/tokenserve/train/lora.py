@@ -20,7 +20,7 @@ import tensorflow as tf
 from tokenserve.engine.lora_adapter import (CONFIG_FILE, WEIGHTS_FILE, family_modules,
                                             role_columns, role_shapes)
 from tokenserve.errors import ConfigError
-from tokenserve.model.layers import apply_rope, attend, linear, norm, rope_angles
+from tokenserve.model.layers import apply_rope, attend, layer_rope_angles, linear, norm
 from tokenserve.train.trainer import Trainer
 
 ROLE_ORDER = {"qkv": ("q", "k", "v"), "up": ("gate", "up")}
@@ -128,8 +128,7 @@ class LoraModel(tf.Module):
             k = tf.reshape(k, [batch, length, c.num_kv_heads, c.head_dim])
             v = tf.reshape(v, [batch, length, c.num_kv_heads, c.head_dim])
             if c.position == "rope":
-                cos, sin = rope_angles(positions, c.rotary_dim or c.head_dim, c.rope_theta,
-                                       q.dtype, c.rope_freq_factors)
+                cos, sin = layer_rope_angles(c, i, positions, q.dtype)
                 q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             attn = attend(q, k, v, mask)                                     # [B, T, H*Dh]
             x = x + self._project(attn, block.attn.out.weights_dict(), i, "out")
