@@ -139,14 +139,31 @@ void DecodeValues(const uint8_t* block, int8_t* v) {
 
 // ---- activations ----------------------------------------------------------------------------
 
-#ifdef TOKENSERVE_CPU_X86
-// q8::QuantizeAvx2 per group of kGroup values: q[0, 32) and the groups' scales d.
-TOKENSERVE_AVX2_FMA inline void QuantizeGroupsAvx2(const float* x, int8_t* q, float* d);
-#endif
-
 constexpr int kGroup = 8;                // activation values a scale
 constexpr int kGroups = kBlock / kGroup;  // scales an activation block
 constexpr int kLanes = 8;                 // int32 lanes of a block's dot product: 4 values each
+
+#ifdef TOKENSERVE_CPU_X86
+// q8::QuantizeAvx2's bytes and scales for each group of kGroup values: q[0, 32) and the
+// groups' scales d (the scalar path's too: q8::QuantizeScalar per group).
+TOKENSERVE_AVX2_FMA inline void QuantizeGroupsAvx2(const float* x, int8_t* q, float* d) {
+  __m256 inv[4];
+  bool bad = false;
+  for (int g = 0; g < kGroups; ++g) {
+    const float amax = q8::AbsMaxAvx2(x + g * kGroup, kGroup);
+    bad = bad || std::isnan(amax);
+    d[g] = amax / 127.f;  // NaN with amax
+    const __m256 value = _mm256_set1_ps(amax > 0.f ? 127.f / amax : 0.f);  // 0 for NaN
+    for (int i = 0; i < kGroup / 8; ++i) inv[g * (kGroup / 8) + i] = value;
+  }
+  q8::Round32Avx2(x, inv, q);
+  if (bad) {  // a group with a NaN or an infinity: q = 0 there, as QuantizeScalar leaves it
+    for (int g = 0; g < kGroups; ++g) {
+      if (std::isnan(d[g])) std::memset(q + g * kGroup, 0, kGroup);
+    }
+  }
+}
+#endif
 
 // x [M, K] (K a multiple of 32) as Q8 blocks: row m's block b is number i = m * blocks + b,
 // its 32 int8 at q[i * 32], its group scales as lanes at d[i * 8 + l] (lane l holds values
@@ -232,26 +249,6 @@ TOKENSERVE_GGUF_SIMD __attribute__((always_inline)) inline float LoadOffset(cons
 }
 
 #endif  // TOKENSERVE_CPU_X86
-
-#ifdef TOKENSERVE_CPU_X86
-TOKENSERVE_AVX2_FMA inline void QuantizeGroupsAvx2(const float* x, int8_t* q, float* d) {
-  __m256 inv[4];
-  bool bad = false;
-  for (int g = 0; g < kGroups; ++g) {
-    const float amax = q8::AbsMaxAvx2(x + g * kGroup, kGroup);
-    bad = bad || std::isnan(amax);
-    d[g] = amax / 127.f;  // NaN with amax
-    const __m256 value = _mm256_set1_ps(amax > 0.f ? 127.f / amax : 0.f);  // 0 for NaN
-    for (int i = 0; i < kGroup / 8; ++i) inv[g * (kGroup / 8) + i] = value;
-  }
-  q8::Round32Avx2(x, inv, q);
-  if (bad) {  // a group with a NaN or an infinity: q = 0 there, as QuantizeScalar leaves it
-    for (int g = 0; g < kGroups; ++g) {
-      if (std::isnan(d[g])) std::memset(q + g * kGroup, 0, kGroup);
-    }
-  }
-}
-#endif
 
 // x [M, K] into `out`, every block of every row (K a multiple of 32).
 inline void QuantizeRows(const float* x, int64 M, int64 K, bool simd, Q8Rows* out) {
