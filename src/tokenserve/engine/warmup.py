@@ -40,8 +40,7 @@ def warm_up(engine: LLMEngine) -> None:
     def requests(lora=None):  # (lora: on the first of each pair)
         params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (3, 2, 2, 1)]
         pairs = [(engine.make_request([bos] * length, params[0], "warmup", lora=lora),
-                  engine.make_request([(bos + 1) % vocab] * length, params[1],
-                                           "warmup-2"))]
+                  engine.make_request([(bos + 1) % vocab] * length, params[1], "warmup-2"))]
         # prompts the fused ops take: one alone, then one joining it while it decodes (a
         # short question arriving while others stream), each a step of its own kind
         if length > _SHORT_WARMUP_PROMPT:
@@ -69,6 +68,7 @@ def warm_up(engine: LLMEngine) -> None:
     log.info("engine warmed up in %.2fs (prompts of %d tokens)",
              time.perf_counter() - started, length)
 
+
 def _run_alone_then_joined(engine: LLMEngine, first, second) -> None:
     """Steps `first` alone once, adds `second` while it decodes, runs both to the end."""
     engine.add_request(first)
@@ -79,6 +79,7 @@ def _run_alone_then_joined(engine: LLMEngine, first, second) -> None:
         pass
     while engine.has_work:
         engine.step()
+
 
 def _warmup_prompt_len(engine: LLMEngine) -> int:
     """3 tokens, or one more than the fused dense ops take where larger steps run another
