@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from tokenserve.config import TransformerConfig
+from tokenserve.engine.lora_moe import moe_target_problem
 from tokenserve.errors import InvalidRequestError
 
 CONFIG_FILE = "adapter_config.json"
@@ -268,6 +269,10 @@ def load_adapter(path: str | Path, config: TransformerConfig, max_rank: int) -> 
                                   f"transformer block's linear layer")
         gpt2 = match["stem"] != "model.layers"
         modules = GPT2_MODULES if gpt2 else LLAMA_FAMILY_MODULES
+        if config.num_experts and (problem := moe_target_problem(
+                match["module"], modules.get(match["module"], (None,))[0],
+                int(match["layer"]), config)):
+            raise LoraTargetError(f"adapter tensor {name!r} {problem}")
         if match["module"] not in modules:
             raise LoraTargetError(f"adapter tensor {name!r} targets {match['module']!r}, "
                                   f"which tokenserve does not adapt (targets: "

@@ -1,0 +1,99 @@
+"""LoRA adapters on mixture-of-experts models: adapters of the attention projections give, row
+by row in mixed batches, what transformers + peft give; adapters of the experts, the shared
+expert or the router are refused by name (never served without their expert deltas)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from support.lora_models import moe_lora_checkpoint, reference_greedy
+from tokenserve.engine.lora_adapter import LoraRequest, LoraTargetError, load_adapter
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("peft")
+
+from test_lora import MAX_TOKENS, PROMPTS, first_logits, make_engine, run  # noqa: E402
+
+
+# Qwen2-MoE (a shared expert, q/k/v biases) by default; Mixtral, Qwen3-MoE (QK-norm, a head
+# width of its own) and OLMoE with -m slow
+@pytest.fixture(scope="module", params=[
+    "qwen2moe", *(pytest.param(f, marks=pytest.mark.slow) for f in
+                  ("mixtral", "qwen3moe", "olmoe"))])
+def checkpoint(request, tokenizer, tmp_path_factory):
+    from tokenserve.model.hf import load_hf
+
+    made = moe_lora_checkpoint(request.param, tokenizer, tmp_path_factory.mktemp(request.param))
+    return made, load_hf(made.directory)
+
+
+def test_attention_adapters_on_experts_match_peft_in_one_batch(checkpoint):
+    made, loaded = checkpoint
+    engine = make_engine(loaded)
+    loras = [None] + [LoraRequest.new(f"a{i}", path) for i, (path, _) in
+                      enumerate(made.adapters)]
+    references = [made.hf_model] + [model for _, model in made.adapters]
+    jobs = [(prompt, lora) for prompt in PROMPTS for lora in loras]
+    for (prompt, lora), tokens in zip(jobs, run(engine, jobs)):
+        reference = references[loras.index(lora)]
+        assert tokens == reference_greedy(reference, prompt, MAX_TOKENS), (lora, prompt)
+    logits = first_logits(engine, [(PROMPTS[0], lora) for lora in loras])
+    for row, reference in zip(logits, references):
+        with torch.no_grad():
+            expected = reference(torch.tensor([PROMPTS[0]])).logits[0, -1].numpy()
+        np.testing.assert_allclose(row, expected, atol=1e-4, rtol=0)
+    # echo + logprobs' full pass, with the adapter
+    path, reference = made.adapters[0]
+    with torch.no_grad():
+        expected = reference(torch.tensor([PROMPTS[1]])).logits[0].numpy()
+    got = engine.runner.prompt_logits(PROMPTS[1], engine.loras.weights_of(loras[1]).layers)
+    np.testing.assert_allclose(got, expected, atol=1e-4, rtol=0)
+
+
+def _write(directory, tensors: dict, config: dict | None = None):
+    from safetensors.numpy import save_file
+
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "adapter_config.json").write_text(json.dumps(
+        config or {"peft_type": "LORA", "r": 2, "lora_alpha": 4}))
+    save_file(tensors, str(directory / "adapter_model.safetensors"))
+    return directory
+
+
+@pytest.mark.parametrize("module", [
+    "mlp.experts.3.gate_proj", "mlp.experts.0.down_proj", "block_sparse_moe.experts.1.w1",
+    "mlp.experts", "mlp.experts.base_layer", "mlp.shared_expert.up_proj", "mlp.gate",
+    "mlp.shared_expert_gate", "mlp.gate_proj"])
+def test_expert_targets_are_refused_by_name(checkpoint, tmp_path, module):
+    """transformers 4's per-expert modules (Qwen-MoE's, Mixtral's w1/w2/w3), transformers 5's
+    stacked experts as peft wraps them, the shared expert, the router; and a dense model's
+    MLP module, which a layer of experts does not have."""
+    made, (_, _, config) = checkpoint
+    model = config.model
+    a = np.ones([2, model.hidden_size], np.float32)
+    b = np.ones([model.intermediate_size, 2], np.float32)
+    name = f"base_model.model.model.layers.1.{module}.lora_"
+    path = _write(tmp_path / "bad", {name + "A.weight": a, name + "B.weight": b})
+    with pytest.raises(LoraTargetError, match=module.replace(".", r"\.")):
+        load_adapter(path, model, max_rank=8)
+
+
+def test_a_peft_adapter_of_the_experts_is_refused(checkpoint, tmp_path):
+    """As peft writes one here (transformers 5: the experts one stacked parameter; Qwen2-MoE's
+    shared expert its own modules)."""
+    import peft
+    import transformers
+
+    made, (_, _, config) = checkpoint
+    base = transformers.AutoModelForCausalLM.from_pretrained(made.directory)
+    targets = ["gate_proj", "up_proj", "down_proj", "w1", "w2", "w3"]
+    present = [t for t in targets if any(n.endswith("." + t) or n.endswith(".experts")
+                                         for n, _ in base.named_modules())]
+    model = peft.get_peft_model(base, peft.LoraConfig(
+        r=2, lora_alpha=4, target_modules=present, init_lora_weights=False))
+    model.save_pretrained(tmp_path)
+    with pytest.raises(LoraTargetError, match="mixture of experts"):
+        load_adapter(tmp_path, config.model, max_rank=8)
