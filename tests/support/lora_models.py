@@ -137,7 +137,9 @@ def moe_lora_checkpoint(family: str, tokenizer, root: Path, num_adapters: int = 
     its attention projections."""
     from support.moe_checkpoints import hf_model, save_hf
 
-    directory = save_hf(root / f"{family}-base", hf_model(family), tokenizer)
+    # OLMoE as tests/model/test_moe_import.py holds it to transformers: 16 experts, top-4
+    options = dict(num_experts=16, top_k=4) if family == "olmoe" else {}
+    directory = save_hf(root / f"{family}-base", hf_model(family, **options), tokenizer)
     import transformers
 
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(directory).eval()
