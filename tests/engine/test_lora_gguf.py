@@ -73,3 +73,95 @@ def test_an_adapter_on_stored_blocks_matches_the_float_import(gguf_models):
     np.testing.assert_allclose(logits[0], logits[1], atol=0.05, rtol=0)
     # the adapter changes the logits far more than the blocks' rounding does
     assert np.abs(logits[1][1] - logits[1][0]).max() > 1.0
+
+
+GGUF_TENSORS = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+                "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+                "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+
+
+def write_gguf_lora(path, tensors: dict, alpha: float = 8.0, arch: str = "llama",
+                    kind: str = "F32", extra: dict | None = None, general_type="adapter"):
+    """PEFT-named factors as convert_lora_to_gguf.py writes them: blk.N.<tensor>.weight.lora_a
+    [r, in] and .lora_b [out, r], Q/K's lora_b rows permuted for a `llama` file, in `kind`
+    (F32 or F16; Q8_0 takes no rank-4 row); `extra`: more (GGUF name -> array) tensors."""
+    import gguf
+
+    from support.gguf_from_hf import permute_qk
+
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_type(general_type)
+    writer.add_string(gguf.Keys.Adapter.TYPE, "lora")
+    writer.add_float32(gguf.Keys.Adapter.LORA_ALPHA, alpha)
+    out = {}
+    for name, value in tensors.items():
+        layer, module = name.split(".layers.")[1].split(".", 1)
+        module, side = module.rsplit(".lora_", 1)
+        base = f"blk.{layer}.{GGUF_TENSORS[module]}.weight"
+        if side.startswith("B") and arch == "llama" and module in ("self_attn.q_proj",
+                                                                   "self_attn.k_proj"):
+            value = permute_qk(value, HEADS if "q_proj" in module else KV_HEADS)
+        out[f"{base}.lora_{side[0].lower()}"] = value
+    for name, value in {**out, **(extra or {})}.items():
+        if kind == "F16":
+            writer.add_tensor(name, value.astype(np.float16))
+        else:
+            writer.add_tensor(name, value)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_a_gguf_lora_file_is_the_peft_adapter_it_was_converted_from(gguf_models, tmp_path):
+    _, floats, adapter = gguf_models
+    config = floats[2].model
+    tensors = peft_factors()
+    expected = load_adapter(adapter, config, max_rank=8).layers
+    for kind, atol in (("F32", 0.0), ("F16", 2e-3)):
+        got = load_adapter(write_gguf_lora(tmp_path / f"{kind}.gguf", tensors, kind=kind),
+                           config, max_rank=8).layers
+        for want, have in zip(expected, got):
+            assert want.keys() == have.keys()
+            for role in want:
+                for x, y in zip(want[role], have[role]):
+                    np.testing.assert_allclose(y, x, atol=atol, rtol=0, err_msg=(kind, role))
+    # alpha 0: llama.cpp's scale of 1, PEFT's alpha = r
+    scaled = load_adapter(write_gguf_lora(tmp_path / "a0.gguf", tensors, alpha=0.0), config,
+                          max_rank=8).layers
+    np.testing.assert_allclose(scaled[0]["out"][1], expected[0]["out"][1] / 2, rtol=1e-6)
+    # served: its rows' logits are the PEFT adapter's, beside it in one step
+    engine = make_engine(floats)
+    loras = [LoraRequest.new("peft", adapter),
+             LoraRequest.new("gguf", tmp_path / "F32.gguf")]
+    logits = first_logits(engine, [(PROMPTS[0], lora) for lora in loras])
+    np.testing.assert_array_equal(logits[0], logits[1])
+
+
+def test_bad_gguf_lora_files_are_refused_by_name(gguf_models, tmp_path):
+    from tokenserve.engine.lora_adapter import (LoraBaseMismatchError, LoraNotFoundError,
+                                                LoraShapeError, LoraTargetError)
+
+    config = gguf_models[1][2].model
+    tensors = peft_factors()
+    cases = [
+        (tmp_path / "missing.gguf", LoraNotFoundError, "does not exist"),
+        (write_gguf_lora(tmp_path / "model.gguf", tensors, general_type="model"),
+         LoraNotFoundError, "is not a GGUF LoRA adapter"),
+        (write_gguf_lora(tmp_path / "qwen2.gguf", tensors, arch="qwen2"),
+         LoraBaseMismatchError, "adapter of a GGUF qwen2 model; this model is a Llama"),
+        (write_gguf_lora(tmp_path / "norm.gguf", tensors, extra={
+            "blk.0.attn_norm.weight.lora_a": np.ones([4, HIDDEN], np.float32)}),
+         LoraTargetError, r"'blk\.0\.attn_norm\.weight\.lora_a' targets 'attn_norm'"),
+        (write_gguf_lora(tmp_path / "experts.gguf", tensors, extra={
+            "blk.1.ffn_up_exps.weight.lora_a": np.ones([4, HIDDEN], np.float32)}),
+         LoraTargetError, "part of a mixture of experts"),
+        (write_gguf_lora(tmp_path / "shape.gguf", {
+            **tensors, "base_model.model.model.layers.0.mlp.up_proj.lora_B.weight":
+                np.ones([INTER + 1, 4], np.float32)}),
+         LoraShapeError, "mlp.up_proj"),
+    ]
+    for path, error, message in cases:
+        with pytest.raises(error, match=message):
+            load_adapter(path, config, max_rank=8)

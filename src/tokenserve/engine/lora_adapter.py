@@ -28,8 +28,11 @@ from pathlib import Path
 import numpy as np
 
 from tokenserve.config import TransformerConfig
+from tokenserve.engine.lora_gguf import is_gguf_adapter, read_gguf_adapter
 from tokenserve.engine.lora_moe import moe_target_problem
-from tokenserve.errors import InvalidRequestError
+from tokenserve.engine.lora_errors import (LoraAdapterError, LoraBaseMismatchError,  # noqa: F401
+                                           LoraNameError, LoraNotFoundError, LoraRankError,
+                                           LoraShapeError, LoraTargetError)
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -78,34 +81,6 @@ class LoraRequest:
     @property
     def cache_key(self) -> str:
         return f"lora:{self.name}#{self.load_id}"
-
-
-class LoraAdapterError(InvalidRequestError):
-    """An adapter that cannot be served (HTTP 400); nothing of it is loaded."""
-
-
-class LoraNotFoundError(LoraAdapterError):
-    """The adapter's directory or one of its two files is missing or unreadable."""
-
-
-class LoraRankError(LoraAdapterError):
-    """The adapter's rank is above the server's --max_lora_rank."""
-
-
-class LoraTargetError(LoraAdapterError):
-    """The adapter changes a module the model lacks or tokenserve does not adapt."""
-
-
-class LoraShapeError(LoraAdapterError):
-    """A factor's shape does not fit its module (or its rank)."""
-
-
-class LoraBaseMismatchError(LoraAdapterError):
-    """The adapter was made for another base model (hidden size, layer count, family)."""
-
-
-class LoraNameError(LoraAdapterError):
-    """An adapter name that is empty, already taken, or the base model's."""
 
 
 @dataclass(frozen=True)
@@ -257,8 +232,11 @@ def load_adapter(path: str | Path, config: TransformerConfig, max_rank: int) -> 
         LoraBaseMismatchError: another family or architecture, hidden size or layer count.
     """
     path = Path(path)
-    options = read_adapter_config(path)
-    tensors = _read_tensors(path)
+    if is_gguf_adapter(path):  # llama.cpp's form of the same factors
+        options, tensors = read_gguf_adapter(path, config)
+    else:
+        options = read_adapter_config(path)
+        tensors = _read_tensors(path)
     columns = role_columns(config)
     shapes = role_shapes(config)
     factors: dict[tuple[int, str], dict[str, np.ndarray]] = {}
@@ -289,7 +267,8 @@ def load_adapter(path: str | Path, config: TransformerConfig, max_rank: int) -> 
             raise LoraShapeError(f"adapter tensor {name!r} has shape {value.shape}, not 2-D")
         factors.setdefault((layer, match["module"]), {})[match["side"]] = value
     if not factors:
-        raise LoraTargetError(f"{path / WEIGHTS_FILE} holds no LoRA factors")
+        raise LoraTargetError(f"{path if is_gguf_adapter(path) else path / WEIGHTS_FILE} "
+                              f"holds no LoRA factors")
     check_architecture(options, {module for _, module in factors}, config)
 
     layers: list[dict] = [{} for _ in range(config.num_layers)]
