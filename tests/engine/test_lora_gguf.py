@@ -10,6 +10,7 @@ import json
 import numpy as np
 import pytest
 
+from support import gguf_lora
 from support.gguf_files import write_tiny_gguf
 from tokenserve.engine.lora_adapter import LoraRequest, load_adapter
 
@@ -75,43 +76,8 @@ def test_an_adapter_on_stored_blocks_matches_the_float_import(gguf_models):
     assert np.abs(logits[1][1] - logits[1][0]).max() > 1.0
 
 
-GGUF_TENSORS = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
-                "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
-                "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
-
-
-def write_gguf_lora(path, tensors: dict, alpha: float = 8.0, arch: str = "llama",
-                    kind: str = "F32", extra: dict | None = None, general_type="adapter"):
-    """PEFT-named factors as convert_lora_to_gguf.py writes them: blk.N.<tensor>.weight.lora_a
-    [r, in] and .lora_b [out, r], Q/K's lora_b rows permuted for a `llama` file, in `kind`
-    (F32 or F16; Q8_0 takes no rank-4 row); `extra`: more (GGUF name -> array) tensors."""
-    import gguf
-
-    from support.gguf_from_hf import permute_qk
-
-    writer = gguf.GGUFWriter(str(path), arch)
-    writer.add_type(general_type)
-    writer.add_string(gguf.Keys.Adapter.TYPE, "lora")
-    writer.add_float32(gguf.Keys.Adapter.LORA_ALPHA, alpha)
-    out = {}
-    for name, value in tensors.items():
-        layer, module = name.split(".layers.")[1].split(".", 1)
-        module, side = module.rsplit(".lora_", 1)
-        base = f"blk.{layer}.{GGUF_TENSORS[module]}.weight"
-        if side.startswith("B") and arch == "llama" and module in ("self_attn.q_proj",
-                                                                   "self_attn.k_proj"):
-            value = permute_qk(value, HEADS if "q_proj" in module else KV_HEADS)
-        out[f"{base}.lora_{side[0].lower()}"] = value
-    for name, value in {**out, **(extra or {})}.items():
-        if kind == "F16":
-            writer.add_tensor(name, value.astype(np.float16))
-        else:
-            writer.add_tensor(name, value)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
+def write_gguf_lora(path, tensors: dict, **options):
+    return gguf_lora.write_gguf_lora(path, tensors, HEADS, KV_HEADS, **options)
 
 
 def test_a_gguf_lora_file_is_the_peft_adapter_it_was_converted_from(gguf_models, tmp_path):
