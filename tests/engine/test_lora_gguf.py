@@ -131,3 +131,35 @@ def test_bad_gguf_lora_files_are_refused_by_name(gguf_models, tmp_path):
     for path, error, message in cases:
         with pytest.raises(error, match=message):
             load_adapter(path, config, max_rank=8)
+
+
+@pytest.mark.slow  # two MoE engines
+def test_an_attention_adapter_on_stored_moe_blocks_matches_the_float_import(tokenizer,
+                                                                            tmp_path):
+    """Qwen3-MoE's blocks as stored (the experts through the grouped GGUF op) with an
+    adapter of q/k/v/o_proj: the float32 import's tokens, and logits within the blocks'
+    rounding."""
+    from support.moe_checkpoints import hf_model, write_gguf
+    from tokenserve.model.gguf import load_gguf
+
+    routers = {f"blk.{i}.ffn_gate_inp.weight": "F32" for i in range(2)}  # as llama.cpp
+    path = write_gguf(tmp_path / "tiny.gguf", hf_model("qwen3moe"), tokenizer, qtype="Q8_0",
+                      types=routers)
+    rng = np.random.default_rng(2)
+    tensors = {}
+    for layer in range(2):  # heads 24 wide: q 96, k and v 48
+        for module, (width_in, width_out) in {"q_proj": (64, 96), "k_proj": (64, 48),
+                                              "v_proj": (64, 48), "o_proj": (96, 64)}.items():
+            name = f"base_model.model.model.layers.{layer}.self_attn.{module}.lora_"
+            tensors[name + "A.weight"] = rng.normal(0, 0.3, [4, width_in]).astype(np.float32)
+            tensors[name + "B.weight"] = rng.normal(0, 0.3, [width_out, 4]).astype(np.float32)
+    lora = LoraRequest.new("a", write_peft(tmp_path / "adapter", tensors))
+    jobs = [(prompt, which) for prompt in PROMPTS for which in (None, lora)]
+    stored, floats = load_gguf(path, keep_blocks=True), load_gguf(path)
+    assert stored[2].model.weight_format == "gguf"
+    engines = [make_engine(loaded) for loaded in (stored, floats)]
+    assert run(engines[0], jobs) == run(engines[1], jobs)
+    logits = [first_logits(engine, [(PROMPTS[0], None), (PROMPTS[0], lora)])
+              for engine in engines]
+    np.testing.assert_allclose(logits[0], logits[1], atol=0.05, rtol=0)
+    assert np.abs(logits[1][1] - logits[1][0]).max() > 1.0

@@ -108,3 +108,67 @@ def test_a_peft_adapter_of_the_experts_is_refused(checkpoint, tmp_path):
     model.save_pretrained(tmp_path)
     with pytest.raises(LoraTargetError, match="mixture of experts"):
         load_adapter(tmp_path, config.model, max_rank=8)
+
+
+@pytest.mark.slow  # two more engines
+@pytest.mark.parametrize("path", ["stock-tf-grouping", "graph"])
+def test_the_other_moe_paths_give_the_same_tokens(checkpoint, monkeypatch, path):
+    """Experts by model/moe.py's stock-TF grouping after the fused dense ops, and the whole
+    step as TF ops (no compiled op): the adapters' rows still get peft's tokens."""
+    from tokenserve.kernels import moe as kmoe
+    from tokenserve.kernels.build import KERNELS_ENV
+
+    made, loaded = checkpoint
+    monkeypatch.setenv(kmoe.LIBRARY.mode_env if path == "stock-tf-grouping" else KERNELS_ENV,
+                       "fallback")
+    engine = make_engine(loaded)
+    assert engine.runner.step.fused_every_step == (path != "graph")
+    loras = [None, LoraRequest.new("a0", made.adapters[0][0])]
+    jobs = [(PROMPTS[0], lora) for lora in loras] + [(PROMPTS[1], loras[1])]
+    references = [made.hf_model, made.adapters[0][1], made.adapters[0][1]]
+    assert run(engine, jobs) == [reference_greedy(model, prompt, MAX_TOKENS)
+                                 for model, (prompt, _) in zip(references, jobs)]
+
+
+@pytest.mark.slow
+def test_the_mlp_of_a_dense_layer_among_experts_takes_an_adapter(tokenizer, tmp_path):
+    """Qwen3-MoE with layer 0 dense (mlp_only_layers): an adapter of q_proj everywhere and of
+    layer 0's gate/up/down_proj gives the tokens of transformers' model with the adapter
+    merged into its weights (peft 0.21 on transformers 5 wraps the experts of layer 1 for
+    these targets, not layer 0's MLP: the factors are written here); the same modules on
+    layer 1, a layer of experts, are refused."""
+    import transformers
+
+    from support.moe_checkpoints import hf_model, save_hf
+    from tokenserve.model.hf import load_hf
+
+    directory = save_hf(tmp_path / "base", hf_model("qwen3moe", seed=1, mlp_only_layers=[0]),
+                        tokenizer)
+    loaded = load_hf(directory)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(directory).eval()
+    rng = np.random.default_rng(3)
+    modules = {f"{i}.self_attn.q_proj": (64, 96) for i in range(2)}  # 4 heads of 24
+    modules.update({"0.mlp.gate_proj": (64, 96), "0.mlp.up_proj": (64, 96),
+                    "0.mlp.down_proj": (96, 64)})
+    tensors = {}
+    with torch.no_grad():
+        for module, (width_in, width_out) in modules.items():
+            a = rng.normal(0, 0.3, [4, width_in]).astype(np.float32)
+            b = rng.normal(0, 0.3, [width_out, 4]).astype(np.float32)
+            name = f"base_model.model.model.layers.{module}.lora_"
+            tensors.update({name + "A.weight": a, name + "B.weight": b})
+            weight = reference.get_submodule(f"model.layers.{module}").weight
+            weight += torch.from_numpy(2.0 * b @ a)  # alpha 8 / r 4
+    path = _write(tmp_path / "dense", tensors, {"peft_type": "LORA", "r": 4, "lora_alpha": 8})
+    engine = make_engine(loaded)
+    lora = LoraRequest.new("dense", path)
+    assert set(engine.loras.weights_of(lora).layers[0]) == {"qkv", "up", "down"}
+    assert run(engine, [(PROMPTS[0], lora), (PROMPTS[0], None)]) == [
+        reference_greedy(reference, PROMPTS[0], MAX_TOKENS),
+        reference_greedy(transformers.AutoModelForCausalLM.from_pretrained(directory).eval(),
+                         PROMPTS[0], MAX_TOKENS)]
+    moe_mlp = {f"base_model.model.model.layers.1.mlp.{name}.lora_{side}.weight": value
+               for name in ("gate_proj", "up_proj") for side, value in
+               (("A", np.ones([2, 64], np.float32)), ("B", np.ones([96, 2], np.float32)))}
+    with pytest.raises(LoraTargetError, match=r"layer 1's MLP is a mixture of experts"):
+        load_adapter(_write(tmp_path / "moe-mlp", moe_mlp), loaded[2].model, max_rank=8)
