@@ -122,7 +122,9 @@ def test_the_other_moe_paths_give_the_same_tokens(checkpoint, monkeypatch, path)
     monkeypatch.setenv(kmoe.LIBRARY.mode_env if path == "stock-tf-grouping" else KERNELS_ENV,
                        "fallback")
     engine = make_engine(loaded)
-    assert engine.runner.step.fused_every_step == (path != "graph")
+    # (OLMoE's QK-norm over the whole projection takes graph steps on every path)
+    fused = path != "graph" and made.family != "olmoe"
+    assert engine.runner.step.fused_every_step == fused
     loras = [None, LoraRequest.new("a0", made.adapters[0][0])]
     jobs = [(PROMPTS[0], lora) for lora in loras] + [(PROMPTS[1], loras[1])]
     references = [made.hf_model, made.adapters[0][1], made.adapters[0][1]]
