@@ -44,6 +44,8 @@ def reference_greedy(hf_model, prompt: list[int], max_tokens: int) -> list[int]:
 def test_attention_adapters_on_experts_match_peft_in_one_batch(checkpoint):
     made, loaded = checkpoint
     engine = make_engine(loaded)
+    # every layer's MLP a mixture of experts: no slot room for MLP factors
+    assert engine.runner.step.lora_table.ranks == {"qkv": 24, "out": 8, "up": 0, "down": 0}
     loras = [None] + [LoraRequest.new(f"a{i}", path) for i, (path, _) in
                       enumerate(made.adapters)]
     references = [made.hf_model] + [model for _, model in made.adapters]
