@@ -45,12 +45,15 @@ def write_gguf_lora(path, tensors: dict, heads: int, kv_heads: int, alpha: float
     return Path(path)
 
 
-def peft_dir_to_gguf(directory: Path, path, heads: int, kv_heads: int) -> Path:
-    """A PEFT adapter directory (adapter_config.json's lora_alpha) as a GGUF LoRA file."""
+def peft_dir_to_gguf(directory: Path, path, heads: int, kv_heads: int, arch: str = "llama"
+                     ) -> Path:
+    """A PEFT adapter directory (adapter_config.json's lora_alpha) as a GGUF LoRA file of
+    GGUF architecture `arch`."""
     import json
 
     from safetensors.numpy import load_file
 
     options = json.loads((directory / "adapter_config.json").read_text())
     tensors = load_file(str(directory / "adapter_model.safetensors"))
-    return write_gguf_lora(path, tensors, heads, kv_heads, alpha=float(options["lora_alpha"]))
+    return write_gguf_lora(path, tensors, heads, kv_heads, alpha=float(options["lora_alpha"]),
+                           arch=arch)
