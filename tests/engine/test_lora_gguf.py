@@ -12,11 +12,10 @@ import pytest
 
 from support import gguf_lora
 from support.gguf_files import write_tiny_gguf
+from support.lora_engines import PROMPTS, first_logits, make_engine, run
 from tokenserve.engine.lora_adapter import LoraRequest, load_adapter
 
 pytest.importorskip("gguf")
-
-from test_lora import MAX_TOKENS, PROMPTS, first_logits, make_engine, run  # noqa: E402
 
 HIDDEN, INTER, LAYERS, HEADS, KV_HEADS = 64, 96, 2, 4, 2
 MODULES = {"self_attn.q_proj": (HIDDEN, HIDDEN), "self_attn.k_proj": (HIDDEN, HIDDEN // 2),

@@ -9,13 +9,12 @@ import json
 import numpy as np
 import pytest
 
+from support.lora_engines import MAX_TOKENS, PROMPTS, first_logits, make_engine, run
 from support.lora_models import moe_lora_checkpoint
 from tokenserve.engine.lora_adapter import LoraRequest, LoraTargetError, load_adapter
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("peft")
-
-from test_lora import MAX_TOKENS, PROMPTS, first_logits, make_engine, run  # noqa: E402
 
 
 # Qwen2-MoE (a shared expert, q/k/v biases) by default; Mixtral, Qwen3-MoE (QK-norm, a head
