@@ -14,6 +14,8 @@ the modules of one fused matrix become one factor pair per role: A [in, sum of r
 modules' A side by side) and B [sum of ranks, out] (block-diagonal, each module's B.T in its
 own output columns, the scale folded in). Every check runs here, before anything reaches a
 slot: a refused adapter raises a LoraAdapterError subclass (HTTP 400) naming what is wrong.
+llama.cpp's GGUF LoRA files are read into the same names first (lora_gguf.py); what a
+mixture of experts serves is lora_moe.py's.
 """
 
 from __future__ import annotations
@@ -28,11 +30,11 @@ from pathlib import Path
 import numpy as np
 
 from tokenserve.config import TransformerConfig
-from tokenserve.engine.lora_gguf import is_gguf_adapter, read_gguf_adapter
-from tokenserve.engine.lora_moe import moe_target_problem
 from tokenserve.engine.lora_errors import (LoraAdapterError, LoraBaseMismatchError,  # noqa: F401
                                            LoraNameError, LoraNotFoundError, LoraRankError,
                                            LoraShapeError, LoraTargetError)
+from tokenserve.engine.lora_gguf import is_gguf_adapter, read_gguf_adapter
+from tokenserve.engine.lora_moe import moe_target_problem
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
