@@ -59,15 +59,14 @@ def make_x(m: int, k: int, seed: int = 1) -> np.ndarray:
 def q8_k(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """x [M, K] float32 as the op quantizes it, q8_K blocks of 256 with a step per 8 values:
     (q [M, K], step [M, K]) with x ~= q * step, step = d * m_g, d = max|x| / (127 * 16) of the
-    block and m_g = ceil(16 * max|x in g| / max|x|) in [1, 16]. The same float32 operations as
+    block and m_g = ceil(max|x in g| * (16 / max|x|)) in [1, 16]. The same float32 operations as
     the op (one multiply by 1 / step, round half to even), so the same q."""
     m, k = x.shape
     groups = x.reshape(m, k // 256, 32, 8)
     gmax = np.abs(groups).max(axis=-1, keepdims=True)
     amax = gmax.max(axis=-2, keepdims=True)
-    safe = np.where(amax > 0, amax, np.float32(1))
-    need = np.where(amax > 0, np.ceil(gmax * np.float32(16) / safe), np.float32(1))
-    multiple = np.clip(need, 1, 16).astype(np.float32)
+    r = np.where(amax > 0, np.float32(16) / np.where(amax > 0, amax, 1), np.float32(0))
+    multiple = np.clip(np.ceil(gmax * r.astype(np.float32)), 1, 16).astype(np.float32)
     unit = (amax / np.float32(127 * 16)).astype(np.float32)
     step = (unit * multiple).astype(np.float32)
     inv = np.where(amax > 0, np.float32(1) / np.where(amax > 0, step, 1), np.float32(0))

@@ -21,6 +21,7 @@
 #define TOKENSERVE_KERNELS_GGUF_Q8K_H_
 
 #include <algorithm>
+#include <cfloat>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -56,90 +57,159 @@ struct Q8KRows {
   const int16_t* Multiples(int64 i) const { return multiple.data() + i * kPairs; }
 };
 
-// Each group's max |x| (NaN for a group holding a NaN or an infinity); exact either way.
-inline void GroupMaxes(const float* x, bool simd, float gmax[kSuperBlock / kStepGroup]) {
-  for (int g = 0; g < kSuperBlock / kStepGroup; ++g) {
-#ifdef TOKENSERVE_CPU_X86
-    if (simd) {
-      gmax[g] = q8::AbsMaxAvx2(x + g * kStepGroup, kStepGroup);
-      continue;
-    }
-#endif
-    gmax[g] = q8::AbsMaxScalar(x + g * kStepGroup, kStepGroup);
+constexpr int kStepGroups = kSuperBlock / kStepGroup;  // steps a block
+
+// max|x| over one block, NaN when a value is not finite.
+inline float BlockMax(const float gmax[kStepGroups]) {
+  float amax = 0.f;
+  for (int g = 0; g < kStepGroups; ++g) {
+    if (std::isnan(gmax[g])) return NAN;
+    amax = std::max(amax, gmax[g]);
+  }
+  return amax;
+}
+
+// A block holding a NaN or an infinity: q = 0, multiples 1, d = NaN (returned).
+inline float NonFiniteBlock(int8_t* q, int16_t* multiple, int16_t* bsums) {
+  std::memset(q, 0, kSuperBlock);
+  std::fill(multiple, multiple + kPairs, int16_t{1});
+  std::fill(bsums, bsums + kSixteens, int16_t{0});
+  return NAN;
+}
+
+// The sums of each sixteen's m * q, and the multiples in their int16 layout.
+inline void MultiplesAndSums(const int8_t* q, const int m[kStepGroups], int16_t* multiple,
+                             int16_t* bsums) {
+  for (int p = 0; p < kPairs; ++p) multiple[p] = static_cast<int16_t>(m[2 * p / kStepGroup]);
+  for (int j = 0; j < kSixteens; ++j) {
+    int32_t sum = 0;
+    for (int l = 16 * j; l < 16 * j + 16; ++l) sum += q[l] * m[l / kStepGroup];
+    bsums[j] = static_cast<int16_t>(sum);
   }
 }
 
-// A block's unit d (returned) from its groups' maxes, and each group's m_g and 1 / (d * m_g)
-// (the multiply the rounding uses). The scalar and AVX2 roundings do the same float multiply
-// and round half to even (q8_quantize.h), so they give the same bytes.
-inline float BlockSteps(float amax, const float gmax[kSuperBlock / kStepGroup],
-                        int m[kSuperBlock / kStepGroup], float inv[kSuperBlock / kStepGroup]) {
+// One block of 256 values: q, multiples and bsums; returns d. The reference for the AVX2
+// version, which does the same float operations on eight groups at once: r = 16 / max|x|,
+// m_g = min(max(ceil(max|x in g| * r), 1), 16) (ceil, so |x| / (d * m_g) <= 127 up to float
+// rounding, which rounds to 127), one multiply by 1 / (d * m_g) and round half to even.
+inline float QuantizeBlockKScalar(const float* x, int8_t* q, int16_t* multiple,
+                                  int16_t* bsums) {
+  float gmax[kStepGroups];
+  for (int g = 0; g < kStepGroups; ++g) gmax[g] = q8::AbsMaxScalar(x + g * kStepGroup, kStepGroup);
+  const float amax = BlockMax(gmax);
+  if (std::isnan(amax)) return NonFiniteBlock(q, multiple, bsums);
   const float unit = amax / (127.f * kMaxMultiple);
-  for (int g = 0; g < kSuperBlock / kStepGroup; ++g) {
-    // ceil, so max|x in g| / (d * m_g) <= 127 up to float rounding (which rounds to 127)
-    const float need = amax > 0.f ? std::ceil(gmax[g] * kMaxMultiple / amax) : 1.f;
-    m[g] = static_cast<int>(std::min<float>(std::max(need, 1.f), kMaxMultiple));
-    inv[g] = amax > 0.f ? 1.f / (unit * static_cast<float>(m[g])) : 0.f;
+  const float r = amax > 0.f ? kMaxMultiple / amax : 0.f;
+  int m[kStepGroups];
+  for (int g = 0; g < kStepGroups; ++g) {
+    const float multiple_g = std::min(std::max(std::ceil(gmax[g] * r), 1.f), float{kMaxMultiple});
+    m[g] = static_cast<int>(multiple_g);
+    const float inv = amax > 0.f ? 1.f / (unit * multiple_g) : 0.f;
+    // nearbyint: round half to even, as _mm256_round_ps(_MM_FROUND_TO_NEAREST_INT) does
+    for (int l = g * kStepGroup; l < (g + 1) * kStepGroup; ++l) {
+      q[l] = static_cast<int8_t>(std::nearbyint(x[l] * inv));
+    }
   }
+  MultiplesAndSums(q, m, multiple, bsums);
   return unit;
 }
 
-// x [M, K] into `out`, every block of every row; simd: the AVX2 rounding (the same bytes).
+#ifdef TOKENSERVE_CPU_X86
+// [max a[0], ..., max a[7]]: eight vectors' maxes at once (pairs interleaved, then halves).
+TOKENSERVE_AVX2_FMA inline __m256 Maxes8(const __m256 a[8]) {
+  __m256 quarter[2];
+  for (int h = 0; h < 2; ++h) {
+    const __m256* v = a + 4 * h;
+    const __m256 t0 = _mm256_max_ps(_mm256_unpacklo_ps(v[0], v[1]), _mm256_unpackhi_ps(v[0], v[1]));
+    const __m256 t1 = _mm256_max_ps(_mm256_unpacklo_ps(v[2], v[3]), _mm256_unpackhi_ps(v[2], v[3]));
+    // per 128 bits: [v0, v1, v2, v3]'s maxes over that half
+    quarter[h] = _mm256_max_ps(_mm256_shuffle_ps(t0, t1, _MM_SHUFFLE(1, 0, 1, 0)),
+                               _mm256_shuffle_ps(t0, t1, _MM_SHUFFLE(3, 2, 3, 2)));
+  }
+  return _mm256_max_ps(_mm256_permute2f128_ps(quarter[0], quarter[1], 0x20),
+                       _mm256_permute2f128_ps(quarter[0], quarter[1], 0x31));
+}
+
+// QuantizeBlockKScalar's bytes, multiples, sums and d.
+TOKENSERVE_AVX2_FMA inline float QuantizeBlockKAvx2(const float* x, int8_t* q, int16_t* multiple,
+                                                    int16_t* bsums) {
+  const __m256 sign = _mm256_set1_ps(-0.f), largest = _mm256_set1_ps(FLT_MAX);
+  __m256 gmax[4], bad = _mm256_setzero_ps();  // gmax[v]: groups 8v .. 8v + 7
+  for (int v = 0; v < 4; ++v) {
+    __m256 a[8];
+    for (int i = 0; i < 8; ++i) {
+      a[i] = _mm256_andnot_ps(sign, _mm256_loadu_ps(x + 64 * v + 8 * i));
+      bad = _mm256_or_ps(bad, _mm256_cmp_ps(a[i], largest, _CMP_NLE_UQ));
+    }
+    gmax[v] = Maxes8(a);
+  }
+  if (_mm256_movemask_ps(bad)) return NonFiniteBlock(q, multiple, bsums);
+  const float amax = cpu::HorizontalMax(
+      _mm256_max_ps(_mm256_max_ps(gmax[0], gmax[1]), _mm256_max_ps(gmax[2], gmax[3])));
+  const float unit = amax / (127.f * kMaxMultiple);
+  const __m256 r = _mm256_set1_ps(amax > 0.f ? kMaxMultiple / amax : 0.f);
+  const __m256 one = _mm256_set1_ps(1.f), most = _mm256_set1_ps(float{kMaxMultiple});
+  const __m256i ones8 = _mm256_set1_epi8(1);
+  __m256i sixteens[2][4];  // per chunk: m * q summed over four values, in int32 lanes
+  for (int v = 0; v < 4; ++v) {
+    const __m256 need = _mm256_round_ps(_mm256_mul_ps(gmax[v], r),
+                                        _MM_FROUND_TO_POS_INF | _MM_FROUND_NO_EXC);
+    const __m256 m = _mm256_min_ps(_mm256_max_ps(need, one), most);
+    const __m256 inv = amax > 0.f ? _mm256_div_ps(one, _mm256_mul_ps(_mm256_set1_ps(unit), m))
+                                  : _mm256_setzero_ps();
+    const __m256i mi = _mm256_cvttps_epi32(m);
+    for (int h = 0; h < 2; ++h) {  // chunk c = 2 v + h: groups 4h .. 4h + 3 of this vector
+      const int c = 2 * v + h;
+      __m256 steps[4];
+      for (int g = 0; g < 4; ++g) {
+        steps[g] = _mm256_permutevar8x32_ps(inv, _mm256_set1_epi32(4 * h + g));
+      }
+      q8::Round32Avx2(x + 32 * c, steps, q + 32 * c);
+      // int32 lane p covers values 4p .. 4p + 3: group 4h + p / 2; both its int16 halves m
+      const __m256i pick = _mm256_setr_epi32(4 * h, 4 * h, 4 * h + 1, 4 * h + 1, 4 * h + 2,
+                                             4 * h + 2, 4 * h + 3, 4 * h + 3);
+      __m256i pairs = _mm256_permutevar8x32_epi32(mi, pick);
+      pairs = _mm256_or_si256(pairs, _mm256_slli_epi32(pairs, 16));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(multiple + 16 * c), pairs);
+      const __m256i qc = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 32 * c));
+      sixteens[c / 4][c % 4] = _mm256_madd_epi16(_mm256_maddubs_epi16(ones8, qc), pairs);
+    }
+  }
+  // chunk c's lanes 0..3 are sixteen 2c, 4..7 sixteen 2c + 1: two hadds give, for chunks
+  // 4k .. 4k + 3, [2c ...| 2c + 1 ...]; packed (|sum| <= 32512, no saturation) and interleaved
+  __m256i half[2];
+  for (int k = 0; k < 2; ++k) {
+    half[k] = _mm256_hadd_epi32(_mm256_hadd_epi32(sixteens[k][0], sixteens[k][1]),
+                                _mm256_hadd_epi32(sixteens[k][2], sixteens[k][3]));
+  }
+  const __m256i packed = _mm256_packs_epi32(half[0], half[1]);  // [even 0..7 | odd 0..7]
+  const __m128i even = _mm256_castsi256_si128(packed), odd = _mm256_extracti128_si256(packed, 1);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(bsums), _mm_unpacklo_epi16(even, odd));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(bsums + 8), _mm_unpackhi_epi16(even, odd));
+  return unit;
+}
+#endif  // TOKENSERVE_CPU_X86
+
+// x [M, K] into `out`, every block of every row; simd: the AVX2 version (the same bytes).
 inline void QuantizeRowsK(const float* x, int64 M, int64 K, bool simd, Q8KRows* out) {
-  constexpr int kGroupsA = kSuperBlock / kStepGroup;
   out->blocks = K / kSuperBlock;
   const int64 count = M * out->blocks;
   out->q.resize(count * kSuperBlock);
   out->d.resize(count);
   out->bsums.resize(count * kSixteens);
   out->multiple.resize(count * kPairs);
-#ifndef TOKENSERVE_CPU_X86
-  simd = false;
-#endif
   for (int64 i = 0; i < count; ++i) {
     const float* src = x + i * kSuperBlock;  // row m's block b is x[m * K + b * 256]
     int8_t* q = out->q.data() + i * kSuperBlock;
     int16_t* multiple = out->multiple.data() + i * kPairs;
-    float gmax[kGroupsA], amax = 0.f;
-    GroupMaxes(src, simd, gmax);
-    for (int g = 0; g < kGroupsA; ++g) {
-      if (std::isnan(gmax[g])) {
-        amax = NAN;
-        break;
-      }
-      amax = std::max(amax, gmax[g]);
-    }
-    if (std::isnan(amax)) {
-      std::memset(q, 0, kSuperBlock);
-      std::fill(multiple, multiple + kPairs, int16_t{1});
-      std::fill(out->bsums.begin() + i * kSixteens, out->bsums.begin() + (i + 1) * kSixteens, 0);
-      out->d[i] = NAN;
-      continue;
-    }
-    int m[kGroupsA];
-    float inv[kGroupsA];
-    out->d[i] = BlockSteps(amax, gmax, m, inv);
+    int16_t* bsums = out->bsums.data() + i * kSixteens;
 #ifdef TOKENSERVE_CPU_X86
     if (simd) {
-      for (int c = 0; c < kSuperBlock / 32; ++c) {
-        const __m256 chunk[4] = {_mm256_set1_ps(inv[4 * c]), _mm256_set1_ps(inv[4 * c + 1]),
-                                 _mm256_set1_ps(inv[4 * c + 2]), _mm256_set1_ps(inv[4 * c + 3])};
-        q8::Round32Avx2(src + 32 * c, chunk, q + 32 * c);
-      }
+      out->d[i] = QuantizeBlockKAvx2(src, q, multiple, bsums);
+      continue;
     }
 #endif
-    if (!simd) {
-      // nearbyint: round half to even, as _mm256_round_ps(_MM_FROUND_TO_NEAREST_INT) does
-      for (int l = 0; l < kSuperBlock; ++l) {
-        q[l] = static_cast<int8_t>(std::nearbyint(src[l] * inv[l / kStepGroup]));
-      }
-    }
-    for (int p = 0; p < kPairs; ++p) multiple[p] = static_cast<int16_t>(m[2 * p / kStepGroup]);
-    for (int j = 0; j < kSixteens; ++j) {
-      int32_t sum = 0;
-      for (int l = 16 * j; l < 16 * j + 16; ++l) sum += q[l] * m[l / kStepGroup];
-      out->bsums[i * kSixteens + j] = static_cast<int16_t>(sum);
-    }
+    out->d[i] = QuantizeBlockKScalar(src, q, multiple, bsums);
   }
 }
 
