@@ -306,21 +306,43 @@ def load_adapter(path: str | Path, config: TransformerConfig, max_rank: int) -> 
         alpha = float(_pattern_value(options.get("alpha_pattern"), full,
                                      options.get("lora_alpha", r)))
         scale = alpha / (math.sqrt(r) if options.get("use_rslora") else r)
-        parts.setdefault((layer, role), []).append((first, end, a, b, scale))
+        parts.setdefault((layer, role), []).append(
+            (first, end, a.astype(np.float32), b.astype(np.float32), scale))
         rank = max(rank, r)
     for (layer, role), pieces in parts.items():
-        width_in, width_out = shapes[role]
-        total = sum(a.shape[0] for _, _, a, _, _ in pieces)
-        big_a = np.zeros([width_in, total], np.float32)
-        big_b = np.zeros([total, width_out], np.float32)
-        row = 0
-        for first, end, a, b, scale in pieces:
-            r = a.shape[0]
-            big_a[:, row:row + r] = a.T
-            big_b[row:row + r, first:end] = b.T * scale
-            row += r
-        layers[layer][role] = (big_a, big_b)
+        layers[layer][role] = fuse_role(pieces, shapes[role][1])
     return LoraWeights(rank, layers)
+
+
+def fuse_role(pieces: list, width_out: int, xp=np) -> tuple:
+    """One fused matrix's factor pair (A [in, R], B [R, out], R the modules' ranks summed)
+    from its modules' PEFT factors: pieces of (first, end, A [r, in], B [end - first, r],
+    scale), each module's output columns first:end of the matrix. A holds the modules' A.T
+    side by side; B each module's B.T * scale in its own columns, zeros elsewhere.
+
+    xp: numpy (loading an adapter), or tensorflow.experimental.numpy, whose ops carry
+    gradients to the factors (the LoRA trainer builds the same pair from its variables)."""
+    big_a = xp.concatenate([xp.transpose(a) for _, _, a, _, _ in pieces], axis=1)
+    big_b = xp.concatenate([xp.pad(xp.transpose(b) * scale, [[0, 0], [first, width_out - end]],
+                                   "constant")
+                            for first, end, _, b, scale in pieces], axis=0)
+    return big_a, big_b
+
+
+ROLE_LAYERS = {"qkv": ("attn", "qkv"), "out": ("attn", "out"), "up": ("mlp", "up"),
+               "down": ("mlp", "down")}
+"""Each role's Dense layer in one of the model's blocks (block.attn.qkv, ...)."""
+
+
+def block_factors(blocks, layers: list[dict]) -> dict:
+    """model.layers.lora_factors' table from per-layer role -> (A [in, R], B [R, out])
+    (LoraWeights.layers' layout): id of each role's Dense layer in `blocks` -> its pair."""
+    factors = {}
+    for block, layer in zip(blocks, layers):
+        for role, pair in layer.items():
+            owner, name = ROLE_LAYERS[role]
+            factors[id(getattr(getattr(block, owner), name))] = pair
+    return factors
 
 
 def merged_kernels(weights: LoraWeights) -> list[dict[str, np.ndarray]]:

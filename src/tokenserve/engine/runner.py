@@ -233,16 +233,10 @@ class ModelRunner:
         forward pass outside the paged cache (prompt logprobs, which a step does not keep:
         it computes the LM head on each sequence's last row only). lora_layers: an adapter's
         factors (LoraWeights.layers), added to the projections of that pass."""
+        from tokenserve.engine.lora_adapter import block_factors
         from tokenserve.model.layers import lora_factors
 
-        where = {"qkv": ("attn", "qkv"), "out": ("attn", "out"), "up": ("mlp", "up"),
-                 "down": ("mlp", "down")}  # each role's Dense layer in a block
-        factors = {}
-        for block, layer in zip(self.model.blocks, lora_layers or []):
-            for role, pair in layer.items():
-                part, name = where[role]
-                factors[id(getattr(getattr(block, part), name))] = pair
-        with lora_factors(factors):
+        with lora_factors(block_factors(self.model.blocks, lora_layers or [])):
             logits = self.model(np.asarray([token_ids], np.int32))
         return np.asarray(logits, np.float32)[0]
 
