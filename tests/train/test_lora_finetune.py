@@ -18,7 +18,7 @@ PROMPT = [5, 17, 33, 90, 140, 7, 8, 9]
 
 # the trainer's XLA step compiles for each: about 40 s a family on a 2-core VM
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["gpt2", "llama"])
+@pytest.mark.parametrize("family", ["gpt2", "llama", "qwen3", "gemma3", "qwen3moe"])
 def test_a_trained_adapter_round_trips_through_peft_and_the_engine(family, tokenizer, tmp_path):
     import transformers
 
@@ -30,7 +30,7 @@ def test_a_trained_adapter_round_trips_through_peft_and_the_engine(family, token
     from tokenserve.train.lora import LoraModel, LoraTrainer
     from tokenserve.train.trainer import holdout_windows, perplexity
 
-    made = lora_checkpoint(family, tokenizer, tmp_path, num_adapters=0)
+    made = _checkpoint(family, tokenizer, tmp_path)
     model, hf_tokenizer, config = load_hf(made.directory)
     lora = LoraModel(model, rank=4, seed=1)
     stream = np.random.default_rng(0).integers(3, 60, 4000).astype(np.int32)  # a small
@@ -96,3 +96,72 @@ def test_the_written_adapter_names_the_familys_own_modules(family, tokenizer, tm
     np.testing.assert_allclose(got, expected, atol=1e-4, rtol=0)
     assert not np.allclose(got, model(np.asarray([PROMPT], np.int32)).numpy(), atol=1e-3)
     assert load_adapter(adapter, config.model, max_rank=4).rank == 4
+
+
+def _checkpoint(family, tokenizer, root):
+    from support.lora_models import moe_lora_checkpoint
+
+    if family == "qwen3moe":
+        return moe_lora_checkpoint(family, tokenizer, root, num_adapters=0)
+    return lora_checkpoint(family, tokenizer, root, num_adapters=0)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "gemma3", "qwen3moe"])
+def test_families_the_trainer_does_not_recompute_train_through_the_models_own_forward(
+        family, tokenizer, tmp_path):
+    """LoRA trains through the model's own forward (QK-norm, post-norms, GeGLU, windows,
+    experts): gradients reach every factor through a traced step, a few steps lower the
+    loss, and the adapter gives peft's logits and loads in tokenserve (a mixture of experts'
+    on its attention projections)."""
+    import tensorflow as tf
+    import transformers
+
+    from tokenserve.engine.lora_adapter import load_adapter
+    from tokenserve.model.hf import load_hf
+    from tokenserve.train.lora import LoraModel
+
+    made = _checkpoint(family, tokenizer, tmp_path)
+    model, _, config = load_hf(made.directory)
+    lora = LoraModel(model, rank=4, seed=1)
+    batch = np.random.default_rng(0).integers(3, 60, [2, 17]).astype(np.int32)
+    variables = lora.trainable_variables
+
+    @tf.function  # the trainer's step is traced: the factors must reach the trace
+    def gradients():
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
+                labels=batch[:, 1:], logits=lora(batch[:, :-1])))
+        return loss, tape.gradient(loss, variables)
+
+    losses = []
+    for _ in range(4):
+        loss, grads = gradients()
+        losses.append(float(loss))
+        assert all(g is not None for g in grads)
+        for variable, grad in zip(variables, grads):
+            variable.assign_sub(0.5 * grad)
+    assert losses[-1] < losses[0]
+    assert all(np.abs(b.numpy()).max() > 0 for _, b in lora.factors.values())  # all trained
+    adapter = lora.save_adapter(tmp_path / "adapter")
+
+    base = transformers.AutoModelForCausalLM.from_pretrained(made.directory).eval()
+    reference = peft.PeftModel.from_pretrained(base, adapter).eval()
+    with torch.no_grad():
+        expected = reference(torch.tensor([PROMPT])).logits.numpy()
+    got = lora(np.asarray([PROMPT], np.int32)).numpy()
+    np.testing.assert_allclose(got, expected, atol=1e-4, rtol=0)
+    assert not np.allclose(got, model(np.asarray([PROMPT], np.int32)).numpy(), atol=1e-3)
+    served = load_adapter(adapter, config.model, max_rank=4)
+    assert sorted(served.layers[0]) == (["out", "qkv"] if family == "qwen3moe"
+                                        else ["down", "out", "qkv", "up"])
+
+
+def test_a_mixture_of_experts_trains_its_attention_projections_only(tokenizer, tmp_path):
+    from tokenserve.engine.lora_adapter import LoraTargetError
+    from tokenserve.model.hf import load_hf
+    from tokenserve.train.lora import LoraModel
+
+    model, _, _ = load_hf(_checkpoint("qwen3moe", tokenizer, tmp_path).directory)
+    assert LoraModel(model, rank=2).targets == ["k_proj", "o_proj", "q_proj", "v_proj"]
+    with pytest.raises(LoraTargetError, match="'gate_proj'.*attention projections only"):
+        LoraModel(model, rank=2, targets=["q_proj", "gate_proj"])
