@@ -165,3 +165,26 @@ def test_a_mixture_of_experts_trains_its_attention_projections_only(tokenizer, t
     assert LoraModel(model, rank=2).targets == ["k_proj", "o_proj", "q_proj", "v_proj"]
     with pytest.raises(LoraTargetError, match="'gate_proj'.*attention projections only"):
         LoraModel(model, rank=2, targets=["q_proj", "gate_proj"])
+
+
+@pytest.mark.slow  # the trainer's XLA step compiles
+def test_tokenserve_finetune_on_a_hugging_face_checkpoint_dir(tokenizer, tmp_path, capsys):
+    """`tokenserve finetune DIR` takes a Hugging Face checkpoint directory (here Qwen3's,
+    with QK-norm) and writes an adapter that tokenserve loads."""
+    from support.tiny_models import TINY_TEXT
+    from tokenserve.cli.main import main
+    from tokenserve.engine.lora_adapter import load_adapter
+    from tokenserve.model.hf import load_hf
+
+    made = lora_checkpoint("qwen3", tokenizer, tmp_path, num_adapters=0)
+    data = tmp_path / "code.py"
+    data.write_text("\n".join(TINY_TEXT) * 4)
+    out = tmp_path / "adapter"
+    assert main(["finetune", str(made.directory), "--data", str(data), "--lora_rank", "2",
+                 "--steps", "6", "--seq_len", "32", "--learning_rate", "1e-2",
+                 "--target_modules", "q_proj", "v_proj", "--output", str(out)]) == 0
+    before, after = capsys.readouterr().out.split("held-out perplexity ")[1].split(" (")[0] \
+        .split(" -> ")
+    assert float(after) < float(before)
+    served = load_adapter(out, load_hf(made.directory)[2].model, max_rank=2)
+    assert sorted(served.layers[0]) == ["qkv"]

@@ -25,7 +25,8 @@ def add_parser(commands) -> None:
     p.add_argument("--target_modules", nargs="+", default=None, metavar="NAME",
                    help="modules to adapt, as the model's own checkpoint names them "
                         "(default: all of q/k/v/o/gate/up/down, Phi-3's "
-                        "qkv/o/gate_up/down, or GPT-2's c_attn/c_proj/c_fc)")
+                        "qkv/o/gate_up/down, or GPT-2's c_attn/c_proj/c_fc; a mixture "
+                        "of experts: q/k/v/o)")
     p.add_argument("--output", required=True, help="the adapter's directory")
     p.add_argument("--steps", type=int, default=DEFAULT_STEPS)
     p.add_argument("--batch_size", type=int, default=4)

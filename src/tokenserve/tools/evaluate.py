@@ -90,7 +90,8 @@ def load_for_eval(path_or_builtin, precision: str = "float32"):
 
 
 def load_float_source(source):
-    """(model, tokenizer, generation config) of an export dir or an export SOURCE, float32."""
+    """(model, tokenizer, generation config) of an export dir, a Hugging Face checkpoint dir
+    or an export SOURCE, float32."""
     from pathlib import Path
 
     from tokenserve.model.checkpoint import load_source
@@ -100,6 +101,10 @@ def load_float_source(source):
 
         model, tokenizer, config, _ = load_language_model(source, precision="float32")
         return model, tokenizer, config
+    if source and (Path(source) / "config.json").is_file():  # a Hugging Face checkpoint
+        from tokenserve.model.hf import load_hf
+
+        return load_hf(source)
     return load_source(source)
 
 
