@@ -57,24 +57,30 @@ def make_x(m: int, k: int, seed: int = 1) -> np.ndarray:
 
 
 def q8_k(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """x [M, K] float32 as the op quantizes it, q8_K blocks of 256: (q [M, K], d [M, K / 256])
-    with x ~= q * d. The same float32 operations as the op (127 / max|x|, one multiply, round
-    half to even), so the same q."""
+    """x [M, K] float32 as the op quantizes it, q8_K blocks of 256 with a step per 8 values:
+    (q [M, K], step [M, K]) with x ~= q * step, step = d * m_g, d = max|x| / (127 * 16) of the
+    block and m_g = ceil(max|x in g| * (16 / max|x|)) in [1, 16]. The same float32 operations as
+    the op (one multiply by 1 / step, round half to even), so the same q."""
     m, k = x.shape
-    blocks = x.reshape(m, k // 256, 256)
-    amax = np.abs(blocks).max(axis=-1, keepdims=True)
-    inv = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, 1), np.float32(0))
-    q = np.rint(blocks * inv.astype(np.float32))
-    return q.reshape(m, k).astype(np.float64), (amax[..., 0] / np.float32(127)).astype(np.float64)
+    groups = x.reshape(m, k // 256, 32, 8)
+    gmax = np.abs(groups).max(axis=-1, keepdims=True)
+    amax = gmax.max(axis=-2, keepdims=True)
+    r = np.where(amax > 0, np.float32(16) / np.where(amax > 0, amax, 1), np.float32(0))
+    multiple = np.clip(np.ceil(gmax * r.astype(np.float32)), 1, 16).astype(np.float32)
+    unit = (amax / np.float32(127 * 16)).astype(np.float32)
+    step = (unit * multiple).astype(np.float32)
+    inv = np.where(amax > 0, np.float32(1) / np.where(amax > 0, step, 1), np.float32(0))
+    q = np.rint(groups * inv.astype(np.float32))
+    step = np.broadcast_to(step, groups.shape).reshape(m, k)
+    return q.reshape(m, k).astype(np.float64), step.astype(np.float64)
 
 
 def check_product(y: np.ndarray, x: np.ndarray, blocks: np.ndarray, name: str):
     """y is x @ w.T for gguf's dequantized w (float64) up to the activations' rounding to q8_K:
-    at most half a step of each value's block, |y - x @ w.T| <= sum_k |w_k| d_k / 2. And with
+    at most half a step of each value's group, |y - x @ w.T| <= sum_k |w_k| d_k / 2. And with
     that rounding done as the op does, y is the float64 product up to float32 rounding."""
     w = dequantized(blocks, name)
-    q, d = q8_k(x)
-    d_per_value = np.repeat(d, 256, axis=1)  # [M, K]
+    q, d_per_value = q8_k(x)  # [M, K] each
     x_hat = q * d_per_value
     magnitude = np.abs(x_hat) @ np.abs(w).T
     np.testing.assert_array_less(np.abs(y - x_hat @ w.T), 2e-6 * magnitude + 1e-6)

@@ -169,3 +169,23 @@ def test_help_does_not_import_tensorflow():
             "assert 'tensorflow' not in sys.modules and 'keras' not in sys.modules\n")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
+
+
+def test_batch_is_bounded_by_the_logits_memory(tokenizer, monkeypatch):
+    """A large vocabulary scores fewer windows at once (each window's float32 logits count
+    against LOGITS_BUDGET_BYTES), with the same result."""
+    model, _ = tiny("tiny-gpt2", tokenizer)
+    windows = evaluate.text_windows(TINY_TEXT, tokenizer, context=20, max_tokens=60)
+    expected = evaluate.perplexity(model, windows, batch_size=8).perplexity
+    monkeypatch.setattr(evaluate, "LOGITS_BUDGET_BYTES", 2 * 20 * model.config.vocab_size * 4)
+    shapes = []
+    scorer = evaluate._scorer
+
+    def recording(m):
+        score = scorer(m)
+        return lambda chunk: (shapes.append(chunk.shape), score(chunk))[1]
+
+    monkeypatch.setattr(evaluate, "_scorer", recording)
+    result = evaluate.perplexity(model, windows, batch_size=8)
+    assert shapes and all(shape[0] == 2 for shape in shapes)
+    assert result.perplexity == pytest.approx(expected, rel=1e-5)

@@ -26,7 +26,8 @@ def add_parser(commands) -> None:
                    help="score at most this many tokens, in windows spread evenly over the "
                         "data (default: 32768)")
     p.add_argument("--batch-size", type=int, default=8, metavar="N",
-                   help="windows per forward pass (default: 8)")
+                   help="windows per forward pass (default: 8; fewer where their float32 "
+                        "logits would pass 2 GiB)")
     p.add_argument("--precision", choices=["auto", "float32", "bfloat16"], default="float32",
                    help="compute dtype (default float32, comparable across machines; auto "
                         "picks bfloat16 on CPUs with AMX or AVX512-BF16)")

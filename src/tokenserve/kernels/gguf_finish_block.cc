@@ -10,7 +10,7 @@
 // Each projection may be several parts of different block types, in output order (a
 // Q4_K_M file's fused QKV: Q4_K query and key rows, Q6_K value rows): `*_blocks` lists the
 // parts, `*_types` their types, and the parts' outputs are the columns of one product, in
-// order. Each part quantizes its input for itself (q8 blocks of 32 or q8_K of 256), as the
+// order. Each part quantizes its input for itself (q8 blocks of 32, or q8_K blocks of 256), as the
 // separate op does.
 //
 // The arithmetic is the separate ops' (gguf_matmul, then TokenserveEpilogue, TokenserveNorm

@@ -17,10 +17,14 @@
 //   w_i = d * scale[i / 16] * q_i + dm * min[i / 16],   q_i unsigned (0..63), scale, min int16
 // Q4_K/Q5_K: each sub-block's scale and min repeated for its two sixteens, dm = -dmin.
 // Q6_K: q = v (0..63) and its -32 moved into the offset: min = -32 * scale, dm = d.
-// Against a q8_K block (x ~= dx * qx, bsums the sums of qx over each sixteen):
-//   sum_i w_i x_i ~= dx * (d * sum_j scale_j * sum_{i in j} q_i qx_i + dm * sum_j min_j bsums_j)
-// two integer sums (exact in int32: |scale_j * sixteen's dot| <= 128 * 16 * 63 * 127) and two
-// float multiply-adds a super-block and row of x.
+// Against a q8_K block (x ~= dx * m_i * qx_i, m_i the step multiple of value i's group of
+// 8, bsums the sums of m_i * qx_i over each sixteen; gguf_q8k.h):
+//   sum_i w_i x_i ~= dx * (d * sum_j scale_j * sum_{i in j} q_i m_i qx_i
+//                          + dm * sum_j min_j bsums_j)
+// two integer sums and two float multiply-adds a super-block and row of x. The AVX2 kernels
+// sum the first in eight int32 lanes, each over 32 values of the block: at most
+// 32 * 63 * 127 * 128 * 16 = 5.2e8 (Q6_K's widest), and the second per pair of sixteens:
+// 2 * 4096 * 32512 = 2.7e8; the scalar kernel sums in int64.
 #ifndef TOKENSERVE_KERNELS_GGUF_KQUANTS_H_
 #define TOKENSERVE_KERNELS_GGUF_KQUANTS_H_
 
@@ -119,13 +123,16 @@ struct Q6_K {
 };
 
 // One super-block's dot product with one q8_K block: the formula above.
-inline float DotScalar(const KBlock& w, const int8_t* qx, const int16_t* bsums, float dx) {
-  int32_t sum_q = 0, sum_min = 0;
+inline float DotScalar(const KBlock& w, const int8_t* qx, const int16_t* bsums,
+                       const int16_t* multiples, float dx) {
+  int64_t sum_q = 0, sum_min = 0;
   for (int j = 0; j < kSixteens; ++j) {
     int32_t dot = 0;
-    for (int l = 16 * j; l < 16 * j + 16; ++l) dot += int32_t{w.q[l]} * int32_t{qx[l]};
-    sum_q += int32_t{w.scale[j]} * dot;
-    sum_min += int32_t{w.min[j]} * int32_t{bsums[j]};
+    for (int l = 16 * j; l < 16 * j + 16; ++l) {
+      dot += int32_t{w.q[l]} * int32_t{qx[l]} * int32_t{multiples[l / 2]};
+    }
+    sum_q += int64_t{w.scale[j]} * dot;
+    sum_min += int64_t{w.min[j]} * int64_t{bsums[j]};
   }
   return (w.d * dx) * static_cast<float>(sum_q) + (w.dm * dx) * static_cast<float>(sum_min);
 }
@@ -143,7 +150,8 @@ void KQuantRowsScalar(const Q8KRows& xq, int64 M, const uint8_t* w, int64 row_by
       Type::Decode(row + b * Type::kBytes, &decoded);
       for (int64 m = 0; m < M; ++m) {
         const int64 i = xq.Index(m, b);
-        y[m * ldy + n] += DotScalar(decoded, xq.Values(i), xq.Sums(i), xq.d[i]);
+        y[m * ldy + n] += DotScalar(decoded, xq.Values(i), xq.Sums(i), xq.Multiples(i),
+                                     xq.d[i]);
       }
     }
   }

@@ -1,11 +1,12 @@
 // The K-quant kernels on AVX2 (gguf_matmul.cc): Q4_K, Q5_K and Q6_K super-blocks as stored
 // against q8_K activations, with integer dot products (maddubs + madd), the same formula as
 // the scalar reference (gguf_kquants.h):
-//   dx * (d * sum_j scale_j * sum_{i in j} q_i qx_i + dm * sum_j min_j bsums_j)
+//   dx * (d * sum_j scale_j * sum_{i in j} q_i m_i qx_i + dm * sum_j min_j bsums_j)
 // Each super-block is unpacked into registers in one form (KBlockAvx2): eight vectors of 32
 // unsigned values q, and per vector a madd operand holding its two sixteens' scales. Then per
 // row of x and vector: one maddubs (q * qx, pairs: at most 2 * 63 * 127, no saturation), one
-// madd by the scales (pairs * scale, summed into int32) and one add; per super-block and row
+// multiply of the scales by the activations' step multiples (scale * m, at most 128 * 16),
+// one madd by those (pairs * scale * m, summed into int32) and one add; per super-block and row
 // two conversions and two FMAs (the d and dm terms, the latter from the bsums by one madd).
 //
 // Decode rows (a few rows of x): each weight row read once, front to back, each super-block
@@ -156,11 +157,13 @@ TOKENSERVE_GGUF_SIMD __attribute__((always_inline)) inline void DotRows(const KB
   for (int i = 0; i < R; ++i) {
     const int64 at = xq.Index(m0 + i, b);
     const int8_t* x = xq.Values(at);
+    const int16_t* multiples = xq.Multiples(at);
     __m256i sum = _mm256_setzero_si256();
     for (int c = 0; c < 8; ++c) {
       const __m256i qx = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 32 * c));
+      const __m256i m = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(multiples + 16 * c));
       sum = _mm256_add_epi32(sum, _mm256_madd_epi16(_mm256_maddubs_epi16(w.q[c], qx),
-                                                    w.scale[c]));
+                                                    _mm256_mullo_epi16(w.scale[c], m)));
     }
     const __m256i bsums = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq.Sums(at)));
     const __m256i mins = _mm256_madd_epi16(w.min, bsums);

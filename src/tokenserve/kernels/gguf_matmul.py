@@ -11,8 +11,9 @@ bits a weight instead of 32):
     y = gguf_matmul(x, tensor.data, tensor.tensor_type.name)  # x [M, K] -> y [M, N]
 
 The compiled op quantizes x once per call into int8 blocks of 32 (a float scale each; error up
-to 1/254 of the block's absmax per value), for the K-quants into q8_K blocks of 256 (one scale
-per 256 values), and takes integer dot products against the weight blocks, as llama.cpp does.
+to 1/254 of the block's absmax per value), for the K-quants into q8_K blocks of 256 (a unit
+step per 256 values and an integer multiple of it, 1 to 16, per 8), and takes integer dot
+products against the weight blocks, as llama.cpp does.
 Without a compiler, or with TOKENSERVE_GGUF_KERNEL=fallback, a pure-TF path dequantizes the
 whole weight each call and multiplies in float32: exact up to float rounding, slower, and what
 stock TensorFlow can run.

@@ -252,6 +252,22 @@ def _scorer(model):
     return score
 
 
+# The float32 logits of one forward pass, [windows, context, vocab], at most: a 262k-token
+# vocabulary (Gemma 3) at a context of 1,024 takes 1 GiB a window, and the scoring holds a
+# few copies of it (log-softmax, argmax), so eight windows at once ran out of memory.
+LOGITS_BUDGET_BYTES = 2 << 30
+
+
+def _fitting_batch(models, context: int) -> int:
+    """The most windows a forward pass whose logits stay within LOGITS_BUDGET_BYTES (at
+    least one)."""
+    vocab = max((m.config.vocab_size for m in models if getattr(m, "config", None) is not None),
+                default=0)
+    if vocab == 0:
+        return 1 << 30
+    return max(1, LOGITS_BUDGET_BYTES // (context * vocab * 4))
+
+
 def _check_fits(model, windows: np.ndarray, name: str) -> None:
     config = getattr(model, "config", None)
     if config is None:
@@ -289,7 +305,7 @@ def perplexity(model, token_windows, batch_size: int = 8, reference=None,
     scorers = [_scorer(m) for m in models]
 
     count = len(windows)
-    batch = min(batch_size, count)
+    batch = min(batch_size, count, _fitting_batch(models, windows.shape[1] - 1))
     totals = [0.0 for _ in models]
     agree = 0
     steps = range(0, count, batch)
