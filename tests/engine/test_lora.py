@@ -9,18 +9,13 @@ import copy
 import numpy as np
 import pytest
 
+from support.lora_engines import MAX_TOKENS, PROMPTS, first_logits, make_engine, run
 from support.lora_models import lora_checkpoint, reference_greedy
 from support.tiny_models import greedy_by_full_forward
-from tokenserve.engine.config import EngineConfig
 from tokenserve.engine.lora_adapter import LoraRequest
-from tokenserve.sampling import SamplingParams
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("peft")
-
-PROMPTS = [[5, 17, 33, 90, 140, 7, 8, 9, 250, 3], [12, 44, 1, 77], [300, 301, 302, 303, 304]]
-MAX_TOKENS = 6
-
 
 # Llama by default; GPT-2 (fused c_attn, Conv1D layout), Qwen2 (q/v/down only, biases),
 # Qwen3 (QK-norm), Gemma 3 (QK-norm, post-norms, GeGLU, windows; graph steps), Mistral
@@ -35,47 +30,6 @@ def checkpoint(request, tokenizer, tmp_path_factory):
 
     made = lora_checkpoint(request.param, tokenizer, tmp_path_factory.mktemp(request.param))
     return made, load_hf(made.directory)
-
-
-def make_engine(loaded, **options):
-    from tokenserve.engine.core import LLMEngine
-    from tokenserve.engine.runner import ModelRunner
-
-    model, tokenizer, config = loaded
-    knobs = dict(max_num_seqs=8, max_num_batched_tokens=48, block_size=4, precision="float32",
-                 max_fused_dense_tokens=4, max_loras=3, max_lora_rank=8,
-                 # exact logits: float32 KV rows, and no screened (approximate) LM head
-                 kv_cache_dtype="float32", max_screened_head_rows=0)
-    engine_config = EngineConfig(**{**knobs, **options})
-    return LLMEngine(ModelRunner(model, config, engine_config), tokenizer, engine_config)
-
-
-def run(engine, jobs: list[tuple[list[int], LoraRequest | None]]) -> list[list[int]]:
-    """Greedy tokens of every (prompt, adapter) job, all queued at once."""
-    params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
-    requests = [engine.make_request(prompt, params, lora=lora) for prompt, lora in jobs]
-    for request in requests:
-        engine.add_request(request)
-    while engine.has_work:
-        engine.step()
-    return [request.seqs[0].output_ids for request in requests]
-
-
-def first_logits(engine, jobs) -> np.ndarray:
-    """The logits each job samples its first token from, all in one step."""
-    recorded = []
-    execute = engine.runner.execute
-    engine.runner.execute = lambda out: recorded.append(execute(out)) or recorded[-1]
-    try:
-        params = SamplingParams(max_tokens=1, ignore_eos=True)
-        for prompt, lora in jobs:
-            engine.add_request(engine.make_request(prompt, params, lora=lora))
-        engine.step()
-        while engine.has_work:
-            engine.step()
-    finally:
-        engine.runner.execute = execute
-    return recorded[0]
 
 
 def test_a_batch_of_three_adapters_and_the_base_matches_peft(checkpoint):

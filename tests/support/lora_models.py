@@ -124,3 +124,27 @@ def reference_greedy(hf_model, prompt_ids: list[int], max_tokens: int) -> list[i
         out = hf_model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_tokens,
                                 min_new_tokens=max_tokens, do_sample=False)
     return out[0, len(prompt_ids):].tolist()
+
+
+MOE_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
+"""What a MoE model's adapters may target: its attention projections."""
+
+
+def moe_lora_checkpoint(family: str, tokenizer, root: Path, num_adapters: int = 2
+                        ) -> LoraCheckpoint:
+    """A tiny mixture-of-experts checkpoint (support.moe_checkpoints.hf_model's `family`:
+    mixtral, qwen2moe, qwen3moe, olmoe) under `root`, with `num_adapters` peft adapters on
+    its attention projections."""
+    from support.moe_checkpoints import hf_model, save_hf
+
+    # OLMoE as tests/model/test_moe_import.py holds it to transformers: 16 experts, top-4
+    options = dict(num_experts=16, top_k=4) if family == "olmoe" else {}
+    directory = save_hf(root / f"{family}-base", hf_model(family, **options), tokenizer)
+    import transformers
+
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(directory).eval()
+    adapters = []
+    for i in range(num_adapters):
+        out = root / f"{family}-adapter-{i}"
+        adapters.append((out, make_adapter(directory, out, MOE_TARGETS, seed=i + 1)))
+    return LoraCheckpoint(family, directory, reloaded, adapters)

@@ -17,7 +17,8 @@ def add_lora_flags(p) -> None:
     g = p.add_argument_group("LoRA adapters")
     g.add_argument("--lora_modules", nargs="+", default=[], metavar="NAME=PATH",
                    help="serve these PEFT adapters (adapter_config.json + "
-                        "adapter_model.safetensors) on the base model, each as the model "
+                        "adapter_model.safetensors), or llama.cpp's GGUF LoRA files "
+                        "(PATH ending in .gguf), on the base model, each as the model "
                         "id NAME; also '{\"name\": ..., \"path\": ...}' as vLLM takes them")
     g.add_argument("--max_loras", type=int, default=None,
                    help=f"adapters resident at once (more wait on disk, LRU); default "

@@ -14,6 +14,8 @@ the modules of one fused matrix become one factor pair per role: A [in, sum of r
 modules' A side by side) and B [sum of ranks, out] (block-diagonal, each module's B.T in its
 own output columns, the scale folded in). Every check runs here, before anything reaches a
 slot: a refused adapter raises a LoraAdapterError subclass (HTTP 400) naming what is wrong.
+llama.cpp's GGUF LoRA files are read into the same names first (lora_gguf.py); what a
+mixture of experts serves is lora_moe.py's.
 """
 
 from __future__ import annotations
@@ -28,7 +30,11 @@ from pathlib import Path
 import numpy as np
 
 from tokenserve.config import TransformerConfig
-from tokenserve.errors import InvalidRequestError
+from tokenserve.engine.lora_errors import (LoraAdapterError, LoraBaseMismatchError,  # noqa: F401
+                                           LoraNameError, LoraNotFoundError, LoraRankError,
+                                           LoraShapeError, LoraTargetError)
+from tokenserve.engine.lora_gguf import is_gguf_adapter, read_gguf_adapter
+from tokenserve.engine.lora_moe import moe_target_problem
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -79,34 +85,6 @@ class LoraRequest:
         return f"lora:{self.name}#{self.load_id}"
 
 
-class LoraAdapterError(InvalidRequestError):
-    """An adapter that cannot be served (HTTP 400); nothing of it is loaded."""
-
-
-class LoraNotFoundError(LoraAdapterError):
-    """The adapter's directory or one of its two files is missing or unreadable."""
-
-
-class LoraRankError(LoraAdapterError):
-    """The adapter's rank is above the server's --max_lora_rank."""
-
-
-class LoraTargetError(LoraAdapterError):
-    """The adapter changes a module the model lacks or tokenserve does not adapt."""
-
-
-class LoraShapeError(LoraAdapterError):
-    """A factor's shape does not fit its module (or its rank)."""
-
-
-class LoraBaseMismatchError(LoraAdapterError):
-    """The adapter was made for another base model (hidden size, layer count, family)."""
-
-
-class LoraNameError(LoraAdapterError):
-    """An adapter name that is empty, already taken, or the base model's."""
-
-
 @dataclass(frozen=True)
 class LoraWeights:
     """An adapter as the step takes it.
@@ -139,12 +117,16 @@ def role_columns(config: TransformerConfig) -> dict[str, dict[str, tuple[int, in
 def role_ranks(config: TransformerConfig, max_rank: int) -> dict[str, int]:
     """role -> its rank in the slot table: `max_rank` per PEFT module of the model's family
     that shares the role (Llama: q/k/v, gate/up; GPT-2's fused c_attn and c_fc: one), so a
-    GPT-2 step multiplies no columns that no adapter can fill."""
+    GPT-2 step multiplies no columns that no adapter can fill. A mixture of experts without
+    a dense layer has no up or down matrix an adapter may change (lora_moe.py): rank 0, so
+    a slot holds no zeros for them (for Qwen3-30B-A3B, 113 of a rank-16 slot's 198 MB)."""
     if config.mlp == "gelu":
         return {role: max_rank for role in ROLES}
     # Llama's separate q/k/v and gate/up (Phi-3's fused qkv_proj and gate_up_proj take one
     # module's rank of them)
     split = {"qkv": 3, "out": 1, "up": 2, "down": 1}
+    if all(config.layer_has_experts(i) for i in range(config.num_layers)):
+        split.update(up=0, down=0)
     return {role: max_rank * split[role] for role in ROLES}
 
 
@@ -256,8 +238,11 @@ def load_adapter(path: str | Path, config: TransformerConfig, max_rank: int) -> 
         LoraBaseMismatchError: another family or architecture, hidden size or layer count.
     """
     path = Path(path)
-    options = read_adapter_config(path)
-    tensors = _read_tensors(path)
+    if is_gguf_adapter(path):  # llama.cpp's form of the same factors
+        options, tensors = read_gguf_adapter(path, config)
+    else:
+        options = read_adapter_config(path)
+        tensors = _read_tensors(path)
     columns = role_columns(config)
     shapes = role_shapes(config)
     factors: dict[tuple[int, str], dict[str, np.ndarray]] = {}
@@ -268,6 +253,10 @@ def load_adapter(path: str | Path, config: TransformerConfig, max_rank: int) -> 
                                   f"transformer block's linear layer")
         gpt2 = match["stem"] != "model.layers"
         modules = GPT2_MODULES if gpt2 else LLAMA_FAMILY_MODULES
+        if config.num_experts and (problem := moe_target_problem(
+                match["module"], modules.get(match["module"], (None,))[0],
+                int(match["layer"]), config)):
+            raise LoraTargetError(f"adapter tensor {name!r} {problem}")
         if match["module"] not in modules:
             raise LoraTargetError(f"adapter tensor {name!r} targets {match['module']!r}, "
                                   f"which tokenserve does not adapt (targets: "
@@ -284,7 +273,8 @@ def load_adapter(path: str | Path, config: TransformerConfig, max_rank: int) -> 
             raise LoraShapeError(f"adapter tensor {name!r} has shape {value.shape}, not 2-D")
         factors.setdefault((layer, match["module"]), {})[match["side"]] = value
     if not factors:
-        raise LoraTargetError(f"{path / WEIGHTS_FILE} holds no LoRA factors")
+        raise LoraTargetError(f"{path if is_gguf_adapter(path) else path / WEIGHTS_FILE} "
+                              f"holds no LoRA factors")
     check_architecture(options, {module for _, module in factors}, config)
 
     layers: list[dict] = [{} for _ in range(config.num_layers)]

@@ -201,3 +201,19 @@ def test_echo_with_logprobs_on_an_adapter_gives_peft_prompt_logprobs(server):
                 np.testing.assert_allclose(logprobs[1:len(prompt_ids)], expected, atol=1e-4)
             else:  # the adapter changes them: the check above could not pass on the base's
                 assert not np.allclose(logprobs[1:len(prompt_ids)], expected, atol=1e-4)
+
+
+def test_a_gguf_lora_file_loads_live_with_peft_tokens(server, tmp_path):
+    """llama.cpp's form of an adapter (convert_lora_to_gguf.py's file) as lora_path: the
+    tokens of the PEFT adapter it holds; a GGUF file that is no adapter gets a 400."""
+    from support.gguf_lora import peft_dir_to_gguf, write_gguf_lora
+
+    made = server["made"]
+    path = peft_dir_to_gguf(made.adapters[1][0], tmp_path / "a1.gguf", heads=4, kv_heads=2)
+    assert load(server, "g1", path).status_code == 200
+    assert complete(server, "g1") == expected_text(server, made.adapters[1][1], 6)
+    assert unload(server, "g1").status_code == 200
+    model = write_gguf_lora(tmp_path / "model.gguf", {}, 4, 2, general_type="model")
+    answer = load(server, "bad-gguf", model)
+    assert answer.status_code == 400
+    assert "not a GGUF LoRA adapter" in answer.json()["error"]["message"]

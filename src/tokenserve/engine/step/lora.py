@@ -36,6 +36,7 @@ import tensorflow as tf
 
 from tokenserve.config import TransformerConfig
 from tokenserve.engine.lora_adapter import ROLES, role_ranks, role_shapes
+from tokenserve.engine.step.moe import fused_moe, graph_moe
 from tokenserve.kernels import dense as kdense
 
 assert ROLES == kdense.LORA_ROLES  # the ops' spans index roles in this order
@@ -211,10 +212,21 @@ class LoraBlocks:
             x = self._linear(attn, w["out"], "out", i, residual=x)
         else:
             x = x + self._norm(self._linear(attn, w["out"], "out", i), w["post_attn_norm"])
+        if "moe" in w:  # a mixture of experts: the base's routing and experts (adapters of
+            # MoE layers change the attention only: lora_adapter.py refuses expert targets)
+            return self._moe(x, w)
         h = self._linear(self._norm(x, w["mlp_norm"]), w["up"], "up", i, activation=act)
         if "post_mlp_norm" not in w:
             return self._linear(h, w["down"], "down", i, residual=x)
         return x + self._norm(self._linear(h, w["down"], "down", i), w["post_mlp_norm"])
+
+    def _moe(self, x, w):
+        """x + the MoE MLP of x, as the base step runs it (fused: the grouped experts' op;
+        graph: engine/step/moe.py's graph_moe)."""
+        h = self._norm(x, w["mlp_norm"])
+        if self.fused:
+            return fused_moe(h, x, w["moe"], self.config)
+        return x + graph_moe(h, w["moe"], self.config)
 
     def _fused_finish(self, x, attn, w, w_next=None):
         """The block's second half (given w_next, with the next block's QKV: -> (x, qkv)) as
