@@ -9,6 +9,7 @@ import threading
 
 import pytest
 
+from tokenserve.engine import background
 from tokenserve.engine.background import BackgroundWorker
 
 
@@ -33,3 +34,10 @@ def test_errors_reach_the_caller():
 
     with pytest.raises(ValueError, match="refused"):
         BackgroundWorker("test").run(fail)
+
+
+def test_a_call_runs_with_a_short_switch_interval_and_the_callers_comes_back():
+    before = sys.getswitchinterval()
+    during = BackgroundWorker("test").run(sys.getswitchinterval)
+    assert during == pytest.approx(min(before, background.SWITCH_INTERVAL_S))
+    assert sys.getswitchinterval() == before
