@@ -124,12 +124,14 @@ struct Q6_K {
 
 // One super-block's dot product with one q8_K block: the formula above.
 inline float DotScalar(const KBlock& w, const int8_t* qx, const int16_t* bsums,
-                       const int16_t* multiples, float dx) {
+                       const uint8_t* multiples, float dx) {
   int64_t sum_q = 0, sum_min = 0;
   for (int j = 0; j < kSixteens; ++j) {
     int32_t dot = 0;
-    for (int l = 16 * j; l < 16 * j + 16; ++l) {
-      dot += int32_t{w.q[l]} * int32_t{qx[l]} * int32_t{multiples[l / 2]};
+    for (int g = 2 * j; g < 2 * j + 2; ++g) {  // a sixteen's two groups of 8
+      int32_t group = 0;
+      for (int l = 8 * g; l < 8 * g + 8; ++l) group += int32_t{w.q[l]} * int32_t{qx[l]};
+      dot += int32_t{multiples[g]} * group;
     }
     sum_q += int64_t{w.scale[j]} * dot;
     sum_min += int64_t{w.min[j]} * int64_t{bsums[j]};

@@ -18,6 +18,7 @@
 #define TOKENSERVE_KERNELS_GGUF_KQUANTS_AVX2_H_
 
 #include <cstdint>
+#include <cstring>
 #include <type_traits>
 #include <vector>
 
@@ -144,6 +145,17 @@ TOKENSERVE_GGUF_SIMD __attribute__((always_inline)) inline void UnpackAvx2<Q6_K>
   }
 }
 
+// Chunk c's four step multiples (bytes) as the int16 lanes of its maddubs pairs: lanes 0-3
+// (values 0-7) m_0, 4-7 m_1, 8-11 m_2, 12-15 m_3, zero-extended.
+TOKENSERVE_GGUF_SIMD __attribute__((always_inline)) inline __m256i ExpandMultiples(
+    const uint8_t* four) {
+  int32_t bytes;
+  std::memcpy(&bytes, four, 4);
+  const __m256i pick = _mm256_setr_epi8(0, -1, 0, -1, 0, -1, 0, -1, 1, -1, 1, -1, 1, -1, 1, -1,
+                                        2, -1, 2, -1, 2, -1, 2, -1, 3, -1, 3, -1, 3, -1, 3, -1);
+  return _mm256_shuffle_epi8(_mm256_set1_epi32(bytes), pick);
+}
+
 // Rows m0 .. m0 + R - 1 of x against super-block b of a weight row: acc[i] gains eight lanes
 // whose sum is that row's part of the dot product. One row at a time, each with one chain of
 // adds: with a chain per row interleaved, GCC summed the 8 x R products as a tree and spilled
@@ -157,11 +169,11 @@ TOKENSERVE_GGUF_SIMD __attribute__((always_inline)) inline void DotRows(const KB
   for (int i = 0; i < R; ++i) {
     const int64 at = xq.Index(m0 + i, b);
     const int8_t* x = xq.Values(at);
-    const int16_t* multiples = xq.Multiples(at);
+    const uint8_t* multiples = xq.Multiples(at);
     __m256i sum = _mm256_setzero_si256();
     for (int c = 0; c < 8; ++c) {
       const __m256i qx = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 32 * c));
-      const __m256i m = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(multiples + 16 * c));
+      const __m256i m = ExpandMultiples(multiples + 4 * c);
       sum = _mm256_add_epi32(sum, _mm256_madd_epi16(_mm256_maddubs_epi16(w.q[c], qx),
                                                     _mm256_mullo_epi16(w.scale[c], m)));
     }

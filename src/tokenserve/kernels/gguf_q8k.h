@@ -39,25 +39,24 @@ constexpr int kSuperBlock = 256;             // values a K-quant super-block, an
 constexpr int kSixteens = kSuperBlock / 16;  // bsums a block
 constexpr int kStepGroup = 8;                // values sharing one step
 constexpr int kMaxMultiple = 16;             // a group's step is d * m_g, m_g in [1, 16]
-constexpr int kPairs = kSuperBlock / 2;      // multiples stored a block: one a pair of values
+constexpr int kStepGroups = kSuperBlock / kStepGroup;  // steps a block
 
 // Row m's block b is number i = m * blocks + b: its values at q[i * 256], its unit d[i], its
-// sums bsums[i * 16 + j] (values 16 j .. 16 j + 15), and its step multiples as the kernels
-// read them, one int16 a pair of values: multiple[i * 128 + p] is m_g of values 2p, 2p + 1
-// (the layout of maddubs's int16 lanes, so 32 values' multiples are one vector load).
+// sums bsums[i * 16 + j] (values 16 j .. 16 j + 15), and its groups' step multiples m_g at
+// multiple[i * 32 + g] (values 8 g .. 8 g + 7), one byte each: the kernels read 256 bytes of
+// q and 32 of multiples a block and row, so a prefill sweep of x stays about q8_K's size.
 struct Q8KRows {
   int64 blocks = 0;  // per row: K / 256
   std::vector<int8_t> q;
   std::vector<float> d;
   std::vector<int16_t> bsums;
-  std::vector<int16_t> multiple;
+  std::vector<uint8_t> multiple;
   int64 Index(int64 m, int64 b) const { return m * blocks + b; }
   const int8_t* Values(int64 i) const { return q.data() + i * kSuperBlock; }
   const int16_t* Sums(int64 i) const { return bsums.data() + i * kSixteens; }
-  const int16_t* Multiples(int64 i) const { return multiple.data() + i * kPairs; }
+  const uint8_t* Multiples(int64 i) const { return multiple.data() + i * kStepGroups; }
 };
 
-constexpr int kStepGroups = kSuperBlock / kStepGroup;  // steps a block
 
 // max|x| over one block, NaN when a value is not finite.
 inline float BlockMax(const float gmax[kStepGroups]) {
@@ -70,17 +69,17 @@ inline float BlockMax(const float gmax[kStepGroups]) {
 }
 
 // A block holding a NaN or an infinity: q = 0, multiples 1, d = NaN (returned).
-inline float NonFiniteBlock(int8_t* q, int16_t* multiple, int16_t* bsums) {
+inline float NonFiniteBlock(int8_t* q, uint8_t* multiple, int16_t* bsums) {
   std::memset(q, 0, kSuperBlock);
-  std::fill(multiple, multiple + kPairs, int16_t{1});
+  std::fill(multiple, multiple + kStepGroups, uint8_t{1});
   std::fill(bsums, bsums + kSixteens, int16_t{0});
   return NAN;
 }
 
-// The sums of each sixteen's m * q, and the multiples in their int16 layout.
-inline void MultiplesAndSums(const int8_t* q, const int m[kStepGroups], int16_t* multiple,
+// The multiples as stored, and the sums of each sixteen's m * q.
+inline void MultiplesAndSums(const int8_t* q, const int m[kStepGroups], uint8_t* multiple,
                              int16_t* bsums) {
-  for (int p = 0; p < kPairs; ++p) multiple[p] = static_cast<int16_t>(m[2 * p / kStepGroup]);
+  for (int g = 0; g < kStepGroups; ++g) multiple[g] = static_cast<uint8_t>(m[g]);
   for (int j = 0; j < kSixteens; ++j) {
     int32_t sum = 0;
     for (int l = 16 * j; l < 16 * j + 16; ++l) sum += q[l] * m[l / kStepGroup];
@@ -92,7 +91,7 @@ inline void MultiplesAndSums(const int8_t* q, const int m[kStepGroups], int16_t*
 // version, which does the same float operations on eight groups at once: r = 16 / max|x|,
 // m_g = min(max(ceil(max|x in g| * r), 1), 16) (ceil, so |x| / (d * m_g) <= 127 up to float
 // rounding, which rounds to 127), one multiply by 1 / (d * m_g) and round half to even.
-inline float QuantizeBlockKScalar(const float* x, int8_t* q, int16_t* multiple,
+inline float QuantizeBlockKScalar(const float* x, int8_t* q, uint8_t* multiple,
                                   int16_t* bsums) {
   float gmax[kStepGroups];
   for (int g = 0; g < kStepGroups; ++g) gmax[g] = q8::AbsMaxScalar(x + g * kStepGroup, kStepGroup);
@@ -131,7 +130,7 @@ TOKENSERVE_AVX2_FMA inline __m256 Maxes8(const __m256 a[8]) {
 }
 
 // QuantizeBlockKScalar's bytes, multiples, sums and d.
-TOKENSERVE_AVX2_FMA inline float QuantizeBlockKAvx2(const float* x, int8_t* q, int16_t* multiple,
+TOKENSERVE_AVX2_FMA inline float QuantizeBlockKAvx2(const float* x, int8_t* q, uint8_t* multiple,
                                                     int16_t* bsums) {
   const __m256 sign = _mm256_set1_ps(-0.f), largest = _mm256_set1_ps(FLT_MAX);
   __m256 gmax[4], bad = _mm256_setzero_ps();  // gmax[v]: groups 8v .. 8v + 7
@@ -158,6 +157,9 @@ TOKENSERVE_AVX2_FMA inline float QuantizeBlockKAvx2(const float* x, int8_t* q, i
     const __m256 inv = amax > 0.f ? _mm256_div_ps(one, _mm256_mul_ps(_mm256_set1_ps(unit), m))
                                   : _mm256_setzero_ps();
     const __m256i mi = _mm256_cvttps_epi32(m);
+    alignas(32) int32_t stored[8];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(stored), mi);
+    for (int g = 0; g < 8; ++g) multiple[8 * v + g] = static_cast<uint8_t>(stored[g]);
     for (int h = 0; h < 2; ++h) {  // chunk c = 2 v + h: groups 4h .. 4h + 3 of this vector
       const int c = 2 * v + h;
       __m256 steps[4];
@@ -170,7 +172,6 @@ TOKENSERVE_AVX2_FMA inline float QuantizeBlockKAvx2(const float* x, int8_t* q, i
                                              4 * h + 2, 4 * h + 3, 4 * h + 3);
       __m256i pairs = _mm256_permutevar8x32_epi32(mi, pick);
       pairs = _mm256_or_si256(pairs, _mm256_slli_epi32(pairs, 16));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(multiple + 16 * c), pairs);
       const __m256i qc = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 32 * c));
       sixteens[c / 4][c % 4] = _mm256_madd_epi16(_mm256_maddubs_epi16(ones8, qc), pairs);
     }
@@ -197,11 +198,11 @@ inline void QuantizeRowsK(const float* x, int64 M, int64 K, bool simd, Q8KRows* 
   out->q.resize(count * kSuperBlock);
   out->d.resize(count);
   out->bsums.resize(count * kSixteens);
-  out->multiple.resize(count * kPairs);
+  out->multiple.resize(count * kStepGroups);
   for (int64 i = 0; i < count; ++i) {
     const float* src = x + i * kSuperBlock;  // row m's block b is x[m * K + b * 256]
     int8_t* q = out->q.data() + i * kSuperBlock;
-    int16_t* multiple = out->multiple.data() + i * kPairs;
+    uint8_t* multiple = out->multiple.data() + i * kStepGroups;
     int16_t* bsums = out->bsums.data() + i * kSixteens;
 #ifdef TOKENSERVE_CPU_X86
     if (simd) {
