@@ -6,7 +6,7 @@
 // large channels then set the step of the whole block, and the rest round to a level or two
 // (on Gemma 3's Q4_K_M file: +0.7 % perplexity against the dequantized float32 product). Here
 // a group's step is an integer multiple of the block's unit d = max|x| / (127 * kMaxMultiple):
-//   x ~= d * m_g * q,  m_g = ceil(kMaxMultiple * max|x in g| / max|x|) in [1, kMaxMultiple]
+//   x ~= d * m_g * q,  m_g = ceil(max|x in g| * (kMaxMultiple / max|x|)) in [1, 16]
 // so a group holding the block's largest value keeps q8_K's step, and a group of small values
 // gets one up to kMaxMultiple times finer. The kernels fold m_g into the integer madd operand
 // that already carries the weights' sub-block scales (scale_j * m_g, gguf_kquants_avx2.h): the
@@ -57,7 +57,6 @@ struct Q8KRows {
   const uint8_t* Multiples(int64 i) const { return multiple.data() + i * kStepGroups; }
 };
 
-
 // max|x| over one block, NaN when a value is not finite.
 inline float BlockMax(const float gmax[kStepGroups]) {
   float amax = 0.f;
@@ -94,14 +93,17 @@ inline void MultiplesAndSums(const int8_t* q, const int m[kStepGroups], uint8_t*
 inline float QuantizeBlockKScalar(const float* x, int8_t* q, uint8_t* multiple,
                                   int16_t* bsums) {
   float gmax[kStepGroups];
-  for (int g = 0; g < kStepGroups; ++g) gmax[g] = q8::AbsMaxScalar(x + g * kStepGroup, kStepGroup);
+  for (int g = 0; g < kStepGroups; ++g) {
+    gmax[g] = q8::AbsMaxScalar(x + g * kStepGroup, kStepGroup);
+  }
   const float amax = BlockMax(gmax);
   if (std::isnan(amax)) return NonFiniteBlock(q, multiple, bsums);
   const float unit = amax / (127.f * kMaxMultiple);
   const float r = amax > 0.f ? kMaxMultiple / amax : 0.f;
   int m[kStepGroups];
   for (int g = 0; g < kStepGroups; ++g) {
-    const float multiple_g = std::min(std::max(std::ceil(gmax[g] * r), 1.f), float{kMaxMultiple});
+    const float multiple_g =
+        std::min(std::max(std::ceil(gmax[g] * r), 1.f), float{kMaxMultiple});
     m[g] = static_cast<int>(multiple_g);
     const float inv = amax > 0.f ? 1.f / (unit * multiple_g) : 0.f;
     // nearbyint: round half to even, as _mm256_round_ps(_MM_FROUND_TO_NEAREST_INT) does
