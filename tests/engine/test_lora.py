@@ -9,7 +9,8 @@ import copy
 import numpy as np
 import pytest
 
-from support.lora_engines import MAX_TOKENS, PROMPTS, first_logits, make_engine, run
+from support.lora_engines import (MAX_TOKENS, PROMPTS, check_batch_matches_references,
+                                  make_engine, run)
 from support.lora_models import lora_checkpoint, reference_greedy
 from support.tiny_models import greedy_by_full_forward
 from tokenserve.engine.lora_adapter import LoraRequest
@@ -35,20 +36,7 @@ def checkpoint(request, tokenizer, tmp_path_factory):
 def test_a_batch_of_three_adapters_and_the_base_matches_peft(checkpoint):
     made, loaded = checkpoint
     engine = make_engine(loaded)
-    loras = [None] + [LoraRequest.new(f"a{i}", path) for i, (path, _) in
-                      enumerate(made.adapters)]
-    references = [made.hf_model] + [model for _, model in made.adapters]
-    jobs = [(prompt, lora) for prompt in PROMPTS for lora in loras]
-    got = run(engine, jobs)
-    for (prompt, lora), tokens in zip(jobs, got):
-        reference = references[loras.index(lora)]
-        assert tokens == reference_greedy(reference, prompt, MAX_TOKENS), (lora, prompt)
-    # one step carried rows of every adapter and of the base: the logits of each row
-    logits = first_logits(engine, [(PROMPTS[0], lora) for lora in loras])
-    for row, reference in zip(logits, references):
-        with torch.no_grad():
-            expected = reference(torch.tensor([PROMPTS[0]])).logits[0, -1].numpy()
-        np.testing.assert_allclose(row, expected, atol=1e-4, rtol=0)
+    check_batch_matches_references(engine, made, reference_greedy)
 
 
 def test_prompt_logits_on_an_adapter_match_peft(checkpoint):

@@ -9,7 +9,8 @@ import json
 import numpy as np
 import pytest
 
-from support.lora_engines import MAX_TOKENS, PROMPTS, first_logits, make_engine, run
+from support.lora_engines import (MAX_TOKENS, PROMPTS, check_batch_matches_references,
+                                  make_engine, run)
 from support.lora_models import moe_lora_checkpoint
 from tokenserve.engine.lora_adapter import LoraRequest, LoraTargetError, load_adapter
 
@@ -45,18 +46,7 @@ def test_attention_adapters_on_experts_match_peft_in_one_batch(checkpoint):
     engine = make_engine(loaded)
     # every layer's MLP a mixture of experts: no slot room for MLP factors
     assert engine.runner.step.lora_table.ranks == {"qkv": 24, "out": 8, "up": 0, "down": 0}
-    loras = [None] + [LoraRequest.new(f"a{i}", path) for i, (path, _) in
-                      enumerate(made.adapters)]
-    references = [made.hf_model] + [model for _, model in made.adapters]
-    jobs = [(prompt, lora) for prompt in PROMPTS for lora in loras]
-    for (prompt, lora), tokens in zip(jobs, run(engine, jobs)):
-        reference = references[loras.index(lora)]
-        assert tokens == reference_greedy(reference, prompt, MAX_TOKENS), (lora, prompt)
-    logits = first_logits(engine, [(PROMPTS[0], lora) for lora in loras])
-    for row, reference in zip(logits, references):
-        with torch.no_grad():
-            expected = reference(torch.tensor([PROMPTS[0]])).logits[0, -1].numpy()
-        np.testing.assert_allclose(row, expected, atol=1e-4, rtol=0)
+    loras = check_batch_matches_references(engine, made, reference_greedy)
     # echo + logprobs' full pass, with the adapter
     path, reference = made.adapters[0]
     with torch.no_grad():

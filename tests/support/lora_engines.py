@@ -52,3 +52,26 @@ def first_logits(engine, jobs) -> np.ndarray:
     finally:
         engine.runner.execute = execute
     return recorded[0]
+
+
+def check_batch_matches_references(engine, made, reference_greedy) -> list:
+    """The base and every adapter of `made` (a LoRA checkpoint: hf_model, adapters as (path,
+    transformers + peft model)) in one batch: each job's greedy tokens are its reference's
+    (`reference_greedy(model, prompt, max_tokens)`), and in one step that carries rows of
+    every adapter and of the base, each row's logits are within 1e-4 of its reference's.
+    Returns the jobs' adapters: None (the base), then one LoraRequest per adapter."""
+    import torch
+
+    loras = [None] + [LoraRequest.new(f"a{i}", path) for i, (path, _) in
+                      enumerate(made.adapters)]
+    references = [made.hf_model] + [model for _, model in made.adapters]
+    jobs = [(prompt, lora) for prompt in PROMPTS for lora in loras]
+    for (prompt, lora), tokens in zip(jobs, run(engine, jobs)):
+        reference = references[loras.index(lora)]
+        assert tokens == reference_greedy(reference, prompt, MAX_TOKENS), (lora, prompt)
+    logits = first_logits(engine, [(PROMPTS[0], lora) for lora in loras])
+    for row, reference in zip(logits, references):
+        with torch.no_grad():
+            expected = reference(torch.tensor([PROMPTS[0]])).logits[0, -1].numpy()
+        np.testing.assert_allclose(row, expected, atol=1e-4, rtol=0)
+    return loras

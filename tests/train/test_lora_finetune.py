@@ -70,7 +70,6 @@ def test_the_written_adapter_names_the_familys_own_modules(family, tokenizer, tm
     the model's own checkpoint (Phi-3's fused qkv_proj and gate_up_proj, GPT-2's c_attn ...),
     so peft loads it onto the transformers model with the logits of the model it was written
     from, and tokenserve loads it back."""
-    import transformers
     from safetensors.numpy import load_file
 
     from tokenserve.engine.lora_adapter import load_adapter
@@ -88,6 +87,15 @@ def test_the_written_adapter_names_the_familys_own_modules(family, tokenizer, tm
     written = {name.split(".")[-3] for name in tensors}  # ...qkv_proj.lora_A.weight
     assert written == ({"qkv_proj", "o_proj", "gate_up_proj", "down_proj"} if family == "phi3"
                        else {"c_attn", "c_proj", "c_fc"})
+    _check_peft_logits(made, adapter, lora, model)
+    assert load_adapter(adapter, config.model, max_rank=4).rank == 4
+
+
+def _check_peft_logits(made, adapter, lora, model):
+    """peft's logits for the written adapter on the transformers model of the same checkpoint
+    are the LoRA model's (within 1e-4), and the adapter moves them off the base's."""
+    import transformers
+
     base = transformers.AutoModelForCausalLM.from_pretrained(made.directory).eval()
     reference = peft.PeftModel.from_pretrained(base, adapter).eval()
     with torch.no_grad():
@@ -95,7 +103,6 @@ def test_the_written_adapter_names_the_familys_own_modules(family, tokenizer, tm
     got = lora(np.asarray([PROMPT], np.int32)).numpy()
     np.testing.assert_allclose(got, expected, atol=1e-4, rtol=0)
     assert not np.allclose(got, model(np.asarray([PROMPT], np.int32)).numpy(), atol=1e-3)
-    assert load_adapter(adapter, config.model, max_rank=4).rank == 4
 
 
 def _checkpoint(family, tokenizer, root):
@@ -114,7 +121,6 @@ def test_families_the_trainer_does_not_recompute_train_through_the_models_own_fo
     loss, and the adapter gives peft's logits and loads in tokenserve (a mixture of experts'
     on its attention projections)."""
     import tensorflow as tf
-    import transformers
 
     from tokenserve.engine.lora_adapter import load_adapter
     from tokenserve.model.hf import load_hf
@@ -144,13 +150,7 @@ def test_families_the_trainer_does_not_recompute_train_through_the_models_own_fo
     assert all(np.abs(b.numpy()).max() > 0 for _, b in lora.factors.values())  # all trained
     adapter = lora.save_adapter(tmp_path / "adapter")
 
-    base = transformers.AutoModelForCausalLM.from_pretrained(made.directory).eval()
-    reference = peft.PeftModel.from_pretrained(base, adapter).eval()
-    with torch.no_grad():
-        expected = reference(torch.tensor([PROMPT])).logits.numpy()
-    got = lora(np.asarray([PROMPT], np.int32)).numpy()
-    np.testing.assert_allclose(got, expected, atol=1e-4, rtol=0)
-    assert not np.allclose(got, model(np.asarray([PROMPT], np.int32)).numpy(), atol=1e-3)
+    _check_peft_logits(made, adapter, lora, model)
     served = load_adapter(adapter, config.model, max_rank=4)
     assert sorted(served.layers[0]) == (["out", "qkv"] if family == "qwen3moe"
                                         else ["down", "out", "qkv", "up"])
