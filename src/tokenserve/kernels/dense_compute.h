@@ -25,6 +25,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <memory>
 #include <vector>
 
@@ -179,16 +180,24 @@ void ComputeKn(const DenseGeometry& g, const Args<W>& a, tensorflow::thread::Thr
 // into per-worker partial sums that the epilogue adds up. In the GPT-2-small engine step this
 // beat the column ranges below by ~10 % at 3 rows and ~6 % at 4, and by 21 % at 5 rows
 // (measured when drafts made 5-8-row steps common; see kSplitKMaxRows).
+// `side`, when given, is one more chunk of the same call of the thread team (the first
+// taken), so its memory reads overlap the weights' stream (ComputeDense).
 template <typename W>
 void ComputeKnSplitK(const DenseGeometry& g, const Args<W>& a, tensorflow::thread::ThreadPool* pool,
-                     bool avx2) {
+                     bool avx2, const std::function<void()>* side) {
   const int64 workers = std::max(1, pool->NumThreads());
   const int64 chunks = std::max<int64>(1, std::min(kChunksPerWorker * workers,
                                                    g.K / kSplitKMinRows));
   const int64 rows_per_chunk = (g.K + chunks - 1) / chunks;
   std::vector<float> partial(workers * g.M * g.N);
   std::vector<char> used(workers, 0);
-    RunChunks(pool, workers, chunks, [&](int64 chunk, int64 worker) {
+  const int64 sides = side != nullptr ? 1 : 0;
+  RunChunks(pool, workers, chunks + sides, [&](int64 item, int64 worker) {
+    if (item < sides) {
+      (*side)();
+      return;
+    }
+    const int64 chunk = item - sides;
     const int64 k0 = chunk * rows_per_chunk, k1 = std::min(g.K, k0 + rows_per_chunk);
     float* acc = partial.data() + worker * g.M * g.N;
     used[worker] = 1;  // partial sums start at zero (the vector is value-initialized)
@@ -263,16 +272,26 @@ void ComputeNk(const DenseGeometry& g, const Args<W>& a, tensorflow::thread::Thr
 
 // x @ W and its epilogue for one TokenserveDense call (or one matrix of
 // TokenserveFinishBlock): the work split by layout and number of rows (top of this file).
+// `side` (nullptr: none) is independent work run before the call returns: with few rows
+// of x ("kn" split K), as one more chunk of the thread team beside the weights' chunks,
+// so a small product of other memory (a LoRA delta's factors) streams while the weights
+// do instead of after them, on one thread; otherwise first, on this thread.
 template <typename W>
 void ComputeDense(const DenseGeometry& g, const Args<W>& a, bool kn,
-                  tensorflow::thread::ThreadPool* pool, bool avx2) {
+                  tensorflow::thread::ThreadPool* pool, bool avx2,
+                  const std::function<void()>* side = nullptr) {
   if (kn && g.M <= kSplitKMaxRows && g.K >= 2 * kSplitKMinRows) {
-    ComputeKnSplitK(g, a, pool, avx2);
+    ComputeKnSplitK(g, a, pool, avx2, side);
+    return;
+  }
+  if (side != nullptr) (*side)();
 #ifdef TOKENSERVE_CPU_X86
-  } else if (kn && avx2 && g.M >= kPackedMinRows) {
+  if (kn && avx2 && g.M >= kPackedMinRows) {
     ComputeKnPacked(g, a, pool);
+    return;
+  }
 #endif
-  } else if (kn) {
+  if (kn) {
     ComputeKn(g, a, pool, avx2);
   } else {
     ComputeNk(g, a, pool, avx2);

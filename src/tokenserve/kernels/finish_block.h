@@ -14,6 +14,7 @@
 #define TOKENSERVE_KERNELS_FINISH_BLOCK_H_
 
 #include <cstdint>
+#include <functional>
 #include <vector>
 
 #include "dense_args.h"
@@ -53,6 +54,7 @@ enum class Projection { kOut = 0, kUp = 1, kDown = 2, kNext = 3 };
 // The plain block: nothing added to any product.
 struct NoDelta {
   static constexpr bool kAdds = false;
+  const std::function<void()>* Beside(Projection, const float*) const { return nullptr; }
   void operator()(Projection, const float*, float*) const {}
 };
 
@@ -120,7 +122,8 @@ inline bool CheckFinishBlockInputs(OpKernelContext* ctx, rowops::Activation act,
 // y [M, D] and next [M, Nq]. `delta(projection, in, z)` adds to each product z [M, width]
 // computed from its input rows in [M, width_in] before the product's activation (up's
 // product is finished, delta added, then activated); NoDelta keeps the activation inside
-// up's product, as the plain op always did.
+// up's product, as the plain op always did. `delta.Beside(projection, in)` is work the
+// product runs beside its own before delta() is called (ComputeDense's `side`), or nullptr.
 template <typename W, typename Delta>
 void RunFinishBlock(OpKernelContext* ctx, const BlockDims& s, rowops::Activation act,
                     float eps, bool avx2, float* y, float* next, const Delta& delta) {
@@ -134,7 +137,7 @@ void RunFinishBlock(OpKernelContext* ctx, const BlockDims& s, rowops::Activation
   ComputeDense<W>({m, s.da, d, d}, {in(0), weights(2), Data(ctx->input(3)),
                                     s.post_attn ? nullptr : in(1), x1.data(),
                                     Activation::kNone},
-                  true, pool, avx2);
+                  true, pool, avx2, delta.Beside(Projection::kOut, in(0)));
   delta(Projection::kOut, in(0), x1.data());
   if (s.post_attn) NormAddRows(avx2, m, d, s.post_attn, eps, in(1), x1.data());
   // h = norm(x1)
@@ -147,7 +150,7 @@ void RunFinishBlock(OpKernelContext* ctx, const BlockDims& s, rowops::Activation
     std::vector<float> z(m * f);
     ComputeDense<W>({m, d, f, f}, {h.data(), weights(6), Data(ctx->input(7)), nullptr,
                                    z.data(), Activation::kNone},
-                    true, pool, avx2);
+                    true, pool, avx2, delta.Beside(Projection::kUp, h.data()));
     delta(Projection::kUp, h.data(), z.data());
     rowops::FinishRows(avx2, m, f, inner, act, z.data(), nullptr, nullptr, u.data());
   } else {
@@ -158,7 +161,7 @@ void RunFinishBlock(OpKernelContext* ctx, const BlockDims& s, rowops::Activation
   // y = u @ down_w + down_bias + x1 (post-norm: x1 + rms(u @ down_w + down_bias))
   ComputeDense<W>({m, inner, d, d}, {u.data(), weights(8), Data(ctx->input(9)),
                                      s.post_mlp ? nullptr : x1.data(), y, Activation::kNone},
-                  true, pool, avx2);
+                  true, pool, avx2, delta.Beside(Projection::kDown, u.data()));
   delta(Projection::kDown, u.data(), y);
   if (s.post_mlp) NormAddRows(avx2, m, d, s.post_mlp, eps, x1.data(), y);
   if (!s.has_next) return;
@@ -168,7 +171,7 @@ void RunFinishBlock(OpKernelContext* ctx, const BlockDims& s, rowops::Activation
   }
   ComputeDense<W>({m, d, s.nq, s.nq}, {h.data(), weights(12), Data(ctx->input(13)), nullptr,
                                        next, Activation::kNone},
-                  true, pool, avx2);
+                  true, pool, avx2, delta.Beside(Projection::kNext, h.data()));
   delta(Projection::kNext, h.data(), next);
 }
 

@@ -6,11 +6,14 @@
 // The rows come sorted by slot once a step (engine/step/lora.py, shared by every layer):
 // `order` [M] the row indices by slot, `offsets` [S + 2] where slot s's rows are
 // order[offsets[s]:offsets[s + 1]]. A_s [L, in, R] and B_s [L, R, out] are the slot table's
-// own variables, read in place (no per-step copy). Each projection is one call of the
-// thread team: work items of up to kLoraRows rows of one slot by a range of out's columns,
-// each item its rows' in @ A_s (kept in per-worker scratch) and then @ B_s's columns, added
-// into y. Few rows (decode at small batch) split out's columns further so both threads
-// work; the repeated in @ A_s is R / (columns per item) of the item's work.
+// own variables, read in place (no per-step copy). Each projection's delta is summed from
+// zero and then added to y, whichever path computes it, so a row's bits are the same alone
+// and in a batch. A few adapter rows (decode of a stream or two) run on one thread
+// (FewLoraDeltas), in the fused block as one more chunk of the projection's own product;
+// more rows are one call of the thread team: work items of up to kLoraRows rows of one
+// slot by a range of out's columns, each item its rows' in @ A_s (kept in per-worker
+// scratch) and then @ B_s's columns; few items split out's columns further so both
+// threads work (the repeated in @ A_s is R / (columns per item) of the item's work).
 // Both products run register-tiled (lora_product.h): up to 4 rows by 64 columns in AVX2
 // registers, each factor row read once per tile for all its rows.
 //
@@ -172,11 +175,12 @@ inline bool ReadLoraFactor(OpKernelContext* ctx, int a_index, int spans_index, i
   return true;
 }
 
-// The rows' delta on columns [j0, j1) (t: scratch [n, R]): in @ A_s on the rank rows of
-// the pieces that reach those columns, then each such piece's product on its columns
-// within them. Nothing where no piece reaches.
-inline void LoraRowsDelta(const LoraFactor& factor, int64 slot, int64 n, const int32_t* rows,
-                          const float* in, int64 j0, int64 j1, float* t, float* y) {
+// The rows' delta on columns [j0, j1) into d (t: scratch [n, R]; d: [n, out], row i's
+// columns [j0, j1) written): in @ A_s on the rank rows of the pieces that reach those
+// columns, then each such piece's product on its columns within them, summed from zero
+// (zeros where no piece reaches). False, d untouched, when no piece reaches.
+inline bool LoraRowsDelta(const LoraFactor& factor, int64 slot, int64 n, const int32_t* rows,
+                          const float* in, int64 j0, int64 j1, float* t, float* d) {
   const auto& pieces = factor.pieces[slot - 1];
   auto reaches = [&](const LoraPiece& p) {
     return p.r0 < p.r1 && std::max<int64>(p.c0, j0) < std::min<int64>(p.c1, j1);
@@ -187,13 +191,14 @@ inline void LoraRowsDelta(const LoraFactor& factor, int64 slot, int64 n, const i
     k0 = std::min<int64>(k0, p.r0);
     k1 = std::max<int64>(k1, p.r1);
   }
-  if (k0 >= k1) return;
+  if (k0 >= k1) return false;
   const int64 r = factor.rank;
   std::array<const float*, kLoraRows> x_rows, t_rows;
-  std::array<float*, kLoraRows> y_rows, t_out;
+  std::array<float*, kLoraRows> d_rows, t_out;
   for (int64 i = 0; i < n; ++i) {
     x_rows[i] = in + rows[i] * factor.width;
-    y_rows[i] = y + rows[i] * factor.out;
+    d_rows[i] = d + i * factor.out;
+    std::fill(d_rows[i] + j0, d_rows[i] + j1, 0.f);
     t_out[i] = t + i * r;
     t_rows[i] = t_out[i];
   }
@@ -201,44 +206,111 @@ inline void LoraRowsDelta(const LoraFactor& factor, int64 slot, int64 n, const i
   // on (at 32 rows over 4 adapters the prefetches made the deltas about 10% faster)
   LoraProduct(n, x_rows.data(), factor.a[slot - 1], r, 0, factor.width, k0, k1, t_out.data(),
               false, 16 * r);
-  for (const LoraPiece& p : pieces) {  // y[rows, piece's columns] += t[:, r0:r1] @ B_s[r0:r1]
+  for (const LoraPiece& p : pieces) {  // d[:, piece's columns] += t[:, r0:r1] @ B_s[r0:r1]
     if (!reaches(p)) continue;
     LoraProduct(n, t_rows.data(), factor.b[slot - 1], factor.out, p.r0, p.r1,
-                std::max<int64>(p.c0, j0), std::min<int64>(p.c1, j1), y_rows.data(), true, 128);
+                std::max<int64>(p.c0, j0), std::min<int64>(p.c1, j1), d_rows.data(), true, 128);
+  }
+  return true;
+}
+
+// y[rows[i], j0:j1] += d[i, j0:j1] for the n rows (d [n, out]).
+inline void AddLoraRows(int64 n, const int32_t* rows, const float* d, int64 out, int64 j0,
+                        int64 j1, float* y) {
+  for (int64 i = 0; i < n; ++i) {
+    float* __restrict yi = y + rows[i] * out;
+    const float* __restrict di = d + i * out;
+    for (int64 c = j0; c < j1; ++c) yi[c] += di[c];
   }
 }
 
-// y [M, out] += each row's delta from in [M, width] (see the top of this file), in one call
-// of the thread team.
-inline void AddLoraDelta(tensorflow::thread::ThreadPool* pool, const LoraGroups& groups,
-                         const LoraFactor& factor, const float* in, float* y) {
-  const int64 r = factor.rank;
-  if (r == 0) return;
-  struct Rows {
-    int64 slot, begin, count;  // order[begin:begin + count], all of `slot`
-  };
-  std::vector<Rows> chunks;
-  int64 num_rows = 0;  // rows of slots that add something here
+// Rows of one slot, order[begin:begin + count].
+struct LoraRows {
+  int64 slot, begin, count;
+};
+
+// The rows whose slot has a piece of `factor` (the others add nothing here), in chunks of
+// up to kLoraRows rows of one slot; *num_rows: their rows.
+inline std::vector<LoraRows> LoraChunks(const LoraGroups& groups, const LoraFactor& factor,
+                                        int64* num_rows) {
+  std::vector<LoraRows> chunks;
+  *num_rows = 0;
+  if (factor.rank == 0) return chunks;
   for (int64 s = 1; s <= groups.num_slots; ++s) {
     if (factor.used[s - 1] == 0) continue;  // no piece of this role at this layer
-    num_rows += groups.offsets[s + 1] - groups.offsets[s];
+    *num_rows += groups.offsets[s + 1] - groups.offsets[s];
     for (int64 i = groups.offsets[s]; i < groups.offsets[s + 1]; i += kLoraRows) {
       chunks.push_back({s, i, std::min<int64>(kLoraRows, groups.offsets[s + 1] - i)});
     }
   }
-  if (chunks.empty()) return;
-  // A few rows (decode of a stream or two): each slot's in @ A_s once and @ B_s whole, on
-  // this thread. Their delta is tens of microseconds a projection, less than splitting it
-  // gains: the columns' split repeats in @ A_s per item, and each call of the team is one
-  // more point where this thread waits on a helper (on a loaded machine, a descheduled one).
-  if (num_rows <= kLoraSerialRows) {
-    std::vector<float> t(kLoraRows * r);
-    for (const Rows& rows : chunks) {
-      LoraRowsDelta(factor, rows.slot, rows.count, groups.order + rows.begin, in, 0,
-                    factor.out, t.data(), y);
+  return chunks;
+}
+
+// A few rows' deltas (at most kLoraSerialRows: decode of a stream or two) on one thread:
+// each slot's in @ A_s once and @ B_s whole, into a buffer of their own (Compute), then
+// added to the product (AddTo). Their delta is tens of microseconds a projection, less
+// than splitting it gains: the columns' split repeats in @ A_s per item, and each call of
+// the team is one more point where a thread waits on a helper (on a loaded machine, a
+// descheduled one). Compute needs only the projection's input, so the fused block runs it
+// as one more chunk of the projection's own product (ComputeDense's `side`): the factors'
+// reads then overlap the weights' stream on the other thread instead of following it.
+// The sums are the team path's, so a row's delta has the same bits either way.
+struct FewLoraDeltas {
+  std::vector<LoraRows> chunks;
+  std::vector<float> t, d;   // [kLoraRows, R] scratch; [rows, out] the deltas, chunk order
+  std::vector<char> filled;  // per chunk: a piece reached its rows
+
+  // Takes the rows of `factor`; false (nothing to add, or too many rows for one thread)
+  // leaves the chunks empty.
+  bool Plan(const LoraGroups& groups, const LoraFactor& factor) {
+    int64 num_rows = 0;
+    chunks = LoraChunks(groups, factor, &num_rows);
+    if (num_rows == 0 || num_rows > kLoraSerialRows) {
+      chunks.clear();
+      return false;
     }
+    t.resize(kLoraRows * factor.rank);
+    d.resize(num_rows * factor.out);
+    filled.assign(chunks.size(), 0);
+    return true;
+  }
+
+  void Compute(const LoraFactor& factor, const LoraGroups& groups, const float* in) {
+    float* di = d.data();
+    for (size_t c = 0; c < chunks.size(); ++c) {
+      const LoraRows& rows = chunks[c];
+      filled[c] = LoraRowsDelta(factor, rows.slot, rows.count, groups.order + rows.begin, in,
+                                0, factor.out, t.data(), di);
+      di += rows.count * factor.out;
+    }
+  }
+
+  void AddTo(const LoraFactor& factor, const LoraGroups& groups, float* y) const {
+    const float* di = d.data();
+    for (size_t c = 0; c < chunks.size(); ++c) {
+      const LoraRows& rows = chunks[c];
+      if (filled[c]) {
+        AddLoraRows(rows.count, groups.order + rows.begin, di, factor.out, 0, factor.out, y);
+      }
+      di += rows.count * factor.out;
+    }
+  }
+};
+
+// y [M, out] += each row's delta from in [M, width] (see the top of this file): a few rows
+// on this thread (FewLoraDeltas), more in one call of the thread team.
+inline void AddLoraDelta(tensorflow::thread::ThreadPool* pool, const LoraGroups& groups,
+                         const LoraFactor& factor, const float* in, float* y) {
+  FewLoraDeltas few;
+  if (few.Plan(groups, factor)) {
+    few.Compute(factor, groups, in);
+    few.AddTo(factor, groups, y);
     return;
   }
+  int64 num_rows = 0;
+  const std::vector<LoraRows> chunks = LoraChunks(groups, factor, &num_rows);
+  if (chunks.empty()) return;
+  const int64 r = factor.rank;
   const int64 workers = pool == nullptr ? 1 : std::max(1, pool->NumThreads());
   const int64 num_chunks = static_cast<int64>(chunks.size());
   // column ranges per row chunk (whole blocks): enough items for every worker twice, none
@@ -246,14 +318,19 @@ inline void AddLoraDelta(tensorflow::thread::ThreadPool* pool, const LoraGroups&
   const int64 blocks = (factor.out + kLoraColBlock - 1) / kLoraColBlock;
   const int64 wanted = (2 * workers + num_chunks - 1) / num_chunks;
   const int64 col_ranges = std::max<int64>(1, std::min(wanted, factor.out / kLoraMinCols));
-  std::vector<float> scratch(workers * kLoraRows * r);
+  std::vector<float> t_scratch(workers * kLoraRows * r);
+  std::vector<float> d_scratch(workers * kLoraRows * factor.out);
   RunChunks(pool, workers, num_chunks * col_ranges, [&](int64 item, int64 worker) {
-    const Rows& rows = chunks[item / col_ranges];
+    const LoraRows& rows = chunks[item / col_ranges];
     const int64 range = item % col_ranges;
     const int64 j0 = blocks * range / col_ranges * kLoraColBlock;
     const int64 j1 = std::min(factor.out, blocks * (range + 1) / col_ranges * kLoraColBlock);
-    LoraRowsDelta(factor, rows.slot, rows.count, groups.order + rows.begin, in, j0, j1,
-                  scratch.data() + worker * kLoraRows * r, y);
+    float* d = d_scratch.data() + worker * kLoraRows * factor.out;
+    const int32_t* order = groups.order + rows.begin;
+    if (LoraRowsDelta(factor, rows.slot, rows.count, order, in, j0, j1,
+                      t_scratch.data() + worker * kLoraRows * r, d)) {
+      AddLoraRows(rows.count, order, d, factor.out, j0, j1, y);
+    }
   });
 }
 

@@ -15,6 +15,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -62,14 +63,41 @@ REGISTER_OP("TokenserveLoraFinishBlock")
     .Doc("TokenserveFinishBlock with each row's LoRA delta (in @ A_s) @ B_s on out, up, "
          "down and next, rows grouped by slot s.");
 
-// RunFinishBlock's hook: each projection's deltas.
+// RunFinishBlock's hook: each projection's deltas. A few adapter rows' run beside the
+// projection's product (FewLoraDeltas, as ComputeDense's `side`) and are added after it;
+// more rows' run after it, in a call of the thread team of their own.
 struct LoraDeltas {
   static constexpr bool kAdds = true;
+  struct Side {  // one projection's deltas computed beside its product
+    FewLoraDeltas few;
+    const LoraFactor* factor = nullptr;
+    const LoraGroups* groups = nullptr;
+    const float* in = nullptr;
+    bool pending = false;
+    std::function<void()> work = [this] { few.Compute(*factor, *groups, in); };
+  };
   tensorflow::thread::ThreadPool* pool;
   const LoraGroups* groups;
   const LoraFactor* factors;  // [4], by Projection
+  Side* beside;               // [4], by Projection
+
+  const std::function<void()>* Beside(Projection projection, const float* in) const {
+    Side& side = beside[static_cast<int>(projection)];
+    side.factor = &factors[static_cast<int>(projection)];
+    side.groups = groups;
+    side.in = in;
+    side.pending = side.few.Plan(*groups, *side.factor);
+    return side.pending ? &side.work : nullptr;
+  }
+
   void operator()(Projection projection, const float* in, float* z) const {
-    AddLoraDelta(pool, *groups, factors[static_cast<int>(projection)], in, z);
+    const int p = static_cast<int>(projection);
+    if (beside[p].pending) {
+      beside[p].few.AddTo(factors[p], *groups, z);
+      beside[p].pending = false;
+      return;
+    }
+    AddLoraDelta(pool, *groups, factors[p], in, z);
   }
 };
 
@@ -108,7 +136,8 @@ class LoraFinishBlockOp : public OpKernel {
     Tensor* next_tensor = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(1, TensorShape({s.m, s.nq}), &next_tensor));
     if (s.m == 0 || s.d == 0) return;
-    const LoraDeltas deltas{WorkerPool(ctx), &groups, factors};
+    LoraDeltas::Side beside[4];
+    const LoraDeltas deltas{WorkerPool(ctx), &groups, factors, beside};
     float* y = y_tensor->flat<float>().data();
     float* next = next_tensor->flat<float>().data();
     if (ctx->input(2).dtype() == tensorflow::DT_BFLOAT16) {
