@@ -190,19 +190,31 @@ def test_lora_delta_reads_only_the_pieces_an_adapter_fills(compiled, m):
     assert not np.allclose(got[rows][:, :q], y[rows][:, :q])
 
 
-def test_a_rows_delta_has_the_same_bits_alone_and_in_a_batch(compiled):
-    """A decode row alone (its delta on the op's own thread) and the same row among 40 rows
-    of 3 adapters (the thread team's work items of up to 8 rows of a slot by column ranges)
-    get the very same delta, so a stream's tokens do not depend on what shares its step."""
+@pytest.mark.parametrize("pieces", [
+    None,                                        # the whole factor
+    [[0, 6, 0, 100], [6, 16, 100, 330]],         # pieces on columns of their own
+    [[0, 8, 0, 330], [8, 16, 50, 200]]])         # pieces that share columns
+def test_a_rows_delta_has_the_same_bits_alone_and_in_a_batch(compiled, pieces):
+    """A decode row alone (its delta on the op's own thread, into a buffer then added) and
+    the same row among 40 rows of 3 adapters (the thread team's work items of up to 8 rows
+    of a slot by column ranges, added straight into y where the pieces' columns are their
+    own) get the very same delta, so a stream's tokens do not depend on what shares its
+    step."""
     rng = np.random.default_rng(11)
     m, width, out, rank, slots = 40, 96, 330, 16, 3
     row_slot = np.arange(m) % (slots + 1)
     x = rng.standard_normal((m, width)).astype(np.float32)
     y = rng.standard_normal((m, out)).astype(np.float32)
     factor = _tf(_factors(rng, slots, rank, width, out))
+    spans = None
+    if pieces is not None:
+        table = np.zeros([LAYERS, 4, kd.LORA_PIECES, 4], np.int32)
+        table[:, 0, :len(pieces)] = pieces
+        spans = [tf.constant(table)] * slots
     batch = kd.lora_delta(tf.constant(y), tf.constant(x), _groups(row_slot, slots), *factor,
-                          layer=2).numpy()
+                          layer=2, spans=spans).numpy()
     for row in (1, 2, 7):  # one row of each adapter, alone
         alone = kd.lora_delta(tf.constant(y[row:row + 1]), tf.constant(x[row:row + 1]),
-                              _groups(row_slot[row:row + 1], slots), *factor, layer=2).numpy()
+                              _groups(row_slot[row:row + 1], slots), *factor, layer=2,
+                              spans=spans).numpy()
         np.testing.assert_array_equal(alone[0], batch[row])

@@ -175,45 +175,6 @@ inline bool ReadLoraFactor(OpKernelContext* ctx, int a_index, int spans_index, i
   return true;
 }
 
-// The rows' delta on columns [j0, j1) into d (t: scratch [n, R]; d: [n, out], row i's
-// columns [j0, j1) written): in @ A_s on the rank rows of the pieces that reach those
-// columns, then each such piece's product on its columns within them, summed from zero
-// (zeros where no piece reaches). False, d untouched, when no piece reaches.
-inline bool LoraRowsDelta(const LoraFactor& factor, int64 slot, int64 n, const int32_t* rows,
-                          const float* in, int64 j0, int64 j1, float* t, float* d) {
-  const auto& pieces = factor.pieces[slot - 1];
-  auto reaches = [&](const LoraPiece& p) {
-    return p.r0 < p.r1 && std::max<int64>(p.c0, j0) < std::min<int64>(p.c1, j1);
-  };
-  int64 k0 = factor.rank, k1 = 0;
-  for (const LoraPiece& p : pieces) {
-    if (!reaches(p)) continue;
-    k0 = std::min<int64>(k0, p.r0);
-    k1 = std::max<int64>(k1, p.r1);
-  }
-  if (k0 >= k1) return false;
-  const int64 r = factor.rank;
-  std::array<const float*, kLoraRows> x_rows, t_rows;
-  std::array<float*, kLoraRows> d_rows, t_out;
-  for (int64 i = 0; i < n; ++i) {
-    x_rows[i] = in + rows[i] * factor.width;
-    d_rows[i] = d + i * factor.out;
-    std::fill(d_rows[i] + j0, d_rows[i] + j1, 0.f);
-    t_out[i] = t + i * r;
-    t_rows[i] = t_out[i];
-  }
-  // t[:, k0:k1] = in[rows] @ A_s[:, k0:k1], A's rows prefetched 16 on; then B's columns 128
-  // on (at 32 rows over 4 adapters the prefetches made the deltas about 10% faster)
-  LoraProduct(n, x_rows.data(), factor.a[slot - 1], r, 0, factor.width, k0, k1, t_out.data(),
-              false, 16 * r);
-  for (const LoraPiece& p : pieces) {  // d[:, piece's columns] += t[:, r0:r1] @ B_s[r0:r1]
-    if (!reaches(p)) continue;
-    LoraProduct(n, t_rows.data(), factor.b[slot - 1], factor.out, p.r0, p.r1,
-                std::max<int64>(p.c0, j0), std::min<int64>(p.c1, j1), d_rows.data(), true, 128);
-  }
-  return true;
-}
-
 // y[rows[i], j0:j1] += d[i, j0:j1] for the n rows (d [n, out]).
 inline void AddLoraRows(int64 n, const int32_t* rows, const float* d, int64 out, int64 j0,
                         int64 j1, float* y) {
@@ -222,6 +183,70 @@ inline void AddLoraRows(int64 n, const int32_t* rows, const float* d, int64 out,
     const float* __restrict di = d + i * out;
     for (int64 c = j0; c < j1; ++c) yi[c] += di[c];
   }
+}
+
+// The rows' delta on columns [j0, j1), summed from zero and added to y's rows (t: scratch
+// [n, R]): in @ A_s on the rank rows of the pieces that reach those columns, then each such
+// piece's product on its columns within them. With y nullptr the delta is left in d
+// ([n, out], row i's columns [j0, j1) written; zeros where no piece reaches) for the caller
+// to add (AddLoraRows). Pieces on columns of their own add their sums straight into y's
+// rows; pieces that share columns (a factor past kLoraPieces: LoraPiecesShareColumns) sum
+// in d first, so a row's bits are the same either way. False, nothing written, when no
+// piece reaches.
+inline bool LoraRowsDelta(const LoraFactor& factor, int64 slot, int64 n, const int32_t* rows,
+                          const float* in, int64 j0, int64 j1, float* t, float* d, float* y) {
+  const auto& pieces = factor.pieces[slot - 1];
+  std::array<std::array<int64, 4>, kLoraPieces> reached;  // r0, r1, c0, c1 within [j0, j1)
+  int64 num_reached = 0;
+  int64 k0 = factor.rank, k1 = 0;
+  bool disjoint = true;
+  for (const LoraPiece& p : pieces) {
+    const int64 c0 = std::max<int64>(p.c0, j0), c1 = std::min<int64>(p.c1, j1);
+    if (p.r0 >= p.r1 || c0 >= c1) continue;
+    for (int64 i = 0; i < num_reached; ++i) {
+      disjoint = disjoint && (c1 <= reached[i][2] || reached[i][3] <= c0);
+    }
+    reached[num_reached++] = {p.r0, p.r1, c0, c1};
+    k0 = std::min<int64>(k0, p.r0);
+    k1 = std::max<int64>(k1, p.r1);
+  }
+  if (num_reached == 0) return false;
+  const int64 r = factor.rank;
+  const bool direct = y != nullptr && disjoint;
+  std::array<const float*, kLoraRows> x_rows, t_rows;
+  std::array<float*, kLoraRows> dest, t_out;
+  for (int64 i = 0; i < n; ++i) {
+    x_rows[i] = in + rows[i] * factor.width;
+    dest[i] = direct ? y + rows[i] * factor.out : d + i * factor.out;
+    if (!direct) std::fill(dest[i] + j0, dest[i] + j1, 0.f);
+    t_out[i] = t + i * r;
+    t_rows[i] = t_out[i];
+  }
+  // t[:, k0:k1] = in[rows] @ A_s[:, k0:k1], A's rows prefetched 16 on; then B's columns 128
+  // on (at 32 rows over 4 adapters the prefetches made the deltas about 10% faster)
+  LoraProduct(n, x_rows.data(), factor.a[slot - 1], r, 0, factor.width, k0, k1, t_out.data(),
+              LoraStore::kSet, 16 * r);
+  for (int64 i = 0; i < num_reached; ++i) {  // each piece: t[:, r0:r1] @ B_s[r0:r1, c0:c1]
+    const auto& [p0, p1, c0, c1] = reached[i];
+    LoraProduct(n, t_rows.data(), factor.b[slot - 1], factor.out, p0, p1, c0, c1, dest.data(),
+                direct ? LoraStore::kAdd : LoraStore::kAccumulate, 128);
+  }
+  if (y != nullptr && !direct) AddLoraRows(n, rows, d, factor.out, j0, j1, y);
+  return true;
+}
+
+// Whether two of `slot`'s pieces of `factor` share a column (a factor past kLoraPieces).
+inline bool LoraPiecesShareColumns(const LoraFactor& factor, int64 slot) {
+  const auto& pieces = factor.pieces[slot - 1];
+  for (int64 i = 0; i < kLoraPieces; ++i) {
+    for (int64 j = 0; j < i; ++j) {
+      const LoraPiece &a = pieces[i], &b = pieces[j];
+      if (a.r0 < a.r1 && b.r0 < b.r1 && std::max(a.c0, b.c0) < std::min(a.c1, b.c1)) {
+        return true;
+      }
+    }
+  }
+  return false;
 }
 
 // Rows of one slot, order[begin:begin + count].
@@ -280,7 +305,7 @@ struct FewLoraDeltas {
     for (size_t c = 0; c < chunks.size(); ++c) {
       const LoraRows& rows = chunks[c];
       filled[c] = LoraRowsDelta(factor, rows.slot, rows.count, groups.order + rows.begin, in,
-                                0, factor.out, t.data(), di);
+                                0, factor.out, t.data(), di, nullptr);
       di += rows.count * factor.out;
     }
   }
@@ -319,18 +344,22 @@ inline void AddLoraDelta(tensorflow::thread::ThreadPool* pool, const LoraGroups&
   const int64 wanted = (2 * workers + num_chunks - 1) / num_chunks;
   const int64 col_ranges = std::max<int64>(1, std::min(wanted, factor.out / kLoraMinCols));
   std::vector<float> t_scratch(workers * kLoraRows * r);
-  std::vector<float> d_scratch(workers * kLoraRows * factor.out);
+  // a buffer for the deltas only where a slot's pieces share columns (LoraRowsDelta)
+  std::vector<char> shared(groups.num_slots + 1, 0);
+  for (int64 s = 1; s <= groups.num_slots; ++s) shared[s] = LoraPiecesShareColumns(factor, s);
+  std::vector<std::vector<float>> d_scratch(workers);
   RunChunks(pool, workers, num_chunks * col_ranges, [&](int64 item, int64 worker) {
     const LoraRows& rows = chunks[item / col_ranges];
     const int64 range = item % col_ranges;
     const int64 j0 = blocks * range / col_ranges * kLoraColBlock;
     const int64 j1 = std::min(factor.out, blocks * (range + 1) / col_ranges * kLoraColBlock);
-    float* d = d_scratch.data() + worker * kLoraRows * factor.out;
-    const int32_t* order = groups.order + rows.begin;
-    if (LoraRowsDelta(factor, rows.slot, rows.count, order, in, j0, j1,
-                      t_scratch.data() + worker * kLoraRows * r, d)) {
-      AddLoraRows(rows.count, order, d, factor.out, j0, j1, y);
+    float* d = nullptr;
+    if (shared[rows.slot]) {
+      d_scratch[worker].resize(kLoraRows * factor.out);
+      d = d_scratch[worker].data();
     }
+    LoraRowsDelta(factor, rows.slot, rows.count, groups.order + rows.begin, in, j0, j1,
+                  t_scratch.data() + worker * kLoraRows * r, d, y);
   });
 }
 

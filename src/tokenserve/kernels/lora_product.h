@@ -1,7 +1,8 @@
 // The two halves of a LoRA delta as one product of up to kLoraRows rows, register-tiled:
 //
-//     dest[i][c] = (accumulate ? dest[i][c] : 0) + sum over k in [k0, k1) of
-//                  left[i][k] * right[k * stride + c]        for c in [c0, c1)
+//     sum[i][c] = (store == kAccumulate ? dest[i][c] : 0) + sum over k in [k0, k1) of
+//                 left[i][k] * right[k * stride + c]        for c in [c0, c1)
+//     dest[i][c] = store == kAdd ? dest[i][c] + sum[i][c] : sum[i][c]
 //
 // (in @ A: left the rows of in, right A, dest the scratch t; t @ B: left t, right B, dest
 // y's rows). Each element is its own chain of fused multiply-adds in k order, whatever the
@@ -25,16 +26,21 @@ namespace {
 
 constexpr int kLoraTileRows = 4;  // rows of one register tile
 
+// What a product does with dest: overwrite it, continue its sums, or add its sums (from
+// zero) to it.
+enum class LoraStore { kSet, kAccumulate, kAdd };
+
 #ifdef TOKENSERVE_CPU_X86
 // One tile: NR rows by NV vectors of 8 columns from column c.
 template <int NR, int NV>
 TOKENSERVE_AVX2_FMA inline void LoraTileAvx2(const float* const* left, const float* right,
                                              int64 stride, int64 k0, int64 k1, int64 c,
-                                             float* const* dest, bool accumulate, int64 ahead) {
+                                             float* const* dest, LoraStore store, int64 ahead) {
   __m256 acc[NR][NV];
   for (int i = 0; i < NR; ++i) {
     for (int v = 0; v < NV; ++v) {
-      acc[i][v] = accumulate ? _mm256_loadu_ps(dest[i] + c + 8 * v) : _mm256_setzero_ps();
+      acc[i][v] = store == LoraStore::kAccumulate ? _mm256_loadu_ps(dest[i] + c + 8 * v)
+                                                  : _mm256_setzero_ps();
     }
   }
   for (int64 k = k0; k < k1; ++k) {
@@ -50,7 +56,11 @@ TOKENSERVE_AVX2_FMA inline void LoraTileAvx2(const float* const* left, const flo
     }
   }
   for (int i = 0; i < NR; ++i) {
-    for (int v = 0; v < NV; ++v) _mm256_storeu_ps(dest[i] + c + 8 * v, acc[i][v]);
+    for (int v = 0; v < NV; ++v) {
+      float* out = dest[i] + c + 8 * v;
+      _mm256_storeu_ps(out, store == LoraStore::kAdd ? _mm256_add_ps(_mm256_loadu_ps(out), acc[i][v])
+                                                     : acc[i][v]);
+    }
   }
 }
 
@@ -60,18 +70,18 @@ template <int NR, int NV>
 TOKENSERVE_AVX2_FMA inline void LoraColumnsAvx2(const float* const* left, const float* right,
                                                 int64 stride, int64 k0, int64 k1, int64 c,
                                                 int64 c1, float* const* dest,
-                                                bool accumulate, int64 ahead) {
+                                                LoraStore store, int64 ahead) {
   for (; c + 8 * NV <= c1; c += 8 * NV) {
-    LoraTileAvx2<NR, NV>(left, right, stride, k0, k1, c, dest, accumulate, ahead);
+    LoraTileAvx2<NR, NV>(left, right, stride, k0, k1, c, dest, store, ahead);
   }
   if constexpr (NV > 1) {
-    LoraColumnsAvx2<NR, NV / 2>(left, right, stride, k0, k1, c, c1, dest, accumulate, ahead);
+    LoraColumnsAvx2<NR, NV / 2>(left, right, stride, k0, k1, c, c1, dest, store, ahead);
   } else {
     for (; c < c1; ++c) {
       for (int i = 0; i < NR; ++i) {
-        float acc = accumulate ? dest[i][c] : 0.f;
+        float acc = store == LoraStore::kAccumulate ? dest[i][c] : 0.f;
         for (int64 k = k0; k < k1; ++k) acc = std::fma(left[i][k], right[k * stride + c], acc);
-        dest[i][c] = acc;
+        dest[i][c] = store == LoraStore::kAdd ? dest[i][c] + acc : acc;
       }
     }
   }
@@ -81,23 +91,23 @@ TOKENSERVE_AVX2_FMA inline void LoraColumnsAvx2(const float* const* left, const 
 TOKENSERVE_AVX2_FMA inline void LoraProductAvx2(int64 n, const float* const* left,
                                                 const float* right, int64 stride, int64 k0,
                                                 int64 k1, int64 c0, int64 c1,
-                                                float* const* dest, bool accumulate,
+                                                float* const* dest, LoraStore store,
                                                 int64 ahead) {
   for (int64 i = 0; i < n; i += kLoraTileRows) {
     const float* const* l = left + i;
     float* const* d = dest + i;
     switch (std::min<int64>(kLoraTileRows, n - i)) {
       case 1:
-        LoraColumnsAvx2<1, 8>(l, right, stride, k0, k1, c0, c1, d, accumulate, ahead);
+        LoraColumnsAvx2<1, 8>(l, right, stride, k0, k1, c0, c1, d, store, ahead);
         break;
       case 2:
-        LoraColumnsAvx2<2, 4>(l, right, stride, k0, k1, c0, c1, d, accumulate, ahead);
+        LoraColumnsAvx2<2, 4>(l, right, stride, k0, k1, c0, c1, d, store, ahead);
         break;
       case 3:
-        LoraColumnsAvx2<3, 3>(l, right, stride, k0, k1, c0, c1, d, accumulate, ahead);
+        LoraColumnsAvx2<3, 3>(l, right, stride, k0, k1, c0, c1, d, store, ahead);
         break;
       default:
-        LoraColumnsAvx2<4, 2>(l, right, stride, k0, k1, c0, c1, d, accumulate, ahead);
+        LoraColumnsAvx2<4, 2>(l, right, stride, k0, k1, c0, c1, d, store, ahead);
         break;
     }
   }
@@ -109,21 +119,20 @@ TOKENSERVE_AVX2_FMA inline void LoraProductAvx2(int64 n, const float* const* lef
 // few lines of 16 to 48 rows at a time, more streams than the hardware's prefetch follows).
 inline void LoraProduct(int64 n, const float* const* left, const float* right, int64 stride,
                         int64 k0, int64 k1, int64 c0, int64 c1, float* const* dest,
-                        bool accumulate, int64 ahead) {
+                        LoraStore store, int64 ahead) {
   if (c0 >= c1) return;
 #ifdef TOKENSERVE_CPU_X86
   if (cpu::HasAvx2Fma()) {
-    LoraProductAvx2(n, left, right, stride, k0, k1, c0, c1, dest, accumulate, ahead);
+    LoraProductAvx2(n, left, right, stride, k0, k1, c0, c1, dest, store, ahead);
     return;
   }
 #endif
   for (int64 i = 0; i < n; ++i) {
     float* __restrict di = dest[i];
-    if (!accumulate) std::fill(di + c0, di + c1, 0.f);
-    for (int64 k = k0; k < k1; ++k) {
-      const float l = left[i][k];
-      const float* __restrict rk = right + k * stride;
-      for (int64 c = c0; c < c1; ++c) di[c] += l * rk[c];
+    for (int64 c = c0; c < c1; ++c) {
+      float acc = store == LoraStore::kAccumulate ? di[c] : 0.f;
+      for (int64 k = k0; k < k1; ++k) acc += left[i][k] * right[k * stride + c];
+      di[c] = store == LoraStore::kAdd ? di[c] + acc : acc;
     }
   }
 }
