@@ -34,7 +34,7 @@ from tokenserve.engine.lora_errors import (LoraAdapterError, LoraBaseMismatchErr
                                            LoraNameError, LoraNotFoundError, LoraRankError,
                                            LoraShapeError, LoraTargetError)
 from tokenserve.engine.lora_gguf import is_gguf_adapter, read_gguf_adapter
-from tokenserve.engine.lora_moe import moe_target_problem
+from tokenserve.engine.lora_moe import EXPERT_ROLES, MoeFactors, is_moe_module
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -246,6 +246,7 @@ def load_adapter(path: str | Path, config: TransformerConfig, max_rank: int) -> 
     columns = role_columns(config)
     shapes = role_shapes(config)
     factors: dict[tuple[int, str], dict[str, np.ndarray]] = {}
+    moe_pairs: dict[tuple[int, str], dict[str, tuple[str, np.ndarray]]] = {}
     for name, value in tensors.items():
         match = _NAME.match(name)
         if match is None:
@@ -253,10 +254,18 @@ def load_adapter(path: str | Path, config: TransformerConfig, max_rank: int) -> 
                                   f"transformer block's linear layer")
         gpt2 = match["stem"] != "model.layers"
         modules = GPT2_MODULES if gpt2 else LLAMA_FAMILY_MODULES
-        if config.num_experts and (problem := moe_target_problem(
-                match["module"], modules.get(match["module"], (None,))[0],
-                int(match["layer"]), config)):
-            raise LoraTargetError(f"adapter tensor {name!r} {problem}")
+        layer = int(match["layer"])
+        if config.num_experts and is_moe_module(match["module"]):
+            if layer >= config.num_layers:
+                raise LoraBaseMismatchError(f"adapter changes layer {layer}; the model has "
+                                            f"{config.num_layers} layers (another base model?)")
+            moe_pairs.setdefault((layer, match["module"]), {})[match["side"]] = (name, value)
+            continue
+        if (config.num_experts and modules.get(match["module"], ("",))[0] in ("up", "down")
+                and config.layer_has_experts(layer)):
+            raise LoraTargetError(f"adapter tensor {name!r} targets {match['module']!r}, but "
+                                  f"layer {layer}'s MLP is a mixture of experts without that "
+                                  f"module (an adapter for a dense model?)")
         if match["module"] not in modules:
             raise LoraTargetError(f"adapter tensor {name!r} targets {match['module']!r}, "
                                   f"which tokenserve does not adapt (targets: "
@@ -265,14 +274,13 @@ def load_adapter(path: str | Path, config: TransformerConfig, max_rank: int) -> 
             raise LoraBaseMismatchError(
                 f"adapter tensor {name!r} is for a {'GPT-2' if gpt2 else 'Llama-family'} "
                 f"model; this model is {'GPT-2' if config.mlp == 'gelu' else 'Llama-family'}")
-        layer = int(match["layer"])
         if layer >= config.num_layers:
             raise LoraBaseMismatchError(f"adapter changes layer {layer}; the model has "
                                         f"{config.num_layers} layers (another base model?)")
         if value.ndim != 2:
             raise LoraShapeError(f"adapter tensor {name!r} has shape {value.shape}, not 2-D")
         factors.setdefault((layer, match["module"]), {})[match["side"]] = value
-    if not factors:
+    if not factors and not moe_pairs:
         raise LoraTargetError(f"{path if is_gguf_adapter(path) else path / WEIGHTS_FILE} "
                               f"holds no LoRA factors")
     check_architecture(options, {module for _, module in factors}, config)
@@ -311,7 +319,36 @@ def load_adapter(path: str | Path, config: TransformerConfig, max_rank: int) -> 
         rank = max(rank, r)
     for (layer, role), pieces in parts.items():
         layers[layer][role] = fuse_role(pieces, shapes[role][1])
+    if moe_pairs:
+        rank = max(rank, _add_moe_factors(layers, moe_pairs, options, config, max_rank))
     return LoraWeights(rank, layers)
+
+
+def _add_moe_factors(layers: list[dict], pairs: dict, options: dict,
+                     config: TransformerConfig, max_rank: int) -> int:
+    """Adds the experts', shared expert's and router's roles (lora_moe.py) to `layers`;
+    returns the largest module rank among them."""
+    moe = MoeFactors(config, max_rank)
+    rank = 0
+    for (layer, module), pair in sorted(pairs.items()):
+        if set(pair) != {"A", "B"}:
+            raise LoraShapeError(f"layer {layer} {module} has lora_{next(iter(pair))} but "
+                                 f"not its other factor")
+        (name, a), (_, b) = pair["A"], pair["B"]
+        if a.ndim != 2 or b.ndim != 2:
+            raise LoraShapeError(f"adapter tensor {name!r}'s factors are not 2-D")
+        full = f"model.layers.{layer}.{module}"
+        alpha = _pattern_value(options.get("alpha_pattern"), full, options.get("lora_alpha"))
+
+        def scale_of(r: int, alpha=alpha) -> float:
+            nonlocal rank
+            rank = max(rank, r)
+            value = float(r if alpha is None else alpha)
+            return value / (math.sqrt(r) if options.get("use_rslora") else r)
+        moe.add(name, layer, module, a, b, scale_of)
+    for layer, roles in zip(layers, moe.layers(config.num_layers)):
+        layer.update(roles)
+    return rank
 
 
 def fuse_role(pieces: list, width_out: int, xp=np) -> tuple:
@@ -340,8 +377,18 @@ def block_factors(blocks, layers: list[dict]) -> dict:
     factors = {}
     for block, layer in zip(blocks, layers):
         for role, pair in layer.items():
-            owner, name = ROLE_LAYERS[role]
-            factors[id(getattr(getattr(block, owner), name))] = pair
+            if role in ROLE_LAYERS:
+                owner, name = ROLE_LAYERS[role]
+                factors[id(getattr(getattr(block, owner), name))] = pair
+            elif role in EXPERT_ROLES:  # model/moe.py's MoE: experts [(up, down)]
+                a, b = pair
+                for e, dense in enumerate(block.mlp.experts):
+                    factors[id(dense[role == "expert_down"])] = (a[e], b[e])
+            else:  # router, shared_up / shared_down / shared_gate (MoE.shared's order)
+                shared = ("shared_up", "shared_down", "shared_gate")
+                owner = (block.mlp.router if role == "router"
+                         else block.mlp.shared[shared.index(role)])
+                factors[id(owner)] = pair
     return factors
 
 
