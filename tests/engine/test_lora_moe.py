@@ -102,7 +102,7 @@ def test_per_expert_modules_load_as_the_stacked_experts(checkpoint, tmp_path):
     assert not (down_a[3] @ down_b[3]).any()
 
 
-@pytest.mark.parametrize("case", ["rank", "expert-shape", "stacked-shape", "expert-index",
+@pytest.mark.parametrize("case", ["rank", "gate-up-rank", "expert-shape", "stacked-shape", "expert-index",
                                   "dense-module", "twice"])
 def test_bad_expert_factors_are_refused(checkpoint, tmp_path, case):
     """A rank over --max_lora_rank, an expert factor of the wrong width, stacked factors
@@ -115,8 +115,11 @@ def test_bad_expert_factors_are_refused(checkpoint, tmp_path, case):
     c = config.model
     d, f, e = c.hidden_size, c.expert_intermediate_size, c.num_experts
     tensors, error, match = {
-        "rank": (_pair("mlp.experts", [e * 16, d], [2 * f, e * 16]), LoraRankError,
-                 r"rank 16 .*above --max_lora_rank 8"),
+        "rank": (_pair("mlp.experts", [e * 9, f], [d, e * 9]), LoraRankError,
+                 r"rank 9 .*above --max_lora_rank 8"),
+        # gate_up_proj: up to twice the rank (peft's own for gate_proj + up_proj targets)
+        "gate-up-rank": (_pair("mlp.experts.base_layer", [e * 17, d], [2 * f, e * 17]),
+                         LoraRankError, r"rank 17 .*above --max_lora_rank 8 \(x 2 for gate_up"),
         "expert-shape": (_pair("mlp.experts.0.down_proj", [2, f + 1], [d, 2]), LoraShapeError,
                          r"experts\.0\.down_proj: lora_A \(2, %d\)" % (f + 1)),
         "stacked-shape": (_pair("mlp.experts", [e * 2, d], [d + 3, e * 2]), LoraShapeError,
@@ -131,6 +134,15 @@ def test_bad_expert_factors_are_refused(checkpoint, tmp_path, case):
     }[case]
     with pytest.raises(error, match=match):
         load_adapter(_write(tmp_path / case, tensors), c, max_rank=8)
+
+
+def test_a_server_without_expert_slots_refuses_expert_factors(checkpoint):
+    """--no_lora_experts: no slot room for them, so an adapter with them is refused, and
+    the attention's adapter still loads."""
+    made, (_, _, config) = checkpoint
+    with pytest.raises(LoraTargetError, match="--no_lora_experts"):
+        load_adapter(made.adapters[1][0], config.model, max_rank=8, experts=False)
+    assert load_adapter(made.adapters[0][0], config.model, max_rank=8, experts=False).layers
 
 
 @pytest.mark.slow  # two more engines

@@ -227,8 +227,10 @@ def check_architecture(options: dict, modules: set[str], config: TransformerConf
             f"this model is a {config.architecture}")
 
 
-def load_adapter(path: str | Path, config: TransformerConfig, max_rank: int) -> LoraWeights:
-    """Reads and checks a PEFT LoRA adapter against the base model `config`.
+def load_adapter(path: str | Path, config: TransformerConfig, max_rank: int,
+                 experts: bool = True) -> LoraWeights:
+    """Reads and checks a PEFT LoRA adapter against the base model `config`; `experts`:
+    whether a mixture of experts' experts, shared expert and router may be adapted.
 
     Raises:
         LoraNotFoundError: a missing directory or file, or one that does not parse.
@@ -259,6 +261,10 @@ def load_adapter(path: str | Path, config: TransformerConfig, max_rank: int) -> 
             if layer >= config.num_layers:
                 raise LoraBaseMismatchError(f"adapter changes layer {layer}; the model has "
                                             f"{config.num_layers} layers (another base model?)")
+            if not experts:
+                raise LoraTargetError(f"adapter tensor {name!r} targets {match['module']!r}, "
+                                      f"part of a mixture of experts, and this server holds "
+                                      f"no slots for them (--no_lora_experts)")
             moe_pairs.setdefault((layer, match["module"]), {})[match["side"]] = (name, value)
             continue
         if (config.num_experts and modules.get(match["module"], ("",))[0] in ("up", "down")
@@ -337,14 +343,13 @@ def _add_moe_factors(layers: list[dict], pairs: dict, options: dict,
         (name, a), (_, b) = pair["A"], pair["B"]
         if a.ndim != 2 or b.ndim != 2:
             raise LoraShapeError(f"adapter tensor {name!r}'s factors are not 2-D")
-        full = f"model.layers.{layer}.{module}"
-        alpha = _pattern_value(options.get("alpha_pattern"), full, options.get("lora_alpha"))
 
-        def scale_of(r: int, alpha=alpha) -> float:
+        def scale_of(r: int, path: str, layer=layer) -> float:
             nonlocal rank
             rank = max(rank, r)
-            value = float(r if alpha is None else alpha)
-            return value / (math.sqrt(r) if options.get("use_rslora") else r)
+            alpha = _pattern_value(options.get("alpha_pattern"), f"model.layers.{layer}.{path}",
+                                   options.get("lora_alpha", r))
+            return float(alpha) / (math.sqrt(r) if options.get("use_rslora") else r)
         moe.add(name, layer, module, a, b, scale_of)
     for layer, roles in zip(layers, moe.layers(config.num_layers)):
         layer.update(roles)

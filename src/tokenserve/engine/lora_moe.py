@@ -97,9 +97,15 @@ class MoeFactors:
         self._pieces: dict[tuple[int, str], list] = {}
 
     def add(self, name: str, layer: int, module: str, a: np.ndarray, b: np.ndarray,
-            scale_of: Callable[[int], float]) -> None:
+            scale_of: Callable[[int, str], float]) -> None:
         """One module's factor pair (PEFT's lora_A [r, in] / [E r, in], lora_B [out, r] /
-        [out, E r]) from adapter tensor `name`; scale_of(r): its scale (alpha / r, ...).
+        [out, E r]) from adapter tensor `name`; scale_of(r, path): its scale (alpha / r,
+        alpha from PEFT's alpha_pattern where a key matches `path`, the torch module's path
+        in the block, a stacked parameter's own: mlp.experts.gate_up_proj).
+
+        A stacked gate_up_proj takes a rank up to 2 x max_rank: peft 0.21 turns target_modules
+        gate_proj and up_proj of transformers 5's Qwen3-MoE and OLMoE into gate_up_proj at
+        twice the rank (its rank_pattern and alpha_pattern), the two modules' rank.
 
         Raises:
             LoraTargetError: a layer without experts, or a module this model lacks.
@@ -110,8 +116,11 @@ class MoeFactors:
         if not c.layer_has_experts(layer):
             raise LoraTargetError(f"adapter tensor {name!r} targets {module!r}, but layer "
                                   f"{layer} is dense: it has no experts")
+        path = module
         if (stacked := _STACKED.match(module)) is not None:
             role, part, expert = self._stacked_role(name, a, b), "all", None
+            path = module.split(".")[0] + (".experts.gate_up_proj" if role == "expert_up"
+                                           else ".experts.down_proj")
         elif (one := _PER_EXPERT.match(module)) is not None:
             (role, part), expert = _PROJ[one["proj"]], int(one["expert"])
             if expert >= c.num_experts:
@@ -132,10 +141,12 @@ class MoeFactors:
             raise LoraShapeError(
                 f"layer {layer} {module}: lora_A {a.shape} and lora_B {b.shape} do not fit "
                 f"[{num} x r, {width_in}] and [{end - first}, {num} x r]")
-        if r > self.max_rank:
+        max_rank = self.max_rank * (2 if part == "all" and role.endswith("_up") else 1)
+        if r > max_rank:
             raise LoraRankError(f"adapter rank {r} (layer {layer} {module}) is above "
-                                f"--max_lora_rank {self.max_rank}")
-        scale = scale_of(r)
+                                f"--max_lora_rank {self.max_rank}"
+                                f"{' (x 2 for gate_up_proj)' if max_rank > self.max_rank else ''}")
+        scale = scale_of(r, path)
         a = a.astype(np.float32)
         b = b.astype(np.float32)
         if stacked is not None:  # expert e: A rows e r .. (e + 1) r; B columns j E + e

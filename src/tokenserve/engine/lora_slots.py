@@ -49,12 +49,15 @@ class LoraSlots:
         write_slot: (slot, prepared values) -> None: the runner's slot write.
         prepare_slot: LoraWeights.layers -> the values write_slot takes (the runner's;
             called where an adapter is checked, any thread).
+        experts: whether the slots hold a mixture of experts' factors
+            (EngineConfig.lora_experts; adapters with them are refused where not).
     """
 
     def __init__(self, config: TransformerConfig, max_loras: int, max_rank: int,
                  write_slot: Callable[[int, object], None],
-                 prepare_slot: Callable[[list], object]):
+                 prepare_slot: Callable[[list], object], experts: bool = True):
         self.config, self.max_loras, self.max_rank = config, max_loras, max_rank
+        self.experts = experts
         self.write_slot, self.prepare_slot = write_slot, prepare_slot
         self.slots: list[LoraRequest | None] = [None] * (max_loras + 1)  # [0]: the base
         self._last_used = [0] * (max_loras + 1)
@@ -81,7 +84,7 @@ class LoraSlots:
         return self._checks.run(self._check, path, lora)
 
     def _check(self, path: str | Path, lora: LoraRequest | None = None) -> LoraWeights:
-        weights = load_adapter(path, self.config, self.max_rank)
+        weights = load_adapter(path, self.config, self.max_rank, experts=self.experts)
         if lora is not None:
             self.remember(lora, weights)
         return weights

@@ -106,7 +106,8 @@ class ModelRunner:
                 from tokenserve.engine.step.lora import LoraTable
 
                 self.step.lora_table = LoraTable(config.model, engine_config.max_loras,
-                                                 engine_config.max_lora_rank)
+                                                 engine_config.max_lora_rank,
+                                                 experts=engine_config.lora_experts)
                 table = self.step.lora_table
                 log.info("LoRA: %d adapter slots of rank up to %d (%.1f MiB%s)",
                          engine_config.max_loras, engine_config.max_lora_rank,

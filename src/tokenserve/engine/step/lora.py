@@ -47,7 +47,8 @@ from tokenserve.model.layers import linear, norm
 class LoraTable(tf.Module):
     """`max_loras` resident adapters of rank up to `max_rank`, slot 0 the base model."""
 
-    def __init__(self, config: TransformerConfig, max_loras: int, max_rank: int):
+    def __init__(self, config: TransformerConfig, max_loras: int, max_rank: int,
+                 experts: bool = True):
         super().__init__(name="lora_table")
         self.config, self.max_loras, self.max_rank = config, max_loras, max_rank
         self.widths = role_shapes(config)
@@ -64,8 +65,10 @@ class LoraTable(tf.Module):
         self.spans = [tf.Variable(tf.zeros([layers, len(ROLES), kdense.LORA_PIECES, 4],
                                            tf.int32), trainable=False, name=f"lora_spans_{slot}")
                       for slot in range(1, max_loras + 1)]
-        self.moe = MoeLoraTable(config, max_loras, max_rank) if config.num_experts else None
-        """The experts', shared expert's and router's factors (lora_moe.py), on a MoE model."""
+        self.moe = (MoeLoraTable(config, max_loras, max_rank)
+                    if config.num_experts and experts else None)
+        """The experts', shared expert's and router's factors (lora_moe.py), on a MoE model
+        (unless `experts` is False: EngineConfig.lora_experts)."""
 
     @property
     def num_bytes(self) -> int:

@@ -7,8 +7,8 @@ variable per factor:
     A[role][s - 1][layer]  [in, n R]        n: factor pairs a layer (E experts, else 1)
     B[role][s - 1][layer]  [n, R, out]      R: moe_role_ranks (gate and up: 2 x max rank)
 
-so a slot costs layers x (E (D 2R + 2R 2F + F R + R D) + the router's and shared
-expert's) floats: `num_bytes`, which the runner logs. One variable per layer, so the step
+so a slot costs layers x (E r (3 D + 5 F) + the router's and shared expert's) float32s
+(r: max_lora_rank; Qwen3-30B-A3B at rank 16: 3.9 GB): `num_bytes`, which the runner logs. One variable per layer, so the step
 reads a layer's factors in place (a slice of a [layers, ...] variable would copy it).
 
 A step whose rows include one of a slot holding MoE factors (`slot_has_factors`; its own
