@@ -15,9 +15,11 @@ prompts decoding --new-tokens greedy tokens:
   experts-N    N streams spread over the two expert adapters (each MoE layer as stock TF
                ops with each (row, expert) pair's delta: engine/step/lora_moe.py)
 
-for N = 1 and 8; the median full-batch decode step of each, medians over rounds whose
-order rotates, and the ratios to base in the same round. The machine is shared and noisy:
-compare only within one run.
+for N = 1 and 8, each system on its own engine (the same random weights), the three
+engines taking one step each in turn, so each sees the same load at the same moments; the
+median full-batch decode step of each, medians over rounds (the turn order rotates), and
+the ratios to base in the same round. The machine is shared and noisy: compare only within
+one run.
 
     python benchmarks/lora_moe.py                          # hidden 512, 4 layers, 3 rounds
     python benchmarks/lora_moe.py --rounds 1 --new-tokens 8   # a quick look
@@ -106,9 +108,9 @@ def build_engine(config):
                      knobs)
 
 
-def run(engine, loras: list, num_streams: int, new_tokens: int, seed: int) -> float:
-    """The median full-batch decode step (ms) of `num_streams` random 32-token prompts,
-    stream i on loras[i % len(loras)] (None: the base)."""
+def start(engine, loras: list, num_streams: int, new_tokens: int, seed: int) -> list:
+    """Queues `num_streams` random 32-token prompts, stream i on loras[i % len(loras)]
+    (None: the base); returns the requests."""
     from tokenserve.sampling import SamplingParams
 
     rng = np.random.default_rng(seed)
@@ -117,14 +119,26 @@ def run(engine, loras: list, num_streams: int, new_tokens: int, seed: int) -> fl
                                     lora=loras[i % len(loras)]) for i in range(num_streams)]
     for request in requests:
         engine.add_request(request)
-    steps = []
-    while engine.has_work:
-        decoding = sum(len(r.seqs[0].output_ids) > 0 for r in requests)
-        before = time.perf_counter()
-        engine.step()
-        if decoding == num_streams:
-            steps.append(time.perf_counter() - before)
-    return 1e3 * statistics.median(steps)
+    return requests
+
+
+def run_interleaved(engines: dict, loras: dict, num_streams: int, new_tokens: int,
+                    seed: int) -> dict[str, float]:
+    """Each system's median full-batch decode step (ms), the systems' engines stepping in
+    turn (one step each), so each sees the same load at the same moments."""
+    requests = {name: start(engines[name], loras[name], num_streams, new_tokens, seed)
+                for name in engines}
+    steps: dict[str, list[float]] = {name: [] for name in engines}
+    while any(engine.has_work for engine in engines.values()):
+        for name, engine in engines.items():
+            if not engine.has_work:
+                continue
+            decoding = sum(len(r.seqs[0].output_ids) > 0 for r in requests[name])
+            before = time.perf_counter()
+            engine.step()
+            if decoding == num_streams:
+                steps[name].append(time.perf_counter() - before)
+    return {name: 1e3 * statistics.median(times) for name, times in steps.items()}
 
 
 def main() -> None:
@@ -143,23 +157,24 @@ def main() -> None:
 
     config = architecture(args)
     load_before = os.getloadavg()
-    engine = build_engine(config)
-    table_mib = engine.runner.step.lora_table.num_bytes / 2**20
-    experts_mib = engine.runner.step.lora_table.moe.num_bytes / 2**20
+    # one engine per system (the same random weights), stepped in turn
+    engines = {name: build_engine(config) for name in ("base", "attn", "experts")}
+    table_mib = engines["base"].runner.step.lora_table.num_bytes / 2**20
+    experts_mib = engines["base"].runner.step.lora_table.moe.num_bytes / 2**20
     root = Path(tempfile.mkdtemp(prefix="lora_moe_"))
     loras = {"base": [None]}
     for kind, experts in (("attn", False), ("experts", True)):
         loras[kind] = [LoraRequest.new(f"{kind}{i}", write_adapter(
             root / f"{kind}{i}", config, experts, seed=10 * i + experts)) for i in range(2)]
-    for name in loras:  # warm-up: every trace the timed runs take
-        for streams in STREAMS:
-            run(engine, loras[name], streams, 4, seed=0)
-    results = {f"{name}-{n}": [] for name in loras for n in STREAMS}
+    for n in STREAMS:  # warm-up: every trace the timed runs take
+        run_interleaved(engines, loras, n, 4, seed=0)
+    results = {f"{name}-{n}": [] for name in engines for n in STREAMS}
     for r in range(args.rounds):
-        for name in rotated(list(loras), r):
-            for n in STREAMS:
-                results[f"{name}-{n}"].append(run(engine, loras[name], n, args.new_tokens,
-                                                  seed=100 + r))
+        order = dict(rotated(list(engines.items()), r))
+        for n in STREAMS:
+            for name, ms in run_interleaved(order, loras, n, args.new_tokens,
+                                            seed=100 + r).items():
+                results[f"{name}-{n}"].append(ms)
         console.print(f"round {r + 1}/{args.rounds} done")
     ratios = {f"{name}_{n}_step_over_base": spread(
         [x / y for x, y in zip(results[f"{name}-{n}"], results[f"base-{n}"])])

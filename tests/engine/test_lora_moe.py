@@ -102,6 +102,48 @@ def test_per_expert_modules_load_as_the_stacked_experts(checkpoint, tmp_path):
     assert not (down_a[3] @ down_b[3]).any()
 
 
+def test_a_transformers_4_expert_adapter_matches_peft(checkpoint, tmp_path):
+    """Per-expert factors as peft wrote them on transformers 4 (Mixtral's
+    block_sparse_moe.experts.E.w1 / w3 / w2, the router block_sparse_moe.gate), which peft
+    0.21 folds into transformers 5's stacked experts when it loads them: the engine's
+    tokens and logits are peft's. (peft 0.21 leaves Qwen-MoE's such files unapplied, so
+    Mixtral is the family with a reference.)"""
+    import peft
+    import transformers
+
+    made, loaded = checkpoint
+    if made.family != "mixtral":
+        pytest.skip("peft applies transformers 4's per-expert files to Mixtral only")
+    c = loaded[2].model
+    d, f = c.hidden_size, c.expert_intermediate_size
+    rng = np.random.default_rng(5)
+    tensors = {}
+    for layer in range(c.num_layers):
+        modules = {"block_sparse_moe.gate": (d, c.num_experts)}
+        for e in range(c.num_experts):
+            modules.update({f"block_sparse_moe.experts.{e}.w1": (d, f),
+                            f"block_sparse_moe.experts.{e}.w3": (d, f),
+                            f"block_sparse_moe.experts.{e}.w2": (f, d)})
+        for module, (width_in, width_out) in modules.items():
+            name = f"base_model.model.model.layers.{layer}.{module}.lora_"
+            tensors[name + "A.weight"] = rng.normal(0, 0.3, [2, width_in]).astype(np.float32)
+            tensors[name + "B.weight"] = rng.normal(0, 0.3, [width_out, 2]).astype(np.float32)
+    path = _write(tmp_path / "v4", tensors, {
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": 2, "lora_alpha": 4,
+        "target_modules": ["w1", "w2", "w3", "gate"]})
+    base = transformers.AutoModelForCausalLM.from_pretrained(made.directory).eval()
+    reference = peft.PeftModel.from_pretrained(base, path).eval()
+    engine = make_engine(loaded)
+    lora = LoraRequest.new("v4", path)
+    assert run(engine, [(PROMPTS[0], lora), (PROMPTS[0], None)]) == [
+        reference_greedy(reference, PROMPTS[0], MAX_TOKENS),
+        reference_greedy(made.hf_model, PROMPTS[0], MAX_TOKENS)]
+    with torch.no_grad():
+        expected = reference(torch.tensor([PROMPTS[1]])).logits[0].numpy()
+    got = engine.runner.prompt_logits(PROMPTS[1], engine.loras.weights_of(lora).layers)
+    np.testing.assert_allclose(got, expected, atol=1e-4, rtol=0)
+
+
 @pytest.mark.parametrize("case", ["rank", "gate-up-rank", "expert-shape", "stacked-shape", "expert-index",
                                   "dense-module", "twice"])
 def test_bad_expert_factors_are_refused(checkpoint, tmp_path, case):
