@@ -178,13 +178,24 @@ def test_bad_expert_factors_are_refused(checkpoint, tmp_path, case):
         load_adapter(_write(tmp_path / case, tensors), c, max_rank=8)
 
 
-def test_a_server_without_expert_slots_refuses_expert_factors(checkpoint):
-    """--no_lora_experts: no slot room for them, so an adapter with them is refused, and
-    the attention's adapter still loads."""
-    made, (_, _, config) = checkpoint
+def test_no_lora_experts_leaves_the_experts_out_of_the_slots(checkpoint):
+    """--no_lora_experts: the slot table holds no MoE factors, an adapter with them is
+    refused, and the attention's adapter still loads."""
+    import argparse
+
+    from tokenserve.cli.lora_flags import add_lora_flags, lora_engine_options
+
+    made, loaded = checkpoint
+    parser = argparse.ArgumentParser()
+    add_lora_flags(parser)
+    options = lora_engine_options(parser.parse_args(["--max_loras", "2", "--no_lora_experts"]))
+    assert options["lora_experts"] is False
+    engine = make_engine(loaded, **options)
+    assert engine.runner.step.lora_table.moe is None
     with pytest.raises(LoraTargetError, match="--no_lora_experts"):
-        load_adapter(made.adapters[1][0], config.model, max_rank=8, experts=False)
-    assert load_adapter(made.adapters[0][0], config.model, max_rank=8, experts=False).layers
+        engine.loras.check(made.adapters[1][0])
+    assert engine.loras.check(made.adapters[0][0]).layers[0]
+    assert lora_engine_options(parser.parse_args([]))["lora_experts"] is True
 
 
 @pytest.mark.slow  # two more engines
