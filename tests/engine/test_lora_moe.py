@@ -198,6 +198,22 @@ def test_no_lora_experts_leaves_the_experts_out_of_the_slots(checkpoint):
     assert lora_engine_options(parser.parse_args([]))["lora_experts"] is True
 
 
+@pytest.mark.slow  # a warm-up's traces
+def test_warm_up_traces_the_steps_of_expert_adapters(checkpoint):
+    """The warm-up runs a zero adapter flagged as having expert factors, so the first user
+    request on such an adapter meets traced steps: serving it then traces nothing new."""
+    from tokenserve.engine.warmup import warm_up
+
+    made, loaded = checkpoint
+    engine = make_engine(loaded)
+    warm_up(engine)
+    steps = engine.runner.step._steps
+    warmed = set(steps)
+    assert any(key[-1] == "experts" for key in warmed)
+    run(engine, [(PROMPTS[0], LoraRequest.new("a1", made.adapters[1][0]))])
+    assert set(steps) == warmed
+
+
 @pytest.mark.slow  # two more engines
 @pytest.mark.parametrize("path", ["stock-tf-grouping", "graph"])
 def test_the_other_moe_paths_give_the_same_tokens(checkpoint, monkeypatch, path):

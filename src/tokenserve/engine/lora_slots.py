@@ -22,6 +22,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from tokenserve.config import TransformerConfig
 from tokenserve.engine.background import BackgroundWorker
 from tokenserve.engine.lora_adapter import (LoraAdapterError, LoraRequest, LoraWeights,
@@ -109,11 +111,25 @@ class LoraSlots:
                 self._host.popitem(last=False)
         return cached
 
-    def warmup_adapter(self) -> LoraRequest:
+    @property
+    def serves_experts(self) -> bool:
+        """Whether adapters may change a mixture of experts' experts (their own steps)."""
+        return self.experts and bool(self.config.num_experts)
+
+    def warmup_adapter(self, experts: bool = False) -> LoraRequest:
         """An adapter of zeros (in the host cache), for warm-up requests that trace the
-        adapter steps' graphs before users' requests meet them; `forget` it after."""
-        lora = LoraRequest("warmup", "", 0)
-        self.remember(lora, LoraWeights(0, [{} for _ in range(self.config.num_layers)]))
+        adapter steps' graphs before users' requests meet them; `forget` it after.
+        experts: one with (zero) router factors, for the steps of adapters with MoE
+        factors (engine/step/lora_moe.py)."""
+        c = self.config
+        layers: list[dict] = [{} for _ in range(c.num_layers)]
+        if experts:
+            for i in range(c.num_layers):
+                if c.layer_has_experts(i):
+                    layers[i]["router"] = (np.zeros([c.hidden_size, 1], np.float32),
+                                           np.zeros([1, c.num_experts], np.float32))
+        lora = LoraRequest("warmup-experts" if experts else "warmup", "", 0)
+        self.remember(lora, LoraWeights(0, layers))
         return lora
 
     def forget(self, lora: LoraRequest) -> None:
