@@ -16,7 +16,9 @@ trace) runs each MoE layer as stock TF ops (`lora_moe_mlp`), every row of it: th
 logits plus each row's delta, the top-k, then per (row, expert) pair the expert's gate|up
 and down plus the row's slot's delta for that expert, (x @ A_s[:, e R:(e + 1) R]) @ B_s[e],
 and the shared expert likewise. Other steps (base rows, adapters of the attention only)
-keep the grouped experts' one op.
+keep the grouped experts' one op. Each pair gathers its expert's B ([pairs, R, out], a
+transient the size of the step's pairs: stock TF has no grouped matmul); folding the deltas
+into the grouped experts' op would remove it and the stock-TF grouping's cost.
 """
 
 from __future__ import annotations
