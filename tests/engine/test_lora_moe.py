@@ -26,7 +26,8 @@ pytest.importorskip("peft")
 def checkpoint(request, tokenizer, tmp_path_factory):
     from tokenserve.model.hf import load_hf
 
-    made = moe_lora_checkpoint(request.param, tokenizer, tmp_path_factory.mktemp(request.param))
+    made = moe_lora_checkpoint(request.param, tokenizer, tmp_path_factory.mktemp(request.param),
+                               num_adapters=3)
     return made, load_hf(made.directory)
 
 
@@ -42,8 +43,9 @@ def reference_greedy(hf_model, prompt: list[int], max_tokens: int) -> list[int]:
 
 
 def test_adapters_of_experts_match_peft_in_one_batch(checkpoint):
-    """The base, an adapter of the attention and one of the attention, the stacked experts,
-    the shared expert (Qwen2-MoE) and the router, as peft writes them: each row's tokens and
+    """The base, an adapter of the attention, one of the attention, the stacked experts,
+    the shared expert (Qwen2-MoE) and the router, and one of the router and shared expert
+    only (the routed experts keep their op), as peft writes them: each row's tokens and
     logits are transformers + peft's, in one batch, and each row's tokens its own alone."""
     made, loaded = checkpoint
     engine = make_engine(loaded)
@@ -54,9 +56,12 @@ def test_adapters_of_experts_match_peft_in_one_batch(checkpoint):
         {"shared_up", "shared_down", "shared_gate"} if made.family == "qwen2moe" else set())
     assert set(experts) == expected_roles
     assert np.abs(experts["expert_up"][1]).max() > 0.01  # peft's random B: deltas that show
+    around = engine.loras.check(made.adapters[2][0]).layers[0]
+    assert set(around) == {"qkv", "router"} | (
+        {"shared_up", "shared_down", "shared_gate"} if made.family == "qwen2moe" else set())
     loras = check_batch_matches_references(engine, made, reference_greedy)
     jobs = [(PROMPTS[0], None), (PROMPTS[1], loras[1]), (PROMPTS[2], loras[2]),
-            (PROMPTS[0], loras[2])]
+            (PROMPTS[0], loras[2]), (PROMPTS[1], loras[3])]
     assert run(engine, jobs) == [run(engine, [job])[0] for job in jobs]
     # echo + logprobs' full pass, with the expert adapter
     path, reference = made.adapters[1]
@@ -209,8 +214,8 @@ def test_warm_up_traces_the_steps_of_expert_adapters(checkpoint):
     warm_up(engine)
     steps = engine.runner.step._steps
     warmed = set(steps)
-    assert any(key[-1] == "experts" for key in warmed)
-    run(engine, [(PROMPTS[0], LoraRequest.new("a1", made.adapters[1][0]))])
+    assert {"experts", "moe-around"} <= {key[-1] for key in warmed}
+    run(engine, [(PROMPTS[0], LoraRequest.new(f"a{i}", made.adapters[i][0])) for i in (1, 2)])
     assert set(steps) == warmed
 
 

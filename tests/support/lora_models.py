@@ -134,17 +134,21 @@ MOE_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
 """The first MoE adapter's targets: the attention projections only."""
 MOE_EXPERT_TARGETS = (["q_proj", "v_proj", "gate_proj", "up_proj", "down_proj",
                        "shared_expert_gate"], ["mlp.gate.weight", "gate_up_proj", "down_proj"])
-"""The other MoE adapters' target_modules (on transformers 5, the shared expert's
+"""The second MoE adapter's target_modules (on transformers 5, the shared expert's
 projections and gate where the family has one) and target_parameters (the router, the
 stacked experts)."""
+MOE_AROUND_TARGETS = (["q_proj", "gate_proj", "up_proj", "down_proj", "shared_expert_gate"],
+                      ["mlp.gate.weight"])
+"""The third's: the router and the shared expert, not the routed experts."""
 
 
 def moe_lora_checkpoint(family: str, tokenizer, root: Path, num_adapters: int = 2
                         ) -> LoraCheckpoint:
     """A tiny mixture-of-experts checkpoint (support.moe_checkpoints.hf_model's `family`:
     mixtral, qwen2moe, qwen3moe, olmoe) under `root`, with `num_adapters` peft adapters: the
-    first on its attention projections, the others on attention, experts, shared expert and
-    router too (MOE_EXPERT_TARGETS)."""
+    first on its attention projections, the second on attention, experts, shared expert and
+    router too (MOE_EXPERT_TARGETS), the others on the router and shared expert
+    (MOE_AROUND_TARGETS)."""
     from support.moe_checkpoints import hf_model, save_hf
 
     # OLMoE as tests/model/test_moe_import.py holds it to transformers: 16 experts, top-4
@@ -156,7 +160,8 @@ def moe_lora_checkpoint(family: str, tokenizer, root: Path, num_adapters: int = 
     adapters = []
     for i in range(num_adapters):
         out = root / f"{family}-adapter-{i}"
-        targets, parameters = (MOE_TARGETS, None) if i == 0 else MOE_EXPERT_TARGETS
+        targets, parameters = ((MOE_TARGETS, None), MOE_EXPERT_TARGETS,
+                               MOE_AROUND_TARGETS)[min(i, 2)]
         adapters.append((out, make_adapter(directory, out, targets, seed=i + 1,
                                            parameters=parameters)))
     return LoraCheckpoint(family, directory, reloaded, adapters)

@@ -28,6 +28,7 @@ from tokenserve.config import TransformerConfig
 from tokenserve.engine.background import BackgroundWorker
 from tokenserve.engine.lora_adapter import (LoraAdapterError, LoraRequest, LoraWeights,
                                             load_adapter)
+from tokenserve.engine.lora_moe import EXPERT_ROLES, moe_role_shapes
 from tokenserve.engine.request import Request, Sequence
 
 log = logging.getLogger(__name__)
@@ -116,19 +117,22 @@ class LoraSlots:
         """Whether adapters may change a mixture of experts' experts (their own steps)."""
         return self.experts and bool(self.config.num_experts)
 
-    def warmup_adapter(self, experts: bool = False) -> LoraRequest:
+    def warmup_adapter(self, moe_role: str = "") -> LoraRequest:
         """An adapter of zeros (in the host cache), for warm-up requests that trace the
         adapter steps' graphs before users' requests meet them; `forget` it after.
-        experts: one with (zero) router factors, for the steps of adapters with MoE
-        factors (engine/step/lora_moe.py)."""
+        moe_role: one with (zero) factors of this role of a mixture of experts ("router",
+        "expert_down"), for the steps of adapters that change it (engine/step/lora_moe.py's
+        kinds)."""
         c = self.config
         layers: list[dict] = [{} for _ in range(c.num_layers)]
-        if experts:
-            for i in range(c.num_layers):
-                if c.layer_has_experts(i):
-                    layers[i]["router"] = (np.zeros([c.hidden_size, 1], np.float32),
-                                           np.zeros([1, c.num_experts], np.float32))
-        lora = LoraRequest("warmup-experts" if experts else "warmup", "", 0)
+        count, width_in, width_out = moe_role_shapes(c).get(moe_role, (1, 0, 0))
+        for i in range(c.num_layers):
+            if moe_role and c.layer_has_experts(i):
+                pair = (np.zeros([count, width_in, 1], np.float32),
+                        np.zeros([count, 1, width_out], np.float32))
+                layers[i][moe_role] = pair if moe_role in EXPERT_ROLES else (pair[0][0],
+                                                                             pair[1][0])
+        lora = LoraRequest(f"warmup-{moe_role}" if moe_role else "warmup", "", 0)
         self.remember(lora, LoraWeights(0, layers))
         return lora
 

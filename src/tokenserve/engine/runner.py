@@ -187,7 +187,7 @@ class ModelRunner:
         lora = lora_inputs([s.seq.request.lora_slot for s in out.scheduled], seqs, num_padded)
         moe = self.step.lora_table.moe if lora else None
         step = self.step.step_function(len(decode_groups), bool(prefill_inputs), fused,
-                                       bool(lora), moe is not None and moe.reads_any(lora[0]))
+                                       bool(lora), moe.kind_of(lora[0]) if moe else 0)
         out = step(np.asarray(token_ids + padding, np.int32),
                    np.asarray(positions + padding, np.int32),
                    np.asarray(write_rows + padding, np.int32), decode_groups,

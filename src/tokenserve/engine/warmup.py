@@ -54,10 +54,10 @@ def warm_up(engine: LLMEngine) -> None:
     try:
         for pair in requests():
             _run_alone_then_joined(engine, *pair)
-        if engine.loras is not None:  # the adapter steps' kinds, on a zero adapter (and
-            # on a mixture of experts, those of adapters with expert factors)
-            for experts in (False, True) if engine.loras.serves_experts else (False,):
-                zero = engine.loras.warmup_adapter(experts)
+        if engine.loras is not None:  # the adapter steps' kinds, on a zero adapter (and on
+            # a mixture of experts, those of adapters of its router, and of its experts)
+            for role in ("", "router", "expert_down") if engine.loras.serves_experts else ("",):
+                zero = engine.loras.warmup_adapter(role)
                 for pair in requests(zero):
                     _run_alone_then_joined(engine, *pair)
                 engine.loras.forget(zero)

@@ -110,11 +110,11 @@ class LoraTable(tf.Module):
         if self.moe is not None:
             self.moe.write_slot(slot, values)
 
-    def bind(self, blocks, active, token_slot, dtype, experts: bool = False) -> "LoraBlocks":
+    def bind(self, blocks, active, token_slot, dtype, moe_kind: int = 0) -> "LoraBlocks":
         """The step's blocks with the deltas of the `active` slots ([K]) on each token's
-        slot (`token_slot` [N], -1: none), inside a trace; `experts`: with the MoE factors
-        (a step whose rows include an adapter that has some). (The deltas compute in float32
-        whatever `dtype`, the step's activations', and are cast to it.)"""
+        slot (`token_slot` [N], -1: none), inside a trace; `moe_kind`: the most the rows'
+        adapters change of a mixture of experts (lora_moe.py's MOE_* kinds). (The deltas
+        compute in float32 whatever `dtype`, the step's activations', and are cast to it.)"""
         row_slot = tf.gather(tf.concat([[0], active], 0), token_slot + 1)  # [N], 0: none
         order = tf.argsort(row_slot, stable=True)                           # [N] by slot
         counts = tf.math.bincount(row_slot, minlength=self.max_loras + 1,
@@ -123,7 +123,7 @@ class LoraTable(tf.Module):
         factors = {role: ([v.value() for v in self.a[role]], [v.value() for v in self.b[role]])
                    for role in ROLES}
         spans = [v.value() for v in self.spans]
-        moe = self.moe.bind(row_slot) if experts and self.moe is not None else None
+        moe = self.moe.bind(row_slot, moe_kind) if moe_kind and self.moe is not None else None
         return LoraBlocks(blocks, factors, (order, offsets), row_slot, spans, moe)
 
 
@@ -239,7 +239,7 @@ class LoraBlocks:
         h = self._norm(x, w["mlp_norm"])
 
         if self.moe is not None:
-            return x + lora_moe_mlp(h, w["moe"], self.config, self.moe, w["lora_layer"])
+            return lora_moe_mlp(h, x, w["moe"], self.config, self.moe, w["lora_layer"])
         if self.fused:
             return fused_moe(h, x, w["moe"], self.config)
         return x + graph_moe(h, w["moe"], self.config)
