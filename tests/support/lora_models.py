@@ -139,7 +139,9 @@ projections and gate where the family has one) and target_parameters (the router
 stacked experts)."""
 MOE_AROUND_TARGETS = (["q_proj", "gate_proj", "up_proj", "down_proj", "shared_expert_gate"],
                       ["mlp.gate.weight"])
-"""The third's: the router and the shared expert, not the routed experts."""
+"""The third's on Qwen2-MoE: the router and the shared expert, not the routed experts (on
+the others, q_proj and the router: peft 0.21 turns gate_proj / up_proj / down_proj targets
+into the experts' stacked parameters on Qwen3-MoE and OLMoE, whatever path names them)."""
 
 
 def moe_lora_checkpoint(family: str, tokenizer, root: Path, num_adapters: int = 2
@@ -160,8 +162,9 @@ def moe_lora_checkpoint(family: str, tokenizer, root: Path, num_adapters: int = 
     adapters = []
     for i in range(num_adapters):
         out = root / f"{family}-adapter-{i}"
-        targets, parameters = ((MOE_TARGETS, None), MOE_EXPERT_TARGETS,
-                               MOE_AROUND_TARGETS)[min(i, 2)]
+        around = MOE_AROUND_TARGETS if family == "qwen2moe" else (["q_proj"],
+                                                                  ["mlp.gate.weight"])
+        targets, parameters = ((MOE_TARGETS, None), MOE_EXPERT_TARGETS, around)[min(i, 2)]
         adapters.append((out, make_adapter(directory, out, targets, seed=i + 1,
                                            parameters=parameters)))
     return LoraCheckpoint(family, directory, reloaded, adapters)
