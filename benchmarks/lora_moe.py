@@ -3,15 +3,18 @@
 adapters of the experts, shared expert and router, against the base, in one run.
 
 One random Qwen2-MoE-shaped model (float32, the built-in tokenizer's vocabulary, --experts
-experts top --top-k, each --expert-width wide, a shared expert as wide), one engine with 4
+experts top --top-k, each --expert-width wide, a shared expert as wide), engines with 4
 adapter slots; rank-16 PEFT adapters written here (random factors): two on q/k/v/o_proj
-only, two on those plus the stacked experts (gate_up_proj, down_proj), the shared expert's
-gate/up/down_proj and gate, and the router. Systems, each a batch of random 32-token
+only, two on those plus the router and the shared expert's gate/up/down_proj and gate, two
+on all of that plus the stacked experts (gate_up_proj, down_proj). Systems, each a batch of random 32-token
 prompts decoding --new-tokens greedy tokens:
 
   base-N       N streams on the base model (the grouped experts' one op a layer)
   attn-N       N streams spread over the two attention adapters (the same op: their
                deltas sit on the attention projections)
+  around-N     N streams over two adapters of the attention, router and shared expert
+               (the grouped experts' op on the adapted routing; the shared expert and
+               router deltas in TF ops)
   experts-N    N streams spread over the two expert adapters (each MoE layer as stock TF
                ops with each (row, expert) pair's delta: engine/step/lora_moe.py)
 
@@ -57,8 +60,10 @@ def architecture(args):
                                shared_expert_size=args.expert_width)
 
 
-def write_adapter(directory: Path, config, experts: bool, seed: int) -> Path:
-    """A rank-16 PEFT adapter in transformers 5's names (random A, small random B)."""
+def write_adapter(directory: Path, config, kind: str, seed: int) -> Path:
+    """A rank-16 PEFT adapter in transformers 5's names (random A, small random B) of the
+    attention ("attn"), plus the router and shared expert ("around"), plus the experts
+    ("experts")."""
     from safetensors.numpy import save_file
 
     rng = np.random.default_rng(seed)
@@ -66,12 +71,13 @@ def write_adapter(directory: Path, config, experts: bool, seed: int) -> Path:
     q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
     modules = {"self_attn.q_proj": (d, q), "self_attn.k_proj": (d, kv),
                "self_attn.v_proj": (d, kv), "self_attn.o_proj": (q, d)}
-    if experts:
+    if kind != "attn":
         fs = config.shared_expert_size
-        modules.update({"mlp.experts.base_layer": (d, 2 * f, e), "mlp.experts": (f, d, e),
-                        "mlp.gate": (d, e), "mlp.shared_expert.gate_proj": (d, fs),
+        modules.update({"mlp.gate": (d, e), "mlp.shared_expert.gate_proj": (d, fs),
                         "mlp.shared_expert.up_proj": (d, fs),
                         "mlp.shared_expert.down_proj": (fs, d), "mlp.shared_expert_gate": (d, 1)})
+    if kind == "experts":
+        modules.update({"mlp.experts.base_layer": (d, 2 * f, e), "mlp.experts": (f, d, e)})
     tensors = {}
     for layer in range(config.num_layers):
         for module, (width_in, width_out, *count) in modules.items():
@@ -158,14 +164,14 @@ def main() -> None:
     config = architecture(args)
     load_before = os.getloadavg()
     # one engine per system (the same random weights), stepped in turn
-    engines = {name: build_engine(config) for name in ("base", "attn", "experts")}
+    engines = {name: build_engine(config) for name in ("base", "attn", "around", "experts")}
     table_mib = engines["base"].runner.step.lora_table.num_bytes / 2**20
     experts_mib = engines["base"].runner.step.lora_table.moe.num_bytes / 2**20
     root = Path(tempfile.mkdtemp(prefix="lora_moe_"))
     loras = {"base": [None]}
-    for kind, experts in (("attn", False), ("experts", True)):
+    for j, kind in enumerate(("attn", "around", "experts")):
         loras[kind] = [LoraRequest.new(f"{kind}{i}", write_adapter(
-            root / f"{kind}{i}", config, experts, seed=10 * i + experts)) for i in range(2)]
+            root / f"{kind}{i}", config, kind, seed=10 * i + j)) for i in range(2)]
     for n in STREAMS:  # warm-up: every trace the timed runs take
         run_interleaved(engines, loras, n, 4, seed=0)
     results = {f"{name}-{n}": [] for name in engines for n in STREAMS}
@@ -178,7 +184,7 @@ def main() -> None:
         console.print(f"round {r + 1}/{args.rounds} done")
     ratios = {f"{name}_{n}_step_over_base": spread(
         [x / y for x, y in zip(results[f"{name}-{n}"], results[f"base-{n}"])])
-        for name in ("attn", "experts") for n in STREAMS}
+        for name in ("attn", "around", "experts") for n in STREAMS}
     table = make_table(
         f"LoRA on a MoE ({args.layers} layers, hidden {args.hidden}, {args.experts} experts "
         f"top-{args.top_k}, rank {RANK}; slot table {table_mib:.1f} MiB, of which "
