@@ -6,8 +6,8 @@ One random Qwen2-MoE-shaped model (float32, the built-in tokenizer's vocabulary,
 experts top --top-k, each --expert-width wide, a shared expert as wide), engines with 4
 adapter slots; rank-16 PEFT adapters written here (random factors): two on q/k/v/o_proj
 only, two on those plus the router and the shared expert's gate/up/down_proj and gate, two
-on all of that plus the stacked experts (gate_up_proj, down_proj). Systems, each a batch of random 32-token
-prompts decoding --new-tokens greedy tokens:
+on all of that plus the stacked experts (gate_up_proj, down_proj). Systems, each a batch
+of random 32-token prompts decoding --new-tokens greedy tokens:
 
   base-N       N streams on the base model (the grouped experts' one op a layer)
   attn-N       N streams spread over the two attention adapters (the same op: their

@@ -149,8 +149,8 @@ def test_a_transformers_4_expert_adapter_matches_peft(checkpoint, tmp_path):
     np.testing.assert_allclose(got, expected, atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("case", ["rank", "gate-up-rank", "expert-shape", "stacked-shape", "expert-index",
-                                  "dense-module", "twice"])
+@pytest.mark.parametrize("case", ["rank", "gate-up-rank", "expert-shape", "stacked-shape",
+                                  "expert-index", "dense-module", "twice"])
 def test_bad_expert_factors_are_refused(checkpoint, tmp_path, case):
     """A rank over --max_lora_rank, an expert factor of the wrong width, stacked factors
     that fit neither expert matrix, an expert the model lacks, a dense model's MLP module on

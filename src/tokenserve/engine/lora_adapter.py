@@ -316,44 +316,26 @@ def load_adapter(path: str | Path, config: TransformerConfig, max_rank: int,
             raise LoraShapeError(
                 f"layer {layer} {module}: lora_A {a.shape} and lora_B {b.shape} do not fit "
                 f"[{r}, {width_in}] and [{end - first}, {r}]")
-        full = f"model.layers.{layer}.{module}"
-        alpha = float(_pattern_value(options.get("alpha_pattern"), full,
-                                     options.get("lora_alpha", r)))
-        scale = alpha / (math.sqrt(r) if options.get("use_rslora") else r)
+        scale = _scale(options, f"model.layers.{layer}.{module}", r)
         parts.setdefault((layer, role), []).append(
             (first, end, a.astype(np.float32), b.astype(np.float32), scale))
         rank = max(rank, r)
     for (layer, role), pieces in parts.items():
         layers[layer][role] = fuse_role(pieces, shapes[role][1])
-    if moe_pairs:
-        rank = max(rank, _add_moe_factors(layers, moe_pairs, options, config, max_rank))
+    if moe_pairs:  # the experts', shared expert's and router's roles (lora_moe.py)
+        moe = MoeFactors(config, max_rank)
+        rank = max(rank, moe.add_pairs(moe_pairs, lambda r, path: _scale(options, path, r)))
+        for layer, roles in zip(layers, moe.layers(config.num_layers)):
+            layer.update(roles)
     return LoraWeights(rank, layers)
 
 
-def _add_moe_factors(layers: list[dict], pairs: dict, options: dict,
-                     config: TransformerConfig, max_rank: int) -> int:
-    """Adds the experts', shared expert's and router's roles (lora_moe.py) to `layers`;
-    returns the largest module rank among them."""
-    moe = MoeFactors(config, max_rank)
-    rank = 0
-    for (layer, module), pair in sorted(pairs.items()):
-        if set(pair) != {"A", "B"}:
-            raise LoraShapeError(f"layer {layer} {module} has lora_{next(iter(pair))} but "
-                                 f"not its other factor")
-        (name, a), (_, b) = pair["A"], pair["B"]
-        if a.ndim != 2 or b.ndim != 2:
-            raise LoraShapeError(f"adapter tensor {name!r}'s factors are not 2-D")
-
-        def scale_of(r: int, path: str, layer=layer) -> float:
-            nonlocal rank
-            rank = max(rank, r)
-            alpha = _pattern_value(options.get("alpha_pattern"), f"model.layers.{layer}.{path}",
-                                   options.get("lora_alpha", r))
-            return float(alpha) / (math.sqrt(r) if options.get("use_rslora") else r)
-        moe.add(name, layer, module, a, b, scale_of)
-    for layer, roles in zip(layers, moe.layers(config.num_layers)):
-        layer.update(roles)
-    return rank
+def _scale(options: dict, path: str, r: int) -> float:
+    """A module's scale: alpha (PEFT's alpha_pattern's where a key matches `path`, the
+    module's path from model.layers) over r, or over sqrt(r) with rslora."""
+    alpha = float(_pattern_value(options.get("alpha_pattern"), path,
+                                 options.get("lora_alpha", r)))
+    return alpha / (math.sqrt(r) if options.get("use_rslora") else r)
 
 
 def fuse_role(pieces: list, width_out: int, xp=np) -> tuple:

@@ -96,6 +96,22 @@ class MoeFactors:
         # (layer, role) -> list of (part, A [E, r, in], B [E, out_part, r], scale)
         self._pieces: dict[tuple[int, str], list] = {}
 
+    def add_pairs(self, pairs: dict, scale_of: Callable[[int, str], float]) -> int:
+        """Adds every (layer, module) -> {"A": (name, lora_A), "B": (name, lora_B)} pair
+        (`add`; scale_of(r, path from model.layers)); returns their largest rank."""
+        ranks = [0]
+        for (layer, module), pair in sorted(pairs.items()):
+            if set(pair) != {"A", "B"}:
+                raise LoraShapeError(f"layer {layer} {module} has lora_{next(iter(pair))} "
+                                     f"but not its other factor")
+            (name, a), (_, b) = pair["A"], pair["B"]
+            if a.ndim != 2 or b.ndim != 2:
+                raise LoraShapeError(f"adapter tensor {name!r}'s factors are not 2-D")
+            self.add(name, layer, module, a, b,
+                     lambda r, path, layer=layer: ranks.append(r) or scale_of(
+                         r, f"model.layers.{layer}.{path}"))
+        return max(ranks)
+
     def add(self, name: str, layer: int, module: str, a: np.ndarray, b: np.ndarray,
             scale_of: Callable[[int, str], float]) -> None:
         """One module's factor pair (PEFT's lora_A [r, in] / [E r, in], lora_B [out, r] /
