@@ -72,10 +72,11 @@ GROUPS: dict[str, str] = {
 
 RUNNER_DATA = ("tokenserve.engine.cache_accounting", "tokenserve.engine.config",
                "tokenserve.engine.kv_budget", "tokenserve.engine.lora_adapter",
-               "tokenserve.engine.prefix_cache",
+               "tokenserve.engine.lora_moe", "tokenserve.engine.prefix_cache",
                "tokenserve.engine.scheduler_output")
 """What the runner reads from the engine above it: configs, cache accounting, the scheduler's
-output (the dataclass it executes) and the LoRA adapter format (its roles and widths). Never
+output (the dataclass it executes) and the LoRA adapter format (its roles and widths, a
+mixture of experts' too). Never
 the loop (core, async_engine, llm)."""
 
 ALLOWED_BACK_IMPORTS: dict[tuple[str, str], str] = {}

@@ -80,17 +80,21 @@ def _hf_config(family: str):
                 eos_token_id=2)
 
 
-def make_adapter(base_dir: Path, out_dir: Path, targets: list[str], seed: int, rank: int = 4):
+def make_adapter(base_dir: Path, out_dir: Path, targets: list[str], seed: int, rank: int = 4,
+                 parameters: list[str] | None = None):
     """A peft LoRA adapter of `rank` on the checkpoint in `base_dir`, with random B (peft
-    starts B at zero: such an adapter would change nothing), saved to `out_dir`."""
+    starts B at zero: such an adapter would change nothing), saved to `out_dir`.
+    parameters: peft's target_parameters (transformers 5's stacked experts, the router)."""
     import peft
     import torch
     import transformers
 
     torch.manual_seed(seed)
     base = transformers.AutoModelForCausalLM.from_pretrained(base_dir).eval()
+    options = {"target_parameters": parameters} if parameters else {}
     model = peft.get_peft_model(base, peft.LoraConfig(
-        r=rank, lora_alpha=2 * rank, target_modules=targets, init_lora_weights=False)).eval()
+        r=rank, lora_alpha=2 * rank, target_modules=targets, init_lora_weights=False,
+        **options)).eval()
     model.save_pretrained(out_dir)
     return model
 
@@ -127,14 +131,26 @@ def reference_greedy(hf_model, prompt_ids: list[int], max_tokens: int) -> list[i
 
 
 MOE_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
-"""What a MoE model's adapters may target: its attention projections."""
+"""The first MoE adapter's targets: the attention projections only."""
+MOE_EXPERT_TARGETS = (["q_proj", "v_proj", "gate_proj", "up_proj", "down_proj",
+                       "shared_expert_gate"], ["mlp.gate.weight", "gate_up_proj", "down_proj"])
+"""The second MoE adapter's target_modules (on transformers 5, the shared expert's
+projections and gate where the family has one) and target_parameters (the router, the
+stacked experts)."""
+MOE_AROUND_TARGETS = (["q_proj", "gate_proj", "up_proj", "down_proj", "shared_expert_gate"],
+                      ["mlp.gate.weight"])
+"""The third's on Qwen2-MoE: the router and the shared expert, not the routed experts (on
+the others, q_proj and the router: peft 0.21 turns gate_proj / up_proj / down_proj targets
+into the experts' stacked parameters on Qwen3-MoE and OLMoE, whatever path names them)."""
 
 
 def moe_lora_checkpoint(family: str, tokenizer, root: Path, num_adapters: int = 2
                         ) -> LoraCheckpoint:
     """A tiny mixture-of-experts checkpoint (support.moe_checkpoints.hf_model's `family`:
-    mixtral, qwen2moe, qwen3moe, olmoe) under `root`, with `num_adapters` peft adapters on
-    its attention projections."""
+    mixtral, qwen2moe, qwen3moe, olmoe) under `root`, with `num_adapters` peft adapters: the
+    first on its attention projections, the second on attention, experts, shared expert and
+    router too (MOE_EXPERT_TARGETS), the others on the router and shared expert
+    (MOE_AROUND_TARGETS)."""
     from support.moe_checkpoints import hf_model, save_hf
 
     # OLMoE as tests/model/test_moe_import.py holds it to transformers: 16 experts, top-4
@@ -146,5 +162,9 @@ def moe_lora_checkpoint(family: str, tokenizer, root: Path, num_adapters: int = 
     adapters = []
     for i in range(num_adapters):
         out = root / f"{family}-adapter-{i}"
-        adapters.append((out, make_adapter(directory, out, MOE_TARGETS, seed=i + 1)))
+        around = MOE_AROUND_TARGETS if family == "qwen2moe" else (["q_proj"],
+                                                                  ["mlp.gate.weight"])
+        targets, parameters = ((MOE_TARGETS, None), MOE_EXPERT_TARGETS, around)[min(i, 2)]
+        adapters.append((out, make_adapter(directory, out, targets, seed=i + 1,
+                                           parameters=parameters)))
     return LoraCheckpoint(family, directory, reloaded, adapters)

@@ -1,4 +1,5 @@
-"""`tokenserve serve`'s LoRA flags, vLLM's names: --lora_modules, --max_loras, --max_lora_rank."""
+"""`tokenserve serve`'s LoRA flags, vLLM's names: --lora_modules, --max_loras, --max_lora_rank
+(and --no_lora_experts)."""
 
 from __future__ import annotations
 
@@ -26,6 +27,10 @@ def add_lora_flags(p) -> None:
                         f"(no adapters, and /v1/load_lora_adapter refuses)")
     g.add_argument("--max_lora_rank", type=int, default=engine.max_lora_rank,
                    help="largest adapter rank served")
+    g.add_argument("--no_lora_experts", action="store_true",
+                   help="on a mixture of experts, serve adapters of the attention only: no "
+                        "slot room for the experts', shared expert's and router's factors "
+                        "(the load log says what that room costs)")
 
 
 def parse_lora_modules(entries: list[str]) -> dict[str, str]:
@@ -54,4 +59,5 @@ def lora_engine_options(args: argparse.Namespace) -> dict:
     max_loras = args.max_loras
     if max_loras is None:
         max_loras = DEFAULT_MAX_LORAS if args.lora_modules else 0
-    return {"max_loras": max_loras, "max_lora_rank": args.max_lora_rank}
+    return {"max_loras": max_loras, "max_lora_rank": args.max_lora_rank,
+            "lora_experts": not args.no_lora_experts}

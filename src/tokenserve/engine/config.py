@@ -123,6 +123,11 @@ class EngineConfig:
     request needs them. 0: no adapters (no table, no adapter steps)."""
     max_lora_rank: int = 16
     """Largest adapter rank a slot holds; an adapter above it is refused when loaded."""
+    lora_experts: bool = True
+    """On a mixture of experts, slots hold factors of the experts, shared expert and router
+    too (engine/step/lora_moe.py): per slot about layers x experts x max_lora_rank x
+    (3 hidden + 5 expert width) float32s (Qwen3-30B-A3B at rank 16: 3.9 GB a slot). False:
+    adapters of the attention only, and the table that much smaller."""
 
     def __post_init__(self) -> None:
         if self.max_loras < 0 or self.max_lora_rank < 1:

@@ -76,7 +76,7 @@ class LLMEngine:
                                      self.config.eos_token_id)
         self.loras = (LoraSlots(self.config.model, engine_config.max_loras,
                                 engine_config.max_lora_rank, runner.write_lora_slot,
-                                runner.prepare_lora_slot)
+                                runner.prepare_lora_slot, experts=engine_config.lora_experts)
                       if engine_config.max_loras and runner.is_transformer else None)
         """The resident LoRA adapters; None: this engine serves no adapters."""
         if self.loras is not None:  # a request waits until its adapter has a slot

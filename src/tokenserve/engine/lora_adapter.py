@@ -34,7 +34,7 @@ from tokenserve.engine.lora_errors import (LoraAdapterError, LoraBaseMismatchErr
                                            LoraNameError, LoraNotFoundError, LoraRankError,
                                            LoraShapeError, LoraTargetError)
 from tokenserve.engine.lora_gguf import is_gguf_adapter, read_gguf_adapter
-from tokenserve.engine.lora_moe import moe_target_problem
+from tokenserve.engine.lora_moe import EXPERT_ROLES, MoeFactors, is_moe_module
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -227,8 +227,10 @@ def check_architecture(options: dict, modules: set[str], config: TransformerConf
             f"this model is a {config.architecture}")
 
 
-def load_adapter(path: str | Path, config: TransformerConfig, max_rank: int) -> LoraWeights:
-    """Reads and checks a PEFT LoRA adapter against the base model `config`.
+def load_adapter(path: str | Path, config: TransformerConfig, max_rank: int,
+                 experts: bool = True) -> LoraWeights:
+    """Reads and checks a PEFT LoRA adapter against the base model `config`; `experts`:
+    whether a mixture of experts' experts, shared expert and router may be adapted.
 
     Raises:
         LoraNotFoundError: a missing directory or file, or one that does not parse.
@@ -246,6 +248,7 @@ def load_adapter(path: str | Path, config: TransformerConfig, max_rank: int) -> 
     columns = role_columns(config)
     shapes = role_shapes(config)
     factors: dict[tuple[int, str], dict[str, np.ndarray]] = {}
+    moe_pairs: dict[tuple[int, str], dict[str, tuple[str, np.ndarray]]] = {}
     for name, value in tensors.items():
         match = _NAME.match(name)
         if match is None:
@@ -253,10 +256,22 @@ def load_adapter(path: str | Path, config: TransformerConfig, max_rank: int) -> 
                                   f"transformer block's linear layer")
         gpt2 = match["stem"] != "model.layers"
         modules = GPT2_MODULES if gpt2 else LLAMA_FAMILY_MODULES
-        if config.num_experts and (problem := moe_target_problem(
-                match["module"], modules.get(match["module"], (None,))[0],
-                int(match["layer"]), config)):
-            raise LoraTargetError(f"adapter tensor {name!r} {problem}")
+        layer = int(match["layer"])
+        if config.num_experts and is_moe_module(match["module"]):
+            if layer >= config.num_layers:
+                raise LoraBaseMismatchError(f"adapter changes layer {layer}; the model has "
+                                            f"{config.num_layers} layers (another base model?)")
+            if not experts:
+                raise LoraTargetError(f"adapter tensor {name!r} targets {match['module']!r}, "
+                                      f"part of a mixture of experts, and this server holds "
+                                      f"no slots for them (--no_lora_experts)")
+            moe_pairs.setdefault((layer, match["module"]), {})[match["side"]] = (name, value)
+            continue
+        if (config.num_experts and modules.get(match["module"], ("",))[0] in ("up", "down")
+                and config.layer_has_experts(layer)):
+            raise LoraTargetError(f"adapter tensor {name!r} targets {match['module']!r}, but "
+                                  f"layer {layer}'s MLP is a mixture of experts without that "
+                                  f"module (an adapter for a dense model?)")
         if match["module"] not in modules:
             raise LoraTargetError(f"adapter tensor {name!r} targets {match['module']!r}, "
                                   f"which tokenserve does not adapt (targets: "
@@ -265,14 +280,13 @@ def load_adapter(path: str | Path, config: TransformerConfig, max_rank: int) -> 
             raise LoraBaseMismatchError(
                 f"adapter tensor {name!r} is for a {'GPT-2' if gpt2 else 'Llama-family'} "
                 f"model; this model is {'GPT-2' if config.mlp == 'gelu' else 'Llama-family'}")
-        layer = int(match["layer"])
         if layer >= config.num_layers:
             raise LoraBaseMismatchError(f"adapter changes layer {layer}; the model has "
                                         f"{config.num_layers} layers (another base model?)")
         if value.ndim != 2:
             raise LoraShapeError(f"adapter tensor {name!r} has shape {value.shape}, not 2-D")
         factors.setdefault((layer, match["module"]), {})[match["side"]] = value
-    if not factors:
+    if not factors and not moe_pairs:
         raise LoraTargetError(f"{path if is_gguf_adapter(path) else path / WEIGHTS_FILE} "
                               f"holds no LoRA factors")
     check_architecture(options, {module for _, module in factors}, config)
@@ -302,16 +316,26 @@ def load_adapter(path: str | Path, config: TransformerConfig, max_rank: int) -> 
             raise LoraShapeError(
                 f"layer {layer} {module}: lora_A {a.shape} and lora_B {b.shape} do not fit "
                 f"[{r}, {width_in}] and [{end - first}, {r}]")
-        full = f"model.layers.{layer}.{module}"
-        alpha = float(_pattern_value(options.get("alpha_pattern"), full,
-                                     options.get("lora_alpha", r)))
-        scale = alpha / (math.sqrt(r) if options.get("use_rslora") else r)
+        scale = _scale(options, f"model.layers.{layer}.{module}", r)
         parts.setdefault((layer, role), []).append(
             (first, end, a.astype(np.float32), b.astype(np.float32), scale))
         rank = max(rank, r)
     for (layer, role), pieces in parts.items():
         layers[layer][role] = fuse_role(pieces, shapes[role][1])
+    if moe_pairs:  # the experts', shared expert's and router's roles (lora_moe.py)
+        moe = MoeFactors(config, max_rank)
+        rank = max(rank, moe.add_pairs(moe_pairs, lambda r, path: _scale(options, path, r)))
+        for layer, roles in zip(layers, moe.layers(config.num_layers)):
+            layer.update(roles)
     return LoraWeights(rank, layers)
+
+
+def _scale(options: dict, path: str, r: int) -> float:
+    """A module's scale: alpha (PEFT's alpha_pattern's where a key matches `path`, the
+    module's path from model.layers) over r, or over sqrt(r) with rslora."""
+    alpha = float(_pattern_value(options.get("alpha_pattern"), path,
+                                 options.get("lora_alpha", r)))
+    return alpha / (math.sqrt(r) if options.get("use_rslora") else r)
 
 
 def fuse_role(pieces: list, width_out: int, xp=np) -> tuple:
@@ -340,8 +364,18 @@ def block_factors(blocks, layers: list[dict]) -> dict:
     factors = {}
     for block, layer in zip(blocks, layers):
         for role, pair in layer.items():
-            owner, name = ROLE_LAYERS[role]
-            factors[id(getattr(getattr(block, owner), name))] = pair
+            if role in ROLE_LAYERS:
+                owner, name = ROLE_LAYERS[role]
+                factors[id(getattr(getattr(block, owner), name))] = pair
+            elif role in EXPERT_ROLES:  # model/moe.py's MoE: experts [(up, down)]
+                a, b = pair
+                for e, dense in enumerate(block.mlp.experts):
+                    factors[id(dense[role == "expert_down"])] = (a[e], b[e])
+            else:  # router, shared_up / shared_down / shared_gate (MoE.shared's order)
+                shared = ("shared_up", "shared_down", "shared_gate")
+                owner = (block.mlp.router if role == "router"
+                         else block.mlp.shared[shared.index(role)])
+                factors[id(owner)] = pair
     return factors
 
 

@@ -123,7 +123,8 @@ def _refusal(name: str, match, modules: dict) -> str:
                 f"layer (blk.N.<tensor>.weight.lora_a / .lora_b; targets: {targets})")
     if _EXPERTS.fullmatch(match["tensor"]):
         return (f"GGUF adapter tensor {name!r} targets {match['tensor']!r}, part of a mixture "
-                f"of experts: LoRA on experts, shared experts and routers is not served")
+                f"of experts: GGUF LoRA files of experts, shared experts and routers are not "
+                f"read (the PEFT adapter they were converted from is served)")
     return (f"GGUF adapter tensor {name!r} targets {match['tensor']!r}, which tokenserve does "
             f"not adapt (targets: {targets})")
 

@@ -22,10 +22,13 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from tokenserve.config import TransformerConfig
 from tokenserve.engine.background import BackgroundWorker
 from tokenserve.engine.lora_adapter import (LoraAdapterError, LoraRequest, LoraWeights,
                                             load_adapter)
+from tokenserve.engine.lora_moe import EXPERT_ROLES, moe_role_shapes
 from tokenserve.engine.request import Request, Sequence
 
 log = logging.getLogger(__name__)
@@ -49,12 +52,15 @@ class LoraSlots:
         write_slot: (slot, prepared values) -> None: the runner's slot write.
         prepare_slot: LoraWeights.layers -> the values write_slot takes (the runner's;
             called where an adapter is checked, any thread).
+        experts: whether the slots hold a mixture of experts' factors
+            (EngineConfig.lora_experts; adapters with them are refused where not).
     """
 
     def __init__(self, config: TransformerConfig, max_loras: int, max_rank: int,
                  write_slot: Callable[[int, object], None],
-                 prepare_slot: Callable[[list], object]):
+                 prepare_slot: Callable[[list], object], experts: bool = True):
         self.config, self.max_loras, self.max_rank = config, max_loras, max_rank
+        self.experts = experts
         self.write_slot, self.prepare_slot = write_slot, prepare_slot
         self.slots: list[LoraRequest | None] = [None] * (max_loras + 1)  # [0]: the base
         self._last_used = [0] * (max_loras + 1)
@@ -81,7 +87,7 @@ class LoraSlots:
         return self._checks.run(self._check, path, lora)
 
     def _check(self, path: str | Path, lora: LoraRequest | None = None) -> LoraWeights:
-        weights = load_adapter(path, self.config, self.max_rank)
+        weights = load_adapter(path, self.config, self.max_rank, experts=self.experts)
         if lora is not None:
             self.remember(lora, weights)
         return weights
@@ -106,11 +112,28 @@ class LoraSlots:
                 self._host.popitem(last=False)
         return cached
 
-    def warmup_adapter(self) -> LoraRequest:
+    @property
+    def serves_experts(self) -> bool:
+        """Whether adapters may change a mixture of experts' experts (their own steps)."""
+        return self.experts and bool(self.config.num_experts)
+
+    def warmup_adapter(self, moe_role: str = "") -> LoraRequest:
         """An adapter of zeros (in the host cache), for warm-up requests that trace the
-        adapter steps' graphs before users' requests meet them; `forget` it after."""
-        lora = LoraRequest("warmup", "", 0)
-        self.remember(lora, LoraWeights(0, [{} for _ in range(self.config.num_layers)]))
+        adapter steps' graphs before users' requests meet them; `forget` it after.
+        moe_role: one with (zero) factors of this role of a mixture of experts ("router",
+        "expert_down"), for the steps of adapters that change it (engine/step/lora_moe.py's
+        kinds)."""
+        c = self.config
+        layers: list[dict] = [{} for _ in range(c.num_layers)]
+        count, width_in, width_out = moe_role_shapes(c).get(moe_role, (1, 0, 0))
+        for i in range(c.num_layers):
+            if moe_role and c.layer_has_experts(i):
+                pair = (np.zeros([count, width_in, 1], np.float32),
+                        np.zeros([count, 1, width_out], np.float32))
+                layers[i][moe_role] = pair if moe_role in EXPERT_ROLES else (pair[0][0],
+                                                                             pair[1][0])
+        lora = LoraRequest(f"warmup-{moe_role}" if moe_role else "warmup", "", 0)
+        self.remember(lora, LoraWeights(0, layers))
         return lora
 
     def forget(self, lora: LoraRequest) -> None:

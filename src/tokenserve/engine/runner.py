@@ -106,10 +106,14 @@ class ModelRunner:
                 from tokenserve.engine.step.lora import LoraTable
 
                 self.step.lora_table = LoraTable(config.model, engine_config.max_loras,
-                                                 engine_config.max_lora_rank)
-                log.info("LoRA: %d adapter slots of rank up to %d (%.1f MiB)",
+                                                 engine_config.max_lora_rank,
+                                                 experts=engine_config.lora_experts)
+                table = self.step.lora_table
+                log.info("LoRA: %d adapter slots of rank up to %d (%.1f MiB%s)",
                          engine_config.max_loras, engine_config.max_lora_rank,
-                         self.step.lora_table.num_bytes / 2**20)
+                         table.num_bytes / 2**20, "" if table.moe is None else
+                         f", of which {table.moe.num_bytes / 2**20:.1f} MiB for the experts', "
+                         f"shared expert's and router's factors")
             self.num_screened_steps = 0  # steps whose LM head ran the screen
             self.num_sampled_screened_steps = 0  # of those, steps with sampled rows
             if config.model.weight_format == "int8":
@@ -181,8 +185,9 @@ class ModelRunner:
         noise = self._noise(out, num_rows) if screened else None
         self.num_sampled_screened_steps += noise is not None
         lora = lora_inputs([s.seq.request.lora_slot for s in out.scheduled], seqs, num_padded)
+        moe = self.step.lora_table.moe if lora else None
         step = self.step.step_function(len(decode_groups), bool(prefill_inputs), fused,
-                                       bool(lora))
+                                       bool(lora), moe.kind_of(lora[0]) if moe else 0)
         out = step(np.asarray(token_ids + padding, np.int32),
                    np.asarray(positions + padding, np.int32),
                    np.asarray(write_rows + padding, np.int32), decode_groups,

@@ -54,11 +54,13 @@ def warm_up(engine: LLMEngine) -> None:
     try:
         for pair in requests():
             _run_alone_then_joined(engine, *pair)
-        if engine.loras is not None:  # the adapter steps' kinds, on a zero adapter
-            zero = engine.loras.warmup_adapter()
-            for pair in requests(zero):
-                _run_alone_then_joined(engine, *pair)
-            engine.loras.forget(zero)
+        if engine.loras is not None:  # the adapter steps' kinds, on a zero adapter (and on
+            # a mixture of experts, those of adapters of its router, and of its experts)
+            for role in ("", "router", "expert_down") if engine.loras.serves_experts else ("",):
+                zero = engine.loras.warmup_adapter(role)
+                for pair in requests(zero):
+                    _run_alone_then_joined(engine, *pair)
+                engine.loras.forget(zero)
         engine.runner.warm_up_heads()  # the heads greedy requests did not run
     finally:
         scheduler.kv_tier = tier

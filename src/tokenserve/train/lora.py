@@ -22,21 +22,23 @@ import tensorflow as tf
 from tokenserve.engine.lora_adapter import (CONFIG_FILE, WEIGHTS_FILE, LoraTargetError,
                                             block_factors, family_modules, fuse_role,
                                             role_columns, role_shapes)
-from tokenserve.engine.lora_moe import SERVED_ON_EXPERT_MODELS
 from tokenserve.model.layers import lora_factors
 from tokenserve.train.trainer import Trainer
+
+ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
+"""What LoRA trains on a mixture of experts."""
 
 
 def _trainable_modules(config) -> dict[str, tuple[str, str]]:
     """The modules LoRA trains on this model (torch path inside a block -> (role, part)):
     its checkpoint's own; on a mixture of experts, the attention projections only (the
-    experts' deltas would have to run inside the grouped experts, which neither the model's
-    forward nor the engine's step does)."""
+    server serves adapters of the experts, shared expert and router too, but the trainer
+    does not make them yet)."""
     modules = family_modules(config)
     if not config.num_experts:
         return modules
     return {name: part for name, part in modules.items()
-            if name.rsplit(".", 1)[-1] in SERVED_ON_EXPERT_MODELS}
+            if name.rsplit(".", 1)[-1] in ATTENTION_MODULES}
 
 
 class LoraModel(tf.Module):

@@ -36,6 +36,7 @@ import tensorflow as tf
 
 from tokenserve.config import TransformerConfig
 from tokenserve.engine.lora_adapter import ROLES, role_ranks, role_shapes
+from tokenserve.engine.step.lora_moe import MoeLoraRows, MoeLoraTable, lora_moe_mlp
 from tokenserve.engine.step.moe import fused_moe, graph_moe
 from tokenserve.kernels import dense as kdense
 
@@ -46,7 +47,8 @@ from tokenserve.model.layers import linear, norm
 class LoraTable(tf.Module):
     """`max_loras` resident adapters of rank up to `max_rank`, slot 0 the base model."""
 
-    def __init__(self, config: TransformerConfig, max_loras: int, max_rank: int):
+    def __init__(self, config: TransformerConfig, max_loras: int, max_rank: int,
+                 experts: bool = True):
         super().__init__(name="lora_table")
         self.config, self.max_loras, self.max_rank = config, max_loras, max_rank
         self.widths = role_shapes(config)
@@ -63,11 +65,16 @@ class LoraTable(tf.Module):
         self.spans = [tf.Variable(tf.zeros([layers, len(ROLES), kdense.LORA_PIECES, 4],
                                            tf.int32), trainable=False, name=f"lora_spans_{slot}")
                       for slot in range(1, max_loras + 1)]
+        self.moe = (MoeLoraTable(config, max_loras, max_rank)
+                    if config.num_experts and experts else None)
+        """The experts', shared expert's and router's factors (lora_moe.py), on a MoE model
+        (unless `experts` is False: EngineConfig.lora_experts)."""
 
     @property
     def num_bytes(self) -> int:
+        """The whole table's bytes, the MoE factors' (`moe.num_bytes`) included."""
         return sum(int(np.prod(v.shape)) * 4 for slots in (*self.a.values(), *self.b.values())
-                   for v in slots)
+                   for v in slots) + (self.moe.num_bytes if self.moe is not None else 0)
 
     def prepare(self, layers: list[dict] | None) -> list[tf.Tensor]:
         """An adapter's factors (per layer, role -> (A [in, r], B [r, out]) float32) as the
@@ -86,7 +93,8 @@ class LoraTable(tf.Module):
                     a[i, :, :fa.shape[1]], b[i, :fb.shape[0]] = fa, fb
                     spans[i, j] = filled_pieces(fb, kdense.LORA_PIECES)
             values += [tf.constant(a), tf.constant(b)]
-        return values + [tf.constant(spans)]
+        values.append(tf.constant(spans))
+        return values + (self.moe.prepare(layers) if self.moe is not None else [])
 
     def write_slot(self, slot: int, values: list[tf.Tensor]) -> None:
         """Puts prepared values (`prepare`'s) in `slot`. The engine writes between steps, on
@@ -99,11 +107,14 @@ class LoraTable(tf.Module):
             self.a[role][slot - 1].assign(next(values))
             self.b[role][slot - 1].assign(next(values))
         self.spans[slot - 1].assign(next(values))
+        if self.moe is not None:
+            self.moe.write_slot(slot, values)
 
-    def bind(self, blocks, active, token_slot, dtype) -> "LoraBlocks":
+    def bind(self, blocks, active, token_slot, dtype, moe_kind: int = 0) -> "LoraBlocks":
         """The step's blocks with the deltas of the `active` slots ([K]) on each token's
-        slot (`token_slot` [N], -1: none), inside a trace. (The deltas compute in float32
-        whatever `dtype`, the step's activations', and are cast to it.)"""
+        slot (`token_slot` [N], -1: none), inside a trace; `moe_kind`: the most the rows'
+        adapters change of a mixture of experts (lora_moe.py's MOE_* kinds). (The deltas
+        compute in float32 whatever `dtype`, the step's activations', and are cast to it.)"""
         row_slot = tf.gather(tf.concat([[0], active], 0), token_slot + 1)  # [N], 0: none
         order = tf.argsort(row_slot, stable=True)                           # [N] by slot
         counts = tf.math.bincount(row_slot, minlength=self.max_loras + 1,
@@ -112,7 +123,8 @@ class LoraTable(tf.Module):
         factors = {role: ([v.value() for v in self.a[role]], [v.value() for v in self.b[role]])
                    for role in ROLES}
         spans = [v.value() for v in self.spans]
-        return LoraBlocks(blocks, factors, (order, offsets), row_slot, spans)
+        moe = self.moe.bind(row_slot, moe_kind) if moe_kind and self.moe is not None else None
+        return LoraBlocks(blocks, factors, (order, offsets), row_slot, spans, moe)
 
 
 def filled_pieces(b: np.ndarray, max_pieces: int) -> np.ndarray:
@@ -154,9 +166,10 @@ class LoraBlocks:
     (kernels/dense.py lora_delta), or where no op is compiled by plain TF ops (every slot's
     product, masked to its rows)."""
 
-    def __init__(self, blocks, factors: dict, groups: tuple, row_slot, spans: list):
+    def __init__(self, blocks, factors: dict, groups: tuple, row_slot, spans: list,
+                 moe: MoeLoraRows | None = None):
         self.blocks, self.factors, self.groups, self.row_slot = blocks, factors, groups, row_slot
-        self.spans = spans
+        self.spans, self.moe = spans, moe
         self.config = blocks.model.config
         self.fused = hasattr(blocks, "linear")
         self.weights = [dict(w, lora_layer=i) for i, w in enumerate(blocks.weights)]
@@ -212,8 +225,7 @@ class LoraBlocks:
             x = self._linear(attn, w["out"], "out", i, residual=x)
         else:
             x = x + self._norm(self._linear(attn, w["out"], "out", i), w["post_attn_norm"])
-        if "moe" in w:  # a mixture of experts: the base's routing and experts (adapters of
-            # MoE layers change the attention only: lora_adapter.py refuses expert targets)
+        if "moe" in w:  # a mixture of experts
             return self._moe(x, w)
         h = self._linear(self._norm(x, w["mlp_norm"]), w["up"], "up", i, activation=act)
         if "post_mlp_norm" not in w:
@@ -221,9 +233,13 @@ class LoraBlocks:
         return x + self._norm(self._linear(h, w["down"], "down", i), w["post_mlp_norm"])
 
     def _moe(self, x, w):
-        """x + the MoE MLP of x, as the base step runs it (fused: the grouped experts' op;
-        graph: engine/step/moe.py's graph_moe)."""
+        """x + the MoE MLP of x: with each row's expert, shared expert and router deltas
+        (lora_moe.py's stock-TF MLP) where a row's slot holds any, else as the base step
+        runs it (fused: the grouped experts' op; graph: engine/step/moe.py's graph_moe)."""
         h = self._norm(x, w["mlp_norm"])
+
+        if self.moe is not None:
+            return lora_moe_mlp(h, x, w["moe"], self.config, self.moe, w["lora_layer"])
         if self.fused:
             return fused_moe(h, x, w["moe"], self.config)
         return x + graph_moe(h, w["moe"], self.config)

@@ -156,14 +156,18 @@ class TransformerStep(tf.Module):
 
     # -- the step -------------------------------------------------------------------------
     def step_function(self, num_groups: int, with_prefill: bool, fused_dense: bool = False,
-                      lora: bool = False):
+                      lora: bool = False, lora_moe: int = 0):
         """The traced step for `num_groups` decode groups, with or without prefill rows;
         `fused_dense`: the dense half through kernels/dense.py (only when kernel_dense);
-        `lora`: rows with adapters (lora_table), two more inputs (lora.py)."""
+        `lora`: rows with adapters (lora_table), two more inputs (lora.py); `lora_moe`: the
+        most a row's adapter changes of a mixture of experts (lora_moe.py's MOE_* kinds)."""
         fused_dense = fused_dense and self.kernel_dense
         lora = lora and self.lora_table is not None
-        # (adapter steps' keys gain a fourth element: base steps keep their keys)
-        key = (num_groups, with_prefill, fused_dense) + (("lora",) if lora else ())
+        lora_moe = lora_moe if lora and self.lora_table.moe is not None else 0
+        # (adapter steps' keys gain a fourth element, and a fifth for MoE factors: base
+        # steps keep their keys)
+        key = (num_groups, with_prefill, fused_dense) + (
+            ("lora",) + ((), ("moe-around",), ("experts",))[lora_moe] if lora else ())
         if key not in self._steps:
             signature = [
                 spec([None]),          # token_ids  [N]  packed, padded to a bucket
@@ -189,7 +193,8 @@ class TransformerStep(tf.Module):
             def step(token_ids, positions, write_rows, decode_groups, prefill, last_tokens,
                      lora_inputs=()):
                 return self._step(blocks, head, fused_dense, token_ids, positions, write_rows,
-                                  decode_groups, prefill, last_tokens, lora_inputs)
+                                  decode_groups, prefill, last_tokens, lora_inputs,
+                                  lora_moe)
             # No AutoGraph: the step's loops and branches are over Python values (layers, the
             # config), and converting them cost 2.4 s of the first trace on a 2-core VM
             # (0.5 s without), and about a fifth of every later one.
@@ -201,7 +206,7 @@ class TransformerStep(tf.Module):
         return self._concrete[key]
 
     def _step(self, blocks, head, fused, token_ids, positions, write_rows, decode_groups,
-              prefill, last_tokens, lora_inputs=()):
+              prefill, last_tokens, lora_inputs=(), lora_moe=0):
         m = self.model
         num_tokens = tf.shape(token_ids)[0]
         # masks (and windowed row tables) are shared by all layers of a window: built once
@@ -213,7 +218,7 @@ class TransformerStep(tf.Module):
         layout = self.attention.layout(decode_groups, num_prefill, num_tokens, dtype)
         x = m.embed(token_ids, positions, dtype)                           # [N, D]
         if lora_inputs:  # each row's adapter delta on every projection
-            blocks = self.lora_table.bind(blocks, *lora_inputs, dtype)
+            blocks = self.lora_table.bind(blocks, *lora_inputs, dtype, lora_moe)
         weights = blocks.weights
         rotary = self.layer_rotaries(positions, dtype, decode_groups, prefill)
         if fused and rotary[0] is not None:  # split_rope takes [N, rotary_dim] rows
