@@ -87,7 +87,7 @@ struct Q4_0 {
   static constexpr int kNibbles = 2;  // where the nibbles start in the block
   static constexpr int kHighBits = 0, kMaxValue = 15;
   static constexpr bool kSigned = false, kHasOffset = true;
-  static constexpr int kOffsetShift = 3;  // the offset is -(1 << kOffsetShift) * d
+  static constexpr int kIntOffset = 8;  // the offset is -kIntOffset * d
   static float Offset(const uint8_t*, float d) { return -8.f * d; }
 };
 
@@ -97,7 +97,7 @@ struct Q4_1 {
   static constexpr int kNibbles = 4;
   static constexpr int kHighBits = 0, kMaxValue = 15;
   static constexpr bool kSigned = false, kHasOffset = true;
-  static constexpr int kOffsetShift = 0;  // none: a float offset of its own (block + 2)
+  static constexpr int kIntOffset = 0;  // none: a float offset of its own (block + 2)
   static float Offset(const uint8_t* block, float) { return HalfToFloat(LoadHalfBits(block + 2)); }
 };
 
@@ -107,7 +107,7 @@ struct Q5_0 {
   static constexpr int kNibbles = 6;
   static constexpr int kHighBits = 2, kMaxValue = 31;
   static constexpr bool kSigned = false, kHasOffset = true;
-  static constexpr int kOffsetShift = 4;
+  static constexpr int kIntOffset = 16;
   static float Offset(const uint8_t*, float d) { return -16.f * d; }
 };
 
@@ -116,7 +116,7 @@ struct Q8_0 {
   static constexpr int kBytes = 34;
   static constexpr int kHighBits = 0, kMaxValue = 127;
   static constexpr bool kSigned = true, kHasOffset = false;
-  static constexpr int kOffsetShift = 0;
+  static constexpr int kIntOffset = 0;
   static float Offset(const uint8_t*, float) { return 0.f; }
 };
 
@@ -171,9 +171,10 @@ TOKENSERVE_AVX2_FMA inline void QuantizeGroupsAvx2(const float* x, int8_t* q, fl
 
 // x [M, K] (K a multiple of 32) as Q8 blocks: row m's block b is number i = m * blocks + b,
 // its 32 int8 at q[i * 32], its group scales as lanes at d[i * 8 + l] (lane l holds values
-// 4l..4l+3; the lanes of a group repeat its scale), sx at s[i], and each lane's sum of its four
-// q at sums[i * 8 + l] (the row kernels fold an integer offset into the integer dot product
-// with them: (v - o) . q = v . q - o * sum(q)). x ~= q * d. A group holding a
+// 4l..4l+3; the lanes of a group repeat its scale), sx at s[i], and for a weight type with an
+// integer offset o (Q4_0, Q5_0) each lane's o * sum of its four q at sums[i * 8 + l] (the row
+// kernels fold the offset into the integer dot product: (v - o) . q = v . q - o * sum(q)).
+// x ~= q * d. A group holding a
 // NaN or an infinity gets q = 0 and d = NaN, so the outputs it feeds become NaN (as a float
 // matmul's would) rather than finite garbage.
 struct Q8Rows {
@@ -189,10 +190,10 @@ struct Q8Rows {
 };
 
 // One block: each group's q and d as q8_quantize.h makes them (SIMD or not, the same bytes
-// and scales), the scales spread over their lanes, s = sum_g d_g * sum(q_g), and the lanes'
-// sums of q.
+// and scales), the scales spread over their lanes, s = sum_g d_g * sum(q_g), and with an
+// integer offset the lanes' sums of q times it.
 inline void QuantizeBlock(const float* x, bool simd, int8_t* q, float* lanes, float* s,
-                          int32_t* sums) {
+                          int32_t offset, int32_t* sums) {
   float d[kGroups];
 #ifdef TOKENSERVE_CPU_X86
   if (simd) QuantizeGroupsAvx2(x, q, d);
@@ -212,7 +213,10 @@ inline void QuantizeBlock(const float* x, bool simd, int8_t* q, float* lanes, fl
     for (int l = 0; l < kGroup / 4; ++l) lanes[g * (kGroup / 4) + l] = d[g];
   }
   *s = sum;
-  for (int l = 0; l < kLanes; ++l) sums[l] = q[4 * l] + q[4 * l + 1] + q[4 * l + 2] + q[4 * l + 3];
+  if (offset == 0) return;
+  for (int l = 0; l < kLanes; ++l) {
+    sums[l] = offset * (q[4 * l] + q[4 * l + 1] + q[4 * l + 2] + q[4 * l + 3]);
+  }
 }
 
 #ifdef TOKENSERVE_CPU_X86
@@ -261,17 +265,19 @@ TOKENSERVE_GGUF_SIMD __attribute__((always_inline)) inline float LoadOffset(cons
 
 #endif  // TOKENSERVE_CPU_X86
 
-// x [M, K] into `out`, every block of every row (K a multiple of 32).
-inline void QuantizeRows(const float* x, int64 M, int64 K, bool simd, Q8Rows* out) {
+// x [M, K] into `out`, every block of every row (K a multiple of 32), for weights whose
+// integer offset is `offset` (Type::kIntOffset; 0: none, and no sums).
+inline void QuantizeRows(const float* x, int64 M, int64 K, bool simd, Q8Rows* out,
+                         int32_t offset) {
   out->blocks = K / kBlock;
   out->q.resize(M * K);
   out->d.resize(M * out->blocks * kLanes);
   out->s.resize(M * out->blocks);
-  out->sums.resize(M * out->blocks * kLanes);
+  out->sums.resize(offset == 0 ? 0 : M * out->blocks * kLanes);
   for (int64 i = 0; i < M * out->blocks; ++i) {
     // row m's block b is x[m * K + b * 32]: contiguous
     QuantizeBlock(x + i * kBlock, simd, out->q.data() + i * kBlock, out->d.data() + i * kLanes,
-                  &out->s[i], out->sums.data() + i * kLanes);
+                  &out->s[i], offset, out->sums.data() + (offset == 0 ? 0 : i * kLanes));
   }
 }
 

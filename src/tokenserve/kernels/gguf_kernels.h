@@ -123,14 +123,14 @@ TOKENSERVE_GGUF_SIMD __attribute__((always_inline)) inline void BlockStep(
     __m256i dot = Dot::Dot(u, Signed<Type>(x, w));
     // v - o in every lane, exactly, in the integers: a vector op per block where the offset's
     // float term was a scalar chain (Gemma 3's Q5_0 layers: its decode step 14.5 -> 13.9 ms)
-    if constexpr (Type::kOffsetShift > 0) {
-      const __m256i sums = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq.LaneSums(at)));
-      dot = _mm256_sub_epi32(dot, _mm256_slli_epi32(sums, Type::kOffsetShift));
+    if constexpr (Type::kIntOffset > 0) {
+      dot = _mm256_sub_epi32(
+          dot, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq.LaneSums(at))));
     }
     // lane l holds values 4l..4l+3: each lane's own group scale
     const __m256 scales = _mm256_mul_ps(_mm256_set1_ps(d), _mm256_loadu_ps(xq.Lanes(at)));
     acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scales, acc[i]);
-    if constexpr (Type::kHasOffset && Type::kOffsetShift == 0) corr[i] += c * xq.s[at];
+    if constexpr (Type::kHasOffset && Type::kIntOffset == 0) corr[i] += c * xq.s[at];
   }
 }
 

@@ -105,6 +105,9 @@ template <class Type, class Dot>
 void MatmulSimd(tensorflow::thread::ThreadPool* pool, const Geometry& g, const gguf::Q8Rows& xq,
                 const uint8_t* w, float* y) {
 #ifdef TOKENSERVE_CPU_X86
+  if constexpr (Type::kIntOffset > 0) {  // the row kernel reads the lane sums it was made with
+    CHECK_EQ(xq.sums.size(), xq.q.size() / 4) << "activations quantized without lane sums";
+  }
   const int64 workers = std::max(1, pool->NumThreads());
   const gguf::Output out{y, g.ldy};
   if (g.M <= RowKernelMaxRows<Type>()) {
@@ -211,7 +214,9 @@ inline void GgufMatmulRows(tensorflow::thread::ThreadPool* pool, Isa isa,
     return MatmulKQuant<gguf::Q6_K>(pool, isa, g, xq, w, y);
   }
   gguf::Q8Rows xq;
-  gguf::QuantizeRows(x, g.M, g.K, isa != Isa::kScalar, &xq);
+  const int32_t offset = type == "q4_0" ? gguf::Q4_0::kIntOffset
+                         : type == "q5_0" ? gguf::Q5_0::kIntOffset : 0;
+  gguf::QuantizeRows(x, g.M, g.K, isa != Isa::kScalar, &xq, offset);
   if (type == "q4_0") return Matmul<gguf::Q4_0>(pool, isa, g, xq, w, y);
   if (type == "q4_1") return Matmul<gguf::Q4_1>(pool, isa, g, xq, w, y);
   if (type == "q5_0") return Matmul<gguf::Q5_0>(pool, isa, g, xq, w, y);

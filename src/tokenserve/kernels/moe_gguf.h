@@ -40,6 +40,11 @@ namespace {
 
 enum class BlockType { kQ4_0, kQ4_1, kQ8_0, kQ4_K, kQ5_K, kQ6_K, kUnknown };
 
+// The integer offset the row kernels take from the activations' lane sums (QuantizeRows).
+inline int32_t IntOffset(BlockType type) {
+  return type == BlockType::kQ4_0 ? gguf::Q4_0::kIntOffset : 0;
+}
+
 inline BlockType ParseBlockType(const std::string& name) {
   if (name == "q4_0") return BlockType::kQ4_0;
   if (name == "q4_1") return BlockType::kQ4_1;
@@ -92,7 +97,7 @@ inline void BlockMatmul(tensorflow::thread::ThreadPool* pool, bool simd, const f
     return MatmulKQuant<gguf::Q6_K>(pool, isa, g, xq, w.w, y);
   }
   gguf::Q8Rows xq;
-  gguf::QuantizeRows(x, m, k, simd, &xq);
+  gguf::QuantizeRows(x, m, k, simd, &xq, IntOffset(w.type));
   if (w.type == BlockType::kQ4_0) return Matmul<gguf::Q4_0>(pool, isa, g, xq, w.w, y);
   if (w.type == BlockType::kQ4_1) return Matmul<gguf::Q4_1>(pool, isa, g, xq, w.w, y);
   Matmul<gguf::Q8_0>(pool, isa, g, xq, w.w, y);
@@ -178,7 +183,9 @@ inline void QuantizeFor(BlockType type, const float* x, int64 m, int64 k, gguf::
   if (IsKQuant(type)) {
     gguf::QuantizeRowsK(x, m, k, true, xk);
   } else {
-    gguf::QuantizeRows(x, m, k, true, xq);
+    // with Q4_0's lane sums whatever the type: gate and up share these blocks, and Q4_0 is
+    // the one 32-value type of the experts with an integer offset (the others ignore them)
+    gguf::QuantizeRows(x, m, k, true, xq, gguf::Q4_0::kIntOffset);
   }
 }
 
