@@ -174,9 +174,8 @@ TOKENSERVE_AVX2_FMA inline void QuantizeGroupsAvx2(const float* x, int8_t* q, fl
 // 4l..4l+3; the lanes of a group repeat its scale), sx at s[i], and for a weight type with an
 // integer offset o (Q4_0, Q5_0) each lane's o * sum of its four q at sums[i * 8 + l] (the row
 // kernels fold the offset into the integer dot product: (v - o) . q = v . q - o * sum(q)).
-// x ~= q * d. A group holding a
-// NaN or an infinity gets q = 0 and d = NaN, so the outputs it feeds become NaN (as a float
-// matmul's would) rather than finite garbage.
+// x ~= q * d. A group holding a NaN or an infinity gets q = 0 and d = NaN, so the outputs it
+// feeds become NaN (as a float matmul's would) rather than finite garbage.
 struct Q8Rows {
   int64 blocks = 0;  // per row: K / 32
   std::vector<int8_t> q;

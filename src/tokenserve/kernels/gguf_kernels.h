@@ -105,8 +105,8 @@ TOKENSERVE_GGUF_SIMD __attribute__((always_inline)) inline __m256i Signed(__m256
 // How far ahead of the block in use the row kernels prefetch their weight stream into L1.
 constexpr int64 kPrefetchBytes = 1024;
 
-// Block b of one weight row against rows m0 .. m0 + R - 1 of x, into acc (corr: Q4_1's and
-// the 4-bit types' offsets).
+// Block b of one weight row against rows m0 .. m0 + R - 1 of x, into acc (and corr: the
+// float offset's term, Q4_1's).
 template <class Type, class Dot, int R>
 TOKENSERVE_GGUF_SIMD __attribute__((always_inline)) inline void BlockStep(
     const Q8Rows& xq, int64 m0, const uint8_t* row, int64 b, __m256* acc, float* corr) {
@@ -121,8 +121,9 @@ TOKENSERVE_GGUF_SIMD __attribute__((always_inline)) inline void BlockStep(
     const __m256i x =
         _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq.q.data() + at * kBlock));
     __m256i dot = Dot::Dot(u, Signed<Type>(x, w));
-    // v - o in every lane, exactly, in the integers: a vector op per block where the offset's
-    // float term was a scalar chain (Gemma 3's Q5_0 layers: its decode step 14.5 -> 13.9 ms)
+    // v - o in every lane, exactly, in the integers: one vector op per block where the
+    // offset's float term was a scalar chain beside the vector work (Gemma 3's Q5_0 layers;
+    // docs/gguf.md has the step's A/B)
     if constexpr (Type::kIntOffset > 0) {
       dot = _mm256_sub_epi32(
           dot, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq.LaneSums(at))));
