@@ -33,7 +33,7 @@ from tokenserve.config import TransformerConfig
 from tokenserve.engine.lora_moe import EXPERT_ROLES, moe_role_ranks, moe_role_shapes
 from tokenserve.kernels import moe as kmoe
 from tokenserve.model.layers import linear
-from tokenserve.model.moe import expert_counts, route
+from tokenserve.model.moe import expert_counts, grouped_experts, route
 
 
 MOE_NONE, MOE_AROUND, MOE_EXPERTS = 0, 1, 2
@@ -171,7 +171,9 @@ def lora_moe_mlp(h, residual, w: dict, config: TransformerConfig, rows: MoeLoraR
     if y is None:
         if "load" in w:
             w["load"].assign_add(tf.cast(expert_counts(expert_ids, num_experts), tf.int64))
-        y = residual + _routed_experts(h, expert_ids, gates, w["experts"], rows, add)
+        y = residual + (_routed_experts(h, expert_ids, gates, w["experts"], rows, add)
+                        if rows.kind == MOE_EXPERTS
+                        else grouped_experts(h, expert_ids, gates, w["experts"]))
     if "shared" in w:
         shared, slots = w["shared"], rows.row_slot
         act = _swiglu(add(linear(h, shared["up"]), "shared_up", h, slots))
@@ -183,7 +185,8 @@ def lora_moe_mlp(h, residual, w: dict, config: TransformerConfig, rows: MoeLoraR
 
 def _routed_experts(h, expert_ids, gates, experts: list, rows: MoeLoraRows, add):
     """sum_j gates[:, j] * expert_{expert_ids[:, j]}(h) with each (row, expert) pair's
-    deltas, in stock TF ops: h [M, D] -> [M, D]."""
+    deltas, in stock TF ops: h [M, D] -> [M, D] (model/moe.py's grouped_experts where no
+    row's adapter changes the experts)."""
     num_rows, k = tf.shape(h)[0], expert_ids.shape[-1]
     pair_experts = tf.reshape(expert_ids, [-1])                               # [P = M k]
     pair_rows = tf.range(num_rows * k) // k
@@ -194,11 +197,8 @@ def _routed_experts(h, expert_ids, gates, experts: list, rows: MoeLoraRows, add)
     def experts_linear(x, role):  # each expert's matmul on its pairs, in pair order
         return tf.dynamic_stitch(by_expert, [
             linear(tf.gather(x, pairs), e[role]) for pairs, e in zip(by_expert, experts)])
-    if rows.kind == MOE_EXPERTS:
-        up = add(experts_linear(x, "up"), "expert_up", x, pair_slots, pair_experts)
-        act = _swiglu(up)
-        down = add(experts_linear(act, "down"), "expert_down", act, pair_slots, pair_experts)
-    else:
-        down = experts_linear(_swiglu(experts_linear(x, "up")), "down")
+    up = add(experts_linear(x, "up"), "expert_up", x, pair_slots, pair_experts)
+    act = _swiglu(up)
+    down = add(experts_linear(act, "down"), "expert_down", act, pair_slots, pair_experts)
     return tf.math.unsorted_segment_sum(down * tf.cast(tf.reshape(gates, [-1, 1]), h.dtype),
                                         pair_rows, num_rows)
