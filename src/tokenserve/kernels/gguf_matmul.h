@@ -200,6 +200,15 @@ void MatmulKQuant(tensorflow::thread::ThreadPool* pool, Isa isa, const Geometry&
   });
 }
 
+// The same for x still float32: quantized here for Type (with its integer offset's sums).
+template <class Type>
+void QuantizeAndMatmul(tensorflow::thread::ThreadPool* pool, Isa isa, const Geometry& g,
+                       const float* x, const uint8_t* w, float* y) {
+  gguf::Q8Rows xq;
+  gguf::QuantizeRows(x, g.M, g.K, isa != Isa::kScalar, &xq, Type::kIntOffset);
+  Matmul<Type>(pool, isa, g, xq, w, y);
+}
+
 // y = x @ dequant(w).T for x [g.M, g.K] float32 and w the weight rows of `type`: x is
 // quantized here, once (q8 blocks of 32, or q8_K blocks of 256 for the K-quants).
 // g.K must divide into the type's blocks (BlocksMismatch) and be positive.
@@ -213,14 +222,10 @@ inline void GgufMatmulRows(tensorflow::thread::ThreadPool* pool, Isa isa,
     if (type == "q5_k") return MatmulKQuant<gguf::Q5_K>(pool, isa, g, xq, w, y);
     return MatmulKQuant<gguf::Q6_K>(pool, isa, g, xq, w, y);
   }
-  gguf::Q8Rows xq;
-  const int32_t offset = type == "q4_0" ? gguf::Q4_0::kIntOffset
-                         : type == "q5_0" ? gguf::Q5_0::kIntOffset : 0;
-  gguf::QuantizeRows(x, g.M, g.K, isa != Isa::kScalar, &xq, offset);
-  if (type == "q4_0") return Matmul<gguf::Q4_0>(pool, isa, g, xq, w, y);
-  if (type == "q4_1") return Matmul<gguf::Q4_1>(pool, isa, g, xq, w, y);
-  if (type == "q5_0") return Matmul<gguf::Q5_0>(pool, isa, g, xq, w, y);
-  Matmul<gguf::Q8_0>(pool, isa, g, xq, w, y);
+  if (type == "q4_0") return QuantizeAndMatmul<gguf::Q4_0>(pool, isa, g, x, w, y);
+  if (type == "q4_1") return QuantizeAndMatmul<gguf::Q4_1>(pool, isa, g, x, w, y);
+  if (type == "q5_0") return QuantizeAndMatmul<gguf::Q5_0>(pool, isa, g, x, w, y);
+  QuantizeAndMatmul<gguf::Q8_0>(pool, isa, g, x, w, y);
 }
 
 }  // namespace

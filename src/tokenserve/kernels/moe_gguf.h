@@ -40,11 +40,6 @@ namespace {
 
 enum class BlockType { kQ4_0, kQ4_1, kQ8_0, kQ4_K, kQ5_K, kQ6_K, kUnknown };
 
-// The integer offset the row kernels take from the activations' lane sums (QuantizeRows).
-inline int32_t IntOffset(BlockType type) {
-  return type == BlockType::kQ4_0 ? gguf::Q4_0::kIntOffset : 0;
-}
-
 inline BlockType ParseBlockType(const std::string& name) {
   if (name == "q4_0") return BlockType::kQ4_0;
   if (name == "q4_1") return BlockType::kQ4_1;
@@ -96,11 +91,9 @@ inline void BlockMatmul(tensorflow::thread::ThreadPool* pool, bool simd, const f
     if (w.type == BlockType::kQ5_K) return MatmulKQuant<gguf::Q5_K>(pool, isa, g, xq, w.w, y);
     return MatmulKQuant<gguf::Q6_K>(pool, isa, g, xq, w.w, y);
   }
-  gguf::Q8Rows xq;
-  gguf::QuantizeRows(x, m, k, simd, &xq, IntOffset(w.type));
-  if (w.type == BlockType::kQ4_0) return Matmul<gguf::Q4_0>(pool, isa, g, xq, w.w, y);
-  if (w.type == BlockType::kQ4_1) return Matmul<gguf::Q4_1>(pool, isa, g, xq, w.w, y);
-  Matmul<gguf::Q8_0>(pool, isa, g, xq, w.w, y);
+  if (w.type == BlockType::kQ4_0) return QuantizeAndMatmul<gguf::Q4_0>(pool, isa, g, x, w.w, y);
+  if (w.type == BlockType::kQ4_1) return QuantizeAndMatmul<gguf::Q4_1>(pool, isa, g, x, w.w, y);
+  QuantizeAndMatmul<gguf::Q8_0>(pool, isa, g, x, w.w, y);
 }
 
 // ---- a decode step's experts in one dispatch -------------------------------------------------
