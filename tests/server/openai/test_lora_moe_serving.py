@@ -5,10 +5,6 @@ tokens, in streams at once; bad expert factors get a 400 and nothing is loaded."
 from __future__ import annotations
 
 import dataclasses
-import os
-import subprocess
-import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -16,7 +12,7 @@ import numpy as np
 import pytest
 
 from support.lora_models import moe_lora_checkpoint, reference_greedy
-from support.servables import free_port
+from support.lora_server import lora_server
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("peft")
@@ -38,27 +34,9 @@ def server(tokenizer, tmp_path_factory):
     model, hf_tokenizer, config = load_hf(made.directory)
     export_model(model, hf_tokenizer, dataclasses.replace(config, name="moe"), root / "moe",
                  jit_compile=False)
-    port = free_port()
-    log = open(root / "server.log", "w")
-    process = subprocess.Popen(
-        [sys.executable, "-m", "tokenserve", "serve", f"--port={free_port()}",
-         f"--rest_api_port={free_port()}", f"--openai_port={port}", "--model_name=moe",
-         f"--model_base_path={root / 'moe'}", f"--api_key={KEY}", "--precision=float32",
-         "--kv_cache_dtype=float32", "--max_num_seqs=8", "--max_loras=2",
-         "--max_lora_rank=4", "--lora_modules", f"experts={made.adapters[1][0]}", "--noui"],
-        stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"))
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 240
-    while time.monotonic() < deadline:
-        assert process.poll() is None, (root / "server.log").read_text()
-        try:
-            if httpx.get(url + "/health").status_code == 200:
-                break
-        except httpx.HTTPError:
-            time.sleep(0.5)
-    yield {"url": url, "made": made, "tokenizer": hf_tokenizer, "log": root / "server.log"}
-    process.terminate()
-    process.wait(timeout=30)
+    with lora_server(root, "moe", KEY, "--max_loras=2", "--max_lora_rank=4", "--lora_modules",
+                     f"experts={made.adapters[1][0]}", timeout_s=240) as url:
+        yield {"url": url, "made": made, "tokenizer": hf_tokenizer, "log": root / "server.log"}
 
 
 def complete(server, model: str, max_tokens: int = 6) -> str:

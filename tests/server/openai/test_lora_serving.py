@@ -4,17 +4,13 @@ flight finish, and bad adapters get a 400 with nothing loaded."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import threading
-import time
 
 import httpx
 import pytest
 
 from support.lora_models import lora_checkpoint, make_adapter, reference_greedy
-from support.servables import free_port
+from support.lora_server import lora_server
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("peft")
@@ -36,27 +32,9 @@ def server(tokenizer, tmp_path_factory):
     model, hf_tokenizer, config = load_hf(made.directory)
     config = __import__("dataclasses").replace(config, name="tiny")
     export_model(model, hf_tokenizer, config, root / "tiny", jit_compile=False)
-    port = free_port()
-    log = open(root / "server.log", "w")
-    process = subprocess.Popen(
-        [sys.executable, "-m", "tokenserve", "serve", f"--port={free_port()}",
-         f"--rest_api_port={free_port()}", f"--openai_port={port}", "--model_name=tiny",
-         f"--model_base_path={root / 'tiny'}", f"--api_key={KEY}", "--precision=float32",
-         "--kv_cache_dtype=float32", "--max_num_seqs=8", "--max_loras=1",
-         "--max_lora_rank=4", "--lora_modules", f"a0={made.adapters[0][0]}", "--noui"],
-        stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"))
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
-        assert process.poll() is None, (root / "server.log").read_text()
-        try:
-            if httpx.get(url + "/health").status_code == 200:
-                break
-        except httpx.HTTPError:
-            time.sleep(0.5)
-    yield {"url": url, "made": made, "root": root, "tokenizer": hf_tokenizer}
-    process.terminate()
-    process.wait(timeout=30)
+    with lora_server(root, "tiny", KEY, "--max_loras=1", "--max_lora_rank=4",
+                     "--lora_modules", f"a0={made.adapters[0][0]}") as url:
+        yield {"url": url, "made": made, "root": root, "tokenizer": hf_tokenizer}
 
 
 def client(server):
