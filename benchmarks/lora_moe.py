@@ -43,6 +43,7 @@ from pathlib import Path
 import numpy as np
 
 from common import finish_rounds, make_console, make_table, result_path, rotated, spread
+from moe import add_shape_arguments
 
 console = make_console(140)
 RANK = 16
@@ -151,11 +152,8 @@ def main() -> None:
     from tokenserve.engine.lora_adapter import LoraRequest
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--hidden", type=int, default=512)
+    add_shape_arguments(parser, hidden=512, expert_width=512)
     parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--experts", type=int, default=8)
-    parser.add_argument("--top-k", type=int, default=2)
-    parser.add_argument("--expert-width", type=int, default=512)
     parser.add_argument("--new-tokens", type=int, default=24)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--output", type=Path, default=result_path("lora_moe"))

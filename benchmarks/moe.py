@@ -118,13 +118,13 @@ def run(engine, num_streams: int, new_tokens: int, seed: int) -> dict:
             if loads else None}
 
 
-def add_shape_arguments(parser) -> None:
-    """--hidden, --experts, --top-k, --expert-width: the MoE's shape, as this benchmark and
-    moe_op.py (one layer's op) both take it."""
-    parser.add_argument("--hidden", type=int, default=1024)
+def add_shape_arguments(parser, hidden: int = 1024, expert_width: int = 2048) -> None:
+    """--hidden, --experts, --top-k, --expert-width: the MoE's shape, as this benchmark,
+    moe_op.py (one layer's op) and lora_moe.py (adapters, a smaller default) take it."""
+    parser.add_argument("--hidden", type=int, default=hidden)
     parser.add_argument("--experts", type=int, default=8)
     parser.add_argument("--top-k", type=int, default=2)
-    parser.add_argument("--expert-width", type=int, default=2048)
+    parser.add_argument("--expert-width", type=int, default=expert_width)
 
 
 def main() -> None:
