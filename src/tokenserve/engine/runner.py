@@ -52,6 +52,10 @@ class ModelRunner:
         self.vocab_size = config.model.vocab_size
         if self.is_transformer:
             c = config.model
+            if c.weight_format == "gguf":
+                from tokenserve.model.gguf_packing import pack_for_decode
+
+                pack_for_decode(model)
             # the LM head's screen copy is made after the pool is sized: a fraction counts it
             screen = screen_weights(model, config.model.weight_format, engine_config)
             reserved = (ScreenedHead.bytes_for(screen[0].shape, screen[1],

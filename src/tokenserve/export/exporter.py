@@ -14,7 +14,9 @@ import tensorflow as tf
 from tokenserve.config import GenerationConfig
 from tokenserve.export.module import GenerationModule, buckets
 from tokenserve.export.warmup_records import warmup_records, write_warmup
+from tokenserve.errors import FailedPreconditionError
 from tokenserve.model.base import DecoderLM
+from tokenserve.model.gguf_packing import packed_layers
 from tokenserve.model.layers import portable_graphs
 from tokenserve.model.tokenizer import Tokenizer
 
@@ -62,6 +64,11 @@ def export_model(model: DecoderLM, tokenizer: Tokenizer, config: GenerationConfi
     The version directory appears atomically (written under a hidden name, then
     renamed), so a server polling BASE_PATH never loads a half-written version.
     """
+    if packed := packed_layers(model):
+        raise FailedPreconditionError(
+            f"{len(packed)} GGUF layers of this model ({packed[0]}, ...) were repacked in "
+            f"memory for an engine's decode kernel; export the model before serving it, or "
+            f"load it again")
     with staged_version(base_path, version) as (staging, final):
         with portable_graphs():  # loads in stock TensorFlow and TF Serving
             module = GenerationModule(model, config, jit_compile=jit_compile)

@@ -175,16 +175,19 @@ TOKENSERVE_AVX2_FMA inline void QuantizeGroupsAvx2(const float* x, int8_t* q, fl
 // integer offset o (Q4_0, Q5_0) each lane's o * sum of its four q at sums[i * 8 + l] (the row
 // kernels fold the offset into the integer dot product: (v - o) . q = v . q - o * sum(q)).
 // x ~= q * d. A group holding a NaN or an infinity gets q = 0 and d = NaN, so the outputs it
-// feeds become NaN (as a float matmul's would) rather than finite garbage.
+// feeds become NaN (as a float matmul's would) rather than finite garbage. With group sums
+// asked for, each group's o * sum of its q too, at group_sums[i * 4 + g] (the packed kernel's
+// form of the same fold, gguf_packed.h).
 struct Q8Rows {
   int64 blocks = 0;  // per row: K / 32
   std::vector<int8_t> q;
   std::vector<float> d, s;
-  std::vector<int32_t> sums;
+  std::vector<int32_t> sums, group_sums;
   const int8_t* Values(int64 m, int64 b) const { return q.data() + (m * blocks + b) * kBlock; }
   int64 Index(int64 m, int64 b) const { return m * blocks + b; }
   const float* Lanes(int64 i) const { return d.data() + i * kLanes; }
   const int32_t* LaneSums(int64 i) const { return sums.data() + i * kLanes; }
+  const int32_t* GroupSums(int64 i) const { return group_sums.data() + i * kGroups; }
   float GroupScale(int64 i, int g) const { return d[i * kLanes + g * (kGroup / 4)]; }
 };
 
@@ -265,9 +268,10 @@ TOKENSERVE_GGUF_SIMD __attribute__((always_inline)) inline float LoadOffset(cons
 #endif  // TOKENSERVE_CPU_X86
 
 // x [M, K] into `out`, every block of every row (K a multiple of 32), for weights whose
-// integer offset is `offset` (Type::kIntOffset; 0: none, and no sums).
+// integer offset is `offset` (Type::kIntOffset; 0: none, and no sums), with the offset's sums
+// per group (group_sums) or per lane.
 inline void QuantizeRows(const float* x, int64 M, int64 K, bool simd, Q8Rows* out,
-                         int32_t offset) {
+                         int32_t offset, bool group_sums = false) {
   out->blocks = K / kBlock;
   out->q.resize(M * K);
   out->d.resize(M * out->blocks * kLanes);
@@ -278,6 +282,14 @@ inline void QuantizeRows(const float* x, int64 M, int64 K, bool simd, Q8Rows* ou
     QuantizeBlock(x + i * kBlock, simd, out->q.data() + i * kBlock, out->d.data() + i * kLanes,
                   &out->s[i], offset, out->sums.data() + (offset == 0 ? 0 : i * kLanes));
   }
+  if (offset == 0 || !group_sums) return;
+  out->group_sums.resize(M * out->blocks * kGroups);
+  for (int64 i = 0; i < M * out->blocks * kGroups; ++i) {
+    constexpr int kLanesAGroup = kGroup / 4;
+    out->group_sums[i] = 0;
+    for (int l = 0; l < kLanesAGroup; ++l) out->group_sums[i] += out->sums[i * kLanesAGroup + l];
+  }
+  out->sums.clear();
 }
 
 }  // namespace gguf

@@ -52,10 +52,10 @@ REGISTER_OP("TokenserveGgufFinishBlock")
     .Attr("num_up: int >= 1")
     .Attr("num_down: int >= 1")
     .Attr("num_next: int >= 0")
-    .Attr("out_types: list({'q4_0', 'q4_1', 'q5_0', 'q8_0', 'q4_k', 'q5_k', 'q6_k'})")
-    .Attr("up_types: list({'q4_0', 'q4_1', 'q5_0', 'q8_0', 'q4_k', 'q5_k', 'q6_k'})")
-    .Attr("down_types: list({'q4_0', 'q4_1', 'q5_0', 'q8_0', 'q4_k', 'q5_k', 'q6_k'})")
-    .Attr("next_types: list({'q4_0', 'q4_1', 'q5_0', 'q8_0', 'q4_k', 'q5_k', 'q6_k'}) >= 0")
+    .Attr("out_types: list({" TOKENSERVE_GGUF_TYPES "})")
+    .Attr("up_types: list({" TOKENSERVE_GGUF_TYPES "})")
+    .Attr("down_types: list({" TOKENSERVE_GGUF_TYPES "})")
+    .Attr("next_types: list({" TOKENSERVE_GGUF_TYPES "}) >= 0")
     .Attr("activation: {'gelu_tanh', 'swiglu', 'geglu'} = 'gelu_tanh'")
     .Attr("eps: float = 1e-5")
     .Attr("isa: {'auto', 'avx2', 'scalar'} = 'auto'")
@@ -112,6 +112,7 @@ bool ReadProjection(OpKernelContext* ctx, const char* name, const std::vector<st
     const Tensor& part = parts[i];
     std::string why = part.dims() == 2 ? BlocksMismatch(types[i], k, part.dim_size(1))
                                        : "must be [rows, bytes a row]";
+    if (why.empty()) why = RowsMismatch(types[i], part.dim_size(0));
     if (!why.empty()) {
       ctx->CtxFailure(__FILE__, __LINE__, InvalidArgument(name, "[", i, "] (",
                                                           part.shape().DebugString(), "): ", why));

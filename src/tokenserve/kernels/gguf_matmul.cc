@@ -8,7 +8,8 @@
 // integer dot products (AVX2 maddubs + madd, or AVX512-VNNI dpbusd where the build's flags
 // include it; the K-quants' sub-block scales ride on madd, so they stay AVX2), the block
 // scales folded in with FMA (gguf_kernels.h, gguf_kquants_avx2.h). The weight rows are split over the op's threads in contiguous ranges
-// (chunks.h), as the int8 op splits its rows. No repacking: the op reads the stored bytes.
+// (chunks.h), as the int8 op splits its rows. The op reads the stored bytes, or those of
+// Q4_0/Q4_1/Q5_0 weights repacked at load into 8-row tiles (gguf_packed.h).
 //
 // Up to a few rows of x (decode of a few streams) each weight row is read once,
 // front to back (gguf_kernels.h); with more (prefill chunks, many streams) eight weight rows
@@ -27,7 +28,7 @@ REGISTER_OP("TokenserveGgufMatmul")
     .Input("x: float")       // [M, K], K a multiple of the type's block values (32 or 256)
     .Input("blocks: uint8")  // [N, K / values * block bytes]: a GGUF [N, K] tensor's bytes
     .Output("y: float")      // [M, N]
-    .Attr("block_type: {'q4_0', 'q4_1', 'q5_0', 'q8_0', 'q4_k', 'q5_k', 'q6_k'}")
+    .Attr("block_type: {" TOKENSERVE_GGUF_TYPES "}")
     .Attr("isa: {'auto', 'avx2', 'scalar'} = 'auto'")
     .SetShapeFn([](InferenceContext* c) {
       ShapeHandle x, blocks;
@@ -70,7 +71,8 @@ class GgufMatmulOp : public OpKernel {
                                 blocks.shape().DebugString()));
     const Geometry g{x.dim_size(0), x.dim_size(1), blocks.dim_size(0), blocks.dim_size(1),
                      blocks.dim_size(0)};
-    const std::string why = BlocksMismatch(type_, g.K, g.row_bytes);
+    std::string why = BlocksMismatch(type_, g.K, g.row_bytes);
+    if (why.empty()) why = RowsMismatch(type_, g.N);
     OP_REQUIRES(ctx, why.empty(), InvalidArgument(why));
     Tensor* y_tensor = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({g.M, g.N}), &y_tensor));

@@ -15,9 +15,15 @@
 #include "gguf_kernels.h"
 #include "gguf_kquants.h"
 #include "gguf_kquants_avx2.h"
+#include "gguf_packed.h"
 #include "gguf_q8k.h"
 #include "gguf_tiles.h"
 #include "op_support.h"
+
+// The block types the ops take, as an attr's values: the file's own, and those repacked at
+// load into 8-row tiles (gguf_packed.h).
+#define TOKENSERVE_GGUF_TYPES \
+  "'q4_0', 'q4_1', 'q5_0', 'q8_0', 'q4_k', 'q5_k', 'q6_k', 'q4_0x8', 'q4_1x8', 'q5_0x8'"
 
 namespace tokenserve {
 namespace {
@@ -68,10 +74,16 @@ struct Geometry {
   int64 M, K, N, row_bytes, ldy;
 };
 
+// Whether `type` names weights repacked at load into 8-row tiles (gguf_packed.h): "q4_0x8",
+// "q4_1x8", "q5_0x8". A row's bytes are as many as the type's own.
+bool IsPacked(const std::string& type) {
+  return type.size() == 6 && type.compare(4, 2, "x8") == 0;
+}
+
 int BlockBytes(const std::string& type) {
-  if (type == "q4_0") return gguf::Q4_0::kBytes;
-  if (type == "q4_1") return gguf::Q4_1::kBytes;
-  if (type == "q5_0") return gguf::Q5_0::kBytes;
+  if (type.compare(0, 4, "q4_0") == 0) return gguf::Q4_0::kBytes;
+  if (type.compare(0, 4, "q4_1") == 0) return gguf::Q4_1::kBytes;
+  if (type.compare(0, 4, "q5_0") == 0) return gguf::Q5_0::kBytes;
   if (type == "q4_k") return gguf::Q4_K::kBytes;
   if (type == "q5_k") return gguf::Q5_K::kBytes;
   if (type == "q6_k") return gguf::Q6_K::kBytes;
@@ -79,6 +91,13 @@ int BlockBytes(const std::string& type) {
 }
 
 bool IsKQuant(const std::string& type) { return type.size() == 4 && type[3] == 'k'; }
+
+// Why N rows of `type` cannot be its weights, or "" when they can: packed tiles hold 8 rows.
+std::string RowsMismatch(const std::string& type, int64 N) {
+  if (!IsPacked(type) || N % gguf::kPackRows == 0) return "";
+  return type + " weights come in tiles of " + std::to_string(gguf::kPackRows) +
+         " rows, but blocks has " + std::to_string(N);
+}
 
 int BlockValues(const std::string& type) {
   return IsKQuant(type) ? gguf::kSuperBlock : gguf::kBlock;
@@ -162,6 +181,49 @@ void Matmul(tensorflow::thread::ThreadPool* pool, Isa isa, const Geometry& g,
   MatmulScalar<Type>(pool, g, xq, w, y);
 }
 
+// Weights repacked into 8-row tiles (gguf_packed.h): tiles split over the pool in contiguous
+// ranges, every row count through the same kernel.
+template <class Type>
+void MatmulPacked(tensorflow::thread::ThreadPool* pool, Isa isa, const Geometry& g,
+                  const gguf::Q8Rows& xq, const uint8_t* w, float* y) {
+  const int64 workers = std::max(1, pool->NumThreads());
+  const gguf::Output out{y, g.ldy};
+  const int64 tiles = g.N / gguf::kPackRows;
+#ifdef TOKENSERVE_CPU_X86
+  if (isa != Isa::kScalar) {
+    // cycles a tile, roughly: its blocks' unpacking, and about 40 per block and row of x
+    const ChunkSplit split = SplitIntoChunks(tiles, xq.blocks * (20 + 40 * g.M));
+    RunRanges(pool, workers, split.num_chunks, [&](int64 chunk, int64, int64) {
+      const int64 t0 = chunk * split.per_chunk, count = std::min(split.per_chunk, tiles - t0);
+#ifdef TOKENSERVE_GGUF_VNNI
+      if (isa == Isa::kAvx512Vnni) {
+        return gguf::PackedRowsSimd<Type, gguf::DpbusdVnni>(
+            xq, g.M, w, g.row_bytes, t0 * gguf::kPackRows, count * gguf::kPackRows, out);
+      }
+#endif
+      gguf::PackedRowsSimd<Type, gguf::MaddAvx2>(xq, g.M, w, g.row_bytes, t0 * gguf::kPackRows,
+                                                 count * gguf::kPackRows, out);
+    });
+    return;
+  }
+#endif
+  const ChunkSplit split = SplitIntoChunks(tiles, xq.blocks * 320 * (1 + g.M));
+  RunChunks(pool, workers, split.num_chunks, [&](int64 chunk, int64) {
+    const int64 t0 = chunk * split.per_chunk, count = std::min(split.per_chunk, tiles - t0);
+    gguf::PackedRowsScalar<Type>(xq, g.M, w, g.row_bytes, t0 * gguf::kPackRows,
+                                 count * gguf::kPackRows, out);
+  });
+}
+
+template <class Type>
+void QuantizeAndMatmulPacked(tensorflow::thread::ThreadPool* pool, Isa isa, const Geometry& g,
+                             const float* x, const uint8_t* w, float* y) {
+  gguf::Q8Rows xq;
+  gguf::QuantizeRows(x, g.M, g.K, isa != Isa::kScalar, &xq, Type::kIntOffset,
+                     /*group_sums=*/isa != Isa::kScalar);
+  MatmulPacked<Type>(pool, isa, g, xq, w, y);
+}
+
 // The K-quants against q8_K activations (gguf_kquants.h, gguf_kquants_avx2.h): up to four
 // rows of x, each weight row read once and unpacked on the way; above, each weight row
 // unpacked once into a per-thread buffer that every row of x sweeps.
@@ -211,7 +273,8 @@ void QuantizeAndMatmul(tensorflow::thread::ThreadPool* pool, Isa isa, const Geom
 
 // y = x @ dequant(w).T for x [g.M, g.K] float32 and w the weight rows of `type`: x is
 // quantized here, once (q8 blocks of 32, or q8_K blocks of 256 for the K-quants).
-// g.K must divide into the type's blocks (BlocksMismatch) and be positive.
+// g.K must divide into the type's blocks (BlocksMismatch) and be positive, and g.N into a
+// packed type's tiles (RowsMismatch).
 inline void GgufMatmulRows(tensorflow::thread::ThreadPool* pool, Isa isa,
                            const std::string& type, const Geometry& g, const float* x,
                            const uint8_t* w, float* y) {
@@ -222,6 +285,9 @@ inline void GgufMatmulRows(tensorflow::thread::ThreadPool* pool, Isa isa,
     if (type == "q5_k") return MatmulKQuant<gguf::Q5_K>(pool, isa, g, xq, w, y);
     return MatmulKQuant<gguf::Q6_K>(pool, isa, g, xq, w, y);
   }
+  if (type == "q4_0x8") return QuantizeAndMatmulPacked<gguf::Q4_0>(pool, isa, g, x, w, y);
+  if (type == "q4_1x8") return QuantizeAndMatmulPacked<gguf::Q4_1>(pool, isa, g, x, w, y);
+  if (type == "q5_0x8") return QuantizeAndMatmulPacked<gguf::Q5_0>(pool, isa, g, x, w, y);
   if (type == "q4_0") return QuantizeAndMatmul<gguf::Q4_0>(pool, isa, g, x, w, y);
   if (type == "q4_1") return QuantizeAndMatmul<gguf::Q4_1>(pool, isa, g, x, w, y);
   if (type == "q5_0") return QuantizeAndMatmul<gguf::Q5_0>(pool, isa, g, x, w, y);

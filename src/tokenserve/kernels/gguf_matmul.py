@@ -33,14 +33,17 @@ import tensorflow as tf
 
 from tokenserve.kernels import build as kbuild
 from tokenserve.kernels.gguf_kquants import KQUANT_TYPES, dequantize_kquants
+from tokenserve.kernels.gguf_packed import PACKED, TILE_ROWS, unpack_rows
 from tokenserve.kernels.gguf_types import BLOCK_SIZES, KERNEL_TYPES
 
 LIBRARY = kbuild.LIBRARIES["gguf_matmul"]
 MODE_ENV = LIBRARY.mode_env  # TOKENSERVE_GGUF_KERNEL
 MARCH_ENV = LIBRARY.march_env  # TOKENSERVE_GGUF_KERNEL_MARCH
 
-BLOCK_VALUES = {name: BLOCK_SIZES[name][0] for name in KERNEL_TYPES}  # 32, or 256 (K-quants)
-BLOCK_BYTES = {name: BLOCK_SIZES[name][1] for name in KERNEL_TYPES}
+_SIZES = {**{name: BLOCK_SIZES[name] for name in KERNEL_TYPES},
+          **{packed: BLOCK_SIZES[base] for packed, base in PACKED.items()}}
+BLOCK_VALUES = {name: size[0] for name, size in _SIZES.items()}  # 32, or 256 (K-quants)
+BLOCK_BYTES = {name: size[1] for name, size in _SIZES.items()}
 
 
 def block_type_name(block_type) -> str:
@@ -76,13 +79,18 @@ def _check_static_shapes(x: tf.Tensor, blocks: tf.Tensor, name: str) -> None:
         why = blocks_mismatch(name, k, row_bytes)
         if why:
             raise ValueError(why)
+    rows = blocks.shape[0]
+    if name in PACKED and rows is not None and rows % TILE_ROWS:
+        raise ValueError(f"{name} weights come in tiles of {TILE_ROWS} rows, but blocks has "
+                         f"{rows}")
 
 
 def gguf_matmul(x, blocks, block_type) -> tf.Tensor:
     """x [M, K] @ dequant(blocks [N, K / values * block bytes] uint8).T -> [M, N] in x's dtype.
 
     block_type: "q4_0", "q4_1", "q5_0", "q8_0", "q4_k", "q5_k" or "q6_k" (any case, or a
-    gguf.GGMLQuantizationType).
+    gguf.GGMLQuantizationType), or "q4_0x8", "q4_1x8", "q5_0x8" for rows repacked into 8-row
+    tiles at load (gguf_packed.py).
     x is float32; bfloat16 and float16 are computed in float32 and cast back. Uses the compiled
     op when it is available, else `gguf_matmul_fallback`; works eagerly and inside tf.function
     (the choice is made when the graph is traced). Raises ValueError when the shapes, as far
@@ -146,6 +154,8 @@ def dequantize_blocks(blocks, block_type) -> tf.Tensor:
     name = block_type_name(block_type)
     size = BLOCK_BYTES[name]
     blocks = tf.convert_to_tensor(blocks, tf.uint8)
+    if name in PACKED:  # tiles repacked at load (gguf_packed.py): the file's rows first
+        return dequantize_blocks(unpack_rows(blocks, name), PACKED[name])
     if name in KQUANT_TYPES:
         return dequantize_kquants(blocks, name)
     n = tf.shape(blocks)[0]
@@ -193,6 +203,14 @@ def compiled_gguf_matmul(x, blocks, block_type, isa: str = "auto") -> tf.Tensor:
         raise RuntimeError(f"GGUF block matmul op unavailable: {loaded}")
     return loaded[0].tokenserve_gguf_matmul(x, blocks, block_type=block_type_name(block_type),
                                             isa=isa)
+
+
+def reads_packed_faster() -> bool:
+    """Whether Q4_0/Q4_1/Q5_0 rows repacked into 8-row tiles (gguf_packed.py) are worth it here:
+    the compiled op runs with SIMD kernels. On its scalar path, or the pure-TF fallback, each
+    call would unpack the tiles first, so the file's rows stay as they are."""
+    op = LIBRARY.module()
+    return op is not None and not op.tokenserve_gguf_matmul_info().numpy().startswith(b"scalar")
 
 
 def kernel_status() -> str:
