@@ -14,7 +14,8 @@
 // Up to a few rows of x (decode of a few streams) each weight row is read once,
 // front to back (gguf_kernels.h); with more (prefill chunks, many streams) eight weight rows
 // at a time are decoded into a per-thread buffer and every row of x sweeps them
-// (gguf_tiles.h).
+// (gguf_tiles.h). Weights repacked into 8-row tiles take one kernel at every row count
+// (gguf_packed.h).
 
 #include <algorithm>
 #include <string>

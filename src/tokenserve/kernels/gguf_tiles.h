@@ -4,7 +4,8 @@
 // Eight weight rows are decoded once per call into a per-thread buffer (it stays in L1 for a
 // few thousand K) and interleaved as llama.cpp's load-time repacking does (repack.cpp's
 // 8-row layouts), except that here it happens per call, on the tile in use, and nothing is
-// stored: block b's 8 x 32 values become 8 vectors, vector j holding values 4j..4j+3 of row r
+// stored (Q4_0, Q4_1 and Q5_0 projections are repacked at load into the packed form of the
+// same vectors, and gguf_packed.h reads those; this kernel serves Q8_0 and rows left plain): block b's 8 x 32 values become 8 vectors, vector j holding values 4j..4j+3 of row r
 // in its int32 lane r. Against x's values 4j..4j+3 broadcast to every lane, one maddubs+madd
 // (or dpbusd) then adds each row's products to its own lane, so after an activation group's
 // vectors lane r holds row r's dot product with that group: one int-to-float conversion and
