@@ -144,13 +144,20 @@ TOKENSERVE_GGUF_SIMD __attribute__((always_inline)) inline __m256i GroupDot(cons
 }
 
 // Block b of a tile against rows m0 .. m0 + R - 1 of x, into even and odd (per row of x).
+// unpacked: the block's eight vectors already unpacked (UnpackTile), or null to unpack them
+// here from the packed bytes.
 template <class Type, class Dot, int R>
 TOKENSERVE_GGUF_SIMD __attribute__((always_inline)) inline void PackedBlockStep(
-    const Q8Rows& xq, int64 m0, const uint8_t* packed, int64 b, __m256* even, __m256* odd) {
-  _mm_prefetch(reinterpret_cast<const char*>(packed) + kPrefetchBytes, _MM_HINT_T0);
-  _mm_prefetch(reinterpret_cast<const char*>(packed) + kPrefetchBytes + 64, _MM_HINT_T0);
+    const Q8Rows& xq, int64 m0, const uint8_t* packed, const __m256i* unpacked, int64 b,
+    __m256* even, __m256* odd) {
   __m256i u[8];
-  UnpackVectors<Type>(packed, u);
+  if (unpacked == nullptr) {
+    _mm_prefetch(reinterpret_cast<const char*>(packed) + kPrefetchBytes, _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(packed) + kPrefetchBytes + 64, _MM_HINT_T0);
+    UnpackVectors<Type>(packed, u);
+  } else {
+    for (int v = 0; v < 8; ++v) u[v] = _mm256_loadu_si256(unpacked + v);
+  }
   const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(packed)));
   __m256 m;  // Q4_1's offsets
   if constexpr (std::is_same_v<Type, Q4_1>) {
@@ -178,29 +185,48 @@ TOKENSERVE_GGUF_SIMD __attribute__((always_inline)) inline void PackedBlockStep(
 
 template <class Type, class Dot, int R>
 TOKENSERVE_GGUF_SIMD __attribute__((always_inline)) inline void PackedTileRows(
-    const Q8Rows& xq, int64 m0, const uint8_t* tile, float* y, int64 ldy) {
+    const Q8Rows& xq, int64 m0, const uint8_t* tile, const __m256i* unpacked, float* y,
+    int64 ldy) {
   __m256 even[R], odd[R];
   for (int i = 0; i < R; ++i) even[i] = odd[i] = _mm256_setzero_ps();
   for (int64 b = 0; b < xq.blocks; ++b) {
-    PackedBlockStep<Type, Dot, R>(xq, m0, tile + b * Packed<Type>::kBytes, b, even, odd);
+    PackedBlockStep<Type, Dot, R>(xq, m0, tile + b * Packed<Type>::kBytes,
+                                  unpacked == nullptr ? nullptr : unpacked + b * 8, b, even,
+                                  odd);
   }
   for (int i = 0; i < R; ++i) _mm256_storeu_ps(y + (m0 + i) * ldy, _mm256_add_ps(even[i], odd[i]));
 }
 
+// Every block's eight vectors of a tile, into `unpacked` (blocks x 8).
+template <class Type>
+TOKENSERVE_GGUF_SIMD void UnpackTile(const uint8_t* tile, int64 blocks, __m256i* unpacked) {
+  for (int64 b = 0; b < blocks; ++b) {
+    __m256i u[8];
+    UnpackVectors<Type>(tile + b * Packed<Type>::kBytes, u);
+    for (int v = 0; v < 8; ++v) _mm256_storeu_si256(unpacked + b * 8 + v, u[v]);
+  }
+}
+
 // Output rows [n0, n0 + count) (multiples of 8): each tile against every row of x, up to
-// four rows of x a pass over the tile.
+// four rows of x a pass over the tile. With more than four rows of x (a prefill chunk, many
+// streams) each tile is unpacked once into a buffer that every pass reads (it stays in L1
+// for a few thousand K): Q5_0's fifth bits cost more to place than a pass's dot products.
+// The vectors are the same either way, and so are the outputs' bits.
 template <class Type, class Dot>
 TOKENSERVE_GGUF_SIMD void PackedRowsSimd(const Q8Rows& xq, int64 M, const uint8_t* w,
                                          int64 row_bytes, int64 n0, int64 count, Output out) {
+  std::vector<uint8_t> buffer(M > 4 ? xq.blocks * 8 * sizeof(__m256i) : 0);
+  __m256i* unpacked = M > 4 ? reinterpret_cast<__m256i*>(buffer.data()) : nullptr;
   for (int64 t = n0; t < n0 + count; t += kPackRows) {
     const uint8_t* tile = w + t * row_bytes;
+    if (M > 4) UnpackTile<Type>(tile, xq.blocks, unpacked);
     float* y = out.y + t;
     int64 m = 0;
-    for (; m + 4 <= M; m += 4) PackedTileRows<Type, Dot, 4>(xq, m, tile, y, out.ldy);
+    for (; m + 4 <= M; m += 4) PackedTileRows<Type, Dot, 4>(xq, m, tile, unpacked, y, out.ldy);
     switch (M - m) {
-      case 3: PackedTileRows<Type, Dot, 3>(xq, m, tile, y, out.ldy); break;
-      case 2: PackedTileRows<Type, Dot, 2>(xq, m, tile, y, out.ldy); break;
-      case 1: PackedTileRows<Type, Dot, 1>(xq, m, tile, y, out.ldy); break;
+      case 3: PackedTileRows<Type, Dot, 3>(xq, m, tile, unpacked, y, out.ldy); break;
+      case 2: PackedTileRows<Type, Dot, 2>(xq, m, tile, unpacked, y, out.ldy); break;
+      case 1: PackedTileRows<Type, Dot, 1>(xq, m, tile, unpacked, y, out.ldy); break;
       default: break;
     }
   }
