@@ -29,7 +29,7 @@ class EngineConfig:
     max_cache_tokens: int | None = None
     """KV-cache capacity in positions over all sequences; None: from kv_cache_memory_bytes or
     kv_cache_memory_fraction when set, else max_num_seqs * the context within a default
-    budget (engine/kv_budget.py: 1 GiB, or an eighth of the memory limit if less)."""
+    budget (engine/kv_budget.py: 768 MiB, or an eighth of the memory limit if less)."""
     kv_cache_dtype: str = "auto"
     """KV-cache storage: auto (16 bits: float16 under float32 compute, else the compute
     dtype), float32, bfloat16 or float16. A float32 step widens 16-bit rows as it reads them."""

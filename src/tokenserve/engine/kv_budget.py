@@ -20,12 +20,17 @@ from tokenserve.observability.memory import resident_bytes
 log = logging.getLogger(__name__)
 
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
-DEFAULT_KV_CACHE_BYTES = 1 << 30
+DEFAULT_KV_CACHE_BYTES = 768 << 20
 """Without a size flag the pool holds max_num_seqs full contexts, but at most this much, or an
 eighth of the memory the process may use if that is less (and at least one full context).
 Sequences take blocks as they grow and most stop far below the context, so a pool for every
 slot at its full length is mostly empty: SmolLM2-135M's 32 x 8,192 positions were 5.6 GiB of
-a 7 GB process. A sequence that finds no free block preempts the newest (recomputed later)."""
+a 7 GB process. A sequence that finds no free block preempts the newest (recomputed later).
+768 MiB rather than 1 GiB: with traffic through every block of a 1 GiB pool, a server of
+SmolLM2's Q4_1 file with 32 slots of 2,048 held 1.11-1.13x the RSS of llama.cpp's server
+with the same slots (its f16 cache for all of them, 1,440 MiB; our runtime besides the pool
+is about 600 MiB more than its). 768 MiB still holds about 35,000 of SmolLM2's positions,
+17 full contexts (docs/memory.md)."""
 _ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
@@ -122,7 +127,8 @@ def plan_kv_cache(engine_config, *, num_layers: int, kv_width: int, compute_dtyp
         one_context = -(-max_seq_len // block_size) + 1
         if num_blocks * block_bytes > budget:
             num_blocks = max(budget // block_bytes, one_context)
-            source += (f" capped by the default budget of min(1 GiB, 1/8 of "
+            source += (f" capped by the default budget of "
+                       f"min({DEFAULT_KV_CACHE_BYTES / 2**20:,.0f} MiB, 1/8 of "
                        f"{limit / 2**30:.1f} GiB allowed) = {budget / 2**20:,.0f} MiB; "
                        f"--kv_cache_memory_bytes sets another")
     if num_blocks < 2:

@@ -191,6 +191,10 @@ void MatmulPacked(tensorflow::thread::ThreadPool* pool, Isa isa, const Geometry&
   const int64 tiles = g.N / gguf::kPackRows;
 #ifdef TOKENSERVE_CPU_X86
   if (isa != Isa::kScalar) {
+    if constexpr (Type::kIntOffset > 0) {  // the kernel reads the group sums it was made with
+      CHECK_EQ(xq.group_sums.size(), xq.q.size() / gguf::kGroup)
+          << "activations quantized without group sums";
+    }
     // cycles a tile, roughly: its blocks' unpacking, and about 40 per block and row of x
     const ChunkSplit split = SplitIntoChunks(tiles, xq.blocks * (20 + 40 * g.M));
     RunRanges(pool, workers, split.num_chunks, [&](int64 chunk, int64, int64) {
