@@ -1,8 +1,8 @@
 // The GGUF-block matmul's kernel for weights repacked at load into 8-row tiles ("q4_0x8",
-// "q4_1x8", "q5_0x8"; model/gguf_repack.py writes them, nothing is stored that way): the
+// "q4_1x8", "q5_0x8"; model/gguf_packing.py writes them, nothing is stored that way): the
 // layout the tile kernel (gguf_tiles.h) builds per call in a decoded buffer, kept packed, so
 // that a decode step of one or two rows of x gets the tile kernel's shared work without
-// paying its decode.
+// paying its decode. Prefill chunks take the same kernel.
 //
 // Why: the row kernel (gguf_kernels.h) takes one weight row at a time, and a 4- or 5-bit
 // block costs it about twenty instructions for 32 multiply-adds: the nibbles' unpacking, the
@@ -11,11 +11,13 @@
 // of the memory's rate. Eight rows side by side share each block's activation loads, scale
 // conversions and FMAs, and their dot products land in one vector's lanes (lane r: row r),
 // so a row of x ends as one 8-float store and no horizontal sums. llama.cpp repacks Q4_0
-// the same way at load on AVX2 (its q4_0 8x8 layout).
+// the same way at load on AVX2 (its q4_0 8x8 layout). One thread, one row of x, on a Xeon
+// with AVX-512: 2.5x the row kernel's rate where the weights stay in L2, 1.3x from L3 (about
+// the one thread's read rate there; docs/gguf.md).
 //
 // A tile's block b (8 rows' block b, 8 x the type's bytes, in the same place the rows' own
 // blocks b took, so a tile is still 8 x row_bytes and the tensor's shape does not change):
-//   d        8 fp16 scales, row r's at r
+//   d        8 fp16 scales, row r's at byte 2r
 //   m        Q4_1 only: 8 fp16 offsets
 //   qh       Q5_0 only: 8 uint32, vector v's: bit 4r + k is row r's value 4v + k's fifth bit
 //   nibbles  4 chunks of 32 bytes: chunk j holds row r's nibble bytes 4j .. 4j + 3 at 4r
@@ -27,8 +29,8 @@
 // dot product, converted, times the rows' scales times the group's, then Q4_1's offsets'
 // term; Q4_0's and Q5_0's offsets are taken in the integers, as the row kernel takes them
 // (the group's o * sum of q, made with the activations). Even and odd groups feed two FMA
-// chains. It does not depend on how many rows of x a
-// call has, so a row's outputs keep their bits alone or in a batch.
+// chains. It does not depend on how many rows of x a call has, so a row's outputs keep
+// their bits alone or in a batch.
 #ifndef TOKENSERVE_KERNELS_GGUF_PACKED_H_
 #define TOKENSERVE_KERNELS_GGUF_PACKED_H_
 
