@@ -61,7 +61,7 @@ def test_engine_repacks_in_place_and_decodes_as_the_model(compiled, qtype, token
         llm = engine(model, tok, config)
     assert "repacked into 8-row tiles" in caplog.text
     packed = f"{qtype.lower()}x8"
-    for i, block in enumerate(model.blocks):
+    for block in model.blocks:
         for layer in (block.attn.qkv, block.attn.out, block.mlp.up, block.mlp.down):
             assert layer.block_types == [packed]
     after = blocks_by_layer(model)
