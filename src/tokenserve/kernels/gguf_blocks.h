@@ -230,6 +230,20 @@ TOKENSERVE_GGUF_SIMD inline float ScaleF16c(const uint8_t* block) {
   return _cvtsh_ss(LoadHalfBits(block));
 }
 
+// 16 in byte j where bit j of the uint32 at `at` is set, else 0: Q5_0's fifth bits as values
+// to OR onto the nibbles (bit j to byte j as llama.cpp's bytes_from_bits_32).
+TOKENSERVE_GGUF_SIMD __attribute__((always_inline)) inline __m256i FifthBits(
+    const uint8_t* at) {
+  uint32_t bits;
+  std::memcpy(&bits, at, sizeof(bits));
+  const __m256i shuffle = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202,
+                                            0x0101010101010101, 0x0000000000000000);
+  __m256i bytes = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(bits)), shuffle);
+  bytes = _mm256_or_si256(bytes, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe));
+  bytes = _mm256_cmpeq_epi8(bytes, _mm256_set1_epi64x(-1));  // 0xff where bit j is set
+  return _mm256_and_si256(bytes, _mm256_set1_epi8(0x10));
+}
+
 // The block's 32 values in order, one byte each (0..15, or Q8_0's int8).
 template <class Type>
 TOKENSERVE_GGUF_SIMD __attribute__((always_inline)) inline __m256i LoadValues(
@@ -244,16 +258,8 @@ TOKENSERVE_GGUF_SIMD __attribute__((always_inline)) inline __m256i LoadValues(
     const __m256i low = _mm256_and_si256(both, _mm256_set1_epi8(0x0f));
     if constexpr (Type::kHighBits == 0) {
       return low;
-    } else {  // bit j of the uint32 to byte j (as llama.cpp's bytes_from_bits_32), then 16
-      uint32_t high;
-      std::memcpy(&high, block + Type::kHighBits, sizeof(high));
-      const __m256i shuffle = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202,
-                                                0x0101010101010101, 0x0000000000000000);
-      __m256i bytes = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(high)), shuffle);
-      const __m256i bit = _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe);
-      bytes = _mm256_or_si256(bytes, bit);  // 0xff where bit j is set
-      bytes = _mm256_cmpeq_epi8(bytes, _mm256_set1_epi64x(-1));
-      return _mm256_or_si256(low, _mm256_and_si256(bytes, _mm256_set1_epi8(0x10)));
+    } else {
+      return _mm256_or_si256(low, FifthBits(block + Type::kHighBits));
     }
   }
 }

@@ -222,9 +222,11 @@ void MatmulPacked(tensorflow::thread::ThreadPool* pool, Isa isa, const Geometry&
 template <class Type>
 void QuantizeAndMatmulPacked(tensorflow::thread::ThreadPool* pool, Isa isa, const Geometry& g,
                              const float* x, const uint8_t* w, float* y) {
+  // the SIMD kernel folds Q4_0's and Q5_0's offsets with group sums; the scalar one takes
+  // them as a float term and needs no sums
+  const bool simd = isa != Isa::kScalar;
   gguf::Q8Rows xq;
-  gguf::QuantizeRows(x, g.M, g.K, isa != Isa::kScalar, &xq, Type::kIntOffset,
-                     /*group_sums=*/isa != Isa::kScalar);
+  gguf::QuantizeRows(x, g.M, g.K, simd, &xq, simd ? Type::kIntOffset : 0, /*group_sums=*/simd);
   MatmulPacked<Type>(pool, isa, g, xq, w, y);
 }
 

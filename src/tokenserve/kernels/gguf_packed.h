@@ -115,16 +115,9 @@ TOKENSERVE_GGUF_SIMD __attribute__((always_inline)) inline void UnpackVectors(
     u[j] = _mm256_and_si256(raw, low);
     u[j + 4] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
   }
-  if constexpr (Type::kHighBits > 0) {  // bit i of vector v's uint32 to byte i, then 16
-    const __m256i shuffle = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202,
-                                              0x0101010101010101, 0x0000000000000000);
-    const __m256i bit = _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe);
+  if constexpr (Type::kHighBits > 0) {  // vector v's uint32: bit i is byte i's fifth bit
     for (int v = 0; v < 8; ++v) {
-      uint32_t high;
-      std::memcpy(&high, packed + Packed<Type>::kHigh + 4 * v, sizeof(high));
-      __m256i bytes = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(high)), shuffle);
-      bytes = _mm256_cmpeq_epi8(_mm256_or_si256(bytes, bit), _mm256_set1_epi64x(-1));
-      u[v] = _mm256_or_si256(u[v], _mm256_and_si256(bytes, _mm256_set1_epi8(0x10)));
+      u[v] = _mm256_or_si256(u[v], FifthBits(packed + Packed<Type>::kHigh + 4 * v));
     }
   }
 }
